@@ -1,0 +1,41 @@
+# moetrain developer commands. `make train` and `make test` install what they need first.
+PY ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+CONFIG ?= configs/longcat_lora.py
+export XLA_PYTHON_CLIENT_PREALLOCATE ?= false
+
+.PHONY: install train test test-slow lint format bench clean
+
+$(BIN)/python:
+	$(PY) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+
+$(VENV)/.installed: pyproject.toml | $(BIN)/python
+	$(BIN)/pip install -q -e '.[test]'
+	touch $@
+
+install: $(VENV)/.installed
+
+train: install
+	$(BIN)/python -m moetrain.main --config=$(CONFIG) $(ARGS)
+
+test: install
+	$(BIN)/python -m pytest -q -n 2 $(ARGS)
+
+test-slow: install
+	$(BIN)/python -m pytest -q -m slow $(ARGS)
+
+lint: install
+	$(BIN)/ruff check moetrain configs tests bench
+	$(BIN)/ruff format --check moetrain configs tests bench
+
+format: install
+	$(BIN)/ruff format moetrain configs tests bench
+	$(BIN)/ruff check --fix moetrain configs tests bench
+
+bench: install
+	$(BIN)/python bench/moe_layer.py
+
+clean:
+	rm -rf runs .pytest_cache

@@ -1,0 +1,1 @@
+"""Experiment configs (ml_collections); base.py holds every key."""

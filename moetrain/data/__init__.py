@@ -1,0 +1,1 @@
+"""Input pipeline: tokenizers, record sources, packing and deterministic grain iterators."""

@@ -1,0 +1,108 @@
+"""Tokenises examples into tokens + loss targets and packs them into fixed-length training rows.
+
+A packed row holds seq_len + 1 tokens from one or more examples and is split into
+  inputs [T], targets [T] (inputs shifted by one), segment_ids [T] (1, 2, ... per example, 0 on
+  padding), positions [T] (restarting at 0 per example) and loss_mask [T] float32,
+where T = seq_len. loss_mask is 0 on padding, on prompt tokens (unless loss_on_prompt) and on an
+example's last token, whose target would be the next example's first token.
+
+Packing is grain's FirstFitPackIterDataset rather than our own loop: it is greedy first-fit over a
+window of `num_bins` rows, and it is checkpointable in a way that resumes exactly. Its state is the
+upstream iterator position at the start of the current window plus the number of rows already
+emitted from it; restoring re-reads and re-packs that window, which is deterministic, and skips
+the emitted rows. So a restored pipeline yields exactly the rows the original would have.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Sequence
+
+import grain
+import numpy as np
+
+from moetrain.data.sources import Example
+from moetrain.data.tokenizer import Tokenizer
+
+ROW_KEYS = ('inputs', 'targets', 'segment_ids', 'positions', 'loss_mask')
+# Rows also carry how many of their examples were cut to fit; pipeline.py sums and removes it.
+TRUNCATED_KEY = 'num_truncated'
+
+
+def tokenize(
+  example: Example, tokenizer: Tokenizer, *, max_len: int, loss_on_prompt: bool = False
+) -> dict[str, np.ndarray | int]:
+  """Returns `tokens` [n <= max_len] int32, `is_target` [n] float32 and `truncated` (0 or 1).
+
+  is_target[i] says whether token i is trained on when it appears as a prediction target: never
+  for bos, for prompt tokens only with loss_on_prompt, always for completion/text tokens and eos.
+  Examples longer than max_len keep their first max_len tokens (losing eos).
+  """
+  bos = [] if tokenizer.bos_id is None else [tokenizer.bos_id]
+  eos = [] if tokenizer.eos_id is None else [tokenizer.eos_id]
+  if 'text' in example:
+    prompt, completion = [], tokenizer.encode(example['text'])
+  else:
+    prompt, completion = (
+      tokenizer.encode(example['prompt']),
+      tokenizer.encode(example['completion']),
+    )
+  tokens = bos + prompt + completion + eos
+  is_target = [0.0] * len(bos) + [float(loss_on_prompt)] * len(prompt)
+  is_target += [1.0] * (len(completion) + len(eos))
+  return {
+    'tokens': np.asarray(tokens[:max_len], np.int32),
+    'is_target': np.asarray(is_target[:max_len], np.float32),
+    'truncated': int(len(tokens) > max_len),
+  }
+
+
+def finalize_row(row: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+  """Splits a packed row of seq_len + 1 tokens into shifted inputs/targets and their masks."""
+  tokens, segments = row['tokens'], row['tokens_segment_ids']
+  # A target counts only if it belongs to the same (non-padding) example as its input.
+  same_segment = (segments[1:] == segments[:-1]) & (segments[:-1] != 0)
+  return {
+    'inputs': tokens[:-1].astype(np.int32),
+    'targets': tokens[1:].astype(np.int32),
+    'segment_ids': segments[:-1].astype(np.int32),
+    'positions': row['tokens_positions'][:-1].astype(np.int32),
+    'loss_mask': (row['is_target'][1:] * same_segment).astype(np.float32),
+    TRUNCATED_KEY: np.int32(sum(row['truncated'])),
+  }
+
+
+def pack(ds: grain.IterDataset, *, seq_len: int, num_bins: int, pad_id: int) -> grain.IterDataset:
+  """Packs tokenized examples (see `tokenize`) into rows; see the module docstring for the format.
+
+  More bins pack tighter but hold more examples in flight; one batch worth is a good default.
+  """
+  length = seq_len + 1
+  # An empty text under a tokenizer with neither bos nor eos has no tokens: it would take a
+  # segment id without occupying a position.
+  ds = ds.filter(lambda example: len(example['tokens']) > 0)
+  packed = grain.experimental.FirstFitPackIterDataset(
+    ds,
+    length_struct={'tokens': length, 'is_target': length},
+    num_packing_bins=num_bins,
+    shuffle_bins=False,  # examples arrive shuffled already; keep rows in a reproducible order
+    meta_features=('truncated',),
+    padding_struct={'tokens': pad_id, 'is_target': 0.0},
+  )
+  return packed.map(finalize_row)
+
+
+def pack_examples(
+  examples: Sequence[Example],
+  tokenizer: Tokenizer,
+  *,
+  seq_len: int,
+  num_bins: int = 8,
+  loss_on_prompt: bool = False,
+) -> list[dict[str, np.ndarray]]:
+  """Tokenizes and packs a small in-memory list of examples (tools and tests)."""
+  to_tokens = functools.partial(
+    tokenize, tokenizer=tokenizer, max_len=seq_len + 1, loss_on_prompt=loss_on_prompt
+  )
+  ds = grain.MapDataset.source(list(examples)).map(to_tokens).to_iter_dataset()
+  return list(pack(ds, seq_len=seq_len, num_bins=num_bins, pad_id=tokenizer.pad_id))

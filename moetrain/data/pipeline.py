@@ -1,0 +1,270 @@
+"""DataConfig and the deterministic, resumable, per-host grain pipelines built from it."""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import os
+from collections.abc import Iterator
+
+import grain
+import numpy as np
+
+from moetrain.data import packing, sources
+from moetrain.data.tokenizer import Tokenizer, get_or_train_tokenizer
+
+SOURCES = ('demo', 'jsonl', 'text', 'tfds')
+DEMO_SPLITS = ('train', 'eval')
+MIN_SPM_VOCAB = 300  # 256 byte-fallback pieces + 4 specials + room for characters and merges
+MAX_TOKENIZER_EXAMPLES = 100_000  # examples (evenly spaced over the train split) to train spm on
+# Threads that read and tokenize ahead of packing when worker_count is 0 (order is preserved).
+READ_OPTIONS = grain.ReadOptions(num_threads=4, prefetch_buffer_size=256)
+
+
+@dataclasses.dataclass(frozen=True)
+class DataConfig:
+  """The `config.data` section. Splits: for jsonl/text, '{split}' in `path` is replaced by the
+  split name (e.g. 'data/{split}.jsonl'); eval_split='' means there is no eval set."""
+
+  source: str = 'demo'
+  path: str = ''
+  tfds_name: str = ''
+  tfds_data_dir: str = ''
+  train_split: str = 'train'
+  eval_split: str = 'eval'
+  text_key: str = 'text'
+  prompt_key: str = 'prompt'
+  completion_key: str = 'completion'
+  messages_key: str = 'messages'
+  tokenizer: str = ''
+  vocab_size: int = 512
+  seq_len: int = 128
+  global_batch_size: int = 16
+  eval_batch_size: int = 16
+  shuffle: bool = True
+  seed: int = 0
+  loss_on_prompt: bool = False
+  num_epochs: int | None = None
+  worker_count: int = 0
+
+  @property
+  def fields(self) -> sources.Fields:
+    return sources.Fields(self.text_key, self.prompt_key, self.completion_key, self.messages_key)
+
+
+def _validate_sizes(cfg: DataConfig, process_count: int) -> None:
+  if cfg.seq_len <= 0:
+    raise ValueError(f'data.seq_len={cfg.seq_len} must be positive (e.g. 128, or 4096)')
+  for name in ('global_batch_size', 'eval_batch_size'):
+    size = getattr(cfg, name)
+    if size <= 0 or size % process_count:
+      raise ValueError(
+        f'data.{name}={size} must be a positive multiple of the process count ({process_count}): '
+        f'each host loads {name} // process_count rows'
+      )
+  if cfg.num_epochs is not None and cfg.num_epochs < 1:
+    raise ValueError(f'data.num_epochs={cfg.num_epochs}: use None to repeat forever, or >= 1')
+  if cfg.worker_count < 0:
+    raise ValueError(f'data.worker_count={cfg.worker_count}: use 0 (no worker processes) or more')
+  if not 0 <= cfg.seed < 2**32:
+    raise ValueError(f'data.seed={cfg.seed} must be in [0, 2**32)')
+
+
+def _validate_tokenizer(cfg: DataConfig) -> None:
+  if cfg.tokenizer and not os.path.exists(cfg.tokenizer):
+    raise ValueError(
+      f'data.tokenizer={cfg.tokenizer!r} does not exist: give a .model file, a tokenizer.json or a '
+      "checkpoint directory, or '' to train a SentencePiece model into the workdir"
+    )
+  if not cfg.tokenizer and cfg.vocab_size < MIN_SPM_VOCAB:
+    raise ValueError(
+      f'data.vocab_size={cfg.vocab_size} is too small for a byte-fallback SentencePiece model: '
+      f'use at least {MIN_SPM_VOCAB}, or set data.tokenizer'
+    )
+
+
+def _validate_source(cfg: DataConfig) -> None:
+  if cfg.source not in SOURCES:
+    raise ValueError(f'data.source={cfg.source!r} is unknown: use one of {SOURCES}')
+  if not (cfg.text_key or (cfg.prompt_key and cfg.completion_key) or cfg.messages_key):
+    raise ValueError(
+      'data.text_key, data.prompt_key/completion_key and data.messages_key are all '
+      'empty: set at least one so records can be read'
+    )
+  splits = {'train_split': cfg.train_split, 'eval_split': cfg.eval_split}
+  if cfg.source == 'demo':
+    for name, split in splits.items():
+      if split and split not in DEMO_SPLITS:
+        raise ValueError(f'data.{name}={split!r}: the demo source has splits {DEMO_SPLITS}')
+  elif cfg.source == 'tfds' and not cfg.tfds_name:
+    raise ValueError("data.tfds_name is empty: data.source='tfds' needs a dataset name")
+  elif cfg.source in ('jsonl', 'text'):
+    if not cfg.path:
+      raise ValueError(
+        f'data.path is empty: data.source={cfg.source!r} reads the files matching '
+        "data.path ('{split}' in it is replaced by the split name)"
+      )
+    if cfg.eval_split and '{split}' not in cfg.path:
+      raise ValueError(
+        f"data.eval_split={cfg.eval_split!r} needs '{{split}}' in "
+        f"data.path={cfg.path!r} to find its files (e.g. 'data/{{split}}.jsonl'); "
+        "or set data.eval_split='' for no eval set"
+      )
+    for name, split in splits.items():
+      if split:
+        try:
+          sources.expand_paths(cfg.path, split)
+        except FileNotFoundError as e:
+          raise ValueError(f'data.path={cfg.path!r} with data.{name}: {e}') from e
+
+
+def validate(cfg: DataConfig, process_count: int = 1) -> None:
+  """Raises ValueError naming the bad `data.*` field and how to fix it."""
+  _validate_sizes(cfg, process_count)
+  _validate_tokenizer(cfg)
+  _validate_source(cfg)
+
+
+def open_source(cfg: DataConfig, split: str):
+  """The random-access record source for one split."""
+  if cfg.source == 'demo':
+    return sources.demo_source(split)
+  if cfg.source == 'jsonl':
+    return sources.JsonlSource(sources.expand_paths(cfg.path, split), cfg.fields)
+  if cfg.source == 'text':
+    return sources.TextSource(sources.expand_paths(cfg.path, split))
+  if cfg.source == 'tfds':
+    return sources.TfdsSource(cfg.tfds_name, split, cfg.tfds_data_dir, cfg.fields)
+  raise ValueError(f'data.source={cfg.source!r} is unknown: use one of {SOURCES}')
+
+
+def make_tokenizer(cfg: DataConfig, workdir: str | os.PathLike) -> Tokenizer:
+  """Loads data.tokenizer, or reuses / trains <workdir>/tokenizer.model on the train split."""
+
+  def texts():
+    source = open_source(cfg, cfg.train_split)
+    step = max(1, len(source) // MAX_TOKENIZER_EXAMPLES)
+    for i in range(0, len(source), step):
+      yield from sources.example_texts(source[i])
+
+  return get_or_train_tokenizer(cfg.tokenizer, workdir, texts, cfg.vocab_size)
+
+
+class DataIterator(Iterator[dict[str, np.ndarray]]):
+  """Host-local batches with a JSON-serialisable, exactly-resumable state.
+
+  Batches hold packing.ROW_KEYS, each shaped [rows, seq_len]. `num_truncated` counts the examples
+  cut to seq_len + 1 tokens so far; it is part of the state so it survives a restore.
+  """
+
+  def __init__(self, ds: grain.IterDataset):
+    self._it = iter(ds)
+    self.num_truncated = 0
+
+  def __next__(self) -> dict[str, np.ndarray]:
+    batch = next(self._it)
+    self.num_truncated += int(batch.pop(packing.TRUNCATED_KEY).sum())
+    return batch
+
+  def get_state(self) -> dict:
+    return {'grain': self._it.get_state(), 'num_truncated': self.num_truncated}
+
+  def set_state(self, state: dict) -> None:
+    self._it.set_state(state['grain'])
+    self.num_truncated = state['num_truncated']
+
+  def close(self) -> None:
+    """Stops grain worker processes, if any (otherwise left to garbage collection)."""
+    close = getattr(self._it, 'close', None)
+    if close is not None:
+      close()
+
+
+def _tokenized(cfg: DataConfig, tokenizer: Tokenizer, ds: grain.MapDataset) -> grain.IterDataset:
+  to_tokens = functools.partial(
+    packing.tokenize,
+    tokenizer=tokenizer,
+    max_len=cfg.seq_len + 1,
+    loss_on_prompt=cfg.loss_on_prompt,
+  )
+  return ds.map(to_tokens).to_iter_dataset(READ_OPTIONS)
+
+
+def make_train_iterator(
+  cfg: DataConfig, tokenizer: Tokenizer, *, process_index: int = 0, process_count: int = 1
+) -> DataIterator:
+  """Endless (or num_epochs) host-local training batches of global_batch_size // process_count rows.
+
+  Each host reads a disjoint 1/process_count slice of the examples (never the others'), shuffles
+  it with data.seed, reshuffled every epoch, then packs and batches it. With data.num_epochs set,
+  hosts may run out a batch apart: bound the training loop by steps.
+  """
+  validate(cfg, process_count)
+  local_batch = cfg.global_batch_size // process_count
+  ds = grain.MapDataset.source(open_source(cfg, cfg.train_split))
+  ds = ds[process_index::process_count]
+  if len(ds) == 0:
+    raise ValueError(
+      f'data.train_split={cfg.train_split!r} has no examples for host '
+      f'{process_index} of {process_count}'
+    )
+  if cfg.shuffle:
+    ds = ds.shuffle(seed=cfg.seed)
+  ds = ds.repeat(cfg.num_epochs)
+  rows = packing.pack(
+    _tokenized(cfg, tokenizer, ds),
+    seq_len=cfg.seq_len,
+    num_bins=local_batch,
+    pad_id=tokenizer.pad_id,
+  )
+  batches = rows.batch(local_batch, drop_remainder=True)
+  if cfg.worker_count:
+    # Each worker packs its own slice of examples: the stream depends on worker_count, so a
+    # checkpoint resumes exactly only with the same worker_count.
+    batches = batches.mp_prefetch(grain.MultiprocessingOptions(num_workers=cfg.worker_count))
+  return DataIterator(batches)
+
+
+def _padding_rows(batch: dict[str, np.ndarray], rows: int, pad_id: int) -> dict[str, np.ndarray]:
+  """Appends all-padding rows (segment id 0, zero loss) to reach `rows` rows."""
+  missing = rows - len(batch['inputs'])
+  out = {}
+  for key, value in batch.items():
+    fill = pad_id if key in ('inputs', 'targets') else 0
+    pad = np.full((missing, *value.shape[1:]), fill, value.dtype)
+    out[key] = np.concatenate([value, pad])
+  return out
+
+
+def make_eval_batches(
+  cfg: DataConfig,
+  tokenizer: Tokenizer,
+  *,
+  max_batches: int | None = None,
+  process_index: int = 0,
+  process_count: int = 1,
+) -> list[dict[str, np.ndarray]]:
+  """The eval split, packed in file order, as host-local batches of eval_batch_size // process_count.
+
+  Every host packs the whole eval split and keeps its rows of each global batch, so all hosts get
+  the same number of batches (no host waits on another at the last one). The last batch is filled
+  up with all-padding rows. Batches are held in memory: cap large eval sets with max_batches.
+  """
+  validate(cfg, process_count)
+  if not cfg.eval_split:
+    return []
+  local = cfg.eval_batch_size // process_count
+  ds = _tokenized(cfg, tokenizer, grain.MapDataset.source(open_source(cfg, cfg.eval_split)))
+  rows = packing.pack(
+    ds, seq_len=cfg.seq_len, num_bins=cfg.eval_batch_size, pad_id=tokenizer.pad_id
+  )
+  batches = []
+  for batch in rows.batch(cfg.eval_batch_size):
+    if max_batches is not None and len(batches) >= max_batches:
+      break
+    batch.pop(packing.TRUNCATED_KEY)
+    batch = _padding_rows(batch, cfg.eval_batch_size, tokenizer.pad_id)
+    batches.append(
+      {k: v[process_index * local : (process_index + 1) * local] for k, v in batch.items()}
+    )
+  return batches

@@ -1,0 +1,233 @@
+"""Random-access record sources (JSONL, plain text, TFDS, the demo task) yielding example dicts.
+
+Every source has `len()` and `[i]`, so grain can shuffle, shard and checkpoint by index. An example
+is either {'prompt': str, 'completion': str} (loss on the completion) or {'text': str} (loss on
+all of it). Local files are indexed and validated when the source is built, so bad input fails
+before training starts, with the file and line number in the message.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import glob
+import json
+import os
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import numpy as np
+
+from moetrain.data import demo_task
+
+Example = dict[str, str]
+
+# Chat records are rendered with this fixed template, not a model's own chat template:
+#   <|system|>\n{content}\n<|user|>\n{content}\n<|assistant|>\n   -> prompt
+#   {content of the final message, which must come from the assistant}   -> completion
+# Earlier assistant turns are context only: the loss is on the final turn.
+CHAT_TURN = '<|{role}|>\n{content}\n'
+CHAT_REPLY = '<|assistant|>\n'
+
+
+@dataclasses.dataclass(frozen=True)
+class Fields:
+  """Record field names; '' disables a kind. A record is read as chat if it has `messages`, else
+  as prompt/completion if it has both, else as plain text."""
+
+  text: str = 'text'
+  prompt: str = 'prompt'
+  completion: str = 'completion'
+  messages: str = 'messages'
+
+
+def _as_str(value: Any, where: str, key: str) -> str:
+  if isinstance(value, bytes):  # TFDS Text features (np.bytes_ is a bytes subclass)
+    return value.decode('utf-8')
+  if isinstance(value, str):
+    return value
+  raise ValueError(f'{where}: field {key!r} should be a string, got {type(value).__name__}')
+
+
+def render_chat(messages: Any, where: str) -> Example:
+  """Renders [{role, content}, ...] with CHAT_TURN into a prompt and the final assistant reply."""
+  if not isinstance(messages, list) or not messages:
+    raise ValueError(f'{where}: messages should be a non-empty list of {{role, content}} objects')
+  turns = []
+  for i, m in enumerate(messages):
+    if not isinstance(m, Mapping) or 'role' not in m or 'content' not in m:
+      raise ValueError(f'{where}: message {i} should be an object with "role" and "content"')
+    turns.append((_as_str(m['role'], where, 'role'), _as_str(m['content'], where, 'content')))
+  if turns[-1][0] != 'assistant':
+    raise ValueError(
+      f'{where}: the last message should be from the assistant (the loss target), '
+      f'got role {turns[-1][0]!r}'
+    )
+  prompt = ''.join(CHAT_TURN.format(role=r, content=c) for r, c in turns[:-1]) + CHAT_REPLY
+  return {'prompt': prompt, 'completion': turns[-1][1]}
+
+
+def to_example(record: Mapping[str, Any], fields: Fields, where: str) -> Example:
+  """Normalises one record into an example dict; `where` prefixes error messages."""
+  if fields.messages and fields.messages in record:
+    return render_chat(record[fields.messages], where)
+  if (
+    fields.prompt and fields.completion and fields.prompt in record and fields.completion in record
+  ):
+    return {
+      'prompt': _as_str(record[fields.prompt], where, fields.prompt),
+      'completion': _as_str(record[fields.completion], where, fields.completion),
+    }
+  if fields.text and fields.text in record:
+    return {'text': _as_str(record[fields.text], where, fields.text)}
+  raise ValueError(
+    f'{where}: record has none of the configured fields (data.messages_key={fields.messages!r}, '
+    f'data.prompt_key={fields.prompt!r} + data.completion_key={fields.completion!r}, '
+    f'data.text_key={fields.text!r}); its keys are {sorted(record)}'
+  )
+
+
+def example_texts(example: Example) -> list[str]:
+  """The strings that get tokenized for an example (what a tokenizer should be trained on)."""
+  return [example['text']] if 'text' in example else [example['prompt'], example['completion']]
+
+
+def expand_paths(pattern: str, split: str) -> list[str]:
+  """Files for `split`: '{split}' in the pattern is replaced by the split name, then globbed."""
+  pattern = pattern.replace('{split}', split)
+  paths = sorted(glob.glob(pattern))
+  if not paths:
+    raise FileNotFoundError(f'no file matches {pattern!r} (data.path, split {split!r})')
+  return paths
+
+
+class _FileRecords:
+  """Where each record lives (file, byte offset, byte length, line number): an index, not the data,
+  so large files are never held in memory and reads are safe from any thread or process."""
+
+  def __init__(self, paths: Sequence[str]):
+    self.paths = list(paths)
+    self._file = np.zeros(0, np.int32)
+    self._span = np.zeros((0, 2), np.int64)
+    self._line = np.zeros(0, np.int64)
+
+  def set_index(self, file: list[int], span: list[tuple[int, int]], line: list[int]) -> None:
+    self._file = np.asarray(file, np.int32)
+    self._span = np.asarray(span, np.int64).reshape(-1, 2)
+    self._line = np.asarray(line, np.int64)
+
+  def __len__(self) -> int:
+    return len(self._file)
+
+  def read(self, i: int) -> tuple[bytes, str]:
+    """The raw bytes of record i and its 'file:line' for messages."""
+    path = self.paths[self._file[i]]
+    start, length = (int(x) for x in self._span[i])
+    with open(path, 'rb') as f:
+      f.seek(start)
+      return f.read(length), f'{path}:{self._line[i]}'
+
+
+class JsonlSource:
+  """JSON Lines files, one record per non-blank line."""
+
+  def __init__(self, paths: Sequence[str], fields: Fields = Fields()):
+    self.fields = fields
+    self._records = _FileRecords(paths)
+    file, span, line = [], [], []
+    for f_idx, path in enumerate(self._records.paths):
+      offset = 0
+      with open(path, 'rb') as f:
+        for line_no, raw in enumerate(f, start=1):
+          if raw.strip():
+            self._parse(raw, f'{path}:{line_no}')  # validate now, fail before training
+            file.append(f_idx)
+            span.append((offset, len(raw)))
+            line.append(line_no)
+          offset += len(raw)
+    self._records.set_index(file, span, line)
+
+  def _parse(self, raw: bytes, where: str) -> Example:
+    try:
+      record = json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+      raise ValueError(f'{where}: malformed JSON: {e}') from e
+    if not isinstance(record, dict):
+      raise ValueError(f'{where}: expected a JSON object, got {type(record).__name__}')
+    return to_example(record, self.fields, where)
+
+  def __len__(self) -> int:
+    return len(self._records)
+
+  def __getitem__(self, i: int) -> Example:
+    return self._parse(*self._records.read(i))
+
+
+class TextSource:
+  """UTF-8 text files; a document is a paragraph, i.e. lines up to the next blank line, so
+  documents may span several lines (a file with no blank lines is one document)."""
+
+  def __init__(self, paths: Sequence[str]):
+    self._records = _FileRecords(paths)
+    file, span, line = [], [], []
+    for f_idx, path in enumerate(self._records.paths):
+      for start, end, line_no in self._paragraphs(path):
+        file.append(f_idx)
+        span.append((start, end - start))
+        line.append(line_no)
+    self._records.set_index(file, span, line)
+
+  @staticmethod
+  def _paragraphs(path: str):
+    """Yields (start, end, first line number) byte spans of blank-line-separated paragraphs."""
+    start = first_line = None
+    offset = 0
+    with open(path, 'rb') as f:
+      for line_no, raw in enumerate(f, start=1):
+        if raw.strip() and start is None:
+          start, first_line = offset, line_no
+        elif not raw.strip() and start is not None:
+          yield start, offset, first_line
+          start = None
+        try:
+          raw.decode('utf-8')
+        except UnicodeDecodeError as e:
+          raise ValueError(f'{path}:{line_no}: not valid UTF-8: {e}') from e
+        offset += len(raw)
+    if start is not None:
+      yield start, offset, first_line
+
+  def __len__(self) -> int:
+    return len(self._records)
+
+  def __getitem__(self, i: int) -> Example:
+    raw, _ = self._records.read(i)
+    return {'text': raw.decode('utf-8').strip()}
+
+
+class TfdsSource:
+  """A TFDS dataset prepared in array_record format, read with tfds.data_source (no TensorFlow)."""
+
+  def __init__(self, name: str, split: str, data_dir: str = '', fields: Fields = Fields()):
+    # Imported here: tensorflow_datasets is slow to import and only this source needs it.
+    import tensorflow_datasets as tfds
+
+    self.fields = fields
+    self._where = f'tfds {name!r} split {split!r}'
+    try:
+      self._source = tfds.data_source(name, split=split, data_dir=data_dir or None)
+    except Exception as e:
+      raise ValueError(f'{self._where} (data_dir {data_dir or "default"!r}): {e}') from e
+
+  def __len__(self) -> int:
+    return len(self._source)
+
+  def __getitem__(self, i: int) -> Example:
+    return to_example(self._source[i], self.fields, f'{self._where} record {i}')
+
+
+def demo_source(split: str) -> JsonlSource:
+  """The shipped word-reversal task (see demo_task.py); splits 'train' and 'eval'."""
+  path = demo_task.DEMO_DIR / f'{split}.jsonl'
+  if not os.path.isfile(path):
+    raise ValueError(f'the demo source has splits {sorted(demo_task.SPLITS)}, not {split!r}')
+  return JsonlSource([str(path)])

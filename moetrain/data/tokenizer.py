@@ -1,0 +1,269 @@
+"""Tokenizers behind one small interface: SentencePiece models and Hugging Face tokenizer.json."""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import tempfile
+from collections.abc import Callable, Iterable, Sequence
+from pathlib import Path
+from typing import Protocol, runtime_checkable
+
+import sentencepiece as spm
+import tokenizers
+
+SPM_FILE = 'tokenizer.model'
+HF_FILE = 'tokenizer.json'
+HF_CONFIG_FILE = 'tokenizer_config.json'
+
+# Ids fixed by train_sentencepiece; bos=1 and eos=2 match LongCat-Flash's config.
+PAD_ID, BOS_ID, EOS_ID, UNK_ID = 0, 1, 2, 3
+
+# Used only when tokenizer_config.json does not name the token (first match wins).
+_GUESSES = {
+  'bos': ('<s>', '<|begin_of_text|>', '<bos>', '<|startoftext|>', '<|im_start|>'),
+  'eos': ('</s>', '<|end_of_text|>', '<eos>', '<|endoftext|>', '<|im_end|>'),
+  'pad': ('<pad>', '[PAD]', '<|pad|>', '<|finetune_right_pad_id|>'),
+}
+
+Special = int | str | None  # an override: a token id, a token string, or None for the default
+
+
+@runtime_checkable
+class Tokenizer(Protocol):
+  """What the pipeline, evaluation and generation need from a tokenizer.
+
+  `encode` never adds special tokens (packing adds bos/eos itself); `decode` drops them.
+  bos_id / eos_id are None when the tokenizer has no such token. pad_id is always a valid id:
+  padding is marked by segment id 0, so its value only has to be in range.
+  """
+
+  vocab_size: int
+  bos_id: int | None
+  eos_id: int | None
+  pad_id: int
+
+  def encode(self, text: str) -> list[int]: ...
+
+  def decode(self, ids: Sequence[int]) -> str: ...
+
+
+def _resolve(
+  override: Special,
+  default: int | None,
+  lookup: Callable[[str], int | None],
+  *,
+  what: str,
+  vocab_size: int,
+  where: str,
+) -> int | None:
+  """Turns an override (id or token string) or the tokenizer's own default into an id."""
+  if override is None:
+    return default
+  if isinstance(override, str):
+    token_id = lookup(override)
+    if token_id is None:
+      raise ValueError(f'{where}: {what} token {override!r} is not in the vocabulary')
+    return token_id
+  if not 0 <= override < vocab_size:
+    raise ValueError(f'{where}: {what} id {override} is outside the vocabulary [0, {vocab_size})')
+  return int(override)
+
+
+class SentencePieceTokenizer:
+  """A SentencePiece `.model`; picklable (grain worker processes get the serialized proto)."""
+
+  def __init__(
+    self,
+    model_proto: bytes,
+    *,
+    bos: Special = None,
+    eos: Special = None,
+    pad: Special = None,
+    name: str = '<sentencepiece proto>',
+  ):
+    self._state = dict(model_proto=model_proto, bos=bos, eos=eos, pad=pad, name=name)
+    self._sp = spm.SentencePieceProcessor(model_proto=model_proto)
+    self.vocab_size = self._sp.vocab_size()
+
+    def lookup(piece: str) -> int | None:
+      token_id = self._sp.piece_to_id(piece)
+      return token_id if self._sp.id_to_piece(token_id) == piece else None
+
+    def own(token_id: int) -> int | None:  # SentencePiece reports a disabled token as -1
+      return token_id if token_id >= 0 else None
+
+    common = dict(lookup=lookup, vocab_size=self.vocab_size, where=name)
+    self.bos_id = _resolve(bos, own(self._sp.bos_id()), what='bos', **common)
+    self.eos_id = _resolve(eos, own(self._sp.eos_id()), what='eos', **common)
+    self.pad_id = _resolve(pad, own(self._sp.pad_id()), what='pad', **common) or 0
+
+  @classmethod
+  def from_file(cls, path: str | os.PathLike, **overrides: Special) -> SentencePieceTokenizer:
+    return cls(Path(path).read_bytes(), name=str(path), **overrides)
+
+  def encode(self, text: str) -> list[int]:
+    return self._sp.encode(text, out_type=int)
+
+  def decode(self, ids: Sequence[int]) -> str:
+    return self._sp.decode([int(i) for i in ids])
+
+  def __getstate__(self) -> dict:
+    return self._state
+
+  def __setstate__(self, state: dict) -> None:
+    self.__init__(**state)
+
+
+def _config_token(config: dict, key: str) -> str | None:
+  """tokenizer_config.json writes a special token as a string or as {'content': ...}."""
+  value = config.get(key)
+  if isinstance(value, dict):
+    value = value.get('content')
+  return value if isinstance(value, str) else None
+
+
+class HFTokenizer:
+  """A Hugging Face `tokenizer.json`, with special tokens from tokenizer_config.json if present.
+
+  Precedence for bos/eos/pad: explicit override > tokenizer_config.json > common token names.
+  """
+
+  def __init__(
+    self,
+    tokenizer_json: str,
+    config: dict | None = None,
+    *,
+    bos: Special = None,
+    eos: Special = None,
+    pad: Special = None,
+    name: str = '<tokenizer.json>',
+  ):
+    config = config or {}
+    self._state = dict(
+      tokenizer_json=tokenizer_json, config=config, bos=bos, eos=eos, pad=pad, name=name
+    )
+    self._tok = tokenizers.Tokenizer.from_str(tokenizer_json)
+    # Ids can be sparse (added tokens past the base vocab): size the embedding by the largest id.
+    self.vocab_size = max(self._tok.get_vocab(with_added_tokens=True).values()) + 1
+    lookup = self._tok.token_to_id
+
+    def default(kind: str) -> int | None:
+      named = _config_token(config, f'{kind}_token')
+      if named is not None:
+        return lookup(named)
+      return next((lookup(t) for t in _GUESSES[kind] if lookup(t) is not None), None)
+
+    common = dict(lookup=lookup, vocab_size=self.vocab_size, where=name)
+    self.bos_id = _resolve(bos, default('bos'), what='bos', **common)
+    self.eos_id = _resolve(eos, default('eos'), what='eos', **common)
+    self.pad_id = _resolve(pad, default('pad'), what='pad', **common) or 0
+
+  @classmethod
+  def from_file(cls, path: str | os.PathLike, **overrides: Special) -> HFTokenizer:
+    path = Path(path)
+    config_path = path.with_name(HF_CONFIG_FILE)
+    config = json.loads(config_path.read_text()) if config_path.is_file() else {}
+    return cls(path.read_text(encoding='utf-8'), config, name=str(path), **overrides)
+
+  def encode(self, text: str) -> list[int]:
+    return self._tok.encode(text, add_special_tokens=False).ids
+
+  def decode(self, ids: Sequence[int]) -> str:
+    return self._tok.decode([int(i) for i in ids], skip_special_tokens=True)
+
+  def __getstate__(self) -> dict:
+    return self._state
+
+  def __setstate__(self, state: dict) -> None:
+    self.__init__(**state)
+
+
+def load_tokenizer(
+  path: str | os.PathLike, *, bos: Special = None, eos: Special = None, pad: Special = None
+) -> Tokenizer:
+  """Loads a `.model` file, a `tokenizer.json` file, or a directory holding either.
+
+  A directory is read the way a Hugging Face checkpoint is: tokenizer.json first, then
+  tokenizer.model. bos/eos/pad override the tokenizer's own special tokens (id or token string).
+  """
+  path = Path(path)
+  overrides = dict(bos=bos, eos=eos, pad=pad)
+  if path.is_dir():
+    for candidate in (path / HF_FILE, path / SPM_FILE):
+      if candidate.is_file():
+        return load_tokenizer(candidate, **overrides)
+    raise FileNotFoundError(f'tokenizer directory {path} holds neither {HF_FILE} nor {SPM_FILE}')
+  if not path.is_file():
+    raise FileNotFoundError(f'tokenizer {path} does not exist')
+  if path.suffix == '.model':
+    return SentencePieceTokenizer.from_file(path, **overrides)
+  if path.suffix == '.json':
+    return HFTokenizer.from_file(path, **overrides)
+  raise ValueError(f'tokenizer {path}: expected a SentencePiece .model or a tokenizer.json file')
+
+
+def _write_atomically(path: Path, data: bytes) -> None:
+  """Writes via a temporary file + rename so a concurrent reader never sees a partial model."""
+  path.parent.mkdir(parents=True, exist_ok=True)
+  fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f'.{path.name}.')
+  try:
+    with os.fdopen(fd, 'wb') as f:
+      f.write(data)
+    os.replace(tmp, path)
+  except BaseException:
+    os.unlink(tmp)
+    raise
+
+
+def train_sentencepiece(
+  texts: Iterable[str], vocab_size: int, model_path: str | os.PathLike, *, model_type: str = 'bpe'
+) -> SentencePieceTokenizer:
+  """Trains a byte-fallback SentencePiece model on `texts` and writes it to `model_path`.
+
+  Ids: pad=0, bos=1, eos=2, unk=3. Identity normalisation and kept whitespace make
+  decode(encode(text)) reproduce the text. `vocab_size` is an upper bound: a small corpus may run
+  out of merges first. Single-threaded so that the same texts always give the same model bytes.
+  """
+  # SentencePiece skips "sentences" longer than max_sentence_length, so feed documents by line.
+  lines = (line for text in texts for line in text.splitlines() if line.strip())
+  model = io.BytesIO()
+  try:
+    spm.SentencePieceTrainer.train(
+      sentence_iterator=lines,
+      model_writer=model,
+      vocab_size=vocab_size,
+      model_type=model_type,
+      byte_fallback=True,
+      pad_id=PAD_ID,
+      bos_id=BOS_ID,
+      eos_id=EOS_ID,
+      unk_id=UNK_ID,
+      normalization_rule_name='identity',
+      remove_extra_whitespaces=False,
+      allow_whitespace_only_pieces=True,
+      split_digits=True,
+      hard_vocab_limit=False,
+      num_threads=1,
+      minloglevel=2,
+    )
+  except RuntimeError as e:
+    raise ValueError(f'training a SentencePiece model for {model_path} failed: {e}') from e
+  _write_atomically(Path(model_path), model.getvalue())
+  return SentencePieceTokenizer(model.getvalue(), name=str(model_path))
+
+
+def get_or_train_tokenizer(
+  path: str, workdir: str | os.PathLike, texts_fn: Callable[[], Iterable[str]], vocab_size: int
+) -> Tokenizer:
+  """Loads `path`; with no path, reuses <workdir>/tokenizer.model or trains and caches it there.
+
+  Training is deterministic, so hosts sharing a workdir that race here write identical bytes.
+  """
+  if path:
+    return load_tokenizer(path)
+  model_path = Path(workdir) / SPM_FILE
+  if model_path.is_file():
+    return SentencePieceTokenizer.from_file(model_path)
+  return train_sentencepiece(texts_fn(), vocab_size, model_path)

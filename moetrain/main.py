@@ -1,0 +1,35 @@
+"""Entry point: python -m moetrain.main --config=configs/longcat_lora.py [--workdir=DIR]."""
+
+import os
+
+import jax
+from absl import app, flags
+from ml_collections import config_flags
+
+_CONFIG = config_flags.DEFINE_config_file('config', None, 'Experiment config file.', lock_config=True)
+_WORKDIR = flags.DEFINE_string('workdir', None, 'Run directory; default runs/<config file stem>.')
+_DRY_RUN = flags.DEFINE_bool('dry_run', False, 'Build the model abstractly and print its size.')
+
+
+def default_workdir(config_path: str) -> str:
+  stem = os.path.splitext(os.path.basename(config_path.split(':')[0]))[0]
+  return os.path.join('runs', stem)
+
+
+def main(argv):
+  del argv
+  if os.environ.get('MOETRAIN_DISTRIBUTED') or 'TPU_WORKER_HOSTNAMES' in os.environ:
+    jax.distributed.initialize()
+  from moetrain import train
+  from moetrain.tools import plan
+
+  config = _CONFIG.value
+  if _DRY_RUN.value:
+    plan.dry_run(config)
+    return
+  train.run(config, _WORKDIR.value or default_workdir(flags.FLAGS['config'].config_filename))
+
+
+if __name__ == '__main__':
+  flags.mark_flags_as_required(['config'])
+  app.run(main)

@@ -1,0 +1,111 @@
+"""Throughput, MFU and MoE routing statistics, and the writers (stdout, JSONL, TensorBoard)."""
+
+import json
+import os
+import time
+
+import jax
+import numpy as np
+from absl import logging
+
+from moetrain.model.config import ModelConfig
+
+# Dense bf16 peak FLOP/s per device, by jax device_kind prefix.
+PEAK_FLOPS = {
+  'TPU v4': 275e12, 'TPU v5 lite': 197e12, 'TPU v5e': 197e12, 'TPU v5p': 459e12, 'TPU v5': 459e12,
+  'TPU v6 lite': 918e12, 'TPU v6e': 918e12, 'NVIDIA H100': 989e12, 'NVIDIA H200': 989e12,
+  'NVIDIA A100': 312e12, 'NVIDIA L4': 121e12,
+}
+
+
+def peak_flops(device) -> float | None:
+  kind = getattr(device, 'device_kind', '')
+  for prefix, flops in sorted(PEAK_FLOPS.items(), key=lambda kv: -len(kv[0])):
+    if kind.startswith(prefix):
+      return flops
+  return None
+
+
+def matmul_params_per_token(cfg: ModelConfig, ffn_experts: float) -> float:
+  """Weights each token multiplies (lm_head included, embedding lookup excluded)."""
+  d, n = cfg.hidden_size, cfg.num_heads
+  attn = (d * cfg.q_lora_rank + cfg.q_lora_rank * n * cfg.qk_head_dim
+          + d * (cfg.kv_lora_rank + cfg.qk_rope_head_dim)
+          + cfg.kv_lora_rank * n * (cfg.qk_nope_head_dim + cfg.v_head_dim) + n * cfg.v_head_dim * d)
+  mlp = 3 * d * cfg.ffn_hidden_size
+  expert = 3 * d * cfg.expert_ffn_hidden_size
+  router = d * cfg.num_experts_total
+  layer = 2 * attn + 2 * mlp + router + ffn_experts * expert
+  return cfg.num_layers * layer + d * cfg.vocab_size
+
+
+def flops_per_token(cfg: ModelConfig, seq_len: int, ffn_experts: float, train: bool = True) -> float:
+  """6 * params for forward+backward matmuls, plus causal attention scores and values
+  (2 attention blocks per layer; half the T x T square is computed usefully)."""
+  mult = 6 if train else 2
+  attn = 2 * cfg.num_layers * cfg.num_heads * seq_len * (cfg.qk_head_dim + cfg.v_head_dim)
+  return mult * (matmul_params_per_token(cfg, ffn_experts) + attn / 2)
+
+
+def routing_summary(moe: dict, cfg: ModelConfig, expert_shards: int) -> dict:
+  """Host-side scalars from the per-layer stats (arrays [L, ...])."""
+  load = np.asarray(moe['load'], np.float64)  # [L, E+Z]
+  e = cfg.n_routed_experts
+  ffn = load[:, :e]
+  shards = ffn.reshape(ffn.shape[0], expert_shards, -1).sum(-1)
+  imbalance = shards.max(-1) / np.maximum(shards.mean(-1), 1e-9)
+  out = {
+    'moe/ffn_experts_mean': float(np.mean(moe['ffn_experts_mean'])),
+    'moe/ffn_experts_std': float(np.mean(moe['ffn_experts_std'])),
+    'moe/dropped_frac': float(np.mean(moe['dropped_frac'])),
+    'moe/router_entropy': float(np.mean(moe['router_entropy'])),
+    'moe/router_z_loss': float(np.mean(moe['router_z_loss'])),
+    'moe/balance_loss': float(np.mean(moe['balance_loss'])),
+    'moe/expert_max_over_mean': float(np.mean(ffn.max(-1) / np.maximum(ffn.mean(-1), 1e-9))),
+    'moe/shard_imbalance': float(np.mean(imbalance)),
+  }
+  return out
+
+
+class Writer:
+  """Progress lines, <workdir>/metrics.jsonl and TensorBoard events (tensorboardX, no TF)."""
+
+  def __init__(self, workdir: str, enabled: bool = True):
+    self.enabled = enabled and jax.process_index() == 0
+    self._jsonl = self._tb = None
+    if self.enabled:
+      os.makedirs(workdir, exist_ok=True)
+      self._jsonl = open(os.path.join(workdir, 'metrics.jsonl'), 'a')
+      from tensorboardX import SummaryWriter
+      self._tb = SummaryWriter(os.path.join(workdir, 'tb'))
+
+  def write(self, step: int, scalars: dict, load=None, kind: str = 'train') -> None:
+    if not self.enabled:
+      return
+    record = {'step': step, 'kind': kind, 'time': time.time(), **scalars}
+    if load is not None:
+      record['moe/load'] = np.asarray(load).round(3).tolist()
+    self._jsonl.write(json.dumps(record) + '\n')
+    self._jsonl.flush()
+    prefix = '' if kind == 'train' else f'{kind}/'
+    for k, v in scalars.items():
+      if isinstance(v, (int, float)):
+        self._tb.add_scalar(prefix + k, v, step)
+    if load is not None:
+      for layer, row in enumerate(np.asarray(load)):
+        self._tb.add_histogram(f'moe/load_layer{layer}', np.repeat(np.arange(len(row)), row.astype(int)), step)
+
+  def progress(self, line: str) -> None:
+    if self.enabled:
+      print(line, flush=True)
+      logging.info(line)
+
+  def close(self) -> None:
+    if self.enabled:
+      self._jsonl.close()
+      self._tb.close()
+
+
+def format_eta(seconds: float) -> str:
+  seconds = int(max(seconds, 0))
+  return f'{seconds // 3600}:{seconds % 3600 // 60:02d}:{seconds % 60:02d}'

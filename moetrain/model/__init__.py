@@ -1,0 +1,1 @@
+"""LongCat-Flash-style shortcut-MoE transformer in Flax NNX."""

@@ -1,0 +1,73 @@
+"""Multi-head latent attention (MLA) as in DeepSeek-V2 / LongCat-Flash."""
+
+import math
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from moetrain.model.config import ModelConfig
+from moetrain.model.layers import Linear, RMSNorm, rope_interleaved
+from moetrain.sharding import constrain
+
+
+def attention_mask(q_pos_BT, q_seg_BT, k_pos_BS, k_seg_BS):
+  """Causal within a packed segment: key position <= query position and same segment id."""
+  causal = k_pos_BS[:, None, :] <= q_pos_BT[:, :, None]
+  same = q_seg_BT[:, :, None] == k_seg_BS[:, None, :]
+  return causal & same  # [B, T, S]
+
+
+class MLA(nnx.Module):
+  """Low-rank q, compressed kv latent c (K) plus one rope key shared by all heads."""
+
+  def __init__(self, cfg: ModelConfig, path: str, rngs: nnx.Rngs):
+    self.cfg = cfg
+    d, n, q, k = cfg.hidden_size, cfg.num_heads, cfg.q_lora_rank, cfg.kv_lora_rank
+    qk, nope, v, rope = cfg.qk_head_dim, cfg.qk_nope_head_dim, cfg.v_head_dim, cfg.qk_rope_head_dim
+    self.q_a = Linear('BTD,DQ->BTQ', (d, q), ('embed', 'q_lora'), cfg, f'{path}.q_a', rngs)
+    self.q_a_norm = RMSNorm(q, 'q_lora', cfg.mla_norm_eps, cfg)
+    self.q_b = Linear('BTQ,QNH->BTNH', (q, n, qk), ('q_lora', 'heads', 'head_dim'), cfg,
+                      f'{path}.q_b', rngs)
+    self.kv_a = Linear('BTD,DK->BTK', (d, k + rope), ('embed', 'kv_lora'), cfg, f'{path}.kv_a', rngs)
+    self.kv_a_norm = RMSNorm(k, 'kv_lora', cfg.mla_norm_eps, cfg)
+    self.kv_b = Linear('BTK,KNH->BTNH', (k, n, nope + v), ('kv_lora', 'heads', 'head_dim'), cfg,
+                       f'{path}.kv_b', rngs)
+    self.o = Linear('BTNH,NHD->BTD', (n, v, d), ('heads', 'head_dim', 'embed'), cfg, f'{path}.o', rngs)
+    # Variance alignment of the low-rank paths (TR eq. 6-7); HF applies them unconditionally.
+    self.alpha_q = math.sqrt(d / q) if cfg.mla_scale_q_lora else 1.0
+    self.alpha_kv = math.sqrt(d / k) if cfg.mla_scale_kv_lora else 1.0
+
+  def project_q(self, x_BTD, positions_BT, rng=None):
+    q_BTNH = self.q_b(self.q_a_norm(self.q_a(x_BTD, rng)), rng) * self.alpha_q
+    nope = self.cfg.qk_nope_head_dim
+    q_pe = rope_interleaved(q_BTNH[..., nope:], positions_BT, self.cfg.rope_theta)
+    return q_BTNH[..., :nope], q_pe
+
+  def latent(self, x_BTD, positions_BT, rng=None):
+    """The per-token cache content: normalised, scaled latent c [B,T,K] and rope key [B,T,H]."""
+    ckv_BTK = self.kv_a(x_BTD, rng)
+    k = self.cfg.kv_lora_rank
+    c_BTK = self.kv_a_norm(ckv_BTK[..., :k]) * self.alpha_kv
+    k_pe = rope_interleaved(ckv_BTK[..., None, k:], positions_BT, self.cfg.rope_theta)[:, :, 0]
+    return c_BTK, k_pe
+
+  def attend(self, q_nope, q_pe, c_BSK, k_pe_BSH, mask_BTS, rng=None):
+    cfg = self.cfg
+    kv_BSNH = self.kv_b(c_BSK, rng)
+    k_nope, v_BSNH = kv_BSNH[..., : cfg.qk_nope_head_dim], kv_BSNH[..., cfg.qk_nope_head_dim :]
+    f32 = jnp.float32
+    s_BNTS = jnp.einsum('BTNH,BSNH->BNTS', q_nope, k_nope, preferred_element_type=f32)
+    s_BNTS += jnp.einsum('BTNH,BSH->BNTS', q_pe, k_pe_BSH.astype(q_pe.dtype), preferred_element_type=f32)
+    s_BNTS = s_BNTS * cfg.qk_head_dim**-0.5
+    s_BNTS = jnp.where(mask_BTS[:, None], s_BNTS, jnp.finfo(f32).min)
+    p_BNTS = jax.nn.softmax(s_BNTS, axis=-1).astype(v_BSNH.dtype)
+    out_BTNH = jnp.einsum('BNTS,BSNH->BTNH', p_BNTS, v_BSNH)
+    out_BTNH = constrain(out_BTNH, ('batch', 'seq', 'heads', None), cfg.rules)
+    return self.o(out_BTNH, rng)
+
+  def __call__(self, x_BTD, positions_BT, segment_ids_BT, rng=None):
+    q_nope, q_pe = self.project_q(x_BTD, positions_BT, rng)
+    c_BTK, k_pe = self.latent(x_BTD, positions_BT, rng)
+    mask = attention_mask(positions_BT, segment_ids_BT, positions_BT, segment_ids_BT)
+    return self.attend(q_nope, q_pe, c_BTK, k_pe, mask, rng)

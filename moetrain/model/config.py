@@ -1,0 +1,151 @@
+"""Frozen model configuration and the named presets (tiny for CPU, medium for benches, flash)."""
+
+import dataclasses
+import re
+
+from moetrain.sharding import Rules
+
+REMAT_POLICIES = ('none', 'full', 'save_dots', 'save_moe', 'offload')
+MOE_DISPATCH = ('dropless', 'capacity')
+MOE_BACKENDS = ('auto', 'ragged_dot', 'blocked', 'dense')
+QUANT_MODES = ('none', 'int8', 'int4')
+
+
+@dataclasses.dataclass(frozen=True)
+class LoraConfig:
+  rank: int = 0  # 0 disables LoRA (full fine-tuning / pretraining).
+  alpha: float = 16.0
+  rslora: bool = False  # scale alpha / sqrt(rank) instead of alpha / rank.
+  dropout: float = 0.0
+  targets: str = ''  # regex over module paths such as 'layers.attn_0.q_a', 'layers.moe.experts.up'.
+  train_router: bool = False
+
+  @property
+  def enabled(self) -> bool:
+    return self.rank > 0
+
+  @property
+  def scale(self) -> float:
+    if not self.enabled:
+      return 0.0
+    return self.alpha / (self.rank**0.5 if self.rslora else self.rank)
+
+  def matches(self, path: str) -> bool:
+    return self.enabled and re.search(self.targets, path) is not None
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+  """LongCat-Flash hyper-parameters (HF names where they exist) plus engine settings."""
+
+  vocab_size: int = 1024
+  hidden_size: int = 128
+  num_layers: int = 2
+  num_heads: int = 4
+  q_lora_rank: int = 64
+  kv_lora_rank: int = 32
+  qk_nope_head_dim: int = 32
+  qk_rope_head_dim: int = 16
+  v_head_dim: int = 32
+  ffn_hidden_size: int = 256
+  expert_ffn_hidden_size: int = 64
+  n_routed_experts: int = 8
+  zero_expert_num: int = 4
+  moe_topk: int = 3
+  routed_scaling_factor: float = 6.0
+  rms_norm_eps: float = 1e-5
+  mla_norm_eps: float = 1e-6
+  rope_theta: float = 1e7
+  mla_scale_q_lora: bool = True
+  mla_scale_kv_lora: bool = True
+  max_position_embeddings: int = 131072
+  init_std: float = 0.02
+  # Numerics and memory.
+  dtype: str = 'bfloat16'  # compute dtype; router, norms, softmax and loss stay float32.
+  param_dtype: str = 'float32'
+  remat: str = 'full'
+  # MoE engine.
+  moe_dispatch: str = 'dropless'
+  moe_capacity_factor: float = 1.25
+  moe_backend: str = 'auto'
+  moe_block_size: int = 0  # rows per expert block for the 'blocked' backend; 0 = automatic.
+  moe_expert_parallel: bool = True  # shard_map over the 'expert' mesh axis when it is > 1.
+  moe_expected_ffn_experts: float = 0.0  # K_e of the balancing targets; 0 = uniform top_k*E/(E+Z).
+  moe_balance_groups: int = 1  # FFN-expert groups of the device-level balance loss.
+  # Fine-tuning.
+  lora: LoraConfig = LoraConfig()
+  quant: str = 'none'  # storage of frozen base weights (QLoRA).
+  quant_group_size: int = 64
+  # Logical-axis rules for activation constraints (set by train.py from the mesh config).
+  rules: Rules = Rules()
+
+  @property
+  def qk_head_dim(self) -> int:
+    return self.qk_nope_head_dim + self.qk_rope_head_dim
+
+  @property
+  def num_experts_total(self) -> int:
+    return self.n_routed_experts + self.zero_expert_num
+
+  @property
+  def expected_ffn_experts(self) -> float:
+    if self.moe_expected_ffn_experts > 0:
+      return self.moe_expected_ffn_experts
+    return self.moe_topk * self.n_routed_experts / self.num_experts_total
+
+  def validate(self, prefix: str = 'model') -> None:
+    def need(ok, field, msg):
+      if not ok:
+        raise ValueError(f'{prefix}.{field}: {msg}')
+
+    for f in ('vocab_size', 'hidden_size', 'num_layers', 'num_heads', 'q_lora_rank',
+              'kv_lora_rank', 'qk_nope_head_dim', 'v_head_dim', 'ffn_hidden_size',
+              'expert_ffn_hidden_size', 'n_routed_experts', 'moe_topk'):
+      need(getattr(self, f) > 0, f, f'must be positive, got {getattr(self, f)}')
+    need(self.zero_expert_num >= 0, 'zero_expert_num', 'must be >= 0')
+    need(self.qk_rope_head_dim > 0 and self.qk_rope_head_dim % 2 == 0, 'qk_rope_head_dim',
+         f'must be a positive even number (interleaved RoPE pairs), got {self.qk_rope_head_dim}')
+    need(self.moe_topk <= self.num_experts_total, 'moe_topk',
+         f'top-k {self.moe_topk} exceeds the {self.num_experts_total} experts '
+         f'(n_routed_experts + zero_expert_num); lower it or add experts')
+    need(self.remat in REMAT_POLICIES, 'remat', f'{self.remat!r} unknown; use one of {REMAT_POLICIES}')
+    need(self.moe_dispatch in MOE_DISPATCH, 'moe_dispatch',
+         f'{self.moe_dispatch!r} unknown; use one of {MOE_DISPATCH}')
+    need(self.moe_backend in MOE_BACKENDS, 'moe_backend',
+         f'{self.moe_backend!r} unknown; use one of {MOE_BACKENDS}')
+    need(self.n_routed_experts % self.moe_balance_groups == 0, 'moe_balance_groups',
+         f'{self.n_routed_experts} routed experts do not split into {self.moe_balance_groups} groups')
+    need(self.zero_expert_num == 0 or self.expected_ffn_experts < self.moe_topk,
+         'moe_expected_ffn_experts', 'must be below moe_topk when zero experts exist')
+    need(self.moe_capacity_factor > 0, 'moe_capacity_factor', 'must be > 0')
+    need(self.dtype in ('bfloat16', 'float32', 'float16'), 'dtype', f'{self.dtype!r} unsupported')
+    need(self.param_dtype in ('bfloat16', 'float32'), 'param_dtype', f'{self.param_dtype!r} unsupported')
+    need(self.quant in QUANT_MODES, 'quant', f'{self.quant!r} unknown; use one of {QUANT_MODES}')
+    need(self.quant == 'none' or self.lora.enabled, 'quant',
+         'quantised base weights are frozen: set lora.rank > 0 (QLoRA) or quant="none"')
+    if self.lora.enabled:
+      try:
+        re.compile(self.lora.targets)
+      except re.error as e:
+        raise ValueError(f'lora.targets: invalid regex {self.lora.targets!r}: {e}') from None
+      need(0.0 <= self.lora.dropout < 1.0, 'lora.dropout', 'must be in [0, 1)')
+
+
+PRESETS = {
+  # LongCat-shaped and small enough for a 2-core CPU.
+  'tiny': ModelConfig(),
+  # The shapes of the MoE benchmark (issue: hidden 512, 4 layers, 16 + 8 experts, top-4).
+  'medium': ModelConfig(
+    vocab_size=32768, hidden_size=512, num_layers=4, num_heads=8, q_lora_rank=256,
+    kv_lora_rank=128, qk_nope_head_dim=64, qk_rope_head_dim=32, v_head_dim=64,
+    ffn_hidden_size=1024, expert_ffn_hidden_size=256, n_routed_experts=16, zero_expert_num=8,
+    moe_topk=4,
+  ),
+  # The released LongCat-Flash (config.json of meituan-longcat/LongCat-Flash-Chat).
+  'flash': ModelConfig(
+    vocab_size=131072, hidden_size=6144, num_layers=28, num_heads=64, q_lora_rank=1536,
+    kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128,
+    ffn_hidden_size=12288, expert_ffn_hidden_size=2048, n_routed_experts=512,
+    zero_expert_num=256, moe_topk=12, routed_scaling_factor=6.0, rope_theta=1e7,
+  ),
+}

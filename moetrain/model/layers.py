@@ -1,0 +1,111 @@
+"""Building blocks: einsum Linear with optional LoRA, RMSNorm, embedding and interleaved RoPE."""
+
+import math
+import zlib
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from moetrain.model import quant
+from moetrain.model.config import ModelConfig
+
+
+def dtype_of(name: str):
+  return jnp.dtype(name)
+
+
+def normal(rngs: nnx.Rngs, shape, std: float, dtype) -> jax.Array:
+  return (std * jax.random.truncated_normal(rngs.params(), -2.0, 2.0, shape)).astype(dtype)
+
+
+def lora_eqns(eqn: str) -> tuple[str, str]:
+  """'BTD,DNH->BTNH' -> ('BTD,DR->BTR', 'BTR,RNH->BTNH'): A contracts the input letters of the
+  kernel, B expands to its output letters; the weight delta A @ B is never formed."""
+  lhs, out = eqn.split('->')
+  x, w = lhs.split(',')
+  w_in = ''.join(c for c in w if c in x)
+  w_out = ''.join(c for c in w if c not in x)
+  x_r = ''.join(c for c in x if c not in w_in) + 'R'
+  return f'{x},{w_in}R->{x_r}', f'{x_r},R{w_out}->{out}'
+
+
+class Linear(nnx.Module):
+  """An einsum projection `eqn` (e.g. 'BTD,DNH->BTNH') whose kernel carries logical axis
+  names; LoRA adapters A [in.., R] and B [R, out..] are added when `path` matches lora.targets,
+  and the frozen kernel may be stored quantised (QLoRA)."""
+
+  def __init__(self, eqn, shape, axes, cfg: ModelConfig, path: str, rngs: nnx.Rngs, std=None):
+    self.eqn, self.path = eqn, path
+    self.compute_dtype = dtype_of(cfg.dtype)
+    std = cfg.init_std if std is None else std
+    self.eqn_a, self.eqn_b = lora_eqns(eqn)
+    n_in = len(self.eqn_a.split('->')[0].split(',')[1]) - 1  # kernels are [in..., out...]
+    kernel = normal(rngs, shape, std, dtype_of(cfg.param_dtype))
+    self.kernel = quant.make_param(kernel, axes, cfg, n_batch=0, n_in=n_in)
+    self.lora_scale, self.lora_dropout = cfg.lora.scale, cfg.lora.dropout
+    self.has_lora = cfg.lora.matches(path)
+    if self.has_lora:
+      in_idx, out_idx = range(n_in), range(n_in, len(shape))
+      in_shape = tuple(shape[i] for i in in_idx)
+      fan_in = math.prod(in_shape)
+      r = cfg.lora.rank
+      a = normal(rngs, (*in_shape, r), fan_in**-0.5, dtype_of(cfg.param_dtype))
+      b = jnp.zeros((r, *(shape[i] for i in out_idx)), dtype_of(cfg.param_dtype))
+      self.lora_a = nnx.LoRAParam(a, axes=(*(axes[i] for i in in_idx), 'lora_rank'))
+      self.lora_b = nnx.LoRAParam(b, axes=('lora_rank', *(axes[i] for i in out_idx)))
+
+  def __call__(self, x, rng=None):
+    dt = self.compute_dtype
+    x = x.astype(dt)
+    y = jnp.einsum(self.eqn, x, quant.value(self.kernel, dt))
+    if self.has_lora:
+      rng = None if rng is None else jax.random.fold_in(rng, zlib.crc32(self.path.encode()))
+      xa = lora_dropout(x, self.lora_dropout, rng)
+      h = jnp.einsum(self.eqn_a, xa, self.lora_a[...].astype(dt))
+      y = y + self.lora_scale * jnp.einsum(self.eqn_b, h, self.lora_b[...].astype(dt))
+    return y
+
+
+def lora_dropout(x, rate: float, rng):
+  if rate == 0.0 or rng is None:
+    return x
+  keep = jax.random.bernoulli(rng, 1.0 - rate, x.shape)
+  return jnp.where(keep, x / (1.0 - rate), 0).astype(x.dtype)
+
+
+class RMSNorm(nnx.Module):
+  """w * x * rsqrt(mean(x^2) + eps), in float32, cast back to the input dtype."""
+
+  def __init__(self, dim: int, axis: str, eps: float, cfg: ModelConfig):
+    self.eps = eps
+    self.scale = nnx.Param(jnp.ones((dim,), dtype_of(cfg.param_dtype)), axes=(axis,))
+
+  def __call__(self, x):
+    x32 = x.astype(jnp.float32)
+    y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
+    scale = self.scale[...].astype(jnp.float32).reshape((1,) * (y.ndim - 1) + (-1,))
+    return (scale * y).astype(x.dtype)
+
+
+class Embed(nnx.Module):
+  def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
+    self.compute_dtype = dtype_of(cfg.dtype)
+    emb = normal(rngs, (cfg.vocab_size, cfg.hidden_size), cfg.init_std, dtype_of(cfg.param_dtype))
+    self.embedding = quant.make_param(emb, ('vocab', 'embed'), cfg, n_batch=1, n_in=1)
+
+  def __call__(self, ids_BT):
+    return quant.dequant(quant.take(quant.raw(self.embedding), ids_BT), self.compute_dtype)
+
+
+def rope_interleaved(x_BTNH, positions_BT, theta: float):
+  """DeepSeek/LongCat RoPE: adjacent pairs (x[2i], x[2i+1]) rotate by pos * theta^(-2i/H).
+  Rotate-half on this layout is a different function (logits off by ~1 on real weights)."""
+  h = x_BTNH.shape[-1]
+  inv_freq = theta ** (-jnp.arange(0, h, 2, dtype=jnp.float32) / h)
+  ang = positions_BT.astype(jnp.float32)[..., None] * inv_freq[None, None, :]  # [B, T, H/2]
+  cos, sin = jnp.cos(ang)[:, :, None, :], jnp.sin(ang)[:, :, None, :]
+  x = x_BTNH.astype(jnp.float32).reshape(*x_BTNH.shape[:-1], h // 2, 2)
+  x0, x1 = x[..., 0], x[..., 1]
+  out = jnp.stack([x0 * cos - x1 * sin, x1 * cos + x0 * sin], axis=-1)
+  return out.reshape(x_BTNH.shape).astype(x_BTNH.dtype)

@@ -1,0 +1,127 @@
+"""LongCat MoE: float32 router with correction bias, zero-computation experts, routed experts.
+
+Algorithm, per token x (M tokens, X = E routed + Z zero experts, top-A):
+  1. p = softmax(x @ W_router) over all X experts, in float32.
+  2. idx = top_A(p + bias): the bias steers selection only (it is updated outside the optimizer).
+  3. gate = p[idx] * routed_scaling_factor, no renormalisation.
+  4. zero experts (idx >= E) contribute gate * x directly and never enter dispatch.
+  5. routed assignments are sorted by expert, run through the expert SwiGLU (plus per-expert LoRA)
+     by a grouped matmul, unsorted and summed with their gates.
+Dispatch strategies and grouped-matmul backends live in moetrain/model/dispatch.py.
+"""
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from moetrain.model import dispatch, quant
+from moetrain.model.config import ModelConfig
+from moetrain.model.layers import dtype_of, normal
+
+
+class RouterBias(nnx.Variable):
+  """LongCat's e_score_correction_bias: a buffer updated by the balancing controller."""
+
+
+class Experts(nnx.Module):
+  """Stacked routed-expert SwiGLU weights [E, D, F] / [E, F, D] and their per-expert LoRA."""
+
+  NAMES = ('gate', 'up', 'down')
+
+  def __init__(self, cfg: ModelConfig, path: str, rngs: nnx.Rngs):
+    e, d, f = cfg.n_routed_experts, cfg.hidden_size, cfg.expert_ffn_hidden_size
+    pdt = dtype_of(cfg.param_dtype)
+    shapes = {'gate': (e, d, f), 'up': (e, d, f), 'down': (e, f, d)}
+    axes = {'gate': ('experts', 'embed', 'expert_mlp'), 'up': ('experts', 'embed', 'expert_mlp'),
+            'down': ('experts', 'expert_mlp', 'embed')}
+    self.lora_names = tuple(n for n in self.NAMES if cfg.lora.matches(f'{path}.{n}'))
+    self.lora_scale = cfg.lora.scale
+    for n in self.NAMES:
+      setattr(self, n, quant.make_param(normal(rngs, shapes[n], cfg.init_std, pdt), axes[n], cfg, 1))
+    r = cfg.lora.rank
+    for n in self.lora_names:
+      _, din, dout = shapes[n]
+      a = normal(rngs, (e, din, r), din**-0.5, pdt)
+      setattr(self, f'{n}_lora_a', nnx.LoRAParam(a, axes=(axes[n][0], axes[n][1], 'lora_rank')))
+      b = jnp.zeros((e, r, dout), pdt)
+      setattr(self, f'{n}_lora_b', nnx.LoRAParam(b, axes=(axes[n][0], 'lora_rank', axes[n][2])))
+
+  def weights(self) -> dict:
+    """Raw arrays (or quantised tensors) keyed 'gate', 'gate_lora_a', ... for the engine."""
+    w = {n: quant.raw(getattr(self, n)) for n in self.NAMES}
+    for n in self.lora_names:
+      w[f'{n}_lora_a'] = getattr(self, f'{n}_lora_a')[...]
+      w[f'{n}_lora_b'] = getattr(self, f'{n}_lora_b')[...]
+    return w
+
+
+def route(x_MD, w_DX, bias_X, topk: int, scale: float):
+  """float32 softmax router; the bias shifts selection but not the gates."""
+  logits_MX = jnp.dot(x_MD.astype(jnp.float32), w_DX.astype(jnp.float32))
+  probs_MX = jax.nn.softmax(logits_MX, axis=-1)
+  _, idx_MA = jax.lax.top_k(jax.lax.stop_gradient(probs_MX) + bias_X[None, :], topk)
+  gates_MA = jnp.take_along_axis(probs_MX, idx_MA, axis=-1) * scale
+  return logits_MX, probs_MX, idx_MA, gates_MA
+
+
+class MoE(nnx.Module):
+  def __init__(self, cfg: ModelConfig, path: str, rngs: nnx.Rngs):
+    self.cfg = cfg
+    x = cfg.num_experts_total
+    self.router = nnx.Param(normal(rngs, (cfg.hidden_size, x), cfg.init_std, jnp.float32),
+                            axes=('embed', 'router'))
+    self.router_bias = RouterBias(jnp.zeros((x,), jnp.float32), axes=('router',))
+    self.experts = Experts(cfg, f'{path}.experts', rngs)
+
+  def __call__(self, x_BTD, valid_BT, rng=None):
+    cfg = self.cfg
+    b, t, d = x_BTD.shape
+    x_MD = x_BTD.reshape(b * t, d)
+    valid_M = valid_BT.reshape(b * t).astype(jnp.float32)
+    logits_MX, probs_MX, idx_MA, gates_MA = route(
+      x_MD, self.router[...], self.router_bias[...], cfg.moe_topk, cfg.routed_scaling_factor)
+    y_MD, dropped = dispatch.routed_experts(x_MD, idx_MA, gates_MA, self.experts.weights(), cfg, rng)
+    is_zero_MA = idx_MA >= cfg.n_routed_experts
+    zero_gate_M = jnp.sum(jnp.where(is_zero_MA, gates_MA, 0.0), axis=-1)
+    y_MD = y_MD + (zero_gate_M[:, None] * x_MD.astype(jnp.float32)).astype(y_MD.dtype)
+    stats = routing_stats(logits_MX, probs_MX, idx_MA, valid_M, dropped, cfg)
+    return y_MD.reshape(b, t, d).astype(x_BTD.dtype), stats
+
+
+def routing_stats(logits_MX, probs_MX, idx_MA, valid_M, dropped_MA, cfg: ModelConfig) -> dict:
+  """Per-layer routing statistics and the raw balancing losses (coefficients applied later)."""
+  e, x, k = cfg.n_routed_experts, cfg.num_experts_total, cfg.moe_topk
+  n_valid = jnp.maximum(valid_M.sum(), 1.0)
+  onehot_MX = jnp.sum(jax.nn.one_hot(idx_MA, x, dtype=jnp.float32), axis=1)
+  load_X = jnp.sum(onehot_MX * valid_M[:, None], axis=0)
+  ffn_M = jnp.sum(onehot_MX[:, :e], axis=-1)
+  ffn_mean = jnp.sum(ffn_M * valid_M) / n_valid
+  ffn_std = jnp.sqrt(jnp.maximum(jnp.sum((ffn_M - ffn_mean) ** 2 * valid_M) / n_valid, 0.0))
+  ent_M = -jnp.sum(probs_MX * jnp.log(probs_MX + 1e-20), axis=-1)
+  mean_p_X = jnp.sum(probs_MX * valid_M[:, None], axis=0) / n_valid
+  lse_M = jax.nn.logsumexp(logits_MX, axis=-1)
+  dropped = jnp.sum(dropped_MA * valid_M[:, None]) / jnp.maximum(jnp.sum(load_X[:e]), 1.0)
+  return {
+    'load': load_X,
+    'ffn_experts_mean': ffn_mean,
+    'ffn_experts_std': ffn_std,
+    'dropped_frac': dropped,
+    'router_entropy': jnp.sum(ent_M * valid_M) / n_valid,
+    'router_z_loss': jnp.sum(lse_M**2 * valid_M) / n_valid,
+    'balance_loss': balance_loss(load_X / (k * n_valid), mean_p_X, cfg),
+  }
+
+
+def balance_loss(frac_X, mean_p_X, cfg: ModelConfig):
+  """Device-level balance loss (LongCat TR 2.1.2): FFN experts in `groups` groups plus all zero
+  experts as one more group; sum_j F_j * P_j / tau_j, where tau_j is the group's target share of
+  assignments (K_e/K split over the FFN groups, (K-K_e)/K for the zero group). Equals 1 at target."""
+  e, z = cfg.n_routed_experts, cfg.zero_expert_num
+  k, groups = cfg.moe_topk, cfg.moe_balance_groups
+  k_e = cfg.expected_ffn_experts if z else k
+  f_G = jnp.sum(frac_X[:e].reshape(groups, e // groups), axis=-1)
+  p_G = jnp.sum(mean_p_X[:e].reshape(groups, e // groups), axis=-1)
+  loss = jnp.sum(f_G * p_G / (k_e / k / groups))
+  if z:
+    loss += jnp.sum(frac_X[e:]) * jnp.sum(mean_p_X[e:]) / ((k - k_e) / k)
+  return loss

@@ -1,0 +1,123 @@
+"""LongCat-Flash decoder: shortcut-connected MoE layers (ScMoE) scanned over depth."""
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from jax.ad_checkpoint import checkpoint_name
+
+from moetrain.model.attention import MLA
+from moetrain.model.config import ModelConfig
+from moetrain.model.layers import Embed, Linear, RMSNorm
+from moetrain.model.moe import MoE
+from moetrain.sharding import constrain
+
+ACT = ('batch', 'seq', 'embed')
+
+
+class MLP(nnx.Module):
+  """Dense SwiGLU."""
+
+  def __init__(self, cfg: ModelConfig, path: str, rngs: nnx.Rngs):
+    d, f = cfg.hidden_size, cfg.ffn_hidden_size
+    self.gate = Linear('BTD,DF->BTF', (d, f), ('embed', 'mlp'), cfg, f'{path}.gate', rngs)
+    self.up = Linear('BTD,DF->BTF', (d, f), ('embed', 'mlp'), cfg, f'{path}.up', rngs)
+    self.down = Linear('BTF,FD->BTD', (f, d), ('mlp', 'embed'), cfg, f'{path}.down', rngs)
+    self.rules = cfg.rules
+
+  def __call__(self, x_BTD, rng=None):
+    h_BTF = jax.nn.silu(self.gate(x_BTD, rng).astype(jnp.float32)) * self.up(x_BTD, rng)
+    h_BTF = constrain(h_BTF.astype(x_BTD.dtype), ('batch', 'seq', 'mlp'), self.rules)
+    return self.down(h_BTF, rng)
+
+
+class DecoderLayer(nnx.Module):
+  """Two attention + dense-MLP sublayers; the MoE reads the first post-attention norm and its
+  output joins the residual only at the end of the layer (TR section 2, HF DecoderLayer)."""
+
+  def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
+    d, eps, p = cfg.hidden_size, cfg.rms_norm_eps, 'layers'
+    self.rules = cfg.rules
+    self.input_norm_0 = RMSNorm(d, 'embed', eps, cfg)
+    self.input_norm_1 = RMSNorm(d, 'embed', eps, cfg)
+    self.post_norm_0 = RMSNorm(d, 'embed', eps, cfg)
+    self.post_norm_1 = RMSNorm(d, 'embed', eps, cfg)
+    self.attn_0 = MLA(cfg, f'{p}.attn_0', rngs)
+    self.attn_1 = MLA(cfg, f'{p}.attn_1', rngs)
+    self.mlp_0 = MLP(cfg, f'{p}.mlp_0', rngs)
+    self.mlp_1 = MLP(cfg, f'{p}.mlp_1', rngs)
+    self.moe = MoE(cfg, f'{p}.moe', rngs)
+
+  def __call__(self, h_BTD, positions_BT, segment_ids_BT, rng=None):
+    rngs = [None] * 5 if rng is None else list(jax.random.split(rng, 5))
+    h_BTD = h_BTD + self.attn_0(self.input_norm_0(h_BTD), positions_BT, segment_ids_BT, rngs[0])
+    x_BTD = self.post_norm_0(h_BTD)
+    m_BTD, stats = self.moe(x_BTD, segment_ids_BT > 0, rngs[1])
+    m_BTD = checkpoint_name(m_BTD, 'moe_out')
+    h_BTD = h_BTD + self.mlp_0(x_BTD, rngs[2])
+    h_BTD = h_BTD + self.attn_1(self.input_norm_1(h_BTD), positions_BT, segment_ids_BT, rngs[3])
+    h_BTD = h_BTD + self.mlp_1(self.post_norm_1(h_BTD), rngs[4]) + m_BTD
+    return constrain(h_BTD, ACT, self.rules), stats
+
+
+def remat_policy(name: str):
+  cp = jax.checkpoint_policies
+  return {
+    'full': cp.nothing_saveable,
+    'save_dots': cp.dots_with_no_batch_dims_saveable,
+    'save_moe': cp.save_only_these_names('moe_out'),
+    'offload': cp.save_and_offload_only_these_names(
+      names_which_can_be_saved=[], names_which_can_be_offloaded=['moe_out'],
+      offload_src='device', offload_dst='pinned_host'),
+  }[name]
+
+
+def mark_layer_axes(layers: nnx.Module) -> None:
+  """Prepends the scan axis name to the logical axes of every stacked variable."""
+  for _, var in nnx.iter_graph(layers):
+    if isinstance(var, nnx.Variable) and 'axes' in var.get_metadata():
+      var.set_metadata('axes', ('layers', *var.axes))
+
+
+class Transformer(nnx.Module):
+  def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
+    self.cfg = cfg
+    self.embed = Embed(cfg, rngs)
+
+    @nnx.split_rngs(splits=cfg.num_layers)
+    @nnx.vmap(in_axes=(0,), out_axes=0)
+    def make_layers(rngs):
+      return DecoderLayer(cfg, rngs)
+
+    self.layers = make_layers(rngs)
+    mark_layer_axes(self.layers)
+    self.final_norm = RMSNorm(cfg.hidden_size, 'embed', cfg.rms_norm_eps, cfg)
+    self.lm_head = Linear('BTD,DV->BTV', (cfg.hidden_size, cfg.vocab_size), ('embed', 'vocab'),
+                          cfg, 'lm_head', rngs)
+
+  def __call__(self, ids_BT, positions_BT=None, segment_ids_BT=None, rng=None):
+    """Returns float32 logits [B, T, V] and aux: per-layer routing stats stacked on axis 0 and
+    the pre-norm last hidden state's per-token log-sum-exp (for the hidden z-loss)."""
+    b, t = ids_BT.shape
+    if positions_BT is None:
+      positions_BT = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
+    if segment_ids_BT is None:
+      segment_ids_BT = jnp.ones((b, t), jnp.int32)
+    h_BTD = constrain(self.embed(ids_BT), ACT, self.cfg.rules)
+    h_BTD, stats = self.run_layers(h_BTD, positions_BT, segment_ids_BT, rng)
+    z_BT = jax.nn.logsumexp(jnp.abs(h_BTD.astype(jnp.float32)), axis=-1)
+    logits_BTV = self.lm_head(self.final_norm(h_BTD), rng).astype(jnp.float32)
+    logits_BTV = constrain(logits_BTV, ('batch', 'seq', 'vocab'), self.cfg.rules)
+    return logits_BTV, {'moe': stats, 'hidden_lse_BT': z_BT}
+
+  def run_layers(self, h_BTD, positions_BT, segment_ids_BT, rng):
+    graphdef, state = nnx.split(self.layers)
+    n = self.cfg.num_layers
+    rngs_L = None if rng is None else jax.random.split(rng, n)
+
+    def body(h, xs):
+      layer_state, layer_rng = xs
+      return nnx.merge(graphdef, layer_state)(h, positions_BT, segment_ids_BT, layer_rng)
+
+    if self.cfg.remat != 'none':
+      body = jax.checkpoint(body, policy=remat_policy(self.cfg.remat), prevent_cse=False)
+    return jax.lax.scan(body, h_BTD, (state, rngs_L))

@@ -1,0 +1,59 @@
+"""Optax optimizer and learning-rate schedule from a small frozen config."""
+
+import dataclasses
+
+import jax
+import optax
+from flax import nnx
+
+
+@dataclasses.dataclass(frozen=True)
+class OptimConfig:
+  learning_rate: float = 3e-3
+  warmup_steps: int = 20
+  schedule: str = 'cosine'  # 'cosine' | 'constant'
+  min_lr_ratio: float = 0.1
+  b1: float = 0.9
+  b2: float = 0.95
+  eps: float = 1e-8
+  weight_decay: float = 0.0
+  grad_clip: float = 1.0  # global-norm clipping; 0 disables.
+  grad_accum_steps: int = 1
+
+  def validate(self, total_steps: int) -> None:
+    if self.schedule not in ('cosine', 'constant'):
+      raise ValueError(f"optim.schedule={self.schedule!r}: use 'cosine' or 'constant'")
+    if self.learning_rate <= 0:
+      raise ValueError(f'optim.learning_rate must be > 0, got {self.learning_rate}')
+    if self.grad_accum_steps < 1:
+      raise ValueError(f'optim.grad_accum_steps must be >= 1, got {self.grad_accum_steps}')
+    if self.warmup_steps < 0 or self.warmup_steps > total_steps:
+      raise ValueError(f'optim.warmup_steps={self.warmup_steps} must lie in [0, train.steps]')
+
+
+def schedule(cfg: OptimConfig, total_steps: int) -> optax.Schedule:
+  if cfg.schedule == 'constant':
+    return optax.join_schedules(
+      [optax.linear_schedule(0.0, cfg.learning_rate, max(cfg.warmup_steps, 1)),
+       optax.constant_schedule(cfg.learning_rate)], [cfg.warmup_steps])
+  return optax.warmup_cosine_decay_schedule(
+    0.0, cfg.learning_rate, max(cfg.warmup_steps, 1), max(total_steps, cfg.warmup_steps + 1),
+    end_value=cfg.learning_rate * cfg.min_lr_ratio)
+
+
+def decay_mask(params):
+  """Weight decay on matrices only (not norms, biases or 1-D scales)."""
+  return jax.tree.map(lambda x: x.ndim - _stacked(x) >= 2, params)
+
+
+def _stacked(x) -> int:
+  axes = x.get_metadata().get('axes', ()) if isinstance(x, nnx.Variable) else ()
+  return int(bool(axes) and axes[0] == 'layers')
+
+
+def make_optimizer(cfg: OptimConfig, total_steps: int) -> optax.GradientTransformation:
+  lr = schedule(cfg, total_steps)
+  parts = [optax.clip_by_global_norm(cfg.grad_clip)] if cfg.grad_clip > 0 else []
+  parts.append(optax.adamw(lr, b1=cfg.b1, b2=cfg.b2, eps=cfg.eps,
+                           weight_decay=cfg.weight_decay, mask=decay_mask))
+  return optax.chain(*parts)

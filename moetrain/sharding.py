@@ -1,0 +1,141 @@
+"""Mesh construction, logical-axis rule presets and the shardings of state and batches."""
+
+import dataclasses
+from collections.abc import Sequence
+
+import jax
+import numpy as np
+from jax.sharding import AxisType, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+MESH_AXES = ('data', 'fsdp', 'expert', 'tensor')
+BATCH_AXES = ('data', 'fsdp', 'expert')
+
+# Rule tables: logical name -> mesh axes. Names absent from a table are replicated.
+# Sections follow the model: attention / MoE / dense / vocab; weights and activations apart.
+_WEIGHTS_FSDP = {
+  # attention
+  'heads': None, 'head_dim': None, 'q_lora': None, 'kv_lora': None,
+  # MoE
+  'experts': None, 'expert_mlp': None, 'router': None,
+  # dense
+  'embed': 'fsdp', 'mlp': None, 'layers': None, 'lora_rank': None,
+  # vocab
+  'vocab': None,
+}
+_ACTS_FSDP = {
+  'batch': BATCH_AXES, 'seq': None, 'kv_seq': None, 'embed': None,
+  'heads': None, 'mlp': None, 'experts': None, 'vocab': None,
+}
+
+
+def _preset(ep: bool, tp: bool) -> tuple[dict, dict]:
+  w, a = dict(_WEIGHTS_FSDP), dict(_ACTS_FSDP)
+  if ep:
+    w['experts'] = 'expert'
+    a['experts'] = 'expert'
+  if tp:
+    for name in ('heads', 'mlp', 'expert_mlp', 'vocab'):
+      w[name] = 'tensor'
+    for name in ('heads', 'mlp', 'vocab'):
+      a[name] = 'tensor'
+  return w, a
+
+
+PRESETS = {
+  'fsdp': _preset(ep=False, tp=False),
+  'fsdp_ep': _preset(ep=True, tp=False),
+  'fsdp_ep_tp': _preset(ep=True, tp=True),
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class Rules:
+  """Logical-to-mesh rules, hashable so modules can hold them as static config."""
+
+  weights: tuple[tuple[str, object], ...] = ()
+  activations: tuple[tuple[str, object], ...] = ()
+
+  @classmethod
+  def preset(cls, name: str) -> 'Rules':
+    if name not in PRESETS:
+      raise ValueError(f'sharding.rules={name!r} is unknown; choose one of {sorted(PRESETS)}')
+    w, a = PRESETS[name]
+    return cls(tuple(w.items()), tuple(a.items()))
+
+
+def make_mesh(shape: Sequence[int], devices=None) -> jax.sharding.Mesh:
+  """Mesh over MESH_AXES; one entry of `shape` may be -1 (the remaining devices)."""
+  devices = list(devices if devices is not None else jax.devices())
+  shape = resolve_mesh_shape(shape, len(devices))
+  return jax.make_mesh(
+    shape, MESH_AXES, axis_types=(AxisType.Auto,) * len(MESH_AXES), devices=devices
+  )
+
+
+def resolve_mesh_shape(shape: Sequence[int], num_devices: int) -> tuple[int, ...]:
+  shape = [int(s) for s in shape]
+  if len(shape) != len(MESH_AXES):
+    raise ValueError(f'mesh.shape needs {len(MESH_AXES)} entries {MESH_AXES}, got {shape}')
+  if shape.count(-1) > 1:
+    raise ValueError(f'mesh.shape={shape}: at most one entry may be -1')
+  if -1 in shape:
+    known = int(np.prod([s for s in shape if s != -1]))
+    if num_devices % known:
+      raise ValueError(f'mesh.shape={shape}: {num_devices} devices are not divisible by {known}')
+    shape[shape.index(-1)] = num_devices // known
+  if int(np.prod(shape)) != num_devices:
+    raise ValueError(
+      f'mesh.shape={shape} has {int(np.prod(shape))} devices but {num_devices} are present; '
+      'make the product equal the device count or set one entry to -1'
+    )
+  return tuple(shape)
+
+
+def logical_to_spec(names, shape, table, mesh_sizes: dict[str, int]) -> P:
+  """Maps logical names to a PartitionSpec, dropping mesh axes that are size 1, reused or
+  do not divide the dimension (so odd small shapes replicate instead of failing)."""
+  table = dict(table)
+  used, spec = set(), []
+  for name, size in zip(names, shape):
+    axes = table.get(name) if name is not None else None
+    axes = (axes,) if isinstance(axes, str) else tuple(axes or ())
+    kept = []
+    for ax in axes:
+      n = mesh_sizes.get(ax, 1)
+      if n == 1 or ax in used or size % (int(np.prod([mesh_sizes[k] for k in kept])) * n):
+        continue
+      kept.append(ax)
+    used.update(kept)
+    spec.append(None if not kept else kept[0] if len(kept) == 1 else tuple(kept))
+  return P(*spec)
+
+
+def constrain(x: jax.Array, names: tuple[str | None, ...], rules: Rules) -> jax.Array:
+  """with_sharding_constraint by logical names; a no-op outside a mesh context."""
+  mesh = jax.sharding.get_abstract_mesh()
+  if mesh.empty or not rules.activations:
+    return x
+  spec = logical_to_spec(names, x.shape, rules.activations, dict(mesh.shape))
+  return jax.lax.with_sharding_constraint(x, spec)
+
+
+def tree_shardings(axes_tree, abstract_tree, mesh, rules: Rules):
+  """NamedShardings for a tree of arrays whose logical names are given by `axes_tree`."""
+  sizes = dict(mesh.shape)
+  return jax.tree.map(
+    lambda names, x: NamedSharding(mesh, logical_to_spec(names, x.shape, rules.weights, sizes)),
+    axes_tree,
+    abstract_tree,
+    is_leaf=lambda n: isinstance(n, tuple),
+  )
+
+
+def batch_sharding(mesh, ndim: int = 2) -> NamedSharding:
+  axes = tuple(a for a in BATCH_AXES if mesh.shape[a] > 1)
+  first = None if not axes else axes[0] if len(axes) == 1 else axes
+  return NamedSharding(mesh, P(first, *([None] * (ndim - 1))))
+
+
+def replicated(mesh) -> NamedSharding:
+  return NamedSharding(mesh, P())

@@ -1,0 +1,1 @@
+"""Command-line tools: plan (dry run), evaluate, generate, expert-load plots."""

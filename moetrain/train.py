@@ -1,0 +1,206 @@
+"""run(): validate config -> mesh -> data -> state (or restore) -> jitted step -> loop."""
+
+import dataclasses
+import functools
+import os
+import time
+
+import jax
+import numpy as np
+from absl import logging
+
+from moetrain import metrics as metrics_lib
+from moetrain import optim, sharding
+from moetrain.checkpoint import Checkpointer
+from moetrain.data import pipeline
+from moetrain.model.config import LoraConfig, ModelConfig
+from moetrain.train_state import TrainState, create_sharded, graphdef_of, state_shardings
+from moetrain.train_step import StepConfig, eval_step, train_step
+
+
+@dataclasses.dataclass(frozen=True)
+class Setup:
+  """The ConfigDict turned into the frozen dataclasses the library takes."""
+
+  model: ModelConfig
+  data: pipeline.DataConfig
+  optim: optim.OptimConfig
+  step: StepConfig
+  mesh_shape: tuple[int, ...]
+  seed: int
+  train: dict
+
+
+def build(config, num_devices: int | None = None, process_count: int | None = None) -> Setup:
+  """Converts and validates everything before any compilation; errors name the field."""
+  num_devices = num_devices or jax.device_count()
+  process_count = process_count or jax.process_count()
+  mesh_shape = sharding.resolve_mesh_shape(config.mesh.shape, num_devices)
+  rules = sharding.Rules.preset(config.mesh.rules)
+  model = ModelConfig(**config.model.to_dict(), lora=LoraConfig(**config.lora.to_dict()), rules=rules)
+  model.validate()
+  data = pipeline.DataConfig(**config.data.to_dict())
+  pipeline.validate(data, process_count)
+  opt = optim.OptimConfig(**config.optim.to_dict())
+  train = config.train.to_dict()
+  for key in ('steps', 'log_every', 'checkpoint_every', 'keep_checkpoints'):
+    if train[key] <= 0:
+      raise ValueError(f'train.{key}={train[key]} must be positive')
+  opt.validate(train['steps'])
+  sizes = dict(zip(sharding.MESH_AXES, mesh_shape))
+  if model.n_routed_experts % sizes['expert']:
+    raise ValueError(
+      f"model.n_routed_experts={model.n_routed_experts} is not divisible by the 'expert' mesh axis "
+      f"({sizes['expert']}); change mesh.shape or the expert count")
+  batch_shards = sizes['data'] * sizes['fsdp'] * sizes['expert']
+  per_micro = data.global_batch_size // opt.grad_accum_steps
+  if data.global_batch_size % opt.grad_accum_steps or per_micro % batch_shards:
+    raise ValueError(
+      f'data.global_batch_size={data.global_batch_size} must split into optim.grad_accum_steps='
+      f'{opt.grad_accum_steps} micro-batches each divisible by the {batch_shards} batch shards '
+      f'(data*fsdp*expert of mesh.shape={mesh_shape})')
+  if data.eval_split and data.eval_batch_size % batch_shards:
+    raise ValueError(f'data.eval_batch_size={data.eval_batch_size} must be divisible by the '
+                     f'{batch_shards} batch shards of mesh.shape={mesh_shape}')
+  step = StepConfig(model=model, grad_accum_steps=opt.grad_accum_steps, **config.loss.to_dict())
+  return Setup(model, data, opt, step, mesh_shape, config.seed, train)
+
+
+def enable_compilation_cache(path: str) -> None:
+  if path:
+    jax.config.update('jax_compilation_cache_dir', os.path.expanduser(path))
+    jax.config.update('jax_persistent_cache_min_compile_time_secs', 0.5)
+
+
+def to_global(batch: dict, sharding_) -> dict:
+  return {k: jax.make_array_from_process_local_data(sharding_, v) for k, v in batch.items()}
+
+
+def evaluate(state, batches, eval_fn, batch_sharding) -> dict:
+  totals = {'nll_sum': 0.0, 'correct': 0.0, 'tokens': 0.0}
+  outs = [eval_fn(state, to_global(b, batch_sharding)) for b in batches]
+  for out in jax.device_get(outs):
+    for k in totals:
+      totals[k] += float(out[k])
+  n = max(totals['tokens'], 1.0)
+  loss = totals['nll_sum'] / n
+  return {'loss': loss, 'perplexity': float(np.exp(min(loss, 50.0))), 'accuracy': totals['correct'] / n,
+          'tokens': totals['tokens']}
+
+
+def restore_or_init(setup: Setup, ckpt: Checkpointer, optimizer, mesh, train_iter):
+  state = create_sharded(setup.model, optimizer, setup.seed, mesh, setup.model.rules)
+  step = ckpt.latest_step()
+  if step is None:
+    return state
+  saved, data_state, _ = ckpt.restore(step, state)
+  train_iter.set_state(data_state)
+  logging.info('Resumed from step %d', step)
+  return dataclasses.replace(state, **saved)
+
+
+def run(config, workdir: str) -> dict:
+  setup = build(config)
+  t = setup.train
+  enable_compilation_cache(t['compilation_cache'])
+  mesh = sharding.make_mesh(setup.mesh_shape)
+  writer = metrics_lib.Writer(workdir)
+  tokenizer = pipeline.make_tokenizer(setup.data, workdir)
+  if tokenizer.vocab_size > setup.model.vocab_size:
+    raise ValueError(f'model.vocab_size={setup.model.vocab_size} is smaller than the tokenizer '
+                     f'vocabulary ({tokenizer.vocab_size}); raise it or set data.vocab_size')
+  pi, pc = jax.process_index(), jax.process_count()
+  train_iter = pipeline.make_train_iterator(setup.data, tokenizer, process_index=pi, process_count=pc)
+  eval_batches = pipeline.make_eval_batches(
+    setup.data, tokenizer, max_batches=t['eval_batches'], process_index=pi, process_count=pc)
+  optimizer = optim.make_optimizer(setup.optim, t['steps'])
+  lr_fn = optim.schedule(setup.optim, t['steps'])
+  ckpt = Checkpointer(workdir, every=t['checkpoint_every'], keep=t['keep_checkpoints'],
+                      async_save=t['async_checkpoint'])
+  graphdef = graphdef_of(setup.model)
+  batch_sharding = sharding.batch_sharding(mesh)
+  with jax.set_mesh(mesh):
+    state = restore_or_init(setup, ckpt, optimizer, mesh, train_iter)
+    start = int(state.step)
+    if start >= t['steps']:
+      writer.progress(f'Run in {workdir} already finished at step {start} (train.steps='
+                      f"{t['steps']}); nothing to do. Use a new --workdir to train again.")
+      ckpt.close()
+      writer.close()
+      return {'step': start, 'finished': True}
+    shardings = state_shardings(jax.eval_shape(lambda: state), mesh, setup.model.rules)
+    step_fn = jax.jit(
+      functools.partial(train_step, graphdef=graphdef, optimizer=optimizer, lr_fn=lr_fn, cfg=setup.step),
+      in_shardings=(shardings, batch_sharding), out_shardings=(shardings, None), donate_argnums=0)
+    eval_fn = jax.jit(functools.partial(eval_step, graphdef=graphdef))
+    state, last = loop(setup, state, step_fn, eval_fn, train_iter, eval_batches, ckpt, writer,
+                       batch_sharding, mesh)
+  ckpt.close()
+  writer.close()
+  return last
+
+
+def loop(setup, state: TrainState, step_fn, eval_fn, train_iter, eval_batches, ckpt, writer,
+         batch_sharding, mesh):
+  t, cfg = setup.train, setup.model
+  total, start = t['steps'], int(state.step)
+  expert_shards = dict(mesh.shape)['expert']
+  seq_len = setup.data.seq_len
+  pending, last, t0, tok_since, last_log_step = None, {}, time.time(), 0.0, start
+  t_start = t0
+  for step in range(start + 1, total + 1):
+    batch = next(train_iter)
+    with jax.transfer_guard('disallow'):
+      state, m = step_fn(state, to_global(batch, batch_sharding))
+    tok_since += float(batch['loss_mask'].sum()) * jax.process_count()
+    # Fetch the previous step's metrics only after dispatching this one: the host never blocks.
+    if pending is not None:
+      last = report(*pending, cfg, expert_shards, seq_len, writer, t0, tok_since_prev, total, t_start,
+                    start)
+      t0, last_log_step = time.time(), pending[0]
+      pending = None
+    if step % t['log_every'] == 0 or step == total:
+      pending, tok_since_prev, tok_since = (step, m), tok_since, 0.0
+    saved = ckpt.save(step, state, train_iter.get_state(), {'step': step}, force=step == total)
+    if (t['eval_every'] and step % t['eval_every'] == 0 and step != total) and eval_batches:
+      ev = evaluate(state, eval_batches, eval_fn, batch_sharding)
+      writer.write(step, ev, kind='eval')
+      writer.progress(f"eval  step {step}: loss {ev['loss']:.4f} ppl {ev['perplexity']:.2f} "
+                      f"accuracy {ev['accuracy']:.4f}")
+    if ckpt.preempted(step):
+      if not saved:
+        ckpt.save(step, state, train_iter.get_state(), {'step': step}, force=True)
+      ckpt.wait()
+      writer.progress(f'Preempted: saved step {step}; rerun the same command to resume.')
+      return state, last
+  if pending is not None:
+    last = report(*pending, cfg, expert_shards, seq_len, writer, t0, tok_since_prev, total, t_start,
+                  start)
+  if eval_batches:
+    ev = evaluate(state, eval_batches, eval_fn, batch_sharding)
+    writer.write(total, ev, kind='eval')
+    writer.progress(f"eval  step {total}: loss {ev['loss']:.4f} ppl {ev['perplexity']:.2f} "
+                    f"accuracy {ev['accuracy']:.4f} ({int(ev['tokens'])} tokens)")
+    last = {**last, **{f'eval_{k}': v for k, v in ev.items()}}
+  return state, last
+
+
+def report(step, m, cfg, expert_shards, seq_len, writer, t0, tokens, total, t_start, start) -> dict:
+  m = jax.device_get(m)
+  dt = max(time.time() - t0, 1e-9)
+  tps = tokens / dt
+  scalars = {k: float(v) for k, v in m.items() if k != 'moe'}
+  scalars.update(metrics_lib.routing_summary(m['moe'], cfg, expert_shards))
+  scalars['tokens_per_sec'] = tps
+  flops = metrics_lib.flops_per_token(cfg, seq_len, scalars['moe/ffn_experts_mean'])
+  peak = metrics_lib.peak_flops(jax.devices()[0])
+  if peak:
+    scalars['mfu'] = tps * flops / (peak * jax.device_count())
+  elapsed = time.time() - t_start
+  eta = elapsed / max(step - start, 1) * (total - step)
+  writer.write(step, scalars, load=m['moe']['load'])
+  writer.progress(
+    f"step {step}/{total}  loss {scalars['loss']:.4f}  lr {scalars['learning_rate']:.2e}  "
+    f"grad_norm {scalars['grad_norm']:.3f}  tok/s {tps:,.0f}  "
+    f"ffn_experts {scalars['moe/ffn_experts_mean']:.2f}  eta {metrics_lib.format_eta(eta)}")
+  return scalars

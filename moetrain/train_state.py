@@ -1,0 +1,94 @@
+"""TrainState: the pytree a step consumes and returns, and its sharded creation."""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import optax
+from flax import nnx
+
+from moetrain import sharding
+from moetrain.model.config import ModelConfig
+from moetrain.model.moe import RouterBias
+from moetrain.model.transformer import Transformer
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class TrainState:
+  step: jax.Array
+  params: nnx.State  # trainable: LoRA adapters (plus the router if asked), or everything
+  frozen: nnx.State  # the base model under LoRA/QLoRA; restored from its source, never saved
+  moe_bias: nnx.State  # router correction biases, updated by the balancing controller
+  opt_state: optax.OptState
+  rng: jax.Array
+  skipped: jax.Array  # updates skipped because gradients were not finite
+
+  def saved(self) -> dict:
+    """What a checkpoint holds: everything except the frozen base."""
+    return {k: v for k, v in dataclasses.asdict(self).items() if k != 'frozen'}
+
+
+def trainable_filter(cfg: ModelConfig):
+  if not cfg.lora.enabled:
+    return nnx.Param
+  if cfg.lora.train_router:
+    return nnx.Any(nnx.LoRAParam, nnx.All(nnx.Param, nnx.PathContains('router')))
+  return nnx.LoRAParam
+
+
+def split_model(model: nnx.Module, cfg: ModelConfig):
+  """graphdef, trainable, moe_bias, frozen (the rest: base Params and quantised weights)."""
+  return nnx.split(model, trainable_filter(cfg), RouterBias, ...)
+
+
+def merge_model(graphdef, params, moe_bias, frozen) -> Transformer:
+  return nnx.merge(graphdef, params, moe_bias, frozen)
+
+
+def init_state(cfg: ModelConfig, optimizer, seed: int, base: nnx.State | None = None) -> TrainState:
+  model = Transformer(cfg, nnx.Rngs(seed))
+  _, params, moe_bias, frozen = split_model(model, cfg)
+  if base is not None:  # weights from a checkpoint replace the random base (same structure)
+    frozen = base
+  return TrainState(
+    step=jnp.zeros((), jnp.int32), params=params, frozen=frozen, moe_bias=moe_bias,
+    opt_state=optimizer.init(params), rng=jax.random.key_data(jax.random.key(seed + 1)),
+    skipped=jnp.zeros((), jnp.int32))
+
+
+def graphdef_of(cfg: ModelConfig):
+  return split_model(nnx.eval_shape(lambda: Transformer(cfg, nnx.Rngs(0))), cfg)[0]
+
+
+def _is_var(x) -> bool:
+  return isinstance(x, nnx.Variable)
+
+
+def state_shardings(abstract, mesh, rules: sharding.Rules):
+  """NamedShardings from the logical axes stored on each Variable; other leaves replicate."""
+  sizes = dict(mesh.shape)
+
+  def one(x):
+    if _is_var(x) and 'axes' in x.get_metadata():
+      spec = sharding.logical_to_spec(x.axes, x.get_value().shape, rules.weights, sizes)
+      return x.replace(jax.sharding.NamedSharding(mesh, spec))
+    if _is_var(x):
+      return x.replace(sharding.replicated(mesh))
+    return sharding.replicated(mesh)
+
+  return jax.tree.map(one, abstract, is_leaf=_is_var)
+
+
+def create_sharded(cfg: ModelConfig, optimizer, seed: int, mesh, rules) -> TrainState:
+  """eval_shape -> shardings -> jit(init, out_shardings): nothing is materialised unsharded."""
+  init = lambda: init_state(cfg, optimizer, seed)
+  abstract = jax.eval_shape(init)
+  out = state_shardings(abstract, mesh, rules)
+  return jax.jit(init, out_shardings=out)()
+
+
+def param_bytes(tree) -> int:
+  return sum(x.nbytes for x in jax.tree.leaves(tree))
+
+

@@ -1,0 +1,125 @@
+"""Pure step functions: loss, train step (accumulation, clipping, non-finite guard, MoE bias
+update) and eval step. No I/O and no config dicts."""
+
+import dataclasses
+from collections.abc import Callable
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from moetrain.model.config import ModelConfig
+from moetrain.train_state import TrainState, merge_model
+
+
+@dataclasses.dataclass(frozen=True)
+class StepConfig:
+  model: ModelConfig
+  grad_accum_steps: int = 1
+  router_z_loss: float = 0.0  # coefficient of the router z-loss
+  balance_loss: float = 0.0  # coefficient of the device-level balance loss
+  hidden_z_loss: float = 0.0  # coefficient of LongCat's hidden z-loss on the last hidden state
+  bias_update_rate: float = 0.0  # mu of the expert-bias controller; 0 = plain top-k
+  bias_update_decay_steps: int = 0  # cosine decay of mu to 0 over this many steps; 0 = constant
+
+
+def cross_entropy(logits_BTV, targets_BT, mask_BT):
+  logz_BT = jax.nn.logsumexp(logits_BTV, axis=-1)
+  gold_BT = jnp.take_along_axis(logits_BTV, targets_BT[..., None], axis=-1)[..., 0]
+  nll_BT = (logz_BT - gold_BT) * mask_BT
+  correct_BT = (jnp.argmax(logits_BTV, axis=-1) == targets_BT) * mask_BT
+  return nll_BT.sum(), correct_BT.sum()
+
+
+def forward(params, moe_bias, frozen, graphdef, batch, rng=None):
+  model = merge_model(graphdef, params, moe_bias, frozen)
+  return model(batch['inputs'], batch['positions'], batch['segment_ids'], rng)
+
+
+def loss_fn(params, moe_bias, frozen, graphdef, batch, rng, n_tokens, cfg: StepConfig):
+  """Token-mean cross entropy over the whole (global) batch plus the weighted aux losses.
+  `n_tokens` is the global count, so micro-batch losses add up to the full-batch loss."""
+  logits, aux = forward(params, moe_bias, frozen, graphdef, batch, rng)
+  mask = batch['loss_mask'].astype(jnp.float32)
+  nll, correct = cross_entropy(logits, batch['targets'], mask)
+  moe = aux['moe']
+  frac = mask.sum() / n_tokens  # this micro-batch's share, so aux terms also average correctly
+  hidden_z = jnp.sum(aux['hidden_lse_BT'] ** 2 * mask) / n_tokens
+  aux_loss = (cfg.router_z_loss * moe['router_z_loss'].mean() * frac
+              + cfg.balance_loss * moe['balance_loss'].mean() * frac
+              + cfg.hidden_z_loss * hidden_z)
+  loss = nll / n_tokens + aux_loss
+  stats = {'nll_sum': nll, 'correct': correct, 'tokens': mask.sum(), 'hidden_z': hidden_z,
+           'moe': {k: v if k == 'load' else v * frac for k, v in moe.items()}}
+  return loss, stats
+
+
+def _microbatches(batch, n: int):
+  return jax.tree.map(lambda x: x.reshape(n, x.shape[0] // n, *x.shape[1:]), batch)
+
+
+def grads_and_stats(state: TrainState, graphdef, batch, rng, cfg: StepConfig):
+  n_tokens = jnp.maximum(batch['loss_mask'].astype(jnp.float32).sum(), 1.0)
+  grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
+  args = (state.moe_bias, state.frozen, graphdef)
+  if cfg.grad_accum_steps == 1:
+    (loss, stats), grads = grad_fn(state.params, *args, batch, rng, n_tokens, cfg)
+    return loss, stats, grads
+
+  def micro(carry, xs):
+    mb, i = xs
+    out = grad_fn(state.params, *args, mb, jax.random.fold_in(rng, i), n_tokens, cfg)
+    return jax.tree.map(jnp.add, carry, out), None
+
+  zero = jax.eval_shape(grad_fn, state.params, *args, _microbatches(batch, cfg.grad_accum_steps),
+                        rng, n_tokens, cfg)
+  zero = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), zero)
+  n = cfg.grad_accum_steps
+  ((loss, stats), grads), _ = jax.lax.scan(micro, zero, (_microbatches(batch, n), jnp.arange(n)))
+  return loss, stats, grads
+
+
+def bias_update(moe_bias, load_LX, step, cfg: StepConfig):
+  """LongCat's proportional controller: b_i += mu * (K_e/(K*N) - T_i/(K*T_all)) on FFN experts;
+  zero-expert biases are never changed."""
+  mc = cfg.model
+  e, k = mc.n_routed_experts, mc.moe_topk
+  mu = cfg.bias_update_rate
+  if cfg.bias_update_decay_steps:
+    mu = mu * 0.5 * (1 + jnp.cos(jnp.pi * jnp.minimum(step / cfg.bias_update_decay_steps, 1.0)))
+  t_all = jnp.maximum(load_LX.sum(-1, keepdims=True) / k, 1.0)
+  delta = mc.expected_ffn_experts / (k * e) - load_LX[:, :e] / (k * t_all)
+  delta = jnp.pad(mu * delta, ((0, 0), (0, mc.zero_expert_num)))
+  return jax.tree.map(lambda b: b + delta.astype(b.dtype), moe_bias)
+
+
+def train_step(state: TrainState, batch, *, graphdef, optimizer: optax.GradientTransformation,
+               lr_fn: Callable, cfg: StepConfig):
+  rng, step_rng = jax.random.split(jax.random.wrap_key_data(state.rng))
+  loss, stats, grads = grads_and_stats(state, graphdef, batch, step_rng, cfg)
+  grad_norm = optax.global_norm(grads)
+  updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
+  params = optax.apply_updates(state.params, updates)
+  moe_bias = state.moe_bias
+  if cfg.bias_update_rate:
+    moe_bias = bias_update(moe_bias, stats['moe']['load'], state.step, cfg)
+  finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
+  keep = lambda new, old: jax.tree.map(lambda a, b: jnp.where(finite, a, b), new, old)
+  new_state = dataclasses.replace(
+    state, step=state.step + 1, params=keep(params, state.params),
+    opt_state=keep(opt_state, state.opt_state), moe_bias=keep(moe_bias, state.moe_bias),
+    rng=jax.random.key_data(rng), skipped=state.skipped + (~finite).astype(jnp.int32))
+  tokens = jnp.maximum(stats['tokens'], 1.0)
+  metrics = {
+    'loss': stats['nll_sum'] / tokens, 'total_loss': loss, 'accuracy': stats['correct'] / tokens,
+    'grad_norm': grad_norm, 'learning_rate': lr_fn(state.step), 'tokens': stats['tokens'],
+    'hidden_z_loss': stats['hidden_z'], 'skipped': new_state.skipped, 'moe': stats['moe'],
+  }
+  return new_state, metrics
+
+
+def eval_step(state: TrainState, batch, *, graphdef):
+  logits, _ = forward(state.params, state.moe_bias, state.frozen, graphdef, batch)
+  mask = batch['loss_mask'].astype(jnp.float32)
+  nll, correct = cross_entropy(logits, batch['targets'], mask)
+  return {'nll_sum': nll, 'correct': correct, 'tokens': mask.sum()}

@@ -1,0 +1,45 @@
+"""Small shared builders for tests."""
+
+import dataclasses
+
+import jax
+from flax import nnx
+
+from moetrain.model.config import LoraConfig, ModelConfig
+from moetrain.model.transformer import Transformer
+
+TINY = ModelConfig(dtype='float32', remat='none', vocab_size=64, hidden_size=32, num_layers=2,
+                   num_heads=2, q_lora_rank=16, kv_lora_rank=16, qk_nope_head_dim=8,
+                   qk_rope_head_dim=8, v_head_dim=8, ffn_hidden_size=48, expert_ffn_hidden_size=16,
+                   n_routed_experts=8, zero_expert_num=4, moe_topk=3, init_std=0.2)
+ALL_TARGETS = r'attn_\d\.(q_a|q_b|kv_a|kv_b|o)$|mlp_\d\.(gate|up|down)$|experts\.(gate|up|down)$|lm_head$'
+
+
+def tiny(**kw) -> ModelConfig:
+  return dataclasses.replace(TINY, **kw)
+
+
+def with_lora(cfg: ModelConfig, rank=4, targets=ALL_TARGETS, **kw) -> ModelConfig:
+  return dataclasses.replace(cfg, lora=LoraConfig(rank=rank, targets=targets, **kw))
+
+
+def randomize(model: nnx.Module, seed: int, filt=nnx.Param, scale=0.2) -> None:
+  """Non-trivial values for variables that start at constants (norm scales, LoRA B, biases)."""
+  state = nnx.state(model, filt)
+  leaves, tree = jax.tree.flatten(state)
+  keys = jax.random.split(jax.random.key(seed), len(leaves))
+  new = [x + scale * jax.random.normal(k, x.shape, x.dtype) for x, k in zip(leaves, keys)]
+  nnx.update(model, jax.tree.unflatten(tree, new))
+
+
+def model_and_ids(cfg: ModelConfig, seed=0, b=2, t=10):
+  model = Transformer(cfg, nnx.Rngs(seed))
+  ids = jax.random.randint(jax.random.key(seed + 100), (b, t), 0, cfg.vocab_size)
+  return model, ids
+
+
+def nonzero_bias(model, seed=1, scale=0.05):
+  from moetrain.model.moe import RouterBias
+  randomize(model, seed, RouterBias, scale)
+
+

@@ -1,0 +1,486 @@
+"""Tests for moetrain.data: demo task, tokenizers, sources, packing and the grain pipeline."""
+
+import dataclasses
+import json
+import pickle
+
+import numpy as np
+import pytest
+
+from moetrain.data import demo_task, packing, pipeline, sources
+from moetrain.data import tokenizer as tokenizer_lib
+
+
+class CharTokenizer:
+  """One id per character (ord), so expected packed rows can be written out by hand."""
+
+  vocab_size, bos_id, eos_id, pad_id = 128, 1, 2, 0
+
+  def encode(self, text):
+    return [ord(c) for c in text]
+
+  def decode(self, ids):
+    return ''.join(chr(i) for i in ids if i > 2)
+
+
+@pytest.fixture(scope='module')
+def spm_tokenizer(tmp_path_factory):
+  examples = demo_task.generate()['train']
+  texts = [t for e in examples for t in sources.example_texts(e)]
+  path = tmp_path_factory.mktemp('spm') / 'tokenizer.model'
+  return tokenizer_lib.train_sentencepiece(texts, 512, path)
+
+
+def write_jsonl(path, records):
+  path.write_text(''.join(json.dumps(r) + '\n' for r in records))
+  return path
+
+
+def numbered_records(n):
+  return [{'prompt': f'item {i} =', 'completion': f'answer {i}'} for i in range(n)]
+
+
+def segments(row, eos_id=2):
+  """The token sequence of each packed example in a row. An example that does not end in eos
+  (truncated, at the end of the row) has its last token only in `targets`."""
+  out = []
+  for s in range(1, row['segment_ids'].max() + 1):
+    idx = np.flatnonzero(row['segment_ids'] == s)
+    tokens = tuple(int(t) for t in row['inputs'][idx])
+    out.append(tokens if tokens[-1] == eos_id else tokens + (int(row['targets'][idx[-1]]),))
+  return out
+
+
+def assert_batches_equal(a, b):
+  assert len(a) == len(b)
+  for x, y in zip(a, b):
+    assert x.keys() == y.keys()
+    for key in x:
+      np.testing.assert_array_equal(x[key], y[key], err_msg=key)
+
+
+# Demo task.
+
+
+def test_demo_files_regenerate_identically():
+  generated = demo_task.generate()
+  for split, count in demo_task.SPLITS.items():
+    shipped = (demo_task.DEMO_DIR / f'{split}.jsonl').read_bytes()
+    assert shipped == demo_task.to_jsonl(generated[split]).encode()
+    assert len(generated[split]) == count
+  assert sum(p.stat().st_size for p in demo_task.DEMO_DIR.iterdir()) < 500_000
+
+
+def test_demo_examples_are_reversals_and_splits_disjoint():
+  generated = demo_task.generate()
+  prompts = {split: {e['prompt'] for e in examples} for split, examples in generated.items()}
+  assert not prompts['train'] & prompts['eval']
+  for e in generated['eval']:
+    words = e['prompt'].removeprefix('reverse: ').removesuffix(' =').split()
+    assert e['completion'].split() == words[::-1]
+
+
+# Tokenizers.
+
+
+def test_sentencepiece_train_load_roundtrip(spm_tokenizer, tmp_path):
+  tok = spm_tokenizer
+  assert (tok.pad_id, tok.bos_id, tok.eos_id) == (0, 1, 2)
+  assert 300 < tok.vocab_size <= 512
+  text = 'reverse: red  fox café ☃ =\nnew line'  # unseen characters go through byte fallback
+  assert tok.decode(tok.encode(text)) == text
+  assert tokenizer_lib.UNK_ID not in tok.encode(text)
+  model = tmp_path / 'tokenizer.model'
+  model.write_bytes(pickle.loads(pickle.dumps(tok)).__getstate__()['model_proto'])
+  for path in (tmp_path, model):  # a directory or the file itself
+    loaded = tokenizer_lib.load_tokenizer(path)
+    assert loaded.encode(text) == tok.encode(text)
+    assert isinstance(loaded, tokenizer_lib.Tokenizer)
+  assert tokenizer_lib.load_tokenizer(model, bos='</s>', pad=5).bos_id == 2
+
+
+def test_sentencepiece_training_is_deterministic(tmp_path):
+  texts = ['reverse: red fox cup = cup fox red'] * 50 + ['the quick brown fox'] * 20
+  a = tokenizer_lib.train_sentencepiece(texts, 300, tmp_path / 'a.model')
+  tokenizer_lib.train_sentencepiece(texts, 300, tmp_path / 'b.model')
+  assert (tmp_path / 'a.model').read_bytes() == (tmp_path / 'b.model').read_bytes()
+  # No temporary files are left behind.
+  assert sorted(p.name for p in tmp_path.iterdir()) == ['a.model', 'b.model']
+  assert a.vocab_size <= 300
+
+
+def test_get_or_train_tokenizer_caches_in_workdir(tmp_path):
+  calls = []
+
+  def texts():
+    calls.append(1)
+    return ['one two three four'] * 30
+
+  first = tokenizer_lib.get_or_train_tokenizer('', tmp_path, texts, 300)
+  second = tokenizer_lib.get_or_train_tokenizer('', tmp_path, texts, 300)
+  assert len(calls) == 1 and (tmp_path / 'tokenizer.model').is_file()
+  assert first.encode('two one') == second.encode('two one')
+  given = tokenizer_lib.get_or_train_tokenizer(
+    str(tmp_path / 'tokenizer.model'), '/nonexistent', texts, 300
+  )
+  assert given.vocab_size == first.vocab_size and len(calls) == 1
+
+
+def make_hf_tokenizer_json(path):
+  from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+
+  tok = Tokenizer(models.BPE(unk_token='<unk>'))
+  tok.pre_tokenizer = pre_tokenizers.Whitespace()
+  trainer = trainers.BpeTrainer(vocab_size=120, special_tokens=['<pad>', '<s>', '</s>', '<unk>'])
+  tok.train_from_iterator(['reverse red fox cup blue bell'] * 20, trainer)
+  tok.save(str(path))
+
+
+def test_hf_tokenizer_json(tmp_path, spm_tokenizer):
+  make_hf_tokenizer_json(tmp_path / 'tokenizer.json')
+  tok = tokenizer_lib.load_tokenizer(tmp_path / 'tokenizer.json')
+  assert (tok.pad_id, tok.bos_id, tok.eos_id) == (0, 1, 2)  # found by their usual names
+  ids = tok.encode('red fox cup')
+  assert tok.decode(ids) == 'red fox cup' and tok.bos_id not in ids
+  assert pickle.loads(pickle.dumps(tok)).encode('red fox') == tok.encode('red fox')
+
+  # tokenizer_config.json (as in a Hugging Face checkpoint) wins over the name guesses,
+  # explicit overrides win over both.
+  config = {'bos_token': {'content': '</s>'}, 'eos_token': '<unk>', 'pad_token': None}
+  (tmp_path / 'tokenizer_config.json').write_text(json.dumps(config))
+  tok = tokenizer_lib.load_tokenizer(tmp_path)
+  assert (tok.bos_id, tok.eos_id, tok.pad_id) == (2, 3, 0)
+  assert tokenizer_lib.load_tokenizer(tmp_path, bos='<s>', eos=2).bos_id == 1
+  with pytest.raises(ValueError, match='not in the vocabulary'):
+    tokenizer_lib.load_tokenizer(tmp_path, eos='<nope>')
+
+  # A checkpoint directory holding both: tokenizer.json is preferred.
+  (tmp_path / 'tokenizer.model').write_bytes(spm_tokenizer.__getstate__()['model_proto'])
+  assert isinstance(tokenizer_lib.load_tokenizer(tmp_path), tokenizer_lib.HFTokenizer)
+
+
+def test_load_tokenizer_errors_name_the_path(tmp_path):
+  with pytest.raises(FileNotFoundError, match=str(tmp_path)):
+    tokenizer_lib.load_tokenizer(tmp_path)
+  with pytest.raises(FileNotFoundError, match='missing.model'):
+    tokenizer_lib.load_tokenizer(tmp_path / 'missing.model')
+  (tmp_path / 'vocab.txt').write_text('a')
+  with pytest.raises(ValueError, match='vocab.txt'):
+    tokenizer_lib.load_tokenizer(tmp_path / 'vocab.txt')
+
+
+# Sources.
+
+
+def test_jsonl_source_reads_all_record_kinds(tmp_path):
+  chat = [
+    {'role': 'system', 'content': 'Be brief.'},
+    {'role': 'user', 'content': 'Hi'},
+    {'role': 'assistant', 'content': 'Hello'},
+  ]
+  path = tmp_path / 'd.jsonl'
+  path.write_text(
+    json.dumps({'q': 'a', 'a': 'b'})
+    + '\n\n'
+    + json.dumps({'body': 'plain'})
+    + '\n'
+    + json.dumps({'chat': chat})
+    + '\n'
+  )
+  src = sources.JsonlSource([str(path)], sources.Fields('body', 'q', 'a', 'chat'))
+  assert len(src) == 3  # the blank line is skipped
+  assert src[0] == {'prompt': 'a', 'completion': 'b'}
+  assert src[1] == {'text': 'plain'}
+  assert src[2] == {
+    'prompt': '<|system|>\nBe brief.\n<|user|>\nHi\n<|assistant|>\n',
+    'completion': 'Hello',
+  }
+
+
+@pytest.mark.parametrize(
+  'line, message',
+  [
+    ('{"prompt": "a", "completion": ', 'malformed JSON'),
+    ('{"question": "a"}', 'record has none of the configured fields'),
+    ('[1, 2]', 'expected a JSON object'),
+    (
+      '{"messages": [{"role": "user", "content": "hi"}]}',
+      'the last message should be from the assistant',
+    ),
+    ('{"text": 3}', "field 'text' should be a string"),
+  ],
+)
+def test_jsonl_errors_name_file_and_line(tmp_path, line, message):
+  path = tmp_path / 'bad.jsonl'
+  path.write_text('{"text": "ok"}\n\n' + line + '\n')
+  with pytest.raises(ValueError, match=f'bad.jsonl:3: {message}'):
+    sources.JsonlSource([str(path)])
+
+
+def test_text_source_splits_paragraphs(tmp_path):
+  (tmp_path / 'a.txt').write_text('first doc\nstill first\n\n\nsecond doc\n')
+  (tmp_path / 'b.txt').write_text('third doc')
+  src = sources.TextSource(sources.expand_paths(str(tmp_path / '*.txt'), 'train'))
+  assert [src[i] for i in range(len(src))] == [
+    {'text': 'first doc\nstill first'},
+    {'text': 'second doc'},
+    {'text': 'third doc'},
+  ]
+  (tmp_path / 'c.txt').write_bytes(b'ok\n\xff\n')
+  with pytest.raises(ValueError, match='c.txt:2: not valid UTF-8'):
+    sources.TextSource([str(tmp_path / 'c.txt')])
+  with pytest.raises(FileNotFoundError, match='nothing-eval.txt'):
+    sources.expand_paths(str(tmp_path / 'nothing-{split}.txt'), 'eval')
+
+
+@pytest.fixture(scope='module')
+def tfds_dir(tmp_path_factory):
+  """A tiny TFDS dataset prepared as array_record, written without TensorFlow or network."""
+  tfds = pytest.importorskip('tensorflow_datasets')
+
+  class MoetrainTinyText(tfds.core.GeneratorBasedBuilder):
+    VERSION = tfds.core.Version('1.0.0')
+    # tfds would look for a checksums file next to this module via importlib_resources, which is
+    # not installed; a builder with no download needs no checksums.
+    code_path = None
+
+    def _info(self):
+      return tfds.core.DatasetInfo(
+        builder=self, features=tfds.features.FeaturesDict({'body': tfds.features.Text()})
+      )
+
+    def _split_generators(self, dl_manager):
+      return {'train': self._generate_examples(12), 'validation': self._generate_examples(5)}
+
+    def _generate_examples(self, n):
+      for i in range(n):
+        yield i, {'body': f'document {i} ☃'}
+
+  data_dir = tmp_path_factory.mktemp('tfds')
+  MoetrainTinyText(data_dir=str(data_dir), file_format='array_record').download_and_prepare()
+  return str(data_dir)
+
+
+def test_tfds_source_and_pipeline(tfds_dir):
+  src = sources.TfdsSource('moetrain_tiny_text', 'train', tfds_dir, sources.Fields(text='body'))
+  assert len(src) == 12
+  assert sorted(src[i]['text'] for i in range(12)) == sorted(f'document {i} ☃' for i in range(12))
+  cfg = pipeline.DataConfig(
+    source='tfds',
+    tfds_name='moetrain_tiny_text',
+    tfds_data_dir=tfds_dir,
+    eval_split='validation',
+    text_key='body',
+    seq_len=16,
+    eval_batch_size=4,
+  )
+  batches = pipeline.make_eval_batches(cfg, CharTokenizer())
+  assert len(batches) == 2 and batches[0]['inputs'].shape == (4, 16)
+  with pytest.raises(ValueError, match="tfds 'no_such_dataset'"):
+    sources.TfdsSource('no_such_dataset', 'train', tfds_dir)
+
+
+# Packing.
+
+
+def test_packing_golden_row():
+  examples = [{'prompt': 'ab', 'completion': 'c'}, {'text': 'xy'}]
+  (row,) = packing.pack_examples(examples, CharTokenizer(), seq_len=10, num_bins=1)
+  a, b, c, x, y = (ord(ch) for ch in 'abcxy')
+  np.testing.assert_array_equal(row['inputs'], [1, a, b, c, 2, 1, x, y, 2, 0])
+  np.testing.assert_array_equal(row['targets'], [a, b, c, 2, 1, x, y, 2, 0, 0])
+  np.testing.assert_array_equal(row['segment_ids'], [1, 1, 1, 1, 1, 2, 2, 2, 2, 0])
+  np.testing.assert_array_equal(row['positions'], [0, 1, 2, 3, 4, 0, 1, 2, 3, 0])
+  np.testing.assert_array_equal(row['loss_mask'], [0, 0, 1, 1, 0, 1, 1, 1, 0, 0])
+  assert row['loss_mask'].dtype == np.float32 and row['inputs'].dtype == np.int32
+  (row,) = packing.pack_examples(
+    examples, CharTokenizer(), seq_len=10, num_bins=1, loss_on_prompt=True
+  )
+  np.testing.assert_array_equal(row['loss_mask'], [1, 1, 1, 1, 0, 1, 1, 1, 0, 0])
+
+
+def test_packing_invariants(spm_tokenizer):
+  tok, seq_len = spm_tokenizer, 48
+  examples = demo_task.generate()['eval'][:60] + [{'text': 'red fox ' * 40}, {'text': ''}]
+  rows = packing.pack_examples(examples, tok, seq_len=seq_len, num_bins=4)
+  assert sum(int(r[packing.TRUNCATED_KEY]) for r in rows) == 1
+  packed, loss_tokens = [], 0
+  for row in rows:
+    seg, pos, mask = row['segment_ids'], row['positions'], row['loss_mask']
+    assert all(row[k].shape == (seq_len,) for k in packing.ROW_KEYS)
+    np.testing.assert_array_equal(row['targets'][:-1], row['inputs'][1:])
+    real = seg > 0
+    assert real[: real.sum()].all()  # padding only at the end
+    assert np.all(np.diff(seg[real]) == np.diff(seg[real]).clip(0, 1))  # ids 1, 2, 3, ...
+    assert seg[0] == 1
+    for s in range(1, seg.max() + 1):
+      np.testing.assert_array_equal(pos[seg == s], np.arange((seg == s).sum()))
+    assert not mask[~real].any()
+    assert not mask[:-1][seg[:-1] != seg[1:]].any()  # no target crosses into the next example
+    packed += segments(row)
+    loss_tokens += mask.sum()
+  full = [packing.tokenize(e, tok, max_len=seq_len + 1) for e in examples]
+  # Every example is packed exactly once, and each of its targets keeps its loss weight.
+  assert sorted(packed) == sorted(tuple(int(t) for t in f['tokens']) for f in full)
+  assert loss_tokens == sum(f['is_target'][1:].sum() for f in full)
+
+
+def test_packing_without_bos_eos_skips_empty_examples():
+  tok = CharTokenizer()
+  tok.bos_id = tok.eos_id = None
+  (row,) = packing.pack_examples([{'text': ''}, {'text': 'ab'}], tok, seq_len=4)
+  np.testing.assert_array_equal(row['segment_ids'], [1, 1, 0, 0])
+  np.testing.assert_array_equal(row['loss_mask'], [1, 0, 0, 0])
+
+
+def test_truncated_example_fills_a_row(spm_tokenizer):
+  (row,) = packing.pack_examples([{'text': 'blue cat ' * 100}], spm_tokenizer, seq_len=32)
+  assert (row['segment_ids'] == 1).all() and row[packing.TRUNCATED_KEY] == 1
+  assert row['loss_mask'].sum() == 32  # every target is text, none is padding or eos
+
+
+# Pipeline.
+
+
+def small_cfg(tmp_path, n=120, **overrides):
+  write_jsonl(tmp_path / 'train.jsonl', numbered_records(n))
+  write_jsonl(tmp_path / 'eval.jsonl', numbered_records(n)[:37])
+  # Examples are ~20 tokens: three fit in a row of seq_len + 1 = 65.
+  base = dict(
+    source='jsonl',
+    path=str(tmp_path / '{split}.jsonl'),
+    seq_len=64,
+    global_batch_size=4,
+    eval_batch_size=4,
+  )
+  return pipeline.DataConfig(**{**base, **overrides})
+
+
+def take(it, n):
+  return [next(it) for _ in range(n)]
+
+
+def rows_of(batch):
+  return [{k: v[i] for k, v in batch.items()} for i in range(len(batch['inputs']))]
+
+
+def test_train_iterator_is_deterministic_and_shaped(spm_tokenizer):
+  cfg = pipeline.DataConfig()
+  a = take(pipeline.make_train_iterator(cfg, spm_tokenizer), 3)
+  assert_batches_equal(a, take(pipeline.make_train_iterator(cfg, spm_tokenizer), 3))
+  assert set(a[0]) == set(packing.ROW_KEYS)
+  assert all(v.shape == (16, 128) for v in a[0].values())
+  other = take(pipeline.make_train_iterator(dataclasses.replace(cfg, seed=1), spm_tokenizer), 1)
+  assert not np.array_equal(a[0]['inputs'], other[0]['inputs'])
+
+
+def test_get_state_set_state_resumes_exactly(tmp_path):
+  # 120 examples pack into about 10 batches per epoch: 25 steps cross two epoch boundaries.
+  cfg = small_cfg(tmp_path)
+  tok = CharTokenizer()
+  it = pipeline.make_train_iterator(cfg, tok)
+  states, batches = [], []
+  for _ in range(25):
+    states.append(json.loads(json.dumps(it.get_state())))  # must survive JSON
+    batches.append(next(it))
+  for start in (0, 7, 11, 19):
+    resumed = pipeline.make_train_iterator(cfg, tok)
+    resumed.set_state(states[start])
+    assert_batches_equal(take(resumed, 25 - start), batches[start:])
+  it.set_state(states[3])  # rewinding the same iterator works too
+  assert_batches_equal(take(it, 2), batches[3:5])
+
+
+def test_num_epochs_and_truncation_count(tmp_path):
+  cfg = small_cfg(tmp_path, num_epochs=2, shuffle=False, seq_len=8)
+  it = pipeline.make_train_iterator(cfg, CharTokenizer())
+  batches = list(it)
+  # Each example (18-22 tokens) is cut to seq_len + 1 = 9 tokens and fills a row alone.
+  assert len(batches) == 2 * 120 // 4
+  assert it.num_truncated == 240
+  epoch1 = np.concatenate([b['inputs'] for b in batches[:30]])
+  np.testing.assert_array_equal(epoch1, np.concatenate([b['inputs'] for b in batches[30:]]))
+
+
+def test_per_host_sharding_is_disjoint(tmp_path):
+  cfg = small_cfg(tmp_path, global_batch_size=8, num_epochs=1)
+  tok = CharTokenizer()
+  seen = []
+  for host in range(2):
+    batches = list(pipeline.make_train_iterator(cfg, tok, process_index=host, process_count=2))
+    assert batches and all(b['inputs'].shape == (4, 64) for b in batches)
+    items = {
+      int(tok.decode(s).split()[1]) for b in batches for r in rows_of(b) for s in segments(r)
+    }
+    assert items and all(i % 2 == host for i in items)  # host h reads examples h, h+2, ...
+    seen.append(items)
+  assert len(seen[0] | seen[1]) > 0.8 * 120  # only a partial last batch per host is dropped
+
+
+def test_eval_batches_are_padded_and_split_across_hosts(tmp_path):
+  cfg = small_cfg(tmp_path)
+  tok = CharTokenizer()
+  full = pipeline.make_eval_batches(cfg, tok)
+  assert all(b['inputs'].shape == (4, 64) for b in full)
+  last = full[-1]
+  assert (last['segment_ids'][-1] == 0).all() and not last['loss_mask'][-1].any()
+  packed = sorted(tok.decode(s) for b in full for r in rows_of(b) for s in segments(r))
+  assert packed == sorted(f'item {i} =answer {i}' for i in range(37))  # each exactly once
+  hosts = [pipeline.make_eval_batches(cfg, tok, process_index=h, process_count=2) for h in (0, 1)]
+  assert len(hosts[0]) == len(hosts[1]) == len(full)
+  for i, batch in enumerate(full):
+    for key, value in batch.items():
+      np.testing.assert_array_equal(np.concatenate([hosts[0][i][key], hosts[1][i][key]]), value)
+  assert len(pipeline.make_eval_batches(cfg, tok, max_batches=1)) == 1
+  assert pipeline.make_eval_batches(dataclasses.replace(cfg, eval_split=''), tok) == []
+
+
+def test_make_tokenizer_trains_on_the_train_split(tmp_path):
+  cfg = small_cfg(tmp_path, vocab_size=300)
+  tok = pipeline.make_tokenizer(cfg, tmp_path / 'work')
+  assert (tmp_path / 'work' / 'tokenizer.model').is_file()
+  assert tok.decode(tok.encode('item 7 =')) == 'item 7 ='
+
+
+@pytest.mark.parametrize(
+  'overrides, field',
+  [
+    (dict(seq_len=0), 'data.seq_len'),
+    (dict(global_batch_size=6), 'data.global_batch_size'),
+    (dict(eval_batch_size=0), 'data.eval_batch_size'),
+    (dict(source='csv'), 'data.source'),
+    (dict(source='jsonl'), 'data.path'),
+    (dict(source='jsonl', path='/nonexistent/{split}.jsonl'), 'data.path'),
+    (dict(source='jsonl', path='/nonexistent/x.jsonl', eval_split='eval'), 'data.eval_split'),
+    (dict(source='tfds'), 'data.tfds_name'),
+    (dict(train_split='test'), 'data.train_split'),
+    (dict(tokenizer='/nonexistent/tokenizer.model'), 'data.tokenizer'),
+    (dict(vocab_size=100), 'data.vocab_size'),
+    (dict(num_epochs=0), 'data.num_epochs'),
+    (dict(worker_count=-1), 'data.worker_count'),
+  ],
+)
+def test_validate_names_the_field(overrides, field):
+  with pytest.raises(ValueError, match=field.replace('.', r'\.')):
+    pipeline.validate(pipeline.DataConfig(**overrides), process_count=4)
+
+
+def test_default_config_is_valid():
+  pipeline.validate(pipeline.DataConfig())
+
+
+@pytest.mark.slow
+def test_worker_processes_resume_exactly(tmp_path):
+  from absl import flags
+
+  flags.FLAGS.mark_as_parsed()  # grain reads its absl flags in worker processes
+  cfg = small_cfg(tmp_path, worker_count=2)
+  it = pipeline.make_train_iterator(cfg, CharTokenizer())
+  take(it, 3)
+  state = json.loads(json.dumps(it.get_state()))
+  expected = take(it, 5)
+  it.close()
+  resumed = pipeline.make_train_iterator(cfg, CharTokenizer())
+  resumed.set_state(state)
+  assert_batches_equal(take(resumed, 5), expected)
+  resumed.close()

@@ -1,0 +1,94 @@
+"""Model properties: shapes, causality, packing isolation, LoRA identity, backends agree."""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from moetrain.model.config import ModelConfig
+from moetrain.model.layers import lora_eqns, rope_interleaved
+from moetrain.model.transformer import Transformer
+from tests.helpers import model_and_ids, nonzero_bias, randomize, tiny, with_lora
+
+
+def test_shapes_and_aux():
+  cfg = tiny()
+  model, ids = model_and_ids(cfg)
+  logits, aux = model(ids)
+  assert logits.shape == (2, 10, cfg.vocab_size) and logits.dtype == jnp.float32
+  assert aux['moe']['load'].shape == (cfg.num_layers, cfg.num_experts_total)
+  # every token picks exactly top-k experts
+  np.testing.assert_allclose(aux['moe']['load'].sum(-1), 2 * 10 * cfg.moe_topk)
+
+
+def test_causal():
+  model, ids = model_and_ids(tiny())
+  nonzero_bias(model)
+  logits, _ = model(ids)
+  ids2 = ids.at[:, 6:].set((ids[:, 6:] + 7) % 64)
+  logits2, _ = model(ids2)
+  np.testing.assert_allclose(logits[:, :6], logits2[:, :6], atol=1e-6)
+  assert np.abs(logits[:, 6:] - logits2[:, 6:]).max() > 1e-3
+
+
+def test_packed_segments_do_not_attend_to_each_other():
+  model, ids = model_and_ids(tiny(), t=12)
+  seg = jnp.array([[1] * 5 + [2] * 7] * 2)
+  pos = jnp.array([list(range(5)) + list(range(7))] * 2)
+  packed, _ = model(ids, pos, seg)
+  alone, _ = model(ids[:, 5:])
+  np.testing.assert_allclose(packed[:, 5:], alone, atol=2e-5)
+
+
+def test_lora_with_zero_b_equals_base():
+  base_cfg = tiny()
+  model, ids = model_and_ids(base_cfg)
+  lora_model = Transformer(with_lora(base_cfg), nnx.Rngs(0))
+  # Same base weights: copy them over (adapters stay A random, B zero).
+  nnx.update(lora_model, nnx.state(model, nnx.Param))
+  assert len(jax.tree.leaves(nnx.state(lora_model, nnx.LoRAParam))) > 0
+  a, _ = model(ids)
+  b, _ = lora_model(ids)
+  np.testing.assert_array_equal(a, b)
+  randomize(lora_model, 3, nnx.LoRAParam)  # nonzero B changes the output
+  c, _ = lora_model(ids)
+  assert np.abs(a - c).max() > 1e-3
+
+
+@pytest.mark.parametrize('backend', ['blocked', 'ragged_dot'])
+def test_moe_backends_match_dense_reference(backend):
+  cfg = with_lora(tiny(moe_backend='dense'))
+  model, ids = model_and_ids(cfg)
+  randomize(model, 5, nnx.LoRAParam)
+  nonzero_bias(model)
+  ref, _ = model(ids)
+  other = nnx.merge(nnx.graphdef(Transformer(dataclasses.replace(cfg, moe_backend=backend),
+                                             nnx.Rngs(0))), nnx.state(model))
+  out, _ = other(ids)
+  np.testing.assert_allclose(out, ref, atol=1e-5, rtol=1e-5)
+
+
+def test_rope_interleaved_pairs():
+  x = jnp.arange(8.0).reshape(1, 1, 1, 8)
+  out = rope_interleaved(x, jnp.array([[3]]), 10.0)
+  ang = 3 * 10.0 ** (-np.arange(0, 8, 2) / 8)
+  x0, x1 = np.arange(0, 8, 2.0), np.arange(1, 8, 2.0)
+  want = np.stack([x0 * np.cos(ang) - x1 * np.sin(ang), x1 * np.cos(ang) + x0 * np.sin(ang)], -1)
+  np.testing.assert_allclose(out.reshape(-1), want.reshape(-1), rtol=1e-5)
+
+
+def test_lora_eqns():
+  assert lora_eqns('BTD,DNH->BTNH') == ('BTD,DR->BTR', 'BTR,RNH->BTNH')
+  assert lora_eqns('BTNH,NHD->BTD') == ('BTNH,NHR->BTR', 'BTR,RD->BTD')
+
+
+def test_bad_model_configs_name_the_field():
+  with pytest.raises(ValueError, match='model.moe_topk'):
+    ModelConfig(moe_topk=13).validate()
+  with pytest.raises(ValueError, match='model.remat'):
+    ModelConfig(remat='sometimes').validate()
+  with pytest.raises(ValueError, match='model.qk_rope_head_dim'):
+    ModelConfig(qk_rope_head_dim=7).validate()

@@ -106,7 +106,8 @@ def get_config() -> config_dict.ConfigDict:
 
   # Loop, logging, evaluation and checkpoints.
   t = c.train = config_dict.ConfigDict()
-  t.steps = 200  # optimizer steps
+  t.steps = 200  # optimizer steps (the schedule's length)
+  t.stop_at_step = 0  # end this invocation after this step, e.g. a time-boxed session; 0 = steps
   t.log_every = 10  # progress line + metrics.jsonl record every N steps
   t.eval_every = 100  # eval every N steps (and always at the end); 0 = only at the end
   t.eval_batches = 8  # eval batches per evaluation (cap)

@@ -12,6 +12,25 @@ import orbax.checkpoint as ocp
 from absl import logging
 
 
+def _key(path) -> str:
+  return '.'.join(str(getattr(k, 'key', getattr(k, 'name', getattr(k, 'idx', k)))) for k in path)
+
+
+def flatten(tree) -> dict:
+  """{'params.layers.attn_0.q_a.lora_a.value': array, ...}: a layout that does not depend on
+  how nnx or optax classes flatten, so checkpoints restore into any equal-shaped state."""
+  return {_key(p): x for p, x in jax.tree_util.tree_flatten_with_path(tree)[0]}
+
+
+def unflatten_like(tree, flat: dict):
+  paths, treedef = jax.tree_util.tree_flatten_with_path(tree)
+  missing = [_key(p) for p, _ in paths if _key(p) not in flat]
+  if missing:
+    raise ValueError(f'checkpoint lacks {len(missing)} arrays the run needs, e.g. {missing[:3]}; '
+                     'was it written by a run with a different model or LoRA config?')
+  return jax.tree_util.tree_unflatten(treedef, [flat[_key(p)] for p, _ in paths])
+
+
 class Checkpointer:
   def __init__(self, workdir: str, *, every: int, keep: int, async_save: bool = True):
     self.directory = os.path.join(os.path.abspath(workdir), 'checkpoints')
@@ -40,19 +59,20 @@ class Checkpointer:
 
   def save(self, step: int, state, data_state: dict, meta: dict, force: bool = False) -> bool:
     args = ocp.args.Composite(
-      state=ocp.args.StandardSave(state.saved()),
+      state=ocp.args.StandardSave(flatten(state.saved())),
       data=ocp.args.JsonSave(data_state),
       meta=ocp.args.JsonSave(meta))
     return self.manager.save(step, args=args, force=force)
 
   def restore(self, step: int, abstract_state):
     """Restores onto the shardings of `abstract_state` (any mesh); returns (saved, data, meta)."""
-    target = jax.tree.map(
-      lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), abstract_state.saved())
+    saved = abstract_state.saved()
+    target = {k: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding)
+              for k, x in flatten(saved).items()}
     out = self.manager.restore(step, args=ocp.args.Composite(
       state=ocp.args.StandardRestore(target), data=ocp.args.JsonRestore(),
       meta=ocp.args.JsonRestore()))
-    return out['state'], out['data'], out['meta']
+    return unflatten_like(saved, out['state']), out['data'], out['meta']
 
   def wait(self) -> None:
     self.manager.wait_until_finished()

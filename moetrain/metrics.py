@@ -106,6 +106,25 @@ class Writer:
       self._tb.close()
 
 
+class Throughput:
+  """Tokens per second between log points (timed at dispatch) and the ETA of the run."""
+
+  def __init__(self, start_step: int, total_steps: int):
+    self.start_step, self.total = start_step, total_steps
+    self.t_start = self.t_last = time.time()
+    self.tokens = 0.0
+
+  def add_tokens(self, n: float) -> None:
+    self.tokens += n
+
+  def mark(self, step: int) -> tuple[float, float]:
+    now = time.time()
+    tps = self.tokens / max(now - self.t_last, 1e-9)
+    eta = (now - self.t_start) / max(step - self.start_step, 1) * (self.total - step)
+    self.t_last, self.tokens = now, 0.0
+    return tps, eta
+
+
 def format_eta(seconds: float) -> str:
   seconds = int(max(seconds, 0))
   return f'{seconds // 3600}:{seconds % 3600 // 60:02d}:{seconds % 60:02d}'

@@ -144,63 +144,58 @@ def loop(setup, state: TrainState, step_fn, eval_fn, train_iter, eval_batches, c
          batch_sharding, mesh):
   t, cfg = setup.train, setup.model
   total, start = t['steps'], int(state.step)
-  expert_shards = dict(mesh.shape)['expert']
-  seq_len = setup.data.seq_len
-  pending, last, t0, tok_since, last_log_step = None, {}, time.time(), 0.0, start
-  t_start = t0
-  for step in range(start + 1, total + 1):
+  stop = min(t['stop_at_step'] or total, total)
+  meter = metrics_lib.Throughput(start, total)
+  report = functools.partial(log_train, cfg=cfg, expert_shards=dict(mesh.shape)['expert'],
+                             seq_len=setup.data.seq_len, writer=writer)
+  pending, last = None, {}
+  for step in range(start + 1, stop + 1):
     batch = next(train_iter)
     with jax.transfer_guard('disallow'):
       state, m = step_fn(state, to_global(batch, batch_sharding))
-    tok_since += float(batch['loss_mask'].sum()) * jax.process_count()
-    # Fetch the previous step's metrics only after dispatching this one: the host never blocks.
+    meter.add_tokens(float(batch['loss_mask'].sum()) * jax.process_count())
+    # Fetch the previous log step's metrics only after dispatching this step: no host stall.
     if pending is not None:
-      last = report(*pending, cfg, expert_shards, seq_len, writer, t0, tok_since_prev, total, t_start,
-                    start)
-      t0, last_log_step = time.time(), pending[0]
-      pending = None
-    if step % t['log_every'] == 0 or step == total:
-      pending, tok_since_prev, tok_since = (step, m), tok_since, 0.0
-    saved = ckpt.save(step, state, train_iter.get_state(), {'step': step}, force=step == total)
-    if (t['eval_every'] and step % t['eval_every'] == 0 and step != total) and eval_batches:
-      ev = evaluate(state, eval_batches, eval_fn, batch_sharding)
-      writer.write(step, ev, kind='eval')
-      writer.progress(f"eval  step {step}: loss {ev['loss']:.4f} ppl {ev['perplexity']:.2f} "
-                      f"accuracy {ev['accuracy']:.4f}")
-    if ckpt.preempted(step):
+      last, pending = report(*pending), None
+    if step % t['log_every'] == 0 or step == stop:
+      pending = (step, m, *meter.mark(step))
+    saved = ckpt.save(step, state, train_iter.get_state(), {'step': step}, force=step == stop)
+    if t['eval_every'] and step % t['eval_every'] == 0 and step != total and eval_batches:
+      run_eval(step, state, eval_batches, eval_fn, batch_sharding, writer)
+    if ckpt.preempted(step) and step != stop:
       if not saved:
         ckpt.save(step, state, train_iter.get_state(), {'step': step}, force=True)
       ckpt.wait()
       writer.progress(f'Preempted: saved step {step}; rerun the same command to resume.')
-      return state, last
+      break
   if pending is not None:
-    last = report(*pending, cfg, expert_shards, seq_len, writer, t0, tok_since_prev, total, t_start,
-                  start)
-  if eval_batches:
-    ev = evaluate(state, eval_batches, eval_fn, batch_sharding)
-    writer.write(total, ev, kind='eval')
-    writer.progress(f"eval  step {total}: loss {ev['loss']:.4f} ppl {ev['perplexity']:.2f} "
-                    f"accuracy {ev['accuracy']:.4f} ({int(ev['tokens'])} tokens)")
+    last = report(*pending)
+  if int(state.step) == total and eval_batches:
+    ev = run_eval(total, state, eval_batches, eval_fn, batch_sharding, writer)
     last = {**last, **{f'eval_{k}': v for k, v in ev.items()}}
   return state, last
 
 
-def report(step, m, cfg, expert_shards, seq_len, writer, t0, tokens, total, t_start, start) -> dict:
+def run_eval(step, state, eval_batches, eval_fn, batch_sharding, writer) -> dict:
+  ev = evaluate(state, eval_batches, eval_fn, batch_sharding)
+  writer.write(step, ev, kind='eval')
+  writer.progress(f"eval  step {step}: loss {ev['loss']:.4f}  ppl {ev['perplexity']:.2f}  "
+                  f"accuracy {ev['accuracy']:.4f}  ({int(ev['tokens'])} tokens)")
+  return ev
+
+
+def log_train(step, m, tokens_per_sec, eta, *, cfg, expert_shards, seq_len, writer) -> dict:
   m = jax.device_get(m)
-  dt = max(time.time() - t0, 1e-9)
-  tps = tokens / dt
   scalars = {k: float(v) for k, v in m.items() if k != 'moe'}
   scalars.update(metrics_lib.routing_summary(m['moe'], cfg, expert_shards))
-  scalars['tokens_per_sec'] = tps
-  flops = metrics_lib.flops_per_token(cfg, seq_len, scalars['moe/ffn_experts_mean'])
+  scalars['tokens_per_sec'] = tokens_per_sec
   peak = metrics_lib.peak_flops(jax.devices()[0])
   if peak:
-    scalars['mfu'] = tps * flops / (peak * jax.device_count())
-  elapsed = time.time() - t_start
-  eta = elapsed / max(step - start, 1) * (total - step)
+    flops = metrics_lib.flops_per_token(cfg, seq_len, scalars['moe/ffn_experts_mean'])
+    scalars['mfu'] = tokens_per_sec * flops / (peak * jax.device_count())
   writer.write(step, scalars, load=m['moe']['load'])
   writer.progress(
-    f"step {step}/{total}  loss {scalars['loss']:.4f}  lr {scalars['learning_rate']:.2e}  "
-    f"grad_norm {scalars['grad_norm']:.3f}  tok/s {tps:,.0f}  "
+    f"step {step}  loss {scalars['loss']:.4f}  lr {scalars['learning_rate']:.2e}  "
+    f"grad_norm {scalars['grad_norm']:.3f}  tok/s {tokens_per_sec:,.0f}  "
     f"ffn_experts {scalars['moe/ffn_experts_mean']:.2f}  eta {metrics_lib.format_eta(eta)}")
   return scalars

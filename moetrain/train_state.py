@@ -26,7 +26,8 @@ class TrainState:
 
   def saved(self) -> dict:
     """What a checkpoint holds: everything except the frozen base."""
-    return {k: v for k, v in dataclasses.asdict(self).items() if k != 'frozen'}
+    # Not dataclasses.asdict: it deep-copies leaves and strips nnx Variables of their metadata.
+    return {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != 'frozen'}
 
 
 def trainable_filter(cfg: ModelConfig):

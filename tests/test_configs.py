@@ -1,0 +1,58 @@
+"""Every config file loads and validates; bad settings fail early, naming the field."""
+
+import glob
+import importlib.util
+import os
+
+import pytest
+
+from moetrain import train
+
+ROOT = os.path.join(os.path.dirname(__file__), '..')
+CONFIGS = sorted(p for p in glob.glob(os.path.join(ROOT, 'configs', '*.py'))
+                 if not os.path.basename(p).startswith('__'))
+VARIANTS = {'longcat_lora.py': ['variant=tiny', 'variant=medium', 'variant=flash']}
+
+
+def load(path, arg=None):
+  spec = importlib.util.spec_from_file_location(os.path.basename(path)[:-3], path)
+  mod = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(mod)
+  return mod.get_config(arg) if arg is not None else mod.get_config()
+
+
+@pytest.mark.parametrize('path', CONFIGS, ids=os.path.basename)
+def test_config_loads_and_validates(path):
+  for arg in VARIANTS.get(os.path.basename(path), [None]):
+    config = load(path, arg)
+    devices = 16 if 'flash' in str(arg) else 8
+    setup = train.build(config, num_devices=devices, process_count=1)
+    assert setup.model.num_layers > 0
+
+
+def base_config(**overrides):
+  config = load(os.path.join(ROOT, 'configs', 'longcat_lora.py'), 'variant=tiny')
+  for key, value in overrides.items():
+    section, name = key.split('.')
+    config[section][name] = value
+  return config
+
+
+@pytest.mark.parametrize('overrides, field', [
+  ({'model.moe_topk': 99}, 'model.moe_topk'),
+  ({'model.remat': 'sometimes'}, 'model.remat'),
+  ({'model.moe_dispatch': 'lossy'}, 'model.moe_dispatch'),
+  ({'mesh.shape': (1, 4, 3, 1)}, 'mesh.shape'),
+  ({'mesh.shape': (1, 1, 8, 1), 'model.n_routed_experts': 12}, 'model.n_routed_experts'),
+  ({'mesh.rules': 'nope'}, 'sharding.rules'),
+  ({'data.seq_len': 0}, 'data.seq_len'),
+  ({'data.global_batch_size': 12}, 'data.global_batch_size'),
+  ({'optim.schedule': 'linear'}, 'optim.schedule'),
+  ({'optim.warmup_steps': 10_000}, 'optim.warmup_steps'),
+  ({'lora.targets': '(unclosed'}, 'lora.targets'),
+  ({'model.quant': 'int3'}, 'model.quant'),
+  ({'train.steps': 0}, 'train.steps'),
+])
+def test_bad_config_names_the_field(overrides, field):
+  with pytest.raises(ValueError, match=field.replace('.', r'\.')):
+    train.build(base_config(**overrides), num_devices=8, process_count=1)

@@ -1,0 +1,61 @@
+"""End to end: a few steps of configs/longcat_lora.py (tiny) on 8 devices, with save/restore."""
+
+import json
+import os
+
+import pytest
+
+from moetrain import train
+from tests.test_configs import ROOT, load
+
+
+def small_config(**train_overrides):
+  config = load(os.path.join(ROOT, 'configs', 'longcat_lora.py'), 'variant=tiny')
+  config.data.seq_len = 64
+  config.data.global_batch_size = 8
+  config.data.eval_batch_size = 8
+  config.train.update(dict(steps=6, log_every=1, checkpoint_every=3, eval_every=0,
+                           eval_batches=1, async_checkpoint=True, compilation_cache=''))
+  config.train.update(train_overrides)
+  config.optim.warmup_steps = 2
+  return config
+
+
+def losses(workdir):
+  with open(os.path.join(workdir, 'metrics.jsonl')) as f:
+    recs = [json.loads(line) for line in f]
+  return {r['step']: r['loss'] for r in recs if r['kind'] == 'train'}
+
+
+@pytest.fixture(scope='module')
+def uninterrupted(tmp_path_factory):
+  workdir = str(tmp_path_factory.mktemp('full'))
+  out = train.run(small_config(), workdir)
+  return workdir, out
+
+
+def test_run_logs_checkpoints_and_evaluates(uninterrupted):
+  workdir, out = uninterrupted
+  assert sorted(losses(workdir)) == [1, 2, 3, 4, 5, 6]
+  with open(os.path.join(workdir, 'metrics.jsonl')) as f:
+    recs = [json.loads(line) for line in f]
+  first = recs[0]
+  for key in ('loss', 'tokens_per_sec', 'learning_rate', 'grad_norm', 'moe/load',
+              'moe/ffn_experts_mean', 'moe/router_entropy', 'moe/shard_imbalance'):
+    assert key in first, key
+  assert any(r['kind'] == 'eval' for r in recs)
+  assert 'eval_accuracy' in out
+  assert os.listdir(os.path.join(workdir, 'tb'))
+  assert '6' in os.listdir(os.path.join(workdir, 'checkpoints'))
+  # a second invocation finds the finished run and does nothing
+  assert train.run(small_config(), workdir) == {'step': 6, 'finished': True}
+
+
+def test_resume_continues_bit_for_bit(uninterrupted, tmp_path):
+  full, _ = uninterrupted
+  workdir = str(tmp_path)
+  train.run(small_config(stop_at_step=3), workdir)
+  assert sorted(losses(workdir)) == [1, 2, 3]
+  train.run(small_config(), workdir)
+  want, got = losses(full), losses(workdir)
+  assert [got[s] for s in range(1, 7)] == [want[s] for s in range(1, 7)]

@@ -47,7 +47,15 @@ def routed_experts(x_MD, idx_MA, gates_MA, weights, cfg: ModelConfig, rng=None):
   """sum_a gate[m,a] * FFN_{idx[m,a]}(x[m]) over routed (non-zero) experts.
 
   Returns the output [M, D] in the compute dtype and a [M, A] float mask of dropped assignments.
+  With an 'expert' mesh axis > 1 the experts run expert-parallel (see expert_parallel).
   """
+  mesh = jax.sharding.get_abstract_mesh()
+  if cfg.moe_expert_parallel and not mesh.empty and dict(mesh.shape).get('expert', 1) > 1:
+    return expert_parallel(x_MD, idx_MA, gates_MA, weights, cfg, rng, mesh)
+  return local_routed_experts(x_MD, idx_MA, gates_MA, weights, cfg, rng)
+
+
+def local_routed_experts(x_MD, idx_MA, gates_MA, weights, cfg: ModelConfig, rng=None):
   m, a = idx_MA.shape
   e = cfg.n_routed_experts
   dt = dtype_of(cfg.dtype)
@@ -164,3 +172,69 @@ def capacity_ffn(x_RD, expert_sorted_R, sizes_E, weights, cfg: ModelConfig, rng=
   y_ECD = swiglu(x_ECD, with_lora(mm, weights, cfg.lora.scale, rng, cfg.lora.dropout), dt)
   y_RD = y_ECD.reshape(e * c, -1)[jnp.minimum(slot_R, e * c - 1)]
   return jnp.where(kept_R[:, None], y_RD, 0), kept_R
+
+
+def expert_parallel(x_MD, idx_MA, gates_MA, weights, cfg: ModelConfig, rng, mesh):
+  """shard_map over the mesh: tokens stay sharded over the batch axes, experts over 'expert'.
+  Each shard packs its assignments into fixed [ep, cap, D] send buffers by destination shard,
+  all_to_all's them (fixed sizes: this runs on XLA:CPU, which lacks ragged_all_to_all), runs its
+  local experts on what it received, and all_to_all's the results back."""
+  sizes = dict(mesh.shape)
+  batch = tuple(a for a in ('data', 'fsdp', 'expert') if sizes.get(a, 1) > 1)
+  tok = jax.sharding.PartitionSpec(batch)
+  w_specs = jax.tree.map(lambda _: jax.sharding.PartitionSpec('expert'), weights)
+  rng_data = None if rng is None else jax.random.key_data(rng)
+
+  def local(x, idx, gates, w, key_data):
+    key = None if key_data is None else jax.random.fold_in(
+      jax.random.wrap_key_data(key_data), jax.lax.axis_index(batch))
+    return _ep_shard(x, idx, gates, w, cfg, sizes['expert'], key)
+
+  fn = jax.shard_map(local, mesh=mesh, in_specs=(tok, tok, tok, w_specs, jax.sharding.PartitionSpec()),
+                     out_specs=(tok, tok), check_vma=False)
+  return fn(x_MD, idx_MA, gates_MA, weights, rng_data)
+
+
+def ep_capacity(rows: int, cfg: ModelConfig, ep: int) -> int:
+  """Send-buffer rows per destination shard: all local rows for dropless (no drop is possible),
+  else capacity_factor times a shard's uniform share."""
+  if cfg.moe_dispatch == 'dropless':
+    return rows
+  share = rows * cfg.n_routed_experts / cfg.num_experts_total / ep
+  return max(1, min(rows, math.ceil(cfg.moe_capacity_factor * share)))
+
+
+def _ep_shard(x_MD, idx_MA, gates_MA, weights, cfg: ModelConfig, ep: int, rng):
+  m, a = idx_MA.shape
+  d = x_MD.shape[-1]
+  e = cfg.n_routed_experts
+  e_loc = e // ep
+  dt = dtype_of(cfg.dtype)
+  r = m * a
+  order_R, expert_sorted_R, _ = sort_assignments(idx_MA, e)
+  dest_R = expert_sorted_R // e_loc  # == ep for zero-expert assignments
+  counts = jnp.bincount(dest_R, length=ep + 1)[:ep]
+  start = jnp.cumsum(counts) - counts
+  pos_R = jnp.arange(r) - start[jnp.minimum(dest_R, ep - 1)]
+  cap = ep_capacity(r, cfg, ep)
+  kept_R = (dest_R < ep) & (pos_R < cap)
+  slot_R = jnp.where(kept_R, dest_R * cap + pos_R, ep * cap)
+  send_x = jnp.zeros((ep * cap, d), dt).at[slot_R].set(x_MD.astype(dt)[order_R // a], mode='drop')
+  send_e = jnp.full((ep * cap,), e_loc, jnp.int32).at[slot_R].set(
+    (expert_sorted_R % e_loc).astype(jnp.int32), mode='drop')
+  recv_x = jax.lax.all_to_all(send_x.reshape(ep, cap, d), 'expert', 0, 0).reshape(ep * cap, d)
+  recv_e = jax.lax.all_to_all(send_e.reshape(ep, cap), 'expert', 0, 0).reshape(ep * cap)
+  # Local experts on the received rows (padding rows carry id e_loc and sort last).
+  order2 = jnp.argsort(recv_e, stable=True)
+  sizes = jnp.bincount(recv_e, length=e_loc + 1)[:e_loc].astype(jnp.int32)
+  y_sorted = grouped_ffn(recv_x[order2], sizes, weights, cfg, rng)
+  y_recv = y_sorted[jnp.argsort(order2)].reshape(ep, cap, d)
+  y_back = jax.lax.all_to_all(y_recv, 'expert', 0, 0).reshape(ep * cap, d)
+  y_R = jnp.where(kept_R[:, None], y_back[jnp.minimum(slot_R, ep * cap - 1)], 0)
+  inv_R = jnp.argsort(order_R)
+  y_MAD = y_R[inv_R].reshape(m, a, d)
+  routed_MA = idx_MA < e
+  kept_MA = kept_R[inv_R].reshape(m, a)
+  w_MA = jnp.where(kept_MA & routed_MA, gates_MA, 0.0)
+  y_MD = jnp.einsum('MAD,MA->MD', y_MAD.astype(jnp.float32), w_MA)
+  return y_MD.astype(dt), (routed_MA & ~kept_MA).astype(jnp.float32)

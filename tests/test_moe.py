@@ -1,0 +1,175 @@
+"""MoE engine: per-expert loop reference, dispatch strategies, expert parallelism, balancing."""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from moetrain import sharding
+from moetrain.model import dispatch
+from moetrain.model.moe import MoE, RouterBias
+from moetrain.train_step import StepConfig, bias_update
+from tests.helpers import randomize, tiny, with_lora
+
+EXPERT_LORA = r'experts\.(gate|up|down)$'
+
+
+def make_moe(cfg, seed=0):
+  moe = MoE(cfg, 'layers.moe', nnx.Rngs(seed))
+  randomize(moe, seed + 1, nnx.LoRAParam, 0.05)
+  randomize(moe, seed + 2, RouterBias, 0.05)
+  return moe
+
+
+def reference(moe: MoE, x_MD):
+  """Obviously-correct LongCat MoE: loop over every expert, masked by its gate."""
+  cfg = moe.cfg
+  p = jax.nn.softmax(x_MD @ moe.router[...], axis=-1)
+  _, idx = jax.lax.top_k(p + moe.router_bias[...][None], cfg.moe_topk)
+  g = jnp.take_along_axis(p, idx, axis=-1) * cfg.routed_scaling_factor
+  ex = moe.experts
+  s = cfg.lora.scale
+
+  def proj(x, name, e):
+    y = x @ getattr(ex, name)[...][e]
+    if name in ex.lora_names:
+      y += s * (x @ getattr(ex, f'{name}_lora_a')[...][e]) @ getattr(ex, f'{name}_lora_b')[...][e]
+    return y
+
+  out = jnp.zeros_like(x_MD)
+  for e in range(cfg.num_experts_total):
+    w_M = jnp.sum(jnp.where(idx == e, g, 0.0), axis=-1)
+    if e < cfg.n_routed_experts:
+      y = proj(jax.nn.silu(proj(x_MD, 'gate', e)) * proj(x_MD, 'up', e), 'down', e)
+    else:
+      y = x_MD
+    out += w_M[:, None] * y
+  return out
+
+
+def run(moe, x_BTD):
+  y, stats = moe(x_BTD, jnp.ones(x_BTD.shape[:2], bool))
+  return y, stats
+
+
+def loss_and_grads(moe, x_BTD, fn):
+  """Gradients w.r.t. the input and every variable (router, experts, adapters)."""
+  w = jax.random.normal(jax.random.key(9), x_BTD.shape)
+  gd, st = nnx.split(moe)
+  f = lambda st, x: jnp.sum(fn(nnx.merge(gd, st), x) * w)
+  return jax.grad(f, argnums=(0, 1))(st, x_BTD)
+
+
+# init_std 0.1 keeps outputs O(1), so float32 1e-5 compares the maths, not the rounding of big values.
+CFG = with_lora(tiny(moe_backend='blocked', init_std=0.1), rank=3, targets=EXPERT_LORA, alpha=3.0)
+
+
+@pytest.mark.parametrize('backend', ['blocked', 'ragged_dot', 'dense'])
+@pytest.mark.parametrize('shape', [dict(), dict(n_routed_experts=6, zero_expert_num=2, moe_topk=2),
+                                   dict(zero_expert_num=0, moe_topk=4)])
+def test_moe_matches_per_expert_loop(backend, shape):
+  cfg = dataclasses.replace(CFG, moe_backend=backend, **shape)
+  moe = make_moe(cfg)
+  x = jax.random.normal(jax.random.key(1), (2, 16, cfg.hidden_size))
+  y, _ = run(moe, x)
+  want = reference(moe, x.reshape(32, -1)).reshape(x.shape)
+  np.testing.assert_allclose(y, want, atol=1e-5, rtol=1e-5)
+  g_engine = loss_and_grads(moe, x, lambda m, x: run(m, x)[0])
+  g_ref = loss_and_grads(moe, x, lambda m, x: reference(m, x.reshape(-1, x.shape[-1])).reshape(x.shape))
+  for a, b in zip(jax.tree.leaves(g_engine), jax.tree.leaves(g_ref)):
+    np.testing.assert_allclose(a, b, atol=1e-5, rtol=1e-5)
+
+
+def test_dropless_equals_capacity_when_capacity_suffices():
+  moe = make_moe(CFG)
+  x = jax.random.normal(jax.random.key(2), (2, 16, CFG.hidden_size))
+  y, _ = run(moe, x)
+  big = dataclasses.replace(CFG, moe_dispatch='capacity', moe_capacity_factor=12.0)
+  y_cap, stats = run(nnx.merge(nnx.graphdef(MoE(big, 'layers.moe', nnx.Rngs(0))), nnx.state(moe)), x)
+  assert float(stats['dropped_frac']) == 0.0
+  np.testing.assert_allclose(y_cap, y, atol=1e-6)
+
+
+def test_capacity_drops_exactly_what_it_reports():
+  cfg = dataclasses.replace(CFG, moe_dispatch='capacity', moe_capacity_factor=0.5)
+  moe = make_moe(cfg)
+  m, d = 64, cfg.hidden_size
+  x_MD = jax.random.normal(jax.random.key(3), (m, d))
+  _, _, idx, gates = __import__('moetrain.model.moe', fromlist=['route']).route(
+    x_MD, moe.router[...], moe.router_bias[...], cfg.moe_topk, cfg.routed_scaling_factor)
+  y, dropped = dispatch.routed_experts(x_MD, idx, gates, moe.experts.weights(), cfg)
+  # Expected drops: beyond the first C assignments (in token order) of each expert.
+  c = dispatch.capacity(m, cfg)
+  seen, want = {}, np.zeros(idx.shape)
+  for t in range(m):
+    for j in range(cfg.moe_topk):
+      e = int(idx[t, j])
+      if e < cfg.n_routed_experts:
+        seen[e] = seen.get(e, 0) + 1
+        want[t, j] = seen[e] > c
+  np.testing.assert_array_equal(dropped, want)
+  assert want.sum() > 0
+  # The output is the dropless output with the dropped assignments' gates set to zero.
+  dropless = dataclasses.replace(cfg, moe_dispatch='dropless')
+  y_ref, _ = dispatch.routed_experts(x_MD, idx, jnp.where(want > 0, 0.0, gates),
+                                     moe.experts.weights(), dropless)
+  np.testing.assert_allclose(y, y_ref, atol=1e-5)
+
+
+@pytest.mark.parametrize('mesh_shape', [(1, 4, 2, 1), (1, 2, 4, 1), (1, 1, 8, 1), (2, 1, 2, 2)])
+def test_expert_parallel_equals_single_device(mesh_shape):
+  cfg = dataclasses.replace(CFG, rules=sharding.Rules.preset('fsdp_ep_tp'))
+  moe = make_moe(cfg)
+  x = jax.random.normal(jax.random.key(4), (8, 8, cfg.hidden_size))
+  fn = lambda m, x: run(m, x)[0]
+  y_ref = fn(moe, x)
+  g_ref = loss_and_grads(moe, x, fn)
+  mesh = sharding.make_mesh(mesh_shape)
+  with jax.set_mesh(mesh):
+    gd, st = nnx.split(moe)
+    spec = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(('data', 'fsdp', 'expert')))
+    xs = jax.device_put(x, spec)
+    y = jax.jit(lambda st, x: fn(nnx.merge(gd, st), x))(st, xs)
+    g = jax.jit(lambda x: loss_and_grads(moe, x, fn))(xs)
+    hlo = jax.jit(lambda st, x: fn(nnx.merge(gd, st), x)).lower(st, xs).as_text()
+  assert 'all_to_all' in hlo or 'all-to-all' in hlo
+  np.testing.assert_allclose(y, y_ref, atol=1e-5, rtol=1e-5)
+  for a, b in zip(jax.tree.leaves(g), jax.tree.leaves(g_ref)):
+    np.testing.assert_allclose(a, b, atol=1e-5, rtol=1e-5)
+
+
+def test_bias_update_balances_a_skewed_router():
+  cfg = tiny(n_routed_experts=8, zero_expert_num=4, moe_topk=3)
+  moe = MoE(cfg, 'layers.moe', nnx.Rngs(0))
+  skew = jnp.zeros((cfg.hidden_size, cfg.num_experts_total)).at[:, :2].set(0.5)
+  moe.router[...] = moe.router[...] + skew  # experts 0 and 1 attract most tokens
+  x = jax.random.normal(jax.random.key(5), (4, 64, cfg.hidden_size))
+  step_cfg = StepConfig(model=cfg, bias_update_rate=0.05)
+
+  def imbalance():
+    load = run(moe, x)[1]['load'][: cfg.n_routed_experts]
+    return float(load.max() / load.mean())
+
+  before = imbalance()
+  bias = nnx.state(moe, RouterBias)
+  for step in range(300):
+    load = run(moe, x)[1]['load'][None]
+    bias = bias_update(jax.tree.map(lambda b: b[None], bias), load, step, step_cfg)
+    bias = jax.tree.map(lambda b: b[0], bias)
+    nnx.update(moe, bias)
+  after = imbalance()
+  assert before > 1.3 and after - 1 < 0.25 * (before - 1), (before, after)
+  # zero-expert biases are never updated
+  np.testing.assert_array_equal(moe.router_bias[...][cfg.n_routed_experts:], 0.0)
+
+
+def test_deterministic():
+  moe = make_moe(CFG)
+  x = jax.random.normal(jax.random.key(6), (2, 16, CFG.hidden_size))
+  f = jax.jit(lambda x: loss_and_grads(moe, x, lambda m, x: run(m, x)[0]))
+  a, b = f(x), f(x)
+  for u, v in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
+    np.testing.assert_array_equal(u, v)

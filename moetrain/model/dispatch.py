@@ -1,11 +1,15 @@
-"""Dispatch of routed assignments to experts: dropless and capacity strategies, and the
-grouped-matmul backends (ragged_dot on GPU/TPU, an expert-blocked loop on CPU, a dense reference).
+"""Dispatch of routed assignments to experts: dropless and capacity strategies, the grouped-matmul
+backends (ragged_dot on GPU/TPU, an expert-blocked loop on CPU, a dense reference) and expert
+parallelism over the 'expert' mesh axis.
 
-Every backend runs the same expert function `swiglu(x, matmul)`, where `matmul(x, name)` knows
-how this backend multiplies rows by the weights of their own expert.
+Every path has the same shape: sort assignments by expert, choose a *layout* (which buffer slot
+each assignment occupies), gather tokens into the buffer, run the expert SwiGLU on the buffer,
+gather results back to assignments, and sum them with their gates. Index movement is done with
+gathers in both passes (custom VJPs): XLA:CPU runs scatters serially, which dominated the step.
 """
 
 import math
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -13,6 +17,38 @@ import jax.numpy as jnp
 from moetrain.model import quant
 from moetrain.model.config import ModelConfig
 from moetrain.model.layers import dtype_of, lora_dropout
+
+
+def _take(x, idx):
+  return jnp.take(x, idx, axis=0, mode='fill', fill_value=0)
+
+
+@jax.custom_vjp
+def gather_rows(x, idx, inv):
+  """x[idx] (out-of-range -> zero rows) for an injective idx whose inverse is inv."""
+  return _take(x, idx)
+
+
+gather_rows.defvjp(lambda x, idx, inv: (_take(x, idx), inv),
+                   lambda inv, g: (_take(g, inv), None, None))
+
+
+@jax.custom_vjp
+def dispatch_tokens(x_MD, asg_P, slot_R):
+  """Buffer rows from tokens: slot p holds token asg_P[p] // A (asg_P out of range = empty).
+  A token fills up to A slots, so the backward sums its A assignment slots (slot_R is [M*A])."""
+  m = x_MD.shape[0]
+  a = slot_R.shape[0] // m
+  return _take(x_MD, jnp.where(asg_P < m * a, asg_P // a, m))
+
+
+def _dispatch_bwd(res, g_PD):
+  slot_R, m = res
+  return _take(g_PD, slot_R).reshape(m, -1, g_PD.shape[-1]).sum(1), None, None
+
+
+dispatch_tokens.defvjp(
+  lambda x, asg, slot: (dispatch_tokens(x, asg, slot), (slot, x.shape[0])), _dispatch_bwd)
 
 
 def swiglu(x, mm, dtype):
@@ -34,13 +70,29 @@ def with_lora(base_mm, weights, scale, rng, dropout):
   return mm
 
 
-def sort_assignments(idx_MA, num_experts: int):
-  """Flattened assignments sorted by expert; zero-expert ones (id >= E) go last, unsized."""
-  m, a = idx_MA.shape
-  expert_R = jnp.minimum(idx_MA.reshape(m * a), num_experts)
+def sort_assignments(expert_R, num_experts: int):
+  """Assignments sorted by expert (stable: token order within an expert); ids >= E go last."""
+  expert_R = jnp.minimum(expert_R, num_experts)
   order_R = jnp.argsort(expert_R, stable=True)
   sizes_E = jnp.bincount(expert_R, length=num_experts + 1)[:num_experts].astype(jnp.int32)
   return order_R, expert_R[order_R], sizes_E
+
+
+class Layout(NamedTuple):
+  """Where sorted assignments go: src_P (buffer slot -> sorted row, or n = empty), dest_R
+  (sorted row -> slot, or P = not placed), kept_R, and run(buffer, weights, rng) -> outputs."""
+
+  src_P: jax.Array
+  dest_R: jax.Array
+  kept_R: jax.Array
+  run: object
+
+
+def place(layout: Layout, order_R):
+  """The layout in original assignment order: slot -> assignment, assignment -> slot."""
+  inv_R = jnp.argsort(order_R)
+  asg_P = jnp.take(order_R, layout.src_P, mode='fill', fill_value=order_R.shape[0])
+  return asg_P, layout.dest_R[inv_R], layout.kept_R[inv_R]
 
 
 def routed_experts(x_MD, idx_MA, gates_MA, weights, cfg: ModelConfig, rng=None):
@@ -52,26 +104,24 @@ def routed_experts(x_MD, idx_MA, gates_MA, weights, cfg: ModelConfig, rng=None):
   mesh = jax.sharding.get_abstract_mesh()
   if cfg.moe_expert_parallel and not mesh.empty and dict(mesh.shape).get('expert', 1) > 1:
     return expert_parallel(x_MD, idx_MA, gates_MA, weights, cfg, rng, mesh)
-  return local_routed_experts(x_MD, idx_MA, gates_MA, weights, cfg, rng)
-
-
-def local_routed_experts(x_MD, idx_MA, gates_MA, weights, cfg: ModelConfig, rng=None):
-  m, a = idx_MA.shape
   e = cfg.n_routed_experts
-  dt = dtype_of(cfg.dtype)
-  order_R, expert_sorted_R, sizes_E = sort_assignments(idx_MA, e)
-  x_RD = x_MD.astype(dt)[order_R // a]
-  if cfg.moe_dispatch == 'capacity':
-    y_RD, kept_R = capacity_ffn(x_RD, expert_sorted_R, sizes_E, weights, cfg, rng)
-  else:
-    y_RD, kept_R = grouped_ffn(x_RD, sizes_E, weights, cfg, rng), expert_sorted_R < e
-  inv_R = jnp.argsort(order_R)
-  y_MAD = y_RD[inv_R].reshape(m, a, -1)
-  routed_MA = (idx_MA < e)
-  kept_MA = kept_R[inv_R].reshape(m, a)
-  w_MA = jnp.where(kept_MA & routed_MA, gates_MA, 0.0)
-  y_MD = jnp.einsum('MAD,MA->MD', y_MAD.astype(jnp.float32), w_MA)
-  return y_MD.astype(dt), (routed_MA & ~kept_MA).astype(jnp.float32)
+  order_R, expert_sorted_R, sizes_E = sort_assignments(idx_MA.reshape(-1), e)
+  layout = make_layout(expert_sorted_R, sizes_E, cfg, cfg.moe_dispatch)
+  asg_P, slot_R, kept_R = place(layout, order_R)
+  x_PD = dispatch_tokens(x_MD.astype(dtype_of(cfg.dtype)), asg_P, slot_R)
+  y_PD = layout.run(x_PD, weights, rng)
+  y_RD = gather_rows(y_PD, slot_R, asg_P)
+  return combine(y_RD, kept_R, idx_MA, gates_MA, cfg)
+
+
+def combine(y_RD, kept_R, idx_MA, gates_MA, cfg: ModelConfig):
+  """Weights each kept routed assignment by its gate and sums over A."""
+  m, a = idx_MA.shape
+  routed_MA = idx_MA < cfg.n_routed_experts
+  kept_MA = kept_R.reshape(m, a) & routed_MA
+  w_MA = jnp.where(kept_MA, gates_MA, 0.0)
+  y_MD = jnp.einsum('MAD,MA->MD', y_RD.reshape(m, a, -1).astype(jnp.float32), w_MA)
+  return y_MD.astype(dtype_of(cfg.dtype)), (routed_MA & ~kept_MA).astype(jnp.float32)
 
 
 def resolve_backend(cfg: ModelConfig) -> str:
@@ -80,25 +130,43 @@ def resolve_backend(cfg: ModelConfig) -> str:
   return 'blocked' if jax.default_backend() == 'cpu' else 'ragged_dot'
 
 
-def grouped_ffn(x_RD, sizes_E, weights, cfg: ModelConfig, rng=None):
-  """Dropless: rows sorted by expert, group sizes E; rows past sum(sizes) come back as zeros."""
-  dt = dtype_of(cfg.dtype)
+def make_layout(expert_sorted_R, sizes_E, cfg: ModelConfig, strategy: str) -> Layout:
+  r = expert_sorted_R.shape[0]
+  e = sizes_E.shape[0]
+  if strategy == 'capacity':
+    return capacity_layout(expert_sorted_R, sizes_E, capacity(r // cfg.moe_topk, cfg), cfg)
   backend = resolve_backend(cfg)
-  lora = (cfg.lora.scale, rng, cfg.lora.dropout)
+  if backend == 'blocked':
+    return blocked_layout(sizes_E, r, cfg)
+  # Sorted rows are the buffer; rows past sum(sizes) are zero-expert assignments.
+  valid_R = expert_sorted_R < e
+  rows = jnp.arange(r)
+  ident = Layout(jnp.where(valid_R, rows, r), jnp.where(valid_R, rows, r), valid_R, None)
   if backend == 'ragged_dot':
-    def mm(x, w):
-      return jax.lax.ragged_dot(x, quant.dequant(w, dt), sizes_E, preferred_element_type=dt)
-    return swiglu(x_RD, with_lora(mm, weights, *lora), dt)
+    return ident._replace(run=lambda x, w, rng: ragged_ffn(x, sizes_E, w, cfg, rng))
   if backend == 'dense':
-    expert_R = jnp.searchsorted(jnp.cumsum(sizes_E), jnp.arange(x_RD.shape[0]), side='right')
-    valid_R = expert_R < sizes_E.shape[0]
-    expert_R = jnp.minimum(expert_R, sizes_E.shape[0] - 1)
+    return ident._replace(run=lambda x, w, rng: dense_ffn(x, expert_sorted_R, w, cfg, rng))
+  raise ValueError(f'model.moe_backend={backend!r} is unknown')
 
-    def mm(x, w):
-      return jnp.einsum('rd,rdf->rf', x, quant.dequant(quant.take(w, expert_R), dt))
-    y = swiglu(x_RD, with_lora(mm, weights, *lora), dt)
-    return jnp.where(valid_R[:, None], y, 0)
-  return blocked_ffn(x_RD, sizes_E, weights, cfg, rng)
+
+def ragged_ffn(x_RD, sizes_E, weights, cfg: ModelConfig, rng):
+  dt = dtype_of(cfg.dtype)
+
+  def mm(x, w):
+    return jax.lax.ragged_dot(x, quant.dequant(w, dt), sizes_E, preferred_element_type=dt)
+
+  return swiglu(x_RD, with_lora(mm, weights, cfg.lora.scale, rng, cfg.lora.dropout), dt)
+
+
+def dense_ffn(x_RD, expert_R, weights, cfg: ModelConfig, rng):
+  """Reference backend: every row multiplies its own expert's gathered weights."""
+  dt = dtype_of(cfg.dtype)
+  e_R = jnp.minimum(expert_R, cfg.n_routed_experts - 1)
+
+  def mm(x, w):
+    return jnp.einsum('rd,rdf->rf', x, quant.dequant(quant.take(w, e_R), dt))
+
+  return swiglu(x_RD, with_lora(mm, weights, cfg.lora.scale, rng, cfg.lora.dropout), dt)
 
 
 def block_size(rows: int, experts: int, requested: int) -> int:
@@ -106,16 +174,15 @@ def block_size(rows: int, experts: int, requested: int) -> int:
     return requested
   # Padding costs < E*b rows; a block must still be a decent matmul for the CPU.
   target = max(rows // (4 * experts), 1)
-  return int(min(256, max(32, 2 ** round(math.log2(target)))))
+  return int(min(256, max(16, 2 ** round(math.log2(target)))))
 
 
-def blocked_ffn(x_RD, sizes_E, weights, cfg: ModelConfig, rng=None):
-  """CPU backend: groups padded to blocks of b rows, each block owned by one expert; a scan over
-  blocks runs the expert FFN on blocks in use and skips the rest, so cost follows the routed rows
-  (not E x rows as ragged_dot's dense lowering on CPU does)."""
-  r, d = x_RD.shape
+def blocked_layout(sizes_E, r: int, cfg: ModelConfig) -> Layout:
+  """CPU backend: each expert's rows padded to blocks of b rows, every block owned by one expert.
+  Cost follows the routed rows plus < E*b padding; ragged_dot's CPU lowering is a dense masked
+  matmul that pays for every expert on every row. (A batched matmul over per-block gathered
+  weights was tried and lost: the weight gather moves nblocks * D * F per projection.)"""
   e = sizes_E.shape[0]
-  dt = dtype_of(cfg.dtype)
   b = block_size(r, e, cfg.moe_block_size)
   nblocks = -(-r // b) + e
   blocks_E = -(-sizes_E // b)
@@ -123,27 +190,43 @@ def blocked_ffn(x_RD, sizes_E, weights, cfg: ModelConfig, rng=None):
   pad_start_E = (block_end_E - blocks_E) * b
   group_start_E = jnp.cumsum(sizes_E) - sizes_E
   expert_R = jnp.searchsorted(jnp.cumsum(sizes_E), jnp.arange(r), side='right')
+  ex_R = jnp.minimum(expert_R, e - 1)
   valid_R = expert_R < e
-  expert_R = jnp.minimum(expert_R, e - 1)
-  dest_R = jnp.where(valid_R, pad_start_E[expert_R] + jnp.arange(r) - group_start_E[expert_R],
-                     nblocks * b)
-  x_pad = jnp.zeros((nblocks * b, d), dt).at[dest_R].set(x_RD, mode='drop')
+  dest_R = jnp.where(valid_R, pad_start_E[ex_R] + jnp.arange(r) - group_start_E[ex_R], nblocks * b)
   block_expert = jnp.minimum(jnp.searchsorted(block_end_E, jnp.arange(nblocks), side='right'), e - 1)
+  slot = jnp.arange(nblocks * b)
+  ex_P = block_expert[slot // b]
+  j_P = slot - pad_start_E[ex_P]
+  src_P = jnp.where((slot // b < block_end_E[-1]) & (j_P < sizes_E[ex_P]), group_start_E[ex_P] + j_P,
+                    r)
+
   used = block_end_E[-1]
 
-  def body(_, inp):
-    x_bD, ex, k = inp
-    w = {n: quant.take(v, ex) for n, v in weights.items()}
+  def run(x_PD, weights, rng):
+    return blocked_ffn(x_PD.reshape(nblocks, b, -1), block_expert, used, weights, cfg, rng)
+
+  return Layout(src_P, dest_R, valid_R, run)
+
+
+def blocked_ffn(x_NBD, block_expert_N, used, weights, cfg: ModelConfig, rng):
+  """A scan over blocks; blocks past `used` (the padding left by zero-expert assignments) are
+  skipped by a cond, so their matmuls never run."""
+  n, b, d = x_NBD.shape
+  dt = dtype_of(cfg.dtype)
+
+  def ffn(x_BD, ex, k):
+    w = {name: quant.take(v, ex) for name, v in weights.items()}
     mm = with_lora(lambda x, wt: x @ quant.dequant(wt, dt), w, cfg.lora.scale,
                    None if rng is None else jax.random.fold_in(rng, k), cfg.lora.dropout)
-    y = jax.lax.cond(k < used, lambda: swiglu(x_bD, mm, dt).astype(dt),
-                     lambda: jnp.zeros((b, d), dt))
-    return None, y
+    return swiglu(x_BD, mm, dt).astype(dt)
 
-  _, y_blocks = jax.lax.scan(
-    body, None, (x_pad.reshape(nblocks, b, d), block_expert, jnp.arange(nblocks)))
-  y_RD = y_blocks.reshape(nblocks * b, -1)[jnp.minimum(dest_R, nblocks * b - 1)]
-  return jnp.where(valid_R[:, None], y_RD, 0)
+  def body(_, inp):
+    x_BD, ex, k = inp
+    skip = lambda x, ex, k: jnp.zeros((b, d), dt)
+    return None, jax.lax.cond(k < used, ffn, skip, x_BD, ex, k)
+
+  _, y_NBD = jax.lax.scan(body, None, (x_NBD, block_expert_N, jnp.arange(n)))
+  return y_NBD.reshape(n * b, d)
 
 
 def capacity(num_tokens: int, cfg: ModelConfig) -> int:
@@ -152,26 +235,27 @@ def capacity(num_tokens: int, cfg: ModelConfig) -> int:
   return max(1, math.ceil(cfg.moe_capacity_factor * share))
 
 
-def capacity_ffn(x_RD, expert_sorted_R, sizes_E, weights, cfg: ModelConfig, rng=None):
+def capacity_layout(expert_sorted_R, sizes_E, c: int, cfg: ModelConfig) -> Layout:
   """Fixed buffers [E, C, D]: the first C assignments of each expert (in token order) are kept,
   the rest dropped and reported."""
-  r, d = x_RD.shape
-  e = sizes_E.shape[0]
-  dt = dtype_of(cfg.dtype)
-  c = capacity(r // cfg.moe_topk, cfg)
+  r, e = expert_sorted_R.shape[0], sizes_E.shape[0]
   group_start_E = jnp.cumsum(sizes_E) - sizes_E
   ex_R = jnp.minimum(expert_sorted_R, e - 1)
   pos_R = jnp.arange(r) - group_start_E[ex_R]
   kept_R = (expert_sorted_R < e) & (pos_R < c)
-  slot_R = jnp.where(kept_R, ex_R * c + pos_R, e * c)
-  x_ECD = jnp.zeros((e * c, d), dt).at[slot_R].set(x_RD, mode='drop').reshape(e, c, d)
+  slot = jnp.arange(e * c)
+  ex_S, pos_S = slot // c, slot % c
+  src_S = jnp.where(pos_S < sizes_E[ex_S], group_start_E[ex_S] + pos_S, r)
+  dt = dtype_of(cfg.dtype)
 
-  def mm(x, w):
-    return jnp.einsum('ECD,EDF->ECF', x, quant.dequant(w, dt))
+  def run(x_SD, weights, rng):
+    def mm(x, w):
+      return jnp.einsum('ECD,EDF->ECF', x, quant.dequant(w, dt))
 
-  y_ECD = swiglu(x_ECD, with_lora(mm, weights, cfg.lora.scale, rng, cfg.lora.dropout), dt)
-  y_RD = y_ECD.reshape(e * c, -1)[jnp.minimum(slot_R, e * c - 1)]
-  return jnp.where(kept_R[:, None], y_RD, 0), kept_R
+    mm = with_lora(mm, weights, cfg.lora.scale, rng, cfg.lora.dropout)
+    return swiglu(x_SD.reshape(e, c, -1), mm, dt).reshape(e * c, -1)
+
+  return Layout(src_S, jnp.where(kept_R, ex_R * c + pos_R, e * c), kept_R, run)
 
 
 def expert_parallel(x_MD, idx_MA, gates_MA, weights, cfg: ModelConfig, rng, mesh):
@@ -205,36 +289,25 @@ def ep_capacity(rows: int, cfg: ModelConfig, ep: int) -> int:
 
 
 def _ep_shard(x_MD, idx_MA, gates_MA, weights, cfg: ModelConfig, ep: int, rng):
-  m, a = idx_MA.shape
   d = x_MD.shape[-1]
   e = cfg.n_routed_experts
   e_loc = e // ep
-  dt = dtype_of(cfg.dtype)
-  r = m * a
-  order_R, expert_sorted_R, _ = sort_assignments(idx_MA, e)
-  dest_R = expert_sorted_R // e_loc  # == ep for zero-expert assignments
-  counts = jnp.bincount(dest_R, length=ep + 1)[:ep]
-  start = jnp.cumsum(counts) - counts
-  pos_R = jnp.arange(r) - start[jnp.minimum(dest_R, ep - 1)]
-  cap = ep_capacity(r, cfg, ep)
-  kept_R = (dest_R < ep) & (pos_R < cap)
-  slot_R = jnp.where(kept_R, dest_R * cap + pos_R, ep * cap)
-  send_x = jnp.zeros((ep * cap, d), dt).at[slot_R].set(x_MD.astype(dt)[order_R // a], mode='drop')
-  send_e = jnp.full((ep * cap,), e_loc, jnp.int32).at[slot_R].set(
-    (expert_sorted_R % e_loc).astype(jnp.int32), mode='drop')
+  # Send layout: slots [ep, cap] by destination shard (zero-expert assignments go nowhere).
+  order_R, expert_sorted_R, sizes_E = sort_assignments(idx_MA.reshape(-1), e)
+  shard_sizes = sizes_E.reshape(ep, e_loc).sum(-1)
+  cap = ep_capacity(expert_sorted_R.shape[0], cfg, ep)
+  send = capacity_layout(jnp.minimum(expert_sorted_R // e_loc, ep), shard_sizes, cap, cfg)
+  asg_S, slot_R, kept_R = place(send, order_R)
+  send_x = dispatch_tokens(x_MD.astype(dtype_of(cfg.dtype)), asg_S, slot_R)
+  send_e = jnp.take((expert_sorted_R % e_loc).astype(jnp.int32), send.src_P, mode='fill',
+                    fill_value=e_loc)
   recv_x = jax.lax.all_to_all(send_x.reshape(ep, cap, d), 'expert', 0, 0).reshape(ep * cap, d)
   recv_e = jax.lax.all_to_all(send_e.reshape(ep, cap), 'expert', 0, 0).reshape(ep * cap)
-  # Local experts on the received rows (padding rows carry id e_loc and sort last).
-  order2 = jnp.argsort(recv_e, stable=True)
-  sizes = jnp.bincount(recv_e, length=e_loc + 1)[:e_loc].astype(jnp.int32)
-  y_sorted = grouped_ffn(recv_x[order2], sizes, weights, cfg, rng)
-  y_recv = y_sorted[jnp.argsort(order2)].reshape(ep, cap, d)
+  # Local experts on the received rows (padding rows carry id e_loc and are never placed).
+  order2, sorted2, sizes2 = sort_assignments(recv_e, e_loc)
+  local = make_layout(sorted2, sizes2, cfg, 'dropless')
+  asg2, slot2, _ = place(local, order2)
+  y_buf = local.run(gather_rows(recv_x, asg2, slot2), weights, rng)
+  y_recv = gather_rows(y_buf, slot2, asg2).reshape(ep, cap, d)
   y_back = jax.lax.all_to_all(y_recv, 'expert', 0, 0).reshape(ep * cap, d)
-  y_R = jnp.where(kept_R[:, None], y_back[jnp.minimum(slot_R, ep * cap - 1)], 0)
-  inv_R = jnp.argsort(order_R)
-  y_MAD = y_R[inv_R].reshape(m, a, d)
-  routed_MA = idx_MA < e
-  kept_MA = kept_R[inv_R].reshape(m, a)
-  w_MA = jnp.where(kept_MA & routed_MA, gates_MA, 0.0)
-  y_MD = jnp.einsum('MAD,MA->MD', y_MAD.astype(jnp.float32), w_MA)
-  return y_MD.astype(dt), (routed_MA & ~kept_MA).astype(jnp.float32)
+  return combine(gather_rows(y_back, slot_R, asg_S), kept_R, idx_MA, gates_MA, cfg)

@@ -1,0 +1,1 @@
+"""Checkpoint interop with other frameworks (Hugging Face safetensors, PEFT adapters)."""

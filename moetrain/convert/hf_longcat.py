@@ -1,0 +1,555 @@
+"""LongCat-Flash <-> Hugging Face: config, the weight-name table, streaming load/save, PEFT."""
+
+import dataclasses
+import functools
+import json
+import math
+import os
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from absl import logging
+from flax import nnx
+from jax.experimental import multihost_utils
+from jax.sharding import NamedSharding, SingleDeviceSharding
+from jax.sharding import PartitionSpec as P
+
+from moetrain import train_state
+from moetrain.convert import safetensors_io as stio
+from moetrain.model import quant
+from moetrain.model.config import ModelConfig
+from moetrain.model.transformer import Transformer
+
+# ---------------------------------------------------------------------------------------------
+# config.json
+
+# HF key -> ModelConfig field, for keys every LongCat config.json carries.
+_REQUIRED = {
+  'vocab_size': 'vocab_size', 'hidden_size': 'hidden_size', 'num_layers': 'num_layers',
+  'num_attention_heads': 'num_heads', 'q_lora_rank': 'q_lora_rank',
+  'kv_lora_rank': 'kv_lora_rank', 'qk_nope_head_dim': 'qk_nope_head_dim',
+  'qk_rope_head_dim': 'qk_rope_head_dim', 'v_head_dim': 'v_head_dim',
+  'ffn_hidden_size': 'ffn_hidden_size', 'expert_ffn_hidden_size': 'expert_ffn_hidden_size',
+  'n_routed_experts': 'n_routed_experts', 'zero_expert_num': 'zero_expert_num',
+  'moe_topk': 'moe_topk',
+}
+# Optional keys: (ModelConfig field, transformers 4.57 default).
+_OPTIONAL = {
+  'routed_scaling_factor': ('routed_scaling_factor', 6.0), 'rms_norm_eps': ('rms_norm_eps', 1e-5),
+  'rope_theta': ('rope_theta', 1e7), 'initializer_range': ('init_std', 0.02),
+  'max_position_embeddings': ('max_position_embeddings', 131072),
+}
+# Keys whose other values would change the maths; moetrain, like transformers 4.57, implements
+# only these values (the HF default applies when a key is absent).
+_FIXED = {
+  'hidden_act': 'silu', 'attention_bias': False, 'tie_word_embeddings': False,
+  'rope_scaling': None, 'router_bias': False, 'norm_topk_prob': False,
+  'zero_expert_type': 'identity', 'attention_method': 'MLA', 'mla_scale_q_lora': True,
+  'mla_scale_kv_lora': True,
+}
+HF_MLA_NORM_EPS = 1e-6  # q_a_layernorm / kv_a_layernorm are built without eps in HF
+
+
+def read_config(path: str) -> dict:
+  with open(os.path.join(path, 'config.json')) as f:
+    return json.load(f)
+
+
+def config_from_hf(config_json: dict, **overrides) -> ModelConfig:
+  """ModelConfig of a LongCat-Flash config.json; `overrides` set engine fields (dtype, lora...)."""
+  c = config_json
+  if c.get('model_type', 'longcat_flash') != 'longcat_flash':
+    raise ValueError(f"config.json model_type={c['model_type']!r}: only longcat_flash is supported")
+  missing = [k for k in _REQUIRED if c.get(k) is None]
+  if missing:
+    raise ValueError(f'config.json lacks {missing} (q_lora_rank=null, plain q_proj, is unsupported)')
+  for key, want in _FIXED.items():
+    if c.get(key, want) != want:
+      raise ValueError(f'config.json {key}={c[key]!r} is unsupported: moetrain implements '
+                       f'LongCat-Flash with {key}={want!r}, as transformers 4.57 does')
+  nope, rope = c['qk_nope_head_dim'], c['qk_rope_head_dim']
+  if c.get('head_dim', 64) != rope:  # HF sizes its rotary table from head_dim
+    raise ValueError(f"config.json head_dim={c.get('head_dim', 64)} must equal qk_rope_head_dim="
+                     f'{rope} (transformers builds RoPE from head_dim)')
+  if c.get('qk_head_dim', nope + rope) != nope + rope:
+    raise ValueError(f"config.json qk_head_dim={c['qk_head_dim']} != qk_nope_head_dim + "
+                     f'qk_rope_head_dim = {nope + rope}')
+  kw = {field: c[key] for key, field in _REQUIRED.items()}
+  kw.update({field: float(c.get(key, d)) for key, (field, d) in _OPTIONAL.items()})
+  kw['max_position_embeddings'] = int(kw['max_position_embeddings'])
+  kw['mla_norm_eps'] = HF_MLA_NORM_EPS
+  cfg = ModelConfig(**{**kw, **overrides})
+  cfg.validate('config_from_hf')
+  return cfg
+
+
+def config_to_hf(cfg: ModelConfig, dtype: str, base: dict | None = None) -> dict:
+  """config.json for transformers; keys of `base` (bos/eos, auto_map...) are kept."""
+  bad = [f for f, ok in (('mla_scale_q_lora', cfg.mla_scale_q_lora),
+                         ('mla_scale_kv_lora', cfg.mla_scale_kv_lora),
+                         ('mla_norm_eps', cfg.mla_norm_eps == HF_MLA_NORM_EPS)) if not ok]
+  if bad:
+    raise ValueError(f'model.{bad[0]}: transformers LongCat-Flash cannot express this setting')
+  out = {'bos_token_id': 1, 'eos_token_id': 2, **(base or {}), **_FIXED}
+  out.update({key: getattr(cfg, field) for key, field in _REQUIRED.items()})
+  out.update({key: getattr(cfg, field) for key, (field, _) in _OPTIONAL.items()})
+  out.update(architectures=['LongcatFlashForCausalLM'], model_type='longcat_flash',
+             num_hidden_layers=2 * cfg.num_layers, num_key_value_heads=cfg.num_heads,
+             head_dim=cfg.qk_rope_head_dim, qk_head_dim=cfg.qk_head_dim, attention_dropout=0.0,
+             dtype=dtype)
+  return out
+
+
+# ---------------------------------------------------------------------------------------------
+# The weight-name table: the only place that knows HF parameter names.
+
+# (HF name, moetrain path, input dims of the kernel). HF stores a Linear as [prod(out), prod(in)],
+# the transposed, flattened moetrain kernel [in..., out...]; None: the same layout on both sides.
+_GLOBAL = (
+  ('model.embed_tokens.weight', 'embed.embedding', None),
+  ('model.norm.weight', 'final_norm.scale', None),
+  ('lm_head.weight', 'lm_head.kernel', 1),
+)
+_SUBLAYER = (  # s = 0, 1, under model.layers.{l}
+  ('input_layernorm.{s}.weight', 'input_norm_{s}.scale', None),
+  ('post_attention_layernorm.{s}.weight', 'post_norm_{s}.scale', None),
+  ('self_attn.{s}.q_a_proj.weight', 'attn_{s}.q_a.kernel', 1),  # [Q, D] <-> [D, Q]
+  ('self_attn.{s}.q_a_layernorm.weight', 'attn_{s}.q_a_norm.scale', None),
+  ('self_attn.{s}.q_b_proj.weight', 'attn_{s}.q_b.kernel', 1),  # [N*(P+R), Q] <-> [Q, N, P+R]
+  ('self_attn.{s}.kv_a_proj_with_mqa.weight', 'attn_{s}.kv_a.kernel', 1),  # [K+R, D]
+  ('self_attn.{s}.kv_a_layernorm.weight', 'attn_{s}.kv_a_norm.scale', None),
+  ('self_attn.{s}.kv_b_proj.weight', 'attn_{s}.kv_b.kernel', 1),  # [N*(P+V), K] <-> [K, N, P+V]
+  ('self_attn.{s}.o_proj.weight', 'attn_{s}.o.kernel', 2),  # [D, N*V] <-> [N, V, D]
+  ('mlps.{s}.gate_proj.weight', 'mlp_{s}.gate.kernel', 1),
+  ('mlps.{s}.up_proj.weight', 'mlp_{s}.up.kernel', 1),
+  ('mlps.{s}.down_proj.weight', 'mlp_{s}.down.kernel', 1),
+)
+_LAYER = (
+  ('mlp.router.classifier.weight', 'moe.router', 1),  # [E+Z, D] <-> [D, E+Z]
+  ('mlp.router.e_score_correction_bias', 'moe.router_bias', None),
+)
+_EXPERT = (  # e < n_routed_experts: zero experts have no weights
+  ('mlp.experts.{e}.gate_proj.weight', 'moe.experts.gate', 1),
+  ('mlp.experts.{e}.up_proj.weight', 'moe.experts.up', 1),
+  ('mlp.experts.{e}.down_proj.weight', 'moe.experts.down', 1),
+)
+PEFT_PREFIX = 'base_model.model.'
+
+
+@dataclasses.dataclass(frozen=True)
+class Tensor:
+  """A moetrain variable and the HF tensors that fill it, one per layer l and routed expert e."""
+
+  hf: str  # name template with {l} and {e}
+  path: str  # dotted moetrain state path
+  n_in: int | None  # kernel input dims (see _GLOBAL)
+  stacked: bool = False  # leading layer axis L
+  experts: bool = False  # then the routed-expert axis E
+
+  @property
+  def key(self) -> tuple[str, ...]:
+    return tuple(self.path.split('.'))
+
+  @property
+  def lead(self) -> int:  # leading axes indexed by ix
+    return self.stacked + self.experts
+
+  def indices(self, cfg: ModelConfig) -> list[tuple[int, ...]]:
+    ls = [(l,) for l in range(cfg.num_layers)] if self.stacked else [()]
+    return [(*l, e) for l in ls for e in range(cfg.n_routed_experts)] if self.experts else ls
+
+  def name(self, ix: tuple[int, ...]) -> str:
+    return self.hf.format(l=ix[0] if ix else 0, e=ix[1] if len(ix) > 1 else 0)
+
+
+def table() -> tuple[Tensor, ...]:
+  layer = 'model.layers.{l}.'
+  rows = [Tensor(hf, path, n) for hf, path, n in _GLOBAL]
+  for s in (0, 1):
+    rows += [Tensor(layer + hf.format(s=s), 'layers.' + path.format(s=s), n, True)
+             for hf, path, n in _SUBLAYER]
+  rows += [Tensor(layer + hf, 'layers.' + path, n, True) for hf, path, n in _LAYER]
+  rows += [Tensor(layer + hf, 'layers.' + path, n, True, True) for hf, path, n in _EXPERT]
+  return tuple(rows)
+
+
+def lora_rows(t: Tensor) -> tuple[Tensor, Tensor] | None:
+  """PEFT's lora_A [R, prod(in)] and lora_B [prod(out), R] for a Linear or expert row. moetrain's
+  A [in..., R] and B [R, out...] map like kernels with t.n_in and 1 input dims."""
+  if not (t.path.endswith('.kernel') or t.experts):
+    return None
+  module = PEFT_PREFIX + t.hf.removesuffix('.weight')
+  base = t.path.removesuffix('.kernel') + '.' if t.path.endswith('.kernel') else t.path + '_'
+  return (Tensor(f'{module}.lora_A.weight', base + 'lora_a', t.n_in, t.stacked, t.experts),
+          Tensor(f'{module}.lora_B.weight', base + 'lora_b', 1, t.stacked, t.experts))
+
+
+def hf_shape(shape, n_in: int | None) -> tuple[int, ...]:
+  """HF shape of a per-layer (per-expert) moetrain slice of `shape`."""
+  if n_in is None:
+    return tuple(shape)
+  return (math.prod(shape[n_in:]), math.prod(shape[:n_in]))
+
+
+def to_hf(w, n_in: int | None):
+  return w if n_in is None else w.reshape(math.prod(w.shape[:n_in]), -1).T
+
+
+def _quant_dims(t: Tensor) -> tuple[int, int]:
+  """(batch dims, input dims) of a per-layer piece, as Embed / Linear / Experts quantise it."""
+  return (1, 1) if t.experts or t.n_in is None else (0, t.n_in)
+
+
+def _read(reader, name, shape, n_in, index, dtype) -> np.ndarray:
+  """Block `index` (slices) of the moetrain view, of shape `shape`, of HF tensor `name`. Reads
+  only the HF rows / columns that the first sliced in/out dims cover."""
+  if n_in is None:
+    return reader.read(name, index).astype(dtype)
+  ins, outs = shape[:n_in], shape[n_in:]
+
+  def span(dims, ix):
+    a, b, _ = ix[0].indices(dims[0])
+    inner = math.prod(dims[1:])
+    return slice(a * inner, b * inner), b - a
+
+  rows, n_out0 = span(outs, index[n_in:])
+  cols, n_in0 = span(ins, index[:n_in])
+  w = reader.read(name, (rows, cols)).T.reshape(n_in0, *ins[1:], n_out0, *outs[1:])
+  return np.ascontiguousarray(
+    w[(slice(None), *index[1:n_in], slice(None), *index[n_in + 1 :])], dtype=dtype)
+
+
+# ---------------------------------------------------------------------------------------------
+# Loading
+
+
+class Loaded(NamedTuple):
+  """The split of train_state.split_model, filled from a checkpoint."""
+
+  params: nnx.State  # trainable: LoRA adapters at their init (A random, B 0), or the HF weights
+  moe_bias: nnx.State  # e_score_correction_bias of every layer
+  frozen: nnx.State  # the rest: the HF base, quantised when cfg.quant is int8/int4
+  skipped: list[str]  # checkpoint tensors moetrain has no place for (model.mtp.*)
+
+
+def _value(v):
+  return v.get_value() if isinstance(v, nnx.Variable) else v
+
+
+def _flat(tree) -> dict:
+  state = nnx.state(tree) if isinstance(tree, nnx.Module) else tree
+  return {p: _value(v) for p, v in nnx.to_flat_state(state)}
+
+
+def _float_shapes(cfg: ModelConfig) -> dict:
+  plain = dataclasses.replace(cfg, quant='none')
+  return {p: x.shape for p, x in _flat(nnx.eval_shape(lambda: Transformer(plain, nnx.Rngs(0))))
+          .items()}
+
+
+def _shardings(abstract_state, mesh, rules) -> dict:
+  if mesh is None:
+    one = SingleDeviceSharding(jax.devices()[0])
+    return {p: one for p, _ in nnx.to_flat_state(abstract_state)}
+  return _flat(train_state.state_shardings(abstract_state, mesh, rules))
+
+
+def _drop_lead(sharding, n: int, drop_at: int | None = None):
+  """The sharding of a per-layer piece (first n dims dropped; optionally one more at drop_at)."""
+  if not isinstance(sharding, NamedSharding):
+    return sharding
+  spec = list(sharding.spec) + [None] * 8
+  if drop_at is not None:
+    del spec[n + drop_at]
+  return NamedSharding(sharding.mesh, P(*spec[n:]))
+
+
+@functools.lru_cache(maxsize=None)
+def _zeros(shape, dtype, sharding):
+  return jax.jit(lambda: jnp.zeros(shape, dtype), out_shardings=sharding)
+
+
+@functools.lru_cache(maxsize=None)
+def _setter(sharding):
+  def set_layer(buf, x, l):
+    return jax.lax.dynamic_update_index_in_dim(buf, x.astype(buf.dtype), l, 0)
+
+  return jax.jit(set_layer, out_shardings=sharding, donate_argnums=0)
+
+
+@functools.lru_cache(maxsize=None)
+def _quantizer(bits, n_batch, n_in, group, q_sharding, scale_sharding):
+  def f(w):
+    t = quant.quantize(w, bits, n_batch, n_in, group)
+    return t.q, t.scale
+
+  return jax.jit(f, out_shardings=(q_sharding, scale_sharding))
+
+
+def _piece(reader, t: Tensor, ix, shape, sharding, dtype) -> jax.Array:
+  """Layer ix of row t ([E, ...] for experts) as a jax.Array placed by `sharding`: every device
+  block is read straight from the (memory-mapped) file, one HF tensor slice at a time."""
+  cache = {}  # devices holding the same block (replicated axes) share one host copy
+
+  def block(index):
+    key = tuple(s.indices(n)[:2] for s, n in zip(index, shape))
+    if key not in cache:
+      if t.experts:
+        es = range(*key[0])
+        out = np.empty((len(es), *(b - a for a, b in key[1:])), dtype)
+        for i, e in enumerate(es):
+          out[i] = _read(reader, t.name((*ix, e)), shape[1:], t.n_in, index[1:], dtype)
+        cache[key] = out
+      else:
+        cache[key] = _read(reader, t.name(ix), shape, t.n_in, index, dtype)
+    return cache[key]
+
+  return jax.make_array_from_callback(tuple(shape), sharding, block)
+
+
+def _load_row(reader, t: Tensor, cfg, abstract: dict, shardings: dict, float_shape) -> dict:
+  """{state path: jax.Array} of row t: its variable, or the (q, scale) of a quantised kernel.
+  Stacked rows are built layer by layer into a donated buffer, so only one layer's piece is in
+  flight (on host: the local devices' blocks of that piece)."""
+  quantized = t.key not in abstract
+  keys = [t.key + ('q',), t.key + ('scale',)] if quantized else [t.key]
+  n = int(t.stacked)
+  piece_shape = float_shape[n:]
+  piece_sh = [_drop_lead(shardings[k], n) for k in keys]
+  if quantized:
+    bits = 8 if cfg.quant == 'int8' else 4
+    nb, n_in = _quant_dims(t)
+    float_sh = _drop_lead(shardings[keys[0]], n, None if bits == 8 else nb + 1)
+    quantize = _quantizer(bits, nb, n_in, cfg.quant_group_size, *piece_sh)
+    make = lambda ix: quantize(_piece(reader, t, ix, piece_shape, float_sh, np.float32))
+  else:
+    dt = abstract[t.key].dtype
+    make = lambda ix: (_piece(reader, t, ix, piece_shape, piece_sh[0], dt),)
+  if not t.stacked:
+    return dict(zip(keys, make(())))
+  bufs = [_zeros(abstract[k].shape, abstract[k].dtype, shardings[k])() for k in keys]
+  for l in range(cfg.num_layers):
+    bufs = [_setter(shardings[k])(b, x, l) for k, b, x in zip(keys, bufs, make((l,)))]
+  return dict(zip(keys, bufs))
+
+
+def _check(reader, rows, cfg, shapes: dict) -> list[str]:
+  """Raises on a missing or misshapen tensor; returns the checkpoint keys no row uses."""
+  expected = set()
+  for t in rows:
+    want = hf_shape(shapes[t.key][t.lead :], t.n_in)
+    for ix in t.indices(cfg):
+      name = t.name(ix)
+      expected.add(name)
+      if name not in reader:
+        raise ValueError(f'{name}: missing from {reader.directory} (moetrain {t.path} needs it, '
+                         f'shape {want})')
+      if reader.shape(name) != want:
+        raise ValueError(f'{name}: shape {reader.shape(name)} in {reader.directory}, expected '
+                         f'{want} for moetrain {t.path}; does config.json match the weights?')
+  skipped = sorted(set(reader.keys()) - expected)
+  fp8 = [k for k in skipped if k.endswith('weight_scale_inv')]
+  if fp8:
+    raise ValueError(f'{fp8[0]}: block-quantised (FP8) checkpoints are unsupported; load the '
+                     'bf16 release or dequantise first')
+  return skipped
+
+
+def _init_lora(cfg, seed, mesh, rules) -> dict:
+  """LoRA adapters as Transformer(cfg, Rngs(seed)) initialises them; the base weights the init
+  also computes are dead code in the jitted function, so they are never materialised."""
+  init = lambda: nnx.state(Transformer(cfg, nnx.Rngs(seed)), nnx.LoRAParam)
+  out = None if mesh is None else train_state.state_shardings(jax.eval_shape(init), mesh, rules)
+  return _flat(jax.jit(init, out_shardings=out)())
+
+
+def load_params(path, cfg: ModelConfig, mesh=None, rules=None, dtype=None, seed=0) -> Loaded:
+  """Reads model.safetensors or indexed shards in `path` into the model's state split.
+
+  Host memory: each target is built per layer with jax.make_array_from_callback, whose callback
+  reads, from the memory-mapped files, only the block of each HF tensor that one device holds
+  (per expert for expert stacks); layers are written into a donated on-device buffer, and
+  int8/int4 quantisation runs on device per layer. A host so holds at most its local devices'
+  blocks of one layer of one variable, never a whole shard file or stacked tensor; on a pod each
+  host reads only its own slices.
+
+  Args:
+    cfg: the model (config_from_hf plus engine settings); cfg.quant quantises the frozen base.
+    mesh, rules: place every array by its logical axes (rules default to cfg.rules); no mesh:
+      the first device.
+    dtype: storage dtype of float weights (default cfg.param_dtype; the router stays float32).
+    seed: the LoRA init, as Transformer(cfg, nnx.Rngs(seed)).
+  """
+  if dtype is not None:
+    cfg = dataclasses.replace(cfg, param_dtype=jnp.dtype(dtype).name)
+  rules = cfg.rules if rules is None else rules
+  reader = stio.Reader(path)
+  graphdef, abstract_state = nnx.split(nnx.eval_shape(lambda: Transformer(cfg, nnx.Rngs(seed))))
+  variables = dict(nnx.to_flat_state(abstract_state))
+  abstract = {p: _value(v) for p, v in variables.items()}
+  shardings = _shardings(abstract_state, mesh, rules)
+  shapes = _float_shapes(cfg)
+  rows = table()
+  skipped = _check(reader, rows, cfg, shapes)
+  values = {}
+  for t in rows:
+    values.update(_load_row(reader, t, cfg, abstract, shardings, shapes[t.key]))
+  if cfg.lora.enabled:
+    values.update(_init_lora(cfg, seed, mesh, rules))
+  unfilled = sorted('.'.join(p) for p in set(variables) - set(values))
+  if unfilled:
+    raise ValueError(f'no checkpoint tensor fills {unfilled}')
+  state = nnx.from_flat_state({p: v.replace(values[p]) for p, v in variables.items()})
+  if skipped:
+    logging.warning('%s: skipped %d tensors moetrain does not use, e.g. %s', path, len(skipped),
+                    skipped[:5])
+  _, params, moe_bias, frozen = train_state.split_model(nnx.merge(graphdef, state), cfg)
+  return Loaded(params, moe_bias, frozen, skipped)
+
+
+def load_model(path, dtype=jnp.float32, mesh=None, **overrides) -> Transformer:
+  """model = load_model(path); logits_BTV, _ = model(ids_BT). `dtype` is the compute dtype (and
+  the storage dtype when float32/bfloat16); `overrides` are further ModelConfig fields."""
+  name = jnp.dtype(dtype).name
+  kw = {'dtype': name, 'param_dtype': name if name in ('float32', 'bfloat16') else 'float32'}
+  cfg = config_from_hf(read_config(path), **{**kw, **overrides})
+  loaded = load_params(path, cfg, mesh=mesh)
+  return train_state.merge_model(train_state.graphdef_of(cfg), loaded.params, loaded.moe_bias,
+                                 loaded.frozen)
+
+
+# ---------------------------------------------------------------------------------------------
+# Saving
+
+
+def _host(x) -> np.ndarray:
+  if isinstance(x, jax.Array) and not x.is_fully_addressable:
+    return np.asarray(multihost_utils.process_allgather(x, tiled=True))
+  return np.asarray(x)
+
+
+def _export(flat: dict, t: Tensor, ix, cfg: ModelConfig, dtype) -> np.ndarray:
+  """HF tensor of row t at ix: the kernel (decoded if quantised) plus scale * A @ B if adapted."""
+  if t.key in flat:
+    w = flat[t.key][ix]
+  else:
+    bits = 8 if cfg.quant == 'int8' else 4
+    q, s = flat[t.key + ('q',)][ix], flat[t.key + ('scale',)][ix]
+    w = quant.dequant(quant.QTensor(q, s, bits, _quant_dims(t)[0] - t.experts), jnp.float32)
+  lo = lora_rows(t)
+  if lo and lo[0].key in flat:
+    a, b = (flat[r.key][ix].astype(jnp.float32) for r in lo)
+    w = w.astype(jnp.float32) + cfg.lora.scale * jnp.tensordot(a, b, axes=1)
+  return to_hf(_host(jnp.asarray(w).astype(dtype)), t.n_in)
+
+
+def _export_items(flat: dict, cfg: ModelConfig, strict: bool) -> list:
+  shapes = _float_shapes(cfg)
+  items = []
+  for t in table():
+    if t.key not in flat and t.key + ('q',) not in flat:
+      if strict:
+        raise ValueError(f'the state has no {t.path} (HF {t.hf}); pass the whole model state')
+      continue
+    shape = hf_shape(shapes[t.key][t.lead :], t.n_in)
+    items += [(t, ix, shape) for ix in t.indices(cfg)]
+  return items
+
+
+def hf_tensors(model_or_state, cfg: ModelConfig, dtype=np.float32):
+  """Yields (HF name, array) in checkpoint layout for every table row the state holds (a grad
+  state without the router bias, say): LoRA merged, quantised kernels decoded."""
+  flat = _flat(model_or_state)
+  for t, ix, _ in _export_items(flat, cfg, strict=False):
+    yield t.name(ix), _export(flat, t, ix, cfg, dtype)
+
+
+def save_hf(model_or_state, cfg: ModelConfig, out_dir: str, dtype=None,
+            max_shard_size: int = 5 * 2**30, base_config: dict | None = None) -> None:
+  """Writes config.json and model.safetensors (or shards of at most max_shard_size bytes plus
+  the index) in the transformers LongCat-Flash layout: LoRA merged into the base, quantised
+  weights decoded, e_score_correction_bias included. One tensor is on the host at a time; with
+  several processes all must call it (shards are gathered) and process 0 writes."""
+  flat = _flat(model_or_state)
+  dt = jnp.dtype(dtype or cfg.param_dtype)
+  items = _export_items(flat, cfg, strict=True)
+  specs = [(t.name(ix), shape, dt) for t, ix, shape in items]
+  writable = jax.process_index() == 0
+  stio.write_sharded(out_dir, specs, lambda i: _export(flat, *items[i][:2], cfg, dt),
+                     max_shard_size, writable)
+  if writable:
+    with open(os.path.join(out_dir, 'config.json'), 'w') as f:
+      json.dump(config_to_hf(cfg, dt.name, base_config), f, indent=2, sort_keys=True)
+
+
+# ---------------------------------------------------------------------------------------------
+# PEFT adapters
+
+ADAPTER_FILE = 'adapter_model.safetensors'
+ADAPTER_CONFIG = 'adapter_config.json'
+
+
+def _adapted(flat: dict) -> list[Tensor]:
+  return [r for t in table() if (lo := lora_rows(t)) and lo[0].key in flat for r in lo]
+
+
+def _target_modules(rows: list[Tensor]) -> str:
+  """A regex PEFT full-matches against module names, e.g. model\\.layers\\.\\d+\\.mlps\\.0\\.up_proj."""
+  mods = {r.hf.removeprefix(PEFT_PREFIX).rsplit('.', 2)[0] for r in rows}
+  return '|'.join(sorted(m.replace('.', r'\.').replace('{l}', r'\d+').replace('{e}', r'\d+')
+                         for m in mods))
+
+
+def save_peft_adapter(model, cfg: ModelConfig, out_dir: str) -> None:
+  """adapter_model.safetensors (lora_A [R, in], lora_B [out, R] per module, experts one by one)
+  and adapter_config.json, as peft's LoraConfig saves them for the HF model."""
+  flat = _flat(nnx.state(model, nnx.LoRAParam))
+  rows = _adapted(flat)
+  if not rows:
+    raise ValueError('the model has no LoRA adapters (cfg.lora.rank is 0 or targets match none)')
+  items = [(r, ix) for r in rows for ix in r.indices(cfg)]
+  specs = [(r.name(ix), hf_shape(flat[r.key].shape[r.lead :], r.n_in), flat[r.key].dtype)
+           for r, ix in items]
+  writable = jax.process_index() == 0
+  if writable:
+    os.makedirs(out_dir, exist_ok=True)
+  stio.write_file(os.path.join(out_dir, ADAPTER_FILE), specs,
+                  lambda i: to_hf(_host(flat[items[i][0].key][items[i][1]]), items[i][0].n_in),
+                  writable)
+  lo = cfg.lora
+  config = {'peft_type': 'LORA', 'task_type': 'CAUSAL_LM', 'r': lo.rank, 'lora_alpha': lo.alpha,
+            'use_rslora': lo.rslora, 'lora_dropout': lo.dropout, 'bias': 'none',
+            'target_modules': _target_modules(rows), 'fan_in_fan_out': False, 'use_dora': False,
+            'init_lora_weights': True, 'inference_mode': True, 'modules_to_save': None,
+            'base_model_name_or_path': None}
+  if writable:
+    with open(os.path.join(out_dir, ADAPTER_CONFIG), 'w') as f:
+      json.dump(config, f, indent=2)
+
+
+def load_peft_adapter(model, cfg: ModelConfig, directory: str) -> None:
+  """Reads a PEFT adapter into the model's LoRA params in place, keeping their shardings."""
+  with open(os.path.join(directory, ADAPTER_CONFIG)) as f:
+    c = json.load(f)
+  for key, field, default in (('r', 'rank', 8), ('lora_alpha', 'alpha', 8),
+                              ('use_rslora', 'rslora', False), ('use_dora', None, False)):
+    want = getattr(cfg.lora, field) if field else default
+    if c.get(key, default) != want:
+      raise ValueError(f'{ADAPTER_CONFIG}: {key}={c.get(key, default)!r} but the model has '
+                       f'{f"lora.{field}" if field else key}={want!r}')
+  variables = dict(nnx.to_flat_state(nnx.state(model, nnx.LoRAParam)))
+  flat = {p: _value(v) for p, v in variables.items()}
+  rows = _adapted(flat)
+  reader = stio.Reader(directory, single=ADAPTER_FILE, index=None)
+  extra = _check(reader, rows, cfg, {p: x.shape for p, x in flat.items()})
+  if extra:
+    raise ValueError(f'{directory}: {len(extra)} adapter tensors have no LoRA param in this '
+                     f'model (check lora.targets), e.g. {extra[:3]}')
+  abstract = {p: jax.ShapeDtypeStruct(x.shape, x.dtype) for p, x in flat.items()}
+  shardings = {p: x.sharding for p, x in flat.items()}
+  values = {}
+  for r in rows:
+    values.update(_load_row(reader, r, cfg, abstract, shardings, flat[r.key].shape))
+  nnx.update(model, nnx.from_flat_state({p: variables[p].replace(values[p]) for p in values}))

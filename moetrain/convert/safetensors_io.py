@@ -1,0 +1,140 @@
+"""Safetensors files read slice by slice and written tensor by tensor, with bounded host memory."""
+
+import json
+import math
+import os
+import re
+import struct
+
+import ml_dtypes
+import numpy as np
+from safetensors import safe_open
+
+SINGLE = 'model.safetensors'
+INDEX = 'model.safetensors.index.json'
+# Importing ml_dtypes registers bfloat16 with numpy, which lets safe_open(framework='numpy')
+# return bf16 tensors and slices as ml_dtypes arrays instead of failing.
+DTYPES = {'F64': np.float64, 'F32': np.float32, 'F16': np.float16, 'BF16': ml_dtypes.bfloat16}
+DTYPE_NAMES = {np.dtype(v): k for k, v in DTYPES.items()}
+_SHARD = re.compile(r'^model(-\d{5}-of-\d{5})?\.safetensors(\.index\.json)?$')
+
+
+class Reader:
+  """The tensors of `single` or of the shards listed in `index`, in `directory`.
+
+  Files are memory-mapped and `read(name, index)` copies only the requested slice, so host
+  memory is the slice, not the file (a 5 GB shard costs nothing until read).
+  """
+
+  def __init__(self, directory: str, single: str = SINGLE, index: str | None = INDEX):
+    self.directory = directory
+    index_path = os.path.join(directory, index) if index else None
+    if os.path.exists(os.path.join(directory, single)):
+      files = [single]
+      self.files = None
+    elif index_path and os.path.exists(index_path):
+      with open(index_path) as f:
+        weight_map = json.load(f)['weight_map']
+      self.files = dict(weight_map)
+      files = sorted(set(weight_map.values()))
+    else:
+      raise FileNotFoundError(f'{directory} holds neither {single} nor {index}')
+    self._handles = {name: safe_open(os.path.join(directory, name), framework='numpy')
+                     for name in files}
+    if self.files is None:
+      self.files = {k: single for k in self._handles[single].keys()}
+
+  def keys(self) -> list[str]:
+    return list(self.files)
+
+  def __contains__(self, name: str) -> bool:
+    return name in self.files
+
+  def _slice(self, name: str):
+    return self._handles[self.files[name]].get_slice(name)
+
+  def shape(self, name: str) -> tuple[int, ...]:
+    return tuple(self._slice(name).get_shape())
+
+  def dtype(self, name: str) -> str:
+    return self._slice(name).get_dtype()
+
+  def read(self, name: str, index=None) -> np.ndarray:
+    """The tensor, or the part selected by a tuple of slices (one per leading dimension)."""
+    dt = self.dtype(name)
+    if dt not in DTYPES:
+      raise ValueError(f'{name}: dtype {dt} is not supported (only {sorted(DTYPES)}); '
+                       'dequantise FP8/int checkpoints before loading')
+    sl = self._slice(name)
+    return np.asarray(sl[tuple(index)] if index else sl[:])
+
+
+def plan_shards(sizes: list[int], max_bytes: int) -> list[list[int]]:
+  """Consecutive groups of tensor indices, each at most max_bytes (a larger tensor goes alone)."""
+  groups, cur, total = [], [], 0
+  for i, n in enumerate(sizes):
+    if cur and total + n > max_bytes:
+      groups.append(cur)
+      cur, total = [], 0
+    cur.append(i)
+    total += n
+  return groups + ([cur] if cur else [])
+
+
+def _header(specs) -> bytes:
+  head, offset = {}, 0
+  for name, shape, dtype in specs:
+    n = math.prod(shape) * np.dtype(dtype).itemsize
+    head[name] = {'dtype': DTYPE_NAMES[np.dtype(dtype)], 'shape': list(shape),
+                  'data_offsets': [offset, offset + n]}
+    offset += n
+  head['__metadata__'] = {'format': 'pt'}  # transformers refuses files without it
+  raw = json.dumps(head, separators=(',', ':')).encode()
+  return raw + b' ' * (-len(raw) % 8)
+
+
+def write_file(path: str, specs, produce, writable: bool = True) -> None:
+  """One safetensors file of `specs` [(name, shape, dtype)]: the header is written first from the
+  specs, then `produce(i)` is called for each tensor in order and its bytes appended, so only one
+  tensor is on the host at a time. When not `writable` (processes other than 0) `produce` still
+  runs, because it may be a collective, and nothing is written."""
+  f = open(path, 'wb') if writable else None
+  try:
+    if f:
+      head = _header(specs)
+      f.write(struct.pack('<Q', len(head)) + head)
+    for i, (name, shape, dtype) in enumerate(specs):
+      arr = np.ascontiguousarray(produce(i), dtype=dtype)
+      if arr.shape != tuple(shape):
+        raise ValueError(f'{name}: produced shape {arr.shape}, planned {tuple(shape)}')
+      if f:
+        f.write(arr.reshape(-1).view(np.uint8).data)  # no copy of the tensor
+  finally:
+    if f:
+      f.close()
+
+
+def write_sharded(out_dir: str, specs, produce, max_shard_bytes: int, writable: bool = True):
+  """Writes `specs` as model.safetensors, or as model-0000k-of-0000n.safetensors shards plus
+  model.safetensors.index.json when they exceed max_shard_bytes, one tensor at a time.
+
+  Old model*.safetensors files in out_dir are removed first: a stale single file would shadow a
+  new index in transformers. Returns the weight map {name: file}.
+  """
+  sizes = [math.prod(s) * np.dtype(d).itemsize for _, s, d in specs]
+  groups = plan_shards(sizes, max_shard_bytes)
+  if writable:
+    os.makedirs(out_dir, exist_ok=True)
+    for f in os.listdir(out_dir):
+      if _SHARD.match(f):
+        os.remove(os.path.join(out_dir, f))
+  n, weight_map = len(groups), {}
+  for k, group in enumerate(groups):
+    fname = SINGLE if n == 1 else f'model-{k + 1:05d}-of-{n:05d}.safetensors'
+    write_file(os.path.join(out_dir, fname), [specs[i] for i in group],
+               lambda j, group=group: produce(group[j]), writable)
+    weight_map.update({specs[i][0]: fname for i in group})
+  if writable and n > 1:
+    with open(os.path.join(out_dir, INDEX), 'w') as f:
+      json.dump({'metadata': {'total_size': sum(sizes)}, 'weight_map': weight_map}, f, indent=2)
+  return weight_map

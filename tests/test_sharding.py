@@ -1,0 +1,72 @@
+"""Sharding: the same loss on 1 device and on 8-device meshes; golden per-preset spec tables."""
+
+import dataclasses
+import json
+import os
+
+import jax
+import numpy as np
+import optax
+import pytest
+
+from moetrain import sharding
+from moetrain.checkpoint import flatten
+from moetrain.train_state import create_sharded, graphdef_of, state_shardings
+from moetrain.train_step import StepConfig, loss_fn
+from tests.helpers import tiny, with_lora
+
+GOLDEN = os.path.join(os.path.dirname(__file__), 'golden')
+CFG = with_lora(tiny(init_std=0.05))
+
+
+def batch(b=8, t=16, vocab=64):
+  rng = np.random.default_rng(0)
+  ids = rng.integers(0, vocab, (b, t + 1)).astype(np.int32)
+  seg = np.ones((b, t), np.int32)
+  seg[:, t // 2:] = 2  # two packed segments per row
+  pos = np.concatenate([np.arange(t // 2), np.arange(t - t // 2)])[None].repeat(b, 0).astype(np.int32)
+  return {'inputs': ids[:, :-1], 'targets': ids[:, 1:], 'segment_ids': seg, 'positions': pos,
+          'loss_mask': np.ones((b, t), np.float32)}
+
+
+def loss_on(mesh_shape, devices=None, preset='fsdp_ep_tp'):
+  cfg = dataclasses.replace(CFG, rules=sharding.Rules.preset(preset))
+  mesh = sharding.make_mesh(mesh_shape, devices)
+  opt = optax.adamw(1e-3)
+  with jax.set_mesh(mesh):
+    state = create_sharded(cfg, opt, 0, mesh, cfg.rules)
+    b = {k: jax.device_put(v, sharding.batch_sharding(mesh)) for k, v in batch().items()}
+    f = jax.jit(lambda s, b: loss_fn(s.params, s.moe_bias, s.frozen, graphdef_of(cfg), b, None,
+                                     b['loss_mask'].sum(), StepConfig(model=cfg))[0])
+    return float(f(state, b))
+
+
+@pytest.fixture(scope='module')
+def single_device_loss():
+  return loss_on((1, 1, 1, 1), jax.devices()[:1])
+
+
+@pytest.mark.parametrize('mesh_shape', [(1, 8, 1, 1), (2, 2, 2, 1), (1, 2, 2, 2), (1, 1, 8, 1)])
+def test_sharded_loss_equals_single_device(single_device_loss, mesh_shape):
+  np.testing.assert_allclose(loss_on(mesh_shape), single_device_loss, rtol=1e-6)
+
+
+def spec_table(preset: str) -> dict:
+  cfg = dataclasses.replace(CFG, rules=sharding.Rules.preset(preset))
+  mesh = sharding.make_mesh((1, 2, 2, 2))
+  abstract = jax.eval_shape(lambda: __import__('moetrain.train_state', fromlist=['x']).init_state(
+    cfg, optax.sgd(1e-3), 0))
+  shard = state_shardings(abstract, mesh, cfg.rules)
+  tree = {'params': shard.params, 'frozen': shard.frozen, 'moe_bias': shard.moe_bias}
+  return {k: str(v.spec) for k, v in flatten(tree).items()}
+
+
+@pytest.mark.parametrize('preset', sorted(sharding.PRESETS))
+def test_golden_sharding_table(preset):
+  path = os.path.join(GOLDEN, f'sharding_{preset}.json')
+  table = spec_table(preset)
+  if os.environ.get('MOETRAIN_REGEN_GOLDEN'):
+    with open(path, 'w') as f:
+      json.dump(table, f, indent=1, sort_keys=True)
+  with open(path) as f:
+    assert table == json.load(f)

@@ -1,0 +1,11 @@
+#!/usr/bin/env bash
+# Run the same training command on every worker (JAX forms one multi-host job).
+#   TPU_NAME=moe ZONE=us-east5-a WORKDIR=gs://bucket/runs/lora tpu_scripts/launch.sh \
+#     --config=configs/longcat_lora.py:variant=flash --config.init.hf_checkpoint=/mnt/longcat
+set -euo pipefail
+: "${TPU_NAME:?set TPU_NAME}" "${ZONE:?set ZONE}" "${WORKDIR:?set WORKDIR (shared, e.g. gs://...)}"
+ARGS=$(printf ' %q' "$@")
+gcloud compute tpus tpu-vm ssh "$TPU_NAME" --zone="$ZONE" --worker=all --command="
+  cd ~/moetrain && MOETRAIN_DISTRIBUTED=1 nohup .venv/bin/python -m moetrain.main \
+    --workdir=$WORKDIR $ARGS > ~/moetrain.log 2>&1 &"
+echo "Launched on all workers; logs: gcloud compute tpus tpu-vm ssh $TPU_NAME --zone=$ZONE --worker=0 --command='tail -f ~/moetrain.log'"

@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
 # Run the same training command on every worker (JAX forms one multi-host job).
-#   TPU_NAME=moe ZONE=us-east5-a WORKDIR=gs://bucket/runs/lora tpu_scripts/launch.sh \
+#   TPU_NAME=moe ZONE=us-east5-a WORKDIR=/mnt/shared/runs/lora tpu_scripts/launch.sh \
 #     --config=configs/longcat_lora.py:variant=flash --config.init.hf_checkpoint=/mnt/longcat
 set -euo pipefail
-: "${TPU_NAME:?set TPU_NAME}" "${ZONE:?set ZONE}" "${WORKDIR:?set WORKDIR (shared, e.g. gs://...)}"
+: "${TPU_NAME:?set TPU_NAME}" "${ZONE:?set ZONE}" "${WORKDIR:?set WORKDIR (a filesystem path every worker shares)}"
 ARGS=$(printf ' %q' "$@")
 gcloud compute tpus tpu-vm ssh "$TPU_NAME" --zone="$ZONE" --worker=all --command="
   cd ~/moetrain && MOETRAIN_DISTRIBUTED=1 nohup .venv/bin/python -m moetrain.main \

@@ -1,24 +1,20 @@
 """LongCat-Flash <-> Hugging Face: config, the weight-name table, streaming load/save, PEFT."""
 
 import dataclasses
-import functools
 import json
-import math
 import os
 from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from absl import logging
 from flax import nnx
-from jax.experimental import multihost_utils
-from jax.sharding import NamedSharding, SingleDeviceSharding
-from jax.sharding import PartitionSpec as P
+from jax.sharding import SingleDeviceSharding
 
 from moetrain import train_state
 from moetrain.convert import safetensors_io as stio
-from moetrain.model import quant
+from moetrain.convert.stacked_io import Row, export_piece, flat_shape, init_adapter, load_row
+from moetrain.convert.stacked_io import to_flat, to_host
 from moetrain.model.config import ModelConfig
 from moetrain.model.transformer import Transformer
 
@@ -138,87 +134,27 @@ _EXPERT = (  # e < n_routed_experts: zero experts have no weights
 PEFT_PREFIX = 'base_model.model.'
 
 
-@dataclasses.dataclass(frozen=True)
-class Tensor:
-  """A moetrain variable and the HF tensors that fill it, one per layer l and routed expert e."""
-
-  hf: str  # name template with {l} and {e}
-  path: str  # dotted moetrain state path
-  n_in: int | None  # kernel input dims (see _GLOBAL)
-  stacked: bool = False  # leading layer axis L
-  experts: bool = False  # then the routed-expert axis E
-
-  @property
-  def key(self) -> tuple[str, ...]:
-    return tuple(self.path.split('.'))
-
-  @property
-  def lead(self) -> int:  # leading axes indexed by ix
-    return self.stacked + self.experts
-
-  def indices(self, cfg: ModelConfig) -> list[tuple[int, ...]]:
-    ls = [(l,) for l in range(cfg.num_layers)] if self.stacked else [()]
-    return [(*l, e) for l in ls for e in range(cfg.n_routed_experts)] if self.experts else ls
-
-  def name(self, ix: tuple[int, ...]) -> str:
-    return self.hf.format(l=ix[0] if ix else 0, e=ix[1] if len(ix) > 1 else 0)
-
-
-def table() -> tuple[Tensor, ...]:
+def table() -> tuple[Row, ...]:
+  """Every HF tensor of the checkpoint, grouped by the moetrain variable it fills."""
   layer = 'model.layers.{l}.'
-  rows = [Tensor(hf, path, n) for hf, path, n in _GLOBAL]
+  rows = [Row(hf, path, n) for hf, path, n in _GLOBAL]
   for s in (0, 1):
-    rows += [Tensor(layer + hf.format(s=s), 'layers.' + path.format(s=s), n, True)
+    rows += [Row(layer + hf.format(s=s), 'layers.' + path.format(s=s), n, True)
              for hf, path, n in _SUBLAYER]
-  rows += [Tensor(layer + hf, 'layers.' + path, n, True) for hf, path, n in _LAYER]
-  rows += [Tensor(layer + hf, 'layers.' + path, n, True, True) for hf, path, n in _EXPERT]
+  rows += [Row(layer + hf, 'layers.' + path, n, True) for hf, path, n in _LAYER]
+  rows += [Row(layer + hf, 'layers.' + path, n, True, True) for hf, path, n in _EXPERT]
   return tuple(rows)
 
 
-def lora_rows(t: Tensor) -> tuple[Tensor, Tensor] | None:
+def lora_rows(t: Row) -> tuple[Row, Row] | None:
   """PEFT's lora_A [R, prod(in)] and lora_B [prod(out), R] for a Linear or expert row. moetrain's
   A [in..., R] and B [R, out...] map like kernels with t.n_in and 1 input dims."""
   if not (t.path.endswith('.kernel') or t.experts):
     return None
-  module = PEFT_PREFIX + t.hf.removesuffix('.weight')
+  module = PEFT_PREFIX + t.name_template.removesuffix('.weight')
   base = t.path.removesuffix('.kernel') + '.' if t.path.endswith('.kernel') else t.path + '_'
-  return (Tensor(f'{module}.lora_A.weight', base + 'lora_a', t.n_in, t.stacked, t.experts),
-          Tensor(f'{module}.lora_B.weight', base + 'lora_b', 1, t.stacked, t.experts))
-
-
-def hf_shape(shape, n_in: int | None) -> tuple[int, ...]:
-  """HF shape of a per-layer (per-expert) moetrain slice of `shape`."""
-  if n_in is None:
-    return tuple(shape)
-  return (math.prod(shape[n_in:]), math.prod(shape[:n_in]))
-
-
-def to_hf(w, n_in: int | None):
-  return w if n_in is None else w.reshape(math.prod(w.shape[:n_in]), -1).T
-
-
-def _quant_dims(t: Tensor) -> tuple[int, int]:
-  """(batch dims, input dims) of a per-layer piece, as Embed / Linear / Experts quantise it."""
-  return (1, 1) if t.experts or t.n_in is None else (0, t.n_in)
-
-
-def _read(reader, name, shape, n_in, index, dtype) -> np.ndarray:
-  """Block `index` (slices) of the moetrain view, of shape `shape`, of HF tensor `name`. Reads
-  only the HF rows / columns that the first sliced in/out dims cover."""
-  if n_in is None:
-    return reader.read(name, index).astype(dtype)
-  ins, outs = shape[:n_in], shape[n_in:]
-
-  def span(dims, ix):
-    a, b, _ = ix[0].indices(dims[0])
-    inner = math.prod(dims[1:])
-    return slice(a * inner, b * inner), b - a
-
-  rows, n_out0 = span(outs, index[n_in:])
-  cols, n_in0 = span(ins, index[:n_in])
-  w = reader.read(name, (rows, cols)).T.reshape(n_in0, *ins[1:], n_out0, *outs[1:])
-  return np.ascontiguousarray(
-    w[(slice(None), *index[1:n_in], slice(None), *index[n_in + 1 :])], dtype=dtype)
+  return (Row(f'{module}.lora_A.weight', base + 'lora_a', t.n_in, t.stacked, t.experts),
+          Row(f'{module}.lora_B.weight', base + 'lora_b', 1, t.stacked, t.experts))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -256,91 +192,12 @@ def _shardings(abstract_state, mesh, rules) -> dict:
   return _flat(train_state.state_shardings(abstract_state, mesh, rules))
 
 
-def _drop_lead(sharding, n: int, drop_at: int | None = None):
-  """The sharding of a per-layer piece (first n dims dropped; optionally one more at drop_at)."""
-  if not isinstance(sharding, NamedSharding):
-    return sharding
-  spec = list(sharding.spec) + [None] * 8
-  if drop_at is not None:
-    del spec[n + drop_at]
-  return NamedSharding(sharding.mesh, P(*spec[n:]))
-
-
-@functools.lru_cache(maxsize=None)
-def _zeros(shape, dtype, sharding):
-  return jax.jit(lambda: jnp.zeros(shape, dtype), out_shardings=sharding)
-
-
-@functools.lru_cache(maxsize=None)
-def _setter(sharding):
-  def set_layer(buf, x, l):
-    return jax.lax.dynamic_update_index_in_dim(buf, x.astype(buf.dtype), l, 0)
-
-  return jax.jit(set_layer, out_shardings=sharding, donate_argnums=0)
-
-
-@functools.lru_cache(maxsize=None)
-def _quantizer(bits, n_batch, n_in, group, q_sharding, scale_sharding):
-  def f(w):
-    t = quant.quantize(w, bits, n_batch, n_in, group)
-    return t.q, t.scale
-
-  return jax.jit(f, out_shardings=(q_sharding, scale_sharding))
-
-
-def _piece(reader, t: Tensor, ix, shape, sharding, dtype) -> jax.Array:
-  """Layer ix of row t ([E, ...] for experts) as a jax.Array placed by `sharding`: every device
-  block is read straight from the (memory-mapped) file, one HF tensor slice at a time."""
-  cache = {}  # devices holding the same block (replicated axes) share one host copy
-
-  def block(index):
-    key = tuple(s.indices(n)[:2] for s, n in zip(index, shape))
-    if key not in cache:
-      if t.experts:
-        es = range(*key[0])
-        out = np.empty((len(es), *(b - a for a, b in key[1:])), dtype)
-        for i, e in enumerate(es):
-          out[i] = _read(reader, t.name((*ix, e)), shape[1:], t.n_in, index[1:], dtype)
-        cache[key] = out
-      else:
-        cache[key] = _read(reader, t.name(ix), shape, t.n_in, index, dtype)
-    return cache[key]
-
-  return jax.make_array_from_callback(tuple(shape), sharding, block)
-
-
-def _load_row(reader, t: Tensor, cfg, abstract: dict, shardings: dict, float_shape) -> dict:
-  """{state path: jax.Array} of row t: its variable, or the (q, scale) of a quantised kernel.
-  Stacked rows are built layer by layer into a donated buffer, so only one layer's piece is in
-  flight (on host: the local devices' blocks of that piece)."""
-  quantized = t.key not in abstract
-  keys = [t.key + ('q',), t.key + ('scale',)] if quantized else [t.key]
-  n = int(t.stacked)
-  piece_shape = float_shape[n:]
-  piece_sh = [_drop_lead(shardings[k], n) for k in keys]
-  if quantized:
-    bits = 8 if cfg.quant == 'int8' else 4
-    nb, n_in = _quant_dims(t)
-    float_sh = _drop_lead(shardings[keys[0]], n, None if bits == 8 else nb + 1)
-    quantize = _quantizer(bits, nb, n_in, cfg.quant_group_size, *piece_sh)
-    make = lambda ix: quantize(_piece(reader, t, ix, piece_shape, float_sh, np.float32))
-  else:
-    dt = abstract[t.key].dtype
-    make = lambda ix: (_piece(reader, t, ix, piece_shape, piece_sh[0], dt),)
-  if not t.stacked:
-    return dict(zip(keys, make(())))
-  bufs = [_zeros(abstract[k].shape, abstract[k].dtype, shardings[k])() for k in keys]
-  for l in range(cfg.num_layers):
-    bufs = [_setter(shardings[k])(b, x, l) for k, b, x in zip(keys, bufs, make((l,)))]
-  return dict(zip(keys, bufs))
-
-
 def _check(reader, rows, cfg, shapes: dict) -> list[str]:
   """Raises on a missing or misshapen tensor; returns the checkpoint keys no row uses."""
   expected = set()
   for t in rows:
-    want = hf_shape(shapes[t.key][t.lead :], t.n_in)
-    for ix in t.indices(cfg):
+    want = flat_shape(shapes[t.key][t.lead :], t.n_in)
+    for ix in t.indices(cfg.num_layers, cfg.n_routed_experts):
       name = t.name(ix)
       expected.add(name)
       if name not in reader:
@@ -355,14 +212,6 @@ def _check(reader, rows, cfg, shapes: dict) -> list[str]:
     raise ValueError(f'{fp8[0]}: block-quantised (FP8) checkpoints are unsupported; load the '
                      'bf16 release or dequantise first')
   return skipped
-
-
-def _init_lora(cfg, seed, mesh, rules) -> dict:
-  """LoRA adapters as Transformer(cfg, Rngs(seed)) initialises them; the base weights the init
-  also computes are dead code in the jitted function, so they are never materialised."""
-  init = lambda: nnx.state(Transformer(cfg, nnx.Rngs(seed)), nnx.LoRAParam)
-  out = None if mesh is None else train_state.state_shardings(jax.eval_shape(init), mesh, rules)
-  return _flat(jax.jit(init, out_shardings=out)())
 
 
 def load_params(path, cfg: ModelConfig, mesh=None, rules=None, dtype=None, seed=0) -> Loaded:
@@ -380,7 +229,7 @@ def load_params(path, cfg: ModelConfig, mesh=None, rules=None, dtype=None, seed=
     mesh, rules: place every array by its logical axes (rules default to cfg.rules); no mesh:
       the first device.
     dtype: storage dtype of float weights (default cfg.param_dtype; the router stays float32).
-    seed: the LoRA init, as Transformer(cfg, nnx.Rngs(seed)).
+    seed: of the LoRA init (A random, B zero) when cfg.lora is on.
   """
   if dtype is not None:
     cfg = dataclasses.replace(cfg, param_dtype=jnp.dtype(dtype).name)
@@ -395,9 +244,11 @@ def load_params(path, cfg: ModelConfig, mesh=None, rules=None, dtype=None, seed=
   skipped = _check(reader, rows, cfg, shapes)
   values = {}
   for t in rows:
-    values.update(_load_row(reader, t, cfg, abstract, shardings, shapes[t.key]))
-  if cfg.lora.enabled:
-    values.update(_init_lora(cfg, seed, mesh, rules))
+    values.update(load_row(reader, t, abstract, shardings, shapes[t.key], cfg.quant,
+                           cfg.quant_group_size))
+  for r in (r for t in rows for r in lora_rows(t) or () if r.key in abstract):
+    values[r.key] = init_adapter(r, abstract[r.key].shape, shardings[r.key], abstract[r.key].dtype,
+                               seed)
   unfilled = sorted('.'.join(p) for p in set(variables) - set(values))
   if unfilled:
     raise ValueError(f'no checkpoint tensor fills {unfilled}')
@@ -424,25 +275,15 @@ def load_model(path, dtype=jnp.float32, mesh=None, **overrides) -> Transformer:
 # Saving
 
 
-def _host(x) -> np.ndarray:
-  if isinstance(x, jax.Array) and not x.is_fully_addressable:
-    return np.asarray(multihost_utils.process_allgather(x, tiled=True))
-  return np.asarray(x)
-
-
-def _export(flat: dict, t: Tensor, ix, cfg: ModelConfig, dtype) -> np.ndarray:
+def _export(flat: dict, t: Row, ix, cfg: ModelConfig, dtype):
   """HF tensor of row t at ix: the kernel (decoded if quantised) plus scale * A @ B if adapted."""
-  if t.key in flat:
-    w = flat[t.key][ix]
-  else:
+  bits, kernel = 0, flat.get(t.key)
+  if kernel is None:
     bits = 8 if cfg.quant == 'int8' else 4
-    q, s = flat[t.key + ('q',)][ix], flat[t.key + ('scale',)][ix]
-    w = quant.dequant(quant.QTensor(q, s, bits, _quant_dims(t)[0] - t.experts), jnp.float32)
+    kernel = (flat[t.key + ('q',)], flat[t.key + ('scale',)])
   lo = lora_rows(t)
-  if lo and lo[0].key in flat:
-    a, b = (flat[r.key][ix].astype(jnp.float32) for r in lo)
-    w = w.astype(jnp.float32) + cfg.lora.scale * jnp.tensordot(a, b, axes=1)
-  return to_hf(_host(jnp.asarray(w).astype(dtype)), t.n_in)
+  lora = tuple(flat[r.key] for r in lo) if lo and lo[0].key in flat else None
+  return export_piece(t, ix, kernel, lora, cfg.lora.scale, bits, dtype)
 
 
 def _export_items(flat: dict, cfg: ModelConfig, strict: bool) -> list:
@@ -451,10 +292,10 @@ def _export_items(flat: dict, cfg: ModelConfig, strict: bool) -> list:
   for t in table():
     if t.key not in flat and t.key + ('q',) not in flat:
       if strict:
-        raise ValueError(f'the state has no {t.path} (HF {t.hf}); pass the whole model state')
+        raise ValueError(f'the state has no {t.path} (HF {t.name_template}); pass the whole model state')
       continue
-    shape = hf_shape(shapes[t.key][t.lead :], t.n_in)
-    items += [(t, ix, shape) for ix in t.indices(cfg)]
+    shape = flat_shape(shapes[t.key][t.lead :], t.n_in)
+    items += [(t, ix, shape) for ix in t.indices(cfg.num_layers, cfg.n_routed_experts)]
   return items
 
 
@@ -491,13 +332,13 @@ ADAPTER_FILE = 'adapter_model.safetensors'
 ADAPTER_CONFIG = 'adapter_config.json'
 
 
-def _adapted(flat: dict) -> list[Tensor]:
+def _adapted(flat: dict) -> list[Row]:
   return [r for t in table() if (lo := lora_rows(t)) and lo[0].key in flat for r in lo]
 
 
-def _target_modules(rows: list[Tensor]) -> str:
+def _target_modules(rows: list[Row]) -> str:
   """A regex PEFT full-matches against module names, e.g. model\\.layers\\.\\d+\\.mlps\\.0\\.up_proj."""
-  mods = {r.hf.removeprefix(PEFT_PREFIX).rsplit('.', 2)[0] for r in rows}
+  mods = {r.name_template.removeprefix(PEFT_PREFIX).rsplit('.', 2)[0] for r in rows}
   return '|'.join(sorted(m.replace('.', r'\.').replace('{l}', r'\d+').replace('{e}', r'\d+')
                          for m in mods))
 
@@ -509,14 +350,14 @@ def save_peft_adapter(model, cfg: ModelConfig, out_dir: str) -> None:
   rows = _adapted(flat)
   if not rows:
     raise ValueError('the model has no LoRA adapters (cfg.lora.rank is 0 or targets match none)')
-  items = [(r, ix) for r in rows for ix in r.indices(cfg)]
-  specs = [(r.name(ix), hf_shape(flat[r.key].shape[r.lead :], r.n_in), flat[r.key].dtype)
+  items = [(r, ix) for r in rows for ix in r.indices(cfg.num_layers, cfg.n_routed_experts)]
+  specs = [(r.name(ix), flat_shape(flat[r.key].shape[r.lead :], r.n_in), flat[r.key].dtype)
            for r, ix in items]
   writable = jax.process_index() == 0
   if writable:
     os.makedirs(out_dir, exist_ok=True)
   stio.write_file(os.path.join(out_dir, ADAPTER_FILE), specs,
-                  lambda i: to_hf(_host(flat[items[i][0].key][items[i][1]]), items[i][0].n_in),
+                  lambda i: to_flat(to_host(flat[items[i][0].key][items[i][1]]), items[i][0].n_in),
                   writable)
   lo = cfg.lora
   config = {'peft_type': 'LORA', 'task_type': 'CAUSAL_LM', 'r': lo.rank, 'lora_alpha': lo.alpha,
@@ -551,5 +392,5 @@ def load_peft_adapter(model, cfg: ModelConfig, directory: str) -> None:
   shardings = {p: x.sharding for p, x in flat.items()}
   values = {}
   for r in rows:
-    values.update(_load_row(reader, r, cfg, abstract, shardings, flat[r.key].shape))
+    values.update(load_row(reader, r, abstract, shardings, flat[r.key].shape))
   nnx.update(model, nnx.from_flat_state({p: variables[p].replace(values[p]) for p in values}))

@@ -26,14 +26,16 @@ class QTensor:
   q: jax.Array  # int8 codes, or uint8 holding two int4 codes
   scale: jax.Array
   bits: int = dataclasses.field(metadata={'static': True})
-  axis: int = dataclasses.field(metadata={'static': True})  # the grouped input dim (int4)
+  # int4: the groups dim of q, counted from the end (negative), so stacking layers in front or
+  # indexing an expert away leaves it valid.
+  axis: int = dataclasses.field(metadata={'static': True})
 
   @property
   def shape(self):
     if self.bits == 8:
       return self.q.shape
-    s = list(self.q.shape)
-    return (*s[: self.axis], s[self.axis] * s[self.axis + 1] * 2, *s[self.axis + 2 :])
+    s, ax = list(self.q.shape), self.q.ndim + self.axis
+    return (*s[:ax], s[ax] * s[ax + 1] * 2, *s[ax + 2 :])
 
 
 class QuantKernel(nnx.Module):
@@ -53,7 +55,7 @@ def quantize(w, bits: int, n_batch: int, n_in: int, group: int) -> QTensor:
     scale = jnp.max(jnp.abs(w), axis=in_axes, keepdims=True) / 127.0
     scale = jnp.where(scale == 0, 1.0, scale)
     q = jnp.clip(jnp.round(w / scale), -127, 127).astype(jnp.int8)
-    return QTensor(q, scale, 8, n_batch)
+    return QTensor(q, scale, 8, 0)
   ax = n_batch
   k = w.shape[ax]
   g = group if (k % group == 0 and group % 2 == 0) else k + (k % 2)
@@ -65,7 +67,7 @@ def quantize(w, bits: int, n_batch: int, n_in: int, group: int) -> QTensor:
   codes = (jnp.clip(jnp.round(wg / scale), -8, 7) + 8).astype(jnp.uint8)
   lo = jax.lax.slice_in_dim(codes, 0, g, 2, axis=ax + 1)
   hi = jax.lax.slice_in_dim(codes, 1, g, 2, axis=ax + 1)
-  return QTensor(lo | (hi << 4), scale, 4, ax)
+  return QTensor(lo | (hi << 4), scale, 4, ax - (w.ndim + 1))
 
 
 def dequant(w, dtype):
@@ -74,7 +76,7 @@ def dequant(w, dtype):
     return w.astype(dtype)
   if w.bits == 8:
     return (w.q.astype(jnp.float32) * w.scale).astype(dtype)
-  ax = w.axis
+  ax = w.q.ndim + w.axis
   lo = (w.q & 0xF).astype(jnp.int8) - 8
   hi = (w.q >> 4).astype(jnp.int8) - 8
   codes = jnp.stack([lo, hi], axis=ax + 2)  # [..., K/g, g/2, 2, ...]
@@ -87,7 +89,7 @@ def take(w, idx):
   """Indexes the leading (batch) dim of a weight: an expert's slice, or rows of an embedding."""
   if not isinstance(w, QTensor):
     return w[idx]
-  return QTensor(w.q[idx], w.scale[idx], w.bits, w.axis + jnp.ndim(idx) - 1)
+  return QTensor(w.q[idx], w.scale[idx], w.bits, w.axis)
 
 
 def make_param(kernel, axes, cfg: ModelConfig, n_batch: int = 0, n_in: int = 1):
@@ -99,9 +101,9 @@ def make_param(kernel, axes, cfg: ModelConfig, n_batch: int = 0, n_in: int = 1):
   t = quantize(kernel, bits, n_batch, n_in, cfg.quant_group_size)
   if bits == 8:
     scale_axes = tuple(None if n_batch <= i < n_batch + n_in else a for i, a in enumerate(axes))
-    return QuantKernel(t.q, t.scale, 8, n_batch, axes, scale_axes)
+    return QuantKernel(t.q, t.scale, 8, t.axis, axes, scale_axes)
   grouped = (*axes[:n_batch], axes[n_batch], None, *axes[n_batch + 1 :])
-  return QuantKernel(t.q, t.scale, 4, n_batch, grouped, grouped)
+  return QuantKernel(t.q, t.scale, 4, t.axis, grouped, grouped)
 
 
 def raw(param):

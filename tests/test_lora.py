@@ -1,0 +1,98 @@
+"""LoRA and QLoRA: merge, only adapters train, quantisation error bounds, storage bytes."""
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+
+from moetrain.model import lora, quant
+from moetrain.model.transformer import Transformer
+from moetrain.train_state import graphdef_of, init_state, split_model
+from moetrain.train_step import StepConfig, train_step
+from tests.helpers import model_and_ids, nonzero_bias, randomize, tiny, with_lora
+from tests.test_sharding import batch
+
+
+@pytest.mark.parametrize('mode', ['none', 'int8', 'int4'])
+def test_merged_model_equals_adapted_model(mode):
+  cfg = with_lora(tiny(quant=mode, quant_group_size=8))
+  model, ids = model_and_ids(cfg)
+  randomize(model, 3, nnx.LoRAParam, 0.05)
+  nonzero_bias(model)
+  want, _ = model(ids)
+  got, _ = lora.merged(model)(ids)
+  np.testing.assert_allclose(got, want, atol=1e-5, rtol=1e-5)
+
+
+def test_gradients_reach_only_adapters():
+  cfg = with_lora(tiny())
+  opt = optax.adamw(1e-2)
+  state = init_state(cfg, opt, 0)
+  assert all(isinstance(v, nnx.LoRAParam) for v in jax.tree.leaves(
+    state.params, is_leaf=lambda x: isinstance(x, nnx.Variable)))
+  # Optimizer state exists for adapters only: its size matches the adapters.
+  n_adapters = sum(x.size for x in jax.tree.leaves(state.params))
+  n_opt = sum(x.size for x in jax.tree.leaves(state.opt_state))
+  assert n_opt == 2 * n_adapters + 1  # mu, nu and the step count
+  step = jax.jit(functools.partial(train_step, graphdef=graphdef_of(cfg), optimizer=opt,
+                                   lr_fn=lambda s: 1e-2, cfg=StepConfig(model=cfg)))
+  new, _ = step(state, batch())
+  for a, b in zip(jax.tree.leaves(new.frozen), jax.tree.leaves(state.frozen)):
+    np.testing.assert_array_equal(a, b)
+  changed = [not np.array_equal(a, b) for a, b in zip(jax.tree.leaves(new.params),
+                                                      jax.tree.leaves(state.params))]
+  assert all(changed)
+
+
+def test_train_router_option_adds_only_the_router():
+  cfg = with_lora(tiny(), train_router=True)
+  _, params, _, _ = split_model(Transformer(cfg, nnx.Rngs(0)), cfg)
+  names = {'/'.join(map(str, p)) for p, _ in nnx.to_flat_state(params)}
+  assert 'layers/moe/router' in names
+  assert all('lora' in n or n == 'layers/moe/router' for n in names)
+
+
+@pytest.mark.parametrize('bits', [8, 4])
+def test_quantisation_error_within_bound(bits):
+  w = jax.random.normal(jax.random.key(0), (3, 64, 40)) * jnp.linspace(0.1, 2.0, 40)[None, None]
+  t = quant.quantize(w, bits, n_batch=1, n_in=1, group=16)
+  err = jnp.abs(quant.dequant(t, jnp.float32) - w)
+  if bits == 8:  # half a step of max|w| / 127 per output channel
+    bound = jnp.max(jnp.abs(w), axis=1, keepdims=True) / 127 / 2
+  else:  # half a step of max|w| / 7 per group of 16 input rows and output channel
+    g = jnp.abs(w).reshape(3, 4, 16, 40).max(2, keepdims=True) / 7 / 2
+    bound = jnp.broadcast_to(g, (3, 4, 16, 40)).reshape(w.shape)
+  assert bool(jnp.all(err <= bound * (1 + 1e-5)))
+  assert float(err.max()) > 0
+
+
+@pytest.mark.parametrize('mode, limit', [('int8', 1.05), ('int4', 0.6)])
+def test_frozen_base_bytes_per_parameter(mode, limit):
+  """Bytes per frozen base parameter from the live arrays (bf16 would be 2.0)."""
+  cfg = with_lora(tiny(quant=mode, hidden_size=128, ffn_hidden_size=256,
+                       expert_ffn_hidden_size=128, vocab_size=256, q_lora_rank=64,
+                       kv_lora_rank=64, quant_group_size=64))
+  _, _, _, frozen = split_model(Transformer(cfg, nnx.Rngs(0)), cfg)
+  plain = dataclasses.replace(cfg, quant='none')
+  _, _, _, ref = split_model(Transformer(plain, nnx.Rngs(0)), plain)
+  n_params = sum(x.size for x in jax.tree.leaves(ref))
+  n_bytes = sum(x.nbytes for x in jax.tree.leaves(frozen))
+  assert n_bytes / n_params <= limit, n_bytes / n_params
+
+
+def test_qlora_computes_the_float_model_of_its_dequantised_weights():
+  cfg = with_lora(tiny(init_std=0.05))
+  model, ids = model_and_ids(cfg)
+  want, _ = model(ids)
+  for mode in ('int8', 'int4'):
+    q_model = Transformer(dataclasses.replace(cfg, quant=mode, quant_group_size=16), nnx.Rngs(0))
+    got, _ = q_model(ids)
+    exact, _ = lora.merged(q_model)(ids)  # float weights equal to the dequantised codes
+    np.testing.assert_allclose(got, exact, atol=1e-5, rtol=1e-5)
+    if mode == 'int8':  # and int8 stays close to the original float weights
+      assert float(jnp.abs(got - want).max() / jnp.abs(want).max()) < 0.02

@@ -72,6 +72,7 @@ class Writer:
 
   def __init__(self, workdir: str, enabled: bool = True):
     self.enabled = enabled and jax.process_index() == 0
+    self.workdir = workdir
     self._jsonl = self._tb = None
     if self.enabled:
       os.makedirs(workdir, exist_ok=True)
@@ -94,6 +95,11 @@ class Writer:
     if load is not None:
       for layer, row in enumerate(np.asarray(load)):
         self._tb.add_histogram(f'moe/load_layer{layer}', np.repeat(np.arange(len(row)), row.astype(int)), step)
+
+  def save_config(self, text: str) -> None:
+    if self.enabled:
+      with open(os.path.join(self.workdir, 'config.json'), 'w') as f:
+        f.write(text)
 
   def progress(self, line: str) -> None:
     if self.enabled:

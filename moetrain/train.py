@@ -3,7 +3,6 @@
 import dataclasses
 import functools
 import os
-import time
 
 import jax
 import numpy as np
@@ -88,8 +87,13 @@ def evaluate(state, batches, eval_fn, batch_sharding) -> dict:
           'tokens': totals['tokens']}
 
 
+def initial_state(setup: Setup, optimizer, mesh) -> TrainState:
+  """The state a fresh run starts from: random init (the base for LoRA comes from the seed)."""
+  return create_sharded(setup.model, optimizer, setup.seed, mesh, setup.model.rules)
+
+
 def restore_or_init(setup: Setup, ckpt: Checkpointer, optimizer, mesh, train_iter):
-  state = create_sharded(setup.model, optimizer, setup.seed, mesh, setup.model.rules)
+  state = initial_state(setup, optimizer, mesh)
   step = ckpt.latest_step()
   if step is None:
     return state
@@ -105,6 +109,7 @@ def run(config, workdir: str) -> dict:
   enable_compilation_cache(t['compilation_cache'])
   mesh = sharding.make_mesh(setup.mesh_shape)
   writer = metrics_lib.Writer(workdir)
+  writer.save_config(config.to_json_best_effort(indent=1))
   tokenizer = pipeline.make_tokenizer(setup.data, workdir)
   if tokenizer.vocab_size > setup.model.vocab_size:
     raise ValueError(f'model.vocab_size={setup.model.vocab_size} is smaller than the tokenizer '

@@ -1,0 +1,69 @@
+"""Loss, perplexity and token accuracy of a checkpoint on a dataset, sharded like training.
+
+  python -m moetrain.tools.evaluate --config=configs/longcat_lora.py --workdir=runs/longcat_lora
+  python -m moetrain.tools.evaluate --config=configs/longcat_lora.py --config.init.hf_checkpoint=DIR
+
+The data section of the config chooses the dataset (data.eval_split, or --split); the latest
+checkpoint of --workdir is evaluated, or the config's initial weights when it has none.
+"""
+
+import dataclasses
+import functools
+
+import jax
+from absl import app, flags
+from ml_collections import config_flags
+
+from moetrain import optim, sharding, train
+from moetrain.checkpoint import Checkpointer
+from moetrain.data import pipeline
+from moetrain.train_state import graphdef_of
+from moetrain.train_step import eval_step
+
+
+
+def define_flags():
+  config_flags.DEFINE_config_file('config', None, 'Experiment config file.')
+  flags.DEFINE_string('workdir', None, 'Run directory whose latest checkpoint to load.')
+  flags.DEFINE_string('split', None, 'Split to evaluate (default data.eval_split).')
+  flags.DEFINE_integer('max_batches', None, 'Cap on eval batches.')
+
+
+def evaluate_checkpoint(config, workdir: str | None, split: str | None = None,
+                        max_batches: int | None = None) -> dict:
+  setup = train.build(config)
+  if split:
+    setup = dataclasses.replace(setup, data=dataclasses.replace(setup.data, eval_split=split))
+  mesh = sharding.make_mesh(setup.mesh_shape)
+  tokenizer = pipeline.make_tokenizer(setup.data, workdir or '/tmp/moetrain_eval')
+  batches = pipeline.make_eval_batches(setup.data, tokenizer, max_batches=max_batches,
+                                       process_index=jax.process_index(),
+                                       process_count=jax.process_count())
+  if not batches:
+    raise ValueError('no eval data: set data.eval_split (or --split)')
+  optimizer = optim.make_optimizer(setup.optim, setup.train['steps'])
+  with jax.set_mesh(mesh):
+    state = train.initial_state(setup, optimizer, mesh)
+    if workdir:
+      ckpt = Checkpointer(workdir, every=1, keep=setup.train['keep_checkpoints'], async_save=False)
+      step = ckpt.latest_step()
+      if step is not None:
+        saved, _, _ = ckpt.restore(step, state)
+        state = dataclasses.replace(state, **saved)
+    eval_fn = jax.jit(functools.partial(eval_step, graphdef=graphdef_of(setup.model)))
+    out = train.evaluate(state, batches, eval_fn, sharding.batch_sharding(mesh))
+  return {'step': int(state.step), **out}
+
+
+def main(argv):
+  del argv
+  f = flags.FLAGS
+  out = evaluate_checkpoint(f.config, f.workdir, f.split, f.max_batches)
+  print(f"step {out['step']}: loss {out['loss']:.4f}  perplexity {out['perplexity']:.3f}  "
+        f"accuracy {out['accuracy']:.4f}  ({int(out['tokens'])} tokens)")
+
+
+if __name__ == '__main__':
+  define_flags()
+  flags.mark_flags_as_required(['config'])
+  app.run(main)

@@ -1,0 +1,78 @@
+"""Draws the per-layer expert load over training as a PNG heatmap from a run directory.
+
+  python -m moetrain.tools.expert_load --workdir=runs/longcat_lora [--out=expert_load.png]
+"""
+
+import json
+import os
+
+import numpy as np
+from absl import app, flags
+
+
+def define_flags():
+  flags.DEFINE_string('workdir', None, 'Run directory holding metrics.jsonl.')
+  flags.DEFINE_string('out', None, 'PNG path; default <workdir>/expert_load.png.')
+
+
+def read_loads(workdir: str):
+  """Steps [S] and loads [S, L, E+Z] (token-assignment counts) from metrics.jsonl."""
+  path = os.path.join(workdir, 'metrics.jsonl')
+  if not os.path.exists(path):
+    raise FileNotFoundError(f'{path} not found: is {workdir!r} a moetrain run directory?')
+  steps, loads = [], []
+  with open(path) as f:
+    for n, line in enumerate(f, 1):
+      try:
+        rec = json.loads(line)
+      except json.JSONDecodeError as e:
+        raise ValueError(f'{path}:{n}: not JSON ({e})') from None
+      if rec.get('kind') == 'train' and 'moe/load' in rec:
+        steps.append(rec['step'])
+        loads.append(rec['moe/load'])
+  if not steps:
+    raise ValueError(f'{path} has no train records with moe/load')
+  return np.array(steps), np.array(loads, np.float64)
+
+
+def plot(steps, loads, out: str, n_routed: int | None = None) -> str:
+  import matplotlib
+
+  matplotlib.use('Agg')
+  import matplotlib.pyplot as plt
+
+  n_layers, n_experts = loads.shape[1], loads.shape[2]
+  share = loads / np.maximum(loads.sum(-1, keepdims=True), 1)  # fraction of assignments
+  fig, axes = plt.subplots(n_layers, 1, figsize=(10, 2.2 * n_layers + 0.6), squeeze=False)
+  for layer, ax in enumerate(axes[:, 0]):
+    im = ax.imshow(share[:, layer].T, aspect='auto', origin='lower', cmap='viridis',
+                   extent=(steps[0], steps[-1], -0.5, n_experts - 0.5), interpolation='nearest')
+    if n_routed is not None and n_routed < n_experts:
+      ax.axhline(n_routed - 0.5, color='w', lw=0.8, ls='--')
+    ax.set_ylabel(f'layer {layer}\nexpert')
+    fig.colorbar(im, ax=ax, label='share')
+  axes[-1, 0].set_xlabel('step')
+  fig.suptitle('Expert load (share of top-k assignments; above the dashed line: zero experts)')
+  fig.tight_layout()
+  fig.savefig(out, dpi=100)
+  plt.close(fig)
+  return out
+
+
+def main(argv):
+  del argv
+  workdir = flags.FLAGS.workdir
+  steps, loads = read_loads(workdir)
+  n_routed = None
+  cfg_path = os.path.join(workdir, 'config.json')
+  if os.path.exists(cfg_path):
+    with open(cfg_path) as f:
+      n_routed = json.load(f).get('model', {}).get('n_routed_experts')
+  out = plot(steps, loads, flags.FLAGS.out or os.path.join(workdir, 'expert_load.png'), n_routed)
+  print(f'wrote {out} ({len(steps)} steps, {loads.shape[1]} layers, {loads.shape[2]} experts)')
+
+
+if __name__ == '__main__':
+  define_flags()
+  flags.mark_flags_as_required(['workdir'])
+  app.run(main)

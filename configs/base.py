@@ -78,6 +78,10 @@ def get_config() -> config_dict.ConfigDict:
   d.num_epochs = config_dict.placeholder(int)  # None = repeat forever
   d.worker_count = 0  # grain worker processes (0 = in-process)
 
+  # Initial weights.
+  c.init = config_dict.ConfigDict()
+  c.init.hf_checkpoint = ''  # Hugging Face LongCat-Flash directory: shapes, weights, tokenizer
+
   # Device mesh: axes (data, fsdp, expert, tensor); one entry may be -1.
   c.mesh = config_dict.ConfigDict()
   c.mesh.shape = (1, -1, 1, 1)  # sizes of (data, fsdp, expert, tensor)

@@ -13,7 +13,13 @@ from moetrain import optim, sharding
 from moetrain.checkpoint import Checkpointer
 from moetrain.data import pipeline
 from moetrain.model.config import LoraConfig, ModelConfig
-from moetrain.train_state import TrainState, create_sharded, graphdef_of, state_shardings
+from moetrain.train_state import (
+  TrainState,
+  create_sharded,
+  graphdef_of,
+  state_from_weights,
+  state_shardings,
+)
 from moetrain.train_step import StepConfig, eval_step, train_step
 
 
@@ -28,6 +34,26 @@ class Setup:
   mesh_shape: tuple[int, ...]
   seed: int
   train: dict
+  hf_checkpoint: str = ''
+
+
+# ModelConfig fields that are training/engine choices, not checkpoint shapes: with
+# init.hf_checkpoint the shapes come from its config.json and these from config.model.
+ENGINE_FIELDS = ('init_std', 'dtype', 'param_dtype', 'remat', 'moe_dispatch', 'moe_capacity_factor',
+                 'moe_backend', 'moe_block_size', 'moe_expert_parallel', 'moe_expected_ffn_experts',
+                 'moe_balance_groups', 'quant', 'quant_group_size')
+
+
+def model_config(config) -> ModelConfig:
+  rules = sharding.Rules.preset(config.mesh.rules)
+  lora = LoraConfig(**config.lora.to_dict())
+  path = config.init.hf_checkpoint
+  if not path:
+    return ModelConfig(**config.model.to_dict(), lora=lora, rules=rules)
+  from moetrain.convert import hf_longcat
+
+  engine = {k: config.model[k] for k in ENGINE_FIELDS}
+  return hf_longcat.config_from_hf(hf_longcat.read_config(path), **engine, lora=lora, rules=rules)
 
 
 def build(config, num_devices: int | None = None, process_count: int | None = None) -> Setup:
@@ -35,10 +61,11 @@ def build(config, num_devices: int | None = None, process_count: int | None = No
   num_devices = num_devices or jax.device_count()
   process_count = process_count or jax.process_count()
   mesh_shape = sharding.resolve_mesh_shape(config.mesh.shape, num_devices)
-  rules = sharding.Rules.preset(config.mesh.rules)
-  model = ModelConfig(**config.model.to_dict(), lora=LoraConfig(**config.lora.to_dict()), rules=rules)
+  model = model_config(config)
   model.validate()
   data = pipeline.DataConfig(**config.data.to_dict())
+  if config.init.hf_checkpoint and not data.tokenizer:  # the checkpoint's own tokenizer
+    data = dataclasses.replace(data, tokenizer=config.init.hf_checkpoint)
   pipeline.validate(data, process_count)
   opt = optim.OptimConfig(**config.optim.to_dict())
   train = config.train.to_dict()
@@ -62,7 +89,7 @@ def build(config, num_devices: int | None = None, process_count: int | None = No
     raise ValueError(f'data.eval_batch_size={data.eval_batch_size} must be divisible by the '
                      f'{batch_shards} batch shards of mesh.shape={mesh_shape}')
   step = StepConfig(model=model, grad_accum_steps=opt.grad_accum_steps, **config.loss.to_dict())
-  return Setup(model, data, opt, step, mesh_shape, config.seed, train)
+  return Setup(model, data, opt, step, mesh_shape, config.seed, train, config.init.hf_checkpoint)
 
 
 def enable_compilation_cache(path: str) -> None:
@@ -88,8 +115,17 @@ def evaluate(state, batches, eval_fn, batch_sharding) -> dict:
 
 
 def initial_state(setup: Setup, optimizer, mesh) -> TrainState:
-  """The state a fresh run starts from: random init (the base for LoRA comes from the seed)."""
-  return create_sharded(setup.model, optimizer, setup.seed, mesh, setup.model.rules)
+  """The state a fresh run starts from: the Hugging Face checkpoint in init.hf_checkpoint
+  (streamed into its shardings), else random init from the seed. A LoRA run's frozen base is
+  rebuilt this way on every start; checkpoints hold only what trains."""
+  rules = setup.model.rules
+  if not setup.hf_checkpoint:
+    return create_sharded(setup.model, optimizer, setup.seed, mesh, rules)
+  from moetrain.convert import hf_longcat
+
+  w = hf_longcat.load_params(setup.hf_checkpoint, setup.model, mesh=mesh, rules=rules,
+                             seed=setup.seed)
+  return state_from_weights(w.params, w.moe_bias, w.frozen, optimizer, setup.seed, mesh, rules)
 
 
 def restore_or_init(setup: Setup, ckpt: Checkpointer, optimizer, mesh, train_iter):
@@ -101,6 +137,20 @@ def restore_or_init(setup: Setup, ckpt: Checkpointer, optimizer, mesh, train_ite
   train_iter.set_state(data_state)
   logging.info('Resumed from step %d', step)
   return dataclasses.replace(state, **saved)
+
+
+def load_latest(setup: Setup, workdir: str | None, mesh) -> TrainState:
+  """The run's latest checkpoint (or its initial state when it has none), for tools."""
+  optimizer = optim.make_optimizer(setup.optim, setup.train['steps'])
+  state = initial_state(setup, optimizer, mesh)
+  if workdir:
+    ckpt = Checkpointer(workdir, every=1, keep=setup.train['keep_checkpoints'], async_save=False)
+    step = ckpt.latest_step()
+    if step is not None:
+      saved, _, _ = ckpt.restore(step, state)
+      state = dataclasses.replace(state, **saved)
+    ckpt.close()
+  return state
 
 
 def run(config, workdir: str) -> dict:

@@ -36,14 +36,23 @@ def forward(params, moe_bias, frozen, graphdef, batch, rng=None):
   return model(batch['inputs'], batch['positions'], batch['segment_ids'], rng)
 
 
-def loss_fn(params, moe_bias, frozen, graphdef, batch, rng, n_tokens, cfg: StepConfig):
+def token_counts(batch):
+  """(loss tokens, routed tokens) of a batch: the denominators of the loss and the MoE terms."""
+  n_loss = jnp.maximum(batch['loss_mask'].astype(jnp.float32).sum(), 1.0)
+  n_routed = jnp.maximum((batch['segment_ids'] > 0).astype(jnp.float32).sum(), 1.0)
+  return n_loss, n_routed
+
+
+def loss_fn(params, moe_bias, frozen, graphdef, batch, rng, totals, cfg: StepConfig):
   """Token-mean cross entropy over the whole (global) batch plus the weighted aux losses.
-  `n_tokens` is the global count, so micro-batch losses add up to the full-batch loss."""
+  `totals` are the full batch's token counts, so micro-batch losses add up to the full-batch loss."""
+  n_tokens, n_routed = totals
   logits, aux = forward(params, moe_bias, frozen, graphdef, batch, rng)
   mask = batch['loss_mask'].astype(jnp.float32)
   nll, correct = cross_entropy(logits, batch['targets'], mask)
   moe = aux['moe']
-  frac = mask.sum() / n_tokens  # this micro-batch's share, so aux terms also average correctly
+  # This micro-batch's share of the routed tokens, so per-micro-batch MoE means average correctly.
+  frac = token_counts(batch)[1] / n_routed
   hidden_z = jnp.sum(aux['hidden_lse_BT'] ** 2 * mask) / n_tokens
   aux_loss = (cfg.router_z_loss * moe['router_z_loss'].mean() * frac
               + cfg.balance_loss * moe['balance_loss'].mean() * frac
@@ -59,23 +68,23 @@ def _microbatches(batch, n: int):
 
 
 def grads_and_stats(state: TrainState, graphdef, batch, rng, cfg: StepConfig):
-  n_tokens = jnp.maximum(batch['loss_mask'].astype(jnp.float32).sum(), 1.0)
-  grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
-  args = (state.moe_bias, state.frozen, graphdef)
-  if cfg.grad_accum_steps == 1:
-    (loss, stats), grads = grad_fn(state.params, *args, batch, rng, n_tokens, cfg)
+  totals = token_counts(batch)
+  grad_fn = jax.value_and_grad(
+    lambda p, b, r: loss_fn(p, state.moe_bias, state.frozen, graphdef, b, r, totals, cfg),
+    has_aux=True)
+  n = cfg.grad_accum_steps
+  if n == 1:
+    (loss, stats), grads = grad_fn(state.params, batch, rng)
     return loss, stats, grads
 
   def micro(carry, xs):
     mb, i = xs
-    out = grad_fn(state.params, *args, mb, jax.random.fold_in(rng, i), n_tokens, cfg)
-    return jax.tree.map(jnp.add, carry, out), None
+    return jax.tree.map(jnp.add, carry, grad_fn(state.params, mb, jax.random.fold_in(rng, i))), None
 
-  zero = jax.eval_shape(grad_fn, state.params, *args, _microbatches(batch, cfg.grad_accum_steps),
-                        rng, n_tokens, cfg)
+  micro_batches = _microbatches(batch, n)
+  zero = jax.eval_shape(grad_fn, state.params, jax.tree.map(lambda x: x[0], micro_batches), rng)
   zero = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), zero)
-  n = cfg.grad_accum_steps
-  ((loss, stats), grads), _ = jax.lax.scan(micro, zero, (_microbatches(batch, n), jnp.arange(n)))
+  ((loss, stats), grads), _ = jax.lax.scan(micro, zero, (micro_batches, jnp.arange(n)))
   return loss, stats, grads
 
 

@@ -12,7 +12,7 @@ import pytest
 from moetrain import sharding
 from moetrain.checkpoint import flatten
 from moetrain.train_state import create_sharded, graphdef_of, state_shardings
-from moetrain.train_step import StepConfig, loss_fn
+from moetrain.train_step import StepConfig, loss_fn, token_counts
 from tests.helpers import tiny, with_lora
 
 GOLDEN = os.path.join(os.path.dirname(__file__), 'golden')
@@ -37,7 +37,7 @@ def loss_on(mesh_shape, devices=None, preset='fsdp_ep_tp'):
     state = create_sharded(cfg, opt, 0, mesh, cfg.rules)
     b = {k: jax.device_put(v, sharding.batch_sharding(mesh)) for k, v in batch().items()}
     f = jax.jit(lambda s, b: loss_fn(s.params, s.moe_bias, s.frozen, graphdef_of(cfg), b, None,
-                                     b['loss_mask'].sum(), StepConfig(model=cfg))[0])
+                                     token_counts(b), StepConfig(model=cfg))[0])
     return float(f(state, b))
 
 

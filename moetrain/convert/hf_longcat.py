@@ -3,6 +3,7 @@
 import dataclasses
 import json
 import os
+import re
 from typing import NamedTuple
 
 import jax
@@ -13,8 +14,8 @@ from jax.sharding import SingleDeviceSharding
 
 from moetrain import train_state
 from moetrain.convert import safetensors_io as stio
-from moetrain.convert.stacked_io import Row, export_piece, flat_shape, init_adapter, load_row
-from moetrain.convert.stacked_io import to_flat, to_host
+from moetrain.convert import stacked_io as sio
+from moetrain.convert.stacked_io import Row
 from moetrain.model.config import ModelConfig
 from moetrain.model.transformer import Transformer
 
@@ -60,7 +61,8 @@ def config_from_hf(config_json: dict, **overrides) -> ModelConfig:
     raise ValueError(f"config.json model_type={c['model_type']!r}: only longcat_flash is supported")
   missing = [k for k in _REQUIRED if c.get(k) is None]
   if missing:
-    raise ValueError(f'config.json lacks {missing} (q_lora_rank=null, plain q_proj, is unsupported)')
+    raise ValueError(f'config.json lacks {missing} (q_lora_rank=null, a plain q_proj, is '
+                     'unsupported)')
   for key, want in _FIXED.items():
     if c.get(key, want) != want:
       raise ValueError(f'config.json {key}={c[key]!r} is unsupported: moetrain implements '
@@ -196,7 +198,7 @@ def _check(reader, rows, cfg, shapes: dict) -> list[str]:
   """Raises on a missing or misshapen tensor; returns the checkpoint keys no row uses."""
   expected = set()
   for t in rows:
-    want = flat_shape(shapes[t.key][t.lead :], t.n_in)
+    want = sio.flat_shape(shapes[t.key][t.lead :], t.n_in)
     for ix in t.indices(cfg.num_layers, cfg.n_routed_experts):
       name = t.name(ix)
       expected.add(name)
@@ -211,6 +213,12 @@ def _check(reader, rows, cfg, shapes: dict) -> list[str]:
   if fp8:
     raise ValueError(f'{fp8[0]}: block-quantised (FP8) checkpoints are unsupported; load the '
                      'bf16 release or dequantise first')
+  pattern = re.compile('|'.join(re.escape(t.name_template).replace(r'\{l\}', r'\d+')
+                                .replace(r'\{e\}', r'\d+') for t in rows))
+  extra = [k for k in skipped if pattern.fullmatch(k)]
+  if extra:  # e.g. more layers or experts in the file than in cfg: never drop them silently
+    raise ValueError(f'{extra[0]}: in {reader.directory} but beyond the config '
+                     f'({len(extra)} such tensors); does config.json match the weights?')
   return skipped
 
 
@@ -244,11 +252,11 @@ def load_params(path, cfg: ModelConfig, mesh=None, rules=None, dtype=None, seed=
   skipped = _check(reader, rows, cfg, shapes)
   values = {}
   for t in rows:
-    values.update(load_row(reader, t, abstract, shardings, shapes[t.key], cfg.quant,
+    values.update(sio.load_row(reader, t, abstract, shardings, shapes[t.key], cfg.quant,
                            cfg.quant_group_size))
   for r in (r for t in rows for r in lora_rows(t) or () if r.key in abstract):
-    values[r.key] = init_adapter(r, abstract[r.key].shape, shardings[r.key], abstract[r.key].dtype,
-                               seed)
+    x = abstract[r.key]
+    values[r.key] = sio.init_adapter(r, x.shape, shardings[r.key], x.dtype, seed)
   unfilled = sorted('.'.join(p) for p in set(variables) - set(values))
   if unfilled:
     raise ValueError(f'no checkpoint tensor fills {unfilled}')
@@ -283,7 +291,7 @@ def _export(flat: dict, t: Row, ix, cfg: ModelConfig, dtype):
     kernel = (flat[t.key + ('q',)], flat[t.key + ('scale',)])
   lo = lora_rows(t)
   lora = tuple(flat[r.key] for r in lo) if lo and lo[0].key in flat else None
-  return export_piece(t, ix, kernel, lora, cfg.lora.scale, bits, dtype)
+  return sio.export_piece(t, ix, kernel, lora, cfg.lora.scale, bits, dtype)
 
 
 def _export_items(flat: dict, cfg: ModelConfig, strict: bool) -> list:
@@ -292,14 +300,15 @@ def _export_items(flat: dict, cfg: ModelConfig, strict: bool) -> list:
   for t in table():
     if t.key not in flat and t.key + ('q',) not in flat:
       if strict:
-        raise ValueError(f'the state has no {t.path} (HF {t.name_template}); pass the whole model state')
+        raise ValueError(f'the state has no {t.path} (HF {t.name_template}); pass the whole '
+                         'model state')
       continue
-    shape = flat_shape(shapes[t.key][t.lead :], t.n_in)
+    shape = sio.flat_shape(shapes[t.key][t.lead :], t.n_in)
     items += [(t, ix, shape) for ix in t.indices(cfg.num_layers, cfg.n_routed_experts)]
   return items
 
 
-def hf_tensors(model_or_state, cfg: ModelConfig, dtype=np.float32):
+def hf_tensors(model_or_state, cfg: ModelConfig, dtype='float32'):
   """Yields (HF name, array) in checkpoint layout for every table row the state holds (a grad
   state without the router bias, say): LoRA merged, quantised kernels decoded."""
   flat = _flat(model_or_state)
@@ -337,7 +346,7 @@ def _adapted(flat: dict) -> list[Row]:
 
 
 def _target_modules(rows: list[Row]) -> str:
-  """A regex PEFT full-matches against module names, e.g. model\\.layers\\.\\d+\\.mlps\\.0\\.up_proj."""
+  """A regex that PEFT full-matches against module names (model.layers.<l>.mlps.0.up_proj...)."""
   mods = {r.name_template.removeprefix(PEFT_PREFIX).rsplit('.', 2)[0] for r in rows}
   return '|'.join(sorted(m.replace('.', r'\.').replace('{l}', r'\d+').replace('{e}', r'\d+')
                          for m in mods))
@@ -351,14 +360,16 @@ def save_peft_adapter(model, cfg: ModelConfig, out_dir: str) -> None:
   if not rows:
     raise ValueError('the model has no LoRA adapters (cfg.lora.rank is 0 or targets match none)')
   items = [(r, ix) for r in rows for ix in r.indices(cfg.num_layers, cfg.n_routed_experts)]
-  specs = [(r.name(ix), flat_shape(flat[r.key].shape[r.lead :], r.n_in), flat[r.key].dtype)
+  specs = [(r.name(ix), sio.flat_shape(flat[r.key].shape[r.lead :], r.n_in), flat[r.key].dtype)
            for r, ix in items]
   writable = jax.process_index() == 0
   if writable:
     os.makedirs(out_dir, exist_ok=True)
-  stio.write_file(os.path.join(out_dir, ADAPTER_FILE), specs,
-                  lambda i: to_flat(to_host(flat[items[i][0].key][items[i][1]]), items[i][0].n_in),
-                  writable)
+  def produce(i):
+    r, ix = items[i]
+    return sio.to_flat(sio.to_host(flat[r.key][ix]), r.n_in)
+
+  stio.write_file(os.path.join(out_dir, ADAPTER_FILE), specs, produce, writable)
   lo = cfg.lora
   config = {'peft_type': 'LORA', 'task_type': 'CAUSAL_LM', 'r': lo.rank, 'lora_alpha': lo.alpha,
             'use_rslora': lo.rslora, 'lora_dropout': lo.dropout, 'bias': 'none',
@@ -392,5 +403,5 @@ def load_peft_adapter(model, cfg: ModelConfig, directory: str) -> None:
   shardings = {p: x.sharding for p, x in flat.items()}
   values = {}
   for r in rows:
-    values.update(load_row(reader, r, abstract, shardings, flat[r.key].shape))
+    values.update(sio.load_row(reader, r, abstract, shardings, flat[r.key].shape))
   nnx.update(model, nnx.from_flat_state({p: variables[p].replace(values[p]) for p in values}))

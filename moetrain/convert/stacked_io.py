@@ -79,7 +79,7 @@ def drop_lead(sharding, n: int, drop_at: int | None = None):
   """The sharding of a per-layer piece: first n dims dropped (and one more at drop_at)."""
   if not isinstance(sharding, NamedSharding):
     return sharding
-  spec = list(sharding.spec) + [None] * 8
+  spec = list(sharding.spec)  # logical_to_spec names every dim
   if drop_at is not None:
     del spec[n + drop_at]
   return NamedSharding(sharding.mesh, P(*spec[n:]))
@@ -202,8 +202,11 @@ def export_piece(row: Row, ix, kernel, lora=None, lora_scale=0.0, bits=0, dtype=
   """Checkpoint tensor ix of `row` on the host: the kernel (or its (q, scale) codes, decoded),
   plus lora_scale * A @ B when `lora` holds the stacked (A, B). Sliced on device, so only
   that tensor is gathered (across processes when the array spans several)."""
-  out = _flat_piece(ix, kernel, lora, lora_scale, bits=bits, axis=row.quant_dims()[0] - row.experts,
-                    n_in=row.n_in, dtype=jnp.dtype(dtype))
+  axis = 0
+  if bits == 4:  # QTensor counts the groups dim from the end: nb - E of the piece's q dims
+    axis = row.quant_dims()[0] - row.experts - (kernel[0].ndim - row.lead)
+  out = _flat_piece(ix, kernel, lora, lora_scale, bits=bits, axis=axis, n_in=row.n_in,
+                    dtype=jnp.dtype(dtype))
   return to_host(out)
 
 

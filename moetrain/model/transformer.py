@@ -49,12 +49,22 @@ class DecoderLayer(nnx.Module):
 
   def __call__(self, h_BTD, positions_BT, segment_ids_BT, rng=None):
     rngs = [None] * 5 if rng is None else list(jax.random.split(rng, 5))
-    h_BTD = h_BTD + self.attn_0(self.input_norm_0(h_BTD), positions_BT, segment_ids_BT, rngs[0])
+
+    def attend(i, x_BTD):
+      mla = (self.attn_0, self.attn_1)[i]
+      return mla(x_BTD, positions_BT, segment_ids_BT, rngs[3 * i])
+
+    return self.body(h_BTD, attend, segment_ids_BT > 0, rngs)
+
+  def body(self, h_BTD, attend, valid_BT, rngs):
+    """The ScMoE wiring; attend(i, x_BTD) runs attention block i (full sequence, or against a
+    KV cache in model/decode.py). rngs: 5 keys or Nones (attn_0, moe, mlp_0, attn_1, mlp_1)."""
+    h_BTD = h_BTD + attend(0, self.input_norm_0(h_BTD))
     x_BTD = self.post_norm_0(h_BTD)
-    m_BTD, stats = self.moe(x_BTD, segment_ids_BT > 0, rngs[1])
+    m_BTD, stats = self.moe(x_BTD, valid_BT, rngs[1])
     m_BTD = checkpoint_name(m_BTD, 'moe_out')
     h_BTD = h_BTD + self.mlp_0(x_BTD, rngs[2])
-    h_BTD = h_BTD + self.attn_1(self.input_norm_1(h_BTD), positions_BT, segment_ids_BT, rngs[3])
+    h_BTD = h_BTD + attend(1, self.input_norm_1(h_BTD))
     h_BTD = h_BTD + self.mlp_1(self.post_norm_1(h_BTD), rngs[4]) + m_BTD
     return constrain(h_BTD, ACT, self.rules), stats
 

@@ -14,12 +14,10 @@ import jax
 from absl import app, flags
 from ml_collections import config_flags
 
-from moetrain import optim, sharding, train
-from moetrain.checkpoint import Checkpointer
+from moetrain import sharding, train
 from moetrain.data import pipeline
 from moetrain.train_state import graphdef_of
 from moetrain.train_step import eval_step
-
 
 
 def define_flags():
@@ -41,15 +39,8 @@ def evaluate_checkpoint(config, workdir: str | None, split: str | None = None,
                                        process_count=jax.process_count())
   if not batches:
     raise ValueError('no eval data: set data.eval_split (or --split)')
-  optimizer = optim.make_optimizer(setup.optim, setup.train['steps'])
   with jax.set_mesh(mesh):
-    state = train.initial_state(setup, optimizer, mesh)
-    if workdir:
-      ckpt = Checkpointer(workdir, every=1, keep=setup.train['keep_checkpoints'], async_save=False)
-      step = ckpt.latest_step()
-      if step is not None:
-        saved, _, _ = ckpt.restore(step, state)
-        state = dataclasses.replace(state, **saved)
+    state = train.load_latest(setup, workdir, mesh)
     eval_fn = jax.jit(functools.partial(eval_step, graphdef=graphdef_of(setup.model)))
     out = train.evaluate(state, batches, eval_fn, sharding.batch_sharding(mesh))
   return {'step': int(state.step), **out}

@@ -1,0 +1,125 @@
+"""Incremental decoding against a KV cache that holds MLA's compressed latent, not per-head K/V."""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from moetrain.model import quant
+from moetrain.model.attention import MLA, attention_mask
+from moetrain.model.config import ModelConfig
+from moetrain.model.layers import Linear
+from moetrain.model.transformer import Transformer
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class KVCache:
+  """What MLA needs of every past token, per layer and attention block: slot s of axis 3 holds
+  absolute position s. Per token that is K + H numbers instead of N * (P + R + V) for expanded
+  keys and values (576 vs 40,960 for LongCat-Flash)."""
+
+  c: jax.Array  # [L, 2, B, S, K]: latent after kv_a_norm and the alpha_kv scale
+  k_pe: jax.Array  # [L, 2, B, S, H]: the shared rope key after RoPE
+
+  @property
+  def max_len(self) -> int:
+    return self.c.shape[3]
+
+
+def init_cache(cfg: ModelConfig, batch: int, max_len: int) -> KVCache:
+  dt, lead = jnp.dtype(cfg.dtype), (cfg.num_layers, 2, batch, max_len)
+  return KVCache(jnp.zeros((*lead, cfg.kv_lora_rank), dt), jnp.zeros((*lead, cfg.qk_rope_head_dim), dt))
+
+
+def effective_kernel(linear: Linear) -> jax.Array:
+  """The kernel of one unstacked Linear in its compute dtype: dequantised base + scale * A @ B."""
+  w = quant.value(linear.kernel, linear.compute_dtype)
+  if linear.has_lora:
+    a, b = (v[...].astype(w.dtype) for v in (linear.lora_a, linear.lora_b))
+    w = w + linear.lora_scale * jnp.tensordot(a, b, axes=1)
+  return w
+
+
+def attend_absorbed(mla: MLA, q_nope_BTNH, q_pe_BTNH, c_BSK, k_pe_BSH, mask_BTS):
+  """MLA.attend with kv_b folded into the query (for keys) and into the output (for values), so
+  scores and the weighted sum run on the K-wide latents and the cache is never expanded per head.
+  Per step that costs O(S * N * K) instead of kv_b's O(S * K * N * (P + V))."""
+  cfg, f32 = mla.cfg, jnp.float32
+  w_KNH = effective_kernel(mla.kv_b)
+  w_k_KNH, w_v_KNH = w_KNH[..., : cfg.qk_nope_head_dim], w_KNH[..., cfg.qk_nope_head_dim :]
+  q_BTNK = jnp.einsum('BTNH,KNH->BTNK', q_nope_BTNH, w_k_KNH)
+  c_BSK = c_BSK.astype(q_BTNK.dtype)
+  s_BNTS = jnp.einsum('BTNK,BSK->BNTS', q_BTNK, c_BSK, preferred_element_type=f32)
+  s_BNTS += jnp.einsum('BTNH,BSH->BNTS', q_pe_BTNH, k_pe_BSH.astype(q_pe_BTNH.dtype),
+                       preferred_element_type=f32)
+  s_BNTS = s_BNTS * cfg.qk_head_dim**-0.5
+  s_BNTS = jnp.where(mask_BTS[:, None], s_BNTS, jnp.finfo(f32).min)
+  p_BNTS = jax.nn.softmax(s_BNTS, axis=-1).astype(c_BSK.dtype)
+  o_BTNK = jnp.einsum('BNTS,BSK->BTNK', p_BNTS, c_BSK)
+  return mla.o(jnp.einsum('BTNK,KNH->BTNH', o_BTNK, w_v_KNH))
+
+
+def cached_attention(mla: MLA, x_BTD, positions_BT, c_BSK, k_pe_BSH, start, absorb: bool):
+  """Writes the T new tokens' latents at slots start.. of the cache, then attends over it.
+
+  A Python-int start (prefill) attends over slots [0, start + T) only, exactly like the training
+  forward; a traced start attends over all S slots, where the causal mask (key position <= query
+  position) also hides the slots not written yet. Returns (out_BTD, c_BSK, k_pe_BSH)."""
+  q_nope, q_pe = mla.project_q(x_BTD, positions_BT)
+  c_BTK, k_pe_BTH = mla.latent(x_BTD, positions_BT)
+  c_BSK = jax.lax.dynamic_update_slice_in_dim(c_BSK, c_BTK.astype(c_BSK.dtype), start, axis=1)
+  k_pe_BSH = jax.lax.dynamic_update_slice_in_dim(k_pe_BSH, k_pe_BTH.astype(k_pe_BSH.dtype), start,
+                                                 axis=1)
+  b, t = positions_BT.shape
+  s = start + t if isinstance(start, int) else c_BSK.shape[1]
+  k_pos_BS = jnp.broadcast_to(jnp.arange(s, dtype=jnp.int32), (b, s))
+  ones_BT, ones_BS = jnp.ones((b, t), jnp.int32), jnp.ones((b, s), jnp.int32)
+  mask_BTS = attention_mask(positions_BT, ones_BT, k_pos_BS, ones_BS)
+  attend = attend_absorbed if absorb else MLA.attend
+  out_BTD = attend(mla, q_nope, q_pe, c_BSK[:, :s], k_pe_BSH[:, :s], mask_BTS)
+  return out_BTD, c_BSK, k_pe_BSH
+
+
+def forward(model: Transformer, cache: KVCache, ids_BT, start, *, absorb: bool = False):
+  """Runs ids_BT at absolute positions start..start+T-1 (the same for every row) through the
+  layers, scanning over the stacked layer state and the cache's per-layer slices like
+  Transformer.run_layers. Returns float32 logits of the last position [B, V] and the cache with
+  these T positions written. start + T must not exceed cache.max_len."""
+  b, t = ids_BT.shape
+  positions_BT = jnp.broadcast_to(start + jnp.arange(t, dtype=jnp.int32), (b, t))
+  valid_BT = jnp.ones((b, t), bool)
+  graphdef, state = nnx.split(model.layers)
+
+  def body(h_BTD, xs):
+    layer_state, c_2BSK, k_pe_2BSH = xs
+    layer = nnx.merge(graphdef, layer_state)
+    written = []
+
+    def attend(i, x_BTD):
+      mla = (layer.attn_0, layer.attn_1)[i]
+      out_BTD, *kv = cached_attention(mla, x_BTD, positions_BT, c_2BSK[i], k_pe_2BSH[i], start,
+                                      absorb)
+      written.append(kv)
+      return out_BTD
+
+    h_BTD, _ = layer.body(h_BTD, attend, valid_BT, [None] * 5)
+    return h_BTD, tuple(jnp.stack(x) for x in zip(*written))
+
+  h_BTD = model.embed(ids_BT)
+  h_BTD, (c, k_pe) = jax.lax.scan(body, h_BTD, (state, cache.c, cache.k_pe))
+  logits_BTV = model.lm_head(model.final_norm(h_BTD[:, -1:]))
+  return logits_BTV[:, 0].astype(jnp.float32), KVCache(c, k_pe)
+
+
+def prefill(model: Transformer, ids_BT, max_len: int, *, absorb: bool = False):
+  """A fresh cache of max_len slots filled with the prompt; returns (last logits [B, V], cache)."""
+  cache = init_cache(model.cfg, ids_BT.shape[0], max_len)
+  return forward(model, cache, ids_BT, 0, absorb=absorb)
+
+
+def decode_step(model: Transformer, cache: KVCache, token_B, pos, *, absorb: bool = True):
+  """Feeds one token per row at absolute position pos (< cache.max_len; may be traced).
+  Returns (logits [B, V] for the next token, cache)."""
+  return forward(model, cache, token_B[:, None], jnp.asarray(pos, jnp.int32), absorb=absorb)

@@ -1,0 +1,196 @@
+"""Text generation (greedy or top-p) over the latent KV cache, and its command line.
+
+  python -m moetrain.tools.generate --hf_checkpoint=DIR --prompt='Hello' --max_new_tokens=32
+  python -m moetrain.tools.generate --config=configs/longcat_lora.py --workdir=runs/longcat_lora \
+      --prompt='Hello' --temperature=0.8 --top_p=0.9 --seed=1
+
+With --config, --workdir's latest checkpoint is loaded (the config's initial weights if it has
+none, e.g. --config.init.hf_checkpoint=DIR); prints the text and prefill + decode tokens/s.
+"""
+
+import functools
+import time
+
+import jax
+import jax.numpy as jnp
+from absl import app, flags
+from flax import nnx
+from ml_collections import config_flags
+
+from moetrain.model.decode import decode_step, prefill
+
+
+def sample_top_p(logits_BV, key, temperature, top_p):
+  """Nucleus sampling: draws from the smallest set of most likely tokens whose probability
+  reaches top_p; the most likely token is always in it, so top_p -> 0 is greedy."""
+  logits_BV = logits_BV / temperature
+  order_BV = jnp.argsort(-logits_BV, axis=-1)  # stable: ties rank by id, as argmax does
+  sorted_BV = jnp.take_along_axis(logits_BV, order_BV, axis=-1)
+  p_BV = jax.nn.softmax(sorted_BV, axis=-1)
+  before_BV = jnp.cumsum(p_BV, axis=-1) - p_BV
+  first_BV = jnp.arange(p_BV.shape[-1])[None, :] == 0
+  keep_BV = (before_BV < top_p) | first_BV
+  choice_B = jax.random.categorical(key, jnp.where(keep_BV, sorted_BV, -jnp.inf), axis=-1)
+  return jnp.take_along_axis(order_BV, choice_B[:, None], axis=-1)[:, 0]
+
+
+@functools.partial(jax.jit, static_argnames=('graphdef', 'max_new', 'absorb'))
+def _generate(graphdef, state, prompt_BT, rng, opts: dict, *, max_new: int, absorb: bool):
+  """Prefill, then a lax.while_loop of decode steps that exits once every row has emitted eos.
+  opts holds traced scalars: temperature, top_p, eos_id (< 0: none) and vocab (ids >= vocab are
+  never chosen). Returns the ids [B, T + max_new] and the number of tokens per row."""
+  model = nnx.merge(graphdef, state)
+  b, t = prompt_BT.shape
+  logits_BV, cache = prefill(model, prompt_BT, t + max_new)
+  eos_id = opts['eos_id']
+  fill = jnp.maximum(eos_id, 0)
+  ids_BS = jnp.concatenate([prompt_BT, jnp.full((b, max_new), fill, jnp.int32)], axis=1)
+
+  def emit(i, logits_BV, ids_BS, done_B):
+    in_vocab_BV = jnp.arange(logits_BV.shape[-1])[None, :] < opts['vocab']
+    logits_BV = jnp.where(in_vocab_BV, logits_BV, -jnp.inf)
+    tok_B = jax.lax.cond(
+      opts['temperature'] > 0,
+      lambda: sample_top_p(logits_BV, jax.random.fold_in(rng, i), opts['temperature'],
+                           opts['top_p']),
+      lambda: jnp.argmax(logits_BV, axis=-1)).astype(jnp.int32)
+    tok_B = jnp.where(done_B, fill, tok_B)
+    done_B = done_B | (tok_B == eos_id)
+    ids_BS = jax.lax.dynamic_update_slice_in_dim(ids_BS, tok_B[:, None], t + i, axis=1)
+    return ids_BS, done_B
+
+  def cond(carry):
+    i, _, done_B, _ = carry
+    return (i < max_new) & ~jnp.all(done_B)
+
+  def body(carry):
+    i, ids_BS, done_B, cache = carry
+    pos = t + i - 1
+    tok_B = jax.lax.dynamic_index_in_dim(ids_BS, pos, axis=1, keepdims=False)
+    logits_BV, cache = decode_step(model, cache, tok_B, pos, absorb=absorb)
+    ids_BS, done_B = emit(i, logits_BV, ids_BS, done_B)
+    return i + 1, ids_BS, done_B, cache
+
+  ids_BS, done_B = emit(0, logits_BV, ids_BS, jnp.zeros((b,), bool))
+  steps, ids_BS, _, _ = jax.lax.while_loop(cond, body, (jnp.int32(1), ids_BS, done_B, cache))
+  return ids_BS, steps
+
+
+def _args(model, prompt_ids, max_new_tokens, *, temperature=0.0, top_p=1.0, rng=None,
+          eos_id=None, vocab_size=None, absorb=True):
+  graphdef, state = nnx.split(model)
+  rng = jax.random.key(0) if rng is None else rng
+  opts = {'temperature': jnp.float32(temperature), 'top_p': jnp.float32(top_p),
+          'eos_id': jnp.int32(-1 if eos_id is None else eos_id),
+          'vocab': jnp.int32(model.cfg.vocab_size if vocab_size is None else vocab_size)}
+  args = (graphdef, state, jnp.asarray(prompt_ids, jnp.int32), rng, opts)
+  return args, {'max_new': max_new_tokens, 'absorb': absorb}
+
+
+def generate(model, prompt_ids, max_new_tokens, *, temperature=0.0, top_p=1.0, rng=None,
+             eos_id=None, vocab_size=None, absorb=True):
+  """Continues every row of prompt_ids [B, T] (no padding: all rows start at position 0) by
+  max_new_tokens; returns ids [B, T + max_new_tokens].
+
+  temperature 0 is greedy; otherwise top-p sampling with key `rng` (default key 0). A row that
+  emits eos_id is filled with eos_id from then on, and the loop stops once all rows have.
+  vocab_size: choose only ids below it (a tokenizer smaller than the model's padded vocabulary).
+  absorb: decode attention in the latent space (model/decode.py). One compilation per (model,
+  prompt shape, max_new_tokens, absorb); the other arguments are traced.
+  """
+  if max_new_tokens <= 0:
+    return jnp.asarray(prompt_ids, jnp.int32)
+  args, static = _args(model, prompt_ids, max_new_tokens, temperature=temperature, top_p=top_p,
+                       rng=rng, eos_id=eos_id, vocab_size=vocab_size, absorb=absorb)
+  return _generate(*args, **static)[0]
+
+
+def timed_generate(model, prompt_ids, max_new_tokens, **kw) -> tuple[jax.Array, dict]:
+  """generate() (same keyword arguments) with compilation, ahead of time, timed apart."""
+  args, static = _args(model, prompt_ids, max_new_tokens, **kw)
+  t0 = time.perf_counter()
+  compiled = _generate.lower(*args, **static).compile()
+  t1 = time.perf_counter()
+  ids, steps = jax.block_until_ready(compiled(*args[1:]))
+  t2 = time.perf_counter()
+  new = int(steps) * ids.shape[0]
+  return ids, {'compile_s': t1 - t0, 'run_s': t2 - t1, 'new_tokens': new,
+               'tokens_per_s': new / (t2 - t1)}
+
+
+# ---------------------------------------------------------------------------------------------
+# Command line
+
+_HF = flags.DEFINE_string('hf_checkpoint', None, 'Hugging Face directory (config.json, '
+                          'safetensors, tokenizer.json).')
+_CONFIG = config_flags.DEFINE_config_file('config', None, 'Training config of --workdir.',
+                                          lock_config=True)
+_WORKDIR = flags.DEFINE_string('workdir', None, 'Run directory of --config whose latest checkpoint '
+                               'to load (none: the initial weights).')
+_PROMPT = flags.DEFINE_string('prompt', '', 'Text to continue.')
+_MAX_NEW = flags.DEFINE_integer('max_new_tokens', 32, 'Tokens to generate.')
+_TEMPERATURE = flags.DEFINE_float('temperature', 0.0, '0 = greedy.')
+_TOP_P = flags.DEFINE_float('top_p', 1.0, 'Nucleus mass when sampling.')
+_SEED = flags.DEFINE_integer('seed', 0, 'Sampling seed.')
+_BOS = flags.DEFINE_bool('add_bos', True, "Prepend the tokenizer's bos token, if it has one.")
+
+
+def load_hf(path: str):
+  from moetrain.convert.hf_longcat import load_model
+  from moetrain.data.tokenizer import load_tokenizer
+
+  return load_model(path, dtype=jnp.float32), load_tokenizer(path)
+
+
+def load_run(config, workdir: str | None):
+  """The model of --workdir's latest checkpoint, or the config's initial weights (its
+  init.hf_checkpoint, else random) when there is none; the frozen base of a LoRA run is rebuilt
+  from its source, as training does. Returns (model, tokenizer, step)."""
+  from moetrain import sharding, train
+  from moetrain.data import pipeline
+  from moetrain.train_state import graphdef_of, merge_model
+
+  setup = train.build(config)
+  mesh = sharding.make_mesh(setup.mesh_shape)
+  with jax.set_mesh(mesh):
+    state = train.load_latest(setup, workdir, mesh)
+  model = merge_model(graphdef_of(setup.model), state.params, state.moe_bias, state.frozen)
+  tokenizer = pipeline.make_tokenizer(setup.data, workdir or '/tmp/moetrain_generate')
+  return model, tokenizer, int(state.step)
+
+
+def main(argv):
+  del argv
+  if bool(_HF.value) == (_CONFIG.value is not None):
+    raise app.UsageError('pass --hf_checkpoint=DIR, or --config (with --workdir for a run)')
+  if _HF.value:
+    model, tok = load_hf(_HF.value)
+    source = _HF.value
+  else:
+    model, tok, step = load_run(_CONFIG.value, _WORKDIR.value)
+    source = f'{_WORKDIR.value or "initial weights"} at step {step}'
+  ids = tok.encode(_PROMPT.value)
+  if _BOS.value and tok.bos_id is not None:
+    ids = [tok.bos_id, *ids]
+  if not ids:
+    raise app.UsageError('the prompt is empty and the tokenizer has no bos token')
+  out, stats = timed_generate(model, [ids], _MAX_NEW.value, temperature=_TEMPERATURE.value,
+                              top_p=_TOP_P.value, rng=jax.random.key(_SEED.value),
+                              eos_id=tok.eos_id, vocab_size=tok.vocab_size)
+  new = [int(i) for i in out[0, len(ids) :]]
+  if tok.eos_id in new:
+    new = new[: new.index(tok.eos_id)]
+  print(f'# {source}')
+  print(_PROMPT.value + continuation(tok, ids, new))
+  print(f"# {len(new)} new tokens; compile {stats['compile_s']:.1f} s; prefill + decode "
+        f"{stats['run_s']:.3f} s = {stats['tokens_per_s']:.1f} tokens/s")
+
+
+def continuation(tok, prompt_ids, new_ids) -> str:
+  """The text the new tokens add to the prompt's (decoding them alone can drop a leading space)."""
+  before, after = tok.decode(prompt_ids), tok.decode([*prompt_ids, *new_ids])
+  return after[len(before) :] if after.startswith(before) else tok.decode(new_ids)
+
+
+if __name__ == '__main__':
+  app.run(main)

@@ -1,0 +1,124 @@
+"""Generation: cached decoding equals the full forward, the cache is latent-sized, greedy output
+equals Hugging Face's on the fixture, and sampling is reproducible."""
+
+import functools
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from moetrain.model import decode
+from moetrain.tools.generate import generate, sample_top_p
+from tests.helpers import model_and_ids, nonzero_bias, randomize, tiny, with_lora
+
+FIXTURE = os.path.join(os.path.dirname(__file__), 'fixtures', 'longcat_two_layer')
+
+
+@functools.partial(jax.jit, static_argnames=('graphdef', 'max_len'))
+def _prefill(graphdef, state, ids_BT, max_len):
+  return decode.prefill(nnx.merge(graphdef, state), ids_BT, max_len)
+
+
+@functools.partial(jax.jit, static_argnames=('graphdef', 'absorb'))
+def _step(graphdef, state, cache, token_B, pos, absorb):
+  return decode.decode_step(nnx.merge(graphdef, state), cache, token_B, pos, absorb=absorb)
+
+
+@pytest.fixture(scope='module')
+def lora_model():
+  """LoRA everywhere with nonzero B and a nonzero router bias, so every path is exercised. The
+  adapters are perturbed by 0.1, not helpers' 0.2: at 0.2 float32 rounding alone moves the full
+  forward's logits by up to 1e-5 from a float64 run, which leaves no room for the 1e-5 check."""
+  model, ids = model_and_ids(with_lora(tiny()), t=9)
+  randomize(model, 3, nnx.LoRAParam, scale=0.1)
+  nonzero_bias(model)
+  return model, ids
+
+
+def test_incremental_decode_equals_full_forward(lora_model):
+  model, ids = lora_model
+  graphdef, state = nnx.split(model)
+  full, _ = jax.jit(lambda state: nnx.merge(graphdef, state)(ids))(state)
+  t = ids.shape[1]
+  logits, cache0 = _prefill(graphdef, state, ids[:, :3], t)
+  np.testing.assert_allclose(logits, full[:, 2], atol=1e-5, rtol=1e-5)
+  by_variant = {}
+  for absorb in (False, True):
+    cache, steps = cache0, []
+    for pos in range(3, t):
+      logits, cache = _step(graphdef, state, cache, ids[:, pos], pos, absorb)
+      steps.append(logits)
+    by_variant[absorb] = np.stack(steps, 1)
+    np.testing.assert_allclose(by_variant[absorb], full[:, 3:], atol=1e-5, rtol=1e-5)
+  # The absorbed (latent-space) attention equals expanding the latents with kv_b.
+  np.testing.assert_allclose(by_variant[True], by_variant[False], atol=1e-5, rtol=1e-5)
+
+
+def test_cache_holds_latents_not_heads(lora_model):
+  model, ids = lora_model
+  cfg = model.cfg
+  _, cache = _prefill(*nnx.split(model), ids[:, :3], 9)
+  lead = (cfg.num_layers, 2, ids.shape[0], 9)
+  assert len(jax.tree.leaves(cache)) == 2
+  assert cache.c.shape == (*lead, cfg.kv_lora_rank)
+  assert cache.k_pe.shape == (*lead, cfg.qk_rope_head_dim)
+  assert cache.c.dtype == jnp.float32
+  # Prompt slots are written, the rest still empty.
+  assert np.all(np.abs(cache.c[:, :, :, :3]).sum(-1) > 0) and np.all(cache.c[:, :, :, 3:] == 0)
+
+
+@pytest.fixture(scope='module')
+def hf():
+  """The HF fixture model and both rows' 5-token prompts. Every generate() call below has the
+  same shapes, so they share one compilation; rows are independent, so row 0 is HF's prompt."""
+  try:
+    from moetrain.convert.hf_longcat import load_model
+  except ImportError as e:
+    pytest.skip(f'moetrain.convert.hf_longcat.load_model is not importable yet: {e}')
+  ref = np.load(os.path.join(FIXTURE, 'reference.npz'))
+  return load_model(FIXTURE, dtype=jnp.float32), ref['input_ids'][:, :5], ref['greedy_ids']
+
+
+def test_greedy_matches_hf_generate(hf):
+  model, prompt, want = hf  # transformers' greedy generate of prompt[:1], 8 new tokens
+  out = generate(model, prompt, 8, eos_id=2)
+  np.testing.assert_array_equal(out[:1], want)
+
+
+def test_top_p_zero_is_greedy_and_sampling_is_seeded(hf):
+  model, prompt, _ = hf
+  greedy = generate(model, prompt, 8)
+  nucleus = generate(model, prompt, 8, temperature=1.0, top_p=1e-9, rng=jax.random.key(5))
+  np.testing.assert_array_equal(nucleus, greedy)
+  sample = functools.partial(generate, model, prompt, 8, temperature=1.0, top_p=0.9)
+  a, b = sample(rng=jax.random.key(1)), sample(rng=jax.random.key(1))
+  np.testing.assert_array_equal(a, b)
+  assert np.any(a != greedy) and np.any(a != sample(rng=jax.random.key(2)))
+
+
+def test_rows_stop_at_eos(hf):
+  model, prompt, _ = hf
+  greedy = np.asarray(generate(model, prompt, 8))
+  eos = int(greedy[0, 7])  # row 0's third new token
+  out = np.asarray(generate(model, prompt, 8, eos_id=eos))
+  for r in range(2):
+    j = next((j for j in range(5, 13) if greedy[r, j] == eos), 13)
+    np.testing.assert_array_equal(out[r, :j], greedy[r, :j])
+    assert np.all(out[r, j:] == eos)
+
+
+def test_vocab_size_limits_choices(hf):
+  model, prompt, _ = hf
+  out = np.asarray(generate(model, prompt, 8, temperature=1.0, vocab_size=10))
+  assert np.all(out[:, 5:] < 10)
+
+
+def test_top_p_keeps_the_nucleus_only():
+  probs = jnp.array([0.5, 0.3, 0.15, 0.05])
+  logits_BV = jnp.broadcast_to(jnp.log(probs), (4000, 4))
+  draws = np.asarray(sample_top_p(logits_BV, jax.random.key(0), 1.0, 0.6))
+  assert set(np.unique(draws)) == {0, 1}  # 0.5 < 0.6 of mass before token 1, 0.8 before token 2
+  np.testing.assert_allclose((draws == 0).mean(), 0.5 / 0.8, atol=0.03)

@@ -1,0 +1,59 @@
+"""Train step: gradient accumulation equals one big batch; the non-finite guard; dry-run counts."""
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+from moetrain.model.config import PRESETS
+from moetrain.tools.plan import param_counts
+from moetrain.train_state import graphdef_of, init_state
+from moetrain.train_step import StepConfig, train_step
+from tests.helpers import tiny, with_lora
+from tests.test_sharding import batch
+
+CFG = with_lora(tiny(init_std=0.05))
+
+
+def step_fn(cfg, accum, opt, balance_loss=0.0):
+  # The balance loss is defined per micro-batch (TR: P_j averaged over the micro-batch), so it
+  # is not additive across micro-batches; every other term is.
+  return jax.jit(functools.partial(
+    train_step, graphdef=graphdef_of(cfg), optimizer=opt, lr_fn=lambda s: 1e-2,
+    cfg=StepConfig(model=cfg, grad_accum_steps=accum, router_z_loss=1e-3, balance_loss=balance_loss,
+                   hidden_z_loss=1e-4, bias_update_rate=1e-2)))
+
+
+def test_gradient_accumulation_equals_full_batch():
+  opt = optax.sgd(1.0)  # the update is the gradient itself
+  state = init_state(CFG, opt, 0)
+  b = batch()
+  b['loss_mask'][:4, :5] = 0  # uneven token counts across micro-batches
+  one, m1 = step_fn(CFG, 1, opt)(state, b)
+  two, m2 = step_fn(CFG, 4, opt)(state, b)
+  np.testing.assert_allclose(m2['total_loss'], m1['total_loss'], rtol=1e-5)
+  np.testing.assert_allclose(m2['grad_norm'], m1['grad_norm'], rtol=1e-4)
+  for a, c in zip(jax.tree.leaves(two.params), jax.tree.leaves(one.params)):
+    np.testing.assert_allclose(a, c, atol=1e-6)
+  for a, c in zip(jax.tree.leaves(two.moe_bias), jax.tree.leaves(one.moe_bias)):
+    np.testing.assert_allclose(a, c, atol=1e-7)
+
+
+def test_non_finite_update_is_skipped_and_counted():
+  opt = optax.adam(1e-2)
+  state = init_state(CFG, opt, 0)
+  bad = jax.tree.map(lambda x: x, state)
+  bad.params = jax.tree.map(lambda x: x.at[(0,) * x.ndim].set(jnp.nan), state.params)
+  new, m = step_fn(CFG, 1, opt, balance_loss=1e-2)(bad, batch())
+  assert int(new.skipped) == 1 and int(new.step) == 1
+  for a, c in zip(jax.tree.leaves(new.opt_state), jax.tree.leaves(bad.opt_state)):
+    np.testing.assert_array_equal(a, c)
+
+
+def test_flash_dry_run_parameter_counts():
+  counts = param_counts(dataclasses.replace(PRESETS['flash']))
+  assert round(counts['total'] / 1e9, 2) == 560.66
+  assert [round(counts['active'][k] / 1e9, 2) for k in (0, 8, 12)] == [18.69, 27.15, 31.38]

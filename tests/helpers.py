@@ -1,6 +1,7 @@
 """Small shared builders for tests."""
 
 import dataclasses
+import functools
 
 import jax
 from flax import nnx
@@ -43,3 +44,22 @@ def nonzero_bias(model, seed=1, scale=0.05):
   randomize(model, seed, RouterBias, scale)
 
 
+
+
+@functools.partial(jax.jit, static_argnums=(0, 1))
+def _apply(fn, graphdef, state, *args):
+  return fn(nnx.merge(graphdef, state), *args)
+
+
+def jit_call(fn, module, *args):
+  """fn(module, *args) under jit (eager NNX runs op by op and dominates test time)."""
+  graphdef, state = nnx.split(module)
+  return _apply(fn, graphdef, state, *args)
+
+
+def _call(m, *args):
+  return m(*args)
+
+
+def forward(model, *args):
+  return jit_call(_call, model, *args)

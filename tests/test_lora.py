@@ -14,7 +14,7 @@ from moetrain.model import lora, quant
 from moetrain.model.transformer import Transformer
 from moetrain.train_state import graphdef_of, init_state, split_model
 from moetrain.train_step import StepConfig, train_step
-from tests.helpers import model_and_ids, nonzero_bias, randomize, tiny, with_lora
+from tests.helpers import forward, model_and_ids, nonzero_bias, randomize, tiny, with_lora
 from tests.test_sharding import batch
 
 
@@ -24,8 +24,8 @@ def test_merged_model_equals_adapted_model(mode):
   model, ids = model_and_ids(cfg)
   randomize(model, 3, nnx.LoRAParam, 0.05)
   nonzero_bias(model)
-  want, _ = model(ids)
-  got, _ = lora.merged(model)(ids)
+  want, _ = forward(model, ids)
+  got, _ = forward(lora.merged(model), ids)
   np.testing.assert_allclose(got, want, atol=1e-5, rtol=1e-5)
 
 
@@ -88,11 +88,11 @@ def test_frozen_base_bytes_per_parameter(mode, limit):
 def test_qlora_computes_the_float_model_of_its_dequantised_weights():
   cfg = with_lora(tiny(init_std=0.05))
   model, ids = model_and_ids(cfg)
-  want, _ = model(ids)
+  want, _ = forward(model, ids)
   for mode in ('int8', 'int4'):
     q_model = Transformer(dataclasses.replace(cfg, quant=mode, quant_group_size=16), nnx.Rngs(0))
-    got, _ = q_model(ids)
-    exact, _ = lora.merged(q_model)(ids)  # float weights equal to the dequantised codes
+    got, _ = forward(q_model, ids)
+    exact, _ = forward(lora.merged(q_model), ids)  # float weights equal to the dequantised codes
     np.testing.assert_allclose(got, exact, atol=1e-5, rtol=1e-5)
     if mode == 'int8':  # and int8 stays close to the original float weights
       assert float(jnp.abs(got - want).max() / jnp.abs(want).max()) < 0.02

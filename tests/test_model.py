@@ -11,13 +11,13 @@ from flax import nnx
 from moetrain.model.config import ModelConfig
 from moetrain.model.layers import lora_eqns, rope_interleaved
 from moetrain.model.transformer import Transformer
-from tests.helpers import model_and_ids, nonzero_bias, randomize, tiny, with_lora
+from tests.helpers import forward, model_and_ids, nonzero_bias, randomize, tiny, with_lora
 
 
 def test_shapes_and_aux():
   cfg = tiny()
   model, ids = model_and_ids(cfg)
-  logits, aux = model(ids)
+  logits, aux = forward(model, ids)
   assert logits.shape == (2, 10, cfg.vocab_size) and logits.dtype == jnp.float32
   assert aux['moe']['load'].shape == (cfg.num_layers, cfg.num_experts_total)
   # every token picks exactly top-k experts
@@ -27,9 +27,9 @@ def test_shapes_and_aux():
 def test_causal():
   model, ids = model_and_ids(tiny())
   nonzero_bias(model)
-  logits, _ = model(ids)
+  logits, _ = forward(model, ids)
   ids2 = ids.at[:, 6:].set((ids[:, 6:] + 7) % 64)
-  logits2, _ = model(ids2)
+  logits2, _ = forward(model, ids2)
   np.testing.assert_allclose(logits[:, :6], logits2[:, :6], atol=1e-6)
   assert np.abs(logits[:, 6:] - logits2[:, 6:]).max() > 1e-3
 
@@ -38,8 +38,8 @@ def test_packed_segments_do_not_attend_to_each_other():
   model, ids = model_and_ids(tiny(), t=12)
   seg = jnp.array([[1] * 5 + [2] * 7] * 2)
   pos = jnp.array([list(range(5)) + list(range(7))] * 2)
-  packed, _ = model(ids, pos, seg)
-  alone, _ = model(ids[:, 5:])
+  packed, _ = forward(model, ids, pos, seg)
+  alone, _ = forward(model, ids[:, 5:])
   np.testing.assert_allclose(packed[:, 5:], alone, atol=2e-5)
 
 
@@ -50,11 +50,11 @@ def test_lora_with_zero_b_equals_base():
   # Same base weights: copy them over (adapters stay A random, B zero).
   nnx.update(lora_model, nnx.state(model, nnx.Param))
   assert len(jax.tree.leaves(nnx.state(lora_model, nnx.LoRAParam))) > 0
-  a, _ = model(ids)
-  b, _ = lora_model(ids)
+  a, _ = forward(model, ids)
+  b, _ = forward(lora_model, ids)
   np.testing.assert_array_equal(a, b)
   randomize(lora_model, 3, nnx.LoRAParam)  # nonzero B changes the output
-  c, _ = lora_model(ids)
+  c, _ = forward(lora_model, ids)
   assert np.abs(a - c).max() > 1e-3
 
 
@@ -64,10 +64,10 @@ def test_moe_backends_match_dense_reference(backend):
   model, ids = model_and_ids(cfg)
   randomize(model, 5, nnx.LoRAParam)
   nonzero_bias(model)
-  ref, _ = model(ids)
+  ref, _ = forward(model, ids)
   other = nnx.merge(nnx.graphdef(Transformer(dataclasses.replace(cfg, moe_backend=backend),
                                              nnx.Rngs(0))), nnx.state(model))
-  out, _ = other(ids)
+  out, _ = forward(other, ids)
   np.testing.assert_allclose(out, ref, atol=1e-5, rtol=1e-5)
 
 

@@ -1,6 +1,7 @@
 """MoE engine: per-expert loop reference, dispatch strategies, expert parallelism, balancing."""
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -12,7 +13,7 @@ from moetrain import sharding
 from moetrain.model import dispatch
 from moetrain.model.moe import MoE, RouterBias
 from moetrain.train_step import StepConfig, bias_update
-from tests.helpers import randomize, tiny, with_lora
+from tests.helpers import jit_call, randomize, tiny, with_lora
 
 EXPERT_LORA = r'experts\.(gate|up|down)$'
 
@@ -50,15 +51,31 @@ def reference(moe: MoE, x_MD):
   return out
 
 
+def _run(moe, x_BTD):
+  return moe(x_BTD, jnp.ones(x_BTD.shape[:2], bool))
+
+
 def run(moe, x_BTD):
-  y, stats = moe(x_BTD, jnp.ones(x_BTD.shape[:2], bool))
-  return y, stats
+  return jit_call(_run, moe, x_BTD)
+
+
+def _reference(moe, x_BTD):
+  return reference(moe, x_BTD.reshape(-1, x_BTD.shape[-1])).reshape(x_BTD.shape)
+
+
+def _engine(moe, x_BTD):
+  return _run(moe, x_BTD)[0]
 
 
 def loss_and_grads(moe, x_BTD, fn):
   """Gradients w.r.t. the input and every variable (router, experts, adapters)."""
-  w = jax.random.normal(jax.random.key(9), x_BTD.shape)
   gd, st = nnx.split(moe)
+  return _grads(fn, gd, st, x_BTD)
+
+
+@functools.partial(jax.jit, static_argnums=(0, 1))
+def _grads(fn, gd, st, x_BTD):
+  w = jax.random.normal(jax.random.key(9), x_BTD.shape)
   f = lambda st, x: jnp.sum(fn(nnx.merge(gd, st), x) * w)
   return jax.grad(f, argnums=(0, 1))(st, x_BTD)
 
@@ -75,10 +92,10 @@ def test_moe_matches_per_expert_loop(backend, shape):
   moe = make_moe(cfg)
   x = jax.random.normal(jax.random.key(1), (2, 16, cfg.hidden_size))
   y, _ = run(moe, x)
-  want = reference(moe, x.reshape(32, -1)).reshape(x.shape)
+  want = jit_call(_reference, moe, x)
   np.testing.assert_allclose(y, want, atol=1e-5, rtol=1e-5)
-  g_engine = loss_and_grads(moe, x, lambda m, x: run(m, x)[0])
-  g_ref = loss_and_grads(moe, x, lambda m, x: reference(m, x.reshape(-1, x.shape[-1])).reshape(x.shape))
+  g_engine = loss_and_grads(moe, x, _engine)
+  g_ref = loss_and_grads(moe, x, _reference)
   for a, b in zip(jax.tree.leaves(g_engine), jax.tree.leaves(g_ref)):
     np.testing.assert_allclose(a, b, atol=1e-5, rtol=1e-5)
 
@@ -124,8 +141,8 @@ def test_expert_parallel_equals_single_device(mesh_shape):
   cfg = dataclasses.replace(CFG, rules=sharding.Rules.preset('fsdp_ep_tp'))
   moe = make_moe(cfg)
   x = jax.random.normal(jax.random.key(4), (8, 8, cfg.hidden_size))
-  fn = lambda m, x: run(m, x)[0]
-  y_ref = fn(moe, x)
+  fn = _engine
+  y_ref = jit_call(fn, moe, x)
   g_ref = loss_and_grads(moe, x, fn)
   mesh = sharding.make_mesh(mesh_shape)
   with jax.set_mesh(mesh):
@@ -133,7 +150,7 @@ def test_expert_parallel_equals_single_device(mesh_shape):
     spec = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(('data', 'fsdp', 'expert')))
     xs = jax.device_put(x, spec)
     y = jax.jit(lambda st, x: fn(nnx.merge(gd, st), x))(st, xs)
-    g = jax.jit(lambda x: loss_and_grads(moe, x, fn))(xs)
+    g = loss_and_grads(moe, xs, fn)
     hlo = jax.jit(lambda st, x: fn(nnx.merge(gd, st), x)).lower(st, xs).as_text()
   assert 'all_to_all' in hlo or 'all-to-all' in hlo
   np.testing.assert_allclose(y, y_ref, atol=1e-5, rtol=1e-5)
@@ -169,7 +186,6 @@ def test_bias_update_balances_a_skewed_router():
 def test_deterministic():
   moe = make_moe(CFG)
   x = jax.random.normal(jax.random.key(6), (2, 16, CFG.hidden_size))
-  f = jax.jit(lambda x: loss_and_grads(moe, x, lambda m, x: run(m, x)[0]))
-  a, b = f(x), f(x)
+  a, b = loss_and_grads(moe, x, _engine), loss_and_grads(moe, x, _engine)
   for u, v in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
     np.testing.assert_array_equal(u, v)

@@ -204,6 +204,8 @@ def loop(setup, state: TrainState, step_fn, eval_fn, train_iter, eval_batches, c
   report = functools.partial(log_train, cfg=cfg, expert_shards=dict(mesh.shape)['expert'],
                              seq_len=setup.data.seq_len, writer=writer)
   pending, last = None, {}
+  if start == 0 and eval_batches:  # the baseline that fine-tuning is measured against
+    run_eval(0, state, eval_batches, eval_fn, batch_sharding, writer)
   for step in range(start + 1, stop + 1):
     batch = next(train_iter)
     with jax.transfer_guard('disallow'):

@@ -35,7 +35,9 @@ format: install
 	$(BIN)/ruff check --fix moetrain configs tests bench
 
 bench: install
-	$(BIN)/python bench/moe_layer.py
+	$(BIN)/python -m bench.moe_layer
+	$(BIN)/python -m bench.train_step --mode lora
+	$(BIN)/python -m bench.qlora_memory
 
 clean:
 	rm -rf runs .pytest_cache

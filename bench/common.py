@@ -22,9 +22,14 @@ def time_fn(fn, *args, repeats: int = 5, warmup: int = 1) -> dict:
 
 def machine() -> dict:
   d = jax.devices()[0]
-  return {'date': datetime.date.today().isoformat(), 'device': getattr(d, 'device_kind', str(d)),
-          'platform': d.platform, 'devices': jax.device_count(), 'host': platform.processor() or
-          platform.machine(), 'jax': jax.__version__}
+  return {
+    'date': datetime.date.today().isoformat(),
+    'device': getattr(d, 'device_kind', str(d)),
+    'platform': d.platform,
+    'devices': jax.device_count(),
+    'host': platform.processor() or platform.machine(),
+    'jax': jax.__version__,
+  }
 
 
 def emit(record: dict) -> None:

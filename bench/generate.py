@@ -44,16 +44,27 @@ def run(preset: str, batch: int, prompt_len: int, steps: int, repeats: int) -> l
 
   def loop(absorb):
     # A fresh copy per call: the loop donates (updates in place) the cache it is given.
-    return decode_loop(graphdef, state, jax.tree.map(jnp.copy, cache), tok_B, prompt_len,
-                       steps=steps, absorb=absorb)
+    return decode_loop(
+      graphdef, state, jax.tree.map(jnp.copy, cache), tok_B, prompt_len, steps=steps, absorb=absorb
+    )
 
   out = []
   for absorb in (True, False):
     t = time_fn(loop, absorb, repeats=repeats)
-    out.append({'bench': 'generate', 'preset': preset, 'batch': batch, 'dtype': 'float32',
-                'attention': 'absorbed' if absorb else 'expanded', 'prompt_len': prompt_len,
-                'steps': steps, 'step_ms': 1e3 * t['median_s'] / steps,
-                'tokens_per_s': batch * steps / t['median_s'], **machine()})
+    out.append(
+      {
+        'bench': 'generate',
+        'preset': preset,
+        'batch': batch,
+        'dtype': 'float32',
+        'attention': 'absorbed' if absorb else 'expanded',
+        'prompt_len': prompt_len,
+        'steps': steps,
+        'step_ms': 1e3 * t['median_s'] / steps,
+        'tokens_per_s': batch * steps / t['median_s'],
+        **machine(),
+      }
+    )
   return out
 
 

@@ -20,12 +20,17 @@ from moetrain.train_state import split_model
 def frozen_bytes(mode: str, group: int):
   lora = LoraConfig(rank=16, targets=r'attn|mlp|experts')
   dtype = 'bfloat16' if mode == 'none' else 'float32'
-  cfg = dataclasses.replace(PRESETS['medium'], lora=lora, quant=mode, quant_group_size=group,
-                            param_dtype=dtype)
+  cfg = dataclasses.replace(
+    PRESETS['medium'], lora=lora, quant=mode, quant_group_size=group, param_dtype=dtype
+  )
   frozen = jax.jit(lambda: split_model(Transformer(cfg, nnx.Rngs(0)), cfg)[3])()
   plain = dataclasses.replace(cfg, quant='none')
-  n_params = sum(x.size for x in jax.tree.leaves(
-    jax.eval_shape(lambda: split_model(Transformer(plain, nnx.Rngs(0)), plain)[3])))
+  n_params = sum(
+    x.size
+    for x in jax.tree.leaves(
+      jax.eval_shape(lambda: split_model(Transformer(plain, nnx.Rngs(0)), plain)[3])
+    )
+  )
   n_bytes = sum(x.nbytes for x in jax.tree.leaves(frozen))  # live device arrays
   return n_params, n_bytes
 
@@ -33,9 +38,17 @@ def frozen_bytes(mode: str, group: int):
 def main():
   for mode, group in [('none', 0), ('int8', 0), ('int4', 64), ('int4', 128)]:
     n_params, n_bytes = frozen_bytes(mode, group or 64)
-    emit({'bench': 'qlora_memory', 'storage': 'bf16' if mode == 'none' else mode,
-          'group': group or None, 'frozen_params': n_params, 'bytes': n_bytes,
-          'bytes_per_param': n_bytes / n_params, **machine()})
+    emit(
+      {
+        'bench': 'qlora_memory',
+        'storage': 'bf16' if mode == 'none' else mode,
+        'group': group or None,
+        'frozen_params': n_params,
+        'bytes': n_bytes,
+        'bytes_per_param': n_bytes / n_params,
+        **machine(),
+      }
+    )
 
 
 if __name__ == '__main__':

@@ -51,9 +51,18 @@ def main():
     with tempfile.TemporaryDirectory() as workdir:
       t = time.time()
       out = train.run(config_for(VARIANTS[name], args.steps), workdir)
-      emit({'bench': 'quality', 'variant': name, 'steps': args.steps,
-            'eval_loss': out['eval_loss'], 'eval_accuracy': out['eval_accuracy'],
-            'train_loss': out['loss'], 'wall_s': time.time() - t, **machine()})
+      emit(
+        {
+          'bench': 'quality',
+          'variant': name,
+          'steps': args.steps,
+          'eval_loss': out['eval_loss'],
+          'eval_accuracy': out['eval_accuracy'],
+          'train_loss': out['loss'],
+          'wall_s': time.time() - t,
+          **machine(),
+        }
+      )
 
 
 if __name__ == '__main__':

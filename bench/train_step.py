@@ -1,6 +1,6 @@
 """Whole training step (forward, backward, AdamW) on the medium LongCat config, tokens/s.
 
-  python bench/train_step.py --mode full|lora [--quant none|int8|int4] [--hf]
+  python -m bench.train_step --mode full|lora [--quant none|int8|int4] [--hf]
 
 Medium config: hidden 512, 4 layers, 8 heads, MLA ranks 256/128, 16 routed + 8 zero experts of
 width 256, top-4, vocab 32768, batch 4 x 512 tokens. With --hf the same step of transformers 4.57
@@ -32,18 +32,30 @@ LORA_TARGETS = r'attn_\d\.(q_a|q_b|kv_a|kv_b|o)$|mlp_\d\.(gate|up|down)$|experts
 
 def make_step(mode: str, quant: str, dtype: str, remat: str, backend: str):
   lora = LoraConfig(rank=16, alpha=32.0, targets=LORA_TARGETS) if mode == 'lora' else LoraConfig()
-  cfg = dataclasses.replace(PRESETS['medium'], dtype=dtype, remat=remat, lora=lora, quant=quant,
-                            moe_backend=backend)
+  cfg = dataclasses.replace(
+    PRESETS['medium'], dtype=dtype, remat=remat, lora=lora, quant=quant, moe_backend=backend
+  )
   opt = optax.adamw(1e-4)
   state = jax.jit(lambda: init_state(cfg, opt, 0))()
-  step = jax.jit(functools.partial(train_step, graphdef=graphdef_of(cfg), optimizer=opt,
-                                   lr_fn=lambda s: 1e-4, cfg=StepConfig(model=cfg)),
-                 donate_argnums=0)
+  step = jax.jit(
+    functools.partial(
+      train_step,
+      graphdef=graphdef_of(cfg),
+      optimizer=opt,
+      lr_fn=lambda s: 1e-4,
+      cfg=StepConfig(model=cfg),
+    ),
+    donate_argnums=0,
+  )
   rng = np.random.default_rng(0)
   ids = rng.integers(0, cfg.vocab_size, (4, 513)).astype(np.int32)
-  batch = {'inputs': ids[:, :-1], 'targets': ids[:, 1:], 'segment_ids': np.ones((4, 512), np.int32),
-           'positions': np.tile(np.arange(512, dtype=np.int32), (4, 1)),
-           'loss_mask': np.ones((4, 512), np.float32)}
+  batch = {
+    'inputs': ids[:, :-1],
+    'targets': ids[:, 1:],
+    'segment_ids': np.ones((4, 512), np.int32),
+    'positions': np.tile(np.arange(512, dtype=np.int32), (4, 1)),
+    'loss_mask': np.ones((4, 512), np.float32),
+  }
   return step, state, batch
 
 
@@ -62,8 +74,23 @@ def time_moetrain(step, state, batch, steps: int):
 def time_hf(mode: str, steps: int) -> dict:
   py = os.environ.get('HF_PYTHON', '/work/hfvenv/bin/python')
   script = os.path.join(os.path.dirname(__file__), 'hf_reference_step.py')
-  out = subprocess.run([py, script, '--mode', mode, '--steps', str(steps), '--warmup', '1',
-                        '--threads', str(os.cpu_count())], capture_output=True, text=True, check=True)
+  out = subprocess.run(
+    [
+      py,
+      script,
+      '--mode',
+      mode,
+      '--steps',
+      str(steps),
+      '--warmup',
+      '1',
+      '--threads',
+      str(os.cpu_count()),
+    ],
+    capture_output=True,
+    text=True,
+    check=True,
+  )
   return json.loads(out.stdout.strip().splitlines()[-1])
 
 
@@ -86,13 +113,24 @@ def main():
     if args.hf:
       theirs.append(time_hf(args.mode, args.steps))
   tokens = 4 * 512
-  rec = {'bench': 'train_step', 'mode': args.mode, 'quant': args.quant, 'dtype': args.dtype,
-         'remat': args.remat, 'median_step_s': statistics.median(ours), 'min_step_s': min(ours),
-         'tokens_per_sec': tokens / statistics.median(ours), **machine()}
+  rec = {
+    'bench': 'train_step',
+    'mode': args.mode,
+    'quant': args.quant,
+    'dtype': args.dtype,
+    'remat': args.remat,
+    'median_step_s': statistics.median(ours),
+    'min_step_s': min(ours),
+    'tokens_per_sec': tokens / statistics.median(ours),
+    **machine(),
+  }
   if theirs:
     hf_tps = statistics.median(r['tokens_per_s'] for r in theirs)
-    rec.update(hf_tokens_per_sec=hf_tps, hf_median_step_s=tokens / hf_tps,
-               speedup=rec['tokens_per_sec'] / hf_tps)
+    rec.update(
+      hf_tokens_per_sec=hf_tps,
+      hf_median_step_s=tokens / hf_tps,
+      speedup=rec['tokens_per_sec'] / hf_tps,
+    )
   emit(rec)
 
 

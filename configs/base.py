@@ -52,7 +52,9 @@ def get_config() -> config_dict.ConfigDict:
   lo.dropout = 0.0  # dropout on the adapter input
   # Regex over module paths: 'layers.attn_0.q_a', 'layers.mlp_1.up', 'layers.moe.experts.down',
   # 'lm_head'. Default: every MLA projection, dense MLP, routed expert and the output head.
-  lo.targets = r'attn_\d\.(q_a|q_b|kv_a|kv_b|o)$|mlp_\d\.(gate|up|down)$|experts\.(gate|up|down)$|lm_head$'
+  lo.targets = (
+    r'attn_\d\.(q_a|q_b|kv_a|kv_b|o)$|mlp_\d\.(gate|up|down)$|experts\.(gate|up|down)$|lm_head$'
+  )
   lo.train_router = False  # also train the router classifier
 
   # Data (moetrain.data.pipeline.DataConfig).

@@ -26,8 +26,10 @@ def unflatten_like(tree, flat: dict):
   paths, treedef = jax.tree_util.tree_flatten_with_path(tree)
   missing = [_key(p) for p, _ in paths if _key(p) not in flat]
   if missing:
-    raise ValueError(f'checkpoint lacks {len(missing)} arrays the run needs, e.g. {missing[:3]}; '
-                     'was it written by a run with a different model or LoRA config?')
+    raise ValueError(
+      f'checkpoint lacks {len(missing)} arrays the run needs, e.g. {missing[:3]}; '
+      'was it written by a run with a different model or LoRA config?'
+    )
   return jax.tree_util.tree_unflatten(treedef, [flat[_key(p)] for p, _ in paths])
 
 
@@ -35,10 +37,14 @@ class Checkpointer:
   def __init__(self, workdir: str, *, every: int, keep: int, async_save: bool = True):
     self.directory = os.path.join(os.path.abspath(workdir), 'checkpoints')
     options = ocp.CheckpointManagerOptions(
-      save_interval_steps=max(every, 1), max_to_keep=keep,
-      enable_async_checkpointing=async_save, create=True)
+      save_interval_steps=max(every, 1),
+      max_to_keep=keep,
+      enable_async_checkpointing=async_save,
+      create=True,
+    )
     self.manager = ocp.CheckpointManager(
-      self.directory, options=options, item_names=('state', 'data', 'meta'))
+      self.directory, options=options, item_names=('state', 'data', 'meta')
+    )
     self._preempted = False
     if jax.process_index() == 0:
       try:
@@ -61,17 +67,25 @@ class Checkpointer:
     args = ocp.args.Composite(
       state=ocp.args.StandardSave(flatten(state.saved())),
       data=ocp.args.JsonSave(data_state),
-      meta=ocp.args.JsonSave(meta))
+      meta=ocp.args.JsonSave(meta),
+    )
     return self.manager.save(step, args=args, force=force)
 
   def restore(self, step: int, abstract_state):
     """Restores onto the shardings of `abstract_state` (any mesh); returns (saved, data, meta)."""
     saved = abstract_state.saved()
-    target = {k: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding)
-              for k, x in flatten(saved).items()}
-    out = self.manager.restore(step, args=ocp.args.Composite(
-      state=ocp.args.StandardRestore(target), data=ocp.args.JsonRestore(),
-      meta=ocp.args.JsonRestore()))
+    target = {
+      k: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding)
+      for k, x in flatten(saved).items()
+    }
+    out = self.manager.restore(
+      step,
+      args=ocp.args.Composite(
+        state=ocp.args.StandardRestore(target),
+        data=ocp.args.JsonRestore(),
+        meta=ocp.args.JsonRestore(),
+      ),
+    )
     return unflatten_like(saved, out['state']), out['data'], out['meta']
 
   def wait(self) -> None:

@@ -6,7 +6,9 @@ import jax
 from absl import app, flags
 from ml_collections import config_flags
 
-_CONFIG = config_flags.DEFINE_config_file('config', None, 'Experiment config file.', lock_config=True)
+_CONFIG = config_flags.DEFINE_config_file(
+  'config', None, 'Experiment config file.', lock_config=True
+)
 _WORKDIR = flags.DEFINE_string('workdir', None, 'Run directory; default runs/<config file stem>.')
 _DRY_RUN = flags.DEFINE_bool('dry_run', False, 'Build the model abstractly and print its size.')
 

@@ -12,9 +12,17 @@ from moetrain.model.config import ModelConfig
 
 # Dense bf16 peak FLOP/s per device, by jax device_kind prefix.
 PEAK_FLOPS = {
-  'TPU v4': 275e12, 'TPU v5 lite': 197e12, 'TPU v5e': 197e12, 'TPU v5p': 459e12, 'TPU v5': 459e12,
-  'TPU v6 lite': 918e12, 'TPU v6e': 918e12, 'NVIDIA H100': 989e12, 'NVIDIA H200': 989e12,
-  'NVIDIA A100': 312e12, 'NVIDIA L4': 121e12,
+  'TPU v4': 275e12,
+  'TPU v5 lite': 197e12,
+  'TPU v5e': 197e12,
+  'TPU v5p': 459e12,
+  'TPU v5': 459e12,
+  'TPU v6 lite': 918e12,
+  'TPU v6e': 918e12,
+  'NVIDIA H100': 989e12,
+  'NVIDIA H200': 989e12,
+  'NVIDIA A100': 312e12,
+  'NVIDIA L4': 121e12,
 }
 
 
@@ -29,9 +37,13 @@ def peak_flops(device) -> float | None:
 def matmul_params_per_token(cfg: ModelConfig, ffn_experts: float) -> float:
   """Weights each token multiplies (lm_head included, embedding lookup excluded)."""
   d, n = cfg.hidden_size, cfg.num_heads
-  attn = (d * cfg.q_lora_rank + cfg.q_lora_rank * n * cfg.qk_head_dim
-          + d * (cfg.kv_lora_rank + cfg.qk_rope_head_dim)
-          + cfg.kv_lora_rank * n * (cfg.qk_nope_head_dim + cfg.v_head_dim) + n * cfg.v_head_dim * d)
+  attn = (
+    d * cfg.q_lora_rank
+    + cfg.q_lora_rank * n * cfg.qk_head_dim
+    + d * (cfg.kv_lora_rank + cfg.qk_rope_head_dim)
+    + cfg.kv_lora_rank * n * (cfg.qk_nope_head_dim + cfg.v_head_dim)
+    + n * cfg.v_head_dim * d
+  )
   mlp = 3 * d * cfg.ffn_hidden_size
   expert = 3 * d * cfg.expert_ffn_hidden_size
   router = d * cfg.num_experts_total
@@ -39,7 +51,9 @@ def matmul_params_per_token(cfg: ModelConfig, ffn_experts: float) -> float:
   return cfg.num_layers * layer + d * cfg.vocab_size
 
 
-def flops_per_token(cfg: ModelConfig, seq_len: int, ffn_experts: float, train: bool = True) -> float:
+def flops_per_token(
+  cfg: ModelConfig, seq_len: int, ffn_experts: float, train: bool = True
+) -> float:
   """6 * params for forward+backward matmuls, plus causal attention scores and values
   (2 attention blocks per layer; half the T x T square is computed usefully)."""
   mult = 6 if train else 2
@@ -78,6 +92,7 @@ class Writer:
       os.makedirs(workdir, exist_ok=True)
       self._jsonl = open(os.path.join(workdir, 'metrics.jsonl'), 'a')
       from tensorboardX import SummaryWriter
+
       self._tb = SummaryWriter(os.path.join(workdir, 'tb'))
 
   def write(self, step: int, scalars: dict, load=None, kind: str = 'train') -> None:
@@ -94,7 +109,9 @@ class Writer:
         self._tb.add_scalar(prefix + k, v, step)
     if load is not None:
       for layer, row in enumerate(np.asarray(load)):
-        self._tb.add_histogram(f'moe/load_layer{layer}', np.repeat(np.arange(len(row)), row.astype(int)), step)
+        self._tb.add_histogram(
+          f'moe/load_layer{layer}', np.repeat(np.arange(len(row)), row.astype(int)), step
+        )
 
   def save_config(self, text: str) -> None:
     if self.enabled:

@@ -34,11 +34,19 @@ class OptimConfig:
 def schedule(cfg: OptimConfig, total_steps: int) -> optax.Schedule:
   if cfg.schedule == 'constant':
     return optax.join_schedules(
-      [optax.linear_schedule(0.0, cfg.learning_rate, max(cfg.warmup_steps, 1)),
-       optax.constant_schedule(cfg.learning_rate)], [cfg.warmup_steps])
+      [
+        optax.linear_schedule(0.0, cfg.learning_rate, max(cfg.warmup_steps, 1)),
+        optax.constant_schedule(cfg.learning_rate),
+      ],
+      [cfg.warmup_steps],
+    )
   return optax.warmup_cosine_decay_schedule(
-    0.0, cfg.learning_rate, max(cfg.warmup_steps, 1), max(total_steps, cfg.warmup_steps + 1),
-    end_value=cfg.learning_rate * cfg.min_lr_ratio)
+    0.0,
+    cfg.learning_rate,
+    max(cfg.warmup_steps, 1),
+    max(total_steps, cfg.warmup_steps + 1),
+    end_value=cfg.learning_rate * cfg.min_lr_ratio,
+  )
 
 
 def decay_mask(params):
@@ -54,6 +62,9 @@ def _stacked(x) -> int:
 def make_optimizer(cfg: OptimConfig, total_steps: int) -> optax.GradientTransformation:
   lr = schedule(cfg, total_steps)
   parts = [optax.clip_by_global_norm(cfg.grad_clip)] if cfg.grad_clip > 0 else []
-  parts.append(optax.adamw(lr, b1=cfg.b1, b2=cfg.b2, eps=cfg.eps,
-                           weight_decay=cfg.weight_decay, mask=decay_mask))
+  parts.append(
+    optax.adamw(
+      lr, b1=cfg.b1, b2=cfg.b2, eps=cfg.eps, weight_decay=cfg.weight_decay, mask=decay_mask
+    )
+  )
   return optax.chain(*parts)

@@ -15,17 +15,31 @@ BATCH_AXES = ('data', 'fsdp', 'expert')
 # Sections follow the model: attention / MoE / dense / vocab; weights and activations apart.
 _WEIGHTS_FSDP = {
   # attention
-  'heads': None, 'head_dim': None, 'q_lora': None, 'kv_lora': None,
+  'heads': None,
+  'head_dim': None,
+  'q_lora': None,
+  'kv_lora': None,
   # MoE
-  'experts': None, 'expert_mlp': None, 'router': None,
+  'experts': None,
+  'expert_mlp': None,
+  'router': None,
   # dense
-  'embed': 'fsdp', 'mlp': None, 'layers': None, 'lora_rank': None,
+  'embed': 'fsdp',
+  'mlp': None,
+  'layers': None,
+  'lora_rank': None,
   # vocab
   'vocab': None,
 }
 _ACTS_FSDP = {
-  'batch': BATCH_AXES, 'seq': None, 'kv_seq': None, 'embed': None,
-  'heads': None, 'mlp': None, 'experts': None, 'vocab': None,
+  'batch': BATCH_AXES,
+  'seq': None,
+  'kv_seq': None,
+  'embed': None,
+  'heads': None,
+  'mlp': None,
+  'experts': None,
+  'vocab': None,
 }
 
 

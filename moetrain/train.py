@@ -39,9 +39,21 @@ class Setup:
 
 # ModelConfig fields that are training/engine choices, not checkpoint shapes: with
 # init.hf_checkpoint the shapes come from its config.json and these from config.model.
-ENGINE_FIELDS = ('init_std', 'dtype', 'param_dtype', 'remat', 'moe_dispatch', 'moe_capacity_factor',
-                 'moe_backend', 'moe_block_size', 'moe_expert_parallel', 'moe_expected_ffn_experts',
-                 'moe_balance_groups', 'quant', 'quant_group_size')
+ENGINE_FIELDS = (
+  'init_std',
+  'dtype',
+  'param_dtype',
+  'remat',
+  'moe_dispatch',
+  'moe_capacity_factor',
+  'moe_backend',
+  'moe_block_size',
+  'moe_expert_parallel',
+  'moe_expected_ffn_experts',
+  'moe_balance_groups',
+  'quant',
+  'quant_group_size',
+)
 
 
 def model_config(config) -> ModelConfig:
@@ -77,17 +89,21 @@ def build(config, num_devices: int | None = None, process_count: int | None = No
   if model.n_routed_experts % sizes['expert']:
     raise ValueError(
       f"model.n_routed_experts={model.n_routed_experts} is not divisible by the 'expert' mesh axis "
-      f"({sizes['expert']}); change mesh.shape or the expert count")
+      f'({sizes["expert"]}); change mesh.shape or the expert count'
+    )
   batch_shards = sizes['data'] * sizes['fsdp'] * sizes['expert']
   per_micro = data.global_batch_size // opt.grad_accum_steps
   if data.global_batch_size % opt.grad_accum_steps or per_micro % batch_shards:
     raise ValueError(
       f'data.global_batch_size={data.global_batch_size} must split into optim.grad_accum_steps='
       f'{opt.grad_accum_steps} micro-batches each divisible by the {batch_shards} batch shards '
-      f'(data*fsdp*expert of mesh.shape={mesh_shape})')
+      f'(data*fsdp*expert of mesh.shape={mesh_shape})'
+    )
   if data.eval_split and data.eval_batch_size % batch_shards:
-    raise ValueError(f'data.eval_batch_size={data.eval_batch_size} must be divisible by the '
-                     f'{batch_shards} batch shards of mesh.shape={mesh_shape}')
+    raise ValueError(
+      f'data.eval_batch_size={data.eval_batch_size} must be divisible by the '
+      f'{batch_shards} batch shards of mesh.shape={mesh_shape}'
+    )
   step = StepConfig(model=model, grad_accum_steps=opt.grad_accum_steps, **config.loss.to_dict())
   return Setup(model, data, opt, step, mesh_shape, config.seed, train, config.init.hf_checkpoint)
 
@@ -110,8 +126,12 @@ def evaluate(state, batches, eval_fn, batch_sharding) -> dict:
       totals[k] += float(out[k])
   n = max(totals['tokens'], 1.0)
   loss = totals['nll_sum'] / n
-  return {'loss': loss, 'perplexity': float(np.exp(min(loss, 50.0))), 'accuracy': totals['correct'] / n,
-          'tokens': totals['tokens']}
+  return {
+    'loss': loss,
+    'perplexity': float(np.exp(min(loss, 50.0))),
+    'accuracy': totals['correct'] / n,
+    'tokens': totals['tokens'],
+  }
 
 
 def initial_state(setup: Setup, optimizer, mesh) -> TrainState:
@@ -123,8 +143,9 @@ def initial_state(setup: Setup, optimizer, mesh) -> TrainState:
     return create_sharded(setup.model, optimizer, setup.seed, mesh, rules)
   from moetrain.convert import hf_longcat
 
-  w = hf_longcat.load_params(setup.hf_checkpoint, setup.model, mesh=mesh, rules=rules,
-                             seed=setup.seed)
+  w = hf_longcat.load_params(
+    setup.hf_checkpoint, setup.model, mesh=mesh, rules=rules, seed=setup.seed
+  )
   return state_from_weights(w.params, w.moe_bias, w.frozen, optimizer, setup.seed, mesh, rules)
 
 
@@ -162,47 +183,79 @@ def run(config, workdir: str) -> dict:
   writer.save_config(config.to_json_best_effort(indent=1))
   tokenizer = pipeline.make_tokenizer(setup.data, workdir)
   if tokenizer.vocab_size > setup.model.vocab_size:
-    raise ValueError(f'model.vocab_size={setup.model.vocab_size} is smaller than the tokenizer '
-                     f'vocabulary ({tokenizer.vocab_size}); raise it or set data.vocab_size')
+    raise ValueError(
+      f'model.vocab_size={setup.model.vocab_size} is smaller than the tokenizer '
+      f'vocabulary ({tokenizer.vocab_size}); raise it or set data.vocab_size'
+    )
   pi, pc = jax.process_index(), jax.process_count()
-  train_iter = pipeline.make_train_iterator(setup.data, tokenizer, process_index=pi, process_count=pc)
+  train_iter = pipeline.make_train_iterator(
+    setup.data, tokenizer, process_index=pi, process_count=pc
+  )
   eval_batches = pipeline.make_eval_batches(
-    setup.data, tokenizer, max_batches=t['eval_batches'], process_index=pi, process_count=pc)
+    setup.data, tokenizer, max_batches=t['eval_batches'], process_index=pi, process_count=pc
+  )
   optimizer = optim.make_optimizer(setup.optim, t['steps'])
   lr_fn = optim.schedule(setup.optim, t['steps'])
-  ckpt = Checkpointer(workdir, every=t['checkpoint_every'], keep=t['keep_checkpoints'],
-                      async_save=t['async_checkpoint'])
+  ckpt = Checkpointer(
+    workdir,
+    every=t['checkpoint_every'],
+    keep=t['keep_checkpoints'],
+    async_save=t['async_checkpoint'],
+  )
   graphdef = graphdef_of(setup.model)
   batch_sharding = sharding.batch_sharding(mesh)
   with jax.set_mesh(mesh):
     state = restore_or_init(setup, ckpt, optimizer, mesh, train_iter)
     start = int(state.step)
     if start >= t['steps']:
-      writer.progress(f'Run in {workdir} already finished at step {start} (train.steps='
-                      f"{t['steps']}); nothing to do. Use a new --workdir to train again.")
+      writer.progress(
+        f'Run in {workdir} already finished at step {start} (train.steps='
+        f'{t["steps"]}); nothing to do. Use a new --workdir to train again.'
+      )
       ckpt.close()
       writer.close()
       return {'step': start, 'finished': True}
     shardings = state_shardings(jax.eval_shape(lambda: state), mesh, setup.model.rules)
     step_fn = jax.jit(
-      functools.partial(train_step, graphdef=graphdef, optimizer=optimizer, lr_fn=lr_fn, cfg=setup.step),
-      in_shardings=(shardings, batch_sharding), out_shardings=(shardings, None), donate_argnums=0)
+      functools.partial(
+        train_step, graphdef=graphdef, optimizer=optimizer, lr_fn=lr_fn, cfg=setup.step
+      ),
+      in_shardings=(shardings, batch_sharding),
+      out_shardings=(shardings, None),
+      donate_argnums=0,
+    )
     eval_fn = jax.jit(functools.partial(eval_step, graphdef=graphdef))
-    state, last = loop(setup, state, step_fn, eval_fn, train_iter, eval_batches, ckpt, writer,
-                       batch_sharding, mesh)
+    state, last = loop(
+      setup, state, step_fn, eval_fn, train_iter, eval_batches, ckpt, writer, batch_sharding, mesh
+    )
   ckpt.close()
   writer.close()
   return last
 
 
-def loop(setup, state: TrainState, step_fn, eval_fn, train_iter, eval_batches, ckpt, writer,
-         batch_sharding, mesh):
+def loop(
+  setup,
+  state: TrainState,
+  step_fn,
+  eval_fn,
+  train_iter,
+  eval_batches,
+  ckpt,
+  writer,
+  batch_sharding,
+  mesh,
+):
   t, cfg = setup.train, setup.model
   total, start = t['steps'], int(state.step)
   stop = min(t['stop_at_step'] or total, total)
   meter = metrics_lib.Throughput(start, total)
-  report = functools.partial(log_train, cfg=cfg, expert_shards=dict(mesh.shape)['expert'],
-                             seq_len=setup.data.seq_len, writer=writer)
+  report = functools.partial(
+    log_train,
+    cfg=cfg,
+    expert_shards=dict(mesh.shape)['expert'],
+    seq_len=setup.data.seq_len,
+    writer=writer,
+  )
   pending, last = None, {}
   if start == 0 and eval_batches:  # the baseline that fine-tuning is measured against
     run_eval(0, state, eval_batches, eval_fn, batch_sharding, writer)
@@ -236,8 +289,10 @@ def loop(setup, state: TrainState, step_fn, eval_fn, train_iter, eval_batches, c
 def run_eval(step, state, eval_batches, eval_fn, batch_sharding, writer) -> dict:
   ev = evaluate(state, eval_batches, eval_fn, batch_sharding)
   writer.write(step, ev, kind='eval')
-  writer.progress(f"eval  step {step}: loss {ev['loss']:.4f}  ppl {ev['perplexity']:.2f}  "
-                  f"accuracy {ev['accuracy']:.4f}  ({int(ev['tokens'])} tokens)")
+  writer.progress(
+    f'eval  step {step}: loss {ev["loss"]:.4f}  ppl {ev["perplexity"]:.2f}  '
+    f'accuracy {ev["accuracy"]:.4f}  ({int(ev["tokens"])} tokens)'
+  )
   return ev
 
 
@@ -252,7 +307,8 @@ def log_train(step, m, tokens_per_sec, eta, *, cfg, expert_shards, seq_len, writ
     scalars['mfu'] = tokens_per_sec * flops / (peak * jax.device_count())
   writer.write(step, scalars, load=m['moe']['load'])
   writer.progress(
-    f"step {step}  loss {scalars['loss']:.4f}  lr {scalars['learning_rate']:.2e}  "
-    f"grad_norm {scalars['grad_norm']:.3f}  tok/s {tokens_per_sec:,.0f}  "
-    f"ffn_experts {scalars['moe/ffn_experts_mean']:.2f}  eta {metrics_lib.format_eta(eta)}")
+    f'step {step}  loss {scalars["loss"]:.4f}  lr {scalars["learning_rate"]:.2e}  '
+    f'grad_norm {scalars["grad_norm"]:.3f}  tok/s {tokens_per_sec:,.0f}  '
+    f'ffn_experts {scalars["moe/ffn_experts_mean"]:.2f}  eta {metrics_lib.format_eta(eta)}'
+  )
   return scalars

@@ -53,9 +53,14 @@ def init_state(cfg: ModelConfig, optimizer, seed: int, base: nnx.State | None = 
   if base is not None:  # weights from a checkpoint replace the random base (same structure)
     frozen = base
   return TrainState(
-    step=jnp.zeros((), jnp.int32), params=params, frozen=frozen, moe_bias=moe_bias,
-    opt_state=optimizer.init(params), rng=jax.random.key_data(jax.random.key(seed + 1)),
-    skipped=jnp.zeros((), jnp.int32))
+    step=jnp.zeros((), jnp.int32),
+    params=params,
+    frozen=frozen,
+    moe_bias=moe_bias,
+    opt_state=optimizer.init(params),
+    rng=jax.random.key_data(jax.random.key(seed + 1)),
+    skipped=jnp.zeros((), jnp.int32),
+  )
 
 
 def graphdef_of(cfg: ModelConfig):
@@ -92,14 +97,19 @@ def create_sharded(cfg: ModelConfig, optimizer, seed: int, mesh, rules) -> Train
 def state_from_weights(params, moe_bias, frozen, optimizer, seed: int, mesh, rules) -> TrainState:
   """A step-0 state around given (already sharded) weights, e.g. a Hugging Face checkpoint."""
   opt_abstract = jax.eval_shape(optimizer.init, params)
-  opt_state = jax.jit(optimizer.init, out_shardings=state_shardings(opt_abstract, mesh, rules))(params)
+  opt_state = jax.jit(optimizer.init, out_shardings=state_shardings(opt_abstract, mesh, rules))(
+    params
+  )
   return TrainState(
-    step=jnp.zeros((), jnp.int32), params=params, frozen=frozen, moe_bias=moe_bias,
-    opt_state=opt_state, rng=jax.random.key_data(jax.random.key(seed + 1)),
-    skipped=jnp.zeros((), jnp.int32))
+    step=jnp.zeros((), jnp.int32),
+    params=params,
+    frozen=frozen,
+    moe_bias=moe_bias,
+    opt_state=opt_state,
+    rng=jax.random.key_data(jax.random.key(seed + 1)),
+    skipped=jnp.zeros((), jnp.int32),
+  )
 
 
 def param_bytes(tree) -> int:
   return sum(x.nbytes for x in jax.tree.leaves(tree))
-
-

@@ -54,12 +54,19 @@ def loss_fn(params, moe_bias, frozen, graphdef, batch, rng, totals, cfg: StepCon
   # This micro-batch's share of the routed tokens, so per-micro-batch MoE means average correctly.
   frac = token_counts(batch)[1] / n_routed
   hidden_z = jnp.sum(aux['hidden_lse_BT'] ** 2 * mask) / n_tokens
-  aux_loss = (cfg.router_z_loss * moe['router_z_loss'].mean() * frac
-              + cfg.balance_loss * moe['balance_loss'].mean() * frac
-              + cfg.hidden_z_loss * hidden_z)
+  aux_loss = (
+    cfg.router_z_loss * moe['router_z_loss'].mean() * frac
+    + cfg.balance_loss * moe['balance_loss'].mean() * frac
+    + cfg.hidden_z_loss * hidden_z
+  )
   loss = nll / n_tokens + aux_loss
-  stats = {'nll_sum': nll, 'correct': correct, 'tokens': mask.sum(), 'hidden_z': hidden_z,
-           'moe': {k: v if k == 'load' else v * frac for k, v in moe.items()}}
+  stats = {
+    'nll_sum': nll,
+    'correct': correct,
+    'tokens': mask.sum(),
+    'hidden_z': hidden_z,
+    'moe': {k: v if k == 'load' else v * frac for k, v in moe.items()},
+  }
   return loss, stats
 
 
@@ -71,7 +78,8 @@ def grads_and_stats(state: TrainState, graphdef, batch, rng, cfg: StepConfig):
   totals = token_counts(batch)
   grad_fn = jax.value_and_grad(
     lambda p, b, r: loss_fn(p, state.moe_bias, state.frozen, graphdef, b, r, totals, cfg),
-    has_aux=True)
+    has_aux=True,
+  )
   n = cfg.grad_accum_steps
   if n == 1:
     (loss, stats), grads = grad_fn(state.params, batch, rng)
@@ -102,8 +110,15 @@ def bias_update(moe_bias, load_LX, step, cfg: StepConfig):
   return jax.tree.map(lambda b: b + delta.astype(b.dtype), moe_bias)
 
 
-def train_step(state: TrainState, batch, *, graphdef, optimizer: optax.GradientTransformation,
-               lr_fn: Callable, cfg: StepConfig):
+def train_step(
+  state: TrainState,
+  batch,
+  *,
+  graphdef,
+  optimizer: optax.GradientTransformation,
+  lr_fn: Callable,
+  cfg: StepConfig,
+):
   rng, step_rng = jax.random.split(jax.random.wrap_key_data(state.rng))
   loss, stats, grads = grads_and_stats(state, graphdef, batch, step_rng, cfg)
   grad_norm = optax.global_norm(grads)
@@ -115,14 +130,25 @@ def train_step(state: TrainState, batch, *, graphdef, optimizer: optax.GradientT
   finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
   keep = lambda new, old: jax.tree.map(lambda a, b: jnp.where(finite, a, b), new, old)
   new_state = dataclasses.replace(
-    state, step=state.step + 1, params=keep(params, state.params),
-    opt_state=keep(opt_state, state.opt_state), moe_bias=keep(moe_bias, state.moe_bias),
-    rng=jax.random.key_data(rng), skipped=state.skipped + (~finite).astype(jnp.int32))
+    state,
+    step=state.step + 1,
+    params=keep(params, state.params),
+    opt_state=keep(opt_state, state.opt_state),
+    moe_bias=keep(moe_bias, state.moe_bias),
+    rng=jax.random.key_data(rng),
+    skipped=state.skipped + (~finite).astype(jnp.int32),
+  )
   tokens = jnp.maximum(stats['tokens'], 1.0)
   metrics = {
-    'loss': stats['nll_sum'] / tokens, 'total_loss': loss, 'accuracy': stats['correct'] / tokens,
-    'grad_norm': grad_norm, 'learning_rate': lr_fn(state.step), 'tokens': stats['tokens'],
-    'hidden_z_loss': stats['hidden_z'], 'skipped': new_state.skipped, 'moe': stats['moe'],
+    'loss': stats['nll_sum'] / tokens,
+    'total_loss': loss,
+    'accuracy': stats['correct'] / tokens,
+    'grad_norm': grad_norm,
+    'learning_rate': lr_fn(state.step),
+    'tokens': stats['tokens'],
+    'hidden_z_loss': stats['hidden_z'],
+    'skipped': new_state.skipped,
+    'moe': stats['moe'],
   }
   return new_state, metrics
 

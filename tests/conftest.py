@@ -3,12 +3,14 @@
 import os
 
 os.environ['XLA_FLAGS'] = (
-  os.environ.get('XLA_FLAGS', '') + ' --xla_force_host_platform_device_count=8').strip()
+  os.environ.get('XLA_FLAGS', '') + ' --xla_force_host_platform_device_count=8'
+).strip()
 os.environ.setdefault('JAX_PLATFORMS', 'cpu')
 
 import jax  # noqa: E402
 
 jax.config.update('jax_numpy_rank_promotion', 'raise')
-jax.config.update('jax_compilation_cache_dir',
-                  os.path.join(os.path.dirname(__file__), '..', '.jax_cache'))
+jax.config.update(
+  'jax_compilation_cache_dir', os.path.join(os.path.dirname(__file__), '..', '.jax_cache')
+)
 jax.config.update('jax_persistent_cache_min_compile_time_secs', 1.0)

@@ -9,11 +9,28 @@ from flax import nnx
 from moetrain.model.config import LoraConfig, ModelConfig
 from moetrain.model.transformer import Transformer
 
-TINY = ModelConfig(dtype='float32', remat='none', vocab_size=64, hidden_size=32, num_layers=2,
-                   num_heads=2, q_lora_rank=16, kv_lora_rank=16, qk_nope_head_dim=8,
-                   qk_rope_head_dim=8, v_head_dim=8, ffn_hidden_size=48, expert_ffn_hidden_size=16,
-                   n_routed_experts=8, zero_expert_num=4, moe_topk=3, init_std=0.2)
-ALL_TARGETS = r'attn_\d\.(q_a|q_b|kv_a|kv_b|o)$|mlp_\d\.(gate|up|down)$|experts\.(gate|up|down)$|lm_head$'
+TINY = ModelConfig(
+  dtype='float32',
+  remat='none',
+  vocab_size=64,
+  hidden_size=32,
+  num_layers=2,
+  num_heads=2,
+  q_lora_rank=16,
+  kv_lora_rank=16,
+  qk_nope_head_dim=8,
+  qk_rope_head_dim=8,
+  v_head_dim=8,
+  ffn_hidden_size=48,
+  expert_ffn_hidden_size=16,
+  n_routed_experts=8,
+  zero_expert_num=4,
+  moe_topk=3,
+  init_std=0.2,
+)
+ALL_TARGETS = (
+  r'attn_\d\.(q_a|q_b|kv_a|kv_b|o)$|mlp_\d\.(gate|up|down)$|experts\.(gate|up|down)$|lm_head$'
+)
 
 
 def tiny(**kw) -> ModelConfig:
@@ -41,9 +58,8 @@ def model_and_ids(cfg: ModelConfig, seed=0, b=2, t=10):
 
 def nonzero_bias(model, seed=1, scale=0.05):
   from moetrain.model.moe import RouterBias
+
   randomize(model, seed, RouterBias, scale)
-
-
 
 
 @functools.partial(jax.jit, static_argnums=(0, 1))

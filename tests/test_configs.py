@@ -9,8 +9,11 @@ import pytest
 from moetrain import train
 
 ROOT = os.path.join(os.path.dirname(__file__), '..')
-CONFIGS = sorted(p for p in glob.glob(os.path.join(ROOT, 'configs', '*.py'))
-                 if not os.path.basename(p).startswith('__'))
+CONFIGS = sorted(
+  p
+  for p in glob.glob(os.path.join(ROOT, 'configs', '*.py'))
+  if not os.path.basename(p).startswith('__')
+)
 VARIANTS = {'longcat_lora.py': ['variant=tiny', 'variant=medium', 'variant=flash']}
 
 
@@ -38,21 +41,24 @@ def base_config(**overrides):
   return config
 
 
-@pytest.mark.parametrize('overrides, field', [
-  ({'model.moe_topk': 99}, 'model.moe_topk'),
-  ({'model.remat': 'sometimes'}, 'model.remat'),
-  ({'model.moe_dispatch': 'lossy'}, 'model.moe_dispatch'),
-  ({'mesh.shape': (1, 4, 3, 1)}, 'mesh.shape'),
-  ({'mesh.shape': (1, 1, 8, 1), 'model.n_routed_experts': 12}, 'model.n_routed_experts'),
-  ({'mesh.rules': 'nope'}, 'sharding.rules'),
-  ({'data.seq_len': 0}, 'data.seq_len'),
-  ({'data.global_batch_size': 12}, 'data.global_batch_size'),
-  ({'optim.schedule': 'linear'}, 'optim.schedule'),
-  ({'optim.warmup_steps': 10_000}, 'optim.warmup_steps'),
-  ({'lora.targets': '(unclosed'}, 'lora.targets'),
-  ({'model.quant': 'int3'}, 'model.quant'),
-  ({'train.steps': 0}, 'train.steps'),
-])
+@pytest.mark.parametrize(
+  'overrides, field',
+  [
+    ({'model.moe_topk': 99}, 'model.moe_topk'),
+    ({'model.remat': 'sometimes'}, 'model.remat'),
+    ({'model.moe_dispatch': 'lossy'}, 'model.moe_dispatch'),
+    ({'mesh.shape': (1, 4, 3, 1)}, 'mesh.shape'),
+    ({'mesh.shape': (1, 1, 8, 1), 'model.n_routed_experts': 12}, 'model.n_routed_experts'),
+    ({'mesh.rules': 'nope'}, 'sharding.rules'),
+    ({'data.seq_len': 0}, 'data.seq_len'),
+    ({'data.global_batch_size': 12}, 'data.global_batch_size'),
+    ({'optim.schedule': 'linear'}, 'optim.schedule'),
+    ({'optim.warmup_steps': 10_000}, 'optim.warmup_steps'),
+    ({'lora.targets': '(unclosed'}, 'lora.targets'),
+    ({'model.quant': 'int3'}, 'model.quant'),
+    ({'train.steps': 0}, 'train.steps'),
+  ],
+)
 def test_bad_config_names_the_field(overrides, field):
   with pytest.raises(ValueError, match=field.replace('.', r'\.')):
     train.build(base_config(**overrides), num_devices=8, process_count=1)

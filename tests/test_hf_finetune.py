@@ -39,8 +39,12 @@ def hf_config(hf_dir, **train_kw):
   config.data.seq_len = 32
   config.data.global_batch_size = 8
   config.data.eval_batch_size = 8
-  config.train.update(dict(steps=4, log_every=1, checkpoint_every=4, eval_every=0, eval_batches=1,
-                           compilation_cache=''), **train_kw)
+  config.train.update(
+    dict(
+      steps=4, log_every=1, checkpoint_every=4, eval_every=0, eval_batches=1, compilation_cache=''
+    ),
+    **train_kw,
+  )
   config.optim.warmup_steps = 1
   return config
 
@@ -97,4 +101,5 @@ def test_adapter_only_export(tmp_path):
   assert files == ['adapter_config.json', 'adapter_model.safetensors']
   # adapters are a small fraction of the base checkpoint
   assert os.path.getsize(os.path.join(out, files[1])) < 0.5 * os.path.getsize(
-    os.path.join(FIXTURE, 'model.safetensors'))
+    os.path.join(FIXTURE, 'model.safetensors')
+  )

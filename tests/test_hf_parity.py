@@ -35,8 +35,9 @@ def reference(name: str) -> dict:
 
 
 def f32_config(path: str, **kw):
-  return hf.config_from_hf(hf.read_config(path), dtype='float32', param_dtype='float32',
-                           remat='none', **kw)
+  return hf.config_from_hf(
+    hf.read_config(path), dtype='float32', param_dtype='float32', remat='none', **kw
+  )
 
 
 def lora_config(path: str, rank=4, **kw):
@@ -52,8 +53,9 @@ def load(name: str, cfg) -> hf.Loaded:
 def build(loaded, cfg):
   """A model over copies of the loaded Variables (merge shares them; tests mutate models)."""
   copy = lambda s: jax.tree.map(lambda x: x, s)
-  return train_state.merge_model(train_state.graphdef_of(cfg), copy(loaded.params),
-                                 copy(loaded.moe_bias), copy(loaded.frozen))
+  return train_state.merge_model(
+    train_state.graphdef_of(cfg), copy(loaded.params), copy(loaded.moe_bias), copy(loaded.frozen)
+  )
 
 
 def perturb_lora(model, seed: int, scale: float = 0.01) -> None:
@@ -113,8 +115,11 @@ def test_float32_logits_loss_routing_grads(name, with_topk):
   (loss, (logits, topk)), grads = jax.jit(jax.value_and_grad(loss_fn, has_aux=True))(params)
   # The float32 loss (the one differentiated) carries 1-2 ulp (4.8e-7 each) of summation-order
   # noise, as HF's own does; recomputed in float64 from our logits it measures the model alone.
-  err = {'logits': max_err(logits, ref['logits']), 'loss': max_err(loss, ref['loss']),
-         'loss64': max_err(hf_loss_f64(logits, ref['input_ids']), ref['loss'])}
+  err = {
+    'logits': max_err(logits, ref['logits']),
+    'loss': max_err(loss, ref['loss']),
+    'loss64': max_err(hf_loss_f64(logits, ref['input_ids']), ref['loss']),
+  }
   assert err['logits'] < 1e-5 and err['loss64'] < 1e-6 and err['loss'] < 2e-6, err
   assert_same_topk(topk, ref['router/topk_idx'])
   # Gradient error relative to the largest |grad| of each HF tensor.
@@ -123,8 +128,10 @@ def test_float32_logits_loss_routing_grads(name, with_topk):
   assert set(got) == set(want)
   rel = {k: max_err(got[k], want[k]) / max(np.abs(want[k]).max(), 1e-30) for k in want}
   worst = max(rel, key=rel.get)
-  print(f'{name}: logits {err["logits"]:.2e} loss {err["loss"]:.2e} (f64 {err["loss64"]:.2e}) '
-        f'grad rel {rel[worst]:.2e} ({worst})')
+  print(
+    f'{name}: logits {err["logits"]:.2e} loss {err["loss"]:.2e} (f64 {err["loss64"]:.2e}) '
+    f'grad rel {rel[worst]:.2e} ({worst})'
+  )
   assert rel[worst] < 1e-4, (worst, rel[worst])
 
 
@@ -201,12 +208,15 @@ def test_missing_and_misshapen_tensors_name_the_key(tmp_path):
     hf.load_params(more, cfg)
 
 
-@pytest.mark.parametrize('key,value,match', [
-  ('rope_scaling', {'type': 'yarn', 'factor': 4.0}, 'rope_scaling'),
-  ('tie_word_embeddings', True, 'tie_word_embeddings'),
-  ('head_dim', 64, 'head_dim=64 must equal qk_rope_head_dim=8'),
-  ('q_lora_rank', None, 'q_lora_rank'),
-])
+@pytest.mark.parametrize(
+  'key,value,match',
+  [
+    ('rope_scaling', {'type': 'yarn', 'factor': 4.0}, 'rope_scaling'),
+    ('tie_word_embeddings', True, 'tie_word_embeddings'),
+    ('head_dim', 64, 'head_dim=64 must equal qk_rope_head_dim=8'),
+    ('q_lora_rank', None, 'q_lora_rank'),
+  ],
+)
 def test_config_rejects_unsupported(key, value, match):
   config = {**hf.read_config(fixture('two_layer')), key: value}
   with pytest.raises(ValueError, match=match):
@@ -219,8 +229,12 @@ def test_save_hf_round_trip_is_exact(tmp_path):
   model = build(load('two_layer', cfg), cfg)
   hf.save_hf(model, cfg, str(tmp_path), dtype=jnp.float32, max_shard_size=100_000)
   assert os.path.exists(tmp_path / 'model.safetensors.index.json')
-  assert hf.config_from_hf(hf.read_config(str(tmp_path)), dtype='float32', param_dtype='float32',
-                           remat='none') == cfg
+  assert (
+    hf.config_from_hf(
+      hf.read_config(str(tmp_path)), dtype='float32', param_dtype='float32', remat='none'
+    )
+    == cfg
+  )
   again = build(hf.load_params(str(tmp_path), cfg), cfg)
   a, b = nnx.state(model), nnx.state(again)
   assert jax.tree.structure(a) == jax.tree.structure(b)
@@ -256,8 +270,9 @@ def test_quantised_load_matches_the_model_split(mode):
 
 def test_quantised_load_on_mesh_matches_single_device():
   path = fixture('four_head')
-  cfg = lora_config(path, quant='int4', quant_group_size=16,
-                    rules=sharding.Rules.preset('fsdp_ep_tp'))
+  cfg = lora_config(
+    path, quant='int4', quant_group_size=16, rules=sharding.Rules.preset('fsdp_ep_tp')
+  )
   mesh = sharding.make_mesh((1, 2, 2, 2))
   here = load('four_head', lora_config(path, quant='int4', quant_group_size=16))
   there = hf.load_params(path, cfg, mesh=mesh)
@@ -341,7 +356,8 @@ def test_transformers_loads_lora_merged_export(tmp_path):
 
   def hf_logits(directory):
     m = transformers.AutoModelForCausalLM.from_pretrained(
-      directory, dtype=torch.float32, attn_implementation='eager').eval()
+      directory, dtype=torch.float32, attn_implementation='eager'
+    ).eval()
     with torch.no_grad():
       return m(input_ids=torch.from_numpy(ids).long()).logits.numpy()
 
@@ -361,7 +377,8 @@ def test_transformers_loads_lora_merged_export(tmp_path):
   peft = pytest.importorskip('peft')
   hf.save_peft_adapter(model, cfg, str(tmp_path / 'adapter'))
   base = transformers.AutoModelForCausalLM.from_pretrained(
-    path, dtype=torch.float32, attn_implementation='eager')
+    path, dtype=torch.float32, attn_implementation='eager'
+  )
   adapted = peft.PeftModel.from_pretrained(base, str(tmp_path / 'adapter')).eval()
   with torch.no_grad():
     got = adapted(input_ids=torch.from_numpy(ids).long()).logits.numpy()

@@ -33,19 +33,30 @@ def test_gradients_reach_only_adapters():
   cfg = with_lora(tiny())
   opt = optax.adamw(1e-2)
   state = init_state(cfg, opt, 0)
-  assert all(isinstance(v, nnx.LoRAParam) for v in jax.tree.leaves(
-    state.params, is_leaf=lambda x: isinstance(x, nnx.Variable)))
+  assert all(
+    isinstance(v, nnx.LoRAParam)
+    for v in jax.tree.leaves(state.params, is_leaf=lambda x: isinstance(x, nnx.Variable))
+  )
   # Optimizer state exists for adapters only: its size matches the adapters.
   n_adapters = sum(x.size for x in jax.tree.leaves(state.params))
   n_opt = sum(x.size for x in jax.tree.leaves(state.opt_state))
   assert n_opt == 2 * n_adapters + 1  # mu, nu and the step count
-  step = jax.jit(functools.partial(train_step, graphdef=graphdef_of(cfg), optimizer=opt,
-                                   lr_fn=lambda s: 1e-2, cfg=StepConfig(model=cfg)))
+  step = jax.jit(
+    functools.partial(
+      train_step,
+      graphdef=graphdef_of(cfg),
+      optimizer=opt,
+      lr_fn=lambda s: 1e-2,
+      cfg=StepConfig(model=cfg),
+    )
+  )
   new, _ = step(state, batch())
   for a, b in zip(jax.tree.leaves(new.frozen), jax.tree.leaves(state.frozen)):
     np.testing.assert_array_equal(a, b)
-  changed = [not np.array_equal(a, b) for a, b in zip(jax.tree.leaves(new.params),
-                                                      jax.tree.leaves(state.params))]
+  changed = [
+    not np.array_equal(a, b)
+    for a, b in zip(jax.tree.leaves(new.params), jax.tree.leaves(state.params))
+  ]
   assert all(changed)
 
 
@@ -74,9 +85,18 @@ def test_quantisation_error_within_bound(bits):
 @pytest.mark.parametrize('mode, limit', [('int8', 1.05), ('int4', 0.6)])
 def test_frozen_base_bytes_per_parameter(mode, limit):
   """Bytes per frozen base parameter from the live arrays (bf16 would be 2.0)."""
-  cfg = with_lora(tiny(quant=mode, hidden_size=128, ffn_hidden_size=256,
-                       expert_ffn_hidden_size=128, vocab_size=256, q_lora_rank=64,
-                       kv_lora_rank=64, quant_group_size=64))
+  cfg = with_lora(
+    tiny(
+      quant=mode,
+      hidden_size=128,
+      ffn_hidden_size=256,
+      expert_ffn_hidden_size=128,
+      vocab_size=256,
+      q_lora_rank=64,
+      kv_lora_rank=64,
+      quant_group_size=64,
+    )
+  )
   _, _, _, frozen = split_model(Transformer(cfg, nnx.Rngs(0)), cfg)
   plain = dataclasses.replace(cfg, quant='none')
   _, _, _, ref = split_model(Transformer(plain, nnx.Rngs(0)), plain)

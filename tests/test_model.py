@@ -65,8 +65,10 @@ def test_moe_backends_match_dense_reference(backend):
   randomize(model, 5, nnx.LoRAParam)
   nonzero_bias(model)
   ref, _ = forward(model, ids)
-  other = nnx.merge(nnx.graphdef(Transformer(dataclasses.replace(cfg, moe_backend=backend),
-                                             nnx.Rngs(0))), nnx.state(model))
+  other = nnx.merge(
+    nnx.graphdef(Transformer(dataclasses.replace(cfg, moe_backend=backend), nnx.Rngs(0))),
+    nnx.state(model),
+  )
   out, _ = forward(other, ids)
   np.testing.assert_allclose(out, ref, atol=1e-5, rtol=1e-5)
 

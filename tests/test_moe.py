@@ -85,8 +85,14 @@ CFG = with_lora(tiny(moe_backend='blocked', init_std=0.1), rank=3, targets=EXPER
 
 
 @pytest.mark.parametrize('backend', ['blocked', 'ragged_dot', 'dense'])
-@pytest.mark.parametrize('shape', [dict(), dict(n_routed_experts=6, zero_expert_num=2, moe_topk=2),
-                                   dict(zero_expert_num=0, moe_topk=4)])
+@pytest.mark.parametrize(
+  'shape',
+  [
+    dict(),
+    dict(n_routed_experts=6, zero_expert_num=2, moe_topk=2),
+    dict(zero_expert_num=0, moe_topk=4),
+  ],
+)
 def test_moe_matches_per_expert_loop(backend, shape):
   cfg = dataclasses.replace(CFG, moe_backend=backend, **shape)
   moe = make_moe(cfg)
@@ -105,7 +111,9 @@ def test_dropless_equals_capacity_when_capacity_suffices():
   x = jax.random.normal(jax.random.key(2), (2, 16, CFG.hidden_size))
   y, _ = run(moe, x)
   big = dataclasses.replace(CFG, moe_dispatch='capacity', moe_capacity_factor=12.0)
-  y_cap, stats = run(nnx.merge(nnx.graphdef(MoE(big, 'layers.moe', nnx.Rngs(0))), nnx.state(moe)), x)
+  y_cap, stats = run(
+    nnx.merge(nnx.graphdef(MoE(big, 'layers.moe', nnx.Rngs(0))), nnx.state(moe)), x
+  )
   assert float(stats['dropped_frac']) == 0.0
   np.testing.assert_allclose(y_cap, y, atol=1e-6)
 
@@ -116,7 +124,8 @@ def test_capacity_drops_exactly_what_it_reports():
   m, d = 64, cfg.hidden_size
   x_MD = jax.random.normal(jax.random.key(3), (m, d))
   _, _, idx, gates = __import__('moetrain.model.moe', fromlist=['route']).route(
-    x_MD, moe.router[...], moe.router_bias[...], cfg.moe_topk, cfg.routed_scaling_factor)
+    x_MD, moe.router[...], moe.router_bias[...], cfg.moe_topk, cfg.routed_scaling_factor
+  )
   y, dropped = dispatch.routed_experts(x_MD, idx, gates, moe.experts.weights(), cfg)
   # Expected drops: beyond the first C assignments (in token order) of each expert.
   c = dispatch.capacity(m, cfg)
@@ -131,8 +140,9 @@ def test_capacity_drops_exactly_what_it_reports():
   assert want.sum() > 0
   # The output is the dropless output with the dropped assignments' gates set to zero.
   dropless = dataclasses.replace(cfg, moe_dispatch='dropless')
-  y_ref, _ = dispatch.routed_experts(x_MD, idx, jnp.where(want > 0, 0.0, gates),
-                                     moe.experts.weights(), dropless)
+  y_ref, _ = dispatch.routed_experts(
+    x_MD, idx, jnp.where(want > 0, 0.0, gates), moe.experts.weights(), dropless
+  )
   np.testing.assert_allclose(y, y_ref, atol=1e-5)
 
 
@@ -180,7 +190,7 @@ def test_bias_update_balances_a_skewed_router():
   after = imbalance()
   assert before > 1.3 and after - 1 < 0.25 * (before - 1), (before, after)
   # zero-expert biases are never updated
-  np.testing.assert_array_equal(moe.router_bias[...][cfg.n_routed_experts:], 0.0)
+  np.testing.assert_array_equal(moe.router_bias[...][cfg.n_routed_experts :], 0.0)
 
 
 def test_deterministic():

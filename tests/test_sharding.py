@@ -23,10 +23,17 @@ def batch(b=8, t=16, vocab=64):
   rng = np.random.default_rng(0)
   ids = rng.integers(0, vocab, (b, t + 1)).astype(np.int32)
   seg = np.ones((b, t), np.int32)
-  seg[:, t // 2:] = 2  # two packed segments per row
-  pos = np.concatenate([np.arange(t // 2), np.arange(t - t // 2)])[None].repeat(b, 0).astype(np.int32)
-  return {'inputs': ids[:, :-1], 'targets': ids[:, 1:], 'segment_ids': seg, 'positions': pos,
-          'loss_mask': np.ones((b, t), np.float32)}
+  seg[:, t // 2 :] = 2  # two packed segments per row
+  pos = (
+    np.concatenate([np.arange(t // 2), np.arange(t - t // 2)])[None].repeat(b, 0).astype(np.int32)
+  )
+  return {
+    'inputs': ids[:, :-1],
+    'targets': ids[:, 1:],
+    'segment_ids': seg,
+    'positions': pos,
+    'loss_mask': np.ones((b, t), np.float32),
+  }
 
 
 def loss_on(mesh_shape, devices=None, preset='fsdp_ep_tp'):
@@ -36,8 +43,18 @@ def loss_on(mesh_shape, devices=None, preset='fsdp_ep_tp'):
   with jax.set_mesh(mesh):
     state = create_sharded(cfg, opt, 0, mesh, cfg.rules)
     b = {k: jax.device_put(v, sharding.batch_sharding(mesh)) for k, v in batch().items()}
-    f = jax.jit(lambda s, b: loss_fn(s.params, s.moe_bias, s.frozen, graphdef_of(cfg), b, None,
-                                     token_counts(b), StepConfig(model=cfg))[0])
+    f = jax.jit(
+      lambda s, b: loss_fn(
+        s.params,
+        s.moe_bias,
+        s.frozen,
+        graphdef_of(cfg),
+        b,
+        None,
+        token_counts(b),
+        StepConfig(model=cfg),
+      )[0]
+    )
     return float(f(state, b))
 
 
@@ -54,8 +71,9 @@ def test_sharded_loss_equals_single_device(single_device_loss, mesh_shape):
 def spec_table(preset: str) -> dict:
   cfg = dataclasses.replace(CFG, rules=sharding.Rules.preset(preset))
   mesh = sharding.make_mesh((1, 2, 2, 2))
-  abstract = jax.eval_shape(lambda: __import__('moetrain.train_state', fromlist=['x']).init_state(
-    cfg, optax.sgd(1e-3), 0))
+  abstract = jax.eval_shape(
+    lambda: __import__('moetrain.train_state', fromlist=['x']).init_state(cfg, optax.sgd(1e-3), 0)
+  )
   shard = state_shardings(abstract, mesh, cfg.rules)
   tree = {'params': shard.params, 'frozen': shard.frozen, 'moe_bias': shard.moe_bias}
   return {k: str(v.spec) for k, v in flatten(tree).items()}

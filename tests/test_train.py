@@ -14,8 +14,17 @@ def small_config(**train_overrides):
   config.data.seq_len = 64
   config.data.global_batch_size = 8
   config.data.eval_batch_size = 8
-  config.train.update(dict(steps=6, log_every=1, checkpoint_every=3, eval_every=0,
-                           eval_batches=1, async_checkpoint=True, compilation_cache=''))
+  config.train.update(
+    dict(
+      steps=6,
+      log_every=1,
+      checkpoint_every=3,
+      eval_every=0,
+      eval_batches=1,
+      async_checkpoint=True,
+      compilation_cache='',
+    )
+  )
   config.train.update(train_overrides)
   config.optim.warmup_steps = 2
   return config
@@ -40,8 +49,16 @@ def test_run_logs_checkpoints_and_evaluates(uninterrupted):
   with open(os.path.join(workdir, 'metrics.jsonl')) as f:
     recs = [json.loads(line) for line in f]
   first = recs[0]
-  for key in ('loss', 'tokens_per_sec', 'learning_rate', 'grad_norm', 'moe/load',
-              'moe/ffn_experts_mean', 'moe/router_entropy', 'moe/shard_imbalance'):
+  for key in (
+    'loss',
+    'tokens_per_sec',
+    'learning_rate',
+    'grad_norm',
+    'moe/load',
+    'moe/ffn_experts_mean',
+    'moe/router_entropy',
+    'moe/shard_imbalance',
+  ):
     assert key in first, key
   assert any(r['kind'] == 'eval' for r in recs)
   assert 'eval_accuracy' in out

@@ -21,10 +21,22 @@ CFG = with_lora(tiny(init_std=0.05))
 def step_fn(cfg, accum, opt, balance_loss=0.0):
   # The balance loss is defined per micro-batch (TR: P_j averaged over the micro-batch), so it
   # is not additive across micro-batches; every other term is.
-  return jax.jit(functools.partial(
-    train_step, graphdef=graphdef_of(cfg), optimizer=opt, lr_fn=lambda s: 1e-2,
-    cfg=StepConfig(model=cfg, grad_accum_steps=accum, router_z_loss=1e-3, balance_loss=balance_loss,
-                   hidden_z_loss=1e-4, bias_update_rate=1e-2)))
+  return jax.jit(
+    functools.partial(
+      train_step,
+      graphdef=graphdef_of(cfg),
+      optimizer=opt,
+      lr_fn=lambda s: 1e-2,
+      cfg=StepConfig(
+        model=cfg,
+        grad_accum_steps=accum,
+        router_z_loss=1e-3,
+        balance_loss=balance_loss,
+        hidden_z_loss=1e-4,
+        bias_update_rate=1e-2,
+      ),
+    )
+  )
 
 
 def test_gradient_accumulation_equals_full_batch():

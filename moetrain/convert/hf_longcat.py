@@ -24,26 +24,41 @@ from moetrain.model.transformer import Transformer
 
 # HF key -> ModelConfig field, for keys every LongCat config.json carries.
 _REQUIRED = {
-  'vocab_size': 'vocab_size', 'hidden_size': 'hidden_size', 'num_layers': 'num_layers',
-  'num_attention_heads': 'num_heads', 'q_lora_rank': 'q_lora_rank',
-  'kv_lora_rank': 'kv_lora_rank', 'qk_nope_head_dim': 'qk_nope_head_dim',
-  'qk_rope_head_dim': 'qk_rope_head_dim', 'v_head_dim': 'v_head_dim',
-  'ffn_hidden_size': 'ffn_hidden_size', 'expert_ffn_hidden_size': 'expert_ffn_hidden_size',
-  'n_routed_experts': 'n_routed_experts', 'zero_expert_num': 'zero_expert_num',
+  'vocab_size': 'vocab_size',
+  'hidden_size': 'hidden_size',
+  'num_layers': 'num_layers',
+  'num_attention_heads': 'num_heads',
+  'q_lora_rank': 'q_lora_rank',
+  'kv_lora_rank': 'kv_lora_rank',
+  'qk_nope_head_dim': 'qk_nope_head_dim',
+  'qk_rope_head_dim': 'qk_rope_head_dim',
+  'v_head_dim': 'v_head_dim',
+  'ffn_hidden_size': 'ffn_hidden_size',
+  'expert_ffn_hidden_size': 'expert_ffn_hidden_size',
+  'n_routed_experts': 'n_routed_experts',
+  'zero_expert_num': 'zero_expert_num',
   'moe_topk': 'moe_topk',
 }
 # Optional keys: (ModelConfig field, transformers 4.57 default).
 _OPTIONAL = {
-  'routed_scaling_factor': ('routed_scaling_factor', 6.0), 'rms_norm_eps': ('rms_norm_eps', 1e-5),
-  'rope_theta': ('rope_theta', 1e7), 'initializer_range': ('init_std', 0.02),
+  'routed_scaling_factor': ('routed_scaling_factor', 6.0),
+  'rms_norm_eps': ('rms_norm_eps', 1e-5),
+  'rope_theta': ('rope_theta', 1e7),
+  'initializer_range': ('init_std', 0.02),
   'max_position_embeddings': ('max_position_embeddings', 131072),
 }
 # Keys whose other values would change the maths; moetrain, like transformers 4.57, implements
 # only these values (the HF default applies when a key is absent).
 _FIXED = {
-  'hidden_act': 'silu', 'attention_bias': False, 'tie_word_embeddings': False,
-  'rope_scaling': None, 'router_bias': False, 'norm_topk_prob': False,
-  'zero_expert_type': 'identity', 'attention_method': 'MLA', 'mla_scale_q_lora': True,
+  'hidden_act': 'silu',
+  'attention_bias': False,
+  'tie_word_embeddings': False,
+  'rope_scaling': None,
+  'router_bias': False,
+  'norm_topk_prob': False,
+  'zero_expert_type': 'identity',
+  'attention_method': 'MLA',
+  'mla_scale_q_lora': True,
   'mla_scale_kv_lora': True,
 }
 HF_MLA_NORM_EPS = 1e-6  # q_a_layernorm / kv_a_layernorm are built without eps in HF
@@ -58,22 +73,29 @@ def config_from_hf(config_json: dict, **overrides) -> ModelConfig:
   """ModelConfig of a LongCat-Flash config.json; `overrides` set engine fields (dtype, lora...)."""
   c = config_json
   if c.get('model_type', 'longcat_flash') != 'longcat_flash':
-    raise ValueError(f"config.json model_type={c['model_type']!r}: only longcat_flash is supported")
+    raise ValueError(f'config.json model_type={c["model_type"]!r}: only longcat_flash is supported')
   missing = [k for k in _REQUIRED if c.get(k) is None]
   if missing:
-    raise ValueError(f'config.json lacks {missing} (q_lora_rank=null, a plain q_proj, is '
-                     'unsupported)')
+    raise ValueError(
+      f'config.json lacks {missing} (q_lora_rank=null, a plain q_proj, is unsupported)'
+    )
   for key, want in _FIXED.items():
     if c.get(key, want) != want:
-      raise ValueError(f'config.json {key}={c[key]!r} is unsupported: moetrain implements '
-                       f'LongCat-Flash with {key}={want!r}, as transformers 4.57 does')
+      raise ValueError(
+        f'config.json {key}={c[key]!r} is unsupported: moetrain implements '
+        f'LongCat-Flash with {key}={want!r}, as transformers 4.57 does'
+      )
   nope, rope = c['qk_nope_head_dim'], c['qk_rope_head_dim']
   if c.get('head_dim', 64) != rope:  # HF sizes its rotary table from head_dim
-    raise ValueError(f"config.json head_dim={c.get('head_dim', 64)} must equal qk_rope_head_dim="
-                     f'{rope} (transformers builds RoPE from head_dim)')
+    raise ValueError(
+      f'config.json head_dim={c.get("head_dim", 64)} must equal qk_rope_head_dim='
+      f'{rope} (transformers builds RoPE from head_dim)'
+    )
   if c.get('qk_head_dim', nope + rope) != nope + rope:
-    raise ValueError(f"config.json qk_head_dim={c['qk_head_dim']} != qk_nope_head_dim + "
-                     f'qk_rope_head_dim = {nope + rope}')
+    raise ValueError(
+      f'config.json qk_head_dim={c["qk_head_dim"]} != qk_nope_head_dim + '
+      f'qk_rope_head_dim = {nope + rope}'
+    )
   kw = {field: c[key] for key, field in _REQUIRED.items()}
   kw.update({field: float(c.get(key, d)) for key, (field, d) in _OPTIONAL.items()})
   kw['max_position_embeddings'] = int(kw['max_position_embeddings'])
@@ -85,18 +107,30 @@ def config_from_hf(config_json: dict, **overrides) -> ModelConfig:
 
 def config_to_hf(cfg: ModelConfig, dtype: str, base: dict | None = None) -> dict:
   """config.json for transformers; keys of `base` (bos/eos, auto_map...) are kept."""
-  bad = [f for f, ok in (('mla_scale_q_lora', cfg.mla_scale_q_lora),
-                         ('mla_scale_kv_lora', cfg.mla_scale_kv_lora),
-                         ('mla_norm_eps', cfg.mla_norm_eps == HF_MLA_NORM_EPS)) if not ok]
+  bad = [
+    f
+    for f, ok in (
+      ('mla_scale_q_lora', cfg.mla_scale_q_lora),
+      ('mla_scale_kv_lora', cfg.mla_scale_kv_lora),
+      ('mla_norm_eps', cfg.mla_norm_eps == HF_MLA_NORM_EPS),
+    )
+    if not ok
+  ]
   if bad:
     raise ValueError(f'model.{bad[0]}: transformers LongCat-Flash cannot express this setting')
   out = {'bos_token_id': 1, 'eos_token_id': 2, **(base or {}), **_FIXED}
   out.update({key: getattr(cfg, field) for key, field in _REQUIRED.items()})
   out.update({key: getattr(cfg, field) for key, (field, _) in _OPTIONAL.items()})
-  out.update(architectures=['LongcatFlashForCausalLM'], model_type='longcat_flash',
-             num_hidden_layers=2 * cfg.num_layers, num_key_value_heads=cfg.num_heads,
-             head_dim=cfg.qk_rope_head_dim, qk_head_dim=cfg.qk_head_dim, attention_dropout=0.0,
-             dtype=dtype)
+  out.update(
+    architectures=['LongcatFlashForCausalLM'],
+    model_type='longcat_flash',
+    num_hidden_layers=2 * cfg.num_layers,
+    num_key_value_heads=cfg.num_heads,
+    head_dim=cfg.qk_rope_head_dim,
+    qk_head_dim=cfg.qk_head_dim,
+    attention_dropout=0.0,
+    dtype=dtype,
+  )
   return out
 
 
@@ -141,8 +175,10 @@ def table() -> tuple[Row, ...]:
   layer = 'model.layers.{l}.'
   rows = [Row(hf, path, n) for hf, path, n in _GLOBAL]
   for s in (0, 1):
-    rows += [Row(layer + hf.format(s=s), 'layers.' + path.format(s=s), n, True)
-             for hf, path, n in _SUBLAYER]
+    rows += [
+      Row(layer + hf.format(s=s), 'layers.' + path.format(s=s), n, True)
+      for hf, path, n in _SUBLAYER
+    ]
   rows += [Row(layer + hf, 'layers.' + path, n, True) for hf, path, n in _LAYER]
   rows += [Row(layer + hf, 'layers.' + path, n, True, True) for hf, path, n in _EXPERT]
   return tuple(rows)
@@ -155,8 +191,10 @@ def lora_rows(t: Row) -> tuple[Row, Row] | None:
     return None
   module = PEFT_PREFIX + t.name_template.removesuffix('.weight')
   base = t.path.removesuffix('.kernel') + '.' if t.path.endswith('.kernel') else t.path + '_'
-  return (Row(f'{module}.lora_A.weight', base + 'lora_a', t.n_in, t.stacked, t.experts),
-          Row(f'{module}.lora_B.weight', base + 'lora_b', 1, t.stacked, t.experts))
+  return (
+    Row(f'{module}.lora_A.weight', base + 'lora_a', t.n_in, t.stacked, t.experts),
+    Row(f'{module}.lora_B.weight', base + 'lora_b', 1, t.stacked, t.experts),
+  )
 
 
 # ---------------------------------------------------------------------------------------------
@@ -183,8 +221,9 @@ def _flat(tree) -> dict:
 
 def _float_shapes(cfg: ModelConfig) -> dict:
   plain = dataclasses.replace(cfg, quant='none')
-  return {p: x.shape for p, x in _flat(nnx.eval_shape(lambda: Transformer(plain, nnx.Rngs(0))))
-          .items()}
+  return {
+    p: x.shape for p, x in _flat(nnx.eval_shape(lambda: Transformer(plain, nnx.Rngs(0)))).items()
+  }
 
 
 def _shardings(abstract_state, mesh, rules) -> dict:
@@ -203,22 +242,32 @@ def _check(reader, rows, cfg, shapes: dict) -> list[str]:
       name = t.name(ix)
       expected.add(name)
       if name not in reader:
-        raise ValueError(f'{name}: missing from {reader.directory} (moetrain {t.path} needs it, '
-                         f'shape {want})')
+        raise ValueError(
+          f'{name}: missing from {reader.directory} (moetrain {t.path} needs it, shape {want})'
+        )
       if reader.shape(name) != want:
-        raise ValueError(f'{name}: shape {reader.shape(name)} in {reader.directory}, expected '
-                         f'{want} for moetrain {t.path}; does config.json match the weights?')
+        raise ValueError(
+          f'{name}: shape {reader.shape(name)} in {reader.directory}, expected '
+          f'{want} for moetrain {t.path}; does config.json match the weights?'
+        )
   skipped = sorted(set(reader.keys()) - expected)
   fp8 = [k for k in skipped if k.endswith('weight_scale_inv')]
   if fp8:
-    raise ValueError(f'{fp8[0]}: block-quantised (FP8) checkpoints are unsupported; load the '
-                     'bf16 release or dequantise first')
-  pattern = re.compile('|'.join(re.escape(t.name_template).replace(r'\{l\}', r'\d+')
-                                .replace(r'\{e\}', r'\d+') for t in rows))
+    raise ValueError(
+      f'{fp8[0]}: block-quantised (FP8) checkpoints are unsupported; load the '
+      'bf16 release or dequantise first'
+    )
+  pattern = re.compile(
+    '|'.join(
+      re.escape(t.name_template).replace(r'\{l\}', r'\d+').replace(r'\{e\}', r'\d+') for t in rows
+    )
+  )
   extra = [k for k in skipped if pattern.fullmatch(k)]
   if extra:  # e.g. more layers or experts in the file than in cfg: never drop them silently
-    raise ValueError(f'{extra[0]}: in {reader.directory} but beyond the config '
-                     f'({len(extra)} such tensors); does config.json match the weights?')
+    raise ValueError(
+      f'{extra[0]}: in {reader.directory} but beyond the config '
+      f'({len(extra)} such tensors); does config.json match the weights?'
+    )
   return skipped
 
 
@@ -252,8 +301,9 @@ def load_params(path, cfg: ModelConfig, mesh=None, rules=None, dtype=None, seed=
   skipped = _check(reader, rows, cfg, shapes)
   values = {}
   for t in rows:
-    values.update(sio.load_row(reader, t, abstract, shardings, shapes[t.key], cfg.quant,
-                           cfg.quant_group_size))
+    values.update(
+      sio.load_row(reader, t, abstract, shardings, shapes[t.key], cfg.quant, cfg.quant_group_size)
+    )
   for r in (r for t in rows for r in lora_rows(t) or () if r.key in abstract):
     x = abstract[r.key]
     values[r.key] = sio.init_adapter(r, x.shape, shardings[r.key], x.dtype, seed)
@@ -262,8 +312,9 @@ def load_params(path, cfg: ModelConfig, mesh=None, rules=None, dtype=None, seed=
     raise ValueError(f'no checkpoint tensor fills {unfilled}')
   state = nnx.from_flat_state({p: v.replace(values[p]) for p, v in variables.items()})
   if skipped:
-    logging.warning('%s: skipped %d tensors moetrain does not use, e.g. %s', path, len(skipped),
-                    skipped[:5])
+    logging.warning(
+      '%s: skipped %d tensors moetrain does not use, e.g. %s', path, len(skipped), skipped[:5]
+    )
   _, params, moe_bias, frozen = train_state.split_model(nnx.merge(graphdef, state), cfg)
   return Loaded(params, moe_bias, frozen, skipped)
 
@@ -275,8 +326,9 @@ def load_model(path, dtype=jnp.float32, mesh=None, **overrides) -> Transformer:
   kw = {'dtype': name, 'param_dtype': name if name in ('float32', 'bfloat16') else 'float32'}
   cfg = config_from_hf(read_config(path), **{**kw, **overrides})
   loaded = load_params(path, cfg, mesh=mesh)
-  return train_state.merge_model(train_state.graphdef_of(cfg), loaded.params, loaded.moe_bias,
-                                 loaded.frozen)
+  return train_state.merge_model(
+    train_state.graphdef_of(cfg), loaded.params, loaded.moe_bias, loaded.frozen
+  )
 
 
 # ---------------------------------------------------------------------------------------------
@@ -300,8 +352,9 @@ def _export_items(flat: dict, cfg: ModelConfig, strict: bool) -> list:
   for t in table():
     if t.key not in flat and t.key + ('q',) not in flat:
       if strict:
-        raise ValueError(f'the state has no {t.path} (HF {t.name_template}); pass the whole '
-                         'model state')
+        raise ValueError(
+          f'the state has no {t.path} (HF {t.name_template}); pass the whole model state'
+        )
       continue
     shape = sio.flat_shape(shapes[t.key][t.lead :], t.n_in)
     items += [(t, ix, shape) for ix in t.indices(cfg.num_layers, cfg.n_routed_experts)]
@@ -316,8 +369,14 @@ def hf_tensors(model_or_state, cfg: ModelConfig, dtype='float32'):
     yield t.name(ix), _export(flat, t, ix, cfg, dtype)
 
 
-def save_hf(model_or_state, cfg: ModelConfig, out_dir: str, dtype=None,
-            max_shard_size: int = 5 * 2**30, base_config: dict | None = None) -> None:
+def save_hf(
+  model_or_state,
+  cfg: ModelConfig,
+  out_dir: str,
+  dtype=None,
+  max_shard_size: int = 5 * 2**30,
+  base_config: dict | None = None,
+) -> None:
   """Writes config.json and model.safetensors (or shards of at most max_shard_size bytes plus
   the index) in the transformers LongCat-Flash layout: LoRA merged into the base, quantised
   weights decoded, e_score_correction_bias included. One tensor is on the host at a time; with
@@ -327,8 +386,9 @@ def save_hf(model_or_state, cfg: ModelConfig, out_dir: str, dtype=None,
   items = _export_items(flat, cfg, strict=True)
   specs = [(t.name(ix), shape, dt) for t, ix, shape in items]
   writable = jax.process_index() == 0
-  stio.write_sharded(out_dir, specs, lambda i: _export(flat, *items[i][:2], cfg, dt),
-                     max_shard_size, writable)
+  stio.write_sharded(
+    out_dir, specs, lambda i: _export(flat, *items[i][:2], cfg, dt), max_shard_size, writable
+  )
   if writable:
     with open(os.path.join(out_dir, 'config.json'), 'w') as f:
       json.dump(config_to_hf(cfg, dt.name, base_config), f, indent=2, sort_keys=True)
@@ -348,8 +408,9 @@ def _adapted(flat: dict) -> list[Row]:
 def _target_modules(rows: list[Row]) -> str:
   """A regex that PEFT full-matches against module names (model.layers.<l>.mlps.0.up_proj...)."""
   mods = {r.name_template.removeprefix(PEFT_PREFIX).rsplit('.', 2)[0] for r in rows}
-  return '|'.join(sorted(m.replace('.', r'\.').replace('{l}', r'\d+').replace('{e}', r'\d+')
-                         for m in mods))
+  return '|'.join(
+    sorted(m.replace('.', r'\.').replace('{l}', r'\d+').replace('{e}', r'\d+') for m in mods)
+  )
 
 
 def save_peft_adapter(model, cfg: ModelConfig, out_dir: str) -> None:
@@ -360,22 +421,36 @@ def save_peft_adapter(model, cfg: ModelConfig, out_dir: str) -> None:
   if not rows:
     raise ValueError('the model has no LoRA adapters (cfg.lora.rank is 0 or targets match none)')
   items = [(r, ix) for r in rows for ix in r.indices(cfg.num_layers, cfg.n_routed_experts)]
-  specs = [(r.name(ix), sio.flat_shape(flat[r.key].shape[r.lead :], r.n_in), flat[r.key].dtype)
-           for r, ix in items]
+  specs = [
+    (r.name(ix), sio.flat_shape(flat[r.key].shape[r.lead :], r.n_in), flat[r.key].dtype)
+    for r, ix in items
+  ]
   writable = jax.process_index() == 0
   if writable:
     os.makedirs(out_dir, exist_ok=True)
+
   def produce(i):
     r, ix = items[i]
     return sio.to_flat(sio.to_host(flat[r.key][ix]), r.n_in)
 
   stio.write_file(os.path.join(out_dir, ADAPTER_FILE), specs, produce, writable)
   lo = cfg.lora
-  config = {'peft_type': 'LORA', 'task_type': 'CAUSAL_LM', 'r': lo.rank, 'lora_alpha': lo.alpha,
-            'use_rslora': lo.rslora, 'lora_dropout': lo.dropout, 'bias': 'none',
-            'target_modules': _target_modules(rows), 'fan_in_fan_out': False, 'use_dora': False,
-            'init_lora_weights': True, 'inference_mode': True, 'modules_to_save': None,
-            'base_model_name_or_path': None}
+  config = {
+    'peft_type': 'LORA',
+    'task_type': 'CAUSAL_LM',
+    'r': lo.rank,
+    'lora_alpha': lo.alpha,
+    'use_rslora': lo.rslora,
+    'lora_dropout': lo.dropout,
+    'bias': 'none',
+    'target_modules': _target_modules(rows),
+    'fan_in_fan_out': False,
+    'use_dora': False,
+    'init_lora_weights': True,
+    'inference_mode': True,
+    'modules_to_save': None,
+    'base_model_name_or_path': None,
+  }
   if writable:
     with open(os.path.join(out_dir, ADAPTER_CONFIG), 'w') as f:
       json.dump(config, f, indent=2)
@@ -385,20 +460,28 @@ def load_peft_adapter(model, cfg: ModelConfig, directory: str) -> None:
   """Reads a PEFT adapter into the model's LoRA params in place, keeping their shardings."""
   with open(os.path.join(directory, ADAPTER_CONFIG)) as f:
     c = json.load(f)
-  for key, field, default in (('r', 'rank', 8), ('lora_alpha', 'alpha', 8),
-                              ('use_rslora', 'rslora', False), ('use_dora', None, False)):
+  for key, field, default in (
+    ('r', 'rank', 8),
+    ('lora_alpha', 'alpha', 8),
+    ('use_rslora', 'rslora', False),
+    ('use_dora', None, False),
+  ):
     want = getattr(cfg.lora, field) if field else default
     if c.get(key, default) != want:
-      raise ValueError(f'{ADAPTER_CONFIG}: {key}={c.get(key, default)!r} but the model has '
-                       f'{f"lora.{field}" if field else key}={want!r}')
+      raise ValueError(
+        f'{ADAPTER_CONFIG}: {key}={c.get(key, default)!r} but the model has '
+        f'{f"lora.{field}" if field else key}={want!r}'
+      )
   variables = dict(nnx.to_flat_state(nnx.state(model, nnx.LoRAParam)))
   flat = {p: _value(v) for p, v in variables.items()}
   rows = _adapted(flat)
   reader = stio.Reader(directory, single=ADAPTER_FILE, index=None)
   extra = _check(reader, rows, cfg, {p: x.shape for p, x in flat.items()})
   if extra:
-    raise ValueError(f'{directory}: {len(extra)} adapter tensors have no LoRA param in this '
-                     f'model (check lora.targets), e.g. {extra[:3]}')
+    raise ValueError(
+      f'{directory}: {len(extra)} adapter tensors have no LoRA param in this '
+      f'model (check lora.targets), e.g. {extra[:3]}'
+    )
   abstract = {p: jax.ShapeDtypeStruct(x.shape, x.dtype) for p, x in flat.items()}
   shardings = {p: x.sharding for p, x in flat.items()}
   values = {}

@@ -39,8 +39,9 @@ class Reader:
       files = sorted(set(weight_map.values()))
     else:
       raise FileNotFoundError(f'{directory} holds neither {single} nor {index}')
-    self._handles = {name: safe_open(os.path.join(directory, name), framework='numpy')
-                     for name in files}
+    self._handles = {
+      name: safe_open(os.path.join(directory, name), framework='numpy') for name in files
+    }
     if self.files is None:
       self.files = {k: single for k in self._handles[single].keys()}
 
@@ -63,8 +64,10 @@ class Reader:
     """The tensor, or the part selected by a tuple of slices (one per leading dimension)."""
     dt = self.dtype(name)
     if dt not in DTYPES:
-      raise ValueError(f'{name}: dtype {dt} is not supported (only {sorted(DTYPES)}); '
-                       'dequantise FP8/int checkpoints before loading')
+      raise ValueError(
+        f'{name}: dtype {dt} is not supported (only {sorted(DTYPES)}); '
+        'dequantise FP8/int checkpoints before loading'
+      )
     sl = self._slice(name)
     return np.asarray(sl[tuple(index)] if index else sl[:])
 
@@ -85,8 +88,11 @@ def _header(specs) -> bytes:
   head, offset = {}, 0
   for name, shape, dtype in specs:
     n = math.prod(shape) * np.dtype(dtype).itemsize
-    head[name] = {'dtype': DTYPE_NAMES[np.dtype(dtype)], 'shape': list(shape),
-                  'data_offsets': [offset, offset + n]}
+    head[name] = {
+      'dtype': DTYPE_NAMES[np.dtype(dtype)],
+      'shape': list(shape),
+      'data_offsets': [offset, offset + n],
+    }
     offset += n
   head['__metadata__'] = {'format': 'pt'}  # transformers refuses files without it
   raw = json.dumps(head, separators=(',', ':')).encode()
@@ -131,8 +137,12 @@ def write_sharded(out_dir: str, specs, produce, max_shard_bytes: int, writable: 
   n, weight_map = len(groups), {}
   for k, group in enumerate(groups):
     fname = SINGLE if n == 1 else f'model-{k + 1:05d}-of-{n:05d}.safetensors'
-    write_file(os.path.join(out_dir, fname), [specs[i] for i in group],
-               lambda j, group=group: produce(group[j]), writable)
+    write_file(
+      os.path.join(out_dir, fname),
+      [specs[i] for i in group],
+      lambda j, group=group: produce(group[j]),
+      writable,
+    )
     weight_map.update({specs[i][0]: fname for i in group})
   if writable and n > 1:
     with open(os.path.join(out_dir, INDEX), 'w') as f:

@@ -72,7 +72,8 @@ def read_block(reader, name, shape, n_in, index, dtype) -> np.ndarray:
   cols, n_in0 = span(ins, index[:n_in])
   w = reader.read(name, (rows, cols)).T.reshape(n_in0, *ins[1:], n_out0, *outs[1:])
   return np.ascontiguousarray(
-    w[(slice(None), *index[1:n_in], slice(None), *index[n_in + 1 :])], dtype=dtype)
+    w[(slice(None), *index[1:n_in], slice(None), *index[n_in + 1 :])], dtype=dtype
+  )
 
 
 def drop_lead(sharding, n: int, drop_at: int | None = None):
@@ -128,8 +129,9 @@ def _piece(reader, row: Row, ix, shape, sharding, dtype) -> jax.Array:
   return jax.make_array_from_callback(tuple(shape), sharding, block)
 
 
-def load_row(reader, row: Row, abstract: dict, shardings: dict, float_shape, quant_mode='none',
-             group=64) -> dict:
+def load_row(
+  reader, row: Row, abstract: dict, shardings: dict, float_shape, quant_mode='none', group=64
+) -> dict:
   """{state path: jax.Array} of `row`: its variable, or the (q, scale) of a quantised kernel.
 
   Stacked rows are built layer by layer and written into a donated device buffer, and
@@ -205,8 +207,9 @@ def export_piece(row: Row, ix, kernel, lora=None, lora_scale=0.0, bits=0, dtype=
   axis = 0
   if bits == 4:  # QTensor counts the groups dim from the end: nb - E of the piece's q dims
     axis = row.quant_dims()[0] - row.experts - (kernel[0].ndim - row.lead)
-  out = _flat_piece(ix, kernel, lora, lora_scale, bits=bits, axis=axis, n_in=row.n_in,
-                    dtype=jnp.dtype(dtype))
+  out = _flat_piece(
+    ix, kernel, lora, lora_scale, bits=bits, axis=axis, n_in=row.n_in, dtype=jnp.dtype(dtype)
+  )
   return to_host(out)
 
 

@@ -27,13 +27,19 @@ class MLA(nnx.Module):
     qk, nope, v, rope = cfg.qk_head_dim, cfg.qk_nope_head_dim, cfg.v_head_dim, cfg.qk_rope_head_dim
     self.q_a = Linear('BTD,DQ->BTQ', (d, q), ('embed', 'q_lora'), cfg, f'{path}.q_a', rngs)
     self.q_a_norm = RMSNorm(q, 'q_lora', cfg.mla_norm_eps, cfg)
-    self.q_b = Linear('BTQ,QNH->BTNH', (q, n, qk), ('q_lora', 'heads', 'head_dim'), cfg,
-                      f'{path}.q_b', rngs)
-    self.kv_a = Linear('BTD,DK->BTK', (d, k + rope), ('embed', 'kv_lora'), cfg, f'{path}.kv_a', rngs)
+    self.q_b = Linear(
+      'BTQ,QNH->BTNH', (q, n, qk), ('q_lora', 'heads', 'head_dim'), cfg, f'{path}.q_b', rngs
+    )
+    self.kv_a = Linear(
+      'BTD,DK->BTK', (d, k + rope), ('embed', 'kv_lora'), cfg, f'{path}.kv_a', rngs
+    )
     self.kv_a_norm = RMSNorm(k, 'kv_lora', cfg.mla_norm_eps, cfg)
-    self.kv_b = Linear('BTK,KNH->BTNH', (k, n, nope + v), ('kv_lora', 'heads', 'head_dim'), cfg,
-                       f'{path}.kv_b', rngs)
-    self.o = Linear('BTNH,NHD->BTD', (n, v, d), ('heads', 'head_dim', 'embed'), cfg, f'{path}.o', rngs)
+    self.kv_b = Linear(
+      'BTK,KNH->BTNH', (k, n, nope + v), ('kv_lora', 'heads', 'head_dim'), cfg, f'{path}.kv_b', rngs
+    )
+    self.o = Linear(
+      'BTNH,NHD->BTD', (n, v, d), ('heads', 'head_dim', 'embed'), cfg, f'{path}.o', rngs
+    )
     # Variance alignment of the low-rank paths (TR eq. 6-7); HF applies them unconditionally.
     self.alpha_q = math.sqrt(d / q) if cfg.mla_scale_q_lora else 1.0
     self.alpha_kv = math.sqrt(d / k) if cfg.mla_scale_kv_lora else 1.0
@@ -58,7 +64,9 @@ class MLA(nnx.Module):
     k_nope, v_BSNH = kv_BSNH[..., : cfg.qk_nope_head_dim], kv_BSNH[..., cfg.qk_nope_head_dim :]
     f32 = jnp.float32
     s_BNTS = jnp.einsum('BTNH,BSNH->BNTS', q_nope, k_nope, preferred_element_type=f32)
-    s_BNTS += jnp.einsum('BTNH,BSH->BNTS', q_pe, k_pe_BSH.astype(q_pe.dtype), preferred_element_type=f32)
+    s_BNTS += jnp.einsum(
+      'BTNH,BSH->BNTS', q_pe, k_pe_BSH.astype(q_pe.dtype), preferred_element_type=f32
+    )
     s_BNTS = s_BNTS * cfg.qk_head_dim**-0.5
     s_BNTS = jnp.where(mask_BTS[:, None], s_BNTS, jnp.finfo(f32).min)
     p_BNTS = jax.nn.softmax(s_BNTS, axis=-1).astype(v_BSNH.dtype)

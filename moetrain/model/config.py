@@ -98,31 +98,69 @@ class ModelConfig:
       if not ok:
         raise ValueError(f'{prefix}.{field}: {msg}')
 
-    for f in ('vocab_size', 'hidden_size', 'num_layers', 'num_heads', 'q_lora_rank',
-              'kv_lora_rank', 'qk_nope_head_dim', 'v_head_dim', 'ffn_hidden_size',
-              'expert_ffn_hidden_size', 'n_routed_experts', 'moe_topk'):
+    for f in (
+      'vocab_size',
+      'hidden_size',
+      'num_layers',
+      'num_heads',
+      'q_lora_rank',
+      'kv_lora_rank',
+      'qk_nope_head_dim',
+      'v_head_dim',
+      'ffn_hidden_size',
+      'expert_ffn_hidden_size',
+      'n_routed_experts',
+      'moe_topk',
+    ):
       need(getattr(self, f) > 0, f, f'must be positive, got {getattr(self, f)}')
     need(self.zero_expert_num >= 0, 'zero_expert_num', 'must be >= 0')
-    need(self.qk_rope_head_dim > 0 and self.qk_rope_head_dim % 2 == 0, 'qk_rope_head_dim',
-         f'must be a positive even number (interleaved RoPE pairs), got {self.qk_rope_head_dim}')
-    need(self.moe_topk <= self.num_experts_total, 'moe_topk',
-         f'top-k {self.moe_topk} exceeds the {self.num_experts_total} experts '
-         f'(n_routed_experts + zero_expert_num); lower it or add experts')
-    need(self.remat in REMAT_POLICIES, 'remat', f'{self.remat!r} unknown; use one of {REMAT_POLICIES}')
-    need(self.moe_dispatch in MOE_DISPATCH, 'moe_dispatch',
-         f'{self.moe_dispatch!r} unknown; use one of {MOE_DISPATCH}')
-    need(self.moe_backend in MOE_BACKENDS, 'moe_backend',
-         f'{self.moe_backend!r} unknown; use one of {MOE_BACKENDS}')
-    need(self.n_routed_experts % self.moe_balance_groups == 0, 'moe_balance_groups',
-         f'{self.n_routed_experts} routed experts do not split into {self.moe_balance_groups} groups')
-    need(self.zero_expert_num == 0 or self.expected_ffn_experts < self.moe_topk,
-         'moe_expected_ffn_experts', 'must be below moe_topk when zero experts exist')
+    need(
+      self.qk_rope_head_dim > 0 and self.qk_rope_head_dim % 2 == 0,
+      'qk_rope_head_dim',
+      f'must be a positive even number (interleaved RoPE pairs), got {self.qk_rope_head_dim}',
+    )
+    need(
+      self.moe_topk <= self.num_experts_total,
+      'moe_topk',
+      f'top-k {self.moe_topk} exceeds the {self.num_experts_total} experts '
+      f'(n_routed_experts + zero_expert_num); lower it or add experts',
+    )
+    need(
+      self.remat in REMAT_POLICIES, 'remat', f'{self.remat!r} unknown; use one of {REMAT_POLICIES}'
+    )
+    need(
+      self.moe_dispatch in MOE_DISPATCH,
+      'moe_dispatch',
+      f'{self.moe_dispatch!r} unknown; use one of {MOE_DISPATCH}',
+    )
+    need(
+      self.moe_backend in MOE_BACKENDS,
+      'moe_backend',
+      f'{self.moe_backend!r} unknown; use one of {MOE_BACKENDS}',
+    )
+    need(
+      self.n_routed_experts % self.moe_balance_groups == 0,
+      'moe_balance_groups',
+      f'{self.n_routed_experts} routed experts do not split into {self.moe_balance_groups} groups',
+    )
+    need(
+      self.zero_expert_num == 0 or self.expected_ffn_experts < self.moe_topk,
+      'moe_expected_ffn_experts',
+      'must be below moe_topk when zero experts exist',
+    )
     need(self.moe_capacity_factor > 0, 'moe_capacity_factor', 'must be > 0')
     need(self.dtype in ('bfloat16', 'float32', 'float16'), 'dtype', f'{self.dtype!r} unsupported')
-    need(self.param_dtype in ('bfloat16', 'float32'), 'param_dtype', f'{self.param_dtype!r} unsupported')
+    need(
+      self.param_dtype in ('bfloat16', 'float32'),
+      'param_dtype',
+      f'{self.param_dtype!r} unsupported',
+    )
     need(self.quant in QUANT_MODES, 'quant', f'{self.quant!r} unknown; use one of {QUANT_MODES}')
-    need(self.quant == 'none' or self.lora.enabled, 'quant',
-         'quantised base weights are frozen: set lora.rank > 0 (QLoRA) or quant="none"')
+    need(
+      self.quant == 'none' or self.lora.enabled,
+      'quant',
+      'quantised base weights are frozen: set lora.rank > 0 (QLoRA) or quant="none"',
+    )
     if self.lora.enabled:
       try:
         re.compile(self.lora.targets)
@@ -136,16 +174,38 @@ PRESETS = {
   'tiny': ModelConfig(),
   # The shapes of the MoE benchmark (issue: hidden 512, 4 layers, 16 + 8 experts, top-4).
   'medium': ModelConfig(
-    vocab_size=32768, hidden_size=512, num_layers=4, num_heads=8, q_lora_rank=256,
-    kv_lora_rank=128, qk_nope_head_dim=64, qk_rope_head_dim=32, v_head_dim=64,
-    ffn_hidden_size=1024, expert_ffn_hidden_size=256, n_routed_experts=16, zero_expert_num=8,
+    vocab_size=32768,
+    hidden_size=512,
+    num_layers=4,
+    num_heads=8,
+    q_lora_rank=256,
+    kv_lora_rank=128,
+    qk_nope_head_dim=64,
+    qk_rope_head_dim=32,
+    v_head_dim=64,
+    ffn_hidden_size=1024,
+    expert_ffn_hidden_size=256,
+    n_routed_experts=16,
+    zero_expert_num=8,
     moe_topk=4,
   ),
   # The released LongCat-Flash (config.json of meituan-longcat/LongCat-Flash-Chat).
   'flash': ModelConfig(
-    vocab_size=131072, hidden_size=6144, num_layers=28, num_heads=64, q_lora_rank=1536,
-    kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128,
-    ffn_hidden_size=12288, expert_ffn_hidden_size=2048, n_routed_experts=512,
-    zero_expert_num=256, moe_topk=12, routed_scaling_factor=6.0, rope_theta=1e7,
+    vocab_size=131072,
+    hidden_size=6144,
+    num_layers=28,
+    num_heads=64,
+    q_lora_rank=1536,
+    kv_lora_rank=512,
+    qk_nope_head_dim=128,
+    qk_rope_head_dim=64,
+    v_head_dim=128,
+    ffn_hidden_size=12288,
+    expert_ffn_hidden_size=2048,
+    n_routed_experts=512,
+    zero_expert_num=256,
+    moe_topk=12,
+    routed_scaling_factor=6.0,
+    rope_theta=1e7,
   ),
 }

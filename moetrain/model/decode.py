@@ -17,8 +17,8 @@ from moetrain.model.transformer import Transformer
 @dataclasses.dataclass
 class KVCache:
   """What MLA needs of every past token, per layer and attention block: slot s of axis 3 holds
-  absolute position s. Per token that is K + H numbers instead of N * (P + R + V) for expanded
-  keys and values (576 vs 40,960 for LongCat-Flash)."""
+  absolute position s. Per token and block that is K + H numbers instead of the N * (P + R + V)
+  of expanded keys and values (576 vs 20,480 for LongCat-Flash)."""
 
   c: jax.Array  # [L, 2, B, S, K]: latent after kv_a_norm and the alpha_kv scale
   k_pe: jax.Array  # [L, 2, B, S, H]: the shared rope key after RoPE
@@ -30,7 +30,9 @@ class KVCache:
 
 def init_cache(cfg: ModelConfig, batch: int, max_len: int) -> KVCache:
   dt, lead = jnp.dtype(cfg.dtype), (cfg.num_layers, 2, batch, max_len)
-  return KVCache(jnp.zeros((*lead, cfg.kv_lora_rank), dt), jnp.zeros((*lead, cfg.qk_rope_head_dim), dt))
+  return KVCache(
+    jnp.zeros((*lead, cfg.kv_lora_rank), dt), jnp.zeros((*lead, cfg.qk_rope_head_dim), dt)
+  )
 
 
 def effective_kernel(linear: Linear) -> jax.Array:
@@ -52,8 +54,9 @@ def attend_absorbed(mla: MLA, q_nope_BTNH, q_pe_BTNH, c_BSK, k_pe_BSH, mask_BTS)
   q_BTNK = jnp.einsum('BTNH,KNH->BTNK', q_nope_BTNH, w_k_KNH)
   c_BSK = c_BSK.astype(q_BTNK.dtype)
   s_BNTS = jnp.einsum('BTNK,BSK->BNTS', q_BTNK, c_BSK, preferred_element_type=f32)
-  s_BNTS += jnp.einsum('BTNH,BSH->BNTS', q_pe_BTNH, k_pe_BSH.astype(q_pe_BTNH.dtype),
-                       preferred_element_type=f32)
+  s_BNTS += jnp.einsum(
+    'BTNH,BSH->BNTS', q_pe_BTNH, k_pe_BSH.astype(q_pe_BTNH.dtype), preferred_element_type=f32
+  )
   s_BNTS = s_BNTS * cfg.qk_head_dim**-0.5
   s_BNTS = jnp.where(mask_BTS[:, None], s_BNTS, jnp.finfo(f32).min)
   p_BNTS = jax.nn.softmax(s_BNTS, axis=-1).astype(c_BSK.dtype)
@@ -61,56 +64,67 @@ def attend_absorbed(mla: MLA, q_nope_BTNH, q_pe_BTNH, c_BSK, k_pe_BSH, mask_BTS)
   return mla.o(jnp.einsum('BTNK,KNH->BTNH', o_BTNK, w_v_KNH))
 
 
-def cached_attention(mla: MLA, x_BTD, positions_BT, c_BSK, k_pe_BSH, start, absorb: bool):
-  """Writes the T new tokens' latents at slots start.. of the cache, then attends over it.
+def cached_attention(
+  mla: MLA, x_BTD, positions_BT, cache: KVCache, layer, block: int, start, absorb: bool
+):
+  """Writes the T new tokens' latents into cache slots start.. of (layer, block), in place, then
+  attends over that block's slots. Returns (out_BTD, cache).
 
   A Python-int start (prefill) attends over slots [0, start + T) only, exactly like the training
   forward; a traced start attends over all S slots, where the causal mask (key position <= query
-  position) also hides the slots not written yet. Returns (out_BTD, c_BSK, k_pe_BSH)."""
+  position) also hides the slots not written yet."""
   q_nope, q_pe = mla.project_q(x_BTD, positions_BT)
   c_BTK, k_pe_BTH = mla.latent(x_BTD, positions_BT)
-  c_BSK = jax.lax.dynamic_update_slice_in_dim(c_BSK, c_BTK.astype(c_BSK.dtype), start, axis=1)
-  k_pe_BSH = jax.lax.dynamic_update_slice_in_dim(k_pe_BSH, k_pe_BTH.astype(k_pe_BSH.dtype), start,
-                                                 axis=1)
   b, t = positions_BT.shape
-  s = start + t if isinstance(start, int) else c_BSK.shape[1]
+  s = start + t if isinstance(start, int) else cache.max_len
+  at = (layer, block, 0, start, 0)
+  c, k_pe = (
+    jax.lax.dynamic_update_slice(old, new[None, None].astype(old.dtype), at)
+    for old, new in ((cache.c, c_BTK), (cache.k_pe, k_pe_BTH))
+  )
+  c_BSK, k_pe_BSH = (
+    jax.lax.dynamic_slice(x, (layer, block, 0, 0, 0), (1, 1, b, s, x.shape[-1]))[0, 0]
+    for x in (c, k_pe)
+  )
   k_pos_BS = jnp.broadcast_to(jnp.arange(s, dtype=jnp.int32), (b, s))
   ones_BT, ones_BS = jnp.ones((b, t), jnp.int32), jnp.ones((b, s), jnp.int32)
   mask_BTS = attention_mask(positions_BT, ones_BT, k_pos_BS, ones_BS)
   attend = attend_absorbed if absorb else MLA.attend
-  out_BTD = attend(mla, q_nope, q_pe, c_BSK[:, :s], k_pe_BSH[:, :s], mask_BTS)
-  return out_BTD, c_BSK, k_pe_BSH
+  return attend(mla, q_nope, q_pe, c_BSK, k_pe_BSH, mask_BTS), KVCache(c, k_pe)
 
 
 def forward(model: Transformer, cache: KVCache, ids_BT, start, *, absorb: bool = False):
   """Runs ids_BT at absolute positions start..start+T-1 (the same for every row) through the
-  layers, scanning over the stacked layer state and the cache's per-layer slices like
-  Transformer.run_layers. Returns float32 logits of the last position [B, V] and the cache with
-  these T positions written. start + T must not exceed cache.max_len."""
+  layers: a scan over the stacked layer state like Transformer.run_layers, whose carry holds the
+  whole cache so that each attention block writes its T new slots in place. Returns float32
+  logits of the last position [B, V] and the updated cache. start + T must not exceed
+  cache.max_len. Routing is per token, so this equals the full forward under dropless dispatch;
+  capacity dispatch drops depend on how many tokens share a call."""
   b, t = ids_BT.shape
   positions_BT = jnp.broadcast_to(start + jnp.arange(t, dtype=jnp.int32), (b, t))
   valid_BT = jnp.ones((b, t), bool)
   graphdef, state = nnx.split(model.layers)
 
-  def body(h_BTD, xs):
-    layer_state, c_2BSK, k_pe_2BSH = xs
+  def body(carry, xs):
+    h_BTD, cache = carry
+    layer_state, layer_index = xs
     layer = nnx.merge(graphdef, layer_state)
-    written = []
+    box = [cache]  # attend() threads the cache through both blocks
 
     def attend(i, x_BTD):
       mla = (layer.attn_0, layer.attn_1)[i]
-      out_BTD, *kv = cached_attention(mla, x_BTD, positions_BT, c_2BSK[i], k_pe_2BSH[i], start,
-                                      absorb)
-      written.append(kv)
+      out_BTD, box[0] = cached_attention(
+        mla, x_BTD, positions_BT, box[0], layer_index, i, start, absorb
+      )
       return out_BTD
 
     h_BTD, _ = layer.body(h_BTD, attend, valid_BT, [None] * 5)
-    return h_BTD, tuple(jnp.stack(x) for x in zip(*written))
+    return (h_BTD, box[0]), None
 
-  h_BTD = model.embed(ids_BT)
-  h_BTD, (c, k_pe) = jax.lax.scan(body, h_BTD, (state, cache.c, cache.k_pe))
+  layers_L = jnp.arange(model.cfg.num_layers, dtype=jnp.int32)
+  (h_BTD, cache), _ = jax.lax.scan(body, (model.embed(ids_BT), cache), (state, layers_L))
   logits_BTV = model.lm_head(model.final_norm(h_BTD[:, -1:]))
-  return logits_BTV[:, 0].astype(jnp.float32), KVCache(c, k_pe)
+  return logits_BTV[:, 0].astype(jnp.float32), cache
 
 
 def prefill(model: Transformer, ids_BT, max_len: int, *, absorb: bool = False):

@@ -29,8 +29,9 @@ def gather_rows(x, idx, inv):
   return _take(x, idx)
 
 
-gather_rows.defvjp(lambda x, idx, inv: (_take(x, idx), inv),
-                   lambda inv, g: (_take(g, inv), None, None))
+gather_rows.defvjp(
+  lambda x, idx, inv: (_take(x, idx), inv), lambda inv, g: (_take(g, inv), None, None)
+)
 
 
 @jax.custom_vjp
@@ -48,7 +49,8 @@ def _dispatch_bwd(res, g_PD):
 
 
 dispatch_tokens.defvjp(
-  lambda x, asg, slot: (dispatch_tokens(x, asg, slot), (slot, x.shape[0])), _dispatch_bwd)
+  lambda x, asg, slot: (dispatch_tokens(x, asg, slot), (slot, x.shape[0])), _dispatch_bwd
+)
 
 
 def swiglu(x, mm, dtype):
@@ -193,12 +195,15 @@ def blocked_layout(sizes_E, r: int, cfg: ModelConfig) -> Layout:
   ex_R = jnp.minimum(expert_R, e - 1)
   valid_R = expert_R < e
   dest_R = jnp.where(valid_R, pad_start_E[ex_R] + jnp.arange(r) - group_start_E[ex_R], nblocks * b)
-  block_expert = jnp.minimum(jnp.searchsorted(block_end_E, jnp.arange(nblocks), side='right'), e - 1)
+  block_expert = jnp.minimum(
+    jnp.searchsorted(block_end_E, jnp.arange(nblocks), side='right'), e - 1
+  )
   slot = jnp.arange(nblocks * b)
   ex_P = block_expert[slot // b]
   j_P = slot - pad_start_E[ex_P]
-  src_P = jnp.where((slot // b < block_end_E[-1]) & (j_P < sizes_E[ex_P]), group_start_E[ex_P] + j_P,
-                    r)
+  src_P = jnp.where(
+    (slot // b < block_end_E[-1]) & (j_P < sizes_E[ex_P]), group_start_E[ex_P] + j_P, r
+  )
 
   used = block_end_E[-1]
 
@@ -216,8 +221,13 @@ def blocked_ffn(x_NBD, block_expert_N, used, weights, cfg: ModelConfig, rng):
 
   def ffn(x_BD, ex, k):
     w = {name: quant.take(v, ex) for name, v in weights.items()}
-    mm = with_lora(lambda x, wt: x @ quant.dequant(wt, dt), w, cfg.lora.scale,
-                   None if rng is None else jax.random.fold_in(rng, k), cfg.lora.dropout)
+    mm = with_lora(
+      lambda x, wt: x @ quant.dequant(wt, dt),
+      w,
+      cfg.lora.scale,
+      None if rng is None else jax.random.fold_in(rng, k),
+      cfg.lora.dropout,
+    )
     return swiglu(x_BD, mm, dt).astype(dt)
 
   def body(_, inp):
@@ -270,12 +280,20 @@ def expert_parallel(x_MD, idx_MA, gates_MA, weights, cfg: ModelConfig, rng, mesh
   rng_data = None if rng is None else jax.random.key_data(rng)
 
   def local(x, idx, gates, w, key_data):
-    key = None if key_data is None else jax.random.fold_in(
-      jax.random.wrap_key_data(key_data), jax.lax.axis_index(batch))
+    key = (
+      None
+      if key_data is None
+      else jax.random.fold_in(jax.random.wrap_key_data(key_data), jax.lax.axis_index(batch))
+    )
     return _ep_shard(x, idx, gates, w, cfg, sizes['expert'], key)
 
-  fn = jax.shard_map(local, mesh=mesh, in_specs=(tok, tok, tok, w_specs, jax.sharding.PartitionSpec()),
-                     out_specs=(tok, tok), check_vma=False)
+  fn = jax.shard_map(
+    local,
+    mesh=mesh,
+    in_specs=(tok, tok, tok, w_specs, jax.sharding.PartitionSpec()),
+    out_specs=(tok, tok),
+    check_vma=False,
+  )
   return fn(x_MD, idx_MA, gates_MA, weights, rng_data)
 
 
@@ -299,8 +317,9 @@ def _ep_shard(x_MD, idx_MA, gates_MA, weights, cfg: ModelConfig, ep: int, rng):
   send = capacity_layout(jnp.minimum(expert_sorted_R // e_loc, ep), shard_sizes, cap, cfg)
   asg_S, slot_R, kept_R = place(send, order_R)
   send_x = dispatch_tokens(x_MD.astype(dtype_of(cfg.dtype)), asg_S, slot_R)
-  send_e = jnp.take((expert_sorted_R % e_loc).astype(jnp.int32), send.src_P, mode='fill',
-                    fill_value=e_loc)
+  send_e = jnp.take(
+    (expert_sorted_R % e_loc).astype(jnp.int32), send.src_P, mode='fill', fill_value=e_loc
+  )
   recv_x = jax.lax.all_to_all(send_x.reshape(ep, cap, d), 'expert', 0, 0).reshape(ep * cap, d)
   recv_e = jax.lax.all_to_all(send_e.reshape(ep, cap), 'expert', 0, 0).reshape(ep * cap)
   # Local experts on the received rows (padding rows carry id e_loc and are never placed).

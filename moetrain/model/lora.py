@@ -72,4 +72,3 @@ def count(model) -> dict:
   adapters = sum(x.size for x in jax.tree.leaves(nnx.state(model, nnx.LoRAParam)))
   base = sum(x.size for x in jax.tree.leaves(nnx.state(model, nnx.Not(nnx.LoRAParam))))
   return {'adapters': adapters, 'base': base}
-

@@ -32,12 +32,17 @@ class Experts(nnx.Module):
     e, d, f = cfg.n_routed_experts, cfg.hidden_size, cfg.expert_ffn_hidden_size
     pdt = dtype_of(cfg.param_dtype)
     shapes = {'gate': (e, d, f), 'up': (e, d, f), 'down': (e, f, d)}
-    axes = {'gate': ('experts', 'embed', 'expert_mlp'), 'up': ('experts', 'embed', 'expert_mlp'),
-            'down': ('experts', 'expert_mlp', 'embed')}
+    axes = {
+      'gate': ('experts', 'embed', 'expert_mlp'),
+      'up': ('experts', 'embed', 'expert_mlp'),
+      'down': ('experts', 'expert_mlp', 'embed'),
+    }
     self.lora_names = tuple(n for n in self.NAMES if cfg.lora.matches(f'{path}.{n}'))
     self.lora_scale = cfg.lora.scale
     for n in self.NAMES:
-      setattr(self, n, quant.make_param(normal(rngs, shapes[n], cfg.init_std, pdt), axes[n], cfg, 1))
+      setattr(
+        self, n, quant.make_param(normal(rngs, shapes[n], cfg.init_std, pdt), axes[n], cfg, 1)
+      )
     r = cfg.lora.rank
     for n in self.lora_names:
       _, din, dout = shapes[n]
@@ -68,8 +73,9 @@ class MoE(nnx.Module):
   def __init__(self, cfg: ModelConfig, path: str, rngs: nnx.Rngs):
     self.cfg = cfg
     x = cfg.num_experts_total
-    self.router = nnx.Param(normal(rngs, (cfg.hidden_size, x), cfg.init_std, jnp.float32),
-                            axes=('embed', 'router'))
+    self.router = nnx.Param(
+      normal(rngs, (cfg.hidden_size, x), cfg.init_std, jnp.float32), axes=('embed', 'router')
+    )
     self.router_bias = RouterBias(jnp.zeros((x,), jnp.float32), axes=('router',))
     self.experts = Experts(cfg, f'{path}.experts', rngs)
 
@@ -79,8 +85,11 @@ class MoE(nnx.Module):
     x_MD = x_BTD.reshape(b * t, d)
     valid_M = valid_BT.reshape(b * t).astype(jnp.float32)
     logits_MX, probs_MX, idx_MA, gates_MA = route(
-      x_MD, self.router[...], self.router_bias[...], cfg.moe_topk, cfg.routed_scaling_factor)
-    y_MD, dropped = dispatch.routed_experts(x_MD, idx_MA, gates_MA, self.experts.weights(), cfg, rng)
+      x_MD, self.router[...], self.router_bias[...], cfg.moe_topk, cfg.routed_scaling_factor
+    )
+    y_MD, dropped = dispatch.routed_experts(
+      x_MD, idx_MA, gates_MA, self.experts.weights(), cfg, rng
+    )
     is_zero_MA = idx_MA >= cfg.n_routed_experts
     zero_gate_M = jnp.sum(jnp.where(is_zero_MA, gates_MA, 0.0), axis=-1)
     y_MD = y_MD + (zero_gate_M[:, None] * x_MD.astype(jnp.float32)).astype(y_MD.dtype)

@@ -76,8 +76,11 @@ def remat_policy(name: str):
     'save_dots': cp.dots_with_no_batch_dims_saveable,
     'save_moe': cp.save_only_these_names('moe_out'),
     'offload': cp.save_and_offload_only_these_names(
-      names_which_can_be_saved=[], names_which_can_be_offloaded=['moe_out'],
-      offload_src='device', offload_dst='pinned_host'),
+      names_which_can_be_saved=[],
+      names_which_can_be_offloaded=['moe_out'],
+      offload_src='device',
+      offload_dst='pinned_host',
+    ),
   }[name]
 
 
@@ -101,8 +104,9 @@ class Transformer(nnx.Module):
     self.layers = make_layers(rngs)
     mark_layer_axes(self.layers)
     self.final_norm = RMSNorm(cfg.hidden_size, 'embed', cfg.rms_norm_eps, cfg)
-    self.lm_head = Linear('BTD,DV->BTV', (cfg.hidden_size, cfg.vocab_size), ('embed', 'vocab'),
-                          cfg, 'lm_head', rngs)
+    self.lm_head = Linear(
+      'BTD,DV->BTV', (cfg.hidden_size, cfg.vocab_size), ('embed', 'vocab'), cfg, 'lm_head', rngs
+    )
 
   def __call__(self, ids_BT, positions_BT=None, segment_ids_BT=None, rng=None):
     """Returns float32 logits [B, T, V] and aux: per-layer routing stats stacked on axis 0 and

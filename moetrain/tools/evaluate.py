@@ -27,16 +27,21 @@ def define_flags():
   flags.DEFINE_integer('max_batches', None, 'Cap on eval batches.')
 
 
-def evaluate_checkpoint(config, workdir: str | None, split: str | None = None,
-                        max_batches: int | None = None) -> dict:
+def evaluate_checkpoint(
+  config, workdir: str | None, split: str | None = None, max_batches: int | None = None
+) -> dict:
   setup = train.build(config)
   if split:
     setup = dataclasses.replace(setup, data=dataclasses.replace(setup.data, eval_split=split))
   mesh = sharding.make_mesh(setup.mesh_shape)
   tokenizer = pipeline.make_tokenizer(setup.data, workdir or '/tmp/moetrain_eval')
-  batches = pipeline.make_eval_batches(setup.data, tokenizer, max_batches=max_batches,
-                                       process_index=jax.process_index(),
-                                       process_count=jax.process_count())
+  batches = pipeline.make_eval_batches(
+    setup.data,
+    tokenizer,
+    max_batches=max_batches,
+    process_index=jax.process_index(),
+    process_count=jax.process_count(),
+  )
   if not batches:
     raise ValueError('no eval data: set data.eval_split (or --split)')
   with jax.set_mesh(mesh):
@@ -50,8 +55,10 @@ def main(argv):
   del argv
   f = flags.FLAGS
   out = evaluate_checkpoint(f.config, f.workdir, f.split, f.max_batches)
-  print(f"step {out['step']}: loss {out['loss']:.4f}  perplexity {out['perplexity']:.3f}  "
-        f"accuracy {out['accuracy']:.4f}  ({int(out['tokens'])} tokens)")
+  print(
+    f'step {out["step"]}: loss {out["loss"]:.4f}  perplexity {out["perplexity"]:.3f}  '
+    f'accuracy {out["accuracy"]:.4f}  ({int(out["tokens"])} tokens)'
+  )
 
 
 if __name__ == '__main__':

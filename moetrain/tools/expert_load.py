@@ -1,6 +1,6 @@
 """Draws the per-layer expert load over training as a PNG heatmap from a run directory.
 
-  python -m moetrain.tools.expert_load --workdir=runs/longcat_lora [--out=expert_load.png]
+python -m moetrain.tools.expert_load --workdir=runs/longcat_lora [--out=expert_load.png]
 """
 
 import json
@@ -45,8 +45,14 @@ def plot(steps, loads, out: str, n_routed: int | None = None) -> str:
   share = loads / np.maximum(loads.sum(-1, keepdims=True), 1)  # fraction of assignments
   fig, axes = plt.subplots(n_layers, 1, figsize=(10, 2.2 * n_layers + 0.6), squeeze=False)
   for layer, ax in enumerate(axes[:, 0]):
-    im = ax.imshow(share[:, layer].T, aspect='auto', origin='lower', cmap='viridis',
-                   extent=(steps[0], steps[-1], -0.5, n_experts - 0.5), interpolation='nearest')
+    im = ax.imshow(
+      share[:, layer].T,
+      aspect='auto',
+      origin='lower',
+      cmap='viridis',
+      extent=(steps[0], steps[-1], -0.5, n_experts - 0.5),
+      interpolation='nearest',
+    )
     if n_routed is not None and n_routed < n_experts:
       ax.axhline(n_routed - 0.5, color='w', lw=0.8, ls='--')
     ax.set_ylabel(f'layer {layer}\nexpert')

@@ -51,9 +51,11 @@ def _generate(graphdef, state, prompt_BT, rng, opts: dict, *, max_new: int, abso
     logits_BV = jnp.where(in_vocab_BV, logits_BV, -jnp.inf)
     tok_B = jax.lax.cond(
       opts['temperature'] > 0,
-      lambda: sample_top_p(logits_BV, jax.random.fold_in(rng, i), opts['temperature'],
-                           opts['top_p']),
-      lambda: jnp.argmax(logits_BV, axis=-1)).astype(jnp.int32)
+      lambda: sample_top_p(
+        logits_BV, jax.random.fold_in(rng, i), opts['temperature'], opts['top_p']
+      ),
+      lambda: jnp.argmax(logits_BV, axis=-1),
+    ).astype(jnp.int32)
     tok_B = jnp.where(done_B, fill, tok_B)
     done_B = done_B | (tok_B == eos_id)
     ids_BS = jax.lax.dynamic_update_slice_in_dim(ids_BS, tok_B[:, None], t + i, axis=1)
@@ -76,19 +78,42 @@ def _generate(graphdef, state, prompt_BT, rng, opts: dict, *, max_new: int, abso
   return ids_BS, steps
 
 
-def _args(model, prompt_ids, max_new_tokens, *, temperature=0.0, top_p=1.0, rng=None,
-          eos_id=None, vocab_size=None, absorb=True):
+def _args(
+  model,
+  prompt_ids,
+  max_new_tokens,
+  *,
+  temperature=0.0,
+  top_p=1.0,
+  rng=None,
+  eos_id=None,
+  vocab_size=None,
+  absorb=True,
+):
   graphdef, state = nnx.split(model)
   rng = jax.random.key(0) if rng is None else rng
-  opts = {'temperature': jnp.float32(temperature), 'top_p': jnp.float32(top_p),
-          'eos_id': jnp.int32(-1 if eos_id is None else eos_id),
-          'vocab': jnp.int32(model.cfg.vocab_size if vocab_size is None else vocab_size)}
+  opts = {
+    'temperature': jnp.float32(temperature),
+    'top_p': jnp.float32(top_p),
+    'eos_id': jnp.int32(-1 if eos_id is None else eos_id),
+    'vocab': jnp.int32(model.cfg.vocab_size if vocab_size is None else vocab_size),
+  }
   args = (graphdef, state, jnp.asarray(prompt_ids, jnp.int32), rng, opts)
   return args, {'max_new': max_new_tokens, 'absorb': absorb}
 
 
-def generate(model, prompt_ids, max_new_tokens, *, temperature=0.0, top_p=1.0, rng=None,
-             eos_id=None, vocab_size=None, absorb=True):
+def generate(
+  model,
+  prompt_ids,
+  max_new_tokens,
+  *,
+  temperature=0.0,
+  top_p=1.0,
+  rng=None,
+  eos_id=None,
+  vocab_size=None,
+  absorb=True,
+):
   """Continues every row of prompt_ids [B, T] (no padding: all rows start at position 0) by
   max_new_tokens; returns ids [B, T + max_new_tokens].
 
@@ -100,8 +125,17 @@ def generate(model, prompt_ids, max_new_tokens, *, temperature=0.0, top_p=1.0, r
   """
   if max_new_tokens <= 0:
     return jnp.asarray(prompt_ids, jnp.int32)
-  args, static = _args(model, prompt_ids, max_new_tokens, temperature=temperature, top_p=top_p,
-                       rng=rng, eos_id=eos_id, vocab_size=vocab_size, absorb=absorb)
+  args, static = _args(
+    model,
+    prompt_ids,
+    max_new_tokens,
+    temperature=temperature,
+    top_p=top_p,
+    rng=rng,
+    eos_id=eos_id,
+    vocab_size=vocab_size,
+    absorb=absorb,
+  )
   return _generate(*args, **static)[0]
 
 
@@ -114,19 +148,28 @@ def timed_generate(model, prompt_ids, max_new_tokens, **kw) -> tuple[jax.Array, 
   ids, steps = jax.block_until_ready(compiled(*args[1:]))
   t2 = time.perf_counter()
   new = int(steps) * ids.shape[0]
-  return ids, {'compile_s': t1 - t0, 'run_s': t2 - t1, 'new_tokens': new,
-               'tokens_per_s': new / (t2 - t1)}
+  return ids, {
+    'compile_s': t1 - t0,
+    'run_s': t2 - t1,
+    'new_tokens': new,
+    'tokens_per_s': new / (t2 - t1),
+  }
 
 
 # ---------------------------------------------------------------------------------------------
 # Command line
 
-_HF = flags.DEFINE_string('hf_checkpoint', None, 'Hugging Face directory (config.json, '
-                          'safetensors, tokenizer.json).')
-_CONFIG = config_flags.DEFINE_config_file('config', None, 'Training config of --workdir.',
-                                          lock_config=True)
-_WORKDIR = flags.DEFINE_string('workdir', None, 'Run directory of --config whose latest checkpoint '
-                               'to load (none: the initial weights).')
+_HF = flags.DEFINE_string(
+  'hf_checkpoint', None, 'Hugging Face directory (config.json, safetensors, tokenizer.json).'
+)
+_CONFIG = config_flags.DEFINE_config_file(
+  'config', None, 'Training config of --workdir.', lock_config=True
+)
+_WORKDIR = flags.DEFINE_string(
+  'workdir',
+  None,
+  'Run directory of --config whose latest checkpoint to load (none: the initial weights).',
+)
 _PROMPT = flags.DEFINE_string('prompt', '', 'Text to continue.')
 _MAX_NEW = flags.DEFINE_integer('max_new_tokens', 32, 'Tokens to generate.')
 _TEMPERATURE = flags.DEFINE_float('temperature', 0.0, '0 = greedy.')
@@ -174,16 +217,25 @@ def main(argv):
     ids = [tok.bos_id, *ids]
   if not ids:
     raise app.UsageError('the prompt is empty and the tokenizer has no bos token')
-  out, stats = timed_generate(model, [ids], _MAX_NEW.value, temperature=_TEMPERATURE.value,
-                              top_p=_TOP_P.value, rng=jax.random.key(_SEED.value),
-                              eos_id=tok.eos_id, vocab_size=tok.vocab_size)
+  out, stats = timed_generate(
+    model,
+    [ids],
+    _MAX_NEW.value,
+    temperature=_TEMPERATURE.value,
+    top_p=_TOP_P.value,
+    rng=jax.random.key(_SEED.value),
+    eos_id=tok.eos_id,
+    vocab_size=tok.vocab_size,
+  )
   new = [int(i) for i in out[0, len(ids) :]]
   if tok.eos_id in new:
     new = new[: new.index(tok.eos_id)]
   print(f'# {source}')
   print(_PROMPT.value + continuation(tok, ids, new))
-  print(f"# {len(new)} new tokens; compile {stats['compile_s']:.1f} s; prefill + decode "
-        f"{stats['run_s']:.3f} s = {stats['tokens_per_s']:.1f} tokens/s")
+  print(
+    f'# {len(new)} new tokens; compile {stats["compile_s"]:.1f} s; prefill + decode '
+    f'{stats["run_s"]:.3f} s = {stats["tokens_per_s"]:.1f} tokens/s'
+  )
 
 
 def continuation(tok, prompt_ids, new_ids) -> str:

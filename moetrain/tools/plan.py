@@ -30,9 +30,11 @@ def dry_run(config) -> dict:
   setup = train.build(config, num_devices=math.prod(s for s in config.mesh.shape if s > 0))
   counts = param_counts(setup.model)
   b = 1e9
-  print(f"parameters: total {counts['total'] / b:.2f}B "
-        f"(routed experts {counts['routed_experts'] / b:.2f}B), LoRA adapters "
-        f"{counts['adapters'] / 1e6:.2f}M")
+  print(
+    f'parameters: total {counts["total"] / b:.2f}B '
+    f'(routed experts {counts["routed_experts"] / b:.2f}B), LoRA adapters '
+    f'{counts["adapters"] / 1e6:.2f}M'
+  )
   for k, v in counts['active'].items():
     print(f'activated per token with {k:2d} FFN experts (input embedding excluded): {v / b:.2f}B')
   return counts

@@ -83,6 +83,9 @@ def get_config() -> config_dict.ConfigDict:
   # Initial weights.
   c.init = config_dict.ConfigDict()
   c.init.hf_checkpoint = ''  # Hugging Face LongCat-Flash directory: shapes, weights, tokenizer
+  c.init.peft_adapter = (
+    ''  # PEFT adapter directory (moetrain.tools.export --adapter_only) to start from
+  )
 
   # Device mesh: axes (data, fsdp, expert, tensor); one entry may be -1.
   c.mesh = config_dict.ConfigDict()

@@ -17,10 +17,34 @@ from moetrain.train_state import (
   TrainState,
   create_sharded,
   graphdef_of,
+  merge_model,
+  split_model,
   state_from_weights,
   state_shardings,
 )
 from moetrain.train_step import StepConfig, eval_step, train_step
+
+
+@dataclasses.dataclass(frozen=True)
+class LoopConfig:
+  """The `config.train` section."""
+
+  steps: int = 200
+  stop_at_step: int = 0
+  log_every: int = 10
+  eval_every: int = 100
+  eval_batches: int = 8
+  checkpoint_every: int = 50
+  keep_checkpoints: int = 3
+  async_checkpoint: bool = True
+  compilation_cache: str = ''
+
+  def validate(self) -> None:
+    for key in ('steps', 'log_every', 'checkpoint_every', 'keep_checkpoints'):
+      if getattr(self, key) <= 0:
+        raise ValueError(f'train.{key}={getattr(self, key)} must be positive')
+    if self.eval_every < 0 or self.stop_at_step < 0:
+      raise ValueError('train.eval_every and train.stop_at_step must be >= 0')
 
 
 @dataclasses.dataclass(frozen=True)
@@ -33,8 +57,9 @@ class Setup:
   step: StepConfig
   mesh_shape: tuple[int, ...]
   seed: int
-  train: dict
+  train: LoopConfig
   hf_checkpoint: str = ''
+  peft_adapter: str = ''
 
 
 # ModelConfig fields that are training/engine choices, not checkpoint shapes: with
@@ -80,11 +105,9 @@ def build(config, num_devices: int | None = None, process_count: int | None = No
     data = dataclasses.replace(data, tokenizer=config.init.hf_checkpoint)
   pipeline.validate(data, process_count)
   opt = optim.OptimConfig(**config.optim.to_dict())
-  train = config.train.to_dict()
-  for key in ('steps', 'log_every', 'checkpoint_every', 'keep_checkpoints'):
-    if train[key] <= 0:
-      raise ValueError(f'train.{key}={train[key]} must be positive')
-  opt.validate(train['steps'])
+  train = LoopConfig(**config.train.to_dict())
+  train.validate()
+  opt.validate(train.steps)
   sizes = dict(zip(sharding.MESH_AXES, mesh_shape))
   if model.n_routed_experts % sizes['expert']:
     raise ValueError(
@@ -105,7 +128,19 @@ def build(config, num_devices: int | None = None, process_count: int | None = No
       f'{batch_shards} batch shards of mesh.shape={mesh_shape}'
     )
   step = StepConfig(model=model, grad_accum_steps=opt.grad_accum_steps, **config.loss.to_dict())
-  return Setup(model, data, opt, step, mesh_shape, config.seed, train, config.init.hf_checkpoint)
+  if config.init.peft_adapter and not model.lora.enabled:
+    raise ValueError('init.peft_adapter needs lora.rank > 0 (the rank of the adapter)')
+  return Setup(
+    model,
+    data,
+    opt,
+    step,
+    mesh_shape,
+    config.seed,
+    train,
+    config.init.hf_checkpoint,
+    config.init.peft_adapter,
+  )
 
 
 def enable_compilation_cache(path: str) -> None:
@@ -162,10 +197,10 @@ def restore_or_init(setup: Setup, ckpt: Checkpointer, optimizer, mesh, train_ite
 
 def load_latest(setup: Setup, workdir: str | None, mesh) -> TrainState:
   """The run's latest checkpoint (or its initial state when it has none), for tools."""
-  optimizer = optim.make_optimizer(setup.optim, setup.train['steps'])
+  optimizer = optim.make_optimizer(setup.optim, setup.train.steps)
   state = initial_state(setup, optimizer, mesh)
   if workdir:
-    ckpt = Checkpointer(workdir, every=1, keep=setup.train['keep_checkpoints'], async_save=False)
+    ckpt = Checkpointer(workdir, every=1, keep=setup.train.keep_checkpoints, async_save=False)
     step = ckpt.latest_step()
     if step is not None:
       saved, _, _ = ckpt.restore(step, state)
@@ -177,7 +212,7 @@ def load_latest(setup: Setup, workdir: str | None, mesh) -> TrainState:
 def run(config, workdir: str) -> dict:
   setup = build(config)
   t = setup.train
-  enable_compilation_cache(t['compilation_cache'])
+  enable_compilation_cache(t.compilation_cache)
   mesh = sharding.make_mesh(setup.mesh_shape)
   writer = metrics_lib.Writer(workdir)
   writer.save_config(config.to_json_best_effort(indent=1))
@@ -192,22 +227,22 @@ def run(config, workdir: str) -> dict:
     setup.data, tokenizer, process_index=pi, process_count=pc
   )
   eval_batches = pipeline.make_eval_batches(
-    setup.data, tokenizer, max_batches=t['eval_batches'], process_index=pi, process_count=pc
+    setup.data, tokenizer, max_batches=t.eval_batches, process_index=pi, process_count=pc
   )
-  optimizer = optim.make_optimizer(setup.optim, t['steps'])
-  lr_fn = optim.schedule(setup.optim, t['steps'])
+  optimizer = optim.make_optimizer(setup.optim, t.steps)
+  lr_fn = optim.schedule(setup.optim, t.steps)
   ckpt = Checkpointer(
     workdir,
-    every=t['checkpoint_every'],
-    keep=t['keep_checkpoints'],
-    async_save=t['async_checkpoint'],
+    every=t.checkpoint_every,
+    keep=t.keep_checkpoints,
+    async_save=t.async_checkpoint,
   )
   graphdef = graphdef_of(setup.model)
   batch_sharding = sharding.batch_sharding(mesh)
   with jax.set_mesh(mesh):
     state = restore_or_init(setup, ckpt, optimizer, mesh, train_iter)
     start = int(state.step)
-    if start >= t['steps']:
+    if start >= t.steps:
       writer.progress(
         f'Run in {workdir} already finished at step {start} (train.steps='
         f'{t["steps"]}); nothing to do. Use a new --workdir to train again.'
@@ -246,8 +281,8 @@ def loop(
   mesh,
 ):
   t, cfg = setup.train, setup.model
-  total, start = t['steps'], int(state.step)
-  stop = min(t['stop_at_step'] or total, total)
+  total, start = t.steps, int(state.step)
+  stop = min(t.stop_at_step or total, total)
   meter = metrics_lib.Throughput(start, total)
   report = functools.partial(
     log_train,
@@ -267,10 +302,10 @@ def loop(
     # Fetch the previous log step's metrics only after dispatching this step: no host stall.
     if pending is not None:
       last, pending = report(*pending), None
-    if step % t['log_every'] == 0 or step == stop:
+    if step % t.log_every == 0 or step == stop:
       pending = (step, m, *meter.mark(step))
     saved = ckpt.save(step, state, train_iter.get_state(), {'step': step}, force=step == stop)
-    if t['eval_every'] and step % t['eval_every'] == 0 and step != total and eval_batches:
+    if t.eval_every and step % t.eval_every == 0 and step != total and eval_batches:
       run_eval(step, state, eval_batches, eval_fn, batch_sharding, writer)
     if ckpt.preempted(step) and step != stop:
       if not saved:

@@ -12,7 +12,7 @@ from tokenizers import Tokenizer, models, pre_tokenizers
 from moetrain import sharding, train
 from moetrain.convert import hf_longcat
 from moetrain.data.demo_task import WORDS
-from moetrain.tools import export
+from moetrain.tools import evaluate, export
 from moetrain.train_state import graphdef_of, merge_model
 from tests.test_configs import ROOT, load
 
@@ -95,7 +95,7 @@ def test_adapter_only_export(tmp_path):
   hf_dir = hf_dir_with_tokenizer(tmp_path)
   config = hf_config(hf_dir, steps=2, checkpoint_every=2)
   workdir = str(tmp_path / 'run')
-  train.run(config, workdir)
+  final = train.run(config, workdir)
   out = export.export(config, workdir, str(tmp_path / 'adapter'), adapter_only=True)
   files = sorted(os.listdir(out))
   assert files == ['adapter_config.json', 'adapter_model.safetensors']
@@ -103,3 +103,8 @@ def test_adapter_only_export(tmp_path):
   assert os.path.getsize(os.path.join(out, files[1])) < 0.5 * os.path.getsize(
     os.path.join(FIXTURE, 'model.safetensors')
   )
+  # Loaded back onto the base checkpoint, the adapter evaluates exactly like the run.
+  config.init.peft_adapter = out
+  ev = evaluate.evaluate_checkpoint(config, None, max_batches=1)
+  assert ev['step'] == 0
+  np.testing.assert_allclose(ev['loss'], final['eval_loss'], rtol=1e-6)

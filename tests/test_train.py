@@ -48,7 +48,8 @@ def test_run_logs_checkpoints_and_evaluates(uninterrupted):
   assert sorted(losses(workdir)) == [1, 2, 3, 4, 5, 6]
   with open(os.path.join(workdir, 'metrics.jsonl')) as f:
     recs = [json.loads(line) for line in f]
-  first = recs[0]
+  assert recs[0]['kind'] == 'eval' and recs[0]['step'] == 0  # the pre-training baseline
+  first = next(r for r in recs if r['kind'] == 'train')
   for key in (
     'loss',
     'tokens_per_sec',

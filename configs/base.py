@@ -36,7 +36,7 @@ def get_config() -> config_dict.ConfigDict:
   m.remat = 'full'  # none | full | save_dots | save_moe | offload
   m.moe_dispatch = 'dropless'  # dropless | capacity
   m.moe_capacity_factor = 1.25  # capacity dispatch: buffer = factor * uniform share
-  m.moe_backend = 'auto'  # auto | ragged_dot | blocked | dense (grouped-matmul backend)
+  m.moe_backend = 'auto'  # auto | ragged_dot | blocked | gathered | dense (grouped matmul)
   m.moe_block_size = 0  # rows per expert block of the 'blocked' backend; 0 = automatic
   m.moe_expert_parallel = True  # shard_map experts over the 'expert' mesh axis when it is > 1
   m.moe_expected_ffn_experts = 0.0  # K_e target of balancing; 0 = top_k * E / (E + Z)
@@ -83,9 +83,7 @@ def get_config() -> config_dict.ConfigDict:
   # Initial weights.
   c.init = config_dict.ConfigDict()
   c.init.hf_checkpoint = ''  # Hugging Face LongCat-Flash directory: shapes, weights, tokenizer
-  c.init.peft_adapter = (
-    ''  # PEFT adapter directory (moetrain.tools.export --adapter_only) to start from
-  )
+  c.init.peft_adapter = ''  # PEFT adapter directory (tools.export --adapter_only) to start from
 
   # Device mesh: axes (data, fsdp, expert, tensor); one entry may be -1.
   c.mesh = config_dict.ConfigDict()

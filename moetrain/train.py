@@ -174,14 +174,23 @@ def initial_state(setup: Setup, optimizer, mesh) -> TrainState:
   (streamed into its shardings), else random init from the seed. A LoRA run's frozen base is
   rebuilt this way on every start; checkpoints hold only what trains."""
   rules = setup.model.rules
-  if not setup.hf_checkpoint:
+  if not setup.hf_checkpoint and not setup.peft_adapter:
     return create_sharded(setup.model, optimizer, setup.seed, mesh, rules)
   from moetrain.convert import hf_longcat
 
-  w = hf_longcat.load_params(
-    setup.hf_checkpoint, setup.model, mesh=mesh, rules=rules, seed=setup.seed
-  )
-  return state_from_weights(w.params, w.moe_bias, w.frozen, optimizer, setup.seed, mesh, rules)
+  if setup.hf_checkpoint:
+    w = hf_longcat.load_params(
+      setup.hf_checkpoint, setup.model, mesh=mesh, rules=rules, seed=setup.seed
+    )
+    params, moe_bias, frozen = w.params, w.moe_bias, w.frozen
+  else:
+    state = create_sharded(setup.model, optimizer, setup.seed, mesh, rules)
+    params, moe_bias, frozen = state.params, state.moe_bias, state.frozen
+  if setup.peft_adapter:  # continue from (or evaluate) an exported adapter
+    model = merge_model(graphdef_of(setup.model), params, moe_bias, frozen)
+    hf_longcat.load_peft_adapter(model, setup.model, setup.peft_adapter)
+    params = split_model(model, setup.model)[1]
+  return state_from_weights(params, moe_bias, frozen, optimizer, setup.seed, mesh, rules)
 
 
 def restore_or_init(setup: Setup, ckpt: Checkpointer, optimizer, mesh, train_iter):

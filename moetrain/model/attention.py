@@ -18,6 +18,12 @@ def attention_mask(q_pos_BT, q_seg_BT, k_pos_BS, k_seg_BS):
   return causal & same  # [B, T, S]
 
 
+def attention_probs(s_BNTS, mask_BTS, scale: float):
+  """Scaled, masked softmax over keys, in float32."""
+  s_BNTS = jnp.where(mask_BTS[:, None], s_BNTS * scale, jnp.finfo(jnp.float32).min)
+  return jax.nn.softmax(s_BNTS, axis=-1)
+
+
 class MLA(nnx.Module):
   """Low-rank q, compressed kv latent c (K) plus one rope key shared by all heads."""
 
@@ -67,9 +73,7 @@ class MLA(nnx.Module):
     s_BNTS += jnp.einsum(
       'BTNH,BSH->BNTS', q_pe, k_pe_BSH.astype(q_pe.dtype), preferred_element_type=f32
     )
-    s_BNTS = s_BNTS * cfg.qk_head_dim**-0.5
-    s_BNTS = jnp.where(mask_BTS[:, None], s_BNTS, jnp.finfo(f32).min)
-    p_BNTS = jax.nn.softmax(s_BNTS, axis=-1).astype(v_BSNH.dtype)
+    p_BNTS = attention_probs(s_BNTS, mask_BTS, cfg.qk_head_dim**-0.5).astype(v_BSNH.dtype)
     out_BTNH = jnp.einsum('BNTS,BSNH->BTNH', p_BNTS, v_BSNH)
     out_BTNH = constrain(out_BTNH, ('batch', 'seq', 'heads', None), cfg.rules)
     return self.o(out_BTNH, rng)

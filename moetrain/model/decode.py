@@ -7,7 +7,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from moetrain.model import quant
-from moetrain.model.attention import MLA, attention_mask
+from moetrain.model.attention import MLA, attention_mask, attention_probs
 from moetrain.model.config import ModelConfig
 from moetrain.model.layers import Linear
 from moetrain.model.transformer import Transformer
@@ -57,9 +57,7 @@ def attend_absorbed(mla: MLA, q_nope_BTNH, q_pe_BTNH, c_BSK, k_pe_BSH, mask_BTS)
   s_BNTS += jnp.einsum(
     'BTNH,BSH->BNTS', q_pe_BTNH, k_pe_BSH.astype(q_pe_BTNH.dtype), preferred_element_type=f32
   )
-  s_BNTS = s_BNTS * cfg.qk_head_dim**-0.5
-  s_BNTS = jnp.where(mask_BTS[:, None], s_BNTS, jnp.finfo(f32).min)
-  p_BNTS = jax.nn.softmax(s_BNTS, axis=-1).astype(c_BSK.dtype)
+  p_BNTS = attention_probs(s_BNTS, mask_BTS, cfg.qk_head_dim**-0.5).astype(c_BSK.dtype)
   o_BTNK = jnp.einsum('BNTS,BSK->BTNK', p_BNTS, c_BSK)
   return mla.o(jnp.einsum('BTNK,KNH->BTNH', o_BTNK, w_v_KNH))
 

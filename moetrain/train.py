@@ -254,7 +254,7 @@ def run(config, workdir: str) -> dict:
     if start >= t.steps:
       writer.progress(
         f'Run in {workdir} already finished at step {start} (train.steps='
-        f'{t["steps"]}); nothing to do. Use a new --workdir to train again.'
+        f'{t.steps}); nothing to do. Use a new --workdir to train again.'
       )
       ckpt.close()
       writer.close()

@@ -65,6 +65,11 @@ def test_run_logs_checkpoints_and_evaluates(uninterrupted):
   assert 'eval_accuracy' in out
   assert os.listdir(os.path.join(workdir, 'tb'))
   assert '6' in os.listdir(os.path.join(workdir, 'checkpoints'))
+  # LoRA checkpoints hold adapters, optimizer state and router biases, never the frozen base.
+  with open(os.path.join(workdir, 'checkpoints', '6', 'state', '_METADATA')) as f:
+    saved = f.read()
+  assert 'params.layers.moe.experts.gate_lora_a' in saved and 'frozen' not in saved
+  assert 'experts.gate.value' not in saved  # the base expert weights
   # a second invocation finds the finished run and does nothing
   assert train.run(small_config(), workdir) == {'step': 6, 'finished': True}
 

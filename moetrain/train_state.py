@@ -109,7 +109,3 @@ def state_from_weights(params, moe_bias, frozen, optimizer, seed: int, mesh, rul
     rng=jax.random.key_data(jax.random.key(seed + 1)),
     skipped=jnp.zeros((), jnp.int32),
   )
-
-
-def param_bytes(tree) -> int:
-  return sum(x.nbytes for x in jax.tree.leaves(tree))

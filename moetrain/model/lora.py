@@ -2,7 +2,6 @@
 
 import dataclasses
 
-import jax
 import jax.numpy as jnp
 from flax import nnx
 
@@ -66,9 +65,3 @@ def _set(model, path, value):
   for p in path[:-1]:
     node = getattr(node, p) if not isinstance(p, int) else node[p]
   getattr(node, path[-1]).set_value(jnp.asarray(value))
-
-
-def count(model) -> dict:
-  adapters = sum(x.size for x in jax.tree.leaves(nnx.state(model, nnx.LoRAParam)))
-  base = sum(x.size for x in jax.tree.leaves(nnx.state(model, nnx.Not(nnx.LoRAParam))))
-  return {'adapters': adapters, 'base': base}

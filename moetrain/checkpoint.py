@@ -46,6 +46,10 @@ class Checkpointer:
       self.directory, options=options, item_names=('state', 'data', 'meta')
     )
     self._preempted = False
+
+  def watch_preemption(self) -> None:
+    """SIGTERM (TPU preemption) asks the training loop to save and stop. Only the loop calls
+    this: tools that merely restore must stay killable."""
     if jax.process_index() == 0:
       try:
         signal.signal(signal.SIGTERM, self._on_sigterm)

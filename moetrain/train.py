@@ -246,6 +246,7 @@ def run(config, workdir: str) -> dict:
     keep=t.keep_checkpoints,
     async_save=t.async_checkpoint,
   )
+  ckpt.watch_preemption()
   graphdef = graphdef_of(setup.model)
   batch_sharding = sharding.batch_sharding(mesh)
   with jax.set_mesh(mesh):

@@ -203,11 +203,8 @@ def blocked_layout(sizes_E, r: int, cfg: ModelConfig) -> Layout:
   slot = jnp.arange(nblocks * b)
   ex_P = block_expert[slot // b]
   j_P = slot - pad_start_E[ex_P]
-  src_P = jnp.where(
-    (slot // b < block_end_E[-1]) & (j_P < sizes_E[ex_P]), group_start_E[ex_P] + j_P, r
-  )
-
   used = block_end_E[-1]
+  src_P = jnp.where((slot // b < used) & (j_P < sizes_E[ex_P]), group_start_E[ex_P] + j_P, r)
 
   def run(x_PD, weights, rng):
     x_NBD = x_PD.reshape(nblocks, b, -1)

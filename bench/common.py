@@ -2,11 +2,18 @@
 
 import datetime
 import json
+import os
 import platform
 import statistics
 import time
 
 import jax
+
+from moetrain import runtime
+
+# Every benchmark is an entry point: run it (and the transformers subprocess it may start, which
+# inherits the environment) with huge-page malloc, as `python -m moetrain.main` does.
+runtime.reexec_with_hugepages()
 
 
 def time_fn(fn, *args, repeats: int = 5, warmup: int = 1) -> dict:
@@ -28,6 +35,7 @@ def machine() -> dict:
     'platform': d.platform,
     'devices': jax.device_count(),
     'host': platform.processor() or platform.machine(),
+    'glibc_tunables': os.environ.get('GLIBC_TUNABLES', ''),
     'jax': jax.__version__,
   }
 

@@ -34,6 +34,7 @@ def get_config() -> config_dict.ConfigDict:
   m.dtype = 'bfloat16'  # compute dtype (router, norms, softmax, loss stay float32)
   m.param_dtype = 'float32'  # storage dtype of parameters
   m.remat = 'full'  # none | full | save_dots | save_moe | offload
+  m.attention_chunk = 128  # query block of causal attention (skips keys past it); 0 = off
   m.moe_dispatch = 'dropless'  # dropless | capacity
   m.moe_capacity_factor = 1.25  # capacity dispatch: buffer = factor * uniform share
   m.moe_backend = 'auto'  # auto | ragged_dot | blocked | gathered | dense (grouped matmul)

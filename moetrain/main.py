@@ -6,6 +6,8 @@ import jax
 from absl import app, flags
 from ml_collections import config_flags
 
+from moetrain import runtime
+
 _CONFIG = config_flags.DEFINE_config_file(
   'config', None, 'Experiment config file.', lock_config=True
 )
@@ -20,6 +22,7 @@ def default_workdir(config_path: str) -> str:
 
 def main(argv):
   del argv
+  runtime.reexec_with_hugepages()
   if os.environ.get('MOETRAIN_DISTRIBUTED') or 'TPU_WORKER_HOSTNAMES' in os.environ:
     jax.distributed.initialize()
   from moetrain import train

@@ -69,6 +69,7 @@ ENGINE_FIELDS = (
   'dtype',
   'param_dtype',
   'remat',
+  'attention_chunk',
   'moe_dispatch',
   'moe_capacity_factor',
   'moe_backend',

@@ -11,7 +11,15 @@ from flax import nnx
 from moetrain.model.config import ModelConfig
 from moetrain.model.layers import lora_eqns, rope_interleaved
 from moetrain.model.transformer import Transformer
-from tests.helpers import forward, model_and_ids, nonzero_bias, randomize, tiny, with_lora
+from tests.helpers import (
+  forward,
+  jit_call,
+  model_and_ids,
+  nonzero_bias,
+  randomize,
+  tiny,
+  with_lora,
+)
 
 
 def test_shapes_and_aux():
@@ -41,6 +49,37 @@ def test_packed_segments_do_not_attend_to_each_other():
   packed, _ = forward(model, ids, pos, seg)
   alone, _ = forward(model, ids[:, 5:])
   np.testing.assert_allclose(packed[:, 5:], alone, atol=2e-5)
+
+
+def _loss_and_lora_grads(model, ids, pos, seg):
+  def loss(m):
+    logits, _ = m(ids, pos, seg)
+    return jnp.mean(jax.nn.log_softmax(logits)[..., 0])
+
+  return nnx.value_and_grad(loss, argnums=nnx.DiffState(0, nnx.LoRAParam))(model)
+
+
+@pytest.mark.parametrize('chunk', [4, 5])
+def test_chunked_causal_attention_equals_the_full_square(chunk):
+  """Query blocks that skip the keys after them give the full-square result (packed segments,
+  a ragged last block), in outputs and in gradients."""
+  cfg = with_lora(tiny(attention_chunk=0))
+  model, ids = model_and_ids(cfg, t=12)
+  randomize(model, 5, nnx.LoRAParam)
+  seg = jnp.array([[1] * 5 + [2] * 7, [1] * 9 + [0] * 3])
+  pos = jnp.array([list(range(5)) + list(range(7)), list(range(9)) + [0] * 3])
+  chunked = nnx.merge(
+    nnx.graphdef(Transformer(dataclasses.replace(cfg, attention_chunk=chunk), nnx.Rngs(0))),
+    nnx.state(model),
+  )
+  ref_logits, _ = forward(model, ids, pos, seg)
+  logits, _ = forward(chunked, ids, pos, seg)
+  np.testing.assert_allclose(logits, ref_logits, atol=1e-5, rtol=1e-5)
+  (ref_loss, ref_grads) = jit_call(_loss_and_lora_grads, model, ids, pos, seg)
+  (loss, grads) = jit_call(_loss_and_lora_grads, chunked, ids, pos, seg)
+  np.testing.assert_allclose(loss, ref_loss, rtol=1e-6)
+  for g, r in zip(jax.tree.leaves(grads), jax.tree.leaves(ref_grads), strict=True):
+    np.testing.assert_allclose(g, r, atol=1e-5, rtol=1e-4)
 
 
 def test_lora_with_zero_b_equals_base():

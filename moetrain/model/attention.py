@@ -64,22 +64,48 @@ class MLA(nnx.Module):
     k_pe = rope_interleaved(ckv_BTK[..., None, k:], positions_BT, self.cfg.rope_theta)[:, :, 0]
     return c_BTK, k_pe
 
-  def attend(self, q_nope, q_pe, c_BSK, k_pe_BSH, mask_BTS, rng=None):
+  def attend(self, q_nope, q_pe, c_BSK, k_pe_BSH, mask_BTS, rng=None, causal_chunk: int = 0):
+    """Attention of the T queries over the S keys of the latent c. With causal_chunk > 0 (self-
+    attention, T == S, positions increasing within each segment) the queries go in blocks of that
+    size and block i scores only keys [0, end of block i): later keys are masked anyway, so the
+    result is the same while the upper triangle of the T x T square is skipped block by block."""
     cfg = self.cfg
     kv_BSNH = self.kv_b(c_BSK, rng)
     k_nope, v_BSNH = kv_BSNH[..., : cfg.qk_nope_head_dim], kv_BSNH[..., cfg.qk_nope_head_dim :]
-    f32 = jnp.float32
-    s_BNTS = jnp.einsum('BTNH,BSNH->BNTS', q_nope, k_nope, preferred_element_type=f32)
-    s_BNTS += jnp.einsum(
-      'BTNH,BSH->BNTS', q_pe, k_pe_BSH.astype(q_pe.dtype), preferred_element_type=f32
-    )
-    p_BNTS = attention_probs(s_BNTS, mask_BTS, cfg.qk_head_dim**-0.5).astype(v_BSNH.dtype)
-    out_BTNH = jnp.einsum('BNTS,BSNH->BTNH', p_BNTS, v_BSNH)
+    k_pe_BSH = k_pe_BSH.astype(q_pe.dtype)
+    t = q_nope.shape[1]
+    step = causal_chunk if 0 < causal_chunk < t else t
+    outs = []
+    for start in range(0, t, step):
+      end = min(start + step, t)
+      keys = end if causal_chunk else k_nope.shape[1]
+      outs.append(
+        self._core(
+          q_nope[:, start:end],
+          q_pe[:, start:end],
+          k_nope[:, :keys],
+          k_pe_BSH[:, :keys],
+          v_BSNH[:, :keys],
+          mask_BTS[:, start:end, :keys],
+        )
+      )
+    out_BTNH = outs[0] if len(outs) == 1 else jnp.concatenate(outs, axis=1)
     out_BTNH = constrain(out_BTNH, ('batch', 'seq', 'heads', None), cfg.rules)
     return self.o(out_BTNH, rng)
+
+  def _core(self, q_nope, q_pe, k_nope, k_pe_BSH, v_BSNH, mask_BTS):
+    f32 = jnp.float32
+    s_BNTS = jnp.einsum('BTNH,BSNH->BNTS', q_nope, k_nope, preferred_element_type=f32)
+    s_BNTS += jnp.einsum('BTNH,BSH->BNTS', q_pe, k_pe_BSH, preferred_element_type=f32)
+    p_BNTS = attention_probs(s_BNTS, mask_BTS, self.cfg.qk_head_dim**-0.5).astype(v_BSNH.dtype)
+    return jnp.einsum('BNTS,BSNH->BTNH', p_BNTS, v_BSNH)
 
   def __call__(self, x_BTD, positions_BT, segment_ids_BT, rng=None):
     q_nope, q_pe = self.project_q(x_BTD, positions_BT, rng)
     c_BTK, k_pe = self.latent(x_BTD, positions_BT, rng)
     mask = attention_mask(positions_BT, segment_ids_BT, positions_BT, segment_ids_BT)
-    return self.attend(q_nope, q_pe, c_BTK, k_pe, mask, rng)
+    # Causal in index order too: it changes nothing within a segment (positions increase there)
+    # and makes padding (segment 0, repeated positions) independent of attention_chunk.
+    t = x_BTD.shape[1]
+    mask &= jnp.tril(jnp.ones((1, t, t), jnp.bool_))
+    return self.attend(q_nope, q_pe, c_BTK, k_pe, mask, rng, self.cfg.attention_chunk)

@@ -64,6 +64,9 @@ class ModelConfig:
   dtype: str = 'bfloat16'  # compute dtype; router, norms, softmax and loss stay float32.
   param_dtype: str = 'float32'
   remat: str = 'full'
+  # Query block of causal self-attention: each block of queries scores only the keys up to its
+  # last position, skipping the upper triangle block by block; 0 = one block (the full square).
+  attention_chunk: int = 128
   # MoE engine.
   moe_dispatch: str = 'dropless'
   moe_capacity_factor: float = 1.25
@@ -148,6 +151,7 @@ class ModelConfig:
       'moe_expected_ffn_experts',
       'must be below moe_topk when zero experts exist',
     )
+    need(self.attention_chunk >= 0, 'attention_chunk', 'must be >= 0 (0 = no chunking)')
     need(self.moe_capacity_factor > 0, 'moe_capacity_factor', 'must be > 0')
     need(self.dtype in ('bfloat16', 'float32', 'float16'), 'dtype', f'{self.dtype!r} unsupported')
     need(

@@ -59,13 +59,19 @@ class DecoderLayer(nnx.Module):
   def body(self, h_BTD, attend, valid_BT, rngs):
     """The ScMoE wiring; attend(i, x_BTD) runs attention block i (full sequence, or against a
     KV cache in model/decode.py). rngs: 5 keys or Nones (attn_0, moe, mlp_0, attn_1, mlp_1)."""
-    h_BTD = h_BTD + attend(0, self.input_norm_0(h_BTD))
+    # Named scopes label the HLO ops, so profiles attribute time to sublayers.
+    with jax.named_scope('attn_0'):
+      h_BTD = h_BTD + attend(0, self.input_norm_0(h_BTD))
     x_BTD = self.post_norm_0(h_BTD)
-    m_BTD, stats = self.moe(x_BTD, valid_BT, rngs[1])
+    with jax.named_scope('moe'):
+      m_BTD, stats = self.moe(x_BTD, valid_BT, rngs[1])
     m_BTD = checkpoint_name(m_BTD, 'moe_out')
-    h_BTD = h_BTD + self.mlp_0(x_BTD, rngs[2])
-    h_BTD = h_BTD + attend(1, self.input_norm_1(h_BTD))
-    h_BTD = h_BTD + self.mlp_1(self.post_norm_1(h_BTD), rngs[4]) + m_BTD
+    with jax.named_scope('mlp_0'):
+      h_BTD = h_BTD + self.mlp_0(x_BTD, rngs[2])
+    with jax.named_scope('attn_1'):
+      h_BTD = h_BTD + attend(1, self.input_norm_1(h_BTD))
+    with jax.named_scope('mlp_1'):
+      h_BTD = h_BTD + self.mlp_1(self.post_norm_1(h_BTD), rngs[4]) + m_BTD
     return constrain(h_BTD, ACT, self.rules), stats
 
 
@@ -119,8 +125,9 @@ class Transformer(nnx.Module):
     h_BTD = constrain(self.embed(ids_BT), ACT, self.cfg.rules)
     h_BTD, stats = self.run_layers(h_BTD, positions_BT, segment_ids_BT, rng)
     z_BT = jax.nn.logsumexp(jnp.abs(h_BTD.astype(jnp.float32)), axis=-1)
-    logits_BTV = self.lm_head(self.final_norm(h_BTD), rng).astype(jnp.float32)
-    logits_BTV = constrain(logits_BTV, ('batch', 'seq', 'vocab'), self.cfg.rules)
+    with jax.named_scope('lm_head'):
+      logits_BTV = self.lm_head(self.final_norm(h_BTD), rng).astype(jnp.float32)
+      logits_BTV = constrain(logits_BTV, ('batch', 'seq', 'vocab'), self.cfg.rules)
     return logits_BTV, {'moe': stats, 'hidden_lse_BT': z_BT}
 
   def run_layers(self, h_BTD, positions_BT, segment_ids_BT, rng):

@@ -14,7 +14,7 @@ import jax
 from absl import app, flags
 from ml_collections import config_flags
 
-from moetrain import sharding, train
+from moetrain import runtime, sharding, train
 from moetrain.data import pipeline
 from moetrain.train_state import graphdef_of
 from moetrain.train_step import eval_step
@@ -52,6 +52,7 @@ def evaluate_checkpoint(
 
 
 def main(argv):
+  runtime.reexec_with_hugepages()
   del argv
   f = flags.FLAGS
   out = evaluate_checkpoint(f.config, f.workdir, f.split, f.max_batches)

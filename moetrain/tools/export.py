@@ -8,7 +8,7 @@ import jax
 from absl import app, flags
 from ml_collections import config_flags
 
-from moetrain import sharding, train
+from moetrain import runtime, sharding, train
 from moetrain.convert import hf_longcat
 from moetrain.train_state import graphdef_of, merge_model
 
@@ -38,6 +38,7 @@ def export(config, workdir: str, out: str, adapter_only: bool = False, dtype=Non
 
 
 def main(argv):
+  runtime.reexec_with_hugepages()
   del argv
   f = flags.FLAGS
   out = export(f.config, f.workdir, f.out, f.adapter_only, f.dtype)

@@ -17,6 +17,7 @@ from absl import app, flags
 from flax import nnx
 from ml_collections import config_flags
 
+from moetrain import runtime
 from moetrain.model.decode import decode_step, prefill
 
 
@@ -203,6 +204,7 @@ def load_run(config, workdir: str | None):
 
 
 def main(argv):
+  runtime.reexec_with_hugepages()
   del argv
   if bool(_HF.value) == (_CONFIG.value is not None):
     raise app.UsageError('pass --hf_checkpoint=DIR, or --config (with --workdir for a run)')

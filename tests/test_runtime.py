@@ -1,0 +1,43 @@
+"""The entry points' huge-page malloc re-exec (moetrain/runtime.py)."""
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+from moetrain import runtime
+
+
+@pytest.fixture
+def capable(monkeypatch):
+  monkeypatch.setattr(runtime, '_glibc_supports_hugetlb', lambda: True)
+  monkeypatch.setattr(runtime, '_thp_allowed', lambda: True)
+  monkeypatch.setattr(runtime.sys, 'platform', 'linux')
+
+
+def test_tunable_is_added_once_and_keeps_others(capable):
+  env = runtime.hugepage_environment({'PATH': '/bin', 'GLIBC_TUNABLES': 'glibc.malloc.arena_max=2'})
+  assert env['GLIBC_TUNABLES'] == 'glibc.malloc.arena_max=2:glibc.malloc.hugetlb=1'
+  assert env['PATH'] == '/bin'
+  assert runtime.hugepage_environment(env) is None  # already set: no second exec
+  assert runtime.hugepage_environment({})['GLIBC_TUNABLES'] == 'glibc.malloc.hugetlb=1'
+
+
+def test_opt_out_and_unsupported_systems(capable, monkeypatch):
+  assert runtime.hugepage_environment({'MOETRAIN_NO_REEXEC': '1'}) is None
+  monkeypatch.setattr(runtime, '_thp_allowed', lambda: False)
+  assert runtime.hugepage_environment({}) is None
+
+
+def test_reexec_runs_the_same_command_with_the_tunable():
+  code = (
+    'import os, sys; from moetrain import runtime; runtime.reexec_with_hugepages(); '
+    'print(os.environ.get("GLIBC_TUNABLES", ""), sys.argv[1:])'
+  )
+  env = {k: v for k, v in os.environ.items() if k != 'GLIBC_TUNABLES'}
+  out = subprocess.run(
+    [sys.executable, '-c', code, 'a', 'b'], capture_output=True, text=True, env=env, check=True
+  ).stdout
+  want = 'glibc.malloc.hugetlb=1' if runtime.hugepage_environment(env) is not None else ''
+  assert out.strip() == f"{want} ['a', 'b']"

@@ -9,7 +9,7 @@ import pytest
 from flax import nnx
 
 from moetrain.model.config import ModelConfig
-from moetrain.model.layers import lora_eqns, rope_interleaved
+from moetrain.model.layers import matmul_dims, rope_interleaved
 from moetrain.model.transformer import Transformer
 from tests.helpers import (
   forward,
@@ -121,9 +121,11 @@ def test_rope_interleaved_pairs():
   np.testing.assert_allclose(out.reshape(-1), want.reshape(-1), rtol=1e-5)
 
 
-def test_lora_eqns():
-  assert lora_eqns('BTD,DNH->BTNH') == ('BTD,DR->BTR', 'BTR,RNH->BTNH')
-  assert lora_eqns('BTNH,NHD->BTD') == ('BTNH,NHR->BTR', 'BTR,RD->BTD')
+def test_projection_equations_are_token_matmuls():
+  assert matmul_dims('BTD,DNH->BTNH') == 1
+  assert matmul_dims('BTNH,NHD->BTD') == 2
+  with pytest.raises(ValueError, match='not of the form'):
+    matmul_dims('BTD,ND->BTN')  # the kernel must be [in..., out...]
 
 
 def test_bad_model_configs_name_the_field():

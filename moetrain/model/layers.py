@@ -19,52 +19,60 @@ def normal(rngs: nnx.Rngs, shape, std: float, dtype) -> jax.Array:
   return (std * jax.random.truncated_normal(rngs.params(), -2.0, 2.0, shape)).astype(dtype)
 
 
-def lora_eqns(eqn: str) -> tuple[str, str]:
-  """'BTD,DNH->BTNH' -> ('BTD,DR->BTR', 'BTR,RNH->BTNH'): A contracts the input letters of the
-  kernel, B expands to its output letters; the weight delta A @ B is never formed."""
+def matmul_dims(eqn: str) -> int:
+  """The number of contracted dimensions of a projection 'BTNH,NHD->BTD': the input's trailing
+  letters must be the kernel's leading ones and the output the input's leading letters followed
+  by the kernel's others, so the projection is one 2-D matmul [tokens, in] @ [in, out]."""
   lhs, out = eqn.split('->')
   x, w = lhs.split(',')
-  w_in = ''.join(c for c in w if c in x)
-  w_out = ''.join(c for c in w if c not in x)
-  x_r = ''.join(c for c in x if c not in w_in) + 'R'
-  return f'{x},{w_in}R->{x_r}', f'{x_r},R{w_out}->{out}'
+  n_in = sum(c in x for c in w)
+  lead = x[: len(x) - n_in]
+  if x[len(lead) :] != w[:n_in] or out != lead + w[n_in:] or not lead:
+    raise ValueError(f'{eqn!r} is not of the form "<lead><in>,<in><out>-><lead><out>"')
+  return n_in
 
 
 class Linear(nnx.Module):
-  """An einsum projection `eqn` (e.g. 'BTD,DNH->BTNH') whose kernel carries logical axis
-  names; LoRA adapters A [in.., R] and B [R, out..] are added when `path` matches lora.targets,
-  and the frozen kernel may be stored quantised (QLoRA)."""
+  """A projection `eqn` (e.g. 'BTD,DNH->BTNH') whose kernel carries logical axis names; LoRA
+  adapters A [in.., R] and B [R, out..] are added when `path` matches lora.targets (the weight
+  delta A @ B is never formed), and the frozen kernel may be stored quantised (QLoRA).
+
+  It runs as 2-D matmuls over the flattened tokens: with the batch and sequence dimensions kept
+  apart, the weight-gradient contractions (over both) made XLA:CPU transpose the activation
+  gradients through slow strided fusions, 3x the time of the LoRA MLP (bench/RESULTS.md)."""
 
   def __init__(self, eqn, shape, axes, cfg: ModelConfig, path: str, rngs: nnx.Rngs, std=None):
     self.eqn, self.path = eqn, path
     self.compute_dtype = dtype_of(cfg.dtype)
     std = cfg.init_std if std is None else std
-    self.eqn_a, self.eqn_b = lora_eqns(eqn)
-    n_in = len(self.eqn_a.split('->')[0].split(',')[1]) - 1  # kernels are [in..., out...]
+    n_in = self.n_in = matmul_dims(eqn)
     kernel = normal(rngs, shape, std, dtype_of(cfg.param_dtype))
     self.kernel = quant.make_param(kernel, axes, cfg, n_batch=0, n_in=n_in)
     self.lora_scale, self.lora_dropout = cfg.lora.scale, cfg.lora.dropout
     self.has_lora = cfg.lora.matches(path)
     if self.has_lora:
-      in_idx, out_idx = range(n_in), range(n_in, len(shape))
-      in_shape = tuple(shape[i] for i in in_idx)
-      fan_in = math.prod(in_shape)
+      in_shape, out_shape = shape[:n_in], shape[n_in:]
       r = cfg.lora.rank
-      a = normal(rngs, (*in_shape, r), fan_in**-0.5, dtype_of(cfg.param_dtype))
-      b = jnp.zeros((r, *(shape[i] for i in out_idx)), dtype_of(cfg.param_dtype))
-      self.lora_a = nnx.LoRAParam(a, axes=(*(axes[i] for i in in_idx), 'lora_rank'))
-      self.lora_b = nnx.LoRAParam(b, axes=('lora_rank', *(axes[i] for i in out_idx)))
+      a = normal(rngs, (*in_shape, r), math.prod(in_shape) ** -0.5, dtype_of(cfg.param_dtype))
+      b = jnp.zeros((r, *out_shape), dtype_of(cfg.param_dtype))
+      self.lora_a = nnx.LoRAParam(a, axes=(*axes[:n_in], 'lora_rank'))
+      self.lora_b = nnx.LoRAParam(b, axes=('lora_rank', *axes[n_in:]))
 
   def __call__(self, x, rng=None):
     dt = self.compute_dtype
-    x = x.astype(dt)
-    y = jnp.einsum(self.eqn, x, quant.value(self.kernel, dt))
+    lead, n_in = x.shape[: x.ndim - self.n_in], self.n_in
+    x_MK = x.astype(dt).reshape(math.prod(lead), -1)
+    w = quant.value(self.kernel, dt)
+    out_shape = w.shape[n_in:]
+    y_MN = x_MK @ w.reshape(x_MK.shape[1], -1)
     if self.has_lora:
       rng = None if rng is None else jax.random.fold_in(rng, zlib.crc32(self.path.encode()))
-      xa = lora_dropout(x, self.lora_dropout, rng)
-      h = jnp.einsum(self.eqn_a, xa, self.lora_a[...].astype(dt))
-      y = y + self.lora_scale * jnp.einsum(self.eqn_b, h, self.lora_b[...].astype(dt))
-    return y
+      a_KR = self.lora_a[...].astype(dt).reshape(x_MK.shape[1], -1)
+      h_MR = lora_dropout(x_MK, self.lora_dropout, rng) @ a_KR
+      y_MN = y_MN + self.lora_scale * (
+        h_MR @ self.lora_b[...].astype(dt).reshape(a_KR.shape[1], -1)
+      )
+    return y_MN.reshape(*lead, *out_shape)
 
 
 def lora_dropout(x, rate: float, rng):

@@ -72,6 +72,9 @@ class MLA(nnx.Module):
     cfg = self.cfg
     kv_BSNH = self.kv_b(c_BSK, rng)
     k_nope, v_BSNH = kv_BSNH[..., : cfg.qk_nope_head_dim], kv_BSNH[..., cfg.qk_nope_head_dim :]
+    # Head-major once (not per block: XLA:CPU transposes are strided copies).
+    q_BNTH, k_BNSH = q_nope.transpose(0, 2, 1, 3), k_nope.transpose(0, 2, 1, 3)
+    qpe_BNTH, v_BNSH = q_pe.transpose(0, 2, 1, 3), v_BSNH.transpose(0, 2, 1, 3)
     k_pe_BSH = k_pe_BSH.astype(q_pe.dtype)
     t = q_nope.shape[1]
     step = causal_chunk if 0 < causal_chunk < t else t
@@ -81,24 +84,24 @@ class MLA(nnx.Module):
       keys = end if causal_chunk else k_nope.shape[1]
       outs.append(
         self._core(
-          q_nope[:, start:end],
-          q_pe[:, start:end],
-          k_nope[:, :keys],
+          q_BNTH[:, :, start:end],
+          qpe_BNTH[:, :, start:end],
+          k_BNSH[:, :, :keys],
           k_pe_BSH[:, :keys],
-          v_BSNH[:, :keys],
+          v_BNSH[:, :, :keys],
           mask_BTS[:, start:end, :keys],
         )
       )
-    out_BTNH = outs[0] if len(outs) == 1 else jnp.concatenate(outs, axis=1)
-    out_BTNH = constrain(out_BTNH, ('batch', 'seq', 'heads', None), cfg.rules)
+    out_BNTH = outs[0] if len(outs) == 1 else jnp.concatenate(outs, axis=2)
+    out_BTNH = constrain(out_BNTH.transpose(0, 2, 1, 3), ('batch', 'seq', 'heads', None), cfg.rules)
     return self.o(out_BTNH, rng)
 
-  def _core(self, q_nope, q_pe, k_nope, k_pe_BSH, v_BSNH, mask_BTS):
+  def _core(self, q_BNTH, qpe_BNTH, k_BNSH, k_pe_BSH, v_BNSH, mask_BTS):
     f32 = jnp.float32
-    s_BNTS = jnp.einsum('BTNH,BSNH->BNTS', q_nope, k_nope, preferred_element_type=f32)
-    s_BNTS += jnp.einsum('BTNH,BSH->BNTS', q_pe, k_pe_BSH, preferred_element_type=f32)
-    p_BNTS = attention_probs(s_BNTS, mask_BTS, self.cfg.qk_head_dim**-0.5).astype(v_BSNH.dtype)
-    return jnp.einsum('BNTS,BSNH->BTNH', p_BNTS, v_BSNH)
+    s_BNTS = jnp.einsum('BNTH,BNSH->BNTS', q_BNTH, k_BNSH, preferred_element_type=f32)
+    s_BNTS += jnp.einsum('BNTH,BSH->BNTS', qpe_BNTH, k_pe_BSH, preferred_element_type=f32)
+    p_BNTS = attention_probs(s_BNTS, mask_BTS, self.cfg.qk_head_dim**-0.5).astype(v_BNSH.dtype)
+    return jnp.einsum('BNTS,BNSH->BNTH', p_BNTS, v_BNSH)
 
   def __call__(self, x_BTD, positions_BT, segment_ids_BT, rng=None):
     q_nope, q_pe = self.project_q(x_BTD, positions_BT, rng)

@@ -1,6 +1,6 @@
 """MoE layer forward+backward vs its ideal: the same FLOPs as dense matmuls of the active experts.
 
-  python -m bench.moe_layer [--tokens 2048] [--backend blocked] [--repeats 5]
+  python -m bench.moe_layer [--tokens 2048] [--backend auto] [--repeats 5]
 
 Shapes are the medium config's MoE (D 512, expert F 256, 16 routed + 8 zero experts, top-4).
 Both are timed in the same run. 'ideal' runs one SwiGLU over exactly the routed rows this batch
@@ -28,7 +28,7 @@ def swiglu(x, wg, wu, wd):
 def main():
   ap = argparse.ArgumentParser()
   ap.add_argument('--tokens', type=int, default=2048)
-  ap.add_argument('--backend', default='blocked')
+  ap.add_argument('--backend', default='auto')
   ap.add_argument('--dtype', default='float32')
   ap.add_argument('--repeats', type=int, default=5)
   ap.add_argument('--block', type=int, default=0, help='moe_block_size (0 = automatic)')

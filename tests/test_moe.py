@@ -84,7 +84,7 @@ def _grads(fn, gd, st, x_BTD):
 CFG = with_lora(tiny(moe_backend='blocked', init_std=0.1), rank=3, targets=EXPERT_LORA, alpha=3.0)
 
 
-@pytest.mark.parametrize('backend', ['blocked', 'gathered', 'ragged_dot', 'dense'])
+@pytest.mark.parametrize('backend', ['grouped', 'blocked', 'gathered', 'ragged_dot', 'dense'])
 @pytest.mark.parametrize(
   'shape',
   [

@@ -7,7 +7,7 @@ from moetrain.sharding import Rules
 
 REMAT_POLICIES = ('none', 'full', 'save_dots', 'save_moe', 'offload')
 MOE_DISPATCH = ('dropless', 'capacity')
-MOE_BACKENDS = ('auto', 'ragged_dot', 'blocked', 'gathered', 'dense')
+MOE_BACKENDS = ('auto', 'ragged_dot', 'grouped', 'blocked', 'gathered', 'dense')
 QUANT_MODES = ('none', 'int8', 'int4')
 
 
@@ -71,7 +71,7 @@ class ModelConfig:
   moe_dispatch: str = 'dropless'
   moe_capacity_factor: float = 1.25
   moe_backend: str = 'auto'
-  moe_block_size: int = 0  # rows per expert block for the 'blocked' backend; 0 = automatic.
+  moe_block_size: int = 0  # row tile of the CPU backends (grouped, blocked, gathered); 0 = auto.
   moe_expert_parallel: bool = True  # shard_map over the 'expert' mesh axis when it is > 1.
   moe_expected_ffn_experts: float = 0.0  # K_e of the balancing targets; 0 = uniform top_k*E/(E+Z).
   moe_balance_groups: int = 1  # FFN-expert groups of the device-level balance loss.

@@ -8,6 +8,7 @@ gather results back to assignments, and sum them with their gates. Index movemen
 gathers in both passes (custom VJPs): XLA:CPU runs scatters serially, which dominated the step.
 """
 
+import functools
 import math
 from typing import NamedTuple
 
@@ -129,8 +130,8 @@ def combine(y_RD, kept_R, idx_MA, gates_MA, cfg: ModelConfig):
 def resolve_backend(cfg: ModelConfig) -> str:
   if cfg.moe_backend != 'auto':
     return cfg.moe_backend
-  # bench/RESULTS.md: on CPU 'gathered' beat 'blocked' (scan) in the MoE layer bench.
-  return 'gathered' if jax.default_backend() == 'cpu' else 'ragged_dot'
+  # bench/RESULTS.md: on CPU 'grouped' beats 'gathered' and 'blocked' in the MoE layer bench.
+  return 'grouped' if jax.default_backend() == 'cpu' else 'ragged_dot'
 
 
 def make_layout(expert_sorted_R, sizes_E, cfg: ModelConfig, strategy: str) -> Layout:
@@ -141,6 +142,8 @@ def make_layout(expert_sorted_R, sizes_E, cfg: ModelConfig, strategy: str) -> La
   backend = resolve_backend(cfg)
   if backend in ('blocked', 'gathered'):
     return blocked_layout(sizes_E, r, cfg)
+  if backend == 'grouped':
+    return grouped_layout(expert_sorted_R, sizes_E, cfg)
   # Sorted rows are the buffer; rows past sum(sizes) are zero-expert assignments.
   valid_R = expert_sorted_R < e
   rows = jnp.arange(r)
@@ -272,6 +275,113 @@ def gathered_ffn(x_NBD, block_expert_N, weights, cfg: ModelConfig, rng):
 
   mm = with_lora(mm, w_N, cfg.lora.scale, rng, cfg.lora.dropout)
   return swiglu(x_NBD, mm, dt).reshape(n * b, d)
+
+
+class Tiles(NamedTuple):
+  """Row tiles of a grouped matmul over expert-sorted rows: tile i multiplies rows
+  [row[i], row[i] + b) by expert[i]'s weights, of which the first valid[i] are that expert's."""
+
+  expert: jax.Array
+  row: jax.Array
+  valid: jax.Array
+  count: jax.Array  # tiles in use (the loops' dynamic trip count)
+
+
+def make_tiles(sizes_E, rows: int, b: int) -> Tiles:
+  e = sizes_E.shape[0]
+  tiles_E = -(-sizes_E // b)
+  end_E = jnp.cumsum(tiles_E)
+  max_tiles = -(-rows // b) + e
+  i = jnp.arange(max_tiles)
+  ex = jnp.minimum(jnp.searchsorted(end_E, i, side='right'), e - 1)
+  k = i - (end_E[ex] - tiles_E[ex])
+  start_E = jnp.cumsum(sizes_E) - sizes_E
+  return Tiles(ex, start_E[ex] + k * b, jnp.clip(sizes_E[ex] - k * b, 0, b), end_E[-1])
+
+
+def _tile_loop(tiles: Tiles, body, init):
+  return jax.lax.fori_loop(0, tiles.count, lambda i, c: body(i, c), init)
+
+
+def _rows(x, tiles: Tiles, i, b: int):
+  return jax.lax.dynamic_slice_in_dim(x, tiles.row[i], b)
+
+
+def _put_rows(out, y, tiles: Tiles, i):
+  return jax.lax.dynamic_update_slice_in_dim(out, y, tiles.row[i], 0)
+
+
+def _grouped_mm(x_PK, w_EKN, tiles: Tiles, b: int, transpose_w: bool = False):
+  """out[rows of tile i] = x[rows of tile i] @ w[expert i] (or @ w.T). Tiles run in row order
+  and a tile's rows past its group belong to the next group, whose own tiles overwrite them
+  later, so every row ends with its own expert's product; rows no tile reaches stay zero."""
+  n = w_EKN.shape[1 if transpose_w else 2]
+  dims = (((1,), (1 if transpose_w else 0,)), ((), ()))
+
+  def body(i, out):
+    w_KN = jax.lax.dynamic_index_in_dim(w_EKN, tiles.expert[i], keepdims=False)
+    y = jax.lax.dot_general(_rows(x_PK, tiles, i, b), w_KN, dims, preferred_element_type=out.dtype)
+    return _put_rows(out, y, tiles, i)
+
+  return _tile_loop(tiles, body, jnp.zeros((x_PK.shape[0], n), x_PK.dtype))
+
+
+def _grouped_wgrad(x_PK, g_PN, tiles: Tiles, b: int, num_experts: int):
+  """dW[e] = sum over e's tiles of x_tile^T @ g_tile, with rows past the group masked."""
+  k, n = x_PK.shape[1], g_PN.shape[1]
+
+  def body(i, dw):
+    mask = (jnp.arange(b) < tiles.valid[i])[:, None]
+    g = jnp.where(mask, _rows(g_PN, tiles, i, b), 0).astype(jnp.float32)
+    x = _rows(x_PK, tiles, i, b).astype(jnp.float32)
+    part = jax.lax.dot_general(x, g, (((0,), (0,)), ((), ())))
+    e = tiles.expert[i]
+    acc = jax.lax.dynamic_index_in_dim(dw, e, keepdims=True) + part[None]
+    return jax.lax.dynamic_update_index_in_dim(dw, acc, e, 0)
+
+  return _tile_loop(tiles, body, jnp.zeros((num_experts, k, n), jnp.float32))
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
+def grouped_mm(x_PK, w_EKN, tiles: Tiles, b: int):
+  """Grouped matmul sized by the dynamic group sizes: a loop over the used row tiles, each one
+  2-D matmul against its expert's weights. The CPU backend: cost follows the routed rows
+  (plus < b per expert), where ragged_dot's CPU lowering pays for every expert on every row."""
+  return _grouped_mm(x_PK, w_EKN, tiles, b)
+
+
+def _grouped_mm_fwd(x_PK, w_EKN, tiles, b):
+  return _grouped_mm(x_PK, w_EKN, tiles, b), (x_PK, w_EKN, tiles)
+
+
+def _grouped_mm_bwd(b, res, g_PN):
+  x_PK, w_EKN, tiles = res
+  dx = _grouped_mm(g_PN.astype(x_PK.dtype), w_EKN.astype(x_PK.dtype), tiles, b, transpose_w=True)
+  dw = _grouped_wgrad(x_PK, g_PN, tiles, b, w_EKN.shape[0]).astype(w_EKN.dtype)
+  # Frozen experts (LoRA): nothing consumes dw and XLA drops its loop.
+  return dx, dw, None
+
+
+grouped_mm.defvjp(_grouped_mm_fwd, _grouped_mm_bwd)
+
+
+def grouped_layout(expert_sorted_R, sizes_E, cfg: ModelConfig) -> Layout:
+  """The sorted rows are the buffer, plus b spare zero rows for the last tile to run into."""
+  r, e = expert_sorted_R.shape[0], sizes_E.shape[0]
+  b = block_size(r, e, cfg.moe_block_size)
+  tiles = make_tiles(sizes_E, r, b)
+  valid_R = expert_sorted_R < e
+  rows = jnp.arange(r)
+  src_P = jnp.concatenate([jnp.where(valid_R, rows, r), jnp.full((b,), r, rows.dtype)])
+  dt = dtype_of(cfg.dtype)
+
+  def run(x_PD, weights, rng):
+    def mm(x, w):
+      return grouped_mm(x, quant.dequant(w, dt), tiles, b)
+
+    return swiglu(x_PD, with_lora(mm, weights, cfg.lora.scale, rng, cfg.lora.dropout), dt)
+
+  return Layout(src_P, jnp.where(valid_R, rows, r + b), valid_R, run)
 
 
 def capacity(num_tokens: int, cfg: ModelConfig) -> int:

@@ -277,109 +277,175 @@ def gathered_ffn(x_NBD, block_expert_N, weights, cfg: ModelConfig, rng):
   return swiglu(x_NBD, mm, dt).reshape(n * b, d)
 
 
-class Tiles(NamedTuple):
-  """Row tiles of a grouped matmul over expert-sorted rows: tile i multiplies rows
-  [row[i], row[i] + b) by expert[i]'s weights, of which the first valid[i] are that expert's."""
+class Groups(NamedTuple):
+  """Expert groups of sorted rows: group e is rows [start[e], start[e] + size[e])."""
 
-  expert: jax.Array
-  row: jax.Array
-  valid: jax.Array
-  count: jax.Array  # tiles in use (the loops' dynamic trip count)
+  start: jax.Array
+  size: jax.Array
 
 
-def make_tiles(sizes_E, rows: int, b: int) -> Tiles:
-  e = sizes_E.shape[0]
-  tiles_E = -(-sizes_E // b)
-  end_E = jnp.cumsum(tiles_E)
-  max_tiles = -(-rows // b) + e
-  i = jnp.arange(max_tiles)
-  ex = jnp.minimum(jnp.searchsorted(end_E, i, side='right'), e - 1)
-  k = i - (end_E[ex] - tiles_E[ex])
-  start_E = jnp.cumsum(sizes_E) - sizes_E
-  return Tiles(ex, start_E[ex] + k * b, jnp.clip(sizes_E[ex] - k * b, 0, b), end_E[-1])
+def _group_loop(groups: Groups, b: int, tile, init, open_expert, close_expert=None):
+  """For each expert e in order: local = open_expert(e) (its weight slice, an accumulator);
+  then for each b-row tile of its group in row order, with row its first row and valid how
+  many rows are e's: carry, local = tile(local, row, valid, carry); finally
+  carry = close_expert(e, local, carry)."""
+
+  def expert(e, carry):
+    def body(j, c):
+      size = groups.size[e] - j * b
+      return tile(c[1], groups.start[e] + j * b, jnp.minimum(size, b), c[0])
+
+    carry, local = jax.lax.fori_loop(0, -(-groups.size[e] // b), body, (carry, open_expert(e)))
+    return close_expert(e, local, carry) if close_expert else carry
+
+  return jax.lax.fori_loop(0, groups.size.shape[0], expert, init)
 
 
-def _tile_loop(tiles: Tiles, body, init):
-  return jax.lax.fori_loop(0, tiles.count, lambda i, c: body(i, c), init)
+def _split_trainable(weights: dict):
+  """Float weights get gradients; quantised (QLoRA) base weights are frozen by construction.
+  Frozen float weights (LoRA) still get a gradient accumulator here, but nothing consumes it and
+  XLA removes it from the loop (bench/moe_layer.py measures the LoRA case)."""
+  frozen = {k: v for k, v in weights.items() if isinstance(v, quant.QTensor)}
+  return {k: v for k, v in weights.items() if k not in frozen}, frozen
 
 
-def _rows(x, tiles: Tiles, i, b: int):
-  return jax.lax.dynamic_slice_in_dim(x, tiles.row[i], b)
+def _expert_slice(tree, e):
+  return jax.tree.map(lambda v: jax.lax.dynamic_index_in_dim(v, e, keepdims=False), tree)
 
 
-def _put_rows(out, y, tiles: Tiles, i):
-  return jax.lax.dynamic_update_slice_in_dim(out, y, tiles.row[i], 0)
+def _tile_fns(cfg: ModelConfig):
+  """The expert SwiGLU on one tile in two halves, so the forward loop can keep gate and up for
+  the backward instead of recomputing them: (gate, up) = first(w, x); y = second(w, gate, up).
+  LoRA dropout keys fold in the tile's first row, so both loops draw the same masks."""
+  dt = dtype_of(cfg.dtype)
+
+  def mm(w, key):
+    return with_lora(
+      lambda x, wt: x @ quant.dequant(wt, dt), w, cfg.lora.scale, key, cfg.lora.dropout
+    )
+
+  def first(w, x, key):
+    f = mm(w, key)
+    return f(x, 'gate'), f(x, 'up')
+
+  def second(w, gate, up, key):
+    h = jax.nn.silu(gate.astype(jnp.float32)) * up.astype(jnp.float32)
+    return mm(w, key)(h.astype(dt), 'down')
+
+  return first, second
 
 
-def _grouped_mm(x_PK, w_EKN, tiles: Tiles, b: int, transpose_w: bool = False):
-  """out[rows of tile i] = x[rows of tile i] @ w[expert i] (or @ w.T). Tiles run in row order
-  and a tile's rows past its group belong to the next group, whose own tiles overwrite them
-  later, so every row ends with its own expert's product; rows no tile reaches stay zero."""
-  n = w_EKN.shape[1 if transpose_w else 2]
-  dims = (((1,), (1 if transpose_w else 0,)), ((), ()))
-
-  def body(i, out):
-    w_KN = jax.lax.dynamic_index_in_dim(w_EKN, tiles.expert[i], keepdims=False)
-    y = jax.lax.dot_general(_rows(x_PK, tiles, i, b), w_KN, dims, preferred_element_type=out.dtype)
-    return _put_rows(out, y, tiles, i)
-
-  return _tile_loop(tiles, body, jnp.zeros((x_PK.shape[0], n), x_PK.dtype))
+def _tile_key(rng, row):
+  return None if rng is None else jax.random.fold_in(rng, row)
 
 
-def _grouped_wgrad(x_PK, g_PN, tiles: Tiles, b: int, num_experts: int):
-  """dW[e] = sum over e's tiles of x_tile^T @ g_tile, with rows past the group masked."""
-  k, n = x_PK.shape[1], g_PN.shape[1]
+def _ffn_forward(x_PD, w_train, w_frozen, groups, rng, b, cfg):
+  first, second = _tile_fns(cfg)
+  f = cfg.expert_ffn_hidden_size
+  p, dt = x_PD.shape[0], x_PD.dtype
+  init = (jnp.zeros_like(x_PD), jnp.zeros((p, f), dt), jnp.zeros((p, f), dt))
 
-  def body(i, dw):
-    mask = (jnp.arange(b) < tiles.valid[i])[:, None]
-    g = jnp.where(mask, _rows(g_PN, tiles, i, b), 0).astype(jnp.float32)
-    x = _rows(x_PK, tiles, i, b).astype(jnp.float32)
-    part = jax.lax.dot_general(x, g, (((0,), (0,)), ((), ())))
-    e = tiles.expert[i]
-    acc = jax.lax.dynamic_index_in_dim(dw, e, keepdims=True) + part[None]
-    return jax.lax.dynamic_update_index_in_dim(dw, acc, e, 0)
+  def weights(e):
+    return {**_expert_slice(w_train, e), **_expert_slice(w_frozen, e)}
 
-  return _tile_loop(tiles, body, jnp.zeros((num_experts, k, n), jnp.float32))
+  def tile(w, row, valid, carry):
+    key = _tile_key(rng, row)
+    gate, up = first(w, jax.lax.dynamic_slice_in_dim(x_PD, row, b), key)
+    y = second(w, gate, up, key)
+    put = lambda buf, v: jax.lax.dynamic_update_slice_in_dim(buf, v.astype(dt), row, 0)
+    return tuple(put(buf, v) for buf, v in zip(carry, (y, gate, up))), w
 
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
-def grouped_mm(x_PK, w_EKN, tiles: Tiles, b: int):
-  """Grouped matmul sized by the dynamic group sizes: a loop over the used row tiles, each one
-  2-D matmul against its expert's weights. The CPU backend: cost follows the routed rows
-  (plus < b per expert), where ragged_dot's CPU lowering pays for every expert on every row."""
-  return _grouped_mm(x_PK, w_EKN, tiles, b)
+  return _group_loop(groups, b, tile, init, weights)
 
 
-def _grouped_mm_fwd(x_PK, w_EKN, tiles, b):
-  return _grouped_mm(x_PK, w_EKN, tiles, b), (x_PK, w_EKN, tiles)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6))
+def expert_ffn(x_PD, w_train, w_frozen, groups: Groups, rng, b: int, cfg: ModelConfig):
+  """The routed experts' SwiGLU (with their LoRA adapters) over expert-sorted rows, sized by the
+  dynamic group sizes: per expert, a loop over its group's b-row tiles, each a few 2-D matmuls
+  against that expert's weights (sliced once per expert). The CPU backend: cost follows the
+  routed rows plus < b per expert, where ragged_dot's CPU lowering pays for every expert on
+  every row. A group's last tile runs into the next group's rows, which that group's own tiles
+  overwrite later (tiles go in row order); the b spare rows at the end take the last overrun."""
+  return _ffn_forward(x_PD, w_train, w_frozen, groups, rng, b, cfg)[0]
 
 
-def _grouped_mm_bwd(b, res, g_PN):
-  x_PK, w_EKN, tiles = res
-  dx = _grouped_mm(g_PN.astype(x_PK.dtype), w_EKN.astype(x_PK.dtype), tiles, b, transpose_w=True)
-  dw = _grouped_wgrad(x_PK, g_PN, tiles, b, w_EKN.shape[0]).astype(w_EKN.dtype)
-  # Frozen experts (LoRA): nothing consumes dw and XLA drops its loop.
-  return dx, dw, None
+def _expert_ffn_fwd(x_PD, w_train, w_frozen, groups, rng, b, cfg):
+  # symbolic_zeros: each leaf arrives as CustomVJPPrimal(value, perturbed). Weights that no one
+  # differentiates (frozen experts under LoRA) get no gradient loop work at all.
+  value = lambda t: jax.tree.map(lambda p: p.value, t, is_leaf=_is_primal)
+  need = {k: p.value for k, p in w_train.items() if p.perturbed}
+  rest = {k: p.value for k, p in w_train.items() if not p.perturbed} | value(w_frozen)
+  x_PD, groups, rng = value(x_PD), value(groups), value(rng)
+  y, gate, up = _ffn_forward(x_PD, need, rest, groups, rng, b, cfg)
+  return y, (x_PD, gate, up, need, rest, groups, rng, dict.fromkeys(w_train))
 
 
-grouped_mm.defvjp(_grouped_mm_fwd, _grouped_mm_bwd)
+def _is_primal(p):
+  return isinstance(p, jax.custom_derivatives.CustomVJPPrimal)
+
+
+def _expert_ffn_bwd(b, cfg, res, g_PD):
+  x_PD, gate_PF, up_PF, w_train, w_frozen, groups, rng, train_keys = res
+  if isinstance(g_PD, jax.custom_derivatives.SymbolicZero):
+    g_PD = jnp.zeros(x_PD.shape, x_PD.dtype)
+  first, second = _tile_fns(cfg)
+  rows = lambda buf, row: jax.lax.dynamic_slice_in_dim(buf, row, b)
+  f32 = lambda t: jax.tree.map(lambda v: v.astype(jnp.float32), t)
+
+  def open_expert(e):
+    # The expert's weights and a float32 accumulator for its weight gradients.
+    zero = jax.tree.map(lambda v: jnp.zeros(v.shape[1:], jnp.float32), w_train)
+    return _expert_slice(w_train, e), _expert_slice(w_frozen, e), zero
+
+  def tile(local, row, valid, dx_PD):
+    train_e, frozen_e, acc = local
+    key = _tile_key(rng, row)
+    # Rows past the group belong to the next expert: no gradient from them here.
+    g = jnp.where((jnp.arange(b) < valid)[:, None], rows(g_PD, row), 0).astype(x_PD.dtype)
+    _, vjp2 = jax.vjp(
+      lambda wt, gate, up: second({**wt, **frozen_e}, gate, up, key),
+      train_e,
+      rows(gate_PF, row),
+      rows(up_PF, row),
+    )
+    dw2, dgate, dup = vjp2(g)
+    _, vjp1 = jax.vjp(lambda wt, x: first({**wt, **frozen_e}, x, key), train_e, rows(x_PD, row))
+    dw1, dx = vjp1((dgate, dup))
+    dx_PD = jax.lax.dynamic_update_slice_in_dim(dx_PD, dx.astype(dx_PD.dtype), row, 0)
+    acc = jax.tree.map(lambda a, u, v: a + u + v, acc, f32(dw1), f32(dw2))
+    return dx_PD, (train_e, frozen_e, acc)
+
+  def close_expert(e, local, carry):
+    dx_PD, dw_E = carry
+    put = lambda d, a: jax.lax.dynamic_update_index_in_dim(d, a, e, 0)
+    return dx_PD, jax.tree.map(put, dw_E, local[2])
+
+  def tile_dx(local, row, valid, carry):
+    dx_PD, local = tile(local, row, valid, carry[0])
+    return (dx_PD, carry[1]), local
+
+  dw_init = jax.tree.map(lambda v: jnp.zeros(v.shape, jnp.float32), w_train)
+  init = (jnp.zeros_like(x_PD), dw_init)
+  dx_PD, dw_E = _group_loop(groups, b, tile_dx, init, open_expert, close_expert)
+  dw = {k: dw_E[k].astype(w_train[k].dtype) if k in w_train else None for k in train_keys}
+  return dx_PD, dw, None, None, None
+
+
+expert_ffn.defvjp(_expert_ffn_fwd, _expert_ffn_bwd, symbolic_zeros=True)
 
 
 def grouped_layout(expert_sorted_R, sizes_E, cfg: ModelConfig) -> Layout:
   """The sorted rows are the buffer, plus b spare zero rows for the last tile to run into."""
   r, e = expert_sorted_R.shape[0], sizes_E.shape[0]
   b = block_size(r, e, cfg.moe_block_size)
-  tiles = make_tiles(sizes_E, r, b)
+  groups = Groups(jnp.cumsum(sizes_E) - sizes_E, sizes_E)
   valid_R = expert_sorted_R < e
   rows = jnp.arange(r)
   src_P = jnp.concatenate([jnp.where(valid_R, rows, r), jnp.full((b,), r, rows.dtype)])
-  dt = dtype_of(cfg.dtype)
 
   def run(x_PD, weights, rng):
-    def mm(x, w):
-      return grouped_mm(x, quant.dequant(w, dt), tiles, b)
-
-    return swiglu(x_PD, with_lora(mm, weights, cfg.lora.scale, rng, cfg.lora.dropout), dt)
+    w_train, w_frozen = _split_trainable(weights)
+    return expert_ffn(x_PD, w_train, w_frozen, groups, rng, b, cfg)
 
   return Layout(src_P, jnp.where(valid_R, rows, r + b), valid_R, run)
 

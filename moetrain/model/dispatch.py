@@ -49,7 +49,10 @@ def dispatch_tokens(x_MD, asg_P, slot_R):
 
 def _dispatch_bwd(res, g_PD):
   slot_R, m = res
-  return _take(g_PD, slot_R).reshape(m, -1, g_PD.shape[-1]).sum(1), None, None
+  # Gather, then sum the A slots of each token: the barrier keeps XLA:CPU from fusing the
+  # gather into the reduction, which it then ran ~8x slower.
+  g_RD = jax.lax.optimization_barrier(_take(g_PD, slot_R))
+  return g_RD.reshape(m, -1, g_PD.shape[-1]).sum(1), None, None
 
 
 dispatch_tokens.defvjp(

@@ -126,19 +126,25 @@ def train_step(
   rng, step_rng = jax.random.split(jax.random.wrap_key_data(state.rng))
   loss, stats, grads = grads_and_stats(state, graphdef, batch, step_rng, cfg)
   grad_norm = optax.global_norm(grads)
-  updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
-  params = optax.apply_updates(state.params, updates)
-  moe_bias = state.moe_bias
-  if cfg.bias_update_rate:
-    moe_bias = bias_update(moe_bias, stats['moe']['load'], state.step, cfg)
   finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
-  keep = lambda new, old: jax.tree.map(lambda a, b: jnp.where(finite, a, b), new, old)
+
+  def update(state):
+    updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
+    moe_bias = state.moe_bias
+    if cfg.bias_update_rate:
+      moe_bias = bias_update(moe_bias, stats['moe']['load'], state.step, cfg)
+    return optax.apply_updates(state.params, updates), opt_state, moe_bias
+
+  # A non-finite loss or gradient skips the update (a branch, not a select over every weight).
+  params, opt_state, moe_bias = jax.lax.cond(
+    finite, update, lambda s: (s.params, s.opt_state, s.moe_bias), state
+  )
   new_state = dataclasses.replace(
     state,
     step=state.step + 1,
-    params=keep(params, state.params),
-    opt_state=keep(opt_state, state.opt_state),
-    moe_bias=keep(moe_bias, state.moe_bias),
+    params=params,
+    opt_state=opt_state,
+    moe_bias=moe_bias,
     rng=jax.random.key_data(rng),
     skipped=state.skipped + (~finite).astype(jnp.int32),
   )

@@ -50,6 +50,8 @@ def hugepage_environment(environ) -> dict | None:
 def reexec_with_hugepages() -> None:
   """Replaces this process with the same command run under the huge-page tunable, when useful.
   Call it first thing in a command's main, before JAX creates its backend."""
+  if sys.argv[0] in ('', '-'):
+    return  # an interactive session or a script read from stdin cannot be run again
   env = hugepage_environment(os.environ)
   if env is not None:
     sys.stdout.flush()

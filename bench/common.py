@@ -27,9 +27,20 @@ def time_fn(fn, *args, repeats: int = 5, warmup: int = 1) -> dict:
   return {'median_s': statistics.median(times), 'min_s': min(times), 'runs': len(times)}
 
 
+def matmul_probe() -> float:
+  """The machine's current float32 matmul rate (GFLOP/s, 2048x512x1024, median of 7): these VMs
+  share their host, and this says how fast the machine was when a record was taken."""
+  a = jax.numpy.ones((2048, 512), jax.numpy.float32)
+  b = jax.numpy.ones((512, 1024), jax.numpy.float32)
+  f = jax.jit(lambda a, b: a @ b)
+  t = time_fn(f, a, b, repeats=7, warmup=2)['median_s']
+  return round(2 * 2048 * 512 * 1024 / t / 1e9, 1)
+
+
 def machine() -> dict:
   d = jax.devices()[0]
   return {
+    'matmul_gflops': matmul_probe(),
     'date': datetime.date.today().isoformat(),
     'device': getattr(d, 'device_kind', str(d)),
     'platform': d.platform,

@@ -137,8 +137,13 @@ def combine(y_RD, kept_R, idx_MA, gates_MA, cfg: ModelConfig):
 def resolve_backend(cfg: ModelConfig) -> str:
   if cfg.moe_backend != 'auto':
     return cfg.moe_backend
-  # bench/RESULTS.md: on CPU 'grouped' beats 'gathered' and 'blocked' in the MoE layer bench.
-  return 'grouped' if jax.default_backend() == 'cpu' else 'ragged_dot'
+  if jax.default_backend() != 'cpu':
+    return 'ragged_dot'
+  # bench/RESULTS.md: for the medium experts (512 x 256) 'grouped' beats 'gathered' and
+  # 'blocked'; for the tiny default's (128 x 64) one batched matmul ('gathered') wins, as the
+  # tiles are too small to amortise a loop iteration.
+  big = cfg.hidden_size * cfg.expert_ffn_hidden_size >= 65536
+  return 'grouped' if big else 'gathered'
 
 
 def make_layout(expert_sorted_R, sizes_E, cfg: ModelConfig, strategy: str) -> Layout:

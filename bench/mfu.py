@@ -13,20 +13,16 @@ no peak to divide by: the script reports achieved FLOP/s (use --preset tiny to s
 
 import argparse
 import dataclasses
-import functools
 import statistics
 import sys
 import time
 
 import jax
-import numpy as np
-import optax
 
 from bench.common import emit, machine
+from bench.train_step import build_step
 from moetrain import metrics
 from moetrain.model.config import PRESETS, ModelConfig
-from moetrain.train_state import graphdef_of, init_state
-from moetrain.train_step import StepConfig, train_step
 
 # ~1.07B active (5.33 FFN experts of 32 + 16 zero, top-8), ~2.4B total parameters.
 MFU_1B = ModelConfig(
@@ -61,27 +57,8 @@ def main():
   cfg = dataclasses.replace(
     base, dtype=args.dtype, remat=args.remat, moe_backend=args.backend, param_dtype='float32'
   )
-  opt = optax.adamw(1e-4)
-  state = jax.jit(lambda: init_state(cfg, opt, 0))()
-  step = jax.jit(
-    functools.partial(
-      train_step,
-      graphdef=graphdef_of(cfg),
-      optimizer=opt,
-      lr_fn=lambda s: 1e-4,
-      cfg=StepConfig(model=cfg),
-    ),
-    donate_argnums=0,
-  )
+  step, state, batch = build_step(cfg, args.batch, args.seq)
   b, t = args.batch, args.seq
-  ids = np.random.default_rng(0).integers(0, cfg.vocab_size, (b, t + 1)).astype(np.int32)
-  batch = {
-    'inputs': ids[:, :-1],
-    'targets': ids[:, 1:],
-    'segment_ids': np.ones((b, t), np.int32),
-    'positions': np.tile(np.arange(t, dtype=np.int32), (b, 1)),
-    'loss_mask': np.ones((b, t), np.float32),
-  }
   state, m = step(state, batch)  # compile
   jax.block_until_ready(m['loss'])
   times = []

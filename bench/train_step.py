@@ -35,6 +35,11 @@ def make_step(mode: str, quant: str, dtype: str, remat: str, backend: str):
   cfg = dataclasses.replace(
     PRESETS['medium'], dtype=dtype, remat=remat, lora=lora, quant=quant, moe_backend=backend
   )
+  return build_step(cfg, 4, 512)
+
+
+def build_step(cfg, batch_size: int, seq_len: int):
+  """A jitted AdamW train step of `cfg` (state donated), its initial state and a random batch."""
   opt = optax.adamw(1e-4)
   state = jax.jit(lambda: init_state(cfg, opt, 0))()
   step = jax.jit(
@@ -47,14 +52,14 @@ def make_step(mode: str, quant: str, dtype: str, remat: str, backend: str):
     ),
     donate_argnums=0,
   )
-  rng = np.random.default_rng(0)
-  ids = rng.integers(0, cfg.vocab_size, (4, 513)).astype(np.int32)
+  b, t = batch_size, seq_len
+  ids = np.random.default_rng(0).integers(0, cfg.vocab_size, (b, t + 1)).astype(np.int32)
   batch = {
     'inputs': ids[:, :-1],
     'targets': ids[:, 1:],
-    'segment_ids': np.ones((4, 512), np.int32),
-    'positions': np.tile(np.arange(512, dtype=np.int32), (4, 1)),
-    'loss_mask': np.ones((4, 512), np.float32),
+    'segment_ids': np.ones((b, t), np.int32),
+    'positions': np.tile(np.arange(t, dtype=np.int32), (b, 1)),
+    'loss_mask': np.ones((b, t), np.float32),
   }
   return step, state, batch
 

@@ -134,16 +134,19 @@ def combine(y_RD, kept_R, idx_MA, gates_MA, cfg: ModelConfig):
   return y_MD.astype(dtype_of(cfg.dtype)), (routed_MA & ~kept_MA).astype(jnp.float32)
 
 
-def resolve_backend(cfg: ModelConfig) -> str:
+def resolve_backend(cfg: ModelConfig, rows: int = 0) -> str:
+  """The grouped-matmul backend for `rows` assignments (0 = unknown: a training batch)."""
   if cfg.moe_backend != 'auto':
     return cfg.moe_backend
   if jax.default_backend() != 'cpu':
     return 'ragged_dot'
-  # bench/RESULTS.md: for the medium experts (512 x 256) 'grouped' beats 'gathered' and
-  # 'blocked'; for the tiny default's (128 x 64) one batched matmul ('gathered') wins, as the
-  # tiles are too small to amortise a loop iteration.
+  # bench/RESULTS.md: for the medium experts (512 x 256) and a training batch 'grouped' beats
+  # 'gathered' and 'blocked'. One batched matmul ('gathered') wins where grouped's per-expert
+  # loop iterations cannot be amortised: small experts (the tiny default's 128 x 64) and few
+  # rows per expert (decoding a handful of tokens).
   big = cfg.hidden_size * cfg.expert_ffn_hidden_size >= 65536
-  return 'grouped' if big else 'gathered'
+  many = rows == 0 or rows >= 64 * cfg.n_routed_experts
+  return 'grouped' if big and many else 'gathered'
 
 
 def make_layout(expert_sorted_R, sizes_E, cfg: ModelConfig, strategy: str) -> Layout:
@@ -151,7 +154,7 @@ def make_layout(expert_sorted_R, sizes_E, cfg: ModelConfig, strategy: str) -> La
   e = sizes_E.shape[0]
   if strategy == 'capacity':
     return capacity_layout(expert_sorted_R, sizes_E, capacity(r // cfg.moe_topk, cfg), cfg)
-  backend = resolve_backend(cfg)
+  backend = resolve_backend(cfg, r)
   if backend in ('blocked', 'gathered'):
     return blocked_layout(sizes_E, r, cfg)
   if backend == 'grouped':
@@ -223,7 +226,7 @@ def blocked_layout(sizes_E, r: int, cfg: ModelConfig) -> Layout:
 
   def run(x_PD, weights, rng):
     x_NBD = x_PD.reshape(nblocks, b, -1)
-    if resolve_backend(cfg) == 'gathered':
+    if resolve_backend(cfg, r) == 'gathered':
       return gathered_ffn(x_NBD, block_expert, weights, cfg, rng)
     return blocked_ffn(x_NBD, block_expert, used, weights, cfg, rng)
 

@@ -59,7 +59,7 @@ def _loss_and_lora_grads(model, ids, pos, seg):
   return nnx.value_and_grad(loss, argnums=nnx.DiffState(0, nnx.LoRAParam))(model)
 
 
-@pytest.mark.parametrize('chunk', [4, 5])
+@pytest.mark.parametrize('chunk', [5, pytest.param(4, marks=pytest.mark.slow)])
 def test_chunked_causal_attention_equals_the_full_square(chunk):
   """Query blocks that skip the keys after them give the full-square result (packed segments,
   a ragged last block), in outputs and in gradients."""

@@ -84,15 +84,22 @@ def _grads(fn, gd, st, x_BTD):
 CFG = with_lora(tiny(moe_backend='blocked', init_std=0.1), rank=3, targets=EXPERT_LORA, alpha=3.0)
 
 
-@pytest.mark.parametrize('backend', ['grouped', 'blocked', 'gathered', 'ragged_dot', 'dense'])
-@pytest.mark.parametrize(
-  'shape',
-  [
-    dict(),
-    dict(n_routed_experts=6, zero_expert_num=2, moe_topk=2),
-    dict(zero_expert_num=0, moe_topk=4),
-  ],
-)
+SHAPES = [
+  dict(),
+  dict(n_routed_experts=6, zero_expert_num=2, moe_topk=2),
+  dict(zero_expert_num=0, moe_topk=4),
+]
+# Every backend on every shape; the loop backends compile slowly (~30 s each on 2 cores), so
+# 'grouped' (its own test below covers ragged groups) and 'blocked' (no longer a default) run one
+# shape by default and the rest under `make test-slow`.
+CASES = [(b, s) for b in ('gathered', 'ragged_dot', 'dense') for s in SHAPES] + [
+  case
+  for b in ('grouped', 'blocked')
+  for case in [(b, SHAPES[0]), *(pytest.param(b, s, marks=pytest.mark.slow) for s in SHAPES[1:])]
+]
+
+
+@pytest.mark.parametrize('backend,shape', CASES)
 def test_moe_matches_per_expert_loop(backend, shape):
   cfg = dataclasses.replace(CFG, moe_backend=backend, **shape)
   moe = make_moe(cfg)
@@ -201,7 +208,9 @@ def test_deterministic():
     np.testing.assert_array_equal(u, v)
 
 
-@pytest.mark.parametrize('sizes', [[5, 0, 9, 3], [0, 0, 0, 0], [4, 8, 0, 12]])
+@pytest.mark.parametrize(
+  'sizes', [[5, 0, 9, 3], [0, 0, 0, 0], pytest.param([4, 8, 0, 12], marks=pytest.mark.slow)]
+)
 def test_grouped_tiles_match_rowwise_experts(sizes):
   """The CPU 'grouped' engine on its own: groups that are empty, shorter than a tile, or not a
   multiple of it; outputs and gradients (x, every weight, and only the adapters, as under LoRA,
@@ -239,7 +248,7 @@ def test_grouped_tiles_match_rowwise_experts(sizes):
   probe = jax.random.normal(next(keys), y.shape).at[rows:].set(0)
   loss = lambda fn: lambda x, w: jnp.sum(fn(x, w) * probe)
   got = jax.jit(jax.grad(loss(engine), argnums=(0, 1)))(x, w)
-  want = jax.grad(loss(rowwise), argnums=(0, 1))(x, w)
+  want = jax.jit(jax.grad(loss(rowwise), argnums=(0, 1)))(x, w)
   np.testing.assert_allclose(got[0][:rows], want[0][:rows], atol=1e-5, rtol=1e-5)
   for k in w:
     np.testing.assert_allclose(got[1][k], want[1][k], atol=1e-5, rtol=1e-5, err_msg=k)

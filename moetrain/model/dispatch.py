@@ -317,9 +317,9 @@ def _group_loop(groups: Groups, b: int, tile, init, open_expert, close_expert=No
 
 
 def _split_trainable(weights: dict):
-  """Float weights get gradients; quantised (QLoRA) base weights are frozen by construction.
-  Frozen float weights (LoRA) still get a gradient accumulator here, but nothing consumes it and
-  XLA removes it from the loop (bench/moe_layer.py measures the LoRA case)."""
+  """Float weights may get gradients; quantised (QLoRA) base weights are frozen by construction.
+  Which float weights are actually differentiated (not the base under LoRA) is known only in the
+  VJP's forward rule (symbolic zeros), which narrows the gradient work to those."""
   frozen = {k: v for k, v in weights.items() if isinstance(v, quant.QTensor)}
   return {k: v for k, v in weights.items() if k not in frozen}, frozen
 
@@ -412,8 +412,8 @@ def _expert_ffn_bwd(b, cfg, res, g_PD):
     zero = jax.tree.map(lambda v: jnp.zeros(v.shape[1:], jnp.float32), w_train)
     return _expert_slice(w_train, e), _expert_slice(w_frozen, e), zero
 
-  def tile(local, row, valid, dx_PD):
-    train_e, frozen_e, acc = local
+  def tile(local, row, valid, carry):
+    (dx_PD, dw_E), (train_e, frozen_e, acc) = carry, local
     key = _tile_key(rng, row)
     # Rows past the group belong to the next expert: no gradient from them here.
     g = jnp.where((jnp.arange(b) < valid)[:, None], rows(g_PD, row), 0).astype(x_PD.dtype)
@@ -428,20 +428,16 @@ def _expert_ffn_bwd(b, cfg, res, g_PD):
     dw1, dx = vjp1((dgate, dup))
     dx_PD = jax.lax.dynamic_update_slice_in_dim(dx_PD, dx.astype(dx_PD.dtype), row, 0)
     acc = jax.tree.map(lambda a, u, v: a + u + v, acc, f32(dw1), f32(dw2))
-    return dx_PD, (train_e, frozen_e, acc)
+    return (dx_PD, dw_E), (train_e, frozen_e, acc)
 
   def close_expert(e, local, carry):
     dx_PD, dw_E = carry
     put = lambda d, a: jax.lax.dynamic_update_index_in_dim(d, a, e, 0)
     return dx_PD, jax.tree.map(put, dw_E, local[2])
 
-  def tile_dx(local, row, valid, carry):
-    dx_PD, local = tile(local, row, valid, carry[0])
-    return (dx_PD, carry[1]), local
-
   dw_init = jax.tree.map(lambda v: jnp.zeros(v.shape, jnp.float32), w_train)
   init = (jnp.zeros_like(x_PD), dw_init)
-  dx_PD, dw_E = _group_loop(groups, b, tile_dx, init, open_expert, close_expert)
+  dx_PD, dw_E = _group_loop(groups, b, tile, init, open_expert, close_expert)
   dw = {k: dw_E[k].astype(w_train[k].dtype) if k in w_train else None for k in train_keys}
   return dx_PD, dw, None, None, None
 

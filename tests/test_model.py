@@ -63,7 +63,7 @@ def _loss_and_lora_grads(model, ids, pos, seg):
 def test_chunked_causal_attention_equals_the_full_square(chunk):
   """Query blocks that skip the keys after them give the full-square result (packed segments,
   a ragged last block), in outputs and in gradients."""
-  cfg = with_lora(tiny(attention_chunk=0))
+  cfg = with_lora(tiny(attention_chunk=0, num_layers=1))
   model, ids = model_and_ids(cfg, t=12)
   randomize(model, 5, nnx.LoRAParam)
   seg = jnp.array([[1] * 5 + [2] * 7, [1] * 9 + [0] * 3])

@@ -40,6 +40,8 @@ def get_config() -> config_dict.ConfigDict:
   m.moe_backend = 'auto'  # auto | ragged_dot | grouped | blocked | gathered | dense
   m.moe_block_size = 0  # row tile of the CPU backends (grouped/blocked/gathered); 0 = auto
   m.moe_expert_parallel = True  # shard_map experts over the 'expert' mesh axis when it is > 1
+  m.moe_ep_comm = 'auto'  # auto | fixed | ragged: expert-parallel token exchange
+  m.moe_ep_recv_factor = 0.0  # ragged receive buffer / local assignments; 0 = ep (never drops)
   m.moe_expected_ffn_experts = 0.0  # K_e target of balancing; 0 = top_k * E / (E + Z)
   m.moe_balance_groups = 1  # FFN-expert groups of the device-level balance loss
   m.quant = 'none'  # none | int8 | int4: storage of the frozen base (QLoRA)

@@ -75,6 +75,8 @@ ENGINE_FIELDS = (
   'moe_backend',
   'moe_block_size',
   'moe_expert_parallel',
+  'moe_ep_comm',
+  'moe_ep_recv_factor',
   'moe_expected_ffn_experts',
   'moe_balance_groups',
   'quant',

@@ -8,6 +8,7 @@ from moetrain.sharding import Rules
 REMAT_POLICIES = ('none', 'full', 'save_dots', 'save_moe', 'offload')
 MOE_DISPATCH = ('dropless', 'capacity')
 MOE_BACKENDS = ('auto', 'ragged_dot', 'grouped', 'blocked', 'gathered', 'dense')
+MOE_EP_COMM = ('auto', 'fixed', 'ragged')
 QUANT_MODES = ('none', 'int8', 'int4')
 
 
@@ -73,6 +74,14 @@ class ModelConfig:
   moe_backend: str = 'auto'
   moe_block_size: int = 0  # row tile of the CPU backends (grouped, blocked, gathered); 0 = auto.
   moe_expert_parallel: bool = True  # shard_map over the 'expert' mesh axis when it is > 1.
+  # Token exchange of expert parallelism: 'fixed' all_to_all buffers (any platform), 'ragged'
+  # ragged_all_to_all straight into expert-sorted receive buffers (GPU/TPU; emulated on CPU),
+  # 'auto' = ragged where the platform has it.
+  moe_ep_comm: str = 'auto'
+  # Receive buffer of the ragged exchange (dropless) in local assignments; 0 = ep times them, the
+  # worst case, so nothing can drop. A smaller buffer bounds memory at large ep and drops (and
+  # reports) what overflows it.
+  moe_ep_recv_factor: float = 0.0
   moe_expected_ffn_experts: float = 0.0  # K_e of the balancing targets; 0 = uniform top_k*E/(E+Z).
   moe_balance_groups: int = 1  # FFN-expert groups of the device-level balance loss.
   # Fine-tuning.
@@ -137,6 +146,11 @@ class ModelConfig:
       f'{self.moe_dispatch!r} unknown; use one of {MOE_DISPATCH}',
     )
     need(
+      self.moe_ep_comm in MOE_EP_COMM,
+      'moe_ep_comm',
+      f'{self.moe_ep_comm!r} unknown; use one of {MOE_EP_COMM}',
+    )
+    need(
       self.moe_backend in MOE_BACKENDS,
       'moe_backend',
       f'{self.moe_backend!r} unknown; use one of {MOE_BACKENDS}',
@@ -153,6 +167,7 @@ class ModelConfig:
     )
     need(self.attention_chunk >= 0, 'attention_chunk', 'must be >= 0 (0 = no chunking)')
     need(self.moe_capacity_factor > 0, 'moe_capacity_factor', 'must be > 0')
+    need(self.moe_ep_recv_factor >= 0, 'moe_ep_recv_factor', 'must be >= 0 (0 = worst case)')
     need(self.dtype in ('bfloat16', 'float32', 'float16'), 'dtype', f'{self.dtype!r} unsupported')
     need(
       self.param_dtype in ('bfloat16', 'float32'),

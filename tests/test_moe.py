@@ -92,11 +92,18 @@ SHAPES = [
 # Every backend on every shape; the loop backends compile slowly (~30 s each on 2 cores), so
 # 'grouped' (its own test below covers ragged groups) and 'blocked' (no longer a default) run one
 # shape by default and the rest under `make test-slow`.
-CASES = [(b, s) for b in ('gathered', 'ragged_dot', 'dense') for s in SHAPES] + [
-  case
-  for b in ('grouped', 'blocked')
-  for case in [(b, SHAPES[0]), *(pytest.param(b, s, marks=pytest.mark.slow) for s in SHAPES[1:])]
-]
+CASES = (
+  [(b, s) for b in ('gathered', 'ragged_dot', 'dense') for s in SHAPES]
+  + [
+    ('megablox', SHAPES[0]),  # the TPU kernel in Pallas' interpret mode
+    *(pytest.param('megablox', s, marks=pytest.mark.slow) for s in SHAPES[1:]),
+  ]
+  + [
+    case
+    for b in ('grouped', 'blocked')
+    for case in [(b, SHAPES[0]), *(pytest.param(b, s, marks=pytest.mark.slow) for s in SHAPES[1:])]
+  ]
+)
 
 
 @pytest.mark.parametrize('backend,shape', CASES)
@@ -284,14 +291,16 @@ def test_deterministic():
 
 
 @pytest.mark.parametrize(
-  'sizes', [[5, 0, 9, 3], [0, 0, 0, 0], pytest.param([4, 8, 0, 12], marks=pytest.mark.slow)]
+  'sizes', [[5, 0, 55, 27], [0, 0, 0, 0], pytest.param([40, 8, 0, 71], marks=pytest.mark.slow)]
 )
 def test_grouped_tiles_match_rowwise_experts(sizes):
   """The CPU 'grouped' engine on its own: groups that are empty, shorter than a tile, or not a
-  multiple of it; outputs and gradients (x, every weight, and only the adapters, as under LoRA,
-  where the base weights get no gradient work) against a per-row computation."""
+  multiple of it, finished by every piece of the tile ladder (32-row tiles; 16 and 8-row
+  pieces); outputs and gradients (x, every weight, and only the adapters, as under LoRA, where
+  the base weights get no gradient work) against a per-row computation."""
   cfg = with_lora(tiny(expert_ffn_hidden_size=6), rank=2, targets=EXPERT_LORA, alpha=2.0)
-  e, d, f, b = len(sizes), cfg.hidden_size, 6, 4
+  e, d, f, b = len(sizes), cfg.hidden_size, 6, 32
+  assert dispatch.tile_ladder(b) == (32, 16, 8)
   sizes_E = jnp.array(sizes, jnp.int32)
   rows = sum(sizes)
   keys = iter(jax.random.split(jax.random.key(0), 16))

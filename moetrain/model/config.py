@@ -7,7 +7,7 @@ from moetrain.sharding import Rules
 
 REMAT_POLICIES = ('none', 'full', 'save_dots', 'save_moe', 'offload')
 MOE_DISPATCH = ('dropless', 'capacity')
-MOE_BACKENDS = ('auto', 'ragged_dot', 'grouped', 'blocked', 'gathered', 'dense')
+MOE_BACKENDS = ('auto', 'ragged_dot', 'megablox', 'grouped', 'blocked', 'gathered', 'dense')
 MOE_EP_COMM = ('auto', 'fixed', 'ragged')
 QUANT_MODES = ('none', 'int8', 'int4')
 

@@ -335,65 +335,21 @@ class Groups(NamedTuple):
   size: jax.Array
 
 
-def tile_ladder(b: int) -> tuple[int, ...]:
-  """Row counts of the tiles that finish a group after its full b-row tiles: b, b/2, b/4 (at
-  least 8), so a group pads to a multiple of the smallest, not of b (< b/4 rows per expert
-  instead of < b; 5% of the medium benchmark's rows instead of 15%)."""
-  return tuple(t for t in (b, b // 2, b // 4) if t >= 8) or (b,)
-
-
 def _group_loop(groups: Groups, b: int, tile, init, open_expert, close_expert=None):
   """For each expert e in order: local = open_expert(e) (its weight slice, an accumulator);
-  then for each tile of its group in row order: carry, local = tile(local, row, size, valid,
-  carry), where row is the tile's first row, size indexes tile_ladder(b) (its row count; the
-  tile reads and writes b rows and computes on the first ladder[size], see run_rows) and valid
-  counts the rows that are e's; finally carry = close_expert(e, local, carry). Tiles are b rows
-  while a full one fits, then the remainder rounded up to the smallest rung, in descending
-  rungs."""
-  ladder = tile_ladder(b)
-  unit = ladder[-1]
+  then for each b-row tile of its group in row order, with row its first row and valid how
+  many rows are e's: carry, local = tile(local, row, valid, carry); finally
+  carry = close_expert(e, local, carry)."""
 
   def expert(e, carry):
-    start, size = groups.start[e], groups.size[e]
-    full = size // b
-    rest = -(-(size - full * b) // unit) * unit  # <= b: a sum of distinct rungs (greedy)
-    trips = full
-    for n in ladder:
-      trips += (rest >= n).astype(full.dtype)
-      rest = jnp.where(rest >= n, rest - n, rest)
+    def body(j, c):
+      size = groups.size[e] - j * b
+      return tile(c[1], groups.start[e] + j * b, jnp.minimum(size, b), c[0])
 
-    def body(_, c):
-      carry, local, done = c
-      left = -(-(size - done) // unit) * unit
-      idx = sum((left < n).astype(jnp.int32) for n in ladder[:-1])
-      n = jnp.asarray(ladder, jnp.int32)[idx]
-      carry, local = tile(local, start + done, idx, jnp.minimum(size - done, n), carry)
-      return carry, local, done + n
-
-    carry, local, _ = jax.lax.fori_loop(0, trips, body, (carry, open_expert(e), 0))
+    carry, local = jax.lax.fori_loop(0, -(-groups.size[e] // b), body, (carry, open_expert(e)))
     return close_expert(e, local, carry) if close_expert else carry
 
   return jax.lax.fori_loop(0, groups.size.shape[0], expert, init)
-
-
-def run_rows(fn, size, b: int, *tiles):
-  """fn(*tiles) on the first tile_ladder(b)[size] rows of b-row tiles: fn returns (rows, other)
-  and `rows` come back padded to b rows (the padding is garbage, overwritten later like any
-  overrun). A switch over the rungs: only the small tiles pass through it, never the big
-  buffers (a conditional may copy what it carries)."""
-  ladder = tile_ladder(b)
-  if len(ladder) == 1:
-    return fn(*tiles)
-
-  def rung(n):
-    def branch(*ts):
-      rows, other = fn(*(t[:n] for t in ts))
-      pad = lambda r: jnp.pad(r, [(0, b - n)] + [(0, 0)] * (r.ndim - 1))
-      return jax.tree.map(pad, rows), other
-
-    return branch
-
-  return jax.lax.switch(size, [rung(n) for n in ladder], *tiles)
 
 
 def _split_trainable(weights: dict):
@@ -443,16 +399,12 @@ def _ffn_forward(x_PD, w_train, w_frozen, groups, rng, b, cfg):
   def weights(e):
     return {**_expert_slice(w_train, e), **_expert_slice(w_frozen, e)}
 
-  def tile(w, row, size, valid, carry):
+  def tile(w, row, valid, carry):
     key = _tile_key(rng, row)
-
-    def fn(x):
-      gate, up = first(w, x, key)
-      return (second(w, gate, up, key), gate, up), ()
-
-    outs, _ = run_rows(fn, size, b, jax.lax.dynamic_slice_in_dim(x_PD, row, b))
+    gate, up = first(w, jax.lax.dynamic_slice_in_dim(x_PD, row, b), key)
+    y = second(w, gate, up, key)
     put = lambda buf, v: jax.lax.dynamic_update_slice_in_dim(buf, v.astype(dt), row, 0)
-    return tuple(put(buf, v) for buf, v in zip(carry, outs)), w
+    return tuple(put(buf, v) for buf, v in zip(carry, (y, gate, up))), w
 
   return _group_loop(groups, b, tile, init, weights)
 
@@ -488,6 +440,7 @@ def _expert_ffn_bwd(b, cfg, res, g_PD):
   if isinstance(g_PD, jax.custom_derivatives.SymbolicZero):
     g_PD = jnp.zeros(x_PD.shape, x_PD.dtype)
   first, second = _tile_fns(cfg)
+  rows = lambda buf, row: jax.lax.dynamic_slice_in_dim(buf, row, b)
   f32 = lambda t: jax.tree.map(lambda v: v.astype(jnp.float32), t)
 
   def open_expert(e):
@@ -495,28 +448,25 @@ def _expert_ffn_bwd(b, cfg, res, g_PD):
     zero = jax.tree.map(lambda v: jnp.zeros(v.shape[1:], jnp.float32), w_train)
     return _expert_slice(w_train, e), _expert_slice(w_frozen, e), zero
 
-  def tile(local, row, size, valid, carry):
+  def tile(local, row, valid, carry):
     (dx_PD, dw_E), (train_e, frozen_e, acc) = carry, local
     key = _tile_key(rng, row)
-
-    def fn(g, gate, up, x):
-      g = g.astype(x.dtype)
-      if w_train:
-        # Rows past the group belong to the next expert: they must not reach this expert's
-        # weight gradients. (Their dx rows are rewritten by the next expert's tiles, later.)
-        g = jnp.where((jnp.arange(g.shape[0]) < valid)[:, None], g, 0)
-      _, vjp2 = jax.vjp(
-        lambda wt, gate, up: second({**wt, **frozen_e}, gate, up, key), train_e, gate, up
-      )
-      dw2, dgate, dup = vjp2(g)
-      _, vjp1 = jax.vjp(lambda wt, x: first({**wt, **frozen_e}, x, key), train_e, x)
-      dw1, dx = vjp1((dgate, dup))
-      return dx, jax.tree.map(lambda u, v: f32(u) + f32(v), dw1, dw2)
-
-    tiles = (jax.lax.dynamic_slice_in_dim(buf, row, b) for buf in (g_PD, gate_PF, up_PF, x_PD))
-    dx, dw = run_rows(fn, size, b, *tiles)
+    g = rows(g_PD, row).astype(x_PD.dtype)
+    if w_train:
+      # Rows past the group belong to the next expert: they must not reach this expert's weight
+      # gradients. (Their dx rows are rewritten by the next expert's tiles, which come later.)
+      g = jnp.where((jnp.arange(b) < valid)[:, None], g, 0)
+    _, vjp2 = jax.vjp(
+      lambda wt, gate, up: second({**wt, **frozen_e}, gate, up, key),
+      train_e,
+      rows(gate_PF, row),
+      rows(up_PF, row),
+    )
+    dw2, dgate, dup = vjp2(g)
+    _, vjp1 = jax.vjp(lambda wt, x: first({**wt, **frozen_e}, x, key), train_e, rows(x_PD, row))
+    dw1, dx = vjp1((dgate, dup))
     dx_PD = jax.lax.dynamic_update_slice_in_dim(dx_PD, dx.astype(dx_PD.dtype), row, 0)
-    acc = jax.tree.map(jnp.add, acc, dw)
+    acc = jax.tree.map(lambda a, u, v: a + u + v, acc, f32(dw1), f32(dw2))
     return (dx_PD, dw_E), (train_e, frozen_e, acc)
 
   def close_expert(e, local, carry):

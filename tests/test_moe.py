@@ -95,7 +95,7 @@ SHAPES = [
 CASES = (
   [(b, s) for b in ('gathered', 'ragged_dot', 'dense') for s in SHAPES]
   + [
-    ('megablox', SHAPES[0]),  # the TPU kernel in Pallas' interpret mode
+    ('megablox', SHAPES[0]),  # the TPU kernel in Pallas interpret mode
     *(pytest.param('megablox', s, marks=pytest.mark.slow) for s in SHAPES[1:]),
   ]
   + [

@@ -138,9 +138,8 @@ def resolve_backend(cfg: ModelConfig, rows: int = 0) -> str:
   """The grouped-matmul backend for `rows` assignments (0 = unknown: a training batch)."""
   if cfg.moe_backend != 'auto':
     return cfg.moe_backend
-  if jax.default_backend() == 'tpu':
-    return 'megablox'
   if jax.default_backend() != 'cpu':
+    # 'megablox' (the Pallas TPU kernel) is opt-in until it has been timed on a TPU.
     return 'ragged_dot'
   # bench/RESULTS.md: for the medium experts (512 x 256) and a training batch 'grouped' beats
   # 'gathered' and 'blocked'. One batched matmul ('gathered') wins where grouped's per-expert
@@ -191,28 +190,28 @@ def _gmm_tile(dim: int) -> int:
 
 def megablox_ffn(x_RD, sizes_E, weights, cfg: ModelConfig, rng):
   """The Pallas TPU grouped matmul (jax.experimental.pallas.ops.tpu.megablox). Elsewhere it runs
-  in Pallas' interpret mode: slow, but it checks this path on CPU. The kernel leaves rows past
-  the groups (zero-expert assignments) unwritten, so they are masked to zeros, which also keeps
-  their garbage out of the gradients."""
+  in Pallas' interpret mode: slow, but it checks this path on CPU. Rows are padded to a multiple
+  of the row tile, and the kernel leaves rows past the groups (zero-expert assignments, padding)
+  unwritten, so they are masked to zeros, which also keeps their garbage out of the gradients."""
   from jax.experimental.pallas.ops.tpu.megablox import ops as megablox
 
   dt = dtype_of(cfg.dtype)
   r = x_RD.shape[0]
-  inside = (jnp.arange(r) < jnp.sum(sizes_E))[:, None]
+  tm = 128 if r >= 128 else -(-r // 16) * 16
+  rows = -(-r // tm) * tm
+  inside = (jnp.arange(rows) < jnp.sum(sizes_E))[:, None]
   interpret = jax.default_backend() != 'tpu'
 
   def mm(x, w):
     w = quant.dequant(w, dt)
     k, n = w.shape[1:]
-    tm = min(128, -(-r // 8) * 8)
-    y = megablox.gmm(
-      x.astype(dt), w, sizes_E, dt, (tm, _gmm_tile(k), _gmm_tile(n)), None, None, False, interpret
-    )
+    tiling = (tm, _gmm_tile(k), _gmm_tile(n))
+    y = megablox.gmm(x.astype(dt), w, sizes_E, dt, tiling, None, None, False, interpret)
     return jnp.where(inside, y, 0)
 
-  return swiglu(
-    jnp.where(inside, x_RD, 0), with_lora(mm, weights, cfg.lora.scale, rng, cfg.lora.dropout), dt
-  )
+  x_PD = jnp.where(inside, jnp.pad(x_RD, ((0, rows - r), (0, 0))), 0)
+  mm = with_lora(mm, weights, cfg.lora.scale, rng, cfg.lora.dropout)
+  return swiglu(x_PD, mm, dt)[:r]
 
 
 def dense_ffn(x_RD, expert_R, weights, cfg: ModelConfig, rng):

@@ -233,11 +233,15 @@ def test_ragged_plan_is_consistent_across_shards():
       assert kept.sum() < counts.sum() and (kept <= counts).all()
 
 
-def test_ragged_expert_parallel_drops_exactly_what_it_reports():
-  """A receive buffer smaller than the worst case drops overflow; the output is then the
-  single-device output with exactly the reported assignments' gates zeroed."""
+@pytest.mark.parametrize(
+  'bound', [dict(moe_ep_recv_factor=0.5), dict(moe_dispatch='capacity', moe_capacity_factor=0.5)]
+)
+def test_ragged_expert_parallel_drops_exactly_what_it_reports(bound):
+  """A receive buffer smaller than the worst case (bounded for dropless, or sized by the
+  capacity factor) drops overflow; the output is then the single-device dropless output with
+  exactly the reported assignments' gates zeroed."""
   cfg = dataclasses.replace(
-    CFG, rules=sharding.Rules.preset('fsdp_ep_tp'), moe_ep_comm='ragged', moe_ep_recv_factor=0.5
+    CFG, rules=sharding.Rules.preset('fsdp_ep_tp'), moe_ep_comm='ragged', **bound
   )
   moe = make_moe(cfg)
   m = 64
@@ -252,7 +256,7 @@ def test_ragged_expert_parallel_drops_exactly_what_it_reports():
     args = [jax.device_put(a, spec) for a in (x, idx, gates)]
     y, dropped = jax.jit(lambda *a: dispatch.routed_experts(*a, w, cfg))(*args)
   assert 0 < float(dropped.sum()) < float((idx < cfg.n_routed_experts).sum())
-  single = dataclasses.replace(cfg, moe_expert_parallel=False)
+  single = dataclasses.replace(cfg, moe_expert_parallel=False, moe_dispatch='dropless')
   y_ref, _ = dispatch.routed_experts(x, idx, jnp.where(dropped > 0, 0.0, gates), w, single)
   np.testing.assert_allclose(y, y_ref, atol=1e-5)
 

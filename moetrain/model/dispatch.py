@@ -182,15 +182,22 @@ def ragged_ffn(x_RD, sizes_E, weights, cfg: ModelConfig, rng):
   return swiglu(x_RD, with_lora(mm, weights, cfg.lora.scale, rng, cfg.lora.dropout), dt)
 
 
-def _gmm_tile(dim: int) -> int:
-  """A megablox tile for a K or N dimension: the largest of 512/256/128 that divides it (TPU
-  lanes), else the whole dimension (small LoRA ranks, toy models)."""
-  return next((t for t in (512, 256, 128) if dim % t == 0), dim)
+def _gmm_tile(k: int, n: int) -> int | None:
+  """One megablox tile for both the K and N dimensions: its VJP reuses the forward's tiling for
+  the transposed products, so the tile must suit both (TPU lanes: a multiple of 128 dividing
+  each). None where there is none (small LoRA ranks)."""
+  return next((t for t in (512, 256, 128) if k % t == 0 and n % t == 0), None)
+
+
+def megablox_interpret() -> bool:
+  """The megablox kernel is Mosaic (TPU) code; elsewhere Pallas interprets it."""
+  return jax.default_backend() != 'tpu'
 
 
 def megablox_ffn(x_RD, sizes_E, weights, cfg: ModelConfig, rng):
-  """The Pallas TPU grouped matmul (jax.experimental.pallas.ops.tpu.megablox). Elsewhere it runs
-  in Pallas' interpret mode: slow, but it checks this path on CPU. Rows are padded to a multiple
+  """The Pallas TPU grouped matmul (jax.experimental.pallas.ops.tpu.megablox) for the expert
+  weights; the LoRA adapters' thin products (rank < 128) go through ragged_dot. Off TPU the
+  kernel runs in Pallas' interpret mode: slow, but it checks this path on CPU. Rows are padded to a multiple
   of the row tile, and the kernel leaves rows past the groups (zero-expert assignments, padding)
   unwritten, so they are masked to zeros, which also keeps their garbage out of the gradients."""
   from jax.experimental.pallas.ops.tpu.megablox import ops as megablox
@@ -200,13 +207,15 @@ def megablox_ffn(x_RD, sizes_E, weights, cfg: ModelConfig, rng):
   tm = 128 if r >= 128 else -(-r // 16) * 16
   rows = -(-r // tm) * tm
   inside = (jnp.arange(rows) < jnp.sum(sizes_E))[:, None]
-  interpret = jax.default_backend() != 'tpu'
+  interpret = megablox_interpret()
 
   def mm(x, w):
     w = quant.dequant(w, dt)
-    k, n = w.shape[1:]
-    tiling = (tm, _gmm_tile(k), _gmm_tile(n))
-    y = megablox.gmm(x.astype(dt), w, sizes_E, dt, tiling, None, None, False, interpret)
+    t = _gmm_tile(*w.shape[1:])
+    if t is None:  # the thin LoRA products: XLA's ragged_dot
+      y = jax.lax.ragged_dot(x.astype(dt), w, sizes_E, preferred_element_type=dt)
+    else:
+      y = megablox.gmm(x.astype(dt), w, sizes_E, dt, (tm, t, t), None, None, False, interpret)
     return jnp.where(inside, y, 0)
 
   x_PD = jnp.where(inside, jnp.pad(x_RD, ((0, rows - r), (0, 0))), 0)

@@ -89,14 +89,17 @@ SHAPES = [
   dict(n_routed_experts=6, zero_expert_num=2, moe_topk=2),
   dict(zero_expert_num=0, moe_topk=4),
 ]
+LANES = dict(hidden_size=128, expert_ffn_hidden_size=128)
 # Every backend on every shape; the loop backends compile slowly (~30 s each on 2 cores), so
 # 'grouped' (its own test below covers ragged groups) and 'blocked' (no longer a default) run one
 # shape by default and the rest under `make test-slow`.
 CASES = (
   [(b, s) for b in ('gathered', 'ragged_dot', 'dense') for s in SHAPES]
   + [
-    ('megablox', SHAPES[0]),  # the TPU kernel in Pallas interpret mode
-    *(pytest.param('megablox', s, marks=pytest.mark.slow) for s in SHAPES[1:]),
+    # The TPU kernel in Pallas interpret mode, on lane-sized experts (D, F multiples of 128; the
+    # rank-3 adapters take ragged_dot).
+    ('megablox', LANES),
+    *(pytest.param('megablox', {**s, **LANES}, marks=pytest.mark.slow) for s in SHAPES[1:]),
   ]
   + [
     case
@@ -114,6 +117,9 @@ def test_moe_matches_per_expert_loop(backend, shape):
   y, _ = run(moe, x)
   want = jit_call(_reference, moe, x)
   np.testing.assert_allclose(y, want, atol=1e-5, rtol=1e-5)
+  if backend == 'megablox':
+    gd, st = nnx.split(moe)
+    assert 'pallas_call' in str(jax.make_jaxpr(lambda st: _engine(nnx.merge(gd, st), x))(st))
   g_engine = loss_and_grads(moe, x, _engine)
   g_ref = loss_and_grads(moe, x, _reference)
   for a, b in zip(jax.tree.leaves(g_engine), jax.tree.leaves(g_ref)):

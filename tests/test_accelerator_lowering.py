@@ -68,4 +68,6 @@ def test_ragged_expert_parallel_lowers_for_tpu(accelerator_code):
 def test_ragged_expert_parallel_lowers_for_gpu(accelerator_code):
   cfg = dataclasses.replace(CFG, moe_backend='ragged_dot', **EP)
   text = _export_moe_grad(cfg, 'cuda', (1, 2, 4, 1))
-  assert 'ragged_all_to_all' in text
+  # Tokens out and results back, then the gradient's two reverse exchanges.
+  calls = [line for line in text.splitlines() if 'custom_call @ragged_all_to_all(' in line]
+  assert len(calls) == 4, calls

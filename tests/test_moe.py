@@ -207,24 +207,6 @@ def test_emulated_ragged_all_to_all_follows_the_jax_docs():
   np.testing.assert_array_equal(out, [1, 3, 0, 0, 2, 2, 4, 0])
 
 
-def test_ragged_expert_parallel_lowers_to_ragged_all_to_all(monkeypatch):
-  """Off CPU the exchange is the real lax.ragged_all_to_all, forward and (as the reverse
-  exchange) backward. XLA:CPU cannot compile it, but tracing and lowering on the CPU mesh
-  checks what GPUs and TPUs will be given: operand shapes and offset dtypes."""
-  cfg = dataclasses.replace(CFG, rules=sharding.Rules.preset('fsdp_ep_tp'), moe_ep_comm='ragged')
-  monkeypatch.setattr(dispatch, 'emulate_ragged_all_to_all', lambda: False)
-  moe = make_moe(cfg)
-  x = jax.random.normal(jax.random.key(4), (8, 8, cfg.hidden_size))
-  mesh = sharding.make_mesh((1, 2, 4, 1))
-  with jax.set_mesh(mesh):
-    gd, st = nnx.split(moe)
-    spec = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(('data', 'fsdp', 'expert')))
-    loss = lambda st, x: jnp.sum(_engine(nnx.merge(gd, st), x) ** 2)
-    hlo = jax.jit(jax.grad(loss, argnums=(0, 1))).lower(st, jax.device_put(x, spec)).as_text()
-  # Forward out and back, and the same two again as the gradient's reverse exchanges.
-  assert hlo.count('ragged_all_to_all') >= 4, hlo.count('ragged_all_to_all')
-
-
 def test_ragged_plan_is_consistent_across_shards():
   """Every shard's plan agrees with its peers' (what s sends to d is what d expects from s, at
   the same offsets), receive regions are disjoint, expert-sorted and inside the buffer, and a

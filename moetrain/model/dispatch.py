@@ -712,6 +712,8 @@ def ragged_plan(counts_SE, me, e_loc: int, buf: int):
 
 
 def _ep_ragged_shard(x_MD, idx_MA, gates_MA, weights, cfg: ModelConfig, ep: int, rng):
+  """One shard's side of the ragged exchange: sort by expert, send each group to its expert's
+  shard, run the local experts on the (already expert-sorted) rows received, send them back."""
   e = cfg.n_routed_experts
   e_loc = e // ep
   order_R, expert_sorted_R, sizes_E = sort_assignments(idx_MA.reshape(-1), e)

@@ -9,7 +9,7 @@ import numpy as np
 import optax
 
 from moetrain.model.config import PRESETS
-from moetrain.tools.plan import param_counts
+from moetrain.tools.plan import ep_exchange, param_counts
 from moetrain.train_state import graphdef_of, init_state
 from moetrain.train_step import StepConfig, train_step
 from tests.helpers import tiny, with_lora
@@ -69,3 +69,17 @@ def test_flash_dry_run_parameter_counts():
   counts = param_counts(dataclasses.replace(PRESETS['flash']))
   assert round(counts['total'] / 1e9, 2) == 560.66
   assert [round(counts['active'][k] / 1e9, 2) for k in (0, 8, 12)] == [18.69, 27.15, 31.38]
+
+
+def test_dry_run_reports_expert_parallel_receive_buffers():
+  """Per MoE layer and shard: 4096 tokens x top-12 local assignments; dropless buffers are ep
+  times that; moe_ep_recv_factor bounds the ragged one."""
+  cfg = PRESETS['flash']
+  mesh = (1, 2, 4, 1)  # 8 shards of a 16 x 2048-token batch
+  ex = ep_exchange(cfg, mesh, 2048, 16)
+  assert ex['fixed']['local_rows'] == ex['ragged']['local_rows'] == 4096 * 12
+  assert ex['fixed']['recv_rows'] == ex['ragged']['recv_rows'] == 4 * 4096 * 12
+  assert ex['ragged']['recv_bytes'] == 4 * 4096 * 12 * cfg.hidden_size * 2  # bfloat16
+  bounded = ep_exchange(dataclasses.replace(cfg, moe_ep_recv_factor=1.5), mesh, 2048, 16)
+  assert bounded['ragged']['recv_rows'] == 1.5 * 4096 * 12
+  assert ep_exchange(cfg, (8, 1, 1, 1), 2048, 16) == {}

@@ -3,9 +3,11 @@
 import math
 
 import jax
+import jax.numpy as jnp
 from flax import nnx
 
-from moetrain import train
+from moetrain import sharding, train
+from moetrain.model import dispatch
 from moetrain.model.transformer import Transformer
 
 
@@ -25,6 +27,32 @@ def param_counts(cfg) -> dict:
   return {'total': base, 'routed_experts': routed, 'adapters': adapters, 'active': active}
 
 
+def ep_exchange(cfg, mesh_shape, seq_len: int, global_batch_size: int) -> dict:
+  """Per MoE layer and shard, the expert-parallel exchange's receive buffer (rows, and bytes in
+  the compute dtype) for each exchange `model.moe_ep_comm` may use; {} without expert
+  parallelism. Dropless buffers are sized for the worst case: at scale, bound them."""
+  sizes = dict(zip(sharding.MESH_AXES, mesh_shape))
+  ep = sizes.get('expert', 1)
+  if ep <= 1 or not cfg.moe_expert_parallel:
+    return {}
+  shards = sizes.get('data', 1) * sizes.get('fsdp', 1) * ep
+  rows = global_batch_size * seq_len // shards * cfg.moe_topk  # local assignments
+  recv = {
+    'fixed': ep * dispatch.ep_capacity(rows, cfg, ep),
+    'ragged': dispatch.ep_recv_rows(rows, cfg, ep),
+  }
+  comms = ('fixed', 'ragged') if cfg.moe_ep_comm == 'auto' else (cfg.moe_ep_comm,)
+  itemsize = jnp.dtype(cfg.dtype).itemsize
+  return {
+    c: {
+      'local_rows': rows,
+      'recv_rows': recv[c],
+      'recv_bytes': recv[c] * cfg.hidden_size * itemsize,
+    }
+    for c in comms
+  }
+
+
 def dry_run(config) -> dict:
   # The mesh is validated for the smallest device count it fits, not this machine's devices.
   setup = train.build(config, num_devices=math.prod(s for s in config.mesh.shape if s > 0))
@@ -37,4 +65,16 @@ def dry_run(config) -> dict:
   )
   for k, v in counts['active'].items():
     print(f'activated per token with {k:2d} FFN experts (input embedding excluded): {v / b:.2f}B')
-  return counts
+  ex = ep_exchange(setup.model, setup.mesh_shape, setup.data.seq_len, setup.data.global_batch_size)
+  for comm, e in ex.items():
+    print(
+      f'expert-parallel exchange {comm!r} (model.moe_ep_comm), per MoE layer and shard: '
+      f'{e["local_rows"]} local assignments, receive buffer {e["recv_rows"]} rows = '
+      f'{e["recv_bytes"] / 2**30:.2f} GiB'
+    )
+  if any(e['recv_rows'] == e['local_rows'] * setup.mesh_shape[2] for e in ex.values()):
+    print(
+      'worst-case (dropless) receive buffers: bound them with model.moe_ep_recv_factor '
+      "(ragged) or model.moe_dispatch='capacity'"
+    )
+  return {**counts, 'ep_exchange': ex}

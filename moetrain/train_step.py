@@ -125,7 +125,7 @@ def train_step(
 ):
   rng, step_rng = jax.random.split(jax.random.wrap_key_data(state.rng))
   loss, stats, grads = grads_and_stats(state, graphdef, batch, step_rng, cfg)
-  grad_norm = optax.global_norm(grads)
+  grad_norm = optax.tree.norm(grads)
   finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
 
   def update(state):

@@ -4,16 +4,20 @@ compile. This checks the megablox backend and the ragged expert-parallel exchang
 can be checked here; it does not run them."""
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
+import optax
 import pytest
 from flax import nnx
 
 from moetrain import sharding
 from moetrain.model import dispatch
 from moetrain.model.moe import MoE
-from tests.helpers import tiny, with_lora
+from moetrain.train_state import graphdef_of, init_state, state_shardings
+from moetrain.train_step import StepConfig, train_step
+from tests.helpers import ALL_TARGETS, tiny, with_lora
 
 RAGGED_A2A = jax.export.DisabledSafetyCheck.custom_call('ragged_all_to_all')
 
@@ -71,3 +75,38 @@ def test_ragged_expert_parallel_lowers_for_gpu(accelerator_code):
   # Tokens out and results back, then the gradient's two reverse exchanges.
   calls = [line for line in text.splitlines() if 'custom_call @ragged_all_to_all(' in line]
   assert len(calls) == 4, calls
+
+
+@pytest.mark.parametrize('platform,backend', [('tpu', 'megablox'), ('cuda', 'ragged_dot')])
+def test_sharded_train_step_lowers(accelerator_code, platform, backend):
+  """The whole LoRA training step (attention, MoE with ragged expert parallelism, loss, AdamW),
+  jitted with the state and batch shardings the training loop uses on a (1,2,4,1) mesh."""
+  cfg = with_lora(dataclasses.replace(CFG, moe_backend=backend, **EP), rank=8, targets=ALL_TARGETS)
+  opt = optax.adamw(1e-4)
+  mesh = sharding.make_mesh((1, 2, 4, 1))
+  with jax.set_mesh(mesh):
+    abstract = jax.eval_shape(lambda: init_state(cfg, opt, 0))
+    shardings = state_shardings(abstract, mesh, cfg.rules)
+    batch_sharding = sharding.batch_sharding(mesh)
+    step = jax.jit(
+      functools.partial(
+        train_step,
+        graphdef=graphdef_of(cfg),
+        optimizer=opt,
+        lr_fn=lambda s: 1e-4,
+        cfg=StepConfig(model=cfg),
+      ),
+      in_shardings=(shardings, batch_sharding),
+      out_shardings=(shardings, None),
+    )
+    spec = lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s)
+    state = jax.tree.map(spec, abstract, shardings)
+    fields = dict(inputs=jnp.int32, targets=jnp.int32, segment_ids=jnp.int32, positions=jnp.int32)
+    batch = {
+      k: jax.ShapeDtypeStruct((8, 64), t, sharding=batch_sharding) for k, t in fields.items()
+    }
+    batch['loss_mask'] = jax.ShapeDtypeStruct((8, 64), jnp.float32, sharding=batch_sharding)
+    export = jax.export.export(step, platforms=[platform], disabled_checks=[RAGGED_A2A])
+    text = export(state, batch).mlir_module()
+  assert 'ragged_all_to_all(' in text
+  assert (backend == 'megablox') == ('tpu_custom_call' in text)

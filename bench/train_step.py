@@ -10,7 +10,6 @@ alternating with moetrain, and the ratio of median tokens/s is reported.
 
 import argparse
 import dataclasses
-import functools
 import json
 import os
 import statistics
@@ -24,8 +23,8 @@ import optax
 
 from bench.common import emit, machine
 from moetrain.model.config import PRESETS, LoraConfig
-from moetrain.train_state import graphdef_of, init_state
-from moetrain.train_step import StepConfig, train_step
+from moetrain.train_state import init_state
+from moetrain.train_step import StepConfig, jit_train_step
 
 LORA_TARGETS = r'attn_\d\.(q_a|q_b|kv_a|kv_b|o)$|mlp_\d\.(gate|up|down)$|experts\.(gate|up|down)$'
 
@@ -42,16 +41,7 @@ def build_step(cfg, batch_size: int, seq_len: int):
   """A jitted AdamW train step of `cfg` (state donated), its initial state and a random batch."""
   opt = optax.adamw(1e-4)
   state = jax.jit(lambda: init_state(cfg, opt, 0))()
-  step = jax.jit(
-    functools.partial(
-      train_step,
-      graphdef=graphdef_of(cfg),
-      optimizer=opt,
-      lr_fn=lambda s: 1e-4,
-      cfg=StepConfig(model=cfg),
-    ),
-    donate_argnums=0,
-  )
+  step = jit_train_step(StepConfig(model=cfg), opt, lambda s: 1e-4)
   b, t = batch_size, seq_len
   ids = np.random.default_rng(0).integers(0, cfg.vocab_size, (b, t + 1)).astype(np.int32)
   batch = {

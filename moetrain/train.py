@@ -22,7 +22,7 @@ from moetrain.train_state import (
   state_from_weights,
   state_shardings,
 )
-from moetrain.train_step import StepConfig, eval_step, train_step
+from moetrain.train_step import StepConfig, eval_step, jit_train_step
 
 
 @dataclasses.dataclass(frozen=True)
@@ -264,14 +264,7 @@ def run(config, workdir: str) -> dict:
       writer.close()
       return {'step': start, 'finished': True}
     shardings = state_shardings(jax.eval_shape(lambda: state), mesh, setup.model.rules)
-    step_fn = jax.jit(
-      functools.partial(
-        train_step, graphdef=graphdef, optimizer=optimizer, lr_fn=lr_fn, cfg=setup.step
-      ),
-      in_shardings=(shardings, batch_sharding),
-      out_shardings=(shardings, None),
-      donate_argnums=0,
-    )
+    step_fn = jit_train_step(setup.step, optimizer, lr_fn, shardings, batch_sharding)
     eval_fn = jax.jit(functools.partial(eval_step, graphdef=graphdef))
     state, last = loop(
       setup, state, step_fn, eval_fn, train_iter, eval_batches, ckpt, writer, batch_sharding, mesh

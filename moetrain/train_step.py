@@ -2,6 +2,7 @@
 update) and eval step. No I/O and no config dicts."""
 
 import dataclasses
+import functools
 from collections.abc import Callable
 
 import jax
@@ -9,7 +10,7 @@ import jax.numpy as jnp
 import optax
 
 from moetrain.model.config import ModelConfig
-from moetrain.train_state import TrainState, merge_model
+from moetrain.train_state import TrainState, graphdef_of, merge_model
 
 
 @dataclasses.dataclass(frozen=True)
@@ -161,6 +162,21 @@ def train_step(
     'moe': stats['moe'],
   }
   return new_state, metrics
+
+
+def jit_train_step(
+  cfg: StepConfig, optimizer, lr_fn, shardings=None, batch_sharding=None, donate: bool = True
+):
+  """train_step jitted for cfg.model (graphdef, optimizer and schedule bound). With shardings
+  (the state's), the state keeps them and the batch arrives in batch_sharding. The donated state
+  is updated in place."""
+  fn = functools.partial(
+    train_step, graphdef=graphdef_of(cfg.model), optimizer=optimizer, lr_fn=lr_fn, cfg=cfg
+  )
+  placed = {}
+  if shardings is not None:
+    placed = dict(in_shardings=(shardings, batch_sharding), out_shardings=(shardings, None))
+  return jax.jit(fn, donate_argnums=0 if donate else (), **placed)
 
 
 def eval_step(state: TrainState, batch, *, graphdef):

@@ -4,7 +4,6 @@ compile. This checks the megablox backend and the ragged expert-parallel exchang
 can be checked here; it does not run them."""
 
 import dataclasses
-import functools
 
 import jax
 import jax.numpy as jnp
@@ -15,8 +14,8 @@ from flax import nnx
 from moetrain import sharding
 from moetrain.model import dispatch
 from moetrain.model.moe import MoE
-from moetrain.train_state import graphdef_of, init_state, state_shardings
-from moetrain.train_step import StepConfig, train_step
+from moetrain.train_state import init_state, state_shardings
+from moetrain.train_step import StepConfig, jit_train_step
 from tests.helpers import ALL_TARGETS, tiny, with_lora
 
 RAGGED_A2A = jax.export.DisabledSafetyCheck.custom_call('ragged_all_to_all')
@@ -88,17 +87,7 @@ def test_sharded_train_step_lowers(accelerator_code, platform, backend):
     abstract = jax.eval_shape(lambda: init_state(cfg, opt, 0))
     shardings = state_shardings(abstract, mesh, cfg.rules)
     batch_sharding = sharding.batch_sharding(mesh)
-    step = jax.jit(
-      functools.partial(
-        train_step,
-        graphdef=graphdef_of(cfg),
-        optimizer=opt,
-        lr_fn=lambda s: 1e-4,
-        cfg=StepConfig(model=cfg),
-      ),
-      in_shardings=(shardings, batch_sharding),
-      out_shardings=(shardings, None),
-    )
+    step = jit_train_step(StepConfig(model=cfg), opt, lambda s: 1e-4, shardings, batch_sharding)
     spec = lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s)
     state = jax.tree.map(spec, abstract, shardings)
     fields = dict(inputs=jnp.int32, targets=jnp.int32, segment_ids=jnp.int32, positions=jnp.int32)

@@ -1,7 +1,6 @@
 """LoRA and QLoRA: merge, only adapters train, quantisation error bounds, storage bytes."""
 
 import dataclasses
-import functools
 
 import jax
 import jax.numpy as jnp
@@ -12,8 +11,8 @@ from flax import nnx
 
 from moetrain.model import lora, quant
 from moetrain.model.transformer import Transformer
-from moetrain.train_state import graphdef_of, init_state, split_model
-from moetrain.train_step import StepConfig, train_step
+from moetrain.train_state import init_state, split_model
+from moetrain.train_step import StepConfig, jit_train_step
 from tests.helpers import forward, model_and_ids, nonzero_bias, randomize, tiny, with_lora
 from tests.test_sharding import batch
 
@@ -41,15 +40,7 @@ def test_gradients_reach_only_adapters():
   n_adapters = sum(x.size for x in jax.tree.leaves(state.params))
   n_opt = sum(x.size for x in jax.tree.leaves(state.opt_state))
   assert n_opt == 2 * n_adapters + 1  # mu, nu and the step count
-  step = jax.jit(
-    functools.partial(
-      train_step,
-      graphdef=graphdef_of(cfg),
-      optimizer=opt,
-      lr_fn=lambda s: 1e-2,
-      cfg=StepConfig(model=cfg),
-    )
-  )
+  step = jit_train_step(StepConfig(model=cfg), opt, lambda s: 1e-2, donate=False)
   new, _ = step(state, batch())
   for a, b in zip(jax.tree.leaves(new.frozen), jax.tree.leaves(state.frozen)):
     np.testing.assert_array_equal(a, b)

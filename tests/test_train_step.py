@@ -1,7 +1,6 @@
 """Train step: gradient accumulation equals one big batch; the non-finite guard; dry-run counts."""
 
 import dataclasses
-import functools
 
 import jax
 import jax.numpy as jnp
@@ -10,8 +9,8 @@ import optax
 
 from moetrain.model.config import PRESETS
 from moetrain.tools.plan import ep_exchange, param_counts
-from moetrain.train_state import graphdef_of, init_state
-from moetrain.train_step import StepConfig, train_step
+from moetrain.train_state import init_state
+from moetrain.train_step import StepConfig, jit_train_step
 from tests.helpers import tiny, with_lora
 from tests.test_sharding import batch
 
@@ -21,22 +20,15 @@ CFG = with_lora(tiny(init_std=0.05))
 def step_fn(cfg, accum, opt, balance_loss=0.0):
   # The balance loss is defined per micro-batch (TR: P_j averaged over the micro-batch), so it
   # is not additive across micro-batches; every other term is.
-  return jax.jit(
-    functools.partial(
-      train_step,
-      graphdef=graphdef_of(cfg),
-      optimizer=opt,
-      lr_fn=lambda s: 1e-2,
-      cfg=StepConfig(
-        model=cfg,
-        grad_accum_steps=accum,
-        router_z_loss=1e-3,
-        balance_loss=balance_loss,
-        hidden_z_loss=1e-4,
-        bias_update_rate=1e-2,
-      ),
-    )
+  step_cfg = StepConfig(
+    model=cfg,
+    grad_accum_steps=accum,
+    router_z_loss=1e-3,
+    balance_loss=balance_loss,
+    hidden_z_loss=1e-4,
+    bias_update_rate=1e-2,
   )
+  return jit_train_step(step_cfg, opt, lambda s: 1e-2, donate=False)
 
 
 def test_gradient_accumulation_equals_full_batch():

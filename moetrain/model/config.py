@@ -10,6 +10,16 @@ MOE_DISPATCH = ('dropless', 'capacity')
 MOE_BACKENDS = ('auto', 'ragged_dot', 'megablox', 'grouped', 'blocked', 'gathered', 'dense')
 MOE_EP_COMM = ('auto', 'fixed', 'ragged')
 QUANT_MODES = ('none', 'int8', 'int4')
+# The fields that take one of a fixed set of values.
+CHOICES = {
+  'remat': REMAT_POLICIES,
+  'moe_dispatch': MOE_DISPATCH,
+  'moe_ep_comm': MOE_EP_COMM,
+  'moe_backend': MOE_BACKENDS,
+  'quant': QUANT_MODES,
+  'dtype': ('bfloat16', 'float32', 'float16'),
+  'param_dtype': ('bfloat16', 'float32'),
+}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -137,24 +147,9 @@ class ModelConfig:
       f'top-k {self.moe_topk} exceeds the {self.num_experts_total} experts '
       f'(n_routed_experts + zero_expert_num); lower it or add experts',
     )
-    need(
-      self.remat in REMAT_POLICIES, 'remat', f'{self.remat!r} unknown; use one of {REMAT_POLICIES}'
-    )
-    need(
-      self.moe_dispatch in MOE_DISPATCH,
-      'moe_dispatch',
-      f'{self.moe_dispatch!r} unknown; use one of {MOE_DISPATCH}',
-    )
-    need(
-      self.moe_ep_comm in MOE_EP_COMM,
-      'moe_ep_comm',
-      f'{self.moe_ep_comm!r} unknown; use one of {MOE_EP_COMM}',
-    )
-    need(
-      self.moe_backend in MOE_BACKENDS,
-      'moe_backend',
-      f'{self.moe_backend!r} unknown; use one of {MOE_BACKENDS}',
-    )
+    for field, choices in CHOICES.items():
+      value = getattr(self, field)
+      need(value in choices, field, f'{value!r} unknown; use one of {choices}')
     need(
       self.n_routed_experts % self.moe_balance_groups == 0,
       'moe_balance_groups',
@@ -168,13 +163,6 @@ class ModelConfig:
     need(self.attention_chunk >= 0, 'attention_chunk', 'must be >= 0 (0 = no chunking)')
     need(self.moe_capacity_factor > 0, 'moe_capacity_factor', 'must be > 0')
     need(self.moe_ep_recv_factor >= 0, 'moe_ep_recv_factor', 'must be >= 0 (0 = worst case)')
-    need(self.dtype in ('bfloat16', 'float32', 'float16'), 'dtype', f'{self.dtype!r} unsupported')
-    need(
-      self.param_dtype in ('bfloat16', 'float32'),
-      'param_dtype',
-      f'{self.param_dtype!r} unsupported',
-    )
-    need(self.quant in QUANT_MODES, 'quant', f'{self.quant!r} unknown; use one of {QUANT_MODES}')
     need(
       self.quant == 'none' or self.lora.enabled,
       'quant',

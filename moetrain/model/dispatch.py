@@ -197,9 +197,10 @@ def megablox_interpret() -> bool:
 def megablox_ffn(x_RD, sizes_E, weights, cfg: ModelConfig, rng):
   """The Pallas TPU grouped matmul (jax.experimental.pallas.ops.tpu.megablox) for the expert
   weights; the LoRA adapters' thin products (rank < 128) go through ragged_dot. Off TPU the
-  kernel runs in Pallas' interpret mode: slow, but it checks this path on CPU. Rows are padded to a multiple
-  of the row tile, and the kernel leaves rows past the groups (zero-expert assignments, padding)
-  unwritten, so they are masked to zeros, which also keeps their garbage out of the gradients."""
+  kernel runs in Pallas' interpret mode: slow, but it checks this path on CPU. Rows are padded
+  to a multiple of the row tile, and the kernel leaves rows past the groups (zero-expert
+  assignments, padding) unwritten, so they are masked to zeros, which also keeps their garbage
+  out of the gradients."""
   from jax.experimental.pallas.ops.tpu.megablox import ops as megablox
 
   dt = dtype_of(cfg.dtype)

@@ -48,6 +48,7 @@ def ep_exchange(cfg, mesh_shape, seq_len: int, global_batch_size: int) -> dict:
       'local_rows': rows,
       'recv_rows': recv[c],
       'recv_bytes': recv[c] * cfg.hidden_size * itemsize,
+      'worst_case': recv[c] == ep * rows,
     }
     for c in comms
   }
@@ -72,7 +73,7 @@ def dry_run(config) -> dict:
       f'{e["local_rows"]} local assignments, receive buffer {e["recv_rows"]} rows = '
       f'{e["recv_bytes"] / 2**30:.2f} GiB'
     )
-  if any(e['recv_rows'] == e['local_rows'] * setup.mesh_shape[2] for e in ex.values()):
+  if any(e['worst_case'] for e in ex.values()):
     print(
       'worst-case (dropless) receive buffers: bound them with model.moe_ep_recv_factor '
       "(ragged) or model.moe_dispatch='capacity'"

@@ -35,6 +35,7 @@ def get_config() -> config_dict.ConfigDict:
   m.param_dtype = 'float32'  # storage dtype of parameters
   m.remat = 'full'  # none | full | save_dots | save_moe | offload
   m.attention_chunk = 128  # query block of causal attention (skips keys past it); 0 = off
+  m.loss_chunk = 256  # positions per block of the lm head + loss ([B, T, V] never whole); 0 = off
   m.moe_dispatch = 'dropless'  # dropless | capacity
   m.moe_capacity_factor = 1.25  # capacity dispatch: buffer = factor * uniform share
   m.moe_backend = 'auto'  # auto | ragged_dot | megablox | grouped | blocked | gathered | dense

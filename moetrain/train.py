@@ -70,6 +70,7 @@ ENGINE_FIELDS = (
   'param_dtype',
   'remat',
   'attention_chunk',
+  'loss_chunk',
   'moe_dispatch',
   'moe_capacity_factor',
   'moe_backend',

@@ -10,6 +10,7 @@ import jax.numpy as jnp
 import optax
 
 from moetrain.model.config import ModelConfig
+from moetrain.model.head import head_cross_entropy
 from moetrain.train_state import TrainState, graphdef_of, merge_model
 
 
@@ -24,21 +25,17 @@ class StepConfig:
   bias_update_decay_steps: int = 0  # cosine decay of mu to 0 over this many steps; 0 = constant
 
 
-def cross_entropy(logits_BTV, targets_BT, mask_BT):
-  """Masked sums of the NLL and of the tokens whose target holds the top logit. "Correct" compares
-  the target's logit with the row max that the log-sum-exp needs anyway (a tie counts as correct)
-  instead of an argmax: XLA:CPU runs that variadic reduce over the vocabulary slowly."""
-  max_BT = jax.lax.stop_gradient(jnp.max(logits_BTV, axis=-1))
-  logz_BT = max_BT + jnp.log(jnp.sum(jnp.exp(logits_BTV - max_BT[..., None]), axis=-1))
-  gold_BT = jnp.take_along_axis(logits_BTV, targets_BT[..., None], axis=-1)[..., 0]
-  nll_BT = (logz_BT - gold_BT) * mask_BT
-  correct_BT = (gold_BT >= max_BT) * mask_BT
-  return nll_BT.sum(), correct_BT.sum()
-
-
-def forward(params, moe_bias, frozen, graphdef, batch, rng=None):
+def forward_loss(params, moe_bias, frozen, graphdef, batch, rng=None):
+  """(masked NLL sum, correct count, aux) of the model on a batch, the loss chunked along the
+  sequence by model.loss_chunk so that the [B, T, V] logits never exist whole."""
   model = merge_model(graphdef, params, moe_bias, frozen)
-  return model(batch['inputs'], batch['positions'], batch['segment_ids'], rng)
+  h_BTD, aux = model.features(batch['inputs'], batch['positions'], batch['segment_ids'], rng)
+  mask = batch['loss_mask'].astype(jnp.float32)
+  with jax.named_scope('lm_head'):
+    nll, correct = head_cross_entropy(
+      model.lm_head, h_BTD, batch['targets'], mask, model.cfg.loss_chunk, rng, model.cfg.rules
+    )
+  return nll, correct, aux
 
 
 def token_counts(batch):
@@ -52,9 +49,8 @@ def loss_fn(params, moe_bias, frozen, graphdef, batch, rng, totals, cfg: StepCon
   """Token-mean cross entropy over the whole (global) batch plus the weighted aux losses.
   `totals` are the full batch's token counts, so micro-batch losses add up to the full-batch loss."""
   n_tokens, n_routed = totals
-  logits, aux = forward(params, moe_bias, frozen, graphdef, batch, rng)
+  nll, correct, aux = forward_loss(params, moe_bias, frozen, graphdef, batch, rng)
   mask = batch['loss_mask'].astype(jnp.float32)
-  nll, correct = cross_entropy(logits, batch['targets'], mask)
   moe = aux['moe']
   # This micro-batch's share of the routed tokens, so per-micro-batch MoE means average correctly.
   frac = token_counts(batch)[1] / n_routed
@@ -180,7 +176,6 @@ def jit_train_step(
 
 
 def eval_step(state: TrainState, batch, *, graphdef):
-  logits, _ = forward(state.params, state.moe_bias, state.frozen, graphdef, batch)
+  nll, correct, _ = forward_loss(state.params, state.moe_bias, state.frozen, graphdef, batch)
   mask = batch['loss_mask'].astype(jnp.float32)
-  nll, correct = cross_entropy(logits, batch['targets'], mask)
   return {'nll_sum': nll, 'correct': correct, 'tokens': mask.sum()}

@@ -78,6 +78,9 @@ class ModelConfig:
   # Query block of causal self-attention: each block of queries scores only the keys up to its
   # last position, skipping the upper triangle block by block; 0 = one block (the full square).
   attention_chunk: int = 128
+  # Sequence positions per block of the training/eval loss: the lm head and its cross entropy run
+  # block by block, so only [B, loss_chunk, V] logits exist at a time; 0 = one block.
+  loss_chunk: int = 256
   # MoE engine.
   moe_dispatch: str = 'dropless'
   moe_capacity_factor: float = 1.25
@@ -161,6 +164,7 @@ class ModelConfig:
       'must be below moe_topk when zero experts exist',
     )
     need(self.attention_chunk >= 0, 'attention_chunk', 'must be >= 0 (0 = no chunking)')
+    need(self.loss_chunk >= 0, 'loss_chunk', 'must be >= 0 (0 = no chunking)')
     need(self.moe_capacity_factor > 0, 'moe_capacity_factor', 'must be > 0')
     need(self.moe_ep_recv_factor >= 0, 'moe_ep_recv_factor', 'must be >= 0 (0 = worst case)')
     need(

@@ -115,8 +115,17 @@ class Transformer(nnx.Module):
     )
 
   def __call__(self, ids_BT, positions_BT=None, segment_ids_BT=None, rng=None):
-    """Returns float32 logits [B, T, V] and aux: per-layer routing stats stacked on axis 0 and
-    the pre-norm last hidden state's per-token log-sum-exp (for the hidden z-loss)."""
+    """Returns float32 logits [B, T, V] and the aux of `features`."""
+    h_BTD, aux = self.features(ids_BT, positions_BT, segment_ids_BT, rng)
+    with jax.named_scope('lm_head'):
+      logits_BTV = self.lm_head(h_BTD, rng).astype(jnp.float32)
+      logits_BTV = constrain(logits_BTV, ('batch', 'seq', 'vocab'), self.cfg.rules)
+    return logits_BTV, aux
+
+  def features(self, ids_BT, positions_BT=None, segment_ids_BT=None, rng=None):
+    """The lm head's input (the final-normed hidden states [B, T, D]) and aux: per-layer routing
+    stats stacked on axis 0 and the pre-norm last hidden state's per-token log-sum-exp (for the
+    hidden z-loss). Training takes the loss from here (model/head.py), never the whole logits."""
     b, t = ids_BT.shape
     if positions_BT is None:
       positions_BT = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
@@ -125,10 +134,7 @@ class Transformer(nnx.Module):
     h_BTD = constrain(self.embed(ids_BT), ACT, self.cfg.rules)
     h_BTD, stats = self.run_layers(h_BTD, positions_BT, segment_ids_BT, rng)
     z_BT = jax.nn.logsumexp(jnp.abs(h_BTD.astype(jnp.float32)), axis=-1)
-    with jax.named_scope('lm_head'):
-      logits_BTV = self.lm_head(self.final_norm(h_BTD), rng).astype(jnp.float32)
-      logits_BTV = constrain(logits_BTV, ('batch', 'seq', 'vocab'), self.cfg.rules)
-    return logits_BTV, {'moe': stats, 'hidden_lse_BT': z_BT}
+    return self.final_norm(h_BTD), {'moe': stats, 'hidden_lse_BT': z_BT}
 
   def run_layers(self, h_BTD, positions_BT, segment_ids_BT, rng):
     graphdef, state = nnx.split(self.layers)

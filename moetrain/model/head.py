@@ -1,0 +1,134 @@
+"""Cross entropy of the lm head, fused and chunked along the sequence.
+
+The [B, T, V] float32 logits are the largest activation of a training step (LongCat's vocabulary
+of 131072 over 8192 tokens is 4 GiB per sequence, plus as much again for their gradient). Here
+the head runs on blocks of `chunk` positions: each block's logits give its NLL, its correct
+count and, when differentiating, straight away the gradient of the NLL with respect to the
+block's hidden states and the head's trained weights (softmax minus one-hot, pulled back through
+the head). Only [B, chunk, V] logits exist at a time, and the backward pass is a scale of what
+the forward left behind: no logits are stored for it and none are recomputed.
+"""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from moetrain.sharding import constrain
+
+
+def head_cross_entropy(
+  head: nnx.Module, h_BTD, targets_BT, mask_BT, chunk: int, rng=None, rules=()
+):
+  """Masked sums (NLL, tokens whose target holds the top logit) of head(h) against targets.
+
+  head(x_BcD, rng) -> logits [B, c, V] (an nnx module, LoRA adapters and quantised weights
+  included); chunk = positions per block (0 = one block). Dropout keys fold in the block index.
+  Differentiable in h and in the head's float weights; "correct" is a count (no gradient).
+  """
+  graphdef, state = nnx.split(head)
+  leaves, treedef = jax.tree.flatten(state)
+  mask_BT = mask_BT.astype(jnp.float32)
+  return _head_ce(leaves, h_BTD, targets_BT, mask_BT, rng, (graphdef, treedef, rules), chunk)
+
+
+def _blocks(h_BTD, targets_BT, mask_BT, chunk: int):
+  """[n, B, c, ...] blocks of the sequence (padded with masked positions to a multiple of c)."""
+  t = targets_BT.shape[1]
+  c = chunk if 0 < chunk < t else t
+  pad = -t % c
+
+  def split(x):
+    x = jnp.pad(x, [(0, 0), (0, pad)] + [(0, 0)] * (x.ndim - 2))
+    return x.reshape(x.shape[0], -1, c, *x.shape[2:]).swapaxes(0, 1)
+
+  return split(h_BTD), split(targets_BT), split(mask_BT)
+
+
+def _stats(logits_BcV, targets_Bc, mask_Bc):
+  """(nll sum, correct count, d nll / d logits) of one block, in float32."""
+  max_Bc = jnp.max(logits_BcV, axis=-1)
+  exp_BcV = jnp.exp(logits_BcV - max_Bc[..., None])
+  sum_Bc = jnp.sum(exp_BcV, axis=-1)
+  gold_Bc = jnp.take_along_axis(logits_BcV, targets_Bc[..., None], axis=-1)[..., 0]
+  nll = jnp.sum((max_Bc + jnp.log(sum_Bc) - gold_Bc) * mask_Bc)
+  # "Correct" compares the target's logit with the row max the log-sum-exp needs anyway (a tie
+  # counts) instead of an argmax: XLA:CPU runs that variadic reduce over the vocabulary slowly.
+  correct = jnp.sum((gold_Bc >= max_Bc) * mask_Bc)
+  onehot_BcV = jax.nn.one_hot(targets_Bc, logits_BcV.shape[-1], dtype=jnp.float32)
+  dlogits_BcV = (exp_BcV / sum_Bc[..., None] - onehot_BcV) * mask_Bc[..., None]
+  return nll, correct, dlogits_BcV
+
+
+def _logits_fn(static, rng):
+  graphdef, treedef, rules = static
+
+  def logits(leaves, x_BcD, i):
+    key = None if rng is None else jax.random.fold_in(rng, i)
+    head = nnx.merge(graphdef, jax.tree.unflatten(treedef, leaves))
+    return constrain(head(x_BcD, key).astype(jnp.float32), ('batch', 'seq', 'vocab'), rules)
+
+  return logits
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6))
+def _head_ce(leaves, h_BTD, targets_BT, mask_BT, rng, static, chunk):
+  logits = _logits_fn(static, rng)
+  h_N, t_N, m_N = _blocks(h_BTD, targets_BT, mask_BT, chunk)
+
+  def block(_, xs):
+    h, t, m, i = xs
+    nll, correct, _ = _stats(logits(leaves, h, i), t, m)
+    return None, (nll, correct)
+
+  _, (nll, correct) = jax.lax.scan(block, None, (h_N, t_N, m_N, jnp.arange(h_N.shape[0])))
+  return nll.sum(), correct.sum()
+
+
+def _is_primal(p):
+  return isinstance(p, jax.custom_derivatives.CustomVJPPrimal)
+
+
+def _head_ce_fwd(leaves, h_BTD, targets_BT, mask_BT, rng, static, chunk):
+  # symbolic_zeros: inputs arrive as CustomVJPPrimal(value, perturbed); only the perturbed head
+  # weights (not the frozen base under LoRA) get gradient work.
+  trained = [p.perturbed for p in leaves]
+  value = lambda t: jax.tree.map(lambda p: p.value, t, is_leaf=_is_primal)
+  leaves, h_BTD, targets_BT, mask_BT, rng = value((leaves, h_BTD, targets_BT, mask_BT, rng))
+  need = [v for v, d in zip(leaves, trained) if d]
+
+  def with_need(w):
+    it = iter(w)
+    return [next(it) if d else v for v, d in zip(leaves, trained)]
+
+  logits = _logits_fn(static, rng)
+  h_N, t_N, m_N = _blocks(h_BTD, targets_BT, mask_BT, chunk)
+
+  def block(acc, xs):
+    h, t, m, i = xs
+    out, pull = jax.vjp(lambda w, x: logits(with_need(w), x, i), need, h)
+    nll, correct, dlogits = _stats(out, t, m)
+    dw, dh = pull(dlogits)
+    return [a + g.astype(jnp.float32) for a, g in zip(acc, dw)], (nll, correct, dh)
+
+  acc = [jnp.zeros(v.shape, jnp.float32) for v in need]
+  xs = (h_N, t_N, m_N, jnp.arange(h_N.shape[0]))
+  dw, (nll, correct, dh_N) = jax.lax.scan(block, acc, xs)
+  b, t = targets_BT.shape
+  dh_BTD = dh_N.swapaxes(0, 1).reshape(b, -1, h_BTD.shape[-1])[:, :t]
+  it = iter(dw)
+  dw = [next(it).astype(v.dtype) if d else None for v, d in zip(leaves, trained)]
+  return (nll.sum(), correct.sum()), (dh_BTD, dw)
+
+
+def _head_ce_bwd(static, chunk, res, g):
+  dh_BTD, dw = res
+  g_nll = g[0]
+  if isinstance(g_nll, jax.custom_derivatives.SymbolicZero):
+    g_nll = jnp.zeros((), jnp.float32)
+  scale = lambda x: None if x is None else (x * g_nll).astype(x.dtype)
+  return [scale(w) for w in dw], scale(dh_BTD), None, None, None
+
+
+_head_ce.defvjp(_head_ce_fwd, _head_ce_bwd, symbolic_zeros=True)

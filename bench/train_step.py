@@ -6,6 +6,11 @@ Medium config: hidden 512, 4 layers, 8 heads, MLA ranks 256/128, 16 routed + 8 z
 width 256, top-4, vocab 32768, batch 4 x 512 tokens. With --hf the same step of transformers 4.57
 (bench/hf_reference_step.py, run with the interpreter in $HF_PYTHON) is timed in the same run,
 alternating with moetrain, and the ratio of median tokens/s is reported.
+
+  python -m bench.train_step --memory [--vocab 131072 --batch 1 --seq 4096] [--loss_chunk 0]
+
+compiles the step only and reports its temporary bytes (XLA's memory analysis), e.g. the logits
+that --loss_chunk 0 (one block: the whole [B, T, V] logits) holds and the default does not.
 """
 
 import argparse
@@ -29,12 +34,13 @@ from moetrain.train_step import StepConfig, jit_train_step
 LORA_TARGETS = r'attn_\d\.(q_a|q_b|kv_a|kv_b|o)$|mlp_\d\.(gate|up|down)$|experts\.(gate|up|down)$'
 
 
-def make_step(mode: str, quant: str, dtype: str, remat: str, backend: str):
+def make_step(mode: str, quant: str, dtype: str, remat: str, backend: str, batch=4, seq=512, **kw):
+  """The issue's medium config and batch; kw overrides other ModelConfig fields."""
   lora = LoraConfig(rank=16, alpha=32.0, targets=LORA_TARGETS) if mode == 'lora' else LoraConfig()
   cfg = dataclasses.replace(
-    PRESETS['medium'], dtype=dtype, remat=remat, lora=lora, quant=quant, moe_backend=backend
+    PRESETS['medium'], dtype=dtype, remat=remat, lora=lora, quant=quant, moe_backend=backend, **kw
   )
-  return build_step(cfg, 4, 512)
+  return build_step(cfg, batch, seq)
 
 
 def build_step(cfg, batch_size: int, seq_len: int):
@@ -99,21 +105,46 @@ def main():
   ap.add_argument('--steps', type=int, default=5)
   ap.add_argument('--rounds', type=int, default=1, help='alternating moetrain/HF rounds')
   ap.add_argument('--hf', action='store_true')
+  ap.add_argument('--loss_chunk', type=int, default=PRESETS['medium'].loss_chunk)
+  ap.add_argument('--vocab', type=int, default=PRESETS['medium'].vocab_size)
+  ap.add_argument('--batch', type=int, default=4)
+  ap.add_argument('--seq', type=int, default=512)
+  ap.add_argument(
+    '--memory', action='store_true', help="compile only; report the step's temporary bytes"
+  )
   args = ap.parse_args()
-  step, state, batch = make_step(args.mode, args.quant, args.dtype, args.remat, args.backend)
+  if args.hf and (args.vocab, args.batch, args.seq) != (PRESETS['medium'].vocab_size, 4, 512):
+    ap.error('--hf runs the reference at the issue shapes: leave --vocab, --batch, --seq alone')
+  shape = dict(batch=args.batch, seq=args.seq, vocab_size=args.vocab, loss_chunk=args.loss_chunk)
+  step, state, batch = make_step(
+    args.mode, args.quant, args.dtype, args.remat, args.backend, **shape
+  )
+  if args.memory:
+    mem = step.lower(state, batch).compile().memory_analysis()
+    emit(
+      {
+        'bench': 'train_step_memory',
+        'mode': args.mode,
+        **shape,
+        'temp_mib': mem.temp_size_in_bytes / 2**20,
+        'args_mib': mem.argument_size_in_bytes / 2**20,
+      }
+    )
+    return
   ours, theirs = [], []
   for _ in range(args.rounds):
     state, times = time_moetrain(step, state, batch, args.steps)
     ours += times
     if args.hf:
       theirs.append(time_hf(args.mode, args.steps))
-  tokens = 4 * 512
+  tokens = args.batch * args.seq
   rec = {
     'bench': 'train_step',
     'mode': args.mode,
     'quant': args.quant,
     'dtype': args.dtype,
     'remat': args.remat,
+    **shape,
     'median_step_s': statistics.median(ours),
     'min_step_s': min(ours),
     'tokens_per_sec': tokens / statistics.median(ours),

@@ -15,7 +15,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from moetrain.model import quant
+from moetrain.model import quant, vjp
 from moetrain.model.config import ModelConfig
 from moetrain.model.layers import dtype_of, lora_dropout
 
@@ -432,22 +432,16 @@ def expert_ffn(x_PD, w_train, w_frozen, groups: Groups, rng, b: int, cfg: ModelC
 def _expert_ffn_fwd(x_PD, w_train, w_frozen, groups, rng, b, cfg):
   # symbolic_zeros: each leaf arrives as CustomVJPPrimal(value, perturbed). Weights that no one
   # differentiates (frozen experts under LoRA) get no gradient loop work at all.
-  value = lambda t: jax.tree.map(lambda p: p.value, t, is_leaf=_is_primal)
   need = {k: p.value for k, p in w_train.items() if p.perturbed}
-  rest = {k: p.value for k, p in w_train.items() if not p.perturbed} | value(w_frozen)
-  x_PD, groups, rng = value(x_PD), value(groups), value(rng)
+  rest = {k: p.value for k, p in w_train.items() if not p.perturbed} | vjp.values(w_frozen)
+  x_PD, groups, rng = vjp.values((x_PD, groups, rng))
   y, gate, up = _ffn_forward(x_PD, need, rest, groups, rng, b, cfg)
   return y, (x_PD, gate, up, need, rest, groups, rng, dict.fromkeys(w_train))
 
 
-def _is_primal(p):
-  return isinstance(p, jax.custom_derivatives.CustomVJPPrimal)
-
-
 def _expert_ffn_bwd(b, cfg, res, g_PD):
   x_PD, gate_PF, up_PF, w_train, w_frozen, groups, rng, train_keys = res
-  if isinstance(g_PD, jax.custom_derivatives.SymbolicZero):
-    g_PD = jnp.zeros(x_PD.shape, x_PD.dtype)
+  g_PD = vjp.dense(g_PD)
   first, second = _tile_fns(cfg)
   rows = lambda buf, row: jax.lax.dynamic_slice_in_dim(buf, row, b)
   f32 = lambda t: jax.tree.map(lambda v: v.astype(jnp.float32), t)

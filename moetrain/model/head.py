@@ -15,6 +15,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from moetrain.model import vjp
 from moetrain.sharding import constrain
 
 
@@ -86,16 +87,11 @@ def _head_ce(leaves, h_BTD, targets_BT, mask_BT, rng, static, chunk):
   return nll.sum(), correct.sum()
 
 
-def _is_primal(p):
-  return isinstance(p, jax.custom_derivatives.CustomVJPPrimal)
-
-
 def _head_ce_fwd(leaves, h_BTD, targets_BT, mask_BT, rng, static, chunk):
   # symbolic_zeros: inputs arrive as CustomVJPPrimal(value, perturbed); only the perturbed head
   # weights (not the frozen base under LoRA) get gradient work.
   trained = [p.perturbed for p in leaves]
-  value = lambda t: jax.tree.map(lambda p: p.value, t, is_leaf=_is_primal)
-  leaves, h_BTD, targets_BT, mask_BT, rng = value((leaves, h_BTD, targets_BT, mask_BT, rng))
+  leaves, h_BTD, targets_BT, mask_BT, rng = vjp.values((leaves, h_BTD, targets_BT, mask_BT, rng))
   need = [v for v, d in zip(leaves, trained) if d]
 
   def with_need(w):
@@ -124,9 +120,7 @@ def _head_ce_fwd(leaves, h_BTD, targets_BT, mask_BT, rng, static, chunk):
 
 def _head_ce_bwd(static, chunk, res, g):
   dh_BTD, dw = res
-  g_nll = g[0]
-  if isinstance(g_nll, jax.custom_derivatives.SymbolicZero):
-    g_nll = jnp.zeros((), jnp.float32)
+  g_nll = vjp.dense(g[0])
   scale = lambda x: None if x is None else (x * g_nll).astype(x.dtype)
   return [scale(w) for w in dw], scale(dh_BTD), None, None, None
 

@@ -107,6 +107,9 @@ def main():
   ap.add_argument('--hf', action='store_true')
   ap.add_argument('--loss_chunk', type=int, default=PRESETS['medium'].loss_chunk)
   ap.add_argument('--vocab', type=int, default=PRESETS['medium'].vocab_size)
+  ap.add_argument(
+    '--scan_layers', type=int, default=0, choices=[0, 1], help='0: unrolled (4 layers: faster)'
+  )
   ap.add_argument('--batch', type=int, default=4)
   ap.add_argument('--seq', type=int, default=512)
   ap.add_argument(
@@ -116,6 +119,7 @@ def main():
   if args.hf and (args.vocab, args.batch, args.seq) != (PRESETS['medium'].vocab_size, 4, 512):
     ap.error('--hf runs the reference at the issue shapes: leave --vocab, --batch, --seq alone')
   shape = dict(batch=args.batch, seq=args.seq, vocab_size=args.vocab, loss_chunk=args.loss_chunk)
+  shape['scan_layers'] = bool(args.scan_layers)
   step, state, batch = make_step(
     args.mode, args.quant, args.dtype, args.remat, args.backend, **shape
   )

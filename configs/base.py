@@ -34,6 +34,7 @@ def get_config() -> config_dict.ConfigDict:
   m.dtype = 'bfloat16'  # compute dtype (router, norms, softmax, loss stay float32)
   m.param_dtype = 'float32'  # storage dtype of parameters
   m.remat = 'full'  # none | full | save_dots | save_moe | offload
+  m.scan_layers = True  # lax.scan over layers; False unrolls them (faster when few, slower compile)
   m.attention_chunk = 128  # query block of causal attention (skips keys past it); 0 = off
   m.loss_chunk = 256  # positions per block of the lm head + loss ([B, T, V] never whole); 0 = off
   m.moe_dispatch = 'dropless'  # dropless | capacity

@@ -69,6 +69,7 @@ ENGINE_FIELDS = (
   'dtype',
   'param_dtype',
   'remat',
+  'scan_layers',
   'attention_chunk',
   'loss_chunk',
   'moe_dispatch',

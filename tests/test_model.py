@@ -82,6 +82,30 @@ def test_chunked_causal_attention_equals_the_full_square(chunk):
     np.testing.assert_allclose(g, r, atol=1e-5, rtol=1e-4)
 
 
+@pytest.mark.parametrize('remat', ['none', 'full'])
+def test_unrolled_layers_equal_the_scan(remat):
+  """scan_layers=False runs the same stacked layer state layer by layer: same logits, routing
+  stats, loss and gradients."""
+  cfg = with_lora(tiny(remat=remat))
+  model, ids = model_and_ids(cfg)
+  randomize(model, 6, nnx.LoRAParam)
+  unrolled = nnx.merge(
+    nnx.graphdef(Transformer(dataclasses.replace(cfg, scan_layers=False), nnx.Rngs(0))),
+    nnx.state(model),
+  )
+  (ref_logits, ref_aux), (logits, aux) = forward(model, ids), forward(unrolled, ids)
+  np.testing.assert_allclose(logits, ref_logits, atol=1e-5, rtol=1e-5)
+  for a, r in zip(jax.tree.leaves(aux), jax.tree.leaves(ref_aux), strict=True):
+    assert a.shape == r.shape
+    np.testing.assert_allclose(a, r, atol=1e-5, rtol=1e-5)
+  pos, seg = jnp.broadcast_to(jnp.arange(ids.shape[1]), ids.shape), jnp.ones_like(ids)
+  ref_loss, ref_grads = jit_call(_loss_and_lora_grads, model, ids, pos, seg)
+  loss, grads = jit_call(_loss_and_lora_grads, unrolled, ids, pos, seg)
+  np.testing.assert_allclose(loss, ref_loss, rtol=1e-6)
+  for g, r in zip(jax.tree.leaves(grads), jax.tree.leaves(ref_grads), strict=True):
+    np.testing.assert_allclose(g, r, atol=1e-5, rtol=1e-4)
+
+
 def test_lora_with_zero_b_equals_base():
   base_cfg = tiny()
   model, ids = model_and_ids(base_cfg)

@@ -75,6 +75,10 @@ class ModelConfig:
   dtype: str = 'bfloat16'  # compute dtype; router, norms, softmax and loss stay float32.
   param_dtype: str = 'float32'
   remat: str = 'full'
+  # Layers as one lax.scan (compile time independent of depth) or unrolled: the scan stacks every
+  # layer's saved activations into [L, ...] buffers and slices them back in the backward pass,
+  # copies an unrolled stack does not make (~5% of a 4-layer CPU step; bench/RESULTS.md).
+  scan_layers: bool = True
   # Query block of causal self-attention: each block of queries scores only the keys up to its
   # last position, skipping the upper triangle block by block; 0 = one block (the full square).
   attention_chunk: int = 128

@@ -147,4 +147,10 @@ class Transformer(nnx.Module):
 
     if self.cfg.remat != 'none':
       body = jax.checkpoint(body, policy=remat_policy(self.cfg.remat), prevent_cse=False)
-    return jax.lax.scan(body, h_BTD, (state, rngs_L))
+    if self.cfg.scan_layers:
+      return jax.lax.scan(body, h_BTD, (state, rngs_L))
+    outs = []
+    for i in range(n):
+      h_BTD, out = body(h_BTD, jax.tree.map(lambda x, i=i: x[i], (state, rngs_L)))
+      outs.append(out)
+    return h_BTD, jax.tree.map(lambda *x: jnp.stack(x), *outs)

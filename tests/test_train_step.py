@@ -8,7 +8,8 @@ import numpy as np
 import optax
 
 from moetrain.model.config import PRESETS
-from moetrain.tools.plan import ep_exchange, param_counts
+from moetrain.sharding import Rules
+from moetrain.tools.plan import ep_exchange, loss_block, param_counts
 from moetrain.train_state import init_state
 from moetrain.train_step import StepConfig, jit_train_step
 from tests.helpers import tiny, with_lora
@@ -75,3 +76,15 @@ def test_dry_run_reports_expert_parallel_receive_buffers():
   bounded = ep_exchange(dataclasses.replace(cfg, moe_ep_recv_factor=1.5), mesh, 2048, 16)
   assert bounded['ragged']['recv_rows'] == 1.5 * 4096 * 12
   assert ep_exchange(cfg, (8, 1, 1, 1), 2048, 16) == {}
+
+
+def test_dry_run_reports_the_loss_block_per_device():
+  """16 x 8192 tokens, LongCat's vocabulary: batch over data x fsdp x expert (8), vocab over
+  tensor (2) with fsdp_ep_tp; blocks of 256 positions instead of the whole 8192."""
+  cfg = dataclasses.replace(PRESETS['flash'], rules=Rules.preset('fsdp_ep_tp'), loss_chunk=256)
+  lb = loss_block(cfg, (1, 2, 4, 2), 8192, 16)
+  assert lb['block_shape'] == (2, 256, 131072 // 2)
+  assert lb['block_bytes'] == 2 * 256 * 65536 * 4
+  assert lb['whole_bytes'] == lb['block_bytes'] * 32
+  whole = loss_block(dataclasses.replace(cfg, loss_chunk=0), (1, 2, 4, 2), 8192, 16)
+  assert whole['block_shape'] == (2, 8192, 65536) and whole['block_bytes'] == lb['whole_bytes']

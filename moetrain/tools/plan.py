@@ -54,6 +54,25 @@ def ep_exchange(cfg, mesh_shape, seq_len: int, global_batch_size: int) -> dict:
   }
 
 
+def loss_block(cfg, mesh_shape, seq_len: int, global_batch_size: int) -> dict:
+  """The largest activation of the loss: one block of float32 logits, [B, loss_chunk, V], per
+  device (after the activation rules shard it over the mesh), and the whole-logits size it
+  replaces."""
+  c = cfg.loss_chunk if 0 < cfg.loss_chunk < seq_len else seq_len
+  mesh_sizes = dict(zip(sharding.MESH_AXES, mesh_shape))
+  shape = (global_batch_size, c, cfg.vocab_size)
+  spec = sharding.logical_to_spec(
+    ('batch', 'seq', 'vocab'), shape, cfg.rules.activations, mesh_sizes
+  )
+  split = lambda a: math.prod(mesh_sizes[x] for x in ((a,) if isinstance(a, str) else a or ()))
+  local = tuple(n // split(a) for n, a in zip(shape, tuple(spec) + (None,) * 3))
+  return {
+    'block_shape': local,
+    'block_bytes': math.prod(local) * 4,
+    'whole_bytes': math.prod(local) * 4 * seq_len // c,
+  }
+
+
 def dry_run(config) -> dict:
   # The mesh is validated for the smallest device count it fits, not this machine's devices.
   setup = train.build(config, num_devices=math.prod(s for s in config.mesh.shape if s > 0))
@@ -73,9 +92,14 @@ def dry_run(config) -> dict:
       f'{e["local_rows"]} local assignments, receive buffer {e["recv_rows"]} rows = '
       f'{e["recv_bytes"] / 2**30:.2f} GiB'
     )
+  lb = loss_block(setup.model, setup.mesh_shape, setup.data.seq_len, setup.data.global_batch_size)
+  print(
+    f'loss block (model.loss_chunk) per device: float32 logits {list(lb["block_shape"])} = '
+    f'{lb["block_bytes"] / 2**30:.2f} GiB (whole logits: {lb["whole_bytes"] / 2**30:.2f} GiB)'
+  )
   if any(e['worst_case'] for e in ex.values()):
     print(
       'worst-case (dropless) receive buffers: bound them with model.moe_ep_recv_factor '
       "(ragged) or model.moe_dispatch='capacity'"
     )
-  return {**counts, 'ep_exchange': ex}
+  return {**counts, 'ep_exchange': ex, 'loss_block': lb}

@@ -1,6 +1,7 @@
 """Model FLOPs utilisation of full training steps of a LongCat-shaped MoE with ~1B active params.
 
   python -m bench.mfu [--preset mfu1b] [--batch 8] [--seq 4096] [--remat save_dots]
+                      [--scan_layers 0|1] [--loss_chunk 256]
 
 Meant for a GPU or TPU (bf16 compute, float32 master weights, AdamW). MFU = tokens/s x model
 FLOPs per token / the device's dense bf16 peak (moetrain.metrics.PEAK_FLOPS). Model FLOPs per
@@ -52,10 +53,18 @@ def main():
   ap.add_argument('--remat', default='save_dots')
   ap.add_argument('--backend', default='auto')
   ap.add_argument('--dtype', default='bfloat16')
+  ap.add_argument('--scan_layers', type=int, default=1, choices=[0, 1])
+  ap.add_argument('--loss_chunk', type=int, default=PRESETS['medium'].loss_chunk)
   args = ap.parse_args()
   base = MFU_1B if args.preset == 'mfu1b' else PRESETS[args.preset]
   cfg = dataclasses.replace(
-    base, dtype=args.dtype, remat=args.remat, moe_backend=args.backend, param_dtype='float32'
+    base,
+    dtype=args.dtype,
+    remat=args.remat,
+    moe_backend=args.backend,
+    param_dtype='float32',
+    scan_layers=bool(args.scan_layers),
+    loss_chunk=args.loss_chunk,
   )
   step, state, batch = build_step(cfg, args.batch, args.seq)
   b, t = args.batch, args.seq
@@ -82,6 +91,8 @@ def main():
       'dtype': args.dtype,
       'remat': args.remat,
       'backend': args.backend,
+      'scan_layers': cfg.scan_layers,
+      'loss_chunk': cfg.loss_chunk,
       'median_step_s': step_s,
       'tokens_per_sec': tokens_per_s,
       'model_flops_per_token': flops,

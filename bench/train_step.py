@@ -118,8 +118,13 @@ def main():
   args = ap.parse_args()
   if args.hf and (args.vocab, args.batch, args.seq) != (PRESETS['medium'].vocab_size, 4, 512):
     ap.error('--hf runs the reference at the issue shapes: leave --vocab, --batch, --seq alone')
-  shape = dict(batch=args.batch, seq=args.seq, vocab_size=args.vocab, loss_chunk=args.loss_chunk)
-  shape['scan_layers'] = bool(args.scan_layers)
+  shape = dict(
+    batch=args.batch,
+    seq=args.seq,
+    vocab_size=args.vocab,
+    loss_chunk=args.loss_chunk,
+    scan_layers=bool(args.scan_layers),
+  )
   step, state, batch = make_step(
     args.mode, args.quant, args.dtype, args.remat, args.backend, **shape
   )

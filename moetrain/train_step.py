@@ -30,10 +30,15 @@ def forward_loss(params, moe_bias, frozen, graphdef, batch, rng=None):
   sequence by model.loss_chunk so that the [B, T, V] logits never exist whole."""
   model = merge_model(graphdef, params, moe_bias, frozen)
   h_BTD, aux = model.features(batch['inputs'], batch['positions'], batch['segment_ids'], rng)
-  mask = batch['loss_mask'].astype(jnp.float32)
   with jax.named_scope('lm_head'):
     nll, correct = head_cross_entropy(
-      model.lm_head, h_BTD, batch['targets'], mask, model.cfg.loss_chunk, rng, model.cfg.rules
+      model.lm_head,
+      h_BTD,
+      batch['targets'],
+      batch['loss_mask'],
+      model.cfg.loss_chunk,
+      rng,
+      model.cfg.rules,
     )
   return nll, correct, aux
 

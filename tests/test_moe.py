@@ -11,7 +11,7 @@ from flax import nnx
 
 from moetrain import sharding
 from moetrain.model import dispatch
-from moetrain.model.moe import MoE, RouterBias
+from moetrain.model.moe import MoE, RouterBias, route
 from moetrain.train_step import StepConfig, bias_update
 from tests.helpers import jit_call, randomize, tiny, with_lora
 
@@ -143,7 +143,7 @@ def test_capacity_drops_exactly_what_it_reports():
   moe = make_moe(cfg)
   m, d = 64, cfg.hidden_size
   x_MD = jax.random.normal(jax.random.key(3), (m, d))
-  _, _, idx, gates = __import__('moetrain.model.moe', fromlist=['route']).route(
+  _, _, idx, gates = route(
     x_MD, moe.router[...], moe.router_bias[...], cfg.moe_topk, cfg.routed_scaling_factor
   )
   y, dropped = dispatch.routed_experts(x_MD, idx, gates, moe.experts.weights(), cfg)
@@ -252,7 +252,7 @@ def test_ragged_expert_parallel_drops_exactly_what_it_reports(bound):
   moe = make_moe(cfg)
   m = 64
   x = jax.random.normal(jax.random.key(7), (m, cfg.hidden_size))
-  _, _, idx, gates = __import__('moetrain.model.moe', fromlist=['route']).route(
+  _, _, idx, gates = route(
     x, moe.router[...], moe.router_bias[...], cfg.moe_topk, cfg.routed_scaling_factor
   )
   mesh = sharding.make_mesh((1, 2, 4, 1))
@@ -305,8 +305,8 @@ def test_deterministic():
 )
 def test_grouped_tiles_match_rowwise_experts(sizes):
   """The CPU 'grouped' engine on its own: groups that are empty, shorter than a tile, or not a
-  multiple of it (32-row tiles); outputs and gradients (x, every weight, and only the adapters, as under LoRA, where
-  the base weights get no gradient work) against a per-row computation."""
+  multiple of it (32-row tiles); outputs and gradients (x, every weight, and only the adapters,
+  as under LoRA, where the base weights get no gradient work) against a per-row computation."""
   cfg = with_lora(tiny(expert_ffn_hidden_size=6), rank=2, targets=EXPERT_LORA, alpha=2.0)
   e, d, f, b = len(sizes), cfg.hidden_size, 6, 32
   sizes_E = jnp.array(sizes, jnp.int32)

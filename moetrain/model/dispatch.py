@@ -97,6 +97,13 @@ class Layout(NamedTuple):
   run: object
 
 
+def identity_layout(valid_R, run=None) -> Layout:
+  """The sorted rows are the buffer: slot i holds sorted row i where valid_R, else nothing."""
+  r = valid_R.shape[0]
+  slots_R = jnp.where(valid_R, jnp.arange(r), r)
+  return Layout(slots_R, slots_R, valid_R, run)
+
+
 def place(layout: Layout, order_R):
   """The layout in original assignment order: slot -> assignment, assignment -> slot."""
   # The inverse permutation by a scatter of R integers (cheaper than a second sort).
@@ -160,10 +167,8 @@ def make_layout(expert_sorted_R, sizes_E, cfg: ModelConfig, strategy: str) -> La
     return blocked_layout(sizes_E, r, cfg)
   if backend == 'grouped':
     return grouped_layout(expert_sorted_R, sizes_E, cfg)
-  # Sorted rows are the buffer; rows past sum(sizes) are zero-expert assignments.
-  valid_R = expert_sorted_R < e
-  rows = jnp.arange(r)
-  ident = Layout(jnp.where(valid_R, rows, r), jnp.where(valid_R, rows, r), valid_R, None)
+  # Rows past sum(sizes) are zero-expert assignments.
+  ident = identity_layout(expert_sorted_R < e)
   if backend == 'ragged_dot':
     return ident._replace(run=lambda x, w, rng: ragged_ffn(x, sizes_E, w, cfg, rng))
   if backend == 'megablox':
@@ -718,10 +723,8 @@ def _ep_ragged_shard(x_MD, idx_MA, gates_MA, weights, cfg: ModelConfig, ep: int,
   ex, kept_E, local_sizes = ragged_plan(counts_SE, jax.lax.axis_index('expert'), e_loc, buf)
   # Send buffer: the expert-sorted rows; each group sends its first kept_E[e] rows.
   ex_R = jnp.minimum(expert_sorted_R, e - 1)
-  rows = jnp.arange(r)
-  sent_R = (expert_sorted_R < e) & (rows - ex.in_off[ex_R] < kept_E[ex_R])
-  send = Layout(jnp.where(sent_R, rows, r), jnp.where(sent_R, rows, r), sent_R, None)
-  asg_S, slot_R, kept_R = place(send, order_R)
+  sent_R = (expert_sorted_R < e) & (jnp.arange(r) - ex.in_off[ex_R] < kept_E[ex_R])
+  asg_S, slot_R, kept_R = place(identity_layout(sent_R), order_R)
   send_x = dispatch_tokens(x_MD.astype(dtype_of(cfg.dtype)), asg_S, slot_R)
   recv_x = ragged_exchange(send_x, ex, buf, 'expert')
   # Received rows are sorted by local expert; rows past the groups are empty (id e_loc).

@@ -59,13 +59,12 @@ def loss_block(cfg, mesh_shape, seq_len: int, global_batch_size: int) -> dict:
   device (after the activation rules shard it over the mesh), and the whole-logits size it
   replaces."""
   c = cfg.loss_chunk if 0 < cfg.loss_chunk < seq_len else seq_len
-  mesh_sizes = dict(zip(sharding.MESH_AXES, mesh_shape))
+  mesh = jax.sharding.AbstractMesh(tuple(mesh_shape), sharding.MESH_AXES)
   shape = (global_batch_size, c, cfg.vocab_size)
   spec = sharding.logical_to_spec(
-    ('batch', 'seq', 'vocab'), shape, cfg.rules.activations, mesh_sizes
+    ('batch', 'seq', 'vocab'), shape, cfg.rules.activations, dict(mesh.shape)
   )
-  split = lambda a: math.prod(mesh_sizes[x] for x in ((a,) if isinstance(a, str) else a or ()))
-  local = tuple(n // split(a) for n, a in zip(shape, tuple(spec) + (None,) * 3))
+  local = jax.sharding.NamedSharding(mesh, spec).shard_shape(shape)
   return {
     'block_shape': local,
     'block_bytes': math.prod(local) * 4,

@@ -350,3 +350,20 @@ def test_grouped_tiles_match_rowwise_experts(sizes):
   only = jax.jit(jax.grad(lambda a: loss(engine)(x, {**base, **a})))(adapters)
   for k in adapters:
     np.testing.assert_allclose(only[k], want[1][k], atol=1e-5, rtol=1e-5, err_msg=k)
+
+
+@pytest.mark.parametrize('expect', [1, 20, 85, 200, 341, 500, 1000, 3000])
+def test_tile_rows_fit_the_expected_groups(expect):
+  """The grouped engine's tile: a multiple of 16 rows, at most 256 (a bigger expected group
+  takes several tiles), and the fewest such tiles cover 1.1 x the expected group."""
+  b = dispatch.tile_rows(expect)
+  tiles = -(-1.1 * expect // b)
+  assert b % 16 == 0 and 16 <= b <= 256
+  assert tiles * b >= 1.1 * expect and tiles == -(-1.1 * expect // 256)
+  assert (tiles * (b - 16) < 1.1 * expect) or b == 16  # no smaller tile would do
+  assert dispatch.tile_rows(expect, requested=64) == 64
+  # A LongCat-style layer: 2048 tokens, top-4 over 16 FFN + 8 zero experts (bench/moe_layer).
+  if expect == 341:
+    cfg = dataclasses.replace(CFG, n_routed_experts=16, zero_expert_num=8, moe_topk=4)
+    assert dispatch.expected_group(cfg, 2048 * 4) == pytest.approx(2048 * 4 / 24)
+    assert b == 192

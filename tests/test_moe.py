@@ -303,12 +303,15 @@ def test_deterministic():
 @pytest.mark.parametrize(
   'sizes', [[5, 0, 55, 27], [0, 0, 0, 0], pytest.param([40, 8, 0, 71], marks=pytest.mark.slow)]
 )
-def test_grouped_tiles_match_rowwise_experts(sizes):
+@pytest.mark.parametrize('pick', [0, 1, 2])
+def test_grouped_tiles_match_rowwise_experts(sizes, pick):
   """The CPU 'grouped' engine on its own: groups that are empty, shorter than a tile, or not a
-  multiple of it (32-row tiles); outputs and gradients (x, every weight, and only the adapters,
-  as under LoRA, where the base weights get no gradient work) against a per-row computation."""
+  multiple of it; outputs and gradients (x, every weight, and only the adapters, as under LoRA,
+  where the base weights get no gradient work) against a per-row computation, for each of the
+  row tiles the engine can switch between at run time (16, 32 and 48 rows)."""
   cfg = with_lora(tiny(expert_ffn_hidden_size=6), rank=2, targets=EXPERT_LORA, alpha=2.0)
-  e, d, f, b = len(sizes), cfg.hidden_size, 6, 32
+  tiles = (16, 32, 48)
+  e, d, f, b = len(sizes), cfg.hidden_size, 6, max(tiles)
   sizes_E = jnp.array(sizes, jnp.int32)
   rows = sum(sizes)
   keys = iter(jax.random.split(jax.random.key(0), 16))
@@ -319,11 +322,12 @@ def test_grouped_tiles_match_rowwise_experts(sizes):
     w[f'{k}_lora_b'] = 0.3 * jax.random.normal(next(keys), (e, 2, o))
   x = jax.random.normal(next(keys), (rows + 3 + b, d)).at[rows:].set(0)  # + zero-expert rows
   expert_R = jnp.repeat(jnp.arange(e), sizes_E, total_repeat_length=rows)
-  groups = dispatch.Groups(jnp.cumsum(sizes_E) - sizes_E, sizes_E)
+
+  groups = dispatch.Groups(jnp.cumsum(sizes_E) - sizes_E, sizes_E, jnp.int32(pick))
 
   def engine(x, w):
     train, frozen = dispatch._split_trainable(w)
-    return dispatch.expert_ffn(x, train, frozen, groups, None, b, cfg)
+    return dispatch.expert_ffn(x, train, frozen, groups, None, tiles, cfg)
 
   def rowwise(x, w):
     we = {k: v[expert_R] for k, v in w.items()}
@@ -354,16 +358,30 @@ def test_grouped_tiles_match_rowwise_experts(sizes):
 
 @pytest.mark.parametrize('expect', [1, 20, 85, 200, 341, 500, 1000, 3000])
 def test_tile_rows_fit_the_expected_groups(expect):
-  """The grouped engine's tile: a multiple of 16 rows, at most 256 (a bigger expected group
-  takes several tiles), and the fewest such tiles cover 1.1 x the expected group."""
+  """The grouped engine's fitted tile: a multiple of 16 rows, at most 256 (a bigger expected
+  group takes several tiles), and the fewest such tiles cover 1.1 x the expected group."""
   b = dispatch.tile_rows(expect)
   tiles = -(-1.1 * expect // b)
   assert b % 16 == 0 and 16 <= b <= 256
   assert tiles * b >= 1.1 * expect and tiles == -(-1.1 * expect // 256)
   assert (tiles * (b - 16) < 1.1 * expect) or b == 16  # no smaller tile would do
-  assert dispatch.tile_rows(expect, requested=64) == 64
+  assert dispatch.tile_candidates(expect, requested=64) == (64,)
+  assert {b, 128} <= set(dispatch.tile_candidates(expect))
   # A LongCat-style layer: 2048 tokens, top-4 over 16 FFN + 8 zero experts (bench/moe_layer).
   if expect == 341:
     cfg = dataclasses.replace(CFG, n_routed_experts=16, zero_expert_num=8, moe_topk=4)
     assert dispatch.expected_group(cfg, 2048 * 4) == pytest.approx(2048 * 4 / 24)
     assert b == 192
+    assert dispatch.tile_candidates(b * 341 / 192) == (128, 192, 384)
+
+
+def test_choose_tile_follows_the_group_sizes():
+  """Even groups take one big tile each; skewed groups the small tile that pads least."""
+  tiles = (128, 192, 384)
+  even = jnp.array([339, 328, 326, 367, 332, 344, 327, 322, 334, 343, 352, 346, 293, 333, 312, 362])
+  skewed = jnp.array(
+    [277, 375, 274, 316, 591, 335, 340, 287, 438, 127, 323, 402, 415, 254, 193, 366]
+  )
+  assert int(dispatch.choose_tile(even, tiles)) == 2
+  assert int(dispatch.choose_tile(skewed, tiles)) == 0
+  assert dispatch.choose_tile(even, (64,)) == 0

@@ -40,7 +40,7 @@ def get_config() -> config_dict.ConfigDict:
   m.moe_dispatch = 'dropless'  # dropless | capacity
   m.moe_capacity_factor = 1.25  # capacity dispatch: buffer = factor * uniform share
   m.moe_backend = 'auto'  # auto | ragged_dot | megablox | grouped | blocked | gathered | dense
-  m.moe_block_size = 0  # row tile of the CPU backends (grouped/blocked/gathered); 0 = auto
+  m.moe_block_size = 0  # CPU backends' row tile; 0 = auto (grouped: per batch)
   m.moe_expert_parallel = True  # shard_map experts over the 'expert' mesh axis when it is > 1
   m.moe_ep_comm = 'auto'  # auto | fixed | ragged: expert-parallel token exchange
   m.moe_ep_recv_factor = 0.0  # ragged receive buffer / local assignments; 0 = ep (never drops)

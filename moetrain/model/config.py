@@ -89,7 +89,7 @@ class ModelConfig:
   moe_dispatch: str = 'dropless'
   moe_capacity_factor: float = 1.25
   moe_backend: str = 'auto'
-  moe_block_size: int = 0  # row tile of the CPU backends (grouped, blocked, gathered); 0 = auto.
+  moe_block_size: int = 0  # CPU backends' row tile; 0 = auto (grouped: chosen per batch).
   moe_expert_parallel: bool = True  # shard_map over the 'expert' mesh axis when it is > 1.
   # Token exchange of expert parallelism: 'fixed' all_to_all buffers (any platform), 'ragged'
   # ragged_all_to_all straight into expert-sorted receive buffers (GPU/TPU; emulated on CPU),

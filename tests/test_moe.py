@@ -346,14 +346,17 @@ def test_grouped_tiles_match_rowwise_experts(sizes, pick):
   got = jax.jit(jax.grad(loss(engine), argnums=(0, 1)))(x, w)
   want = jax.jit(jax.grad(loss(rowwise), argnums=(0, 1)))(x, w)
   np.testing.assert_allclose(got[0][:rows], want[0][:rows], atol=1e-5, rtol=1e-5)
+  # Weight gradients sum over every row of a group (up to 71 here, in 16-48-row tiles): float32
+  # rounding of that sum is relative to the gradient's scale, not to each element.
+  tol = lambda a: 1e-5 * max(1.0, float(jnp.abs(a).max()))
   for k in w:
-    np.testing.assert_allclose(got[1][k], want[1][k], atol=1e-5, rtol=1e-5, err_msg=k)
+    np.testing.assert_allclose(got[1][k], want[1][k], atol=tol(want[1][k]), rtol=1e-5, err_msg=k)
   # Adapters only: the frozen base is closed over, as LoRA training differentiates it.
   base = {k: v for k, v in w.items() if '_lora_' not in k}
   adapters = {k: v for k, v in w.items() if '_lora_' in k}
   only = jax.jit(jax.grad(lambda a: loss(engine)(x, {**base, **a})))(adapters)
   for k in adapters:
-    np.testing.assert_allclose(only[k], want[1][k], atol=1e-5, rtol=1e-5, err_msg=k)
+    np.testing.assert_allclose(only[k], want[1][k], atol=tol(want[1][k]), rtol=1e-5, err_msg=k)
 
 
 @pytest.mark.parametrize('expect', [1, 20, 85, 200, 341, 500, 1000, 3000])

@@ -166,10 +166,22 @@ def test_capacity_drops_exactly_what_it_reports():
   np.testing.assert_allclose(y, y_ref, atol=1e-5)
 
 
-@pytest.mark.parametrize('comm', ['fixed', 'ragged'])
-@pytest.mark.parametrize('mesh_shape', [(1, 4, 2, 1), (1, 2, 4, 1), (1, 1, 8, 1), (2, 1, 2, 2)])
-def test_expert_parallel_equals_single_device(mesh_shape, comm):
-  cfg = dataclasses.replace(CFG, rules=sharding.Rules.preset('fsdp_ep_tp'), moe_ep_comm=comm)
+@pytest.mark.parametrize(
+  'mesh_shape,comm,backend',
+  [
+    *(
+      (m, c, 'auto')
+      for c in ('fixed', 'ragged')
+      for m in ((1, 4, 2, 1), (1, 2, 4, 1), (1, 1, 8, 1), (2, 1, 2, 2))
+    ),
+    # The CPU grouped engine (its per-batch tile switch) on the received rows of each exchange.
+    *(((1, 2, 4, 1), c, 'grouped') for c in ('fixed', 'ragged')),
+  ],
+)
+def test_expert_parallel_equals_single_device(mesh_shape, comm, backend):
+  cfg = dataclasses.replace(
+    CFG, rules=sharding.Rules.preset('fsdp_ep_tp'), moe_ep_comm=comm, moe_backend=backend
+  )
   moe = make_moe(cfg)
   x = jax.random.normal(jax.random.key(4), (8, 8, cfg.hidden_size))
   fn = _engine

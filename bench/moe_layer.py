@@ -36,16 +36,26 @@ def main():
   ap.add_argument('--dtype', default='float32')
   ap.add_argument('--repeats', type=int, default=5)
   ap.add_argument('--block', type=int, default=0, help='moe_block_size (0 = automatic)')
+  ap.add_argument(
+    '--skew',
+    type=float,
+    default=0.0,
+    help="uneven expert loads: the routed experts' selection bias spans +-skew/(E+Z)",
+  )
   args = ap.parse_args()
   cfg = dataclasses.replace(
     PRESETS['medium'], dtype=args.dtype, moe_backend=args.backend, moe_block_size=args.block
   )
   moe = MoE(cfg, 'layers.moe', nnx.Rngs(0))
+  e, x_all = cfg.n_routed_experts, cfg.num_experts_total
+  spread = args.skew / x_all * jnp.linspace(-1.0, 1.0, e)
+  moe.router_bias[...] = moe.router_bias[...].at[:e].set(spread)
   x = jax.random.normal(jax.random.key(0), (1, args.tokens, cfg.hidden_size), jnp.float32)
   valid = jnp.ones((1, args.tokens), bool)
   gd, st = nnx.split(moe)
   _, stats = moe(x, valid)
-  routed = int(stats['load'][: cfg.n_routed_experts].sum())
+  load = stats['load'][: cfg.n_routed_experts]
+  routed = int(load.sum())
   dt = jnp.dtype(args.dtype)
   d, f = cfg.hidden_size, cfg.expert_ffn_hidden_size
   w = [
@@ -93,6 +103,8 @@ def main():
         'dtype': args.dtype,
         'tokens': args.tokens,
         'routed_rows': routed,
+        'skew': args.skew,
+        'group_rows': [int(load.min()), int(load.max())],
         'moe_s': med(t_moe),
         'ideal_s': med(t_ideal),
         'ratio': med(t_moe) / med(t_ideal),

@@ -1,12 +1,13 @@
 """MoE layer forward+backward vs its ideal: the same FLOPs as dense matmuls of the active experts.
 
-  python -m bench.moe_layer [--tokens 2048] [--backend auto] [--repeats 5]
+  python -m bench.moe_layer [--tokens 2048] [--backend auto] [--repeats 5] [--block B] [--skew S]
 
 Shapes are the medium config's MoE (D 512, expert F 256, 16 routed + 8 zero experts, top-4).
 Both are timed in the same run. 'ideal' runs one SwiGLU over exactly the routed rows this batch
 produced (R = assignments to FFN experts) with a single [D, F] weight set, i.e. no routing, no
 dispatch and no padding. Two gradient modes: 'lora' (frozen experts: grads w.r.t. x only) and
-'full' (grads w.r.t. x and the expert weights).
+'full' (grads w.r.t. x and the expert weights). --skew makes the expert loads uneven (the record
+gives the smallest and largest group).
 
 Both sides return their forward output and their gradients for a fixed random cotangent, as in a
 training step. (A `sum` loss would let XLA drop the ideal's forward down-projection: its output

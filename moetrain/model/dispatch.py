@@ -21,8 +21,10 @@ from moetrain.model.layers import dtype_of, lora_dropout
 
 
 def _take(x, idx):
-  # The barrier keeps XLA from fusing the index arithmetic into the gather, where it is
-  # recomputed for every element of every row (a third of the gather's time in isolation).
+  # The barrier was meant to keep XLA from fusing the index arithmetic into the gather (session
+  # 2). With jax 0.10.2 XLA:CPU drops it before fusion: the compiled layer holds no barrier and
+  # the arithmetic sits in the gather's fusion. Gathers rebuilt on clean indices measured the
+  # same (bench/RESULTS.md, session 5), so it stays as a harmless hint.
   idx = jax.lax.optimization_barrier(idx)
   return jnp.take(x, idx, axis=0, mode='fill', fill_value=0)
 
@@ -49,8 +51,8 @@ def dispatch_tokens(x_MD, asg_P, slot_R):
 
 def _dispatch_bwd(res, g_PD):
   slot_R, m = res
-  # Gather, then sum the A slots of each token: the barrier keeps XLA:CPU from fusing the
-  # gather into the reduction, which it then ran ~8x slower.
+  # Gather, then sum the A slots of each token. The barrier was meant to keep XLA:CPU from
+  # fusing the gather into the reduction (~8x slower, session 2); see _take on barriers today.
   g_RD = jax.lax.optimization_barrier(_take(g_PD, slot_R))
   return g_RD.reshape(m, -1, g_PD.shape[-1]).sum(1), None, None
 

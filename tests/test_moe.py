@@ -334,7 +334,6 @@ def test_grouped_tiles_match_rowwise_experts(sizes, pick):
     w[f'{k}_lora_b'] = 0.3 * jax.random.normal(next(keys), (e, 2, o))
   x = jax.random.normal(next(keys), (rows + 3 + b, d)).at[rows:].set(0)  # + zero-expert rows
   expert_R = jnp.repeat(jnp.arange(e), sizes_E, total_repeat_length=rows)
-
   groups = dispatch.Groups(jnp.cumsum(sizes_E) - sizes_E, sizes_E, jnp.int32(pick))
 
   def engine(x, w):
@@ -387,7 +386,7 @@ def test_tile_rows_fit_the_expected_groups(expect):
     cfg = dataclasses.replace(CFG, n_routed_experts=16, zero_expert_num=8, moe_topk=4)
     assert dispatch.expected_group(cfg, 2048 * 4) == pytest.approx(2048 * 4 / 24)
     assert b == 192
-    assert dispatch.tile_candidates(b * 341 / 192) == (128, 192, 384)
+    assert dispatch.tile_candidates(expect) == (128, 192, 384)
 
 
 def test_choose_tile_follows_the_group_sizes():

@@ -526,11 +526,11 @@ expert_ffn.defvjp(_expert_ffn_fwd, _expert_ffn_bwd, symbolic_zeros=True)
 TILE_OVERHEAD_ROWS = 32  # a tile's fixed cost (loop trip, slices) in rows of matmul work
 
 
-def tile_rows(expect: float) -> int:
-  """The row tile that fits groups of about `expect` rows: the fewest tiles of at most 256 rows
-  that cover 1.1 x expect (a typical group's spread), each a multiple of 16."""
+def tile_rows(expect: float, most: int = 256) -> int:
+  """The row tile that fits groups of about `expect` rows: the fewest tiles of at most `most`
+  rows that cover 1.1 x expect (a typical group's spread), each a multiple of 16."""
   need = 1.1 * max(expect, 1.0)
-  return int(16 * math.ceil(need / math.ceil(need / 256) / 16))
+  return int(16 * math.ceil(need / math.ceil(need / most) / 16))
 
 
 def tile_candidates(expect: float, requested: int = 0) -> tuple:
@@ -541,8 +541,8 @@ def tile_candidates(expect: float, requested: int = 0) -> tuple:
   choose_tile picks one per batch from the actual group sizes."""
   if requested:
     return (requested,)
-  one = 16 * math.ceil(1.1 * max(expect, 1.0) / 16)
-  return tuple(sorted({tile_rows(expect), 128} | ({one} if one <= 512 else set())))
+  one = {tile_rows(expect, 512)} if 1.1 * expect <= 512 else set()  # one tile per group
+  return tuple(sorted({tile_rows(expect), 128} | one))
 
 
 def choose_tile(sizes_E, tiles: tuple):
@@ -792,7 +792,7 @@ def _ep_ragged_shard(x_MD, idx_MA, gates_MA, weights, cfg: ModelConfig, ep: int,
   recv_x = ragged_exchange(send_x, ex, buf, 'expert')
   # Received rows are sorted by local expert; rows past the groups are empty (id e_loc).
   expert_B = jnp.searchsorted(jnp.cumsum(local_sizes), jnp.arange(buf), side='right')
-  local = make_layout(expert_B, local_sizes, cfg, 'dropless', expected_group(cfg, ep * r))
+  local = make_layout(expert_B, local_sizes, cfg, 'dropless', expected_group(cfg, ep * idx_MA.size))
   y_buf = local.run(gather_rows(recv_x, local.src_P, local.dest_R), weights, rng)
   y_recv = gather_rows(y_buf, local.dest_R, local.src_P)
   y_sorted = ragged_exchange(y_recv, ex.reverse(), r, 'expert')

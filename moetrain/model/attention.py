@@ -1,5 +1,6 @@
 """Multi-head latent attention (MLA) as in DeepSeek-V2 / LongCat-Flash."""
 
+import functools
 import math
 
 import jax
@@ -22,6 +23,64 @@ def attention_probs(s_BNTS, mask_BTS, scale: float):
   """Scaled, masked softmax over keys, in float32."""
   s_BNTS = jnp.where(mask_BTS[:, None], s_BNTS * scale, jnp.finfo(jnp.float32).min)
   return jax.nn.softmax(s_BNTS, axis=-1)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5))
+def attention_core(q_BNTH, k_BNSH, v_BNSH, mask_BTS, scale: float, blocks):
+  """softmax(scale * q k^T, masked) v, by blocks of queries: block (start, end, keys) takes
+  queries [start, end) against keys [0, keys). The probabilities are saved for the backward pass.
+
+  The backward pass is written out so that every product takes a form XLA:CPU runs on its fast
+  matmul path (contracting the last dimension of the left operand): the key and value gradients
+  are formed transposed, q^T ds and dO^T p, from small transposed copies of q and dO, instead of
+  ds^T q and p^T dO, which contract the query rows of the big [T, S] operands. Autodiff of the
+  same forward ran those two in a generic dot at a third of the speed and transposed whole score
+  blocks for the shared rope key's gradient (bench/RESULTS.md)."""
+  return _core_fwd(q_BNTH, k_BNSH, v_BNSH, mask_BTS, scale, blocks)[0]
+
+
+def _dot(a, b, contract_b: int, dtype=None):
+  """[B, N, I, J] x [B, N, ., .] over a's last dimension and b's dimension contract_b (2 or 3)."""
+  dims = (((3,), (contract_b,)), ((0, 1), (0, 1)))
+  return jax.lax.dot_general(a, b, dims, preferred_element_type=dtype)
+
+
+def _core_fwd(q_BNTH, k_BNSH, v_BNSH, mask_BTS, scale, blocks):
+  outs, probs = [], []
+  for start, end, keys in blocks:
+    s_BNTS = _dot(q_BNTH[:, :, start:end], k_BNSH[:, :, :keys], 3, jnp.float32)
+    p_BNTS = attention_probs(s_BNTS, mask_BTS[:, start:end, :keys], scale).astype(v_BNSH.dtype)
+    outs.append(_dot(p_BNTS, v_BNSH[:, :, :keys], 2).astype(v_BNSH.dtype))
+    probs.append(p_BNTS)
+  out_BNTH = outs[0] if len(outs) == 1 else jnp.concatenate(outs, axis=2)
+  return out_BNTH, (q_BNTH, k_BNSH, v_BNSH, out_BNTH, tuple(probs))
+
+
+def _core_bwd(scale, blocks, res, g_BNTH):
+  q_BNTH, k_BNSH, v_BNSH, out_BNTH, probs = res
+  f32, s = jnp.float32, k_BNSH.shape[2]
+  g_BNTH = g_BNTH.astype(v_BNSH.dtype)
+  # d softmax: ds = p * (dp - sum_s p dp), and sum_s p dp = sum_h g o.
+  delta_BNT = jnp.sum(g_BNTH.astype(f32) * out_BNTH.astype(f32), axis=-1)
+  # The barriers keep XLA from folding the transposes back into the products.
+  q_BNHT = jax.lax.optimization_barrier(q_BNTH.transpose(0, 1, 3, 2))
+  g_BNHT = jax.lax.optimization_barrier(g_BNTH.transpose(0, 1, 3, 2))
+  b, n, hk, hv = *q_BNHT.shape[:3], g_BNHT.shape[2]
+  dq = []
+  dk_BNHS, dv_BNHS = jnp.zeros((b, n, hk, s), f32), jnp.zeros((b, n, hv, s), f32)
+  for (start, end, keys), p_BNTS in zip(blocks, probs):
+    dp_BNTS = _dot(g_BNTH[:, :, start:end], v_BNSH[:, :, :keys], 3, f32)
+    ds_BNTS = (p_BNTS * (dp_BNTS - delta_BNT[:, :, start:end, None]) * scale).astype(q_BNTH.dtype)
+    dq.append(_dot(ds_BNTS, k_BNSH[:, :, :keys], 2).astype(q_BNTH.dtype))
+    dk_BNHS = dk_BNHS.at[..., :keys].add(_dot(q_BNHT[..., start:end], ds_BNTS, 2, f32))
+    dv_BNHS = dv_BNHS.at[..., :keys].add(_dot(g_BNHT[..., start:end], p_BNTS, 2, f32))
+  dq_BNTH = dq[0] if len(dq) == 1 else jnp.concatenate(dq, axis=2)
+  dk_BNSH = dk_BNHS.transpose(0, 1, 3, 2).astype(k_BNSH.dtype)
+  dv_BNSH = dv_BNHS.transpose(0, 1, 3, 2).astype(v_BNSH.dtype)
+  return dq_BNTH, dk_BNSH, dv_BNSH, None
+
+
+attention_core.defvjp(_core_fwd, _core_bwd)
 
 
 class MLA(nnx.Module):
@@ -71,37 +130,24 @@ class MLA(nnx.Module):
     result is the same while the upper triangle of the T x T square is skipped block by block."""
     cfg = self.cfg
     kv_BSNH = self.kv_b(c_BSK, rng)
-    k_nope, v_BSNH = kv_BSNH[..., : cfg.qk_nope_head_dim], kv_BSNH[..., cfg.qk_nope_head_dim :]
-    # Head-major once (not per block: XLA:CPU transposes are strided copies).
-    q_BNTH, k_BNSH = q_nope.transpose(0, 2, 1, 3), k_nope.transpose(0, 2, 1, 3)
-    qpe_BNTH, v_BNSH = q_pe.transpose(0, 2, 1, 3), v_BSNH.transpose(0, 2, 1, 3)
-    k_pe_BSH = k_pe_BSH.astype(q_pe.dtype)
-    t = q_nope.shape[1]
+    nope = cfg.qk_nope_head_dim
+    k_nope, v_BSNH = kv_BSNH[..., :nope], kv_BSNH[..., nope:]
+    # One score product over [nope | rope] features: the rope key, shared by all heads, is
+    # broadcast to each (its gradient sums over them). Head-major once, not per block.
+    k_pe_BSNH = jnp.broadcast_to(
+      k_pe_BSH[:, :, None].astype(k_nope.dtype), (*k_nope.shape[:3], k_pe_BSH.shape[-1])
+    )
+    q_BNTH = jnp.concatenate([q_nope, q_pe.astype(q_nope.dtype)], -1).transpose(0, 2, 1, 3)
+    k_BNSH = jnp.concatenate([k_nope, k_pe_BSNH], -1).transpose(0, 2, 1, 3)
+    v_BNSH = v_BSNH.transpose(0, 2, 1, 3)
+    t, s = q_BNTH.shape[2], k_BNSH.shape[2]
     step = causal_chunk if 0 < causal_chunk < t else t
-    outs = []
-    for start in range(0, t, step):
-      end = min(start + step, t)
-      keys = end if causal_chunk else k_nope.shape[1]
-      outs.append(
-        self._core(
-          q_BNTH[:, :, start:end],
-          qpe_BNTH[:, :, start:end],
-          k_BNSH[:, :, :keys],
-          k_pe_BSH[:, :keys],
-          v_BNSH[:, :, :keys],
-          mask_BTS[:, start:end, :keys],
-        )
-      )
-    out_BNTH = outs[0] if len(outs) == 1 else jnp.concatenate(outs, axis=2)
+    blocks = tuple(
+      (i, min(i + step, t), min(i + step, t) if causal_chunk else s) for i in range(0, t, step)
+    )
+    out_BNTH = attention_core(q_BNTH, k_BNSH, v_BNSH, mask_BTS, cfg.qk_head_dim**-0.5, blocks)
     out_BTNH = constrain(out_BNTH.transpose(0, 2, 1, 3), ('batch', 'seq', 'heads', None), cfg.rules)
     return self.o(out_BTNH, rng)
-
-  def _core(self, q_BNTH, qpe_BNTH, k_BNSH, k_pe_BSH, v_BNSH, mask_BTS):
-    f32 = jnp.float32
-    s_BNTS = jnp.einsum('BNTH,BNSH->BNTS', q_BNTH, k_BNSH, preferred_element_type=f32)
-    s_BNTS += jnp.einsum('BNTH,BSH->BNTS', qpe_BNTH, k_pe_BSH, preferred_element_type=f32)
-    p_BNTS = attention_probs(s_BNTS, mask_BTS, self.cfg.qk_head_dim**-0.5).astype(v_BNSH.dtype)
-    return jnp.einsum('BNTS,BNSH->BNTH', p_BNTS, v_BNSH)
 
   def __call__(self, x_BTD, positions_BT, segment_ids_BT, rng=None):
     q_nope, q_pe = self.project_q(x_BTD, positions_BT, rng)

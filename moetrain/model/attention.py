@@ -62,9 +62,7 @@ def _core_bwd(scale, blocks, res, g_BNTH):
   g_BNTH = g_BNTH.astype(v_BNSH.dtype)
   # d softmax: ds = p * (dp - sum_s p dp), and sum_s p dp = sum_h g o.
   delta_BNT = jnp.sum(g_BNTH.astype(f32) * out_BNTH.astype(f32), axis=-1)
-  # The barriers keep XLA from folding the transposes back into the products.
-  q_BNHT = jax.lax.optimization_barrier(q_BNTH.transpose(0, 1, 3, 2))
-  g_BNHT = jax.lax.optimization_barrier(g_BNTH.transpose(0, 1, 3, 2))
+  q_BNHT, g_BNHT = q_BNTH.transpose(0, 1, 3, 2), g_BNTH.transpose(0, 1, 3, 2)
   b, n, hk, hv = *q_BNHT.shape[:3], g_BNHT.shape[2]
   dq = []
   dk_BNHS, dv_BNHS = jnp.zeros((b, n, hk, s), f32), jnp.zeros((b, n, hv, s), f32)

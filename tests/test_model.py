@@ -117,6 +117,26 @@ def test_attention_core_gradients_equal_autodiff(blocks):
     np.testing.assert_allclose(got, want, atol=1e-5, rtol=1e-5)
 
 
+def test_attention_core_in_bfloat16():
+  """bfloat16 inputs: outputs and gradients come back in bfloat16, close to the float32 values
+  (the probabilities stay float32 for the backward pass)."""
+  blocks = ((0, 4, 4), (4, 8, 8))
+  ks = jax.random.split(jax.random.key(1), 4)
+  q, k = (jax.random.normal(key, (1, 2, 8, 16)) for key in ks[:2])
+  v, g = (jax.random.normal(key, (1, 2, 8, 8)) for key in ks[2:])
+  mask = jnp.tril(jnp.ones((1, 8, 8), jnp.bool_))
+  core = lambda *a: attention_core(*a, mask, 0.25, blocks)
+  out, pull = jax.vjp(core, q, k, v)
+  low = [x.astype(jnp.bfloat16) for x in (q, k, v, g)]
+  out16, pull16 = jax.vjp(core, *low[:3])
+  assert out16.dtype == jnp.bfloat16
+  np.testing.assert_allclose(out16.astype(jnp.float32), out, atol=3e-2, rtol=3e-2)
+  for got, want in zip(pull16(low[3]), pull(g), strict=True):
+    assert got.dtype == jnp.bfloat16
+    scale = float(jnp.max(jnp.abs(want)))
+    np.testing.assert_allclose(got.astype(jnp.float32), want, atol=3e-2 * scale, rtol=0)
+
+
 @pytest.mark.parametrize('remat', ['none', 'full'])
 def test_unrolled_layers_equal_the_scan(remat):
   """scan_layers=False runs the same stacked layer state layer by layer: same logits, routing

@@ -28,7 +28,8 @@ def attention_probs(s_BNTS, mask_BTS, scale: float):
 @functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5))
 def attention_core(q_BNTH, k_BNSH, v_BNSH, mask_BTS, scale: float, blocks):
   """softmax(scale * q k^T, masked) v, by blocks of queries: block (start, end, keys) takes
-  queries [start, end) against keys [0, keys). The probabilities are saved for the backward pass.
+  queries [start, end) against keys [0, keys). The float32 probabilities are saved for the
+  backward pass.
 
   The backward pass is written out so that every product takes a form XLA:CPU runs on its fast
   matmul path (contracting the last dimension of the left operand): the key and value gradients
@@ -49,9 +50,9 @@ def _core_fwd(q_BNTH, k_BNSH, v_BNSH, mask_BTS, scale, blocks):
   outs, probs = [], []
   for start, end, keys in blocks:
     s_BNTS = _dot(q_BNTH[:, :, start:end], k_BNSH[:, :, :keys], 3, jnp.float32)
-    p_BNTS = attention_probs(s_BNTS, mask_BTS[:, start:end, :keys], scale).astype(v_BNSH.dtype)
-    outs.append(_dot(p_BNTS, v_BNSH[:, :, :keys], 2).astype(v_BNSH.dtype))
-    probs.append(p_BNTS)
+    p_BNTS = attention_probs(s_BNTS, mask_BTS[:, start:end, :keys], scale)
+    outs.append(_dot(p_BNTS.astype(v_BNSH.dtype), v_BNSH[:, :, :keys], 2).astype(v_BNSH.dtype))
+    probs.append(p_BNTS)  # float32, as autodiff of the softmax keeps it
   out_BNTH = outs[0] if len(outs) == 1 else jnp.concatenate(outs, axis=2)
   return out_BNTH, (q_BNTH, k_BNSH, v_BNSH, out_BNTH, tuple(probs))
 
@@ -71,6 +72,7 @@ def _core_bwd(scale, blocks, res, g_BNTH):
     ds_BNTS = (p_BNTS * (dp_BNTS - delta_BNT[:, :, start:end, None]) * scale).astype(q_BNTH.dtype)
     dq.append(_dot(ds_BNTS, k_BNSH[:, :, :keys], 2).astype(q_BNTH.dtype))
     dk_BNHS = dk_BNHS.at[..., :keys].add(_dot(q_BNHT[..., start:end], ds_BNTS, 2, f32))
+    p_BNTS = p_BNTS.astype(v_BNSH.dtype)
     dv_BNHS = dv_BNHS.at[..., :keys].add(_dot(g_BNHT[..., start:end], p_BNTS, 2, f32))
   dq_BNTH = dq[0] if len(dq) == 1 else jnp.concatenate(dq, axis=2)
   dk_BNSH = dk_BNHS.transpose(0, 1, 3, 2).astype(k_BNSH.dtype)

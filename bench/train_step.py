@@ -120,6 +120,13 @@ def main():
   ap.add_argument(
     '--scan_layers', type=int, default=0, choices=[0, 1], help='0: unrolled (4 layers: faster)'
   )
+  ap.add_argument(
+    '--attention_recompute',
+    type=int,
+    default=int(PRESETS['medium'].attention_recompute),
+    choices=[0, 1],
+    help='1: attention keeps softmax stats and recomputes scores; 0: keeps the probabilities',
+  )
   ap.add_argument('--batch', type=int, default=4)
   ap.add_argument('--seq', type=int, default=512)
   ap.add_argument(
@@ -134,6 +141,7 @@ def main():
     vocab_size=args.vocab,
     loss_chunk=args.loss_chunk,
     scan_layers=bool(args.scan_layers),
+    attention_recompute=bool(args.attention_recompute),
   )
   step, state, batch = make_step(
     args.mode, args.quant, args.dtype, args.remat, args.backend, **shape

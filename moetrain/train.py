@@ -71,6 +71,7 @@ ENGINE_FIELDS = (
   'remat',
   'scan_layers',
   'attention_chunk',
+  'attention_recompute',
   'loss_chunk',
   'moe_dispatch',
   'moe_capacity_factor',

@@ -83,15 +83,17 @@ def test_chunked_causal_attention_equals_the_full_square(chunk):
     np.testing.assert_allclose(g, r, atol=1e-5, rtol=1e-4)
 
 
+@pytest.mark.parametrize('recompute', [False, True], ids=['saved_probs', 'recomputed'])
 @pytest.mark.parametrize(
   'blocks',
   [((0, 4, 4), (4, 8, 8), (8, 11, 11)), ((0, 11, 11),), ((0, 3, 7), (3, 6, 7))],
   ids=['causal_blocks', 'one_block', 'queries_shorter_than_keys'],
 )
-def test_attention_core_gradients_equal_autodiff(blocks):
-  """attention_core's hand-written backward (transposed key/value gradients, saved
-  probabilities) equals autodiff of the plain masked softmax attention, float32, for causal
-  query blocks with a ragged last block and for T queries against S > T keys (decoding)."""
+def test_attention_core_gradients_equal_autodiff(blocks, recompute):
+  """attention_core's hand-written backward (transposed key/value gradients; saved
+  probabilities or scores recomputed from the log-sum-exp) equals autodiff of the plain masked
+  softmax attention, float32, for causal query blocks with a ragged last block and for T queries
+  against S > T keys (decoding), and for a query that sees no key at all."""
   t, s = blocks[-1][1], blocks[-1][2]
   ks = jax.random.split(jax.random.key(0), 4)
   q = jax.random.normal(ks[0], (2, 3, t, 6))
@@ -102,13 +104,14 @@ def test_attention_core_gradients_equal_autodiff(blocks):
   pos = jnp.array([list(range(5)) + list(range(s - 5)), list(range(s - 2)) + [0] * 2])
   mask = attention_mask(pos[:, s - t :], seg[:, s - t :], pos, seg)
   mask &= jnp.tril(jnp.ones((1, t, s), jnp.bool_), s - t)
+  mask = mask.at[1, t - 1].set(False)  # a query that sees no key (uniform weights)
 
   def plain(q, k, v):
     p = attention_probs(jnp.einsum('BNTH,BNSH->BNTS', q, k), mask, 0.3)
     return jnp.einsum('BNTS,BNSH->BNTH', p, v)
 
   def core(q, k, v):
-    return attention_core(q, k, v, mask, 0.3, blocks)
+    return attention_core(q, k, v, mask, 0.3, blocks, recompute)
 
   out, pull = jax.vjp(jax.jit(core), q, k, v)
   ref, ref_pull = jax.vjp(plain, q, k, v)

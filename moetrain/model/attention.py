@@ -25,11 +25,16 @@ def attention_probs(s_BNTS, mask_BTS, scale: float):
   return jax.nn.softmax(s_BNTS, axis=-1)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5))
-def attention_core(q_BNTH, k_BNSH, v_BNSH, mask_BTS, scale: float, blocks):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6))
+def attention_core(q_BNTH, k_BNSH, v_BNSH, mask_BTS, scale: float, blocks, recompute=True):
   """softmax(scale * q k^T, masked) v, by blocks of queries: block (start, end, keys) takes
-  queries [start, end) against keys [0, keys). The float32 probabilities are saved for the
-  backward pass.
+  queries [start, end) against keys [0, keys).
+
+  What the backward pass keeps: the float32 probabilities (recompute=False: O(T * S) per head,
+  no extra work), or only each query's softmax max and sum (recompute=True: O(T); the backward
+  recomputes each block's scores, one more q k^T product, as flash attention does). Long
+  sequences need the latter: at 8k tokens and 64 heads the probabilities are 16 GiB per sequence
+  and layer.
 
   The backward pass is written out so that every product takes a form XLA:CPU runs on its fast
   matmul path (contracting the last dimension of the left operand): the key and value gradients
@@ -37,7 +42,7 @@ def attention_core(q_BNTH, k_BNSH, v_BNSH, mask_BTS, scale: float, blocks):
   ds^T q and p^T dO, which contract the query rows of the big [T, S] operands. Autodiff of the
   same forward ran those two in a generic dot at a third of the speed and transposed whole score
   blocks for the shared rope key's gradient (bench/RESULTS.md)."""
-  return _core_fwd(q_BNTH, k_BNSH, v_BNSH, mask_BTS, scale, blocks)[0]
+  return _core_fwd(q_BNTH, k_BNSH, v_BNSH, mask_BTS, scale, blocks, recompute)[0]
 
 
 def _dot(a, b, contract_b: int, dtype=None):
@@ -46,19 +51,32 @@ def _dot(a, b, contract_b: int, dtype=None):
   return jax.lax.dot_general(a, b, dims, preferred_element_type=dtype)
 
 
-def _core_fwd(q_BNTH, k_BNSH, v_BNSH, mask_BTS, scale, blocks):
-  outs, probs = [], []
-  for start, end, keys in blocks:
-    s_BNTS = _dot(q_BNTH[:, :, start:end], k_BNSH[:, :, :keys], 3, jnp.float32)
-    p_BNTS = attention_probs(s_BNTS, mask_BTS[:, start:end, :keys], scale)
-    outs.append(_dot(p_BNTS.astype(v_BNSH.dtype), v_BNSH[:, :, :keys], 2).astype(v_BNSH.dtype))
-    probs.append(p_BNTS)  # float32, as autodiff of the softmax keeps it
+def _scores(q_BNTH, k_BNSH, mask_BTS, scale, block):
+  """Block (start, end, keys)'s scaled, masked float32 scores [B, N, end - start, keys]."""
+  start, end, keys = block
+  s_BNTS = _dot(q_BNTH[:, :, start:end], k_BNSH[:, :, :keys], 3, jnp.float32)
+  mask_BTS = mask_BTS[:, start:end, :keys]
+  return jnp.where(mask_BTS[:, None], s_BNTS * scale, jnp.finfo(jnp.float32).min)
+
+
+def _core_fwd(q_BNTH, k_BNSH, v_BNSH, mask_BTS, scale, blocks, recompute):
+  outs, kept = [], []
+  for block in blocks:
+    z_BNTS = _scores(q_BNTH, k_BNSH, mask_BTS, scale, block)
+    p_BNTS = jax.nn.softmax(z_BNTS, axis=-1)
+    v = v_BNSH[:, :, : block[2]]
+    outs.append(_dot(p_BNTS.astype(v.dtype), v, 2).astype(v.dtype))
+    if recompute:  # the softmax's row max and sum: p = exp(z - max) / sum, as computed here
+      max_BNT = jnp.max(z_BNTS, axis=-1)
+      kept.append((max_BNT, jnp.sum(jnp.exp(z_BNTS - max_BNT[..., None]), axis=-1)))
+    else:
+      kept.append(p_BNTS)
   out_BNTH = outs[0] if len(outs) == 1 else jnp.concatenate(outs, axis=2)
-  return out_BNTH, (q_BNTH, k_BNSH, v_BNSH, out_BNTH, tuple(probs))
+  return out_BNTH, (q_BNTH, k_BNSH, v_BNSH, out_BNTH, tuple(kept), mask_BTS)
 
 
-def _core_bwd(scale, blocks, res, g_BNTH):
-  q_BNTH, k_BNSH, v_BNSH, out_BNTH, probs = res
+def _core_bwd(scale, blocks, recompute, res, g_BNTH):
+  q_BNTH, k_BNSH, v_BNSH, out_BNTH, kept, mask_BTS = res
   f32, s = jnp.float32, k_BNSH.shape[2]
   g_BNTH = g_BNTH.astype(v_BNSH.dtype)
   # d softmax: ds = p * (dp - sum_s p dp), and sum_s p dp = sum_h g o.
@@ -67,9 +85,16 @@ def _core_bwd(scale, blocks, res, g_BNTH):
   b, n, hk, hv = *q_BNHT.shape[:3], g_BNHT.shape[2]
   dq = []
   dk_BNHS, dv_BNHS = jnp.zeros((b, n, hk, s), f32), jnp.zeros((b, n, hv, s), f32)
-  for (start, end, keys), p_BNTS in zip(blocks, probs):
+  for block, p_BNTS in zip(blocks, kept):
+    start, end, keys = block
+    if recompute:  # p_BNTS holds the block's row max and sum
+      z_BNTS = _scores(q_BNTH, k_BNSH, mask_BTS, scale, block)
+      p_BNTS = jnp.exp(z_BNTS - p_BNTS[0][..., None]) / p_BNTS[1][..., None]
     dp_BNTS = _dot(g_BNTH[:, :, start:end], v_BNSH[:, :, :keys], 3, f32)
-    ds_BNTS = (p_BNTS * (dp_BNTS - delta_BNT[:, :, start:end, None]) * scale).astype(q_BNTH.dtype)
+    ds_BNTS = p_BNTS * (dp_BNTS - delta_BNT[:, :, start:end, None]) * scale
+    # Masked scores get no gradient (as through the forward's select), also in a row that sees
+    # no key, whose uniform weights are not zero there.
+    ds_BNTS = jnp.where(mask_BTS[:, None, start:end, :keys], ds_BNTS, 0).astype(q_BNTH.dtype)
     dq.append(_dot(ds_BNTS, k_BNSH[:, :, :keys], 2).astype(q_BNTH.dtype))
     dk_BNHS = dk_BNHS.at[..., :keys].add(_dot(q_BNHT[..., start:end], ds_BNTS, 2, f32))
     p_BNTS = p_BNTS.astype(v_BNSH.dtype)
@@ -145,7 +170,10 @@ class MLA(nnx.Module):
     blocks = tuple(
       (i, min(i + step, t), min(i + step, t) if causal_chunk else s) for i in range(0, t, step)
     )
-    out_BNTH = attention_core(q_BNTH, k_BNSH, v_BNSH, mask_BTS, cfg.qk_head_dim**-0.5, blocks)
+    scale = cfg.qk_head_dim**-0.5
+    out_BNTH = attention_core(
+      q_BNTH, k_BNSH, v_BNSH, mask_BTS, scale, blocks, cfg.attention_recompute
+    )
     out_BTNH = constrain(out_BNTH.transpose(0, 2, 1, 3), ('batch', 'seq', 'heads', None), cfg.rules)
     return self.o(out_BTNH, rng)
 

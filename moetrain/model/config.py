@@ -82,6 +82,10 @@ class ModelConfig:
   # Query block of causal self-attention: each block of queries scores only the keys up to its
   # last position, skipping the upper triangle block by block; 0 = one block (the full square).
   attention_chunk: int = 128
+  # What attention keeps for its backward pass: True = each query's softmax max and sum, the
+  # scores recomputed in the backward (flash-attention style: O(T) instead of O(T * S) memory per
+  # head; as fast as keeping them on this CPU, bench/RESULTS.md); False = the float32 probabilities.
+  attention_recompute: bool = True
   # Sequence positions per block of the training/eval loss: the lm head and its cross entropy run
   # block by block, so only [B, loss_chunk, V] logits exist at a time; 0 = one block.
   loss_chunk: int = 256

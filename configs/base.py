@@ -36,6 +36,7 @@ def get_config() -> config_dict.ConfigDict:
   m.remat = 'full'  # none | full | save_dots | save_moe | offload
   m.scan_layers = True  # lax.scan over layers; False unrolls them (faster when few, slower compile)
   m.attention_chunk = 128  # query block of causal attention (skips keys past it); 0 = off
+  m.attention_recompute = True  # backward recomputes scores from softmax stats (O(T) memory)
   m.loss_chunk = 256  # positions per block of the lm head + loss ([B, T, V] never whole); 0 = off
   m.moe_dispatch = 'dropless'  # dropless | capacity
   m.moe_capacity_factor = 1.25  # capacity dispatch: buffer = factor * uniform share

@@ -33,6 +33,14 @@ def test_config_loads_and_validates(path):
     assert setup.model.num_layers > 0
 
 
+def test_config_model_sets_every_engine_field():
+  """Fine-tuning from a Hugging Face checkpoint takes these fields from config.model (the shapes
+  come from its config.json), so the base config must set each of them."""
+  config = load(os.path.join(ROOT, 'configs', 'base.py'))
+  missing = [k for k in train.ENGINE_FIELDS if k not in config.model]
+  assert not missing, f'configs/base.py: config.model lacks {missing}'
+
+
 def base_config(**overrides):
   config = load(os.path.join(ROOT, 'configs', 'longcat_lora.py'), 'variant=tiny')
   for key, value in overrides.items():

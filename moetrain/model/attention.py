@@ -19,10 +19,15 @@ def attention_mask(q_pos_BT, q_seg_BT, k_pos_BS, k_seg_BS):
   return causal & same  # [B, T, S]
 
 
+def masked_scores(s_BNTS, mask_BTS, scale: float):
+  """Scaled scores with the masked ones at the float32 minimum (a row that sees no key gets
+  uniform weights rather than NaNs)."""
+  return jnp.where(mask_BTS[:, None], s_BNTS * scale, jnp.finfo(jnp.float32).min)
+
+
 def attention_probs(s_BNTS, mask_BTS, scale: float):
   """Scaled, masked softmax over keys, in float32."""
-  s_BNTS = jnp.where(mask_BTS[:, None], s_BNTS * scale, jnp.finfo(jnp.float32).min)
-  return jax.nn.softmax(s_BNTS, axis=-1)
+  return jax.nn.softmax(masked_scores(s_BNTS, mask_BTS, scale), axis=-1)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6))
@@ -55,22 +60,20 @@ def _scores(q_BNTH, k_BNSH, mask_BTS, scale, block):
   """Block (start, end, keys)'s scaled, masked float32 scores [B, N, end - start, keys]."""
   start, end, keys = block
   s_BNTS = _dot(q_BNTH[:, :, start:end], k_BNSH[:, :, :keys], 3, jnp.float32)
-  mask_BTS = mask_BTS[:, start:end, :keys]
-  return jnp.where(mask_BTS[:, None], s_BNTS * scale, jnp.finfo(jnp.float32).min)
+  return masked_scores(s_BNTS, mask_BTS[:, start:end, :keys], scale)
 
 
 def _core_fwd(q_BNTH, k_BNSH, v_BNSH, mask_BTS, scale, blocks, recompute):
   outs, kept = [], []
   for block in blocks:
     z_BNTS = _scores(q_BNTH, k_BNSH, mask_BTS, scale, block)
-    p_BNTS = jax.nn.softmax(z_BNTS, axis=-1)
+    max_BNT = jnp.max(z_BNTS, axis=-1)
+    exp_BNTS = jnp.exp(z_BNTS - max_BNT[..., None])
+    sum_BNT = jnp.sum(exp_BNTS, axis=-1)
+    p_BNTS = exp_BNTS / sum_BNT[..., None]  # the softmax, from the stats the backward may keep
     v = v_BNSH[:, :, : block[2]]
     outs.append(_dot(p_BNTS.astype(v.dtype), v, 2).astype(v.dtype))
-    if recompute:  # the softmax's row max and sum: p = exp(z - max) / sum, as computed here
-      max_BNT = jnp.max(z_BNTS, axis=-1)
-      kept.append((max_BNT, jnp.sum(jnp.exp(z_BNTS - max_BNT[..., None]), axis=-1)))
-    else:
-      kept.append(p_BNTS)
+    kept.append((max_BNT, sum_BNT) if recompute else p_BNTS)
   out_BNTH = outs[0] if len(outs) == 1 else jnp.concatenate(outs, axis=2)
   return out_BNTH, (q_BNTH, k_BNSH, v_BNSH, out_BNTH, tuple(kept), mask_BTS)
 

@@ -71,8 +71,7 @@ def _core_fwd(q_BNTH, k_BNSH, v_BNSH, mask_BTS, scale, blocks, recompute):
     exp_BNTS = jnp.exp(z_BNTS - max_BNT[..., None])
     sum_BNT = jnp.sum(exp_BNTS, axis=-1)
     p_BNTS = exp_BNTS / sum_BNT[..., None]  # the softmax, from the stats the backward may keep
-    v = v_BNSH[:, :, : block[2]]
-    outs.append(_dot(p_BNTS.astype(v.dtype), v, 2).astype(v.dtype))
+    outs.append(_dot(p_BNTS.astype(v_BNSH.dtype), v_BNSH[:, :, : block[2]], 2))
     kept.append((max_BNT, sum_BNT) if recompute else p_BNTS)
   out_BNTH = outs[0] if len(outs) == 1 else jnp.concatenate(outs, axis=2)
   return out_BNTH, (q_BNTH, k_BNSH, v_BNSH, out_BNTH, tuple(kept), mask_BTS)
@@ -88,17 +87,20 @@ def _core_bwd(scale, blocks, recompute, res, g_BNTH):
   b, n, hk, hv = *q_BNHT.shape[:3], g_BNHT.shape[2]
   dq = []
   dk_BNHS, dv_BNHS = jnp.zeros((b, n, hk, s), f32), jnp.zeros((b, n, hv, s), f32)
-  for block, p_BNTS in zip(blocks, kept):
+  for block, saved in zip(blocks, kept):
     start, end, keys = block
-    if recompute:  # p_BNTS holds the block's row max and sum
+    if recompute:  # saved: the block's softmax row max and sum
+      max_BNT, sum_BNT = saved
       z_BNTS = _scores(q_BNTH, k_BNSH, mask_BTS, scale, block)
-      p_BNTS = jnp.exp(z_BNTS - p_BNTS[0][..., None]) / p_BNTS[1][..., None]
+      p_BNTS = jnp.exp(z_BNTS - max_BNT[..., None]) / sum_BNT[..., None]
+    else:  # saved: the block's probabilities
+      p_BNTS = saved
     dp_BNTS = _dot(g_BNTH[:, :, start:end], v_BNSH[:, :, :keys], 3, f32)
     ds_BNTS = p_BNTS * (dp_BNTS - delta_BNT[:, :, start:end, None]) * scale
     # Masked scores get no gradient (as through the forward's select), also in a row that sees
     # no key, whose uniform weights are not zero there.
     ds_BNTS = jnp.where(mask_BTS[:, None, start:end, :keys], ds_BNTS, 0).astype(q_BNTH.dtype)
-    dq.append(_dot(ds_BNTS, k_BNSH[:, :, :keys], 2).astype(q_BNTH.dtype))
+    dq.append(_dot(ds_BNTS, k_BNSH[:, :, :keys], 2))
     dk_BNHS = dk_BNHS.at[..., :keys].add(_dot(q_BNHT[..., start:end], ds_BNTS, 2, f32))
     p_BNTS = p_BNTS.astype(v_BNSH.dtype)
     dv_BNHS = dv_BNHS.at[..., :keys].add(_dot(g_BNHT[..., start:end], p_BNTS, 2, f32))

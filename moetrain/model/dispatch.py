@@ -17,7 +17,7 @@ import jax.numpy as jnp
 
 from moetrain.model import quant, vjp
 from moetrain.model.config import ModelConfig
-from moetrain.model.layers import dtype_of, lora_dropout
+from moetrain.model.layers import dtype_of, lora_dropout, lora_product
 
 
 def _take(x, idx):
@@ -67,15 +67,20 @@ def swiglu(x, mm, dtype):
   return mm(h.astype(dtype), 'down')
 
 
-def with_lora(base_mm, weights, scale, rng, dropout):
-  """Adds the per-expert adapters as two small grouped matmuls on the permuted rows."""
+def with_lora(base_mm, weights, scale, rng, dropout, dtype=None):
+  """Adds the per-expert adapters as two small grouped matmuls on the permuted rows. Backends
+  whose base_mm is a 2-D matmul pass their compute dtype: the adapters then go through
+  layers.lora_product, whose backward keeps their gradients on the fast matmul path."""
 
   def mm(x, name):
     y = base_mm(x, weights[name])
     if f'{name}_lora_a' in weights:
       xa = lora_dropout(x, dropout, None if rng is None else jax.random.fold_in(rng, len(name)))
-      h = base_mm(xa, weights[f'{name}_lora_a'])
-      y = y + scale * base_mm(h, weights[f'{name}_lora_b'])
+      a, b = weights[f'{name}_lora_a'], weights[f'{name}_lora_b']
+      if dtype is None:
+        y = y + scale * base_mm(base_mm(xa, a), b)
+      else:
+        y = y + scale * lora_product(xa, a.astype(dtype), b.astype(dtype))
     return y
 
   return mm
@@ -309,6 +314,7 @@ def blocked_ffn(x_NBD, block_expert_N, used, weights, cfg: ModelConfig, rng):
       cfg.lora.scale,
       None if rng is None else jax.random.fold_in(rng, k),
       cfg.lora.dropout,
+      dt,
     )
     return swiglu(x_BD, mm, dt).astype(dt)
 
@@ -408,7 +414,7 @@ def _tile_fns(cfg: ModelConfig):
 
   def mm(w, key):
     return with_lora(
-      lambda x, wt: x @ quant.dequant(wt, dt), w, cfg.lora.scale, key, cfg.lora.dropout
+      lambda x, wt: x @ quant.dequant(wt, dt), w, cfg.lora.scale, key, cfg.lora.dropout, dt
     )
 
   def first(w, x, key):

@@ -68,11 +68,42 @@ class Linear(nnx.Module):
     if self.has_lora:
       rng = None if rng is None else jax.random.fold_in(rng, zlib.crc32(self.path.encode()))
       a_KR = self.lora_a[...].astype(dt).reshape(x_MK.shape[1], -1)
-      h_MR = lora_dropout(x_MK, self.lora_dropout, rng) @ a_KR
-      y_MN = y_MN + self.lora_scale * (
-        h_MR @ self.lora_b[...].astype(dt).reshape(a_KR.shape[1], -1)
-      )
+      b_RN = self.lora_b[...].astype(dt).reshape(a_KR.shape[1], -1)
+      xa_MK = lora_dropout(x_MK, self.lora_dropout, rng)
+      y_MN = y_MN + self.lora_scale * lora_product(xa_MK, a_KR, b_RN)
     return y_MN.reshape(*lead, *out_shape)
+
+
+@jax.custom_vjp
+def lora_product(x_MK, a_KR, b_RN):
+  """(x @ a) @ b for 2-D LoRA factors, with a backward whose adapter gradients are plain matmuls.
+
+  Autodiff forms dA = x^T dh and dB = h^T g, which contract the token rows of both operands.
+  XLA:CPU runs that form in its generic dot, and for these thin shapes (rank 16) at 8-15
+  GFLOP/s: 8% of the single-core LoRA step went there (bench/RESULTS.md, session 7). Here the thin [M, R] factors
+  are transposed first (cheap: R rows) and the gradients formed as dA^T = dh^T x and
+  dB = h^T g, ordinary products that run on the fast matmul path."""
+  return (x_MK @ a_KR) @ b_RN
+
+
+def _lora_fwd(x_MK, a_KR, b_RN):
+  h_MR = x_MK @ a_KR
+  return h_MR @ b_RN, (x_MK, a_KR, b_RN, h_MR)
+
+
+def _lora_bwd(res, g_MN):
+  x_MK, a_KR, b_RN, h_MR = res
+  g_MN = g_MN.astype(h_MR.dtype)
+  # The barriers keep XLA from folding the transposes back into the products: into x^T dh
+  # again, or, where the forward is recomputed in the same loop (the grouped MoE engine), into a
+  # product a^T x^T that forms h^T directly, which is a generic dot too.
+  dh_MR, h_MR = jax.lax.optimization_barrier((g_MN @ b_RN.T, h_MR))
+  dh_RM, h_RM = jax.lax.optimization_barrier((dh_MR.T, h_MR.T))
+  da_RK = jax.lax.optimization_barrier(dh_RM @ x_MK)
+  return dh_MR @ a_KR.T, da_RK.T.astype(a_KR.dtype), (h_RM @ g_MN).astype(b_RN.dtype)
+
+
+lora_product.defvjp(_lora_fwd, _lora_bwd)
 
 
 def lora_dropout(x, rate: float, rng):

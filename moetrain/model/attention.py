@@ -41,18 +41,20 @@ def attention_core(q_BNTH, k_BNSH, v_BNSH, mask_BTS, scale: float, blocks, recom
   sequences need the latter: at 8k tokens and 64 heads the probabilities are 16 GiB per sequence
   and layer.
 
-  The backward pass is written out so that every product takes a form XLA:CPU runs on its fast
-  matmul path (contracting the last dimension of the left operand): the key and value gradients
-  are formed transposed, q^T ds and dO^T p, from small transposed copies of q and dO, instead of
-  ds^T q and p^T dO, which contract the query rows of the big [T, S] operands. Autodiff of the
-  same forward ran those two in a generic dot at a third of the speed and transposed whole score
-  blocks for the shared rope key's gradient (bench/RESULTS.md)."""
+  The backward pass is written out for XLA:CPU (bench/RESULTS.md). Autodiff of the same forward
+  formed the key and value gradients as ds^T q and p^T dO, contracting the query rows of the big
+  [T, S] blocks, which ran in a slow generic dot; and it transposed whole score blocks for the
+  shared rope key's gradient. Here they are formed transposed, dK^T = q^T ds and dV^T = dO^T p,
+  contracting the query rows of the thin q and dO blocks instead. That form also goes to XLA's
+  generic dot (its left operand is column-major), but for these batched products (a head's
+  rows out, a 128-query block contracted) it runs ~1.5x faster there than YNNPACK's batched
+  matmul on transposed copies, and needs no copies."""
   return _core_fwd(q_BNTH, k_BNSH, v_BNSH, mask_BTS, scale, blocks, recompute)[0]
 
 
-def _dot(a, b, contract_b: int, dtype=None):
-  """[B, N, I, J] x [B, N, ., .] over a's last dimension and b's dimension contract_b (2 or 3)."""
-  dims = (((3,), (contract_b,)), ((0, 1), (0, 1)))
+def _dot(a, b, contract_b: int, dtype=None, contract_a: int = 3):
+  """[B, N, ., .] x [B, N, ., .] over a's dimension contract_a and b's contract_b (2 or 3)."""
+  dims = (((contract_a,), (contract_b,)), ((0, 1), (0, 1)))
   return jax.lax.dot_general(a, b, dims, preferred_element_type=dtype)
 
 
@@ -83,8 +85,7 @@ def _core_bwd(scale, blocks, recompute, res, g_BNTH):
   g_BNTH = g_BNTH.astype(v_BNSH.dtype)
   # d softmax: ds = p * (dp - sum_s p dp), and sum_s p dp = sum_h g o.
   delta_BNT = jnp.sum(g_BNTH.astype(f32) * out_BNTH.astype(f32), axis=-1)
-  q_BNHT, g_BNHT = q_BNTH.transpose(0, 1, 3, 2), g_BNTH.transpose(0, 1, 3, 2)
-  b, n, hk, hv = *q_BNHT.shape[:3], g_BNHT.shape[2]
+  b, n, hk, hv = *q_BNTH.shape[:2], q_BNTH.shape[3], g_BNTH.shape[3]
   dq = []
   dk_BNHS, dv_BNHS = jnp.zeros((b, n, hk, s), f32), jnp.zeros((b, n, hv, s), f32)
   for block, saved in zip(blocks, kept):
@@ -101,9 +102,9 @@ def _core_bwd(scale, blocks, recompute, res, g_BNTH):
     # no key, whose uniform weights are not zero there.
     ds_BNTS = jnp.where(mask_BTS[:, None, start:end, :keys], ds_BNTS, 0).astype(q_BNTH.dtype)
     dq.append(_dot(ds_BNTS, k_BNSH[:, :, :keys], 2))
-    dk_BNHS = dk_BNHS.at[..., :keys].add(_dot(q_BNHT[..., start:end], ds_BNTS, 2, f32))
+    dk_BNHS = dk_BNHS.at[..., :keys].add(_dot(q_BNTH[:, :, start:end], ds_BNTS, 2, f32, 2))
     p_BNTS = p_BNTS.astype(v_BNSH.dtype)
-    dv_BNHS = dv_BNHS.at[..., :keys].add(_dot(g_BNHT[..., start:end], p_BNTS, 2, f32))
+    dv_BNHS = dv_BNHS.at[..., :keys].add(_dot(g_BNTH[:, :, start:end], p_BNTS, 2, f32, 2))
   dq_BNTH = dq[0] if len(dq) == 1 else jnp.concatenate(dq, axis=2)
   dk_BNSH = dk_BNHS.transpose(0, 1, 3, 2).astype(k_BNSH.dtype)
   dv_BNSH = dv_BNHS.transpose(0, 1, 3, 2).astype(v_BNSH.dtype)

@@ -52,16 +52,16 @@ def attention_core(q_BNTH, k_BNSH, v_BNSH, mask_BTS, scale: float, blocks, recom
   return _core_fwd(q_BNTH, k_BNSH, v_BNSH, mask_BTS, scale, blocks, recompute)[0]
 
 
-def _dot(a, b, contract_b: int, dtype=None, contract_a: int = 3):
-  """[B, N, ., .] x [B, N, ., .] over a's dimension contract_a and b's contract_b (2 or 3)."""
-  dims = (((contract_a,), (contract_b,)), ((0, 1), (0, 1)))
+def _dot(a, b, contract: tuple[int, int], dtype=None):
+  """[B, N, ., .] x [B, N, ., .] over a's dimension contract[0] and b's contract[1] (2 or 3)."""
+  dims = (((contract[0],), (contract[1],)), ((0, 1), (0, 1)))
   return jax.lax.dot_general(a, b, dims, preferred_element_type=dtype)
 
 
 def _scores(q_BNTH, k_BNSH, mask_BTS, scale, block):
   """Block (start, end, keys)'s scaled, masked float32 scores [B, N, end - start, keys]."""
   start, end, keys = block
-  s_BNTS = _dot(q_BNTH[:, :, start:end], k_BNSH[:, :, :keys], 3, jnp.float32)
+  s_BNTS = _dot(q_BNTH[:, :, start:end], k_BNSH[:, :, :keys], (3, 3), jnp.float32)
   return masked_scores(s_BNTS, mask_BTS[:, start:end, :keys], scale)
 
 
@@ -73,7 +73,7 @@ def _core_fwd(q_BNTH, k_BNSH, v_BNSH, mask_BTS, scale, blocks, recompute):
     exp_BNTS = jnp.exp(z_BNTS - max_BNT[..., None])
     sum_BNT = jnp.sum(exp_BNTS, axis=-1)
     p_BNTS = exp_BNTS / sum_BNT[..., None]  # the softmax, from the stats the backward may keep
-    outs.append(_dot(p_BNTS.astype(v_BNSH.dtype), v_BNSH[:, :, : block[2]], 2))
+    outs.append(_dot(p_BNTS.astype(v_BNSH.dtype), v_BNSH[:, :, : block[2]], (3, 2)))
     kept.append((max_BNT, sum_BNT) if recompute else p_BNTS)
   out_BNTH = outs[0] if len(outs) == 1 else jnp.concatenate(outs, axis=2)
   return out_BNTH, (q_BNTH, k_BNSH, v_BNSH, out_BNTH, tuple(kept), mask_BTS)
@@ -96,15 +96,15 @@ def _core_bwd(scale, blocks, recompute, res, g_BNTH):
       p_BNTS = jnp.exp(z_BNTS - max_BNT[..., None]) / sum_BNT[..., None]
     else:  # saved: the block's probabilities
       p_BNTS = saved
-    dp_BNTS = _dot(g_BNTH[:, :, start:end], v_BNSH[:, :, :keys], 3, f32)
+    dp_BNTS = _dot(g_BNTH[:, :, start:end], v_BNSH[:, :, :keys], (3, 3), f32)
     ds_BNTS = p_BNTS * (dp_BNTS - delta_BNT[:, :, start:end, None]) * scale
     # Masked scores get no gradient (as through the forward's select), also in a row that sees
     # no key, whose uniform weights are not zero there.
     ds_BNTS = jnp.where(mask_BTS[:, None, start:end, :keys], ds_BNTS, 0).astype(q_BNTH.dtype)
-    dq.append(_dot(ds_BNTS, k_BNSH[:, :, :keys], 2))
-    dk_BNHS = dk_BNHS.at[..., :keys].add(_dot(q_BNTH[:, :, start:end], ds_BNTS, 2, f32, 2))
+    dq.append(_dot(ds_BNTS, k_BNSH[:, :, :keys], (3, 2)))
+    dk_BNHS = dk_BNHS.at[..., :keys].add(_dot(q_BNTH[:, :, start:end], ds_BNTS, (2, 2), f32))
     p_BNTS = p_BNTS.astype(v_BNSH.dtype)
-    dv_BNHS = dv_BNHS.at[..., :keys].add(_dot(g_BNTH[:, :, start:end], p_BNTS, 2, f32, 2))
+    dv_BNHS = dv_BNHS.at[..., :keys].add(_dot(g_BNTH[:, :, start:end], p_BNTS, (2, 2), f32))
   dq_BNTH = dq[0] if len(dq) == 1 else jnp.concatenate(dq, axis=2)
   dk_BNSH = dk_BNHS.transpose(0, 1, 3, 2).astype(k_BNSH.dtype)
   dv_BNSH = dv_BNHS.transpose(0, 1, 3, 2).astype(v_BNSH.dtype)

@@ -67,20 +67,20 @@ def swiglu(x, mm, dtype):
   return mm(h.astype(dtype), 'down')
 
 
-def with_lora(base_mm, weights, scale, rng, dropout, dtype=None):
-  """Adds the per-expert adapters as two small grouped matmuls on the permuted rows. Backends
-  whose base_mm is a 2-D matmul pass their compute dtype: the adapters then go through
-  layers.lora_product, whose backward keeps their gradients on the fast matmul path."""
+def with_lora(base_mm, weights, scale, rng, dropout):
+  """Adds the per-expert adapters as two small grouped matmuls on the permuted rows. Where they
+  are one expert's 2-D factors (the grouped and blocked tiles), layers.lora_product runs them:
+  its backward keeps their gradients on the fast matmul path."""
 
   def mm(x, name):
     y = base_mm(x, weights[name])
     if f'{name}_lora_a' in weights:
       xa = lora_dropout(x, dropout, None if rng is None else jax.random.fold_in(rng, len(name)))
       a, b = weights[f'{name}_lora_a'], weights[f'{name}_lora_b']
-      if dtype is None:
-        y = y + scale * base_mm(base_mm(xa, a), b)
+      if a.ndim == 2:
+        y = y + scale * lora_product(xa, a.astype(xa.dtype), b.astype(xa.dtype))
       else:
-        y = y + scale * lora_product(xa, a.astype(dtype), b.astype(dtype))
+        y = y + scale * base_mm(base_mm(xa, a), b)
     return y
 
   return mm
@@ -314,7 +314,6 @@ def blocked_ffn(x_NBD, block_expert_N, used, weights, cfg: ModelConfig, rng):
       cfg.lora.scale,
       None if rng is None else jax.random.fold_in(rng, k),
       cfg.lora.dropout,
-      dt,
     )
     return swiglu(x_BD, mm, dt).astype(dt)
 
@@ -414,7 +413,7 @@ def _tile_fns(cfg: ModelConfig):
 
   def mm(w, key):
     return with_lora(
-      lambda x, wt: x @ quant.dequant(wt, dt), w, cfg.lora.scale, key, cfg.lora.dropout, dt
+      lambda x, wt: x @ quant.dequant(wt, dt), w, cfg.lora.scale, key, cfg.lora.dropout
     )
 
   def first(w, x, key):

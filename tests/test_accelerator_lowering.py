@@ -12,7 +12,7 @@ import pytest
 from flax import nnx
 
 from moetrain import sharding
-from moetrain.model import dispatch
+from moetrain.model import dispatch, expert_parallel
 from moetrain.model.moe import MoE
 from moetrain.train_state import init_state, state_shardings
 from moetrain.train_step import StepConfig, jit_train_step
@@ -25,7 +25,7 @@ RAGGED_A2A = jax.export.DisabledSafetyCheck.custom_call('ragged_all_to_all')
 def accelerator_code(monkeypatch):
   """The real kernel and collective instead of their CPU stand-ins."""
   monkeypatch.setattr(dispatch, 'megablox_interpret', lambda: False)
-  monkeypatch.setattr(dispatch, 'emulate_ragged_all_to_all', lambda: False)
+  monkeypatch.setattr(expert_parallel, 'emulate_ragged_all_to_all', lambda: False)
 
 
 def _export_moe_grad(cfg, platform, mesh_shape=None):

@@ -10,7 +10,7 @@ import pytest
 from flax import nnx
 
 from moetrain import sharding
-from moetrain.model import dispatch
+from moetrain.model import dispatch, expert_parallel
 from moetrain.model.moe import MoE, RouterBias, route
 from moetrain.train_step import StepConfig, bias_update
 from tests.helpers import jit_call, randomize, tiny, with_lora
@@ -208,8 +208,8 @@ def test_emulated_ragged_all_to_all_follows_the_jax_docs():
   a2a = lambda v: jax.lax.all_to_all(v, 'x', 0, 0, tiled=True)
 
   def f(x, in_off, send, out_off, recv):
-    ex = dispatch.Exchange(in_off, send, out_off, recv, a2a(out_off), a2a(in_off))
-    return dispatch.emulated_ragged_all_to_all(x, jnp.zeros(4, x.dtype), ex, 'x')
+    ex = expert_parallel.Exchange(in_off, send, out_off, recv, a2a(out_off), a2a(in_off))
+    return expert_parallel.emulated_ragged_all_to_all(x, jnp.zeros(4, x.dtype), ex, 'x')
 
   spec = jax.sharding.PartitionSpec('x')
   fn = jax.jit(jax.shard_map(f, mesh=mesh, in_specs=spec, out_specs=spec))
@@ -226,7 +226,7 @@ def test_ragged_plan_is_consistent_across_shards():
   ep, e_loc = 4, 3
   counts = np.random.default_rng(0).integers(0, 7, size=(ep, ep * e_loc))
   for buf in (int(counts.sum()), 20):
-    plans = [dispatch.ragged_plan(jnp.array(counts), s, e_loc, buf) for s in range(ep)]
+    plans = [expert_parallel.ragged_plan(jnp.array(counts), s, e_loc, buf) for s in range(ep)]
     for s in range(ep):
       ex_s, kept_s, _ = plans[s]
       np.testing.assert_array_equal(ex_s.send, kept_s)
@@ -272,7 +272,7 @@ def test_ragged_expert_parallel_drops_exactly_what_it_reports(bound):
   with jax.set_mesh(mesh):
     spec = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(('fsdp', 'expert')))
     args = [jax.device_put(a, spec) for a in (x, idx, gates)]
-    y, dropped = jax.jit(lambda *a: dispatch.routed_experts(*a, w, cfg))(*args)
+    y, dropped = jax.jit(lambda *a: expert_parallel.routed_experts(*a, w, cfg))(*args)
   assert 0 < float(dropped.sum()) < float((idx < cfg.n_routed_experts).sum())
   single = dataclasses.replace(cfg, moe_expert_parallel=False, moe_dispatch='dropless')
   y_ref, _ = dispatch.routed_experts(x, idx, jnp.where(dropped > 0, 0.0, gates), w, single)

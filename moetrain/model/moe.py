@@ -7,14 +7,15 @@ Algorithm, per token x (M tokens, X = E routed + Z zero experts, top-A):
   4. zero experts (idx >= E) contribute gate * x directly and never enter dispatch.
   5. routed assignments are sorted by expert, run through the expert SwiGLU (plus per-expert LoRA)
      by a grouped matmul, unsorted and summed with their gates.
-Dispatch strategies and grouped-matmul backends live in moetrain/model/dispatch.py.
+Dispatch strategies and grouped-matmul backends live in moetrain/model/dispatch.py, expert
+parallelism in moetrain/model/expert_parallel.py.
 """
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from moetrain.model import dispatch, quant
+from moetrain.model import expert_parallel, quant
 from moetrain.model.config import ModelConfig
 from moetrain.model.layers import dtype_of, normal
 
@@ -87,7 +88,7 @@ class MoE(nnx.Module):
     logits_MX, probs_MX, idx_MA, gates_MA = route(
       x_MD, self.router[...], self.router_bias[...], cfg.moe_topk, cfg.routed_scaling_factor
     )
-    y_MD, dropped = dispatch.routed_experts(
+    y_MD, dropped = expert_parallel.routed_experts(
       x_MD, idx_MA, gates_MA, self.experts.weights(), cfg, rng
     )
     is_zero_MA = idx_MA >= cfg.n_routed_experts

@@ -7,7 +7,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from moetrain import sharding, train
-from moetrain.model import dispatch
+from moetrain.model import expert_parallel
 from moetrain.model.transformer import Transformer
 
 
@@ -38,8 +38,8 @@ def ep_exchange(cfg, mesh_shape, seq_len: int, global_batch_size: int) -> dict:
   shards = sizes.get('data', 1) * sizes.get('fsdp', 1) * ep
   rows = global_batch_size * seq_len // shards * cfg.moe_topk  # local assignments
   recv = {
-    'fixed': ep * dispatch.ep_capacity(rows, cfg, ep),
-    'ragged': dispatch.ep_recv_rows(rows, cfg, ep),
+    'fixed': ep * expert_parallel.ep_capacity(rows, cfg, ep),
+    'ragged': expert_parallel.ep_recv_rows(rows, cfg, ep),
   }
   comms = ('fixed', 'ragged') if cfg.moe_ep_comm == 'auto' else (cfg.moe_ep_comm,)
   itemsize = jnp.dtype(cfg.dtype).itemsize

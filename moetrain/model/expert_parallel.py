@@ -1,0 +1,233 @@
+"""Expert parallelism over the 'expert' mesh axis: the routed experts' weights are sharded over it
+and each token's assignments travel to the shards that own their experts and back, in fixed-size
+buffers (all_to_all: runs everywhere, XLA:CPU included) or ragged ones (ragged_all_to_all on
+GPU/TPU, emulated from fixed-size collectives on CPU). Each shard runs the single-device engine of
+moetrain.model.dispatch on the rows it received.
+"""
+
+import functools
+import math
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+from moetrain.model import dispatch
+from moetrain.model.config import ModelConfig
+from moetrain.model.layers import dtype_of
+
+
+def routed_experts(x_MD, idx_MA, gates_MA, weights, cfg: ModelConfig, rng=None):
+  """dispatch.routed_experts, expert-parallel (see expert_parallel) when the mesh has an
+  'expert' axis > 1 and model.moe_expert_parallel is set."""
+  mesh = jax.sharding.get_abstract_mesh()
+  if cfg.moe_expert_parallel and not mesh.empty and dict(mesh.shape).get('expert', 1) > 1:
+    return expert_parallel(x_MD, idx_MA, gates_MA, weights, cfg, rng, mesh)
+  return dispatch.routed_experts(x_MD, idx_MA, gates_MA, weights, cfg, rng)
+
+
+def resolve_ep_comm(cfg: ModelConfig) -> str:
+  if cfg.moe_ep_comm != 'auto':
+    return cfg.moe_ep_comm
+  return 'fixed' if jax.default_backend() == 'cpu' else 'ragged'
+
+
+def expert_parallel(x_MD, idx_MA, gates_MA, weights, cfg: ModelConfig, rng, mesh):
+  """shard_map over the mesh: tokens stay sharded over the batch axes, experts over 'expert'.
+  Two token exchanges (model.moe_ep_comm):
+    fixed:  each shard packs its assignments into [ep, cap, D] send buffers by destination shard
+            and all_to_all's them (fixed sizes, so it runs everywhere, XLA:CPU included); the
+            receiver sorts what it got by local expert.
+    ragged: ragged_all_to_all sends each expert group straight to its place in the receiver's
+            expert-sorted buffer (GPU/TPU; on CPU an emulation from fixed-size collectives, so
+            the bookkeeping is tested on CPU meshes).
+  Either way the local experts run on the received rows and the results travel back the same way."""
+  sizes = dict(mesh.shape)
+  batch = tuple(a for a in ('data', 'fsdp', 'expert') if sizes.get(a, 1) > 1)
+  tok = jax.sharding.PartitionSpec(batch)
+  w_specs = jax.tree.map(lambda _: jax.sharding.PartitionSpec('expert'), weights)
+  rng_data = None if rng is None else jax.random.key_data(rng)
+
+  def local(x, idx, gates, w, key_data):
+    key = (
+      None
+      if key_data is None
+      else jax.random.fold_in(jax.random.wrap_key_data(key_data), jax.lax.axis_index(batch))
+    )
+    shard = _ep_ragged_shard if resolve_ep_comm(cfg) == 'ragged' else _ep_shard
+    return shard(x, idx, gates, w, cfg, sizes['expert'], key)
+
+  fn = jax.shard_map(
+    local,
+    mesh=mesh,
+    in_specs=(tok, tok, tok, w_specs, jax.sharding.PartitionSpec()),
+    out_specs=(tok, tok),
+    check_vma=False,
+  )
+  return fn(x_MD, idx_MA, gates_MA, weights, rng_data)
+
+
+def ep_capacity(rows: int, cfg: ModelConfig, ep: int) -> int:
+  """Send-buffer rows per destination shard: all local rows for dropless (no drop is possible),
+  else capacity_factor times a shard's uniform share."""
+  if cfg.moe_dispatch == 'dropless':
+    return rows
+  share = rows * cfg.n_routed_experts / cfg.num_experts_total / ep
+  return max(1, min(rows, math.ceil(cfg.moe_capacity_factor * share)))
+
+
+def _ep_shard(x_MD, idx_MA, gates_MA, weights, cfg: ModelConfig, ep: int, rng):
+  d = x_MD.shape[-1]
+  e = cfg.n_routed_experts
+  e_loc = e // ep
+  # Send layout: slots [ep, cap] by destination shard (zero-expert assignments go nowhere).
+  order_R, expert_sorted_R, sizes_E = dispatch.sort_assignments(idx_MA.reshape(-1), e)
+  shard_sizes = sizes_E.reshape(ep, e_loc).sum(-1)
+  cap = ep_capacity(expert_sorted_R.shape[0], cfg, ep)
+  send = dispatch.capacity_layout(jnp.minimum(expert_sorted_R // e_loc, ep), shard_sizes, cap, cfg)
+  asg_S, slot_R, kept_R = dispatch.place(send, order_R)
+  send_x = dispatch.dispatch_tokens(x_MD.astype(dtype_of(cfg.dtype)), asg_S, slot_R)
+  send_e = jnp.take(
+    (expert_sorted_R % e_loc).astype(jnp.int32), send.src_P, mode='fill', fill_value=e_loc
+  )
+  recv_x = jax.lax.all_to_all(send_x.reshape(ep, cap, d), 'expert', 0, 0).reshape(ep * cap, d)
+  recv_e = jax.lax.all_to_all(send_e.reshape(ep, cap), 'expert', 0, 0).reshape(ep * cap)
+  # Local experts on the received rows (padding rows carry id e_loc and are never placed).
+  order2, sorted2, sizes2 = dispatch.sort_assignments(recv_e, e_loc)
+  local = dispatch.make_layout(
+    sorted2, sizes2, cfg, 'dropless', dispatch.expected_group(cfg, ep * idx_MA.size)
+  )
+  asg2, slot2, _ = dispatch.place(local, order2)
+  y_buf = local.run(dispatch.gather_rows(recv_x, asg2, slot2), weights, rng)
+  y_recv = dispatch.gather_rows(y_buf, slot2, asg2).reshape(ep, cap, d)
+  y_back = jax.lax.all_to_all(y_recv, 'expert', 0, 0).reshape(ep * cap, d)
+  return dispatch.combine(
+    dispatch.gather_rows(y_back, slot_R, asg_S), kept_R, idx_MA, gates_MA, cfg
+  )
+
+
+class Exchange(NamedTuple):
+  """One ragged exchange over a mesh axis of size ep, in K slices (K a multiple of ep; slice i
+  goes to shard i // (K/ep)): the arguments of lax.ragged_all_to_all plus the receive side, so
+  the reverse exchange (the transpose) is this one with the roles swapped.
+
+  in_off, send:  where my slice i starts in my operand, and its rows.
+  out_off:       where my slice i lands in its receiver's output.
+  recv, recv_off, src_off: the slice i I receive (from shard i // (K/ep), its slice number
+                 me * K/ep + i % (K/ep)): its rows, where it lands in my output, and where it
+                 starts in its sender's operand."""
+
+  in_off: jax.Array
+  send: jax.Array
+  out_off: jax.Array
+  recv: jax.Array
+  recv_off: jax.Array
+  src_off: jax.Array
+
+  def reverse(self) -> 'Exchange':
+    return Exchange(self.recv_off, self.recv, self.src_off, self.send, self.in_off, self.out_off)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3))
+def ragged_exchange(x_ND, ex: Exchange, rows: int, axis: str):
+  """[rows, ...] output: the received slices written at their offsets, zeros elsewhere. The
+  gradient is the reverse exchange."""
+  out = jnp.zeros((rows, *x_ND.shape[1:]), x_ND.dtype)
+  if emulate_ragged_all_to_all():
+    return emulated_ragged_all_to_all(x_ND, out, ex, axis)
+  return jax.lax.ragged_all_to_all(
+    x_ND, out, ex.in_off, ex.send, ex.out_off, ex.recv, axis_name=axis
+  )
+
+
+ragged_exchange.defvjp(
+  lambda x, ex, rows, axis: (ragged_exchange(x, ex, rows, axis), (ex, x.shape[0])),
+  lambda rows, axis, res, g: (ragged_exchange(g, res[0].reverse(), res[1], axis), None),
+)
+
+
+def emulate_ragged_all_to_all() -> bool:
+  """XLA:CPU has no ragged all-to-all (UNIMPLEMENTED at compile time)."""
+  return jax.default_backend() == 'cpu'
+
+
+def emulated_ragged_all_to_all(x_ND, out_MD, ex: Exchange, axis: str):
+  """lax.ragged_all_to_all's semantics from fixed-size collectives, for XLA:CPU, which lacks the
+  op. Like the real op it writes recv[i] rows at recv_off[i] (the receiver's view); the rows come
+  from the sender's operand at src_off[i]. Every shard gathers every operand (ep x the memory:
+  this is for tests and CPU meshes, not for speed)."""
+  n, m = x_ND.shape[0], out_MD.shape[0]
+  ep = jax.lax.axis_size(axis)
+  spd = ex.recv.shape[0] // ep
+  all_x = jax.lax.all_gather(x_ND, axis).reshape(ep * n, *x_ND.shape[1:])
+  o = jnp.arange(m)
+  hit_KM = (o[None] >= ex.recv_off[:, None]) & (o[None] < (ex.recv_off + ex.recv)[:, None])
+  k_M = jnp.argmax(hit_KM, axis=0)
+  src_M = (k_M // spd) * n + ex.src_off[k_M] + o - ex.recv_off[k_M]
+  taken = jnp.take(all_x, src_M, axis=0, mode='clip')
+  return jnp.where(hit_KM.any(0).reshape(m, *([1] * (x_ND.ndim - 1))), taken, out_MD)
+
+
+def ep_recv_rows(rows: int, cfg: ModelConfig, ep: int) -> int:
+  """Receive buffer of the ragged exchange, for `rows` local assignments per shard."""
+  if cfg.moe_dispatch == 'capacity':
+    share = rows * cfg.n_routed_experts / cfg.num_experts_total
+    return max(1, min(ep * rows, math.ceil(cfg.moe_capacity_factor * share)))
+  if cfg.moe_ep_recv_factor:
+    return max(1, min(ep * rows, math.ceil(cfg.moe_ep_recv_factor * rows)))
+  return ep * rows
+
+
+def ragged_plan(counts_SE, me, e_loc: int, buf: int):
+  """The exchange of expert groups for every shard's group sizes counts_SE [ep, E] (all shards
+  compute the same plan). Receive buffers are sorted by local expert, then by source shard, so
+  the received rows are already grouped for the grouped matmul. A buffer of `buf` rows keeps
+  groups in that order until full (what does not fit is dropped). Returns the exchange, this
+  shard's kept rows per expert [E] and its local experts' received group sizes [e_loc]."""
+  ep, e = counts_SE.shape
+  total_RL = counts_SE.sum(0).reshape(ep, e_loc)
+  start_E = (jnp.cumsum(total_RL, axis=1) - total_RL).reshape(e)
+  off_SE = start_E[None] + jnp.cumsum(counts_SE, axis=0) - counts_SE
+  kept_SE = jnp.clip(buf - off_SE, 0, counts_SE)
+  off_SE = jnp.minimum(off_SE, buf)  # groups that do not fit: empty slices at the end
+  group_start_SE = jnp.cumsum(counts_SE, axis=1) - counts_SE
+  # What I receive, source-major: [ep sources, my e_loc experts] flattened.
+  mine = lambda a_SE: jax.lax.dynamic_slice_in_dim(a_SE, me * e_loc, e_loc, axis=1).reshape(e)
+  ex = Exchange(
+    in_off=group_start_SE[me],
+    send=kept_SE[me],
+    out_off=off_SE[me],
+    recv=mine(kept_SE),
+    recv_off=mine(off_SE),
+    src_off=mine(group_start_SE),
+  )
+  return ex, kept_SE[me], mine(kept_SE).reshape(ep, e_loc).sum(0)
+
+
+def _ep_ragged_shard(x_MD, idx_MA, gates_MA, weights, cfg: ModelConfig, ep: int, rng):
+  """One shard's side of the ragged exchange: sort by expert, send each group to its expert's
+  shard, run the local experts on the (already expert-sorted) rows received, send them back."""
+  e = cfg.n_routed_experts
+  e_loc = e // ep
+  order_R, expert_sorted_R, sizes_E = dispatch.sort_assignments(idx_MA.reshape(-1), e)
+  r = expert_sorted_R.shape[0]
+  buf = ep_recv_rows(r, cfg, ep)
+  counts_SE = jax.lax.all_gather(sizes_E, 'expert')
+  ex, kept_E, local_sizes = ragged_plan(counts_SE, jax.lax.axis_index('expert'), e_loc, buf)
+  # Send buffer: the expert-sorted rows; each group sends its first kept_E[e] rows.
+  ex_R = jnp.minimum(expert_sorted_R, e - 1)
+  sent_R = (expert_sorted_R < e) & (jnp.arange(r) - ex.in_off[ex_R] < kept_E[ex_R])
+  asg_S, slot_R, kept_R = dispatch.place(dispatch.identity_layout(sent_R), order_R)
+  send_x = dispatch.dispatch_tokens(x_MD.astype(dtype_of(cfg.dtype)), asg_S, slot_R)
+  recv_x = ragged_exchange(send_x, ex, buf, 'expert')
+  # Received rows are sorted by local expert; rows past the groups are empty (id e_loc).
+  expert_B = jnp.searchsorted(jnp.cumsum(local_sizes), jnp.arange(buf), side='right')
+  local = dispatch.make_layout(
+    expert_B, local_sizes, cfg, 'dropless', dispatch.expected_group(cfg, ep * idx_MA.size)
+  )
+  y_buf = local.run(dispatch.gather_rows(recv_x, local.src_P, local.dest_R), weights, rng)
+  y_recv = dispatch.gather_rows(y_buf, local.dest_R, local.src_P)
+  y_sorted = ragged_exchange(y_recv, ex.reverse(), r, 'expert')
+  return dispatch.combine(
+    dispatch.gather_rows(y_sorted, slot_R, asg_S), kept_R, idx_MA, gates_MA, cfg
+  )

@@ -10,7 +10,7 @@ import pytest
 from flax import nnx
 
 from moetrain import sharding
-from moetrain.model import dispatch, expert_parallel
+from moetrain.model import dispatch, expert_parallel, grouped
 from moetrain.model.moe import MoE, RouterBias, route
 from moetrain.train_step import StepConfig, bias_update
 from tests.helpers import jit_call, randomize, tiny, with_lora
@@ -334,11 +334,11 @@ def test_grouped_tiles_match_rowwise_experts(sizes, pick):
     w[f'{k}_lora_b'] = 0.3 * jax.random.normal(next(keys), (e, 2, o))
   x = jax.random.normal(next(keys), (rows + 3 + b, d)).at[rows:].set(0)  # + zero-expert rows
   expert_R = jnp.repeat(jnp.arange(e), sizes_E, total_repeat_length=rows)
-  groups = dispatch.Groups(jnp.cumsum(sizes_E) - sizes_E, sizes_E, jnp.int32(pick))
+  groups = grouped.Groups(jnp.cumsum(sizes_E) - sizes_E, sizes_E, jnp.int32(pick))
 
   def engine(x, w):
-    train, frozen = dispatch._split_trainable(w)
-    return dispatch.expert_ffn(x, train, frozen, groups, None, tiles, cfg)
+    train, frozen = grouped.split_trainable(w)
+    return grouped.expert_ffn(x, train, frozen, groups, None, tiles, cfg)
 
   def rowwise(x, w):
     we = {k: v[expert_R] for k, v in w.items()}
@@ -374,19 +374,19 @@ def test_grouped_tiles_match_rowwise_experts(sizes, pick):
 def test_tile_rows_fit_the_expected_groups(expect):
   """The grouped engine's fitted tile: a multiple of 16 rows, at most 256 (a bigger expected
   group takes several tiles), and the fewest such tiles cover 1.1 x the expected group."""
-  b = dispatch.tile_rows(expect)
+  b = grouped.tile_rows(expect)
   tiles = -(-1.1 * expect // b)
   assert b % 16 == 0 and 16 <= b <= 256
   assert tiles * b >= 1.1 * expect and tiles == -(-1.1 * expect // 256)
   assert (tiles * (b - 16) < 1.1 * expect) or b == 16  # no smaller tile would do
-  assert dispatch.tile_candidates(expect, requested=64) == (64,)
-  assert {b, 128} <= set(dispatch.tile_candidates(expect))
+  assert grouped.tile_candidates(expect, requested=64) == (64,)
+  assert {b, 128} <= set(grouped.tile_candidates(expect))
   # A LongCat-style layer: 2048 tokens, top-4 over 16 FFN + 8 zero experts (bench/moe_layer).
   if expect == 341:
     cfg = dataclasses.replace(CFG, n_routed_experts=16, zero_expert_num=8, moe_topk=4)
     assert dispatch.expected_group(cfg, 2048 * 4) == pytest.approx(2048 * 4 / 24)
     assert b == 192
-    assert dispatch.tile_candidates(expect) == (128, 192, 384)
+    assert grouped.tile_candidates(expect) == (128, 192, 384)
 
 
 def test_choose_tile_follows_the_group_sizes():
@@ -396,6 +396,6 @@ def test_choose_tile_follows_the_group_sizes():
   skewed = jnp.array(
     [277, 375, 274, 316, 591, 335, 340, 287, 438, 127, 323, 402, 415, 254, 193, 366]
   )
-  assert int(dispatch.choose_tile(even, tiles)) == 2
-  assert int(dispatch.choose_tile(skewed, tiles)) == 0
-  assert dispatch.choose_tile(even, (64,)) == 0
+  assert int(grouped.choose_tile(even, tiles)) == 2
+  assert int(grouped.choose_tile(skewed, tiles)) == 0
+  assert grouped.choose_tile(even, (64,)) == 0

@@ -113,6 +113,30 @@ def lora_dropout(x, rate: float, rng):
   return jnp.where(keep, x / (1.0 - rate), 0).astype(x.dtype)
 
 
+def swiglu(x, mm, dtype):
+  h = jax.nn.silu(mm(x, 'gate').astype(jnp.float32)) * mm(x, 'up').astype(jnp.float32)
+  return mm(h.astype(dtype), 'down')
+
+
+def with_lora(base_mm, weights, scale, rng, dropout):
+  """Adds the per-expert adapters as two small grouped matmuls on the permuted rows. Where they
+  are one expert's 2-D factors (the grouped and blocked tiles), layers.lora_product runs them:
+  its backward keeps their gradients on the fast matmul path."""
+
+  def mm(x, name):
+    y = base_mm(x, weights[name])
+    if f'{name}_lora_a' in weights:
+      xa = lora_dropout(x, dropout, None if rng is None else jax.random.fold_in(rng, len(name)))
+      a, b = weights[f'{name}_lora_a'], weights[f'{name}_lora_b']
+      if a.ndim == 2:
+        y = y + scale * lora_product(xa, a.astype(xa.dtype), b.astype(xa.dtype))
+      else:
+        y = y + scale * base_mm(base_mm(xa, a), b)
+    return y
+
+  return mm
+
+
 class RMSNorm(nnx.Module):
   """w * x * rsqrt(mean(x^2) + eps), in float32, cast back to the input dtype."""
 

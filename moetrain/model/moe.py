@@ -7,8 +7,8 @@ Algorithm, per token x (M tokens, X = E routed + Z zero experts, top-A):
   4. zero experts (idx >= E) contribute gate * x directly and never enter dispatch.
   5. routed assignments are sorted by expert, run through the expert SwiGLU (plus per-expert LoRA)
      by a grouped matmul, unsorted and summed with their gates.
-Dispatch strategies and grouped-matmul backends live in moetrain/model/dispatch.py, expert
-parallelism in moetrain/model/expert_parallel.py.
+Dispatch strategies and grouped-matmul backends live in moetrain/model/dispatch.py (the CPU
+default engine in grouped.py), expert parallelism in moetrain/model/expert_parallel.py.
 """
 
 import jax

@@ -39,14 +39,14 @@ def get_config() -> config_dict.ConfigDict:
   m.attention_recompute = True  # backward recomputes scores from softmax stats (O(T) memory)
   m.loss_chunk = 256  # positions per block of the lm head + loss ([B, T, V] never whole); 0 = off
   m.moe_dispatch = 'dropless'  # dropless | capacity
-  m.moe_capacity_factor = 1.25  # capacity dispatch: buffer = factor * uniform share
+  m.moe_capacity_factor = 1.25  # capacity dispatch: per-expert buffer = factor * K_e/E of tokens
   m.moe_backend = 'auto'  # auto | ragged_dot | megablox | grouped | blocked | gathered | dense
   m.moe_block_size = 0  # CPU backends' row tile; 0 = auto (grouped: per batch)
   m.moe_expert_parallel = True  # shard_map experts over the 'expert' mesh axis when it is > 1
   m.moe_ep_comm = 'auto'  # auto | fixed | ragged: expert-parallel token exchange
   m.moe_ep_recv_factor = 0.0  # ragged receive buffer / local assignments; 0 = ep (never drops)
   m.moe_expected_ffn_experts = 0.0  # K_e target of balancing; 0 = top_k * E / (E + Z)
-  m.moe_balance_groups = 1  # FFN-expert groups of the device-level balance loss
+  m.moe_balance_groups = 0  # FFN-expert groups (D) of the balance loss; 0 = expert-parallel shards
   m.quant = 'none'  # none | int8 | int4: storage of the frozen base (QLoRA)
   m.quant_group_size = 64  # int4 group size along the input dimension
 

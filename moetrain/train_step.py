@@ -59,7 +59,9 @@ def loss_fn(params, moe_bias, frozen, graphdef, batch, rng, totals, cfg: StepCon
   moe = aux['moe']
   # This micro-batch's share of the routed tokens, so per-micro-batch MoE means average correctly.
   frac = token_counts(batch)[1] / n_routed
-  hidden_z = jnp.sum(aux['hidden_lse_BT'] ** 2 * mask) / n_tokens
+  # Over every token the model reads (prompts included), not only the loss tokens; not padding.
+  valid = (batch['segment_ids'] > 0).astype(jnp.float32)
+  hidden_z = jnp.sum(aux['hidden_lse_BT'] ** 2 * valid) / n_routed
   aux_loss = (
     cfg.router_z_loss * moe['router_z_loss'].mean() * frac
     + cfg.balance_loss * moe['balance_loss'].mean() * frac

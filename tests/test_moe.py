@@ -11,7 +11,7 @@ from flax import nnx
 
 from moetrain import sharding
 from moetrain.model import dispatch, expert_parallel, grouped
-from moetrain.model.moe import MoE, RouterBias, route
+from moetrain.model.moe import MoE, RouterBias, balance_loss, route, routing_stats
 from moetrain.train_step import StepConfig, bias_update
 from tests.helpers import jit_call, randomize, tiny, with_lora
 
@@ -131,9 +131,7 @@ def test_dropless_equals_capacity_when_capacity_suffices():
   x = jax.random.normal(jax.random.key(2), (2, 16, CFG.hidden_size))
   y, _ = run(moe, x)
   big = dataclasses.replace(CFG, moe_dispatch='capacity', moe_capacity_factor=12.0)
-  y_cap, stats = run(
-    nnx.merge(nnx.graphdef(MoE(big, 'layers.moe', nnx.Rngs(0))), nnx.state(moe)), x
-  )
+  y_cap, stats = run(with_cfg(moe, big), x)
   assert float(stats['dropped_frac']) == 0.0
   np.testing.assert_allclose(y_cap, y, atol=1e-6)
 
@@ -279,6 +277,66 @@ def test_ragged_expert_parallel_drops_exactly_what_it_reports(bound):
   np.testing.assert_allclose(y, y_ref, atol=1e-5)
 
 
+@pytest.mark.parametrize('comm', ['fixed', 'ragged'])
+def test_expert_parallel_capacity_is_per_expert(comm):
+  """Capacity dispatch under expert parallelism keeps per-expert buffers. ragged: each expert
+  keeps the first C assignments of its exchange group's tokens (the ep shards of one fsdp row)
+  in token order, exactly one device's capacity dispatch of those tokens. fixed: each expert
+  keeps the first c of every shard's own assignments (GShard's groups), exactly one device's
+  capacity dispatch of each shard's tokens."""
+  cfg = dataclasses.replace(
+    CFG,
+    rules=sharding.Rules.preset('fsdp_ep_tp'),
+    moe_ep_comm=comm,
+    moe_dispatch='capacity',
+    moe_capacity_factor=0.75,
+  )
+  moe = make_moe(cfg)
+  m = 64
+  x = jax.random.normal(jax.random.key(8), (m, cfg.hidden_size))
+  _, _, idx, gates = route(
+    x, moe.router[...], moe.router_bias[...], cfg.moe_topk, cfg.routed_scaling_factor
+  )
+  mesh = sharding.make_mesh((1, 2, 4, 1))
+  w = moe.experts.weights()
+  with jax.set_mesh(mesh):
+    spec = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(('fsdp', 'expert')))
+    args = [jax.device_put(a, spec) for a in (x, idx, gates)]
+    y, dropped = jax.jit(lambda *a: expert_parallel.routed_experts(*a, w, cfg))(*args)
+  single = dataclasses.replace(cfg, moe_expert_parallel=False)
+  groups = 2 if comm == 'ragged' else 8
+  parts = [
+    dispatch.routed_experts(xs, ids, gs, w, single)
+    for xs, ids, gs in zip(*(jnp.split(a, groups) for a in (x, idx, gates)))
+  ]
+  np.testing.assert_array_equal(dropped, jnp.concatenate([p[1] for p in parts]))
+  np.testing.assert_allclose(y, jnp.concatenate([p[0] for p in parts]), atol=1e-5)
+  assert 0 < float(dropped.sum()) < float((idx < cfg.n_routed_experts).sum())
+
+
+def test_padding_takes_no_expert_capacity():
+  """Padding tokens (segment 0) enter no expert: whether they come before or after the real
+  tokens changes neither the real tokens' outputs nor what is dropped, and their own output is
+  zero."""
+  cfg = dataclasses.replace(CFG, moe_dispatch='capacity', moe_capacity_factor=0.5)
+  moe = make_moe(cfg)
+  real = jax.random.normal(jax.random.key(10), (1, 16, cfg.hidden_size))
+  on, off = jnp.ones((1, 16), bool), jnp.zeros((1, 16), bool)
+
+  def call(moe, x, valid):
+    return moe(x, valid)
+
+  # The padding rows copy the real ones, so they would route alike and compete for capacity.
+  first = jit_call(call, moe, jnp.concatenate([real, real]), jnp.concatenate([off, on]))
+  last = jit_call(call, moe, jnp.concatenate([real, real]), jnp.concatenate([on, off]))
+  np.testing.assert_allclose(first[0][1], last[0][0], atol=1e-6)
+  np.testing.assert_array_equal(first[0][0], 0.0)
+  np.testing.assert_array_equal(last[0][1], 0.0)
+  for k in ('load', 'dropped_frac', 'ffn_experts_mean'):
+    np.testing.assert_allclose(first[1][k], last[1][k], atol=1e-6)
+  assert float(first[1]['dropped_frac']) > 0
+
+
 def test_bias_update_balances_a_skewed_router():
   cfg = tiny(n_routed_experts=8, zero_expert_num=4, moe_topk=3)
   moe = MoE(cfg, 'layers.moe', nnx.Rngs(0))
@@ -302,6 +360,81 @@ def test_bias_update_balances_a_skewed_router():
   assert before > 1.3 and after - 1 < 0.25 * (before - 1), (before, after)
   # zero-expert biases are never updated
   np.testing.assert_array_equal(moe.router_bias[...][cfg.n_routed_experts :], 0.0)
+
+
+def test_bias_update_is_the_proportional_rule():
+  """One update against TR eq. 2 by hand: db_i = mu (K_e/(K N) - T_i/(K T_all)) for the N = 4
+  FFN experts, nothing for the zero experts; with the cosine decay, mu halves mid-way."""
+  cfg = tiny(n_routed_experts=4, zero_expert_num=2, moe_topk=2, moe_expected_ffn_experts=1.5)
+  load = jnp.array([[6.0, 2.0, 0.0, 4.0, 5.0, 3.0]])  # 20 assignments = 10 tokens x K=2
+  want = 0.1 * (1.5 / (2 * 4) - np.array([6.0, 2.0, 0.0, 4.0]) / (2 * 10))
+  bias = {'b': jnp.zeros((1, 6))}
+  got = bias_update(bias, load, 0, StepConfig(model=cfg, bias_update_rate=0.1))['b'][0]
+  np.testing.assert_allclose(got, np.concatenate([want, [0.0, 0.0]]), rtol=1e-6)
+  decayed = StepConfig(model=cfg, bias_update_rate=0.1, bias_update_decay_steps=100)
+  got = bias_update(bias, load, 50, decayed)['b'][0]
+  np.testing.assert_allclose(got[:4], want / 2, rtol=1e-5)
+
+
+def test_balance_loss_by_hand():
+  """4 FFN experts in D = 2 groups plus the zero group, K = 2, K_e = 4/3: every group's target
+  share tau_j is 1/3, so the loss is 3 sum_j f_j P_j here, and 1 when f = P = target."""
+  cfg = tiny(n_routed_experts=4, zero_expert_num=2, moe_topk=2, moe_balance_groups=2)
+  frac = jnp.array([0.1, 0.2, 0.3, 0.1, 0.2, 0.1])
+  mean_p = jnp.array([0.3, 0.1, 0.1, 0.1, 0.3, 0.1])
+  # Groups: f = (0.3, 0.4, zero 0.3), P = (0.4, 0.2, zero 0.4).
+  np.testing.assert_allclose(balance_loss(frac, mean_p, cfg), 3 * (0.12 + 0.08 + 0.12), rtol=1e-6)
+  target = jnp.full((6,), 1 / 6)
+  np.testing.assert_allclose(balance_loss(target, target, cfg), 1.0, rtol=1e-6)
+  # One group (D = 1) only weighs FFN against zero experts: moving load between FFN experts
+  # changes nothing; with D = 2 it does (f = (0.4, 0.3): 3 (0.16 + 0.06 + 0.12)).
+  swapped = frac[jnp.array([0, 2, 1, 3, 4, 5])]
+  one = dataclasses.replace(cfg, moe_balance_groups=1)
+  np.testing.assert_allclose(balance_loss(frac, mean_p, one), balance_loss(swapped, mean_p, one))
+  np.testing.assert_allclose(balance_loss(swapped, mean_p, cfg), 3 * 0.34, rtol=1e-6)
+
+
+def with_cfg(moe, cfg):
+  """The same MoE weights under another config."""
+  return nnx.merge(nnx.graphdef(MoE(cfg, 'layers.moe', nnx.Rngs(0))), nnx.state(moe))
+
+
+def test_balance_groups_default_to_the_expert_shards():
+  cfg = dataclasses.replace(CFG, rules=sharding.Rules.preset('fsdp_ep_tp'))
+  assert cfg.moe_balance_groups == 0
+  moe = make_moe(cfg)
+  x = jax.random.normal(jax.random.key(12), (8, 8, cfg.hidden_size))
+  loss = lambda moe, x: _run(moe, x)[1]['balance_loss']
+  explicit = {
+    d: jit_call(loss, with_cfg(moe, dataclasses.replace(cfg, moe_balance_groups=d)), x)
+    for d in (1, 4)
+  }
+  assert abs(float(explicit[4] - explicit[1])) > 1e-4
+  np.testing.assert_allclose(jit_call(loss, moe, x), explicit[1], rtol=1e-6)  # no mesh: D = 1
+  mesh = sharding.make_mesh((1, 2, 4, 1))
+  with jax.set_mesh(mesh):
+    spec = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(('data', 'fsdp', 'expert')))
+    auto = jit_call(loss, moe, jax.device_put(x, spec))
+  np.testing.assert_allclose(auto, explicit[4], rtol=1e-5)
+
+
+def test_routing_stats_by_hand():
+  """Two real tokens and one padding token over E = 2 FFN + Z = 1 zero expert, top-2."""
+  cfg = tiny(n_routed_experts=2, zero_expert_num=1, moe_topk=2)
+  logits = jnp.array([[1.0, 0.0, -1.0], [0.0, 2.0, 0.0], [5.0, 5.0, 5.0]])
+  probs = jax.nn.softmax(logits, -1)
+  idx = jnp.array([[0, 2], [1, 0], [3, 3]])  # token 1 uses both FFN experts; 3 = padding's id
+  valid = jnp.array([1.0, 1.0, 0.0])
+  dropped = jnp.array([[0.0, 0.0], [1.0, 0.0], [0.0, 0.0]])
+  st = routing_stats(logits, probs, idx, valid, dropped, cfg)
+  np.testing.assert_array_equal(st['load'], [2, 1, 1])
+  np.testing.assert_allclose(st['ffn_experts_mean'], 1.5)
+  np.testing.assert_allclose(st['ffn_experts_std'], 0.5)
+  np.testing.assert_allclose(st['dropped_frac'], 1 / 3)  # one of the 3 FFN assignments
+  p = np.asarray(probs[:2])
+  np.testing.assert_allclose(st['router_entropy'], np.mean(-np.sum(p * np.log(p), -1)), rtol=1e-6)
+  lse = np.log(np.sum(np.exp(np.asarray(logits[:2])), -1))
+  np.testing.assert_allclose(st['router_z_loss'], np.mean(lse**2), rtol=1e-6)
 
 
 def test_deterministic():

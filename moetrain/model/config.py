@@ -104,7 +104,9 @@ class ModelConfig:
   # reports) what overflows it.
   moe_ep_recv_factor: float = 0.0
   moe_expected_ffn_experts: float = 0.0  # K_e of the balancing targets; 0 = uniform top_k*E/(E+Z).
-  moe_balance_groups: int = 1  # FFN-expert groups of the device-level balance loss.
+  # FFN-expert groups D of the device-level balance loss; 0 = the expert-parallel shards (the
+  # 'expert' mesh axis when model.moe_expert_parallel, else 1).
+  moe_balance_groups: int = 0
   # Fine-tuning.
   lora: LoraConfig = LoraConfig()
   quant: str = 'none'  # storage of frozen base weights (QLoRA).
@@ -162,7 +164,7 @@ class ModelConfig:
       value = getattr(self, field)
       need(value in choices, field, f'{value!r} unknown; use one of {choices}')
     need(
-      self.n_routed_experts % self.moe_balance_groups == 0,
+      self.moe_balance_groups >= 0 and self.n_routed_experts % max(self.moe_balance_groups, 1) == 0,
       'moe_balance_groups',
       f'{self.n_routed_experts} routed experts do not split into {self.moe_balance_groups} groups',
     )

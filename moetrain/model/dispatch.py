@@ -351,8 +351,9 @@ def grouped_layout(expert_sorted_R, sizes_E, tiles: tuple, cfg: ModelConfig) -> 
 
 
 def capacity(num_tokens: int, cfg: ModelConfig) -> int:
-  """Per-expert buffer: capacity_factor times the uniform share of the M*A assignments."""
-  share = num_tokens * cfg.moe_topk / cfg.num_experts_total
+  """Per-expert buffer: capacity_factor times the rows an FFN expert receives at balance from
+  num_tokens tokens (expected_group: the K_e of the balancing targets, over the E experts)."""
+  share = expected_group(cfg, num_tokens * cfg.moe_topk)
   return max(1, math.ceil(cfg.moe_capacity_factor * share))
 
 

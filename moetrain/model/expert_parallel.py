@@ -17,11 +17,20 @@ from moetrain.model.config import ModelConfig
 from moetrain.model.layers import dtype_of
 
 
-def routed_experts(x_MD, idx_MA, gates_MA, weights, cfg: ModelConfig, rng=None):
-  """dispatch.routed_experts, expert-parallel (see expert_parallel) when the mesh has an
-  'expert' axis > 1 and model.moe_expert_parallel is set."""
+def expert_shards(cfg: ModelConfig) -> int:
+  """How many shards the routed experts are split over: the 'expert' axis of the current mesh
+  when model.moe_expert_parallel is set, else 1."""
   mesh = jax.sharding.get_abstract_mesh()
-  if cfg.moe_expert_parallel and not mesh.empty and dict(mesh.shape).get('expert', 1) > 1:
+  if not cfg.moe_expert_parallel or mesh.empty:
+    return 1
+  return dict(mesh.shape).get('expert', 1)
+
+
+def routed_experts(x_MD, idx_MA, gates_MA, weights, cfg: ModelConfig, rng=None):
+  """dispatch.routed_experts, expert-parallel (see expert_parallel) when the routed experts are
+  split over more than one shard (expert_shards)."""
+  if expert_shards(cfg) > 1:
+    mesh = jax.sharding.get_abstract_mesh()
     return expert_parallel(x_MD, idx_MA, gates_MA, weights, cfg, rng, mesh)
   return dispatch.routed_experts(x_MD, idx_MA, gates_MA, weights, cfg, rng)
 
@@ -68,12 +77,12 @@ def expert_parallel(x_MD, idx_MA, gates_MA, weights, cfg: ModelConfig, rng, mesh
 
 
 def ep_capacity(rows: int, cfg: ModelConfig, ep: int) -> int:
-  """Send-buffer rows per destination shard: all local rows for dropless (no drop is possible),
-  else capacity_factor times a shard's uniform share."""
+  """Send-buffer rows per destination shard of the fixed exchange, for `rows` local assignments:
+  all of them for dropless (no drop is possible); for capacity, each of the destination's
+  experts' buffer of dispatch.capacity(this shard's tokens) rows."""
   if cfg.moe_dispatch == 'dropless':
     return rows
-  share = rows * cfg.n_routed_experts / cfg.num_experts_total / ep
-  return max(1, min(rows, math.ceil(cfg.moe_capacity_factor * share)))
+  return cfg.n_routed_experts // ep * dispatch.capacity(rows // cfg.moe_topk, cfg)
 
 
 def _ep_shard(x_MD, idx_MA, gates_MA, weights, cfg: ModelConfig, ep: int, rng):
@@ -82,9 +91,16 @@ def _ep_shard(x_MD, idx_MA, gates_MA, weights, cfg: ModelConfig, ep: int, rng):
   e_loc = e // ep
   # Send layout: slots [ep, cap] by destination shard (zero-expert assignments go nowhere).
   order_R, expert_sorted_R, sizes_E = dispatch.sort_assignments(idx_MA.reshape(-1), e)
-  shard_sizes = sizes_E.reshape(ep, e_loc).sum(-1)
   cap = ep_capacity(expert_sorted_R.shape[0], cfg, ep)
-  send = dispatch.capacity_layout(jnp.minimum(expert_sorted_R // e_loc, ep), shard_sizes, cap, cfg)
+  if cfg.moe_dispatch == 'capacity':
+    # Per-expert buffers of this shard's tokens (GShard's groups): slots [E, c] are [ep, e_loc*c]
+    # by destination shard. Each expert keeps the first c of each shard's assignments.
+    send = dispatch.capacity_layout(expert_sorted_R, sizes_E, cap // e_loc, cfg)
+  else:
+    shard_sizes = sizes_E.reshape(ep, e_loc).sum(-1)
+    send = dispatch.capacity_layout(
+      jnp.minimum(expert_sorted_R // e_loc, ep), shard_sizes, cap, cfg
+    )
   asg_S, slot_R, kept_R = dispatch.place(send, order_R)
   send_x = dispatch.dispatch_tokens(x_MD.astype(dtype_of(cfg.dtype)), asg_S, slot_R)
   send_e = jnp.take(
@@ -169,26 +185,35 @@ def emulated_ragged_all_to_all(x_ND, out_MD, ex: Exchange, axis: str):
 
 
 def ep_recv_rows(rows: int, cfg: ModelConfig, ep: int) -> int:
-  """Receive buffer of the ragged exchange, for `rows` local assignments per shard."""
+  """Receive buffer of the ragged exchange, for `rows` local assignments per shard: for capacity,
+  the local experts' buffers of dispatch.capacity(all shards' tokens) rows each."""
   if cfg.moe_dispatch == 'capacity':
-    share = rows * cfg.n_routed_experts / cfg.num_experts_total
-    return max(1, min(ep * rows, math.ceil(cfg.moe_capacity_factor * share)))
+    return cfg.n_routed_experts // ep * ep_expert_capacity(rows, cfg, ep)
   if cfg.moe_ep_recv_factor:
     return max(1, min(ep * rows, math.ceil(cfg.moe_ep_recv_factor * rows)))
   return ep * rows
 
 
-def ragged_plan(counts_SE, me, e_loc: int, buf: int):
+def ep_expert_capacity(rows: int, cfg: ModelConfig, ep: int) -> int:
+  """The ragged exchange's per-expert capacity: the single-device one for all shards' tokens."""
+  return dispatch.capacity(ep * rows // cfg.moe_topk, cfg)
+
+
+def ragged_plan(counts_SE, me, e_loc: int, buf: int, cap: int = 0):
   """The exchange of expert groups for every shard's group sizes counts_SE [ep, E] (all shards
   compute the same plan). Receive buffers are sorted by local expert, then by source shard, so
-  the received rows are already grouped for the grouped matmul. A buffer of `buf` rows keeps
-  groups in that order until full (what does not fit is dropped). Returns the exchange, this
-  shard's kept rows per expert [E] and its local experts' received group sizes [e_loc]."""
+  the received rows are already grouped for the grouped matmul. With cap > 0 each expert keeps
+  its first cap rows in source-shard order, i.e. in global token order, as one device's capacity
+  dispatch does. A buffer of `buf` rows keeps groups in that order until full (what does not fit
+  is dropped). Returns the exchange, this shard's kept rows per expert [E] and its local
+  experts' received group sizes [e_loc]."""
   ep, e = counts_SE.shape
-  total_RL = counts_SE.sum(0).reshape(ep, e_loc)
+  before_SE = jnp.cumsum(counts_SE, axis=0) - counts_SE  # the expert's rows on earlier shards
+  sent_SE = jnp.clip(cap - before_SE, 0, counts_SE) if cap else counts_SE
+  total_RL = sent_SE.sum(0).reshape(ep, e_loc)
   start_E = (jnp.cumsum(total_RL, axis=1) - total_RL).reshape(e)
-  off_SE = start_E[None] + jnp.cumsum(counts_SE, axis=0) - counts_SE
-  kept_SE = jnp.clip(buf - off_SE, 0, counts_SE)
+  off_SE = start_E[None] + jnp.cumsum(sent_SE, axis=0) - sent_SE
+  kept_SE = jnp.clip(buf - off_SE, 0, sent_SE)
   off_SE = jnp.minimum(off_SE, buf)  # groups that do not fit: empty slices at the end
   group_start_SE = jnp.cumsum(counts_SE, axis=1) - counts_SE
   # What I receive, source-major: [ep sources, my e_loc experts] flattened.
@@ -212,8 +237,9 @@ def _ep_ragged_shard(x_MD, idx_MA, gates_MA, weights, cfg: ModelConfig, ep: int,
   order_R, expert_sorted_R, sizes_E = dispatch.sort_assignments(idx_MA.reshape(-1), e)
   r = expert_sorted_R.shape[0]
   buf = ep_recv_rows(r, cfg, ep)
+  cap = ep_expert_capacity(r, cfg, ep) if cfg.moe_dispatch == 'capacity' else 0
   counts_SE = jax.lax.all_gather(sizes_E, 'expert')
-  ex, kept_E, local_sizes = ragged_plan(counts_SE, jax.lax.axis_index('expert'), e_loc, buf)
+  ex, kept_E, local_sizes = ragged_plan(counts_SE, jax.lax.axis_index('expert'), e_loc, buf, cap)
   # Send buffer: the expert-sorted rows; each group sends its first kept_E[e] rows.
   ex_R = jnp.minimum(expert_sorted_R, e - 1)
   sent_R = (expert_sorted_R < e) & (jnp.arange(r) - ex.in_off[ex_R] < kept_E[ex_R])

@@ -88,10 +88,16 @@ class MoE(nnx.Module):
     logits_MX, probs_MX, idx_MA, gates_MA = route(
       x_MD, self.router[...], self.router_bias[...], cfg.moe_topk, cfg.routed_scaling_factor
     )
+    # Padding (segment id 0) goes to no expert: it takes no capacity, buffer rows or compute,
+    # and gets a zero output. The id past every expert keeps it out of dispatch and of the zero
+    # experts' sum alike.
+    pad_M1 = valid_M[:, None] == 0
+    idx_MA = jnp.where(pad_M1, cfg.num_experts_total, idx_MA)
+    gates_MA = jnp.where(pad_M1, 0.0, gates_MA)
     y_MD, dropped = expert_parallel.routed_experts(
       x_MD, idx_MA, gates_MA, self.experts.weights(), cfg, rng
     )
-    is_zero_MA = idx_MA >= cfg.n_routed_experts
+    is_zero_MA = (idx_MA >= cfg.n_routed_experts) & (idx_MA < cfg.num_experts_total)
     zero_gate_M = jnp.sum(jnp.where(is_zero_MA, gates_MA, 0.0), axis=-1)
     y_MD = y_MD + (zero_gate_M[:, None] * x_MD.astype(jnp.float32)).astype(y_MD.dtype)
     stats = routing_stats(logits_MX, probs_MX, idx_MA, valid_M, dropped, cfg)
@@ -123,11 +129,12 @@ def routing_stats(logits_MX, probs_MX, idx_MA, valid_M, dropped_MA, cfg: ModelCo
 
 
 def balance_loss(frac_X, mean_p_X, cfg: ModelConfig):
-  """Device-level balance loss (LongCat TR 2.1.2): FFN experts in `groups` groups plus all zero
+  """Device-level balance loss (LongCat TR 2.1.2): the FFN experts in D groups (the devices that
+  hold them: model.moe_balance_groups, by default the expert-parallel shards) plus all zero
   experts as one more group; sum_j F_j * P_j / tau_j, where tau_j is the group's target share of
   assignments (K_e/K split over the FFN groups, (K-K_e)/K for the zero group). Equals 1 at target."""
   e, z = cfg.n_routed_experts, cfg.zero_expert_num
-  k, groups = cfg.moe_topk, cfg.moe_balance_groups
+  k, groups = cfg.moe_topk, cfg.moe_balance_groups or expert_parallel.expert_shards(cfg)
   k_e = cfg.expected_ffn_experts if z else k
   f_G = jnp.sum(frac_X[:e].reshape(groups, e // groups), axis=-1)
   p_G = jnp.sum(mean_p_X[:e].reshape(groups, e // groups), axis=-1)

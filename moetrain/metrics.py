@@ -61,23 +61,29 @@ def flops_per_token(
   return mult * (matmul_params_per_token(cfg, ffn_experts) + attn / 2)
 
 
+ROUTING_STATS = (
+  'ffn_experts_mean',
+  'ffn_experts_std',
+  'dropped_frac',
+  'router_entropy',
+  'router_z_loss',
+  'balance_loss',
+)
+
+
 def routing_summary(moe: dict, cfg: ModelConfig, expert_shards: int) -> dict:
-  """Host-side scalars from the per-layer stats (arrays [L, ...])."""
+  """Host-side scalars from the per-layer stats (arrays [L, ...]): each statistic per layer
+  (moe/layer{l}/...) and its mean over layers (moe/...). The load histogram itself is written
+  separately (Writer.write's load)."""
   load = np.asarray(moe['load'], np.float64)  # [L, E+Z]
-  e = cfg.n_routed_experts
-  ffn = load[:, :e]
+  ffn = load[:, : cfg.n_routed_experts]
   shards = ffn.reshape(ffn.shape[0], expert_shards, -1).sum(-1)
-  imbalance = shards.max(-1) / np.maximum(shards.mean(-1), 1e-9)
-  out = {
-    'moe/ffn_experts_mean': float(np.mean(moe['ffn_experts_mean'])),
-    'moe/ffn_experts_std': float(np.mean(moe['ffn_experts_std'])),
-    'moe/dropped_frac': float(np.mean(moe['dropped_frac'])),
-    'moe/router_entropy': float(np.mean(moe['router_entropy'])),
-    'moe/router_z_loss': float(np.mean(moe['router_z_loss'])),
-    'moe/balance_loss': float(np.mean(moe['balance_loss'])),
-    'moe/expert_max_over_mean': float(np.mean(ffn.max(-1) / np.maximum(ffn.mean(-1), 1e-9))),
-    'moe/shard_imbalance': float(np.mean(imbalance)),
-  }
+  per_layer = {k: np.asarray(moe[k], np.float64).reshape(-1) for k in ROUTING_STATS}
+  per_layer['expert_max_over_mean'] = ffn.max(-1) / np.maximum(ffn.mean(-1), 1e-9)
+  per_layer['shard_imbalance'] = shards.max(-1) / np.maximum(shards.mean(-1), 1e-9)
+  out = {f'moe/{k}': float(np.mean(v)) for k, v in per_layer.items()}
+  for k, v in per_layer.items():
+    out.update({f'moe/layer{layer}/{k}': float(x) for layer, x in enumerate(v)})
   return out
 
 
@@ -108,10 +114,27 @@ class Writer:
       if isinstance(v, (int, float)):
         self._tb.add_scalar(prefix + k, v, step)
     if load is not None:
-      for layer, row in enumerate(np.asarray(load)):
-        self._tb.add_histogram(
-          f'moe/load_layer{layer}', np.repeat(np.arange(len(row)), row.astype(int)), step
-        )
+      for layer, row in enumerate(np.asarray(load, np.float64)):
+        self._add_counts(f'moe/load_layer{layer}', row, step)
+
+  def _add_counts(self, tag: str, counts, step: int) -> None:
+    """A histogram over expert ids from their counts (one bucket per expert), without expanding
+    every assignment into a sample."""
+    ids = np.arange(len(counts), dtype=np.float64)
+    used = np.nonzero(counts)[0]
+    if not len(used):
+      return
+    self._tb.add_histogram_raw(
+      tag,
+      min=float(used[0]),
+      max=float(used[-1]),
+      num=float(counts.sum()),
+      sum=float(ids @ counts),
+      sum_squares=float((ids * ids) @ counts),
+      bucket_limits=(ids + 0.5).tolist(),
+      bucket_counts=counts.tolist(),
+      global_step=step,
+    )
 
   def save_config(self, text: str) -> None:
     if self.enabled:

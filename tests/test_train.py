@@ -61,6 +61,10 @@ def test_run_logs_checkpoints_and_evaluates(uninterrupted):
     'moe/shard_imbalance',
   ):
     assert key in first, key
+  # Every routing statistic per layer too; the plain key is their mean over layers.
+  for key in ('ffn_experts_mean', 'dropped_frac', 'router_entropy', 'shard_imbalance'):
+    layers = [first[f'moe/layer{i}/{key}'] for i in range(small_config().model.num_layers)]
+    assert abs(first[f'moe/{key}'] - sum(layers) / len(layers)) < 1e-6, key
   assert any(r['kind'] == 'eval' for r in recs)
   assert 'eval_accuracy' in out
   assert os.listdir(os.path.join(workdir, 'tb'))

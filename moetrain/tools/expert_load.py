@@ -16,7 +16,9 @@ def define_flags():
 
 
 def read_loads(workdir: str):
-  """Steps [S] and loads [S, L, E+Z] (token-assignment counts) from metrics.jsonl."""
+  """Steps [S] and loads [S, L, E+Z] (token-assignment counts) from metrics.jsonl. A run that
+  resumed from a checkpoint older than its last log appends steps again: a step at or below
+  the last one read drops the abandoned records from that step on."""
   path = os.path.join(workdir, 'metrics.jsonl')
   if not os.path.exists(path):
     raise FileNotFoundError(f'{path} not found: is {workdir!r} a moetrain run directory?')
@@ -28,6 +30,9 @@ def read_loads(workdir: str):
       except json.JSONDecodeError as e:
         raise ValueError(f'{path}:{n}: not JSON ({e})') from None
       if rec.get('kind') == 'train' and 'moe/load' in rec:
+        while steps and steps[-1] >= rec['step']:
+          steps.pop()
+          loads.pop()
         steps.append(rec['step'])
         loads.append(rec['moe/load'])
   if not steps:
@@ -44,15 +49,14 @@ def plot(steps, loads, out: str, n_routed: int | None = None) -> str:
   n_layers, n_experts = loads.shape[1], loads.shape[2]
   share = loads / np.maximum(loads.sum(-1, keepdims=True), 1)  # fraction of assignments
   fig, axes = plt.subplots(n_layers, 1, figsize=(10, 2.2 * n_layers + 0.6), squeeze=False)
+  # Cell edges halfway between logged steps: uneven logging intervals keep their true widths.
+  steps = np.asarray(steps, np.float64)
+  mid = (steps[1:] + steps[:-1]) / 2
+  half = (mid[0] - steps[0], steps[-1] - mid[-1]) if len(mid) else (0.5, 0.5)
+  x_edges = np.concatenate([[steps[0] - half[0]], mid, [steps[-1] + half[1]]])
+  y_edges = np.arange(n_experts + 1) - 0.5
   for layer, ax in enumerate(axes[:, 0]):
-    im = ax.imshow(
-      share[:, layer].T,
-      aspect='auto',
-      origin='lower',
-      cmap='viridis',
-      extent=(steps[0], steps[-1], -0.5, n_experts - 0.5),
-      interpolation='nearest',
-    )
+    im = ax.pcolormesh(x_edges, y_edges, share[:, layer].T, cmap='viridis', shading='flat')
     if n_routed is not None and n_routed < n_experts:
       ax.axhline(n_routed - 0.5, color='w', lw=0.8, ls='--')
     ax.set_ylabel(f'layer {layer}\nexpert')

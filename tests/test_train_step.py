@@ -88,3 +88,20 @@ def test_dry_run_reports_the_loss_block_per_device():
   assert lb['whole_bytes'] == lb['block_bytes'] * 32
   whole = loss_block(dataclasses.replace(cfg, loss_chunk=0), (1, 2, 4, 2), 8192, 16)
   assert whole['block_shape'] == (2, 8192, 65536) and whole['block_bytes'] == lb['whole_bytes']
+
+
+def test_hidden_z_loss_counts_prompts_but_not_padding():
+  """LongCat's hidden z-loss averages over every token the model reads: masking prompt tokens
+  out of the cross entropy leaves it unchanged; padding (segment 0) is left out of it."""
+  opt = optax.sgd(1.0)
+  state = init_state(CFG, opt, 0)
+  run = lambda b: float(step_fn(CFG, 1, opt)(state, b)[1]['hidden_z_loss'])
+  full = batch()
+  prompts = batch()
+  prompts['loss_mask'][:, :5] = 0
+  padded = batch()
+  padded['segment_ids'][:, -4:] = 0
+  padded['loss_mask'][:, -4:] = 0
+  assert run(full) > 0
+  np.testing.assert_allclose(run(prompts), run(full), rtol=1e-6)
+  assert abs(run(padded) - run(full)) > 1e-6 * run(full)

@@ -2,6 +2,7 @@
 
 import dataclasses
 import functools
+import json
 import os
 
 import jax
@@ -224,11 +225,58 @@ def load_latest(setup: Setup, workdir: str | None, mesh) -> TrainState:
   return state
 
 
+# Model settings a run may change when it resumes: how it computes, not what it holds.
+RESUME_MAY_CHANGE = {
+  'dtype',
+  'remat',
+  'attention_chunk',
+  'attention_recompute',
+  'loss_chunk',
+  'scan_layers',
+  'moe_backend',
+  'moe_block_size',
+  'moe_expert_parallel',
+  'moe_ep_comm',
+  'moe_ep_recv_factor',
+  'moe_dispatch',
+  'moe_capacity_factor',
+}
+
+
+def check_resumable(config, workdir: str) -> None:
+  """Before resuming from <workdir>/checkpoints, the model and LoRA settings that shape the saved
+  state must equal those of the run that saved it (<workdir>/config.json); name any that differ
+  instead of failing deep inside the restore."""
+  path = os.path.join(workdir, 'config.json')
+  ckpts = os.path.join(workdir, 'checkpoints')
+  if not os.path.exists(path) or not os.path.isdir(ckpts):
+    return
+  if not any(d.isdigit() for d in os.listdir(ckpts)):
+    return
+  with open(path) as f:
+    saved = json.load(f)
+  now = json.loads(config.to_json_best_effort())
+  diffs = [
+    f'{section}.{key}: {saved[section].get(key)!r} in the checkpointed run, now {value!r}'
+    for section in ('model', 'lora')
+    for key, value in now.get(section, {}).items()
+    if section in saved
+    and not (section == 'model' and key in RESUME_MAY_CHANGE)
+    and saved[section].get(key, value) != value
+  ]
+  if diffs:
+    raise ValueError(
+      f'{workdir} holds checkpoints of a run with other settings; resume with the same ones or '
+      'use a new --workdir:\n  ' + '\n  '.join(diffs)
+    )
+
+
 def run(config, workdir: str) -> dict:
   setup = build(config)
   t = setup.train
   enable_compilation_cache(t.compilation_cache)
   mesh = sharding.make_mesh(setup.mesh_shape)
+  check_resumable(config, workdir)
   writer = metrics_lib.Writer(workdir)
   writer.save_config(config.to_json_best_effort(indent=1))
   tokenizer = pipeline.make_tokenizer(setup.data, workdir)
@@ -300,14 +348,31 @@ def loop(
     seq_len=setup.data.seq_len,
     writer=writer,
   )
-  pending, last = None, {}
+  pending, last, exhausted, m = None, {}, False, None
   if start == 0 and eval_batches:  # the baseline that fine-tuning is measured against
     run_eval(0, state, eval_batches, eval_fn, batch_sharding, writer)
   for step in range(start + 1, stop + 1):
-    batch = next(train_iter)
+    try:
+      batch = next(train_iter)
+    except StopIteration:  # a finite data.num_epochs ran out before train.steps
+      exhausted = True
+      if step - 1 > start and (step - 1) % t.log_every:  # log the last step run
+        if pending is not None:
+          last = report(*pending)
+        pending = (step - 1, m, *meter.mark(step - 1))
+      ckpt.wait()
+      if step - 1 > start and ckpt.latest_step() != step - 1:
+        ckpt.save(step - 1, state, train_iter.get_state(), {'step': step - 1}, force=True)
+        ckpt.wait()
+      writer.progress(
+        f'The training data ended after step {step - 1} (data.num_epochs='
+        f'{setup.data.num_epochs}) before train.steps={total}: saved, evaluating and stopping.'
+      )
+      break
     with jax.transfer_guard('disallow'):
       state, m = step_fn(state, to_global(batch, batch_sharding))
-    meter.add_tokens(float(batch['loss_mask'].sum()) * jax.process_count())
+    # Throughput (and MFU) count every token the model reads, not only the scored ones.
+    meter.add_tokens(float((batch['segment_ids'] > 0).sum()) * jax.process_count())
     # Fetch the previous log step's metrics only after dispatching this step: no host stall.
     if pending is not None:
       last, pending = report(*pending), None
@@ -324,8 +389,8 @@ def loop(
       break
   if pending is not None:
     last = report(*pending)
-  if int(state.step) == total and eval_batches:
-    ev = run_eval(total, state, eval_batches, eval_fn, batch_sharding, writer)
+  if (int(state.step) == total or exhausted) and eval_batches:
+    ev = run_eval(int(state.step), state, eval_batches, eval_fn, batch_sharding, writer)
     last = {**last, **{f'eval_{k}': v for k, v in ev.items()}}
   return state, last
 

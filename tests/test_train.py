@@ -86,3 +86,31 @@ def test_resume_continues_bit_for_bit(uninterrupted, tmp_path):
   train.run(small_config(), workdir)
   want, got = losses(full), losses(workdir)
   assert [got[s] for s in range(1, 7)] == [want[s] for s in range(1, 7)]
+
+
+def test_resume_with_other_model_settings_names_them(uninterrupted):
+  workdir, _ = uninterrupted
+  config = small_config()
+  config.lora.rank = config.lora.rank * 2
+  with pytest.raises(ValueError, match=r'lora\.rank: 8 in the checkpointed run, now 16'):
+    train.run(config, workdir)
+
+
+def test_data_running_out_saves_evaluates_and_stops(tmp_path):
+  """data.num_epochs = 1 with more train.steps than the epoch holds: the run saves its last
+  step, evaluates and returns; a rerun finds the data spent and stops at once, cleanly."""
+  config = small_config(steps=100_000, log_every=50, checkpoint_every=1000)
+  config.data.num_epochs = 1
+  config.data.seq_len = 256
+  config.data.global_batch_size = 32
+  workdir = str(tmp_path)
+  out = train.run(config, workdir)
+  steps = [int(d) for d in os.listdir(os.path.join(workdir, 'checkpoints')) if d.isdigit()]
+  spent = max(steps)
+  assert 0 < spent < 100_000 and sorted(losses(workdir))[-1] == spent
+  assert 'eval_loss' in out, out
+  again = train.run(config, workdir)
+  assert 'eval_loss' in again
+  assert (
+    max(int(d) for d in os.listdir(os.path.join(workdir, 'checkpoints')) if d.isdigit()) == spent
+  )

@@ -28,6 +28,11 @@ def set_model(config, variant: str) -> None:
 
 def get_config(arg: str | None = None):
   args = parse_arg(arg)
+  unknown = set(args) - {'variant'}
+  if unknown:
+    raise ValueError(
+      f'configs/longcat_lora.py: unknown argument(s) {sorted(unknown)}; use variant='
+    )
   variant = args.get('variant', 'tiny')
   config = base.get_config()
   set_model(config, variant)

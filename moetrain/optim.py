@@ -29,6 +29,12 @@ class OptimConfig:
       raise ValueError(f'optim.grad_accum_steps must be >= 1, got {self.grad_accum_steps}')
     if self.warmup_steps < 0 or self.warmup_steps > total_steps:
       raise ValueError(f'optim.warmup_steps={self.warmup_steps} must lie in [0, train.steps]')
+    for name in ('b1', 'b2'):
+      if not 0 <= getattr(self, name) < 1:
+        raise ValueError(f'optim.{name}={getattr(self, name)} must lie in [0, 1)')
+    for name in ('eps', 'weight_decay', 'grad_clip', 'min_lr_ratio'):
+      if getattr(self, name) < 0:
+        raise ValueError(f'optim.{name}={getattr(self, name)} must be >= 0')
 
 
 def schedule(cfg: OptimConfig, total_steps: int) -> optax.Schedule:
@@ -40,6 +46,8 @@ def schedule(cfg: OptimConfig, total_steps: int) -> optax.Schedule:
       ],
       [cfg.warmup_steps],
     )
+  if cfg.warmup_steps == 0:  # full rate from the first step
+    return optax.cosine_decay_schedule(cfg.learning_rate, total_steps, cfg.min_lr_ratio)
   return optax.warmup_cosine_decay_schedule(
     0.0,
     cfg.learning_rate,

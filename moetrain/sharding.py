@@ -73,7 +73,7 @@ class Rules:
   @classmethod
   def preset(cls, name: str) -> 'Rules':
     if name not in PRESETS:
-      raise ValueError(f'sharding.rules={name!r} is unknown; choose one of {sorted(PRESETS)}')
+      raise ValueError(f'mesh.rules={name!r} is unknown; choose one of {sorted(PRESETS)}')
     w, a = PRESETS[name]
     return cls(tuple(w.items()), tuple(a.items()))
 

@@ -57,7 +57,11 @@ def base_config(**overrides):
     ({'model.moe_dispatch': 'lossy'}, 'model.moe_dispatch'),
     ({'mesh.shape': (1, 4, 3, 1)}, 'mesh.shape'),
     ({'mesh.shape': (1, 1, 8, 1), 'model.n_routed_experts': 12}, 'model.n_routed_experts'),
-    ({'mesh.rules': 'nope'}, 'sharding.rules'),
+    ({'mesh.rules': 'nope'}, 'mesh.rules'),
+    ({'lora.rank': -4}, 'lora.rank'),
+    ({'lora.alpha': 0.0}, 'lora.alpha'),
+    ({'optim.b2': 1.5}, 'optim.b2'),
+    ({'optim.grad_clip': -1.0}, 'optim.grad_clip'),
     ({'data.seq_len': 0}, 'data.seq_len'),
     ({'data.global_batch_size': 12}, 'data.global_batch_size'),
     ({'optim.schedule': 'linear'}, 'optim.schedule'),
@@ -70,3 +74,17 @@ def base_config(**overrides):
 def test_bad_config_names_the_field(overrides, field):
   with pytest.raises(ValueError, match=field.replace('.', r'\.')):
     train.build(base_config(**overrides), num_devices=8, process_count=1)
+
+
+def test_unknown_config_argument_is_refused():
+  from configs import longcat_lora
+
+  with pytest.raises(ValueError, match='varient'):
+    longcat_lora.get_config('varient=flash')
+
+
+def test_no_warmup_starts_at_the_full_rate():
+  from moetrain import optim
+
+  fn = optim.schedule(optim.OptimConfig(warmup_steps=0, learning_rate=1e-3), 100)
+  assert abs(float(fn(0)) - 1e-3) < 1e-9 and float(fn(100)) < 1e-3

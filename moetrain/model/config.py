@@ -182,6 +182,10 @@ class ModelConfig:
       'quant',
       'quantised base weights are frozen: set lora.rank > 0 (QLoRA) or quant="none"',
     )
+    if self.lora.rank < 0:
+      raise ValueError(f'lora.rank={self.lora.rank}: must be >= 0 (0 = no adapters)')
+    if self.lora.enabled and self.lora.alpha <= 0:
+      raise ValueError(f'lora.alpha={self.lora.alpha}: must be > 0 (the adapters scale by it)')
     if self.lora.enabled:
       try:
         re.compile(self.lora.targets)

@@ -50,7 +50,11 @@ def expert_parallel(x_MD, idx_MA, gates_MA, weights, cfg: ModelConfig, rng, mesh
     ragged: ragged_all_to_all sends each expert group straight to its place in the receiver's
             expert-sorted buffer (GPU/TPU; on CPU an emulation from fixed-size collectives, so
             the bookkeeping is tested on CPU meshes).
-  Either way the local experts run on the received rows and the results travel back the same way."""
+  Either way the local experts run on the received rows and the results travel back the same way.
+  Capacity dispatch keeps per-expert buffers: ragged keeps each expert's first C assignments of
+  the exchange's shards in token order (exactly one device's capacity dispatch of those tokens);
+  fixed keeps each expert's first c of every shard's own assignments (GShard's groups; c from
+  one shard's tokens), so a skewed shard can drop rows one device would have kept."""
   sizes = dict(mesh.shape)
   batch = tuple(a for a in ('data', 'fsdp', 'expert') if sizes.get(a, 1) > 1)
   tok = jax.sharding.PartitionSpec(batch)

@@ -166,7 +166,12 @@ def evaluate(state, batches, eval_fn, batch_sharding) -> dict:
   for out in jax.device_get(outs):
     for k in totals:
       totals[k] += float(out[k])
-  n = max(totals['tokens'], 1.0)
+  if totals['tokens'] == 0:
+    raise ValueError(
+      'the eval batches hold no scored tokens: every example was cut before its completion '
+      '(raise data.seq_len) or the eval split is empty'
+    )
+  n = totals['tokens']
   loss = totals['nll_sum'] / n
   return {
     'loss': loss,

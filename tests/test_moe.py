@@ -249,6 +249,23 @@ def test_ragged_plan_is_consistent_across_shards():
       assert kept.sum() < counts.sum() and (kept <= counts).all()
 
 
+def route_on_ep_mesh(cfg, seed: int, m: int = 64):
+  """Routes m random tokens on one device, then runs the routed experts on a (fsdp 2, expert 4)
+  mesh: (x, idx, gates, weights, y, dropped)."""
+  moe = make_moe(cfg)
+  x = jax.random.normal(jax.random.key(seed), (m, cfg.hidden_size))
+  _, _, idx, gates = route(
+    x, moe.router[...], moe.router_bias[...], cfg.moe_topk, cfg.routed_scaling_factor
+  )
+  mesh = sharding.make_mesh((1, 2, 4, 1))
+  w = moe.experts.weights()
+  with jax.set_mesh(mesh):
+    spec = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(('fsdp', 'expert')))
+    args = [jax.device_put(a, spec) for a in (x, idx, gates)]
+    y, dropped = jax.jit(lambda *a: expert_parallel.routed_experts(*a, w, cfg))(*args)
+  return x, idx, gates, w, y, dropped
+
+
 @pytest.mark.parametrize(
   'bound', [dict(moe_ep_recv_factor=0.5), dict(moe_dispatch='capacity', moe_capacity_factor=0.5)]
 )
@@ -259,18 +276,7 @@ def test_ragged_expert_parallel_drops_exactly_what_it_reports(bound):
   cfg = dataclasses.replace(
     CFG, rules=sharding.Rules.preset('fsdp_ep_tp'), moe_ep_comm='ragged', **bound
   )
-  moe = make_moe(cfg)
-  m = 64
-  x = jax.random.normal(jax.random.key(7), (m, cfg.hidden_size))
-  _, _, idx, gates = route(
-    x, moe.router[...], moe.router_bias[...], cfg.moe_topk, cfg.routed_scaling_factor
-  )
-  mesh = sharding.make_mesh((1, 2, 4, 1))
-  w = moe.experts.weights()
-  with jax.set_mesh(mesh):
-    spec = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(('fsdp', 'expert')))
-    args = [jax.device_put(a, spec) for a in (x, idx, gates)]
-    y, dropped = jax.jit(lambda *a: expert_parallel.routed_experts(*a, w, cfg))(*args)
+  x, idx, gates, w, y, dropped = route_on_ep_mesh(cfg, seed=7)
   assert 0 < float(dropped.sum()) < float((idx < cfg.n_routed_experts).sum())
   single = dataclasses.replace(cfg, moe_expert_parallel=False, moe_dispatch='dropless')
   y_ref, _ = dispatch.routed_experts(x, idx, jnp.where(dropped > 0, 0.0, gates), w, single)
@@ -291,18 +297,7 @@ def test_expert_parallel_capacity_is_per_expert(comm):
     moe_dispatch='capacity',
     moe_capacity_factor=0.75,
   )
-  moe = make_moe(cfg)
-  m = 64
-  x = jax.random.normal(jax.random.key(8), (m, cfg.hidden_size))
-  _, _, idx, gates = route(
-    x, moe.router[...], moe.router_bias[...], cfg.moe_topk, cfg.routed_scaling_factor
-  )
-  mesh = sharding.make_mesh((1, 2, 4, 1))
-  w = moe.experts.weights()
-  with jax.set_mesh(mesh):
-    spec = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(('fsdp', 'expert')))
-    args = [jax.device_put(a, spec) for a in (x, idx, gates)]
-    y, dropped = jax.jit(lambda *a: expert_parallel.routed_experts(*a, w, cfg))(*args)
+  x, idx, gates, w, y, dropped = route_on_ep_mesh(cfg, seed=8)
   single = dataclasses.replace(cfg, moe_expert_parallel=False)
   groups = 2 if comm == 'ragged' else 8
   parts = [

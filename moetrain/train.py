@@ -230,28 +230,10 @@ def load_latest(setup: Setup, workdir: str | None, mesh) -> TrainState:
   return state
 
 
-# Model settings a run may change when it resumes: how it computes, not what it holds.
-RESUME_MAY_CHANGE = {
-  'dtype',
-  'remat',
-  'attention_chunk',
-  'attention_recompute',
-  'loss_chunk',
-  'scan_layers',
-  'moe_backend',
-  'moe_block_size',
-  'moe_expert_parallel',
-  'moe_ep_comm',
-  'moe_ep_recv_factor',
-  'moe_dispatch',
-  'moe_capacity_factor',
-}
-
-
 def check_resumable(config, workdir: str) -> None:
   """Before resuming from <workdir>/checkpoints, the model and LoRA settings that shape the saved
   state must equal those of the run that saved it (<workdir>/config.json); name any that differ
-  instead of failing deep inside the restore."""
+  instead of failing deep inside the restore. ENGINE_FIELDS (how the model computes) may change."""
   path = os.path.join(workdir, 'config.json')
   ckpts = os.path.join(workdir, 'checkpoints')
   if not os.path.exists(path) or not os.path.isdir(ckpts):
@@ -266,7 +248,7 @@ def check_resumable(config, workdir: str) -> None:
     for section in ('model', 'lora')
     for key, value in now.get(section, {}).items()
     if section in saved
-    and not (section == 'model' and key in RESUME_MAY_CHANGE)
+    and not (section == 'model' and key in ENGINE_FIELDS)
     and saved[section].get(key, value) != value
   ]
   if diffs:
@@ -353,24 +335,24 @@ def loop(
     seq_len=setup.data.seq_len,
     writer=writer,
   )
-  pending, last, exhausted, m = None, {}, False, None
+  pending, last, exhausted, saved, m = None, {}, False, False, None
   if start == 0 and eval_batches:  # the baseline that fine-tuning is measured against
     run_eval(0, state, eval_batches, eval_fn, batch_sharding, writer)
   for step in range(start + 1, stop + 1):
     try:
       batch = next(train_iter)
     except StopIteration:  # a finite data.num_epochs ran out before train.steps
-      exhausted = True
-      if step - 1 > start and (step - 1) % t.log_every:  # log the last step run
-        if pending is not None:
-          last = report(*pending)
-        pending = (step - 1, m, *meter.mark(step - 1))
+      exhausted, done = True, step - 1
+      if done > start:  # log and save the last step run, as at `stop`
+        if done % t.log_every:
+          if pending is not None:
+            last = report(*pending)
+          pending = (done, m, *meter.mark(done))
+        if not saved:
+          ckpt.save(done, state, train_iter.get_state(), {'step': done}, force=True)
       ckpt.wait()
-      if step - 1 > start and ckpt.latest_step() != step - 1:
-        ckpt.save(step - 1, state, train_iter.get_state(), {'step': step - 1}, force=True)
-        ckpt.wait()
       writer.progress(
-        f'The training data ended after step {step - 1} (data.num_epochs='
+        f'The training data ended after step {done} (data.num_epochs='
         f'{setup.data.num_epochs}) before train.steps={total}: saved, evaluating and stopping.'
       )
       break

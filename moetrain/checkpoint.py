@@ -4,12 +4,15 @@ Orbax writes each step into a temporary directory and renames it when complete, 
 kill mid-save leaves the previous checkpoint as the latest valid one.
 """
 
+import json
 import os
 import signal
 
 import jax
+import numpy as np
 import orbax.checkpoint as ocp
 from absl import logging
+from jax.experimental import multihost_utils
 
 
 def _key(path) -> str:
@@ -33,6 +36,30 @@ def unflatten_like(tree, flat: dict):
   return jax.tree_util.tree_unflatten(treedef, [flat[_key(p)] for p, _ in paths])
 
 
+def gather_json(obj) -> list:
+  """[obj of process 0, obj of process 1, ...] on every process (a collective: all must call)."""
+  if jax.process_count() == 1:
+    return [obj]
+  data = np.frombuffer(json.dumps(obj).encode(), np.uint8)
+  sizes = multihost_utils.process_allgather(np.array([data.size], np.int32))
+  padded = np.zeros(int(sizes.max()), np.uint8)
+  padded[: data.size] = data
+  rows = multihost_utils.process_allgather(padded)
+  return [json.loads(bytes(row[:n]).decode()) for row, n in zip(rows, sizes.ravel())]
+
+
+def process_data_state(saved: dict) -> dict:
+  """This process's entry of the per-process data positions a checkpoint holds."""
+  states = saved['processes']
+  if len(states) != jax.process_count():
+    raise ValueError(
+      f'the checkpoint holds the data positions of {len(states)} processes, this run has '
+      f'{jax.process_count()}: each host reads its own slice of the data, so resume with '
+      f'{len(states)} processes (or start a new --workdir)'
+    )
+  return states[jax.process_index()]
+
+
 class Checkpointer:
   def __init__(self, workdir: str, *, every: int, keep: int, async_save: bool = True):
     self.directory = os.path.join(os.path.abspath(workdir), 'checkpoints')
@@ -49,12 +76,19 @@ class Checkpointer:
 
   def watch_preemption(self) -> None:
     """SIGTERM (TPU preemption) asks the training loop to save and stop. Only the loop calls
-    this: tools that merely restore must stay killable."""
-    if jax.process_index() == 0:
-      try:
-        signal.signal(signal.SIGTERM, self._on_sigterm)
-      except ValueError:  # not on the main thread (e.g. under some notebook runners)
-        pass
+    this: tools that merely restore must stay killable.
+
+    One process: a Python handler sets a flag. Several: JAX's preemption service (started by
+    jax.distributed.initialize) catches SIGTERM on any host and all hosts agree on the step to
+    stop at (`reached_preemption`). A Python handler there would replace the service's own, and
+    the host that caught the signal would stop alone while the others wait in its collectives.
+    """
+    if jax.process_count() > 1:
+      return
+    try:
+      signal.signal(signal.SIGTERM, self._on_sigterm)
+    except ValueError:  # not on the main thread (e.g. under some notebook runners)
+      pass
 
   def _on_sigterm(self, signum, frame):
     del signum, frame
@@ -62,21 +96,28 @@ class Checkpointer:
     self._preempted = True
 
   def preempted(self, step: int) -> bool:
+    """True at the step every process stops at; call it at every step on every process."""
     return self._preempted or self.manager.reached_preemption(step)
 
   def latest_step(self) -> int | None:
     return self.manager.latest_step()
 
   def save(self, step: int, state, data_state: dict, meta: dict, force: bool = False) -> bool:
+    """Saves when the interval (or `force`, or a preemption) says so. Every process calls it at
+    every step: the hosts' data positions (each reads its own slice) are gathered into the
+    checkpoint then."""
+    if not force and not self.manager.should_save(step):
+      return False
     args = ocp.args.Composite(
       state=ocp.args.StandardSave(flatten(state.saved())),
-      data=ocp.args.JsonSave(data_state),
+      data=ocp.args.JsonSave({'processes': gather_json(data_state)}),
       meta=ocp.args.JsonSave(meta),
     )
     return self.manager.save(step, args=args, force=force)
 
   def restore(self, step: int, abstract_state):
-    """Restores onto the shardings of `abstract_state` (any mesh); returns (saved, data, meta)."""
+    """Restores onto the shardings of `abstract_state` (any mesh); returns (saved, data, meta),
+    data holding every process's data position (see `process_data_state`)."""
     saved = abstract_state.saved()
     target = {
       k: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding)

@@ -11,7 +11,7 @@ from absl import logging
 
 from moetrain import metrics as metrics_lib
 from moetrain import optim, sharding
-from moetrain.checkpoint import Checkpointer
+from moetrain.checkpoint import Checkpointer, process_data_state
 from moetrain.data import pipeline
 from moetrain.model.config import LoraConfig, ModelConfig
 from moetrain.train_state import (
@@ -210,8 +210,8 @@ def restore_or_init(setup: Setup, ckpt: Checkpointer, optimizer, mesh, train_ite
   step = ckpt.latest_step()
   if step is None:
     return state
-  saved, data_state, _ = ckpt.restore(step, state)
-  train_iter.set_state(data_state)
+  saved, data_states, _ = ckpt.restore(step, state)
+  train_iter.set_state(process_data_state(data_states))
   logging.info('Resumed from step %d', step)
   return dataclasses.replace(state, **saved)
 
@@ -335,7 +335,7 @@ def loop(
     seq_len=setup.data.seq_len,
     writer=writer,
   )
-  pending, last, exhausted, saved, m = None, {}, False, False, None
+  pending, last, exhausted, saved, m, why = None, {}, False, False, None, ''
   if start == 0 and eval_batches:  # the baseline that fine-tuning is measured against
     run_eval(0, state, eval_batches, eval_fn, batch_sharding, writer)
   for step in range(start + 1, stop + 1):
@@ -351,13 +351,14 @@ def loop(
         if not saved:
           ckpt.save(done, state, train_iter.get_state(), {'step': done}, force=True)
       ckpt.wait()
-      writer.progress(
+      why = (
         f'The training data ended after step {done} (data.num_epochs='
         f'{setup.data.num_epochs}) before train.steps={total}: saved, evaluating and stopping.'
       )
       break
-    with jax.transfer_guard('disallow'):
-      state, m = step_fn(state, to_global(batch, batch_sharding))
+    inputs = to_global(batch, batch_sharding)  # explicit host-to-device, outside the guard
+    with jax.transfer_guard('disallow'):  # the step itself must not move data implicitly
+      state, m = step_fn(state, inputs)
     # Throughput (and MFU) count every token the model reads, not only the scored ones.
     meter.add_tokens(float((batch['segment_ids'] > 0).sum()) * jax.process_count())
     # Fetch the previous log step's metrics only after dispatching this step: no host stall.
@@ -372,10 +373,12 @@ def loop(
       if not saved:
         ckpt.save(step, state, train_iter.get_state(), {'step': step}, force=True)
       ckpt.wait()
-      writer.progress(f'Preempted: saved step {step}; rerun the same command to resume.')
+      why = f'Preempted: saved step {step}; rerun the same command to resume.'
       break
   if pending is not None:
     last = report(*pending)
+  if why:  # after the last step's log line
+    writer.progress(why)
   if (int(state.step) == total or exhausted) and eval_batches:
     ev = run_eval(int(state.step), state, eval_batches, eval_fn, batch_sharding, writer)
     last = {**last, **{f'eval_{k}': v for k, v in ev.items()}}

@@ -30,6 +30,7 @@ def default_workdir(config_path: str) -> str:
 def main(argv):
   del argv
   runtime.reexec_with_hugepages()
+  runtime.quiet_library_logs()
   if _NUM_PROCESSES.value is not None:  # explicit: CPU or GPU hosts without a cluster manager
     jax.distributed.initialize(
       _COORDINATOR.value, num_processes=_NUM_PROCESSES.value, process_id=_PROCESS_ID.value

@@ -6,7 +6,6 @@ import time
 
 import jax
 import numpy as np
-from absl import logging
 
 from moetrain.model.config import ModelConfig
 
@@ -142,9 +141,9 @@ class Writer:
         f.write(text)
 
   def progress(self, line: str) -> None:
+    """A progress line on stdout (once: not also through absl, which writes to stderr)."""
     if self.enabled:
       print(line, flush=True)
-      logging.info(line)
 
   def close(self) -> None:
     if self.enabled:

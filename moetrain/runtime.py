@@ -9,6 +9,7 @@ time. Tunables are read only when a process starts, so an entry point re-execute
 the tunable set. That happens before any JAX backend starts; MOETRAIN_NO_REEXEC=1 turns it off.
 """
 
+import logging
 import os
 import platform
 import sys
@@ -57,3 +58,25 @@ def reexec_with_hugepages() -> None:
     sys.stdout.flush()
     sys.stderr.flush()
     os.execve(sys.executable, sys.orig_argv, env)
+
+
+class _QuietBelowWarning(logging.Filter):
+  def __init__(self, package: str):
+    super().__init__()
+    self.marker = f'{os.sep}{package}{os.sep}'
+
+  def filter(self, record: logging.LogRecord) -> bool:
+    return record.levelno >= logging.WARNING or self.marker not in record.pathname
+
+
+def quiet_library_logs(packages=('orbax',)) -> None:
+  """Drops the INFO lines of chatty libraries (Orbax: ~250 per demo run, a dozen per checkpoint)
+  from absl's log output; their warnings and errors still show. `--verbosity=1` keeps them."""
+  from absl import flags
+  from absl import logging as absl_logging
+
+  if flags.FLAGS.is_parsed() and flags.FLAGS.verbosity > 0:
+    return
+  handler = absl_logging.get_absl_handler()
+  for package in packages:
+    handler.addFilter(_QuietBelowWarning(package))

@@ -8,6 +8,7 @@ import os
 import jax
 import numpy as np
 from absl import logging
+from jax.experimental import multihost_utils
 
 from moetrain import metrics as metrics_lib
 from moetrain import optim, sharding
@@ -293,14 +294,17 @@ def run(config, workdir: str) -> dict:
   with jax.set_mesh(mesh):
     state = restore_or_init(setup, ckpt, optimizer, mesh, train_iter)
     start = int(state.step)
-    if start >= t.steps:
+    if start >= t.steps or start >= (t.stop_at_step or t.steps):
       writer.progress(
-        f'Run in {workdir} already finished at step {start} (train.steps='
-        f'{t.steps}); nothing to do. Use a new --workdir to train again.'
+        f'Run in {workdir} already finished at step {start} (train.steps={t.steps}); nothing to '
+        'do. Use a new --workdir to train again.'
+        if start >= t.steps
+        else f'Run in {workdir} is at step {start}, already past train.stop_at_step='
+        f'{t.stop_at_step}; nothing to do. Raise it (or set 0 to run to train.steps={t.steps}).'
       )
       ckpt.close()
       writer.close()
-      return {'step': start, 'finished': True}
+      return {'step': start, 'finished': start >= t.steps}
     shardings = state_shardings(jax.eval_shape(lambda: state), mesh, setup.model.rules)
     step_fn = jit_train_step(setup.step, optimizer, lr_fn, shardings, batch_sharding)
     eval_fn = jax.jit(functools.partial(eval_step, graphdef=graphdef))
@@ -347,7 +351,7 @@ def loop(
         if done % t.log_every:
           if pending is not None:
             last = report(*pending)
-          pending = (done, m, *meter.mark(done))
+          pending = (done, m, *meter.mark(done), train_iter.num_truncated)
         if not saved:
           ckpt.save(done, state, train_iter.get_state(), {'step': done}, force=True)
       ckpt.wait()
@@ -365,7 +369,7 @@ def loop(
     if pending is not None:
       last, pending = report(*pending), None
     if step % t.log_every == 0 or step == stop:
-      pending = (step, m, *meter.mark(step))
+      pending = (step, m, *meter.mark(step), train_iter.num_truncated)
     saved = ckpt.save(step, state, train_iter.get_state(), {'step': step}, force=step == stop)
     if t.eval_every and step % t.eval_every == 0 and step != total and eval_batches:
       run_eval(step, state, eval_batches, eval_fn, batch_sharding, writer)
@@ -395,11 +399,22 @@ def run_eval(step, state, eval_batches, eval_fn, batch_sharding, writer) -> dict
   return ev
 
 
-def log_train(step, m, tokens_per_sec, eta, *, cfg, expert_shards, seq_len, writer) -> dict:
+def hosts_sum(value: int) -> int:
+  """The sum of a host-local count over all processes (a collective: every process calls it)."""
+  if jax.process_count() == 1:
+    return value
+  return int(multihost_utils.process_allgather(np.array([value], np.int64)).sum())
+
+
+def log_train(
+  step, m, tokens_per_sec, eta, truncated, *, cfg, expert_shards, seq_len, writer
+) -> dict:
   m = jax.device_get(m)
   scalars = {k: float(v) for k, v in m.items() if k != 'moe'}
   scalars.update(metrics_lib.routing_summary(m['moe'], cfg, expert_shards))
   scalars['tokens_per_sec'] = tokens_per_sec
+  # Examples longer than seq_len + 1 tokens lose their tail (a completion may lose its loss).
+  scalars['data/truncated_examples'] = hosts_sum(truncated)
   peak = metrics_lib.peak_flops(jax.devices()[0])
   if peak:
     flops = metrics_lib.flops_per_token(cfg, seq_len, scalars['moe/ffn_experts_mean'])
@@ -409,5 +424,10 @@ def log_train(step, m, tokens_per_sec, eta, *, cfg, expert_shards, seq_len, writ
     f'step {step}  loss {scalars["loss"]:.4f}  lr {scalars["learning_rate"]:.2e}  '
     f'grad_norm {scalars["grad_norm"]:.3f}  tok/s {tokens_per_sec:,.0f}  '
     f'ffn_experts {scalars["moe/ffn_experts_mean"]:.2f}  eta {metrics_lib.format_eta(eta)}'
+    + (
+      f'  truncated {scalars["data/truncated_examples"]:,.0f} (longer than data.seq_len + 1)'
+      if scalars['data/truncated_examples']
+      else ''
+    )
   )
   return scalars

@@ -76,6 +76,17 @@ def test_bad_config_names_the_field(overrides, field):
     train.build(base_config(**overrides), num_devices=8, process_count=1)
 
 
+def test_missing_hf_checkpoint_names_the_field(tmp_path):
+  config = base_config()
+  config.init.hf_checkpoint = str(tmp_path / 'nowhere')
+  with pytest.raises(FileNotFoundError, match=r'nowhere.*init\.hf_checkpoint'):
+    train.build(config, num_devices=8, process_count=1)
+  (tmp_path / 'empty').mkdir()
+  config.init.hf_checkpoint = str(tmp_path / 'empty')
+  with pytest.raises(FileNotFoundError, match=r'empty/config\.json does not exist'):
+    train.build(config, num_devices=8, process_count=1)
+
+
 def test_unknown_config_argument_is_refused():
   from configs import longcat_lora
 

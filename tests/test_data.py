@@ -484,3 +484,10 @@ def test_worker_processes_resume_exactly(tmp_path):
   resumed.set_state(state)
   assert_batches_equal(take(resumed, 5), expected)
   resumed.close()
+
+
+def test_empty_split_is_an_error_naming_it(tmp_path):
+  cfg = small_cfg(tmp_path)
+  (tmp_path / 'train.jsonl').write_text('\n  \n')  # blank lines only
+  with pytest.raises(ValueError, match=r"split 'train' .*train\.jsonl\) has no examples"):
+    pipeline.make_tokenizer(cfg, tmp_path / 'work')

@@ -35,7 +35,7 @@ def _env(devices: int) -> dict:
 
 
 class Job:
-  """The training command as one OS process per JAX process; stderr goes to files (a full pipe
+  """The training command as one OS process per JAX process; its output goes to files (a full pipe
   would block a process, and the other would wait on it in a collective)."""
 
   def __init__(self, workdir, *overrides, processes: int = 1, devices: int = 4):
@@ -71,7 +71,7 @@ class Job:
             args + (multi if processes > 1 else []),
             cwd=ROOT,
             env=_env(devices // processes),
-            stdout=subprocess.DEVNULL,
+            stdout=err,
             stderr=err,
           )
         )

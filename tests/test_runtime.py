@@ -41,3 +41,17 @@ def test_reexec_runs_the_same_command_with_the_tunable():
   ).stdout
   want = 'glibc.malloc.hugetlb=1' if runtime.hugepage_environment(env) is not None else ''
   assert out.strip() == f"{want} ['a', 'b']"
+
+
+def test_library_info_lines_are_dropped_but_not_their_warnings():
+  import logging
+
+  quiet = runtime._QuietBelowWarning('orbax')
+  where = os.path.join('', 'site-packages', 'orbax', 'checkpoint', 'checkpoint_manager.py')
+
+  def record(level, path):
+    return logging.LogRecord('absl', level, path, 1, 'msg', None, None)
+
+  assert not quiet.filter(record(logging.INFO, where))
+  assert quiet.filter(record(logging.WARNING, where))
+  assert quiet.filter(record(logging.INFO, os.path.join('', 'moetrain', 'train.py')))

@@ -59,6 +59,7 @@ def test_run_logs_checkpoints_and_evaluates(uninterrupted):
     'moe/ffn_experts_mean',
     'moe/router_entropy',
     'moe/shard_imbalance',
+    'data/truncated_examples',
   ):
     assert key in first, key
   # Every routing statistic per layer too; the plain key is their mean over layers.
@@ -78,11 +79,14 @@ def test_run_logs_checkpoints_and_evaluates(uninterrupted):
   assert train.run(small_config(), workdir) == {'step': 6, 'finished': True}
 
 
-def test_resume_continues_bit_for_bit(uninterrupted, tmp_path):
+def test_resume_continues_bit_for_bit(uninterrupted, tmp_path, capsys):
   full, _ = uninterrupted
   workdir = str(tmp_path)
   train.run(small_config(stop_at_step=3), workdir)
   assert sorted(losses(workdir)) == [1, 2, 3]
+  # the same time-boxed command again has nothing to do and says why
+  assert train.run(small_config(stop_at_step=3), workdir) == {'step': 3, 'finished': False}
+  assert 'already past train.stop_at_step=3' in capsys.readouterr().out
   train.run(small_config(), workdir)
   want, got = losses(full), losses(workdir)
   assert [got[s] for s in range(1, 7)] == [want[s] for s in range(1, 7)]

@@ -65,8 +65,20 @@ HF_MLA_NORM_EPS = 1e-6  # q_a_layernorm / kv_a_layernorm are built without eps i
 
 
 def read_config(path: str) -> dict:
-  with open(os.path.join(path, 'config.json')) as f:
-    return json.load(f)
+  """<path>/config.json of a Hugging Face checkpoint directory; errors name what is missing."""
+  if not os.path.isdir(path):
+    raise FileNotFoundError(
+      f'checkpoint directory {path!r} does not exist (init.hf_checkpoint / --hf_checkpoint take '
+      'a Hugging Face directory with config.json and *.safetensors)'
+    )
+  file = os.path.join(path, 'config.json')
+  if not os.path.isfile(file):
+    raise FileNotFoundError(f'{file} does not exist: {path!r} is not a Hugging Face checkpoint')
+  try:
+    with open(file) as f:
+      return json.load(f)
+  except json.JSONDecodeError as e:
+    raise ValueError(f'{file}: malformed JSON: {e}') from e
 
 
 def config_from_hf(config_json: dict, **overrides) -> ModelConfig:

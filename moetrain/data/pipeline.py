@@ -126,16 +126,21 @@ def validate(cfg: DataConfig, process_count: int = 1) -> None:
 
 
 def open_source(cfg: DataConfig, split: str):
-  """The random-access record source for one split."""
+  """The random-access record source for one split; an empty split is an error naming it."""
   if cfg.source == 'demo':
-    return sources.demo_source(split)
-  if cfg.source == 'jsonl':
-    return sources.JsonlSource(sources.expand_paths(cfg.path, split), cfg.fields)
-  if cfg.source == 'text':
-    return sources.TextSource(sources.expand_paths(cfg.path, split))
-  if cfg.source == 'tfds':
-    return sources.TfdsSource(cfg.tfds_name, split, cfg.tfds_data_dir, cfg.fields)
-  raise ValueError(f'data.source={cfg.source!r} is unknown: use one of {SOURCES}')
+    source = sources.demo_source(split)
+  elif cfg.source == 'jsonl':
+    source = sources.JsonlSource(sources.expand_paths(cfg.path, split), cfg.fields)
+  elif cfg.source == 'text':
+    source = sources.TextSource(sources.expand_paths(cfg.path, split))
+  elif cfg.source == 'tfds':
+    source = sources.TfdsSource(cfg.tfds_name, split, cfg.tfds_data_dir, cfg.fields)
+  else:
+    raise ValueError(f'data.source={cfg.source!r} is unknown: use one of {SOURCES}')
+  if len(source) == 0:
+    where = cfg.tfds_name if cfg.source == 'tfds' else cfg.path.replace('{split}', split)
+    raise ValueError(f'split {split!r} of data.source={cfg.source!r} ({where}) has no examples')
+  return source
 
 
 def make_tokenizer(cfg: DataConfig, workdir: str | os.PathLike) -> Tokenizer:

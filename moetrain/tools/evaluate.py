@@ -53,6 +53,7 @@ def evaluate_checkpoint(
 
 def main(argv):
   runtime.reexec_with_hugepages()
+  runtime.quiet_library_logs()
   del argv
   f = flags.FLAGS
   out = evaluate_checkpoint(f.config, f.workdir, f.split, f.max_batches)

@@ -39,6 +39,7 @@ def export(config, workdir: str, out: str, adapter_only: bool = False, dtype=Non
 
 def main(argv):
   runtime.reexec_with_hugepages()
+  runtime.quiet_library_logs()
   del argv
   f = flags.FLAGS
   out = export(f.config, f.workdir, f.out, f.adapter_only, f.dtype)

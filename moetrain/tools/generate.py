@@ -205,6 +205,7 @@ def load_run(config, workdir: str | None):
 
 def main(argv):
   runtime.reexec_with_hugepages()
+  runtime.quiet_library_logs()
   del argv
   if bool(_HF.value) == (_CONFIG.value is not None):
     raise app.UsageError('pass --hf_checkpoint=DIR, or --config (with --workdir for a run)')

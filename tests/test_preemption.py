@@ -1,6 +1,7 @@
 """Preemption end to end: `python -m moetrain.main` processes get SIGTERM mid-run, save, exit and
 resume exactly. One process, and two processes forming one CPU job (jax.distributed over gloo,
-experts sharded across the processes), where the signal reaches a host other than process 0."""
+experts sharded across the processes), where the signal reaches a host other than process 0; the
+two-process job's checkpoint then evaluates the same in one process on another mesh."""
 
 import json
 import os
@@ -15,6 +16,18 @@ import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TIMEOUT = 240
+# Overrides of configs/longcat_lora.py (tiny) shared by the commands and the in-process check.
+SETTINGS = {
+  'data.seq_len': 64,
+  'data.global_batch_size': 8,
+  'data.eval_split': '',
+  'data.eval_batch_size': 8,
+  'train.steps': 100000,  # preemption, not the end, stops the first run
+  'train.log_every': 1,
+  'train.checkpoint_every': 100000,
+  'train.eval_every': 0,
+  'train.eval_batches': 1,
+}
 
 
 def _free_port() -> int:
@@ -45,13 +58,7 @@ class Job:
       'moetrain.main',
       '--config=configs/longcat_lora.py',
       f'--workdir={workdir}',
-      '--config.data.seq_len=64',
-      '--config.data.global_batch_size=8',
-      '--config.data.eval_split=',
-      '--config.train.steps=100000',  # preemption, not the end, stops the first run
-      '--config.train.log_every=1',
-      '--config.train.checkpoint_every=100000',
-      '--config.train.eval_every=0',
+      *(f'--config.{k}={v}' for k, v in SETTINGS.items()),
       f'--config.train.compilation_cache={os.path.join(ROOT, ".jax_cache")}',
       f'--config.mesh.shape=(1,-1,{2 if processes > 1 else 1},1)',  # experts across processes
       *overrides,
@@ -124,6 +131,9 @@ def preempt(workdir, *overrides, target: int, processes: int) -> int:
   return saved
 
 
+EVAL = {'data.eval_split': 'eval'}  # the demo's eval split, one batch of 8 rows
+
+
 def train_losses(workdir) -> dict[int, float]:
   return {r['step']: r['loss'] for r in records(workdir) if r['kind'] == 'train'}
 
@@ -145,10 +155,27 @@ def test_sigterm_to_one_host_stops_all_and_resumes_exactly(tmp_path):
   stop = f'--config.train.stop_at_step={step + 2}'
   Job(first, tokenizer, stop, processes=2).wait()
   reference = str(tmp_path / 'reference')
-  Job(reference, tokenizer, stop, processes=2).wait()
+  evals = [f'--config.{k}={v}' for k, v in {**EVAL, 'train.eval_every': step + 2}.items()]
+  Job(reference, tokenizer, stop, *evals, processes=2).wait()
 
   resumed, fresh = train_losses(first), train_losses(reference)
   assert sorted(fresh) == sorted(resumed) == list(range(1, step + 3))
   # float32 on CPU is deterministic for one program: every step equals the uninterrupted run's.
   for s in fresh:
     np.testing.assert_allclose(resumed[s], fresh[s], rtol=1e-6, err_msg=f'step {s}')
+
+  # The two-host checkpoint, restored in this one process on another mesh (8 devices, no expert
+  # axis), evaluates to what the two hosts measured at that step.
+  from moetrain.tools import evaluate
+  from tests.test_configs import load
+
+  (measured,) = [r for r in records(reference) if r['kind'] == 'eval' and r['step'] == step + 2]
+  config = load(os.path.join(ROOT, 'configs', 'longcat_lora.py'), 'variant=tiny')
+  for key, value in {**SETTINGS, **EVAL}.items():
+    section, name = key.split('.')
+    config[section][name] = value
+  config.data.tokenizer = os.path.join(first, 'tokenizer.model')
+  ev = evaluate.evaluate_checkpoint(config, reference, max_batches=SETTINGS['train.eval_batches'])
+  assert ev['step'] == step + 2
+  np.testing.assert_allclose(ev['loss'], measured['loss'], rtol=1e-5)
+  np.testing.assert_allclose(ev['tokens'], measured['tokens'])

@@ -7,6 +7,7 @@ import pytest
 
 from moetrain import train
 from tests.test_configs import ROOT, load
+from tests.test_data import numbered_records, write_jsonl
 
 
 def small_config(**train_overrides):
@@ -105,13 +106,17 @@ def test_data_running_out_saves_evaluates_and_stops(tmp_path):
   step, evaluates and returns; a rerun finds the data spent and stops at once, cleanly."""
   config = small_config(steps=100_000, log_every=50, checkpoint_every=1000)
   config.data.num_epochs = 1
-  config.data.seq_len = 256
-  config.data.global_batch_size = 32
-  workdir = str(tmp_path)
+  # 200 short examples: a few steps of small_config's shapes (compiled already by other tests).
+  write_jsonl(tmp_path / 'train.jsonl', numbered_records(200))
+  write_jsonl(tmp_path / 'eval.jsonl', numbered_records(8))
+  config.data.source = 'jsonl'
+  config.data.path = str(tmp_path / '{split}.jsonl')
+  config.data.vocab_size = 300
+  workdir = str(tmp_path / 'run')
   out = train.run(config, workdir)
   steps = [int(d) for d in os.listdir(os.path.join(workdir, 'checkpoints')) if d.isdigit()]
   spent = max(steps)
-  assert 0 < spent < 100_000 and sorted(losses(workdir))[-1] == spent
+  assert 2 <= spent < 100_000 and sorted(losses(workdir))[-1] == spent
   assert 'eval_loss' in out, out
   again = train.run(config, workdir)
   assert 'eval_loss' in again

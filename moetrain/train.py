@@ -342,10 +342,10 @@ def loop(
   pending, last, exhausted, saved, m, why = None, {}, False, False, None, ''
   if start == 0 and eval_batches:  # the baseline that fine-tuning is measured against
     run_eval(0, state, eval_batches, eval_fn, batch_sharding, writer)
+  agree = jax.process_count() > 1 and setup.data.num_epochs is not None
   for step in range(start + 1, stop + 1):
-    try:
-      batch = next(train_iter)
-    except StopIteration:  # a finite data.num_epochs ran out before train.steps
+    batch = next_batch(train_iter, agree)
+    if batch is None:  # a finite data.num_epochs ran out before train.steps
       exhausted, done = True, step - 1
       if done > start:  # log and save the last step run, as at `stop`
         if done % t.log_every:
@@ -387,6 +387,19 @@ def loop(
     ev = run_eval(int(state.step), state, eval_batches, eval_fn, batch_sharding, writer)
     last = {**last, **{f'eval_{k}': v for k, v in ev.items()}}
   return state, last
+
+
+def next_batch(train_iter, agree_across_hosts: bool) -> dict | None:
+  """The next host-local batch, or None once the data has ended. With `agree_across_hosts`, None
+  on every host as soon as one host's data ends: with a finite data.num_epochs hosts can run out
+  a batch apart, and a host stepping alone would wait forever in the step's collectives."""
+  try:
+    batch = next(train_iter)
+  except StopIteration:
+    batch = None
+  if agree_across_hosts and hosts_sum(int(batch is None)):
+    return None
+  return batch
 
 
 def run_eval(step, state, eval_batches, eval_fn, batch_sharding, writer) -> dict:

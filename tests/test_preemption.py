@@ -179,3 +179,27 @@ def test_sigterm_to_one_host_stops_all_and_resumes_exactly(tmp_path):
   assert ev['step'] == step + 2
   np.testing.assert_allclose(ev['loss'], measured['loss'], rtol=1e-5)
   np.testing.assert_allclose(ev['tokens'], measured['tokens'])
+
+
+@pytest.mark.slow
+def test_hosts_whose_data_ends_apart_stop_together(tmp_path):
+  """data.num_epochs=1 over two hosts whose slices pack into different numbers of batches (host 0
+  reads the even, long examples): both stop at host 0's last batch, save it and exit."""
+  long, short = 'word ' * 30, 'w'
+  records = [
+    {'prompt': f'{long if i % 2 == 0 else short} {i} =', 'completion': f' {i}'} for i in range(160)
+  ]
+  for split in ('train', 'eval'):
+    with open(tmp_path / f'{split}.jsonl', 'w') as f:
+      f.writelines(json.dumps(r) + '\n' for r in records)
+  workdir = str(tmp_path / 'run')
+  Job(
+    workdir,
+    '--config.data.source=jsonl',
+    f'--config.data.path={tmp_path}/{{split}}.jsonl',
+    '--config.data.vocab_size=300',
+    '--config.data.num_epochs=1',
+    processes=2,
+  ).wait()
+  saved = max(int(d) for d in os.listdir(os.path.join(workdir, 'checkpoints')) if d.isdigit())
+  assert saved == max(train_losses(workdir)) >= 2

@@ -202,7 +202,8 @@ def make_train_iterator(
 
   Each host reads a disjoint 1/process_count slice of the examples (never the others'), shuffles
   it with data.seed, reshuffled every epoch, then packs and batches it. With data.num_epochs set,
-  hosts may run out a batch apart: bound the training loop by steps.
+  hosts may run out a batch apart; the training loop stops all of them at the first one's end
+  (train.next_batch).
   """
   validate(cfg, process_count)
   local_batch = cfg.global_batch_size // process_count

@@ -146,6 +146,27 @@ def test_sigterm_saves_exits_and_resumes(tmp_path):
   # (tests/test_train.py checks in-process that a resumed run equals an uninterrupted one.)
 
 
+def test_a_killed_run_resumes_from_its_last_complete_checkpoint(tmp_path):
+  """SIGKILL (no chance to save) while checkpoints are written every step, asynchronously, aimed
+  at a moment when one is half-written: the rerun restores the newest complete one."""
+  workdir = str(tmp_path / 'run')
+  ckpts = os.path.join(workdir, 'checkpoints')
+  job = Job(workdir, '--config.train.checkpoint_every=1')
+  deadline = time.monotonic() + TIMEOUT
+  while job.procs[0].poll() is None and time.monotonic() < deadline:
+    names = os.listdir(ckpts) if os.path.isdir(ckpts) else []
+    if len(train_losses(workdir)) >= 2 and any('tmp' in n for n in names):
+      break  # a save in flight
+    time.sleep(0.005)
+  job.procs[0].kill()
+  job.procs[0].wait()
+  complete = max(int(d) for d in os.listdir(ckpts) if d.isdigit())
+  before = len(records(workdir))
+  Job(workdir, f'--config.train.stop_at_step={complete + 1}').wait()
+  # The rerun trained exactly one step, the one after the newest complete checkpoint.
+  assert [r['step'] for r in records(workdir)[before:]] == [complete + 1]
+
+
 def test_sigterm_to_one_host_stops_all_and_resumes_exactly(tmp_path):
   # Two processes, the signal to process 1: it must neither stop alone (process 0 would wait in
   # its collectives forever) nor be ignored. Each host's data position is saved and restored.

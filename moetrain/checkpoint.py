@@ -50,7 +50,8 @@ def gather_json(obj) -> list:
 
 def process_data_state(saved: dict) -> dict:
   """This process's entry of the per-process data positions a checkpoint holds."""
-  states = saved['processes']
+  # Checkpoints written before per-process positions held the one process's state itself.
+  states = saved['processes'] if 'processes' in saved else [saved]
   if len(states) != jax.process_count():
     raise ValueError(
       f'the checkpoint holds the data positions of {len(states)} processes, this run has '

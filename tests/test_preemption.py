@@ -224,3 +224,14 @@ def test_hosts_whose_data_ends_apart_stop_together(tmp_path):
   ).wait()
   saved = max(int(d) for d in os.listdir(os.path.join(workdir, 'checkpoints')) if d.isdigit())
   assert saved == max(train_losses(workdir)) >= 2
+
+
+def test_data_positions_per_process():
+  from moetrain import checkpoint
+
+  assert checkpoint.gather_json({'a': 1}) == [{'a': 1}]  # one process: no collective
+  assert checkpoint.process_data_state({'processes': [{'a': 1}]}) == {'a': 1}
+  # A checkpoint written before positions were per process holds the one state itself.
+  assert checkpoint.process_data_state({'grain': 'x', 'num_truncated': 0})['grain'] == 'x'
+  with pytest.raises(ValueError, match='data positions of 2 processes, this run has 1'):
+    checkpoint.process_data_state({'processes': [{}, {}]})

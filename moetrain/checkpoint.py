@@ -4,15 +4,14 @@ Orbax writes each step into a temporary directory and renames it when complete, 
 kill mid-save leaves the previous checkpoint as the latest valid one.
 """
 
-import json
 import os
 import signal
 
 import jax
-import numpy as np
 import orbax.checkpoint as ocp
 from absl import logging
-from jax.experimental import multihost_utils
+
+from moetrain.multihost import gather_json
 
 
 def _key(path) -> str:
@@ -34,18 +33,6 @@ def unflatten_like(tree, flat: dict):
       'was it written by a run with a different model or LoRA config?'
     )
   return jax.tree_util.tree_unflatten(treedef, [flat[_key(p)] for p, _ in paths])
-
-
-def gather_json(obj) -> list:
-  """[obj of process 0, obj of process 1, ...] on every process (a collective: all must call)."""
-  if jax.process_count() == 1:
-    return [obj]
-  data = np.frombuffer(json.dumps(obj).encode(), np.uint8)
-  sizes = multihost_utils.process_allgather(np.array([data.size], np.int32))
-  padded = np.zeros(int(sizes.max()), np.uint8)
-  padded[: data.size] = data
-  rows = multihost_utils.process_allgather(padded)
-  return [json.loads(bytes(row[:n]).decode()) for row, n in zip(rows, sizes.ravel())]
 
 
 def process_data_state(saved: dict) -> dict:
@@ -76,20 +63,24 @@ class Checkpointer:
     self._preempted = False
 
   def watch_preemption(self) -> None:
-    """SIGTERM (TPU preemption) asks the training loop to save and stop. Only the loop calls
-    this: tools that merely restore must stay killable.
+    """From here on a SIGTERM (TPU preemption) makes the training loop save and stop. Only the
+    loop calls this: tools that merely restore must stay killable.
 
     One process: a Python handler sets a flag. Several: JAX's preemption service (started by
     jax.distributed.initialize) catches SIGTERM on any host and all hosts agree on the step to
     stop at (`reached_preemption`). A Python handler there would replace the service's own, and
     the host that caught the signal would stop alone while the others wait in its collectives.
+    The service picks the step after the highest one any host has reported, so report the step
+    a resumed run starts from now: a notice during its start-up then stops it at its first step
+    instead of at a step number it has passed.
     """
-    if jax.process_count() > 1:
-      return
-    try:
-      signal.signal(signal.SIGTERM, self._on_sigterm)
-    except ValueError:  # not on the main thread (e.g. under some notebook runners)
-      pass
+    if jax.process_count() == 1:
+      try:
+        signal.signal(signal.SIGTERM, self._on_sigterm)
+      except ValueError:  # not on the main thread (e.g. under some notebook runners)
+        pass
+    if self.manager.reached_preemption(self.latest_step() or 0):
+      self._preempted = True
 
   def _on_sigterm(self, signum, frame):
     del signum, frame

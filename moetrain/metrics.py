@@ -136,9 +136,12 @@ class Writer:
     )
 
   def save_config(self, text: str) -> None:
+    """<workdir>/config.json, replaced atomically (other hosts may be reading the old one)."""
     if self.enabled:
-      with open(os.path.join(self.workdir, 'config.json'), 'w') as f:
+      path = os.path.join(self.workdir, 'config.json')
+      with open(path + '.tmp', 'w') as f:
         f.write(text)
+      os.replace(path + '.tmp', path)
 
   def progress(self, line: str) -> None:
     """A progress line on stdout (once: not also through absl, which writes to stderr)."""

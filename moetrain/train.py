@@ -8,10 +8,9 @@ import os
 import jax
 import numpy as np
 from absl import logging
-from jax.experimental import multihost_utils
 
 from moetrain import metrics as metrics_lib
-from moetrain import optim, sharding
+from moetrain import multihost, optim, sharding
 from moetrain.checkpoint import Checkpointer, process_data_state
 from moetrain.data import pipeline
 from moetrain.model.config import LoraConfig, ModelConfig
@@ -265,6 +264,13 @@ def run(config, workdir: str) -> dict:
   enable_compilation_cache(t.compilation_cache)
   mesh = sharding.make_mesh(setup.mesh_shape)
   check_resumable(config, workdir)
+  ckpt = Checkpointer(
+    workdir,
+    every=t.checkpoint_every,
+    keep=t.keep_checkpoints,
+    async_save=t.async_checkpoint,
+  )
+  ckpt.watch_preemption()  # before the slow start-up (tokenizer, restore, compilation)
   writer = metrics_lib.Writer(workdir)
   writer.save_config(config.to_json_best_effort(indent=1))
   tokenizer = pipeline.make_tokenizer(setup.data, workdir)
@@ -282,13 +288,6 @@ def run(config, workdir: str) -> dict:
   )
   optimizer = optim.make_optimizer(setup.optim, t.steps)
   lr_fn = optim.schedule(setup.optim, t.steps)
-  ckpt = Checkpointer(
-    workdir,
-    every=t.checkpoint_every,
-    keep=t.keep_checkpoints,
-    async_save=t.async_checkpoint,
-  )
-  ckpt.watch_preemption()
   graphdef = graphdef_of(setup.model)
   batch_sharding = sharding.batch_sharding(mesh)
   with jax.set_mesh(mesh):
@@ -342,9 +341,10 @@ def loop(
   pending, last, exhausted, saved, m, why = None, {}, False, False, None, ''
   if start == 0 and eval_batches:  # the baseline that fine-tuning is measured against
     run_eval(0, state, eval_batches, eval_fn, batch_sharding, writer)
-  agree = jax.process_count() > 1 and setup.data.num_epochs is not None
+  finite = jax.process_count() > 1 and setup.data.num_epochs is not None
+  data_ended = multihost.AnyHost('data_ended') if finite else None
   for step in range(start + 1, stop + 1):
-    batch = next_batch(train_iter, agree)
+    batch, position = next_batch(train_iter, data_ended, step)
     if batch is None:  # a finite data.num_epochs ran out before train.steps
       exhausted, done = True, step - 1
       if done > start:  # log and save the last step run, as at `stop`
@@ -353,7 +353,7 @@ def loop(
             last = report(*pending)
           pending = (done, m, *meter.mark(done), train_iter.num_truncated)
         if not saved:
-          ckpt.save(done, state, train_iter.get_state(), {'step': done}, force=True)
+          ckpt.save(done, state, position or train_iter.get_state(), {'step': done}, force=True)
       ckpt.wait()
       why = (
         f'The training data ended after step {done} (data.num_epochs='
@@ -389,17 +389,21 @@ def loop(
   return state, last
 
 
-def next_batch(train_iter, agree_across_hosts: bool) -> dict | None:
-  """The next host-local batch, or None once the data has ended. With `agree_across_hosts`, None
-  on every host as soon as one host's data ends: with a finite data.num_epochs hosts can run out
-  a batch apart, and a host stepping alone would wait forever in the step's collectives."""
+def next_batch(train_iter, data_ended, step: int) -> tuple[dict | None, dict | None]:
+  """(the next host-local batch, or None once the data has ended; the data position before it).
+
+  With `data_ended` (a multihost.AnyHost; None when the data cannot end, or with one process):
+  None on every host as soon as one host's data ends. With a finite data.num_epochs hosts can run
+  out a batch apart, and a host stepping alone would wait forever in the step's collectives. The
+  hosts that still had a batch drop it; the position returned is from before it, to save."""
+  position = train_iter.get_state() if data_ended else None
   try:
     batch = next(train_iter)
   except StopIteration:
     batch = None
-  if agree_across_hosts and hosts_sum(int(batch is None)):
-    return None
-  return batch
+  if data_ended and data_ended(batch is None, step):
+    return None, position
+  return batch, position
 
 
 def run_eval(step, state, eval_batches, eval_fn, batch_sharding, writer) -> dict:
@@ -412,13 +416,6 @@ def run_eval(step, state, eval_batches, eval_fn, batch_sharding, writer) -> dict
   return ev
 
 
-def hosts_sum(value: int) -> int:
-  """The sum of a host-local count over all processes (a collective: every process calls it)."""
-  if jax.process_count() == 1:
-    return value
-  return int(multihost_utils.process_allgather(np.array([value], np.int64)).sum())
-
-
 def log_train(
   step, m, tokens_per_sec, eta, truncated, *, cfg, expert_shards, seq_len, writer
 ) -> dict:
@@ -427,7 +424,7 @@ def log_train(
   scalars.update(metrics_lib.routing_summary(m['moe'], cfg, expert_shards))
   scalars['tokens_per_sec'] = tokens_per_sec
   # Examples longer than seq_len + 1 tokens lose their tail (a completion may lose its loss).
-  scalars['data/truncated_examples'] = hosts_sum(truncated)
+  scalars['data/truncated_examples'] = multihost.hosts_sum(truncated)
   peak = metrics_lib.peak_flops(jax.devices()[0])
   if peak:
     flops = metrics_lib.flops_per_token(cfg, seq_len, scalars['moe/ffn_experts_mean'])

@@ -30,6 +30,9 @@ SETTINGS = {
 }
 
 
+JOBS = []  # started by the running test
+
+
 def _free_port() -> int:
   with socket.socket() as s:
     s.bind(('localhost', 0))
@@ -65,14 +68,15 @@ class Job:
     ]
     port = _free_port()
     self.logs, self.procs = [], []
+    JOBS.append(self)
     for i in range(processes):
       multi = [
         f'--num_processes={processes}',
         f'--process_id={i}',
         f'--coordinator_address=localhost:{port}',
       ]
-      self.logs.append(f'{workdir}.process{i}.log')
-      with open(self.logs[-1], 'a') as err:
+      self.logs.append(f'{workdir}.job{len(JOBS)}.process{i}.log')  # one file per launch
+      with open(self.logs[-1], 'w') as err:
         self.procs.append(
           subprocess.Popen(
             args + (multi if processes > 1 else []),
@@ -89,21 +93,34 @@ class Job:
 
   def kill(self):
     for p in self.procs:
-      p.kill()
+      if p.poll() is None:
+        p.kill()
 
   def wait(self) -> list[str]:
     """Each process's log; fails on a hang (a host waiting on another) or a non-zero exit."""
     deadline = time.monotonic() + TIMEOUT
-    for p in self.procs:
-      try:
-        p.wait(timeout=max(1.0, deadline - time.monotonic()))
-      except subprocess.TimeoutExpired:
+    while any(p.poll() is None for p in self.procs):
+      if any(p.poll() not in (None, 0) for p in self.procs):
+        break  # one failed: the others would wait for it in a collective
+      if time.monotonic() > deadline:
         self.kill()
         pytest.fail(f'a process did not exit within {TIMEOUT} s:\n{self.log(0)[-3000:]}')
+      time.sleep(0.1)
+    codes = [p.poll() for p in self.procs]  # None: still running after another failed
+    self.kill()
     logs = [self.log(i) for i in range(len(self.procs))]
-    for i, (p, log) in enumerate(zip(self.procs, logs)):
-      assert p.returncode == 0, f'process {i} exited {p.returncode}:\n{log[-3000:]}'
+    for i, (code, log) in enumerate(zip(codes, logs)):
+      assert code in (0, None), f'process {i} exited {code} (all: {codes}):\n{log[-3000:]}'
+    assert None not in codes, f'exit codes {codes}'
     return logs
+
+
+@pytest.fixture(autouse=True)
+def _no_leftover_processes():
+  """Kills what a failing test left running."""
+  yield
+  while JOBS:
+    JOBS.pop().kill()
 
 
 def records(workdir) -> list[dict]:
@@ -152,7 +169,7 @@ def test_a_killed_run_resumes_from_its_last_complete_checkpoint(tmp_path):
   workdir = str(tmp_path / 'run')
   ckpts = os.path.join(workdir, 'checkpoints')
   job = Job(workdir, '--config.train.checkpoint_every=1')
-  deadline = time.monotonic() + TIMEOUT
+  deadline = time.monotonic() + 90  # then kill it wherever it is
   while job.procs[0].poll() is None and time.monotonic() < deadline:
     names = os.listdir(ckpts) if os.path.isdir(ckpts) else []
     if len(train_losses(workdir)) >= 2 and any('tmp' in n for n in names):
@@ -235,3 +252,22 @@ def test_data_positions_per_process():
   assert checkpoint.process_data_state({'grain': 'x', 'num_truncated': 0})['grain'] == 'x'
   with pytest.raises(ValueError, match='data positions of 2 processes, this run has 1'):
     checkpoint.process_data_state({'processes': [{}, {}]})
+
+
+@pytest.mark.slow
+def test_sigterm_during_a_resumed_start_up_stops_at_the_first_step(tmp_path):
+  """Two processes resume from step S; process 1 gets SIGTERM while the job restores and
+  compiles (after its first cross-process collective). JAX's preemption service stops at the
+  step after the highest one reported, so the loop must have reported S: the job then stops at
+  S + 1, saved, instead of training on with the notice lost."""
+  workdir = str(tmp_path / 'run')
+  step = preempt(workdir, target=1, processes=2)
+  job = Job(workdir, processes=2)
+  deadline = time.monotonic() + TIMEOUT
+  while '[Gloo]' not in job.log(1):  # past jax.distributed set-up and the loop's watch
+    assert time.monotonic() < deadline and job.procs[1].poll() is None, job.log(1)[-3000:]
+    time.sleep(0.05)
+  job.procs[1].send_signal(signal.SIGTERM)
+  logs = job.wait()
+  assert f'Preempted: saved step {step + 1};' in logs[0]
+  assert max(train_losses(workdir)) == step + 1

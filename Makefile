@@ -24,7 +24,7 @@ train: install
 	$(BIN)/python -m moetrain.main --config=$(CONFIG) $(ARGS)
 
 test: install
-	$(BIN)/python -m pytest -q -n 2 $(ARGS)
+	$(BIN)/python -m pytest -q -n 2 --dist worksteal $(ARGS)
 
 test-slow: install
 	$(BIN)/python -m pytest -q -m slow $(ARGS)

@@ -11,7 +11,7 @@ import jax
 import orbax.checkpoint as ocp
 from absl import logging
 
-from moetrain.multihost import gather_json
+from moetrain import multihost
 
 
 def _key(path) -> str:
@@ -61,6 +61,7 @@ class Checkpointer:
       self.directory, options=options, item_names=('state', 'data', 'meta')
     )
     self._preempted = False
+    self._positions = multihost.Exchange('data_positions')
 
   def watch_preemption(self) -> None:
     """From here on a SIGTERM (TPU preemption) makes the training loop save and stop. Only the
@@ -102,10 +103,10 @@ class Checkpointer:
       return False
     args = ocp.args.Composite(
       state=ocp.args.StandardSave(flatten(state.saved())),
-      data=ocp.args.JsonSave({'processes': gather_json(data_state)}),
+      data=ocp.args.JsonSave({'processes': self._positions.json(data_state, step)}),
       meta=ocp.args.JsonSave(meta),
     )
-    return self.manager.save(step, args=args, force=force)
+    return self.manager.save(step, args=args, force=True)  # should_save was asked above
 
   def restore(self, step: int, abstract_state):
     """Restores onto the shardings of `abstract_state` (any mesh); returns (saved, data, meta),

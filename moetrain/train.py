@@ -40,6 +40,11 @@ class LoopConfig:
   async_checkpoint: bool = True
   compilation_cache: str = ''
 
+  @property
+  def last_step(self) -> int:
+    """Where this invocation stops: stop_at_step (a time-boxed session) or steps."""
+    return min(self.stop_at_step or self.steps, self.steps)
+
   def validate(self) -> None:
     for key in ('steps', 'log_every', 'checkpoint_every', 'keep_checkpoints'):
       if getattr(self, key) <= 0:
@@ -293,7 +298,7 @@ def run(config, workdir: str) -> dict:
   with jax.set_mesh(mesh):
     state = restore_or_init(setup, ckpt, optimizer, mesh, train_iter)
     start = int(state.step)
-    if start >= t.steps or start >= (t.stop_at_step or t.steps):
+    if start >= t.last_step:
       writer.progress(
         f'Run in {workdir} already finished at step {start} (train.steps={t.steps}); nothing to '
         'do. Use a new --workdir to train again.'
@@ -329,7 +334,7 @@ def loop(
 ):
   t, cfg = setup.train, setup.model
   total, start = t.steps, int(state.step)
-  stop = min(t.stop_at_step or total, total)
+  stop = t.last_step
   meter = metrics_lib.Throughput(start, total)
   report = functools.partial(
     log_train,
@@ -337,12 +342,13 @@ def loop(
     expert_shards=dict(mesh.shape)['expert'],
     seq_len=setup.data.seq_len,
     writer=writer,
+    hosts=multihost.Exchange('truncated_examples'),
   )
   pending, last, exhausted, saved, m, why = None, {}, False, False, None, ''
   if start == 0 and eval_batches:  # the baseline that fine-tuning is measured against
     run_eval(0, state, eval_batches, eval_fn, batch_sharding, writer)
   finite = jax.process_count() > 1 and setup.data.num_epochs is not None
-  data_ended = multihost.AnyHost('data_ended') if finite else None
+  data_ended = multihost.Exchange('data_ended') if finite else None
   for step in range(start + 1, stop + 1):
     batch, position = next_batch(train_iter, data_ended, step)
     if batch is None:  # a finite data.num_epochs ran out before train.steps
@@ -392,7 +398,7 @@ def loop(
 def next_batch(train_iter, data_ended, step: int) -> tuple[dict | None, dict | None]:
   """(the next host-local batch, or None once the data has ended; the data position before it).
 
-  With `data_ended` (a multihost.AnyHost; None when the data cannot end, or with one process):
+  With `data_ended` (a multihost.Exchange; None when the data cannot end, or with one process):
   None on every host as soon as one host's data ends. With a finite data.num_epochs hosts can run
   out a batch apart, and a host stepping alone would wait forever in the step's collectives. The
   hosts that still had a batch drop it; the position returned is from before it, to save."""
@@ -401,7 +407,7 @@ def next_batch(train_iter, data_ended, step: int) -> tuple[dict | None, dict | N
     batch = next(train_iter)
   except StopIteration:
     batch = None
-  if data_ended and data_ended(batch is None, step):
+  if data_ended and data_ended.any(batch is None, step):
     return None, position
   return batch, position
 
@@ -417,14 +423,14 @@ def run_eval(step, state, eval_batches, eval_fn, batch_sharding, writer) -> dict
 
 
 def log_train(
-  step, m, tokens_per_sec, eta, truncated, *, cfg, expert_shards, seq_len, writer
+  step, m, tokens_per_sec, eta, truncated, *, cfg, expert_shards, seq_len, writer, hosts
 ) -> dict:
   m = jax.device_get(m)
   scalars = {k: float(v) for k, v in m.items() if k != 'moe'}
   scalars.update(metrics_lib.routing_summary(m['moe'], cfg, expert_shards))
   scalars['tokens_per_sec'] = tokens_per_sec
   # Examples longer than seq_len + 1 tokens lose their tail (a completion may lose its loss).
-  scalars['data/truncated_examples'] = multihost.hosts_sum(truncated)
+  scalars['data/truncated_examples'] = hosts.sum(truncated, step)
   peak = metrics_lib.peak_flops(jax.devices()[0])
   if peak:
     flops = metrics_lib.flops_per_token(cfg, seq_len, scalars['moe/ffn_experts_mean'])

@@ -244,9 +244,9 @@ def test_hosts_whose_data_ends_apart_stop_together(tmp_path):
 
 
 def test_data_positions_per_process():
-  from moetrain import checkpoint
+  from moetrain import checkpoint, multihost
 
-  assert checkpoint.gather_json({'a': 1}) == [{'a': 1}]  # one process: no collective
+  assert multihost.Exchange('x').json({'a': 1}, 1) == [{'a': 1}]  # one process: no exchange
   assert checkpoint.process_data_state({'processes': [{'a': 1}]}) == {'a': 1}
   # A checkpoint written before positions were per process holds the one state itself.
   assert checkpoint.process_data_state({'grain': 'x', 'num_truncated': 0})['grain'] == 'x'

@@ -7,6 +7,10 @@ of system time in a 5.5 s step on 2 cores; bench/RESULTS.md). glibc's `glibc.mal
 tunable makes malloc advise transparent huge pages for those blocks, so they fault in 2 MiB at a
 time. Tunables are read only when a process starts, so an entry point re-executes itself once with
 the tunable set. That happens before any JAX backend starts; MOETRAIN_NO_REEXEC=1 turns it off.
+
+`start_command` does what every command does first: that, quieter library logs, and joining the
+multi-process JAX job the command is one process of (--num_processes/--process_id/
+--coordinator_address, or a cluster JAX detects itself).
 """
 
 import logging
@@ -80,3 +84,49 @@ def quiet_library_logs(packages=('orbax',)) -> None:
   handler = absl_logging.get_absl_handler()
   for package in packages:
     handler.addFilter(_QuietBelowWarning(package))
+
+
+def define_process_flags() -> None:
+  """The flags that make a command one process of a multi-process JAX job (idempotent)."""
+  from absl import flags
+
+  if 'num_processes' in flags.FLAGS:
+    return
+  flags.DEFINE_integer(
+    'num_processes', None, 'Multi-process job without cluster auto-detection (e.g. CPU hosts).'
+  )
+  flags.DEFINE_integer('process_id', None, 'This process, 0..num_processes-1.')
+  flags.DEFINE_string(
+    'coordinator_address', None, 'host:port of process 0 (default $JAX_COORDINATOR_ADDRESS).'
+  )
+
+
+def initialize_distributed() -> None:
+  """Joins the multi-process job: explicitly with --num_processes (CPU or GPU hosts without a
+  cluster manager), or through JAX's own detection on TPU VMs (TPU_WORKER_HOSTNAMES) and where
+  MOETRAIN_DISTRIBUTED is set (SLURM, ...). One process otherwise."""
+  import jax
+  from absl import flags
+
+  f = flags.FLAGS
+  if 'num_processes' in f and f.num_processes is not None:
+    jax.distributed.initialize(
+      f.coordinator_address, num_processes=f.num_processes, process_id=f.process_id
+    )
+  elif os.environ.get('MOETRAIN_DISTRIBUTED') or 'TPU_WORKER_HOSTNAMES' in os.environ:
+    jax.distributed.initialize()
+
+
+def start_command() -> None:
+  """First thing in a command's main: huge-page malloc (re-executing once), quiet library logs,
+  then the multi-process job, if any."""
+  reexec_with_hugepages()
+  quiet_library_logs()
+  initialize_distributed()
+
+
+def is_primary() -> bool:
+  """Process 0, the one that prints a command's results."""
+  import jax
+
+  return jax.process_index() == 0

@@ -1,8 +1,10 @@
 """Preemption end to end: `python -m moetrain.main` processes get SIGTERM mid-run, save, exit and
 resume exactly. One process, and two processes forming one CPU job (jax.distributed over gloo,
 experts sharded across the processes), where the signal reaches a host other than process 0; the
-two-process job's checkpoint then evaluates the same in one process on another mesh."""
+two-process job's checkpoint then evaluates the same in one process on another mesh, and the
+tools (evaluate, export, generate) run over two processes as well."""
 
+import functools
 import json
 import os
 import signal
@@ -51,14 +53,16 @@ def _env(devices: int) -> dict:
 
 
 class Job:
-  """The training command as one OS process per JAX process; its output goes to files (a full pipe
-  would block a process, and the other would wait on it in a collective)."""
+  """A command (by default training) as one OS process per JAX process; its output goes to files
+  (a full pipe would block a process, and the other would wait on it in a collective)."""
 
-  def __init__(self, workdir, *overrides, processes: int = 1, devices: int = 4):
+  def __init__(
+    self, workdir, *overrides, processes: int = 1, devices: int = 4, module='moetrain.main'
+  ):
     args = [
       sys.executable,
       '-m',
-      'moetrain.main',
+      module,
       '--config=configs/longcat_lora.py',
       f'--workdir={workdir}',
       *(f'--config.{k}={v}' for k, v in SETTINGS.items()),
@@ -217,6 +221,51 @@ def test_sigterm_to_one_host_stops_all_and_resumes_exactly(tmp_path):
   assert ev['step'] == step + 2
   np.testing.assert_allclose(ev['loss'], measured['loss'], rtol=1e-5)
   np.testing.assert_allclose(ev['tokens'], measured['tokens'])
+
+  # The tools run as one job over two processes as well: evaluation prints once (process 0) what
+  # training measured; the export holds the tensors a one-process export of the checkpoint has.
+  tool = functools.partial(Job, reference, tokenizer, *evals, processes=2)
+  logs = tool('--max_batches=1', module='moetrain.tools.evaluate').wait()
+  (line,) = [x for x in logs[0].splitlines() if x.startswith(f'step {step + 2}: loss ')]
+  np.testing.assert_allclose(float(line.split()[3]), measured['loss'], rtol=1e-5)
+  assert 'loss' not in logs[1]
+  exported = str(tmp_path / 'exported')
+  tool(f'--out={exported}', module='moetrain.tools.export').wait()
+  from moetrain.convert.safetensors_io import Reader
+  from moetrain.tools import export
+
+  alone = export.export(config, reference, str(tmp_path / 'exported_alone'))
+  two, one = Reader(exported), Reader(alone)
+  assert sorted(two.keys()) == sorted(one.keys()) and len(one.keys()) > 20
+  for name in one.keys():  # merged LoRA: the products ran on other meshes, so ~1 ulp apart
+    a, b = two.read(name), one.read(name)
+    np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-6 * np.abs(b).max(), err_msg=name)
+
+  # Sampling (greedy would stop at eos at once this early in training): the two processes print
+  # what one process draws from the checkpoint with the same seed.
+  import jax
+
+  from moetrain.tools import generate
+
+  prompt, flags = '12 + 7 =', ['--max_new_tokens=6', '--temperature=1.5', '--seed=1']
+  logs = tool(f'--prompt={prompt}', *flags, module='moetrain.tools.generate').wait()
+  model, tok, at = generate.load_run(config, reference)
+  ids = [tok.bos_id, *tok.encode(prompt)] if tok.bos_id is not None else tok.encode(prompt)
+  out = generate.generate(
+    model,
+    [ids],
+    6,
+    temperature=1.5,
+    rng=jax.random.key(1),
+    eos_id=tok.eos_id,
+    vocab_size=tok.vocab_size,
+  )
+  new = [int(i) for i in out[0, len(ids) :]]
+  new = new[: new.index(tok.eos_id)] if tok.eos_id in new else new
+  lines = logs[0].splitlines()
+  i = lines.index(f'# {reference} at step {at}')
+  assert lines[i + 1] == prompt + generate.continuation(tok, ids, new)
+  assert f'# {reference}' not in logs[1]
 
 
 @pytest.mark.slow

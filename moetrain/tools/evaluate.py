@@ -25,6 +25,7 @@ def define_flags():
   flags.DEFINE_string('workdir', None, 'Run directory whose latest checkpoint to load.')
   flags.DEFINE_string('split', None, 'Split to evaluate (default data.eval_split).')
   flags.DEFINE_integer('max_batches', None, 'Cap on eval batches.')
+  runtime.define_process_flags()
 
 
 def evaluate_checkpoint(
@@ -52,15 +53,15 @@ def evaluate_checkpoint(
 
 
 def main(argv):
-  runtime.reexec_with_hugepages()
-  runtime.quiet_library_logs()
+  runtime.start_command()
   del argv
   f = flags.FLAGS
   out = evaluate_checkpoint(f.config, f.workdir, f.split, f.max_batches)
-  print(
-    f'step {out["step"]}: loss {out["loss"]:.4f}  perplexity {out["perplexity"]:.3f}  '
-    f'accuracy {out["accuracy"]:.4f}  ({int(out["tokens"])} tokens)'
-  )
+  if runtime.is_primary():
+    print(
+      f'step {out["step"]}: loss {out["loss"]:.6f}  perplexity {out["perplexity"]:.4f}  '
+      f'accuracy {out["accuracy"]:.4f}  ({int(out["tokens"])} tokens)'
+    )
 
 
 if __name__ == '__main__':

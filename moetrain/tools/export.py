@@ -19,6 +19,7 @@ def define_flags():
   flags.DEFINE_string('out', None, 'Output directory.')
   flags.DEFINE_bool('adapter_only', False, 'Write adapter_model.safetensors + adapter_config.json.')
   flags.DEFINE_string('dtype', None, 'Weight dtype of the merged export (default param_dtype).')
+  runtime.define_process_flags()
 
 
 def export(config, workdir: str, out: str, adapter_only: bool = False, dtype=None) -> str:
@@ -38,12 +39,12 @@ def export(config, workdir: str, out: str, adapter_only: bool = False, dtype=Non
 
 
 def main(argv):
-  runtime.reexec_with_hugepages()
-  runtime.quiet_library_logs()
+  runtime.start_command()
   del argv
   f = flags.FLAGS
   out = export(f.config, f.workdir, f.out, f.adapter_only, f.dtype)
-  print(f'wrote {out}')
+  if runtime.is_primary():
+    print(f'wrote {out}')
 
 
 if __name__ == '__main__':

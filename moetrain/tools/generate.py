@@ -18,6 +18,7 @@ from flax import nnx
 from ml_collections import config_flags
 
 from moetrain import runtime
+from moetrain.convert.stacked_io import to_host
 from moetrain.model.decode import decode_step, prefill
 
 
@@ -177,6 +178,7 @@ _TEMPERATURE = flags.DEFINE_float('temperature', 0.0, '0 = greedy.')
 _TOP_P = flags.DEFINE_float('top_p', 1.0, 'Nucleus mass when sampling.')
 _SEED = flags.DEFINE_integer('seed', 0, 'Sampling seed.')
 _BOS = flags.DEFINE_bool('add_bos', True, "Prepend the tokenizer's bos token, if it has one.")
+runtime.define_process_flags()
 
 
 def load_hf(path: str):
@@ -204,8 +206,7 @@ def load_run(config, workdir: str | None):
 
 
 def main(argv):
-  runtime.reexec_with_hugepages()
-  runtime.quiet_library_logs()
+  runtime.start_command()
   del argv
   if bool(_HF.value) == (_CONFIG.value is not None):
     raise app.UsageError('pass --hf_checkpoint=DIR, or --config (with --workdir for a run)')
@@ -230,9 +231,11 @@ def main(argv):
     eos_id=tok.eos_id,
     vocab_size=tok.vocab_size,
   )
-  new = [int(i) for i in out[0, len(ids) :]]
+  new = [int(i) for i in to_host(out)[0, len(ids) :]]
   if tok.eos_id in new:
     new = new[: new.index(tok.eos_id)]
+  if not runtime.is_primary():
+    return
   print(f'# {source}')
   print(_PROMPT.value + continuation(tok, ids, new))
   print(

@@ -1,5 +1,5 @@
-"""Preemption end to end: `python -m moetrain.main` processes get SIGTERM mid-run, save, exit and
-resume exactly. One process, and two processes forming one CPU job (jax.distributed over gloo,
+"""Several processes and preemption end to end: `python -m moetrain.main` processes get SIGTERM
+mid-run, save, exit and resume exactly. One process, and two processes forming one CPU job (jax.distributed over gloo,
 experts sharded across the processes), where the signal reaches a host other than process 0; the
 two-process job's checkpoint then evaluates the same in one process on another mesh, and the
 tools (evaluate, export, generate) run over two processes as well."""
@@ -266,6 +266,43 @@ def test_sigterm_to_one_host_stops_all_and_resumes_exactly(tmp_path):
   i = lines.index(f'# {reference} at step {at}')
   assert lines[i + 1] == prompt + generate.continuation(tok, ids, new)
   assert f'# {reference}' not in logs[1]
+
+
+def test_qlora_from_a_hugging_face_checkpoint_over_two_processes(tmp_path):
+  """The flagship path on several hosts: the frozen base read from safetensors and quantised to
+  int8 on device, each process reading only the blocks its devices hold (experts split across
+  the processes). The adapters trained there, evaluated in this one process (which rebuilds the
+  base from the checkpoint on another mesh), give the loss the two processes measured."""
+  from tests.test_hf_finetune import hf_config, hf_dir_with_tokenizer
+
+  hf_dir = hf_dir_with_tokenizer(tmp_path)
+  workdir = str(tmp_path / 'run')
+  extra = {
+    'init.hf_checkpoint': hf_dir,
+    'model.quant': 'int8',
+    'model.dtype': 'float32',
+    'data.seq_len': 32,
+    'train.steps': 3,
+    'train.eval_every': 3,
+    'optim.warmup_steps': 1,
+    **EVAL,
+  }
+  Job(workdir, *(f'--config.{k}={v}' for k, v in extra.items()), processes=2).wait()
+  measured = {r['step']: r for r in records(workdir) if r['kind'] == 'eval'}
+  assert sorted(measured) == [0, 3] and sorted(train_losses(workdir)) == [1, 2, 3]
+
+  from moetrain.tools import evaluate
+
+  config = hf_config(hf_dir, steps=3, eval_batches=SETTINGS['train.eval_batches'])
+  config.model.quant = 'int8'
+  config.data.eval_split = EVAL['data.eval_split']
+  # Step 0 is the base as loaded (no workdir: the config's initial weights), step 3 the adapters.
+  for step, run in ((0, None), (3, workdir)):
+    ev = evaluate.evaluate_checkpoint(config, run, max_batches=1)
+    assert ev['step'] == step
+    np.testing.assert_allclose(ev['loss'], measured[step]['loss'], rtol=1e-5)
+    np.testing.assert_allclose(ev['tokens'], measured[step]['tokens'])
+  assert measured[3]['loss'] < measured[0]['loss'] - 0.1  # and the adapters learned
 
 
 @pytest.mark.slow

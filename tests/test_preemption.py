@@ -57,19 +57,26 @@ class Job:
   (a full pipe would block a process, and the other would wait on it in a collective)."""
 
   def __init__(
-    self, workdir, *overrides, processes: int = 1, devices: int = 4, module='moetrain.main'
+    self,
+    workdir,
+    *overrides,
+    processes: int = 1,
+    devices: int = 4,
+    module='moetrain.main',
+    hf: str | None = None,
   ):
-    args = [
-      sys.executable,
-      '-m',
-      module,
-      '--config=configs/longcat_lora.py',
-      f'--workdir={workdir}',
-      *(f'--config.{k}={v}' for k, v in SETTINGS.items()),
-      f'--config.train.compilation_cache={os.path.join(ROOT, ".jax_cache")}',
-      f'--config.mesh.shape=(1,-1,{2 if processes > 1 else 1},1)',  # experts across processes
-      *overrides,
-    ]
+    args = [sys.executable, '-m', module]
+    if hf:  # a tool reading a Hugging Face directory instead of a run (logs go next to workdir)
+      args.append(f'--hf_checkpoint={hf}')
+    else:
+      args += [
+        '--config=configs/longcat_lora.py',
+        f'--workdir={workdir}',
+        *(f'--config.{k}={v}' for k, v in SETTINGS.items()),
+        f'--config.train.compilation_cache={os.path.join(ROOT, ".jax_cache")}',
+        f'--config.mesh.shape=(1,-1,{2 if processes > 1 else 1},1)',  # experts across processes
+      ]
+    args += overrides
     port = _free_port()
     self.logs, self.procs = [], []
     JOBS.append(self)
@@ -302,6 +309,29 @@ def test_qlora_from_a_hugging_face_checkpoint_over_two_processes(tmp_path):
     np.testing.assert_allclose(ev['loss'], measured[step]['loss'], rtol=1e-5)
     np.testing.assert_allclose(ev['tokens'], measured[step]['tokens'])
   assert measured[3]['loss'] < measured[0]['loss'] - 0.1  # and the adapters learned
+
+  # Generation straight from the Hugging Face directory: each process loads a whole copy onto its
+  # first local device; process 0 prints what one process generates.
+  from moetrain.tools import generate
+
+  prompt = 'reverse: a b c ='
+  logs = Job(
+    workdir,
+    f'--prompt={prompt}',
+    '--max_new_tokens=8',
+    processes=2,
+    module='moetrain.tools.generate',
+    hf=hf_dir,
+  ).wait()
+  model, tok = generate.load_hf(hf_dir)
+  ids = [tok.bos_id, *tok.encode(prompt)]
+  out = generate.generate(model, [ids], 8, eos_id=tok.eos_id, vocab_size=tok.vocab_size)
+  new = [int(i) for i in out[0, len(ids) :]]
+  new = new[: new.index(tok.eos_id)] if tok.eos_id in new else new
+  assert len(new) > 2
+  text = prompt + generate.continuation(tok, ids, new)
+  assert f'# {hf_dir}\n{text}\n# {len(new)} new tokens;' in logs[0]
+  assert f'# {hf_dir}' not in logs[1]
 
 
 @pytest.mark.slow

@@ -240,7 +240,7 @@ def _float_shapes(cfg: ModelConfig) -> dict:
 
 def _shardings(abstract_state, mesh, rules) -> dict:
   if mesh is None:
-    one = SingleDeviceSharding(jax.devices()[0])
+    one = SingleDeviceSharding(jax.local_devices()[0])
     return {p: one for p, _ in nnx.to_flat_state(abstract_state)}
   return _flat(train_state.state_shardings(abstract_state, mesh, rules))
 
@@ -296,7 +296,7 @@ def load_params(path, cfg: ModelConfig, mesh=None, rules=None, dtype=None, seed=
   Args:
     cfg: the model (config_from_hf plus engine settings); cfg.quant quantises the frozen base.
     mesh, rules: place every array by its logical axes (rules default to cfg.rules); no mesh:
-      the first device.
+      the first local device (each process loads a whole copy).
     dtype: storage dtype of float weights (default cfg.param_dtype; the router stays float32).
     seed: of the LoRA init (A random, B zero) when cfg.lora is on.
   """

@@ -85,6 +85,7 @@ def get_config() -> config_dict.ConfigDict:
   d.loss_on_prompt = False  # also train on prompt tokens
   d.num_epochs = config_dict.placeholder(int)  # None = repeat forever
   d.worker_count = 0  # grain worker processes (0 = in-process)
+  d.reslice_on_resume = False  # resume on another host count: restart the data in new slices
 
   # Initial weights.
   c.init = config_dict.ConfigDict()

@@ -35,17 +35,28 @@ def unflatten_like(tree, flat: dict):
   return jax.tree_util.tree_unflatten(treedef, [flat[_key(p)] for p, _ in paths])
 
 
-def process_data_state(saved: dict) -> dict:
-  """This process's entry of the per-process data positions a checkpoint holds."""
+def data_positions(saved: dict) -> list[dict]:
+  """Every process's data position in a checkpoint's data item."""
   # Checkpoints written before per-process positions held the one process's state itself.
-  states = saved['processes'] if 'processes' in saved else [saved]
-  if len(states) != jax.process_count():
-    raise ValueError(
-      f'the checkpoint holds the data positions of {len(states)} processes, this run has '
-      f'{jax.process_count()}: each host reads its own slice of the data, so resume with '
-      f'{len(states)} processes (or start a new --workdir)'
-    )
-  return states[jax.process_index()]
+  return saved['processes'] if 'processes' in saved else [saved]
+
+
+def process_data_state(saved: dict, reslice: bool = False) -> dict | None:
+  """This process's entry of the per-process data positions a checkpoint holds. A checkpoint of
+  another number of processes is refused, or with `reslice` (data.reslice_on_resume) gives None:
+  the data then starts afresh in the new count's slices."""
+  states = data_positions(saved)
+  if len(states) == jax.process_count():
+    return states[jax.process_index()]
+  if reslice:
+    return None
+  raise ValueError(
+    f'the checkpoint holds the data positions of {len(states)} processes, this run has '
+    f'{jax.process_count()}: each host reads its own slice of the data, so resume with '
+    f'{len(states)} processes, set data.reslice_on_resume=True to go on with the data re-sliced '
+    f'for {jax.process_count()} (from the start of its order: examples of the epoch under way '
+    'are seen again), or start a new --workdir'
+  )
 
 
 class Checkpointer:
@@ -107,6 +118,10 @@ class Checkpointer:
       meta=ocp.args.JsonSave(meta),
     )
     return self.manager.save(step, args=args, force=True)  # should_save was asked above
+
+  def restore_data(self, step: int) -> dict:
+    """The data item alone (cheap: no arrays are read)."""
+    return self.manager.restore(step, args=ocp.args.Composite(data=ocp.args.JsonRestore()))['data']
 
   def restore(self, step: int, abstract_state):
     """Restores onto the shardings of `abstract_state` (any mesh); returns (saved, data, meta),

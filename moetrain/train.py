@@ -11,7 +11,7 @@ from absl import logging
 
 from moetrain import metrics as metrics_lib
 from moetrain import multihost, optim, sharding
-from moetrain.checkpoint import Checkpointer, process_data_state
+from moetrain.checkpoint import Checkpointer, data_positions, process_data_state
 from moetrain.data import pipeline
 from moetrain.model.config import LoraConfig, ModelConfig
 from moetrain.train_state import (
@@ -216,7 +216,21 @@ def restore_or_init(setup: Setup, ckpt: Checkpointer, optimizer, mesh, train_ite
   if step is None:
     return state
   saved, data_states, _ = ckpt.restore(step, state)
-  train_iter.set_state(process_data_state(data_states))
+  position = process_data_state(data_states, setup.data.reslice_on_resume)
+  if position is not None:
+    train_iter.set_state(position)
+  else:  # another number of hosts, and data.reslice_on_resume: the data starts over
+    positions = data_positions(data_states)
+    logging.warning(
+      'Step %d was saved by %d processes, this run has %d (data.reslice_on_resume): the training '
+      'data starts again from the beginning of its order, re-sliced over %d processes.',
+      step,
+      len(positions),
+      jax.process_count(),
+      jax.process_count(),
+    )
+    if jax.process_index() == 0:  # the run's count of truncated examples goes on
+      train_iter.num_truncated = sum(p['num_truncated'] for p in positions)
   logging.info('Resumed from step %d', step)
   return dataclasses.replace(state, **saved)
 
@@ -276,6 +290,8 @@ def run(config, workdir: str) -> dict:
     async_save=t.async_checkpoint,
   )
   ckpt.watch_preemption()  # before the slow start-up (tokenizer, restore, compilation)
+  if (latest := ckpt.latest_step()) is not None:  # a resume on another host count: fail now
+    process_data_state(ckpt.restore_data(latest), setup.data.reslice_on_resume)
   writer = metrics_lib.Writer(workdir)
   writer.save_config(config.to_json_best_effort(indent=1))
   tokenizer = pipeline.make_tokenizer(setup.data, workdir)

@@ -107,8 +107,9 @@ class Job:
       if p.poll() is None:
         p.kill()
 
-  def wait(self) -> list[str]:
-    """Each process's log; fails on a hang (a host waiting on another) or a non-zero exit."""
+  def wait(self, code: int = 0) -> list[str]:
+    """Each process's log; fails on a hang (a host waiting on another) or an exit other than
+    `code` (every process must exit with it)."""
     deadline = time.monotonic() + TIMEOUT
     while any(p.poll() is None for p in self.procs):
       if any(p.poll() not in (None, 0) for p in self.procs):
@@ -120,8 +121,8 @@ class Job:
     codes = [p.poll() for p in self.procs]  # None: still running after another failed
     self.kill()
     logs = [self.log(i) for i in range(len(self.procs))]
-    for i, (code, log) in enumerate(zip(codes, logs)):
-      assert code in (0, None), f'process {i} exited {code} (all: {codes}):\n{log[-3000:]}'
+    for i, (got, log) in enumerate(zip(codes, logs)):
+      assert got in (code, None), f'process {i} exited {got} (all: {codes}):\n{log[-3000:]}'
     assert None not in codes, f'exit codes {codes}'
     return logs
 
@@ -273,6 +274,18 @@ def test_sigterm_to_one_host_stops_all_and_resumes_exactly(tmp_path):
   assert f'# {reference} at step {at}\n{text}\n# {len(new)} new tokens;' in logs[0]
   assert f'# {reference}' not in logs[1]
 
+  # The job resumed on one host: refused before the slow start-up, naming the ways on; with
+  # data.reslice_on_resume it trains on from the two hosts' weights and optimizer state.
+  one = functools.partial(Job, reference, tokenizer, f'--config.train.stop_at_step={step + 3}')
+  written = os.stat(os.path.join(reference, 'config.json')).st_mtime_ns
+  (log,) = one().wait(code=1)
+  assert 'data positions of 2 processes, this run has 1' in log and 'reslice_on_resume' in log
+  assert os.stat(os.path.join(reference, 'config.json')).st_mtime_ns == written  # failed early
+  assert max(train_losses(reference)) == step + 2
+  (log,) = one('--config.data.reslice_on_resume=true').wait()
+  assert f'Step {step + 2} was saved by 2 processes, this run has 1' in log
+  assert max(train_losses(reference)) == step + 3
+
 
 def test_qlora_from_a_hugging_face_checkpoint_over_two_processes(tmp_path):
   """The flagship path on several hosts: the frozen base read from safetensors and quantised to
@@ -367,6 +380,7 @@ def test_data_positions_per_process():
   assert checkpoint.process_data_state({'grain': 'x', 'num_truncated': 0})['grain'] == 'x'
   with pytest.raises(ValueError, match='data positions of 2 processes, this run has 1'):
     checkpoint.process_data_state({'processes': [{}, {}]})
+  assert checkpoint.process_data_state({'processes': [{}, {}]}, reslice=True) is None
 
 
 @pytest.mark.slow

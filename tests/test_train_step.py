@@ -94,8 +94,8 @@ def test_hidden_z_loss_counts_prompts_but_not_padding():
   """LongCat's hidden z-loss averages over every token the model reads: masking prompt tokens
   out of the cross entropy leaves it unchanged; padding (segment 0) is left out of it."""
   opt = optax.sgd(1.0)
-  state = init_state(CFG, opt, 0)
-  run = lambda b: float(step_fn(CFG, 1, opt)(state, b)[1]['hidden_z_loss'])
+  state, fn = init_state(CFG, opt, 0), step_fn(CFG, 1, opt)  # one compilation for all four
+  run = lambda b: float(fn(state, b)[1]['hidden_z_loss'])
   full = batch()
   prompts = batch()
   prompts['loss_mask'][:, :5] = 0

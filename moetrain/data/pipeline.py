@@ -46,6 +46,7 @@ class DataConfig:
   loss_on_prompt: bool = False
   num_epochs: int | None = None
   worker_count: int = 0
+  reslice_on_resume: bool = False
 
   @property
   def fields(self) -> sources.Fields:

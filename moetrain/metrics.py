@@ -89,7 +89,11 @@ def routing_summary(moe: dict, cfg: ModelConfig, expert_shards: int) -> dict:
 class Writer:
   """Progress lines, <workdir>/metrics.jsonl and TensorBoard events (tensorboardX, no TF)."""
 
-  def __init__(self, workdir: str, enabled: bool = True):
+  def __init__(self, workdir: str, enabled: bool = True, resume_step: int | None = None):
+    """resume_step: the checkpoint step a resumed run goes on from. Steps after it that an
+    interrupted run logged are redone: TensorBoard hides its events past that step (purge_step),
+    and metrics.jsonl, which keeps them, gets a {'kind': 'resume', 'step': S} record that marks
+    where the records start over."""
     self.enabled = enabled and jax.process_index() == 0
     self.workdir = workdir
     self._jsonl = self._tb = None
@@ -98,7 +102,14 @@ class Writer:
       self._jsonl = open(os.path.join(workdir, 'metrics.jsonl'), 'a')
       from tensorboardX import SummaryWriter
 
-      self._tb = SummaryWriter(os.path.join(workdir, 'tb'))
+      purge = None if resume_step is None else resume_step + 1
+      self._tb = SummaryWriter(os.path.join(workdir, 'tb'), purge_step=purge)
+      if resume_step is not None:
+        self._record({'step': resume_step, 'kind': 'resume', 'time': time.time()})
+
+  def _record(self, record: dict) -> None:
+    self._jsonl.write(json.dumps(record) + '\n')
+    self._jsonl.flush()
 
   def write(self, step: int, scalars: dict, load=None, kind: str = 'train') -> None:
     if not self.enabled:
@@ -106,8 +117,7 @@ class Writer:
     record = {'step': step, 'kind': kind, 'time': time.time(), **scalars}
     if load is not None:
       record['moe/load'] = np.asarray(load).round(3).tolist()
-    self._jsonl.write(json.dumps(record) + '\n')
-    self._jsonl.flush()
+    self._record(record)
     prefix = '' if kind == 'train' else f'{kind}/'
     for k, v in scalars.items():
       if isinstance(v, (int, float)):

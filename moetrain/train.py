@@ -292,7 +292,7 @@ def run(config, workdir: str) -> dict:
   ckpt.watch_preemption()  # before the slow start-up (tokenizer, restore, compilation)
   if (latest := ckpt.latest_step()) is not None:  # a resume on another host count: fail now
     process_data_state(ckpt.restore_data(latest), setup.data.reslice_on_resume)
-  writer = metrics_lib.Writer(workdir)
+  writer = metrics_lib.Writer(workdir, resume_step=latest)
   writer.save_config(config.to_json_best_effort(indent=1))
   tokenizer = pipeline.make_tokenizer(setup.data, workdir)
   if tokenizer.vocab_size > setup.model.vocab_size:

@@ -1,0 +1,50 @@
+"""The run's metrics files across a resume."""
+
+import glob
+import json
+import struct
+
+from tensorboardX.proto import event_pb2
+
+from moetrain import metrics
+
+
+def events(logdir) -> list:
+  """Every event in the TensorBoard files under logdir (TFRecord framing: length, its CRC, the
+  record, its CRC)."""
+  out = []
+  for path in sorted(glob.glob(f'{logdir}/events.out.tfevents.*')):
+    with open(path, 'rb') as f:
+      data = f.read()
+    at = 0
+    while at < len(data):
+      (n,) = struct.unpack('<Q', data[at : at + 8])
+      out.append(event_pb2.Event.FromString(data[at + 12 : at + 12 + n]))
+      at += 12 + n + 4
+  return out
+
+
+def test_a_resume_marks_where_records_start_over(tmp_path):
+  """A run logged steps 1-4, was killed, and resumes from its checkpoint at step 2: metrics.jsonl
+  keeps every record and marks the resume; TensorBoard is told to hide the events after step 2."""
+  w = metrics.Writer(str(tmp_path))
+  for s in (1, 2, 3, 4):
+    w.write(s, {'loss': float(s)})
+  w.close()
+  w = metrics.Writer(str(tmp_path), resume_step=2)
+  for s in (3, 4):
+    w.write(s, {'loss': 10.0 * s})
+  w.close()
+  with open(tmp_path / 'metrics.jsonl') as f:
+    records = [json.loads(line) for line in f]
+  assert [(r['kind'], r['step']) for r in records] == [
+    *(('train', s) for s in (1, 2, 3, 4)),
+    ('resume', 2),
+    ('train', 3),
+    ('train', 4),
+  ]
+  starts = [e.step for e in events(tmp_path / 'tb') if e.HasField('session_log')]
+  assert starts == [3]  # SessionLog START at purge_step: TensorBoard drops older events >= 3
+  # The resumed run's scalars are all there.
+  values = [(e.step, v.simple_value) for e in events(tmp_path / 'tb') for v in e.summary.value]
+  assert values[-2:] == [(3, 30.0), (4, 40.0)]

@@ -193,7 +193,10 @@ def test_a_killed_run_resumes_from_its_last_complete_checkpoint(tmp_path):
   before = len(records(workdir))
   Job(workdir, f'--config.train.stop_at_step={complete + 1}').wait()
   # The rerun trained exactly one step, the one after the newest complete checkpoint.
-  assert [r['step'] for r in records(workdir)[before:]] == [complete + 1]
+  assert [(r['kind'], r['step']) for r in records(workdir)[before:]] == [
+    ('resume', complete),
+    ('train', complete + 1),
+  ]
 
 
 def test_sigterm_to_one_host_stops_all_and_resumes_exactly(tmp_path):

@@ -53,9 +53,10 @@ def process_data_state(saved: dict, reslice: bool = False) -> dict | None:
   raise ValueError(
     f'the checkpoint holds the data positions of {len(states)} processes, this run has '
     f'{jax.process_count()}: each host reads its own slice of the data, so resume with '
-    f'{len(states)} processes, set data.reslice_on_resume=True to go on with the data re-sliced '
-    f'for {jax.process_count()} (from the start of its order: examples of the epoch under way '
-    'are seen again), or start a new --workdir'
+    f'{len(states)} processes, or start a new --workdir, or pass '
+    f'--config.data.reslice_on_resume=True to go on with the data re-sliced for '
+    f'{jax.process_count()}: it then restarts from its first example (data.num_epochs counts '
+    'again)'
   )
 
 

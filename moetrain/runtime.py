@@ -101,28 +101,39 @@ def define_process_flags() -> None:
   )
 
 
-def initialize_distributed() -> None:
+def initialize_distributed(preemption: bool = True) -> None:
   """Joins the multi-process job: explicitly with --num_processes (CPU or GPU hosts without a
   cluster manager), or through JAX's own detection on TPU VMs (TPU_WORKER_HOSTNAMES) and where
-  MOETRAIN_DISTRIBUTED is set (SLURM, ...). One process otherwise."""
+  MOETRAIN_DISTRIBUTED is set (SLURM, ...). One process otherwise.
+
+  preemption: JAX's preemption service, which catches SIGTERM so that training can agree on a
+  step to save at. Commands that save nothing turn it off and stay killable by SIGTERM."""
   import jax
-  from absl import flags
+  from absl import app, flags
 
   f = flags.FLAGS
-  if 'num_processes' in f and f.num_processes is not None:
-    jax.distributed.initialize(
-      f.coordinator_address, num_processes=f.num_processes, process_id=f.process_id
-    )
-  elif os.environ.get('MOETRAIN_DISTRIBUTED') or 'TPU_WORKER_HOSTNAMES' in os.environ:
+  explicit = 'num_processes' in f and f.num_processes is not None
+  detected = os.environ.get('MOETRAIN_DISTRIBUTED') or 'TPU_WORKER_HOSTNAMES' in os.environ
+  if not explicit and not detected:
+    return
+  jax.config.update('jax_enable_preemption_service', preemption)
+  if not explicit:
     jax.distributed.initialize()
+    return
+  address = f.coordinator_address or os.environ.get('JAX_COORDINATOR_ADDRESS')
+  if f.process_id is None or not address:
+    raise app.UsageError(
+      '--num_processes needs --process_id and --coordinator_address (or $JAX_COORDINATOR_ADDRESS)'
+    )
+  jax.distributed.initialize(address, num_processes=f.num_processes, process_id=f.process_id)
 
 
-def start_command() -> None:
+def start_command(preemption: bool = True) -> None:
   """First thing in a command's main: huge-page malloc (re-executing once), quiet library logs,
-  then the multi-process job, if any."""
+  then the multi-process job, if any (see initialize_distributed for `preemption`)."""
   reexec_with_hugepages()
   quiet_library_logs()
-  initialize_distributed()
+  initialize_distributed(preemption)
 
 
 def is_primary() -> bool:

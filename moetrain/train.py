@@ -223,7 +223,8 @@ def restore_or_init(setup: Setup, ckpt: Checkpointer, optimizer, mesh, train_ite
     positions = data_positions(data_states)
     logging.warning(
       'Step %d was saved by %d processes, this run has %d (data.reslice_on_resume): the training '
-      'data starts again from the beginning of its order, re-sliced over %d processes.',
+      'data restarts from its first example, re-sliced over %d processes (data.num_epochs counts '
+      'again).',
       step,
       len(positions),
       jax.process_count(),

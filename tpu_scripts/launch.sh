@@ -7,7 +7,8 @@ set -euo pipefail
 MODULE="${MODULE:-moetrain.main}"
 : "${TPU_NAME:?set TPU_NAME}" "${ZONE:?set ZONE}" "${WORKDIR:?set WORKDIR (a filesystem path every worker shares)}"
 ARGS=$(printf ' %q' "$@")
+LOG="${MODULE##*.}.log"  # main.log for training, export.log for moetrain.tools.export, ...
 gcloud compute tpus tpu-vm ssh "$TPU_NAME" --zone="$ZONE" --worker=all --command="
-  cd ~/moetrain && MOETRAIN_DISTRIBUTED=1 nohup .venv/bin/python -m $MODULE \
-    --workdir=$WORKDIR $ARGS > ~/moetrain.log 2>&1 &"
-echo "Launched on all workers; logs: gcloud compute tpus tpu-vm ssh $TPU_NAME --zone=$ZONE --worker=0 --command='tail -f ~/moetrain.log'"
+  cd ~/moetrain && MOETRAIN_DISTRIBUTED=1 nohup .venv/bin/python -m $(printf %q "$MODULE") \
+    --workdir=$(printf %q "$WORKDIR") $ARGS > ~/$LOG 2>&1 &"
+echo "Launched on all workers; logs: gcloud compute tpus tpu-vm ssh $TPU_NAME --zone=$ZONE --worker=0 --command='tail -f ~/$LOG'"

@@ -53,7 +53,7 @@ def evaluate_checkpoint(
 
 
 def main(argv):
-  runtime.start_command()
+  runtime.start_command(preemption=False)  # saves nothing: stay killable
   del argv
   f = flags.FLAGS
   out = evaluate_checkpoint(f.config, f.workdir, f.split, f.max_batches)

@@ -39,7 +39,7 @@ def export(config, workdir: str, out: str, adapter_only: bool = False, dtype=Non
 
 
 def main(argv):
-  runtime.start_command()
+  runtime.start_command(preemption=False)  # saves nothing: stay killable
   del argv
   f = flags.FLAGS
   out = export(f.config, f.workdir, f.out, f.adapter_only, f.dtype)

@@ -161,24 +161,24 @@ def timed_generate(model, prompt_ids, max_new_tokens, **kw) -> tuple[jax.Array, 
 # ---------------------------------------------------------------------------------------------
 # Command line
 
-_HF = flags.DEFINE_string(
-  'hf_checkpoint', None, 'Hugging Face directory (config.json, safetensors, tokenizer.json).'
-)
-_CONFIG = config_flags.DEFINE_config_file(
-  'config', None, 'Training config of --workdir.', lock_config=True
-)
-_WORKDIR = flags.DEFINE_string(
-  'workdir',
-  None,
-  'Run directory of --config whose latest checkpoint to load (none: the initial weights).',
-)
-_PROMPT = flags.DEFINE_string('prompt', '', 'Text to continue.')
-_MAX_NEW = flags.DEFINE_integer('max_new_tokens', 32, 'Tokens to generate.')
-_TEMPERATURE = flags.DEFINE_float('temperature', 0.0, '0 = greedy.')
-_TOP_P = flags.DEFINE_float('top_p', 1.0, 'Nucleus mass when sampling.')
-_SEED = flags.DEFINE_integer('seed', 0, 'Sampling seed.')
-_BOS = flags.DEFINE_bool('add_bos', True, "Prepend the tokenizer's bos token, if it has one.")
-runtime.define_process_flags()
+
+def define_flags():
+  flags.DEFINE_string(
+    'hf_checkpoint', None, 'Hugging Face directory (config.json, safetensors, tokenizer.json).'
+  )
+  config_flags.DEFINE_config_file('config', None, 'Training config of --workdir.', lock_config=True)
+  flags.DEFINE_string(
+    'workdir',
+    None,
+    'Run directory of --config whose latest checkpoint to load (none: the initial weights).',
+  )
+  flags.DEFINE_string('prompt', '', 'Text to continue.')
+  flags.DEFINE_integer('max_new_tokens', 32, 'Tokens to generate.')
+  flags.DEFINE_float('temperature', 0.0, '0 = greedy.')
+  flags.DEFINE_float('top_p', 1.0, 'Nucleus mass when sampling.')
+  flags.DEFINE_integer('seed', 0, 'Sampling seed.')
+  flags.DEFINE_bool('add_bos', True, "Prepend the tokenizer's bos token, if it has one.")
+  runtime.define_process_flags()
 
 
 def load_hf(path: str):
@@ -206,38 +206,39 @@ def load_run(config, workdir: str | None):
 
 
 def main(argv):
-  runtime.start_command()
+  runtime.start_command(preemption=False)  # saves nothing: stay killable
   del argv
-  if bool(_HF.value) == (_CONFIG.value is not None):
+  f = flags.FLAGS
+  if bool(f.hf_checkpoint) == (f.config is not None):
     raise app.UsageError('pass --hf_checkpoint=DIR, or --config (with --workdir for a run)')
-  if _HF.value:
-    model, tok = load_hf(_HF.value)
-    source = _HF.value
+  if f.hf_checkpoint:
+    model, tok = load_hf(f.hf_checkpoint)
+    source = f.hf_checkpoint
   else:
-    model, tok, step = load_run(_CONFIG.value, _WORKDIR.value)
-    source = f'{_WORKDIR.value or "initial weights"} at step {step}'
-  ids = tok.encode(_PROMPT.value)
-  if _BOS.value and tok.bos_id is not None:
+    model, tok, step = load_run(f.config, f.workdir)
+    source = f'{f.workdir or "initial weights"} at step {step}'
+  ids = tok.encode(f.prompt)
+  if f.add_bos and tok.bos_id is not None:
     ids = [tok.bos_id, *ids]
   if not ids:
     raise app.UsageError('the prompt is empty and the tokenizer has no bos token')
   out, stats = timed_generate(
     model,
     [ids],
-    _MAX_NEW.value,
-    temperature=_TEMPERATURE.value,
-    top_p=_TOP_P.value,
-    rng=jax.random.key(_SEED.value),
+    f.max_new_tokens,
+    temperature=f.temperature,
+    top_p=f.top_p,
+    rng=jax.random.key(f.seed),
     eos_id=tok.eos_id,
     vocab_size=tok.vocab_size,
   )
-  new = [int(i) for i in to_host(out)[0, len(ids) :]]
+  new = [int(i) for i in to_host(out)[0, len(ids) :]]  # every process: a collective
   if tok.eos_id in new:
     new = new[: new.index(tok.eos_id)]
   if not runtime.is_primary():
     return
   print(f'# {source}')
-  print(_PROMPT.value + continuation(tok, ids, new))
+  print(f.prompt + continuation(tok, ids, new))
   print(
     f'# {len(new)} new tokens; compile {stats["compile_s"]:.1f} s; prefill + decode '
     f'{stats["run_s"]:.3f} s = {stats["tokens_per_s"]:.1f} tokens/s'
@@ -251,4 +252,5 @@ def continuation(tok, prompt_ids, new_ids) -> str:
 
 
 if __name__ == '__main__':
+  define_flags()
   app.run(main)

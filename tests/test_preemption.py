@@ -235,11 +235,77 @@ def test_sigterm_to_one_host_stops_all_and_resumes_exactly(tmp_path):
   np.testing.assert_allclose(ev['loss'], measured['loss'], rtol=1e-5)
   np.testing.assert_allclose(ev['tokens'], measured['tokens'])
 
-  # The tools run as one job over two processes as well: evaluation prints once (process 0) what
-  # training measured; the export holds the tensors a one-process export of the checkpoint has.
+  # The job resumed on one host: refused before the slow start-up (the weights are not loaded,
+  # nothing is written), naming the ways on. (test_tools_over_two_processes goes on with
+  # data.reslice_on_resume.)
+  written = os.stat(os.path.join(reference, 'config.json')).st_mtime_ns
+  (log,) = Job(reference, tokenizer, f'--config.train.stop_at_step={step + 3}').wait(code=1)
+  assert 'data positions of 2 processes, this run has 1' in log and 'reslice_on_resume' in log
+  assert os.stat(os.path.join(reference, 'config.json')).st_mtime_ns == written
+  assert max(train_losses(reference)) == step + 2
+
+
+def test_qlora_from_a_hugging_face_checkpoint_over_two_processes(tmp_path):
+  """The flagship path on several hosts: the frozen base read from safetensors and quantised to
+  int8 on device, each process reading only the blocks its devices hold (experts split across
+  the processes). The adapters trained there, evaluated in this one process (which rebuilds the
+  base from the checkpoint on another mesh), give the loss the two processes measured."""
+  from tests.test_hf_finetune import hf_config, hf_dir_with_tokenizer
+
+  hf_dir = hf_dir_with_tokenizer(tmp_path)
+  workdir = str(tmp_path / 'run')
+  extra = {
+    'init.hf_checkpoint': hf_dir,
+    'model.quant': 'int8',
+    'model.dtype': 'float32',
+    'data.seq_len': 32,
+    'train.steps': 3,
+    'train.eval_every': 3,
+    'optim.warmup_steps': 1,
+    **EVAL,
+  }
+  Job(workdir, *(f'--config.{k}={v}' for k, v in extra.items()), processes=2).wait()
+  measured = {r['step']: r for r in records(workdir) if r['kind'] == 'eval'}
+  assert sorted(measured) == [0, 3] and sorted(train_losses(workdir)) == [1, 2, 3]
+
+  from moetrain.tools import evaluate
+
+  config = hf_config(hf_dir, steps=3, eval_batches=SETTINGS['train.eval_batches'])
+  config.model.quant = 'int8'
+  config.data.eval_split = EVAL['data.eval_split']
+  # Step 0 is the base as loaded (no workdir: the config's initial weights), step 3 the adapters.
+  for step, run in ((0, None), (3, workdir)):
+    ev = evaluate.evaluate_checkpoint(config, run, max_batches=1)
+    assert ev['step'] == step
+    np.testing.assert_allclose(ev['loss'], measured[step]['loss'], rtol=1e-5)
+    np.testing.assert_allclose(ev['tokens'], measured[step]['tokens'])
+  assert measured[3]['loss'] < measured[0]['loss'] - 0.1  # and the adapters learned
+
+
+@pytest.mark.slow
+def test_tools_over_two_processes(tmp_path):
+  """evaluate, export (merged and adapters) and generate (from a run and from a Hugging Face
+  directory) as one job over two processes: process 0 prints and writes what one process gives.
+  Then the two-process run resumes on one process with data.reslice_on_resume."""
+  from tests.test_configs import load
+  from tests.test_hf_finetune import hf_dir_with_tokenizer
+
+  reference, step = str(tmp_path / 'run'), 2
+  evals = [f'--config.{k}={v}' for k, v in {**EVAL, 'train.eval_every': step}.items()]
+  Job(reference, f'--config.train.stop_at_step={step}', *evals, processes=2).wait()
+  tokenizer = f'--config.data.tokenizer={os.path.join(reference, "tokenizer.model")}'
+  (measured,) = [r for r in records(reference) if r['kind'] == 'eval' and r['step'] == step]
+  config = load(os.path.join(ROOT, 'configs', 'longcat_lora.py'), 'variant=tiny')
+  for key, value in {**SETTINGS, **EVAL}.items():
+    section, name = key.split('.')
+    config[section][name] = value
+  config.data.tokenizer = os.path.join(reference, 'tokenizer.model')
+  tool = functools.partial(Job, reference, tokenizer, *evals, processes=2)
+  # Evaluation prints once (process 0) what training measured; the exports hold the tensors a
+  # one-process export of the checkpoint has.
   tool = functools.partial(Job, reference, tokenizer, *evals, processes=2)
   logs = tool('--max_batches=1', module='moetrain.tools.evaluate').wait()
-  (line,) = [x for x in logs[0].splitlines() if x.startswith(f'step {step + 2}: loss ')]
+  (line,) = [x for x in logs[0].splitlines() if x.startswith(f'step {step}: loss ')]
   np.testing.assert_allclose(float(line.split()[3]), measured['loss'], rtol=1e-5)
   assert not any(x.startswith('step ') for x in logs[1].splitlines())
   from moetrain.convert import hf_longcat
@@ -288,62 +354,12 @@ def test_sigterm_to_one_host_stops_all_and_resumes_exactly(tmp_path):
   assert f'# {reference} at step {at}\n{text}\n# {len(new)} new tokens;' in logs[0]
   assert f'# {reference}' not in logs[1]
 
-  # The job resumed on one host: refused before the slow start-up, naming the ways on; with
-  # data.reslice_on_resume it trains on from the two hosts' weights and optimizer state.
-  one = functools.partial(Job, reference, tokenizer, f'--config.train.stop_at_step={step + 3}')
-  written = os.stat(os.path.join(reference, 'config.json')).st_mtime_ns
-  (log,) = one().wait(code=1)
-  assert 'data positions of 2 processes, this run has 1' in log and 'reslice_on_resume' in log
-  assert os.stat(os.path.join(reference, 'config.json')).st_mtime_ns == written  # failed early
-  assert max(train_losses(reference)) == step + 2
-  (log,) = one('--config.data.reslice_on_resume=true').wait()
-  assert f'Step {step + 2} was saved by 2 processes, this run has 1' in log
-  assert max(train_losses(reference)) == step + 3
-
-
-def test_qlora_from_a_hugging_face_checkpoint_over_two_processes(tmp_path):
-  """The flagship path on several hosts: the frozen base read from safetensors and quantised to
-  int8 on device, each process reading only the blocks its devices hold (experts split across
-  the processes). The adapters trained there, evaluated in this one process (which rebuilds the
-  base from the checkpoint on another mesh), give the loss the two processes measured."""
-  from tests.test_hf_finetune import hf_config, hf_dir_with_tokenizer
-
-  hf_dir = hf_dir_with_tokenizer(tmp_path)
-  workdir = str(tmp_path / 'run')
-  extra = {
-    'init.hf_checkpoint': hf_dir,
-    'model.quant': 'int8',
-    'model.dtype': 'float32',
-    'data.seq_len': 32,
-    'train.steps': 3,
-    'train.eval_every': 3,
-    'optim.warmup_steps': 1,
-    **EVAL,
-  }
-  Job(workdir, *(f'--config.{k}={v}' for k, v in extra.items()), processes=2).wait()
-  measured = {r['step']: r for r in records(workdir) if r['kind'] == 'eval'}
-  assert sorted(measured) == [0, 3] and sorted(train_losses(workdir)) == [1, 2, 3]
-
-  from moetrain.tools import evaluate
-
-  config = hf_config(hf_dir, steps=3, eval_batches=SETTINGS['train.eval_batches'])
-  config.model.quant = 'int8'
-  config.data.eval_split = EVAL['data.eval_split']
-  # Step 0 is the base as loaded (no workdir: the config's initial weights), step 3 the adapters.
-  for step, run in ((0, None), (3, workdir)):
-    ev = evaluate.evaluate_checkpoint(config, run, max_batches=1)
-    assert ev['step'] == step
-    np.testing.assert_allclose(ev['loss'], measured[step]['loss'], rtol=1e-5)
-    np.testing.assert_allclose(ev['tokens'], measured[step]['tokens'])
-  assert measured[3]['loss'] < measured[0]['loss'] - 0.1  # and the adapters learned
-
   # Generation straight from the Hugging Face directory: each process loads a whole copy onto its
   # first local device; process 0 prints what one process generates.
-  from moetrain.tools import generate
-
+  hf_dir = hf_dir_with_tokenizer(tmp_path)
   prompt = 'reverse: a b c ='
   logs = Job(
-    workdir,
+    str(tmp_path / 'hf_generate'),
     f'--prompt={prompt}',
     '--max_new_tokens=8',
     processes=2,
@@ -359,6 +375,16 @@ def test_qlora_from_a_hugging_face_checkpoint_over_two_processes(tmp_path):
   text = prompt + generate.continuation(tok, ids, new)
   assert f'# {hf_dir}\n{text}\n# {len(new)} new tokens;' in logs[0]
   assert f'# {hf_dir}' not in logs[1]
+
+  # On one process: goes on from the two hosts' weights and optimizer state, data re-sliced.
+  (log,) = Job(
+    reference,
+    tokenizer,
+    f'--config.train.stop_at_step={step + 1}',
+    '--config.data.reslice_on_resume=true',
+  ).wait()
+  assert f'Step {step} was saved by 2 processes, this run has 1' in log
+  assert max(train_losses(reference)) == step + 1
 
 
 @pytest.mark.slow

@@ -22,7 +22,9 @@ def default_workdir(config_path: str) -> str:
 
 def main(argv):
   del argv
-  runtime.start_command()
+  workdir = _WORKDIR.value or default_workdir(flags.FLAGS['config'].config_filename)
+  steps = [] if _DRY_RUN.value else runtime.saved_steps(workdir)
+  runtime.start_command(resume_step=steps[-1] if steps else None)
   from moetrain import train
   from moetrain.tools import plan
 
@@ -30,7 +32,7 @@ def main(argv):
   if _DRY_RUN.value:
     plan.dry_run(config)
     return
-  train.run(config, _WORKDIR.value or default_workdir(flags.FLAGS['config'].config_filename))
+  train.run(config, workdir)
 
 
 if __name__ == '__main__':

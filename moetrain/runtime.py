@@ -101,13 +101,16 @@ def define_process_flags() -> None:
   )
 
 
-def initialize_distributed(preemption: bool = True) -> None:
+def initialize_distributed(preemption: bool = True, resume_step: int | None = None) -> None:
   """Joins the multi-process job: explicitly with --num_processes (CPU or GPU hosts without a
   cluster manager), or through JAX's own detection on TPU VMs (TPU_WORKER_HOSTNAMES) and where
   MOETRAIN_DISTRIBUTED is set (SLURM, ...). One process otherwise.
 
   preemption: JAX's preemption service, which catches SIGTERM so that training can agree on a
-  step to save at. Commands that save nothing turn it off and stay killable by SIGTERM."""
+  step to save at. Commands that save nothing turn it off and stay killable by SIGTERM.
+  resume_step: the checkpoint step a resumed run goes on from, reported to the service as soon
+  as it runs. It stops the job at the step after the highest one any host reported, so a notice
+  that came before any report would name step 1, which a resumed run has passed: lost."""
   import jax
   from absl import app, flags
 
@@ -119,6 +122,7 @@ def initialize_distributed(preemption: bool = True) -> None:
   jax.config.update('jax_enable_preemption_service', preemption)
   if not explicit:
     jax.distributed.initialize()
+    _joined(preemption, resume_step)
     return
   address = f.coordinator_address or os.environ.get('JAX_COORDINATOR_ADDRESS')
   if f.process_id is None or not address:
@@ -126,14 +130,39 @@ def initialize_distributed(preemption: bool = True) -> None:
       '--num_processes needs --process_id and --coordinator_address (or $JAX_COORDINATOR_ADDRESS)'
     )
   jax.distributed.initialize(address, num_processes=f.num_processes, process_id=f.process_id)
+  _joined(preemption, resume_step)
 
 
-def start_command(preemption: bool = True) -> None:
+def _joined(preemption: bool, resume_step: int | None) -> None:
+  import jax
+  from absl import logging as absl_logging
+  from jax.experimental import multihost_utils
+
+  if preemption and resume_step:
+    multihost_utils.reached_preemption_sync_point(resume_step)
+  absl_logging.info(
+    'Process %d of %d joined the job (resuming from step %s).',
+    jax.process_index(),
+    jax.process_count(),
+    resume_step,
+  )
+
+
+def start_command(preemption: bool = True, resume_step: int | None = None) -> None:
   """First thing in a command's main: huge-page malloc (re-executing once), quiet library logs,
-  then the multi-process job, if any (see initialize_distributed for `preemption`)."""
+  then the multi-process job, if any (see initialize_distributed)."""
   reexec_with_hugepages()
   quiet_library_logs()
-  initialize_distributed(preemption)
+  initialize_distributed(preemption, resume_step)
+
+
+def saved_steps(workdir: str) -> list[int]:
+  """The steps of <workdir>/checkpoints that were written completely (Orbax names a checkpoint's
+  directory by its step once it is whole), in order; no JAX needed."""
+  directory = os.path.join(workdir, 'checkpoints')
+  if not os.path.isdir(directory):
+    return []
+  return sorted(int(d) for d in os.listdir(directory) if d.isdigit())
 
 
 def is_primary() -> bool:

@@ -10,7 +10,7 @@ import numpy as np
 from absl import logging
 
 from moetrain import metrics as metrics_lib
-from moetrain import multihost, optim, sharding
+from moetrain import multihost, optim, runtime, sharding
 from moetrain.checkpoint import Checkpointer, data_positions, process_data_state
 from moetrain.data import pipeline
 from moetrain.model.config import LoraConfig, ModelConfig
@@ -255,10 +255,7 @@ def check_resumable(config, workdir: str) -> None:
   state must equal those of the run that saved it (<workdir>/config.json); name any that differ
   instead of failing deep inside the restore. ENGINE_FIELDS (how the model computes) may change."""
   path = os.path.join(workdir, 'config.json')
-  ckpts = os.path.join(workdir, 'checkpoints')
-  if not os.path.exists(path) or not os.path.isdir(ckpts):
-    return
-  if not any(d.isdigit() for d in os.listdir(ckpts)):
+  if not os.path.exists(path) or not runtime.saved_steps(workdir):
     return
   with open(path) as f:
     saved = json.load(f)

@@ -140,11 +140,9 @@ def _joined(preemption: bool, resume_step: int | None) -> None:
 
   if preemption and resume_step:
     multihost_utils.reached_preemption_sync_point(resume_step)
+  resuming = f'; the run resumes from step {resume_step}' if resume_step else ''
   absl_logging.info(
-    'Process %d of %d joined the job (resuming from step %s).',
-    jax.process_index(),
-    jax.process_count(),
-    resume_step,
+    'Process %d of %d joined the job%s.', jax.process_index(), jax.process_count(), resuming
   )
 
 

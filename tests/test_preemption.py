@@ -245,6 +245,7 @@ def test_sigterm_to_one_host_stops_all_and_resumes_exactly(tmp_path):
   assert max(train_losses(reference)) == step + 2
 
 
+@pytest.mark.slow  # ~65 s on a fresh clone; the one-process mesh load is in test_hf_parity.py
 def test_qlora_from_a_hugging_face_checkpoint_over_two_processes(tmp_path):
   """The flagship path on several hosts: the frozen base read from safetensors and quantised to
   int8 on device, each process reading only the blocks its devices hold (experts split across

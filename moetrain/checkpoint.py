@@ -85,7 +85,8 @@ class Checkpointer:
     the host that caught the signal would stop alone while the others wait in its collectives.
     The service picks the step after the highest one any host has reported, so report the step
     a resumed run starts from now: a notice during its start-up then stops it at its first step
-    instead of at a step number it has passed.
+    instead of at a step number it has passed. (`python -m moetrain.main` reported it already on
+    joining the job, runtime.initialize_distributed; this covers train.run called from Python.)
     """
     if jax.process_count() == 1:
       try:

@@ -113,6 +113,8 @@ def initialize_distributed(preemption: bool = True, resume_step: int | None = No
   that came before any report would name step 1, which a resumed run has passed: lost."""
   import jax
   from absl import app, flags
+  from absl import logging as absl_logging
+  from jax.experimental import multihost_utils
 
   f = flags.FLAGS
   explicit = 'num_processes' in f and f.num_processes is not None
@@ -120,24 +122,15 @@ def initialize_distributed(preemption: bool = True, resume_step: int | None = No
   if not explicit and not detected:
     return
   jax.config.update('jax_enable_preemption_service', preemption)
-  if not explicit:
+  if explicit:
+    address = f.coordinator_address or os.environ.get('JAX_COORDINATOR_ADDRESS')
+    if f.process_id is None or not address:
+      raise app.UsageError(
+        '--num_processes needs --process_id and --coordinator_address (or $JAX_COORDINATOR_ADDRESS)'
+      )
+    jax.distributed.initialize(address, num_processes=f.num_processes, process_id=f.process_id)
+  else:
     jax.distributed.initialize()
-    _joined(preemption, resume_step)
-    return
-  address = f.coordinator_address or os.environ.get('JAX_COORDINATOR_ADDRESS')
-  if f.process_id is None or not address:
-    raise app.UsageError(
-      '--num_processes needs --process_id and --coordinator_address (or $JAX_COORDINATOR_ADDRESS)'
-    )
-  jax.distributed.initialize(address, num_processes=f.num_processes, process_id=f.process_id)
-  _joined(preemption, resume_step)
-
-
-def _joined(preemption: bool, resume_step: int | None) -> None:
-  import jax
-  from absl import logging as absl_logging
-  from jax.experimental import multihost_utils
-
   if preemption and resume_step:
     multihost_utils.reached_preemption_sync_point(resume_step)
   resuming = f'; the run resumes from step {resume_step}' if resume_step else ''

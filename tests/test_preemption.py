@@ -165,6 +165,19 @@ def preempt(workdir, *overrides, target: int, processes: int) -> int:
 EVAL = {'data.eval_split': 'eval'}  # the demo's eval split, one batch of 8 rows
 
 
+def command_config(tokenizer_run: str):
+  """In this process, the config the commands run (SETTINGS and EVAL), with the tokenizer that
+  the run in `tokenizer_run` trained."""
+  from tests.test_configs import load
+
+  config = load(os.path.join(ROOT, 'configs', 'longcat_lora.py'), 'variant=tiny')
+  for key, value in {**SETTINGS, **EVAL}.items():
+    section, name = key.split('.')
+    config[section][name] = value
+  config.data.tokenizer = os.path.join(tokenizer_run, 'tokenizer.model')
+  return config
+
+
 def train_losses(workdir) -> dict[int, float]:
   return {r['step']: r['loss'] for r in records(workdir) if r['kind'] == 'train'}
 
@@ -222,14 +235,9 @@ def test_sigterm_to_one_host_stops_all_and_resumes_exactly(tmp_path):
   # The two-host checkpoint, restored in this one process on another mesh (8 devices, no expert
   # axis), evaluates to what the two hosts measured at that step.
   from moetrain.tools import evaluate
-  from tests.test_configs import load
 
   (measured,) = [r for r in records(reference) if r['kind'] == 'eval' and r['step'] == step + 2]
-  config = load(os.path.join(ROOT, 'configs', 'longcat_lora.py'), 'variant=tiny')
-  for key, value in {**SETTINGS, **EVAL}.items():
-    section, name = key.split('.')
-    config[section][name] = value
-  config.data.tokenizer = os.path.join(first, 'tokenizer.model')
+  config = command_config(first)
   ev = evaluate.evaluate_checkpoint(config, reference, max_batches=SETTINGS['train.eval_batches'])
   assert ev['step'] == step + 2
   np.testing.assert_allclose(ev['loss'], measured['loss'], rtol=1e-5)
@@ -288,7 +296,6 @@ def test_tools_over_two_processes(tmp_path):
   """evaluate, export (merged and adapters) and generate (from a run and from a Hugging Face
   directory) as one job over two processes: process 0 prints and writes what one process gives.
   Then the two-process run resumes on one process with data.reslice_on_resume."""
-  from tests.test_configs import load
   from tests.test_hf_finetune import hf_dir_with_tokenizer
 
   reference, step = str(tmp_path / 'run'), 2
@@ -296,11 +303,7 @@ def test_tools_over_two_processes(tmp_path):
   Job(reference, f'--config.train.stop_at_step={step}', *evals, processes=2).wait()
   tokenizer = f'--config.data.tokenizer={os.path.join(reference, "tokenizer.model")}'
   (measured,) = [r for r in records(reference) if r['kind'] == 'eval' and r['step'] == step]
-  config = load(os.path.join(ROOT, 'configs', 'longcat_lora.py'), 'variant=tiny')
-  for key, value in {**SETTINGS, **EVAL}.items():
-    section, name = key.split('.')
-    config[section][name] = value
-  config.data.tokenizer = os.path.join(reference, 'tokenizer.model')
+  config = command_config(reference)
   tool = functools.partial(Job, reference, tokenizer, *evals, processes=2)
   # Evaluation prints once (process 0) what training measured; the exports hold the tensors a
   # one-process export of the checkpoint has.
@@ -344,8 +347,7 @@ def test_tools_over_two_processes(tmp_path):
       eos_id=tok.eos_id,
       vocab_size=tok.vocab_size,
     )
-    new = [int(i) for i in out[0, len(ids) :]]
-    new = new[: new.index(tok.eos_id)] if tok.eos_id in new else new
+    new = generate.new_tokens(out, len(ids), tok.eos_id)
     if len(new) >= 3:
       break
   assert len(new) >= 3
@@ -370,8 +372,7 @@ def test_tools_over_two_processes(tmp_path):
   model, tok = generate.load_hf(hf_dir)
   ids = [tok.bos_id, *tok.encode(prompt)]
   out = generate.generate(model, [ids], 8, eos_id=tok.eos_id, vocab_size=tok.vocab_size)
-  new = [int(i) for i in out[0, len(ids) :]]
-  new = new[: new.index(tok.eos_id)] if tok.eos_id in new else new
+  new = generate.new_tokens(out, len(ids), tok.eos_id)
   assert len(new) > 2
   text = prompt + generate.continuation(tok, ids, new)
   assert f'# {hf_dir}\n{text}\n# {len(new)} new tokens;' in logs[0]

@@ -232,9 +232,7 @@ def main(argv):
     eos_id=tok.eos_id,
     vocab_size=tok.vocab_size,
   )
-  new = [int(i) for i in to_host(out)[0, len(ids) :]]  # every process: a collective
-  if tok.eos_id in new:
-    new = new[: new.index(tok.eos_id)]
+  new = new_tokens(to_host(out), len(ids), tok.eos_id)  # to_host on every process: a collective
   if not runtime.is_primary():
     return
   print(f'# {source}')
@@ -243,6 +241,12 @@ def main(argv):
     f'# {len(new)} new tokens; compile {stats["compile_s"]:.1f} s; prefill + decode '
     f'{stats["run_s"]:.3f} s = {stats["tokens_per_s"]:.1f} tokens/s'
   )
+
+
+def new_tokens(ids_BS, prompt_len: int, eos_id: int | None) -> list[int]:
+  """Row 0's generated ids (host array), up to the first eos_id."""
+  new = [int(i) for i in ids_BS[0, prompt_len:]]
+  return new[: new.index(eos_id)] if eos_id in new else new
 
 
 def continuation(tok, prompt_ids, new_ids) -> str:

@@ -9,6 +9,7 @@ number of processes."""
 import functools
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -145,11 +146,12 @@ def records(workdir) -> list[dict]:
     return [json.loads(line) for line in f if line.endswith('\n')]
 
 
-def preempt(workdir, *overrides, target: int, processes: int) -> int:
-  """Runs until process 0 has logged a step, SIGTERMs process `target`; returns the saved step."""
+def preempt(workdir, *overrides, target: int, processes: int, after: int = 1) -> int:
+  """Runs until process 0 has logged `after` steps, SIGTERMs process `target`; returns the saved
+  step."""
   job = Job(workdir, *overrides, processes=processes)
   deadline = time.monotonic() + TIMEOUT
-  while not any(r['kind'] == 'train' for r in records(workdir)):
+  while len(train_losses(workdir)) < after:
     if any(p.poll() is not None for p in job.procs) or time.monotonic() > deadline:
       job.kill()
       pytest.fail(f'training never logged a step:\n{job.log(0)[-3000:]}')
@@ -216,41 +218,46 @@ def test_a_killed_run_resumes_from_its_last_complete_checkpoint(tmp_path):
 
 def test_sigterm_to_one_host_stops_all_and_resumes_exactly(tmp_path):
   # Two processes, the signal to process 1: it must neither stop alone (process 0 would wait in
-  # its collectives forever) nor be ignored. Each host's data position is saved and restored.
-  first = str(tmp_path / 'preempted')
-  step = preempt(first, target=1, processes=2)
-  tokenizer = f'--config.data.tokenizer={os.path.join(first, "tokenizer.model")}'
-  stop = f'--config.train.stop_at_step={step + 2}'
-  Job(first, tokenizer, stop, processes=2).wait()
-  reference = str(tmp_path / 'reference')
-  evals = [f'--config.{k}={v}' for k, v in {**EVAL, 'train.eval_every': step + 2}.items()]
-  Job(reference, tokenizer, stop, *evals, processes=2).wait()
-
-  resumed, fresh = train_losses(first), train_losses(reference)
-  assert sorted(fresh) == sorted(resumed) == list(range(1, step + 3))
-  # float32 on CPU is deterministic for one program: every step equals the uninterrupted run's.
-  for s in fresh:
-    np.testing.assert_allclose(resumed[s], fresh[s], rtol=1e-6, err_msg=f'step {s}')
+  # its collectives forever) nor be ignored. Each host's data position is saved and restored:
+  # with the two newest checkpoints removed, the resumed job recomputes two steps that the first
+  # job ran uninterrupted, and they equal (float32 on CPU is deterministic for one program).
+  workdir = str(tmp_path / 'run')
+  step = preempt(workdir, '--config.train.checkpoint_every=1', target=1, processes=2, after=3)
+  first = train_losses(workdir)
+  for s in (step, step - 1):
+    shutil.rmtree(os.path.join(workdir, 'checkpoints', str(s)))
+  tokenizer = f'--config.data.tokenizer={os.path.join(workdir, "tokenizer.model")}'
+  evals = [f'--config.{k}={v}' for k, v in {**EVAL, 'train.eval_every': step}.items()]
+  stop = f'--config.train.stop_at_step={step}'
+  Job(workdir, tokenizer, stop, *evals, processes=2).wait()
+  resume = [i for i, r in enumerate(records(workdir)) if r['kind'] == 'resume'][-1]
+  again = records(workdir)[resume:]
+  assert again[0]['step'] == step - 2
+  resumed = {r['step']: r['loss'] for r in again if r['kind'] == 'train'}
+  assert sorted(resumed) == [step - 1, step]
+  for s in resumed:
+    np.testing.assert_allclose(resumed[s], first[s], rtol=1e-6, err_msg=f'step {s}')
 
   # The two-host checkpoint, restored in this one process on another mesh (8 devices, no expert
   # axis), evaluates to what the two hosts measured at that step.
   from moetrain.tools import evaluate
 
-  (measured,) = [r for r in records(reference) if r['kind'] == 'eval' and r['step'] == step + 2]
-  config = command_config(first)
-  ev = evaluate.evaluate_checkpoint(config, reference, max_batches=SETTINGS['train.eval_batches'])
-  assert ev['step'] == step + 2
+  (measured,) = [r for r in again if r['kind'] == 'eval']
+  assert measured['step'] == step
+  config = command_config(workdir)
+  ev = evaluate.evaluate_checkpoint(config, workdir, max_batches=SETTINGS['train.eval_batches'])
+  assert ev['step'] == step
   np.testing.assert_allclose(ev['loss'], measured['loss'], rtol=1e-5)
   np.testing.assert_allclose(ev['tokens'], measured['tokens'])
 
   # The job resumed on one host: refused before the slow start-up (the weights are not loaded,
   # nothing is written), naming the ways on. (test_tools_over_two_processes goes on with
   # data.reslice_on_resume.)
-  written = os.stat(os.path.join(reference, 'config.json')).st_mtime_ns
-  (log,) = Job(reference, tokenizer, f'--config.train.stop_at_step={step + 3}').wait(code=1)
+  written = os.stat(os.path.join(workdir, 'config.json')).st_mtime_ns
+  (log,) = Job(workdir, tokenizer, f'--config.train.stop_at_step={step + 1}').wait(code=1)
   assert 'data positions of 2 processes, this run has 1' in log and 'reslice_on_resume' in log
-  assert os.stat(os.path.join(reference, 'config.json')).st_mtime_ns == written
-  assert max(train_losses(reference)) == step + 2
+  assert os.stat(os.path.join(workdir, 'config.json')).st_mtime_ns == written
+  assert max(r['step'] for r in records(workdir) if r['kind'] == 'train') == step
 
 
 @pytest.mark.slow  # ~65 s on a fresh clone; the one-process mesh load is in test_hf_parity.py

@@ -97,7 +97,9 @@ def test_quantisation_error_within_bound(bits):
 
 @pytest.mark.parametrize('mode, limit', [('int8', 1.05), ('int4', 0.6)])
 def test_frozen_base_bytes_per_parameter(mode, limit):
-  """Bytes per frozen base parameter from the live arrays (bf16 would be 2.0)."""
+  """Bytes per frozen base parameter (bf16 would be 2.0), from the shapes and dtypes that
+  construction gives the arrays (eval_shape: the same code, without running the eager init;
+  bench/qlora_memory.py measures live device memory)."""
   cfg = with_lora(
     tiny(
       quant=mode,
@@ -110,11 +112,11 @@ def test_frozen_base_bytes_per_parameter(mode, limit):
       quant_group_size=64,
     )
   )
-  _, _, _, frozen = split_model(Transformer(cfg, nnx.Rngs(0)), cfg)
-  plain = dataclasses.replace(cfg, quant='none')
-  _, _, _, ref = split_model(Transformer(plain, nnx.Rngs(0)), plain)
+  build = lambda c: split_model(nnx.eval_shape(lambda: Transformer(c, nnx.Rngs(0))), c)[3]
+  frozen = build(cfg)
+  ref = build(dataclasses.replace(cfg, quant='none'))
   n_params = sum(x.size for x in jax.tree.leaves(ref))
-  n_bytes = sum(x.nbytes for x in jax.tree.leaves(frozen))
+  n_bytes = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(frozen))
   assert n_bytes / n_params <= limit, n_bytes / n_params
 
 

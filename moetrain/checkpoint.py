@@ -11,7 +11,7 @@ import jax
 import orbax.checkpoint as ocp
 from absl import logging
 
-from moetrain import multihost
+from moetrain import multihost, runtime
 
 
 def _key(path) -> str:
@@ -62,7 +62,7 @@ def process_data_state(saved: dict, reslice: bool = False) -> dict | None:
 
 class Checkpointer:
   def __init__(self, workdir: str, *, every: int, keep: int, async_save: bool = True):
-    self.directory = os.path.join(os.path.abspath(workdir), 'checkpoints')
+    self.directory = os.path.join(runtime.run_dir(workdir), 'checkpoints')
     options = ocp.CheckpointManagerOptions(
       save_interval_steps=max(every, 1),
       max_to_keep=keep,

@@ -147,10 +147,25 @@ def start_command(preemption: bool = True, resume_step: int | None = None) -> No
   initialize_distributed(preemption, resume_step)
 
 
+def run_dir(workdir: str) -> str:
+  """The absolute path of a run directory. It must be a filesystem path: the run appends to its
+  metrics.jsonl, which object stores cannot do (gcsfs, for one, silently overwrites instead), and
+  os.path would turn 'gs://b/run' into a local './gs:/b/run' that vanishes with the VM. On
+  several hosts it must be one directory they all share, as Orbax's checkpoints are written by
+  every host."""
+  if '://' in workdir:
+    raise ValueError(
+      f'--workdir={workdir!r}: object-store URLs are not supported as run directories; use a '
+      'filesystem path that every host shares (an NFS or Filestore mount, or the bucket mounted '
+      'with gcsfuse)'
+    )
+  return os.path.abspath(workdir)
+
+
 def saved_steps(workdir: str) -> list[int]:
   """The steps of <workdir>/checkpoints that were written completely (Orbax names a checkpoint's
   directory by its step once it is whole), in order; no JAX needed."""
-  directory = os.path.join(workdir, 'checkpoints')
+  directory = os.path.join(run_dir(workdir), 'checkpoints')
   if not os.path.isdir(directory):
     return []
   return sorted(int(d) for d in os.listdir(directory) if d.isdigit())

@@ -55,3 +55,16 @@ def test_library_info_lines_are_dropped_but_not_their_warnings():
   assert not quiet.filter(record(logging.INFO, where))
   assert quiet.filter(record(logging.WARNING, where))
   assert quiet.filter(record(logging.INFO, os.path.join('', 'moetrain', 'train.py')))
+
+
+def test_object_store_workdirs_are_refused_by_name(tmp_path):
+  """gs:// would otherwise become a local './gs:/...' directory that vanishes with the VM."""
+  for url in ('gs://bucket/runs/lora', 's3://bucket/run'):
+    with pytest.raises(ValueError, match=f"--workdir='{url}': object-store URLs"):
+      runtime.saved_steps(url)
+  from moetrain.checkpoint import Checkpointer
+
+  with pytest.raises(ValueError, match='mounted with gcsfuse'):
+    Checkpointer('gs://bucket/run', every=1, keep=1)
+  assert runtime.run_dir(str(tmp_path / 'run')) == str(tmp_path / 'run')
+  assert runtime.saved_steps(str(tmp_path / 'run')) == []

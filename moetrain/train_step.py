@@ -11,6 +11,7 @@ import optax
 
 from moetrain.model.config import ModelConfig
 from moetrain.model.head import head_cross_entropy
+from moetrain.model.moe import ROUTING_COUNTS, finish_routing_stats
 from moetrain.train_state import TrainState, graphdef_of, merge_model
 
 
@@ -73,7 +74,7 @@ def loss_fn(params, moe_bias, frozen, graphdef, batch, rng, totals, cfg: StepCon
     'correct': correct,
     'tokens': mask.sum(),
     'hidden_z': hidden_z,
-    'moe': {k: v if k == 'load' else v * frac for k, v in moe.items()},
+    'moe': {k: v if k in ROUTING_COUNTS else v * frac for k, v in moe.items()},
   }
   return loss, stats
 
@@ -101,7 +102,7 @@ def grads_and_stats(state: TrainState, graphdef, batch, rng, cfg: StepConfig):
   zero = jax.eval_shape(grad_fn, state.params, jax.tree.map(lambda x: x[0], micro_batches), rng)
   zero = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), zero)
   ((loss, stats), grads), _ = jax.lax.scan(micro, zero, (micro_batches, jnp.arange(n)))
-  return loss, stats, grads
+  return loss, {**stats, 'moe': finish_routing_stats(stats['moe'], cfg.model)}, grads
 
 
 def bias_update(moe_bias, load_LX, step, cfg: StepConfig):

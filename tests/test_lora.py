@@ -131,3 +131,20 @@ def test_qlora_computes_the_float_model_of_its_dequantised_weights():
     np.testing.assert_allclose(got, exact, atol=1e-5, rtol=1e-5)
     if mode == 'int8':  # and int8 stays close to the original float weights
       assert float(jnp.abs(got - want).max() / jnp.abs(want).max()) < 0.02
+
+
+def test_expert_adapters_draw_their_own_dropout_masks():
+  """Each projection's LoRA dropout has its own key: 'gate' and 'down' (names of one length)
+  drew the same mask once, identical when the expert's D == F."""
+  from moetrain.model.layers import with_lora as expert_mm
+
+  eye = jnp.eye(16)
+  weights = {n: jnp.zeros((16, 16)) for n in ('gate', 'up', 'down')}
+  weights.update({f'{n}_{ab}': eye for n in ('gate', 'up', 'down') for ab in ('lora_a', 'lora_b')})
+  mm = expert_mm(lambda x, w: x @ w, weights, 1.0, jax.random.key(0), 0.5)
+  x = jnp.ones((8, 16))
+  masks = [np.asarray(mm(x, n)) != 0 for n in ('gate', 'up', 'down')]  # y = dropout(x) here
+  for i in range(3):
+    assert 0.3 < masks[i].mean() < 0.7
+    for j in range(i):
+      assert (masks[i] != masks[j]).any(), (i, j)

@@ -432,6 +432,32 @@ def test_routing_stats_by_hand():
   np.testing.assert_allclose(st['router_z_loss'], np.mean(lse**2), rtol=1e-6)
 
 
+def test_routing_stats_add_up_over_micro_batches():
+  """As gradient accumulation adds them (train_step.loss_fn: counts summed, token means weighted
+  by each micro-batch's share of the valid tokens, then finish_routing_stats), two uneven halves
+  give the whole batch's statistics, the dropped share (a ratio of sums) and the spread of FFN
+  experts per token included."""
+  from moetrain.model.moe import ROUTING_COUNTS, finish_routing_stats
+
+  cfg = tiny(n_routed_experts=4, zero_expert_num=2, moe_topk=2)
+  m, x = 10, cfg.num_experts_total
+  logits = jax.random.normal(jax.random.key(0), (m, x))
+  idx = jax.random.randint(jax.random.key(1), (m, 2), 0, x)
+  valid = jnp.array([1.0] * 7 + [0.0] * 3)
+  dropped = (jax.random.uniform(jax.random.key(2), (m, 2)) < 0.4) & (idx < cfg.n_routed_experts)
+  args = lambda s: (logits[s], jax.nn.softmax(logits[s]), idx[s], valid[s], dropped[s] * 1.0, cfg)
+  whole = routing_stats(*args(slice(None)))
+  parts = [routing_stats(*args(s)) for s in (slice(0, 3), slice(3, None))]
+  share = [float(valid[:3].sum() / valid.sum()), float(valid[3:].sum() / valid.sum())]
+  summed = {
+    k: sum(p[k] if k in ROUTING_COUNTS else p[k] * f for p, f in zip(parts, share)) for k in whole
+  }
+  summed = finish_routing_stats(summed, cfg)
+  assert float(whole['dropped_frac']) > 0
+  for k in ('load', 'dropped_frac', 'ffn_experts_mean', 'ffn_experts_std', 'router_entropy'):
+    np.testing.assert_allclose(summed[k], whole[k], rtol=1e-6, err_msg=k)
+
+
 def test_deterministic():
   moe = make_moe(CFG)
   x = jax.random.normal(jax.random.key(6), (2, 16, CFG.hidden_size))

@@ -45,6 +45,9 @@ def test_gradient_accumulation_equals_full_batch():
     np.testing.assert_allclose(a, c, atol=1e-6)
   for a, c in zip(jax.tree.leaves(two.moe_bias), jax.tree.leaves(one.moe_bias)):
     np.testing.assert_allclose(a, c, atol=1e-7)
+  # The routing statistics too, those that are not token means included (std, dropped share).
+  for key in ('load', 'ffn_experts_mean', 'ffn_experts_std', 'router_entropy', 'dropped_frac'):
+    np.testing.assert_allclose(m2['moe'][key], m1['moe'][key], rtol=1e-5, atol=1e-7, err_msg=key)
 
 
 def test_non_finite_update_is_skipped_and_counted():

@@ -113,13 +113,14 @@ def routed_experts(x_MD, idx_MA, gates_MA, weights, cfg: ModelConfig, rng=None):
 
 
 def combine(y_RD, kept_R, idx_MA, gates_MA, cfg: ModelConfig):
-  """Weights each kept routed assignment by its gate and sums over A."""
+  """Weights each kept routed assignment by its gate and sums over A, in float32 (the MoE layer
+  adds the zero experts' term before it rounds to the compute dtype, once)."""
   m, a = idx_MA.shape
   routed_MA = idx_MA < cfg.n_routed_experts
   kept_MA = kept_R.reshape(m, a) & routed_MA
   w_MA = jnp.where(kept_MA, gates_MA, 0.0)
   y_MD = jnp.einsum('MAD,MA->MD', y_RD.reshape(m, a, -1).astype(jnp.float32), w_MA)
-  return y_MD.astype(dtype_of(cfg.dtype)), (routed_MA & ~kept_MA).astype(jnp.float32)
+  return y_MD, (routed_MA & ~kept_MA).astype(jnp.float32)
 
 
 def resolve_backend(cfg: ModelConfig, rows: int = 0) -> str:

@@ -126,7 +126,8 @@ def with_lora(base_mm, weights, scale, rng, dropout):
   def mm(x, name):
     y = base_mm(x, weights[name])
     if f'{name}_lora_a' in weights:
-      xa = lora_dropout(x, dropout, None if rng is None else jax.random.fold_in(rng, len(name)))
+      key = None if rng is None else jax.random.fold_in(rng, zlib.crc32(name.encode()))
+      xa = lora_dropout(x, dropout, key)
       a, b = weights[f'{name}_lora_a'], weights[f'{name}_lora_b']
       if a.ndim == 2:
         y = y + scale * lora_product(xa, a.astype(xa.dtype), b.astype(xa.dtype))

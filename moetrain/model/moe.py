@@ -99,7 +99,7 @@ class MoE(nnx.Module):
     )
     is_zero_MA = (idx_MA >= cfg.n_routed_experts) & (idx_MA < cfg.num_experts_total)
     zero_gate_M = jnp.sum(jnp.where(is_zero_MA, gates_MA, 0.0), axis=-1)
-    y_MD = y_MD + (zero_gate_M[:, None] * x_MD.astype(jnp.float32)).astype(y_MD.dtype)
+    y_MD = y_MD + zero_gate_M[:, None] * x_MD.astype(jnp.float32)  # float32, rounded once
     stats = routing_stats(logits_MX, probs_MX, idx_MA, valid_M, dropped, cfg)
     return y_MD.reshape(b, t, d).astype(x_BTD.dtype), stats
 
@@ -111,20 +111,37 @@ def routing_stats(logits_MX, probs_MX, idx_MA, valid_M, dropped_MA, cfg: ModelCo
   onehot_MX = jnp.sum(jax.nn.one_hot(idx_MA, x, dtype=jnp.float32), axis=1)
   load_X = jnp.sum(onehot_MX * valid_M[:, None], axis=0)
   ffn_M = jnp.sum(onehot_MX[:, :e], axis=-1)
-  ffn_mean = jnp.sum(ffn_M * valid_M) / n_valid
-  ffn_std = jnp.sqrt(jnp.maximum(jnp.sum((ffn_M - ffn_mean) ** 2 * valid_M) / n_valid, 0.0))
   ent_M = -jnp.sum(probs_MX * jnp.log(probs_MX + 1e-20), axis=-1)
   mean_p_X = jnp.sum(probs_MX * valid_M[:, None], axis=0) / n_valid
   lse_M = jax.nn.logsumexp(logits_MX, axis=-1)
-  dropped = jnp.sum(dropped_MA * valid_M[:, None]) / jnp.maximum(jnp.sum(load_X[:e]), 1.0)
-  return {
+  stats = {
     'load': load_X,
-    'ffn_experts_mean': ffn_mean,
-    'ffn_experts_std': ffn_std,
-    'dropped_frac': dropped,
+    'dropped': jnp.sum(dropped_MA * valid_M[:, None]),
+    'ffn_experts_mean': jnp.sum(ffn_M * valid_M) / n_valid,
+    'ffn_experts_sq': jnp.sum(ffn_M**2 * valid_M) / n_valid,
     'router_entropy': jnp.sum(ent_M * valid_M) / n_valid,
     'router_z_loss': jnp.sum(lse_M**2 * valid_M) / n_valid,
     'balance_loss': balance_loss(load_X / (k * n_valid), mean_p_X, cfg),
+  }
+  return finish_routing_stats(stats, cfg)
+
+
+# Counts: summed over micro-batches as they are. The other statistics are means over the valid
+# tokens, which micro-batches add up to when weighted by their share of those tokens.
+ROUTING_COUNTS = ('load', 'dropped')
+
+
+def finish_routing_stats(stats: dict, cfg: ModelConfig) -> dict:
+  """The statistics that are not means over tokens, from those that are (or counts), so that
+  they come out exact after gradient accumulation adds micro-batches: the std of the FFN experts
+  per token, and the dropped fraction of the FFN assignments. Works per layer ([L]-shaped
+  statistics, [L, X] load) as well."""
+  mean = stats['ffn_experts_mean']
+  ffn_load = jnp.sum(stats['load'][..., : cfg.n_routed_experts], axis=-1)
+  return {
+    **stats,
+    'ffn_experts_std': jnp.sqrt(jnp.maximum(stats['ffn_experts_sq'] - mean**2, 0.0)),
+    'dropped_frac': stats['dropped'] / jnp.maximum(ffn_load, 1.0),
   }
 
 

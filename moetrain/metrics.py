@@ -1,5 +1,6 @@
 """Throughput, MFU and MoE routing statistics, and the writers (stdout, JSONL, TensorBoard)."""
 
+import contextlib
 import json
 import os
 import time
@@ -174,6 +175,18 @@ class Throughput:
 
   def add_tokens(self, n: float) -> None:
     self.tokens += n
+
+  @contextlib.contextmanager
+  def excluded(self, when: bool = True, recurring: bool = False):
+    """Keeps the time of the block (compilation, an eval) out of tokens/s; out of the ETA too,
+    unless `recurring` (periodic evals: the rest of the run pays for them as well)."""
+    t0 = time.time()
+    yield
+    if when:
+      spent = time.time() - t0
+      self.t_last += spent
+      if not recurring:
+        self.t_start += spent
 
   def mark(self, step: int) -> tuple[float, float]:
     now = time.time()

@@ -268,6 +268,22 @@ def check_resumable(config, workdir: str) -> None:
     and not (section == 'model' and key in ENGINE_FIELDS)
     and saved[section].get(key, value) != value
   ]
+  # The optimizer state's structure: gradient clipping adds a state of its own.
+  clip = lambda c: c.get('optim', {}).get('grad_clip', 0) > 0
+  if 'optim' in saved and clip(saved) != clip(now):
+    diffs.append(
+      f'optim.grad_clip: {saved["optim"].get("grad_clip")!r} in the checkpointed run, now '
+      f'{now["optim"].get("grad_clip")!r} (on and off keep different optimizer states)'
+    )
+  # A LoRA checkpoint holds no frozen base: the run rebuilds it from init.hf_checkpoint, or from
+  # the seed, and the adapters belong to that base.
+  if now.get('lora', {}).get('rank', 0) > 0:
+    base = lambda c: c.get('init', {}).get('hf_checkpoint', '') or f'seed {c.get("seed")}'
+    if base(saved) != base(now):
+      diffs.append(
+        f'the frozen base (init.hf_checkpoint, or the seed without one): {base(saved)!r} in the '
+        f'checkpointed run, now {base(now)!r}'
+      )
   if diffs:
     raise ValueError(
       f'{workdir} holds checkpoints of a run with other settings; resume with the same ones or '
@@ -296,7 +312,13 @@ def run(config, workdir: str) -> dict:
   if tokenizer.vocab_size > setup.model.vocab_size:
     raise ValueError(
       f'model.vocab_size={setup.model.vocab_size} is smaller than the tokenizer '
-      f'vocabulary ({tokenizer.vocab_size}); raise it or set data.vocab_size'
+      f'vocabulary ({tokenizer.vocab_size}); raise it, or set data.vocab_size'
+      + (
+        f' and delete {os.path.join(workdir, "tokenizer.model")} (the run reuses the tokenizer it '
+        'trained there)'
+        if not setup.data.tokenizer
+        else f' to a tokenizer of that size instead of data.tokenizer={setup.data.tokenizer!r}'
+      )
     )
   pi, pc = jax.process_index(), jax.process_count()
   train_iter = pipeline.make_train_iterator(
@@ -359,8 +381,10 @@ def loop(
     hosts=multihost.Exchange('truncated_examples'),
   )
   pending, last, exhausted, saved, m, why = None, {}, False, False, None, ''
+  evals = {}  # step -> eval results
   if start == 0 and eval_batches:  # the baseline that fine-tuning is measured against
-    run_eval(0, state, eval_batches, eval_fn, batch_sharding, writer)
+    with meter.excluded():
+      evals[0] = run_eval(0, state, eval_batches, eval_fn, batch_sharding, writer)
   finite = jax.process_count() > 1 and setup.data.num_epochs is not None
   data_ended = multihost.Exchange('data_ended') if finite else None
   for step in range(start + 1, stop + 1):
@@ -377,11 +401,15 @@ def loop(
       ckpt.wait()
       why = (
         f'The training data ended after step {done} (data.num_epochs='
-        f'{setup.data.num_epochs}) before train.steps={total}: saved, evaluating and stopping.'
+        f'{setup.data.num_epochs}) before train.steps={total}: '
+        + ('saved, evaluating' if done > start else 'no step to save; evaluating')
+        + ' and stopping.'
       )
       break
     inputs = to_global(batch, batch_sharding)  # explicit host-to-device, outside the guard
-    with jax.transfer_guard('disallow'):  # the step itself must not move data implicitly
+    # The step itself must not move data implicitly. The first call compiles: its time is kept
+    # out of tokens/s and the ETA.
+    with jax.transfer_guard('disallow'), meter.excluded(when=step == start + 1):
       state, m = step_fn(state, inputs)
     # Throughput (and MFU) count every token the model reads, not only the scored ones.
     meter.add_tokens(float((batch['segment_ids'] > 0).sum()) * jax.process_count())
@@ -392,7 +420,9 @@ def loop(
       pending = (step, m, *meter.mark(step), train_iter.num_truncated)
     saved = ckpt.save(step, state, train_iter.get_state(), {'step': step}, force=step == stop)
     if t.eval_every and step % t.eval_every == 0 and step != total and eval_batches:
-      run_eval(step, state, eval_batches, eval_fn, batch_sharding, writer)
+      jax.block_until_ready(state)  # the step's own time stays in tokens/s, the eval's does not
+      with meter.excluded(recurring=True):
+        evals[step] = run_eval(step, state, eval_batches, eval_fn, batch_sharding, writer)
     if ckpt.preempted(step) and step != stop:
       if not saved:
         ckpt.save(step, state, train_iter.get_state(), {'step': step}, force=True)
@@ -404,7 +434,8 @@ def loop(
   if why:  # after the last step's log line
     writer.progress(why)
   if (int(state.step) == total or exhausted) and eval_batches:
-    ev = run_eval(int(state.step), state, eval_batches, eval_fn, batch_sharding, writer)
+    at = int(state.step)  # (evaluated already when the data ended on an eval step)
+    ev = evals.get(at) or run_eval(at, state, eval_batches, eval_fn, batch_sharding, writer)
     last = {**last, **{f'eval_{k}': v for k, v in ev.items()}}
   return state, last
 

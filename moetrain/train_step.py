@@ -159,7 +159,9 @@ def train_step(
     'total_loss': loss,
     'accuracy': stats['correct'] / tokens,
     'grad_norm': grad_norm,
-    'learning_rate': lr_fn(state.step),
+    # The rate this step's update used: the optimizer's schedule counts applied updates, and a
+    # skipped (non-finite) step applies none.
+    'learning_rate': lr_fn(state.step - state.skipped),
     'tokens': stats['tokens'],
     'hidden_z_loss': stats['hidden_z'],
     'skipped': new_state.skipped,

@@ -48,3 +48,22 @@ def test_a_resume_marks_where_records_start_over(tmp_path):
   # The resumed run's scalars are all there.
   values = [(e.step, v.simple_value) for e in events(tmp_path / 'tb') for v in e.summary.value]
   assert values[-2:] == [(3, 30.0), (4, 40.0)]
+
+
+def test_throughput_leaves_out_compilation_and_evals(monkeypatch):
+  """tokens/s counts the steps' time only; the ETA leaves out the one-off compilation but keeps
+  the periodic evals (the rest of the run pays for them too)."""
+  clock = [100.0]
+  monkeypatch.setattr(metrics.time, 'time', lambda: clock[0])
+  meter = metrics.Throughput(start_step=0, total_steps=10)
+  with meter.excluded(when=True):  # step 1 dispatched: compiles for 30 s
+    clock[0] += 30
+  clock[0] += 1  # step 1 runs
+  meter.add_tokens(100)
+  clock[0] += 1  # step 2
+  meter.add_tokens(100)
+  with meter.excluded(recurring=True):  # an eval
+    clock[0] += 5
+  tps, eta = meter.mark(2)
+  assert tps == 100.0
+  assert eta == (2 + 5) / 2 * 8

@@ -93,18 +93,30 @@ def test_resume_continues_bit_for_bit(uninterrupted, tmp_path, capsys):
   assert [got[s] for s in range(1, 7)] == [want[s] for s in range(1, 7)]
 
 
-def test_resume_with_other_model_settings_names_them(uninterrupted):
+@pytest.mark.parametrize(
+  'key, value, message',
+  [
+    ('lora.rank', 16, r'lora\.rank: 8 in the checkpointed run, now 16'),
+    ('optim.grad_clip', 0.0, r'optim\.grad_clip: 1\.0 in the checkpointed run, now 0\.0'),
+    ('seed', 1, r"frozen base .*'seed 0' in the checkpointed run, now 'seed 1'"),
+  ],
+)
+def test_resume_with_other_settings_names_them(uninterrupted, key, value, message):
+  """Settings that shape the saved state, or (LoRA) the frozen base the adapters were trained
+  on, stop the resume before the restore, by name."""
   workdir, _ = uninterrupted
   config = small_config()
-  config.lora.rank = config.lora.rank * 2
-  with pytest.raises(ValueError, match=r'lora\.rank: 8 in the checkpointed run, now 16'):
+  section, _, name = key.rpartition('.')
+  (config[section] if section else config)[name] = value
+  with pytest.raises(ValueError, match=message):
     train.run(config, workdir)
 
 
 def test_data_running_out_saves_evaluates_and_stops(tmp_path):
   """data.num_epochs = 1 with more train.steps than the epoch holds: the run saves its last
   step, evaluates and returns; a rerun finds the data spent and stops at once, cleanly."""
-  config = small_config(steps=100_000, log_every=50, checkpoint_every=1000)
+  # Evaluating every step: the step the data ends at was evaluated already, and only once.
+  config = small_config(steps=100_000, log_every=50, checkpoint_every=1000, eval_every=1)
   config.data.num_epochs = 1
   # 200 short examples: a few steps of small_config's shapes (compiled already by other tests).
   write_jsonl(tmp_path / 'train.jsonl', numbered_records(200))
@@ -118,6 +130,9 @@ def test_data_running_out_saves_evaluates_and_stops(tmp_path):
   spent = max(steps)
   assert 2 <= spent < 100_000 and sorted(losses(workdir))[-1] == spent
   assert 'eval_loss' in out, out
+  with open(os.path.join(workdir, 'metrics.jsonl')) as f:
+    eval_steps = [r['step'] for r in map(json.loads, f) if r['kind'] == 'eval']
+  assert eval_steps == list(range(spent + 1)), eval_steps
   again = train.run(config, workdir)
   assert 'eval_loss' in again
   assert (

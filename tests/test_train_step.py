@@ -18,7 +18,7 @@ from tests.test_sharding import batch
 CFG = with_lora(tiny(init_std=0.05))
 
 
-def step_fn(cfg, accum, opt, balance_loss=0.0):
+def step_fn(cfg, accum, opt, balance_loss=0.0, lr_fn=lambda s: 1e-2):
   # The balance loss is defined per micro-batch (TR: P_j averaged over the micro-batch), so it
   # is not additive across micro-batches; every other term is.
   step_cfg = StepConfig(
@@ -29,7 +29,7 @@ def step_fn(cfg, accum, opt, balance_loss=0.0):
     hidden_z_loss=1e-4,
     bias_update_rate=1e-2,
   )
-  return jit_train_step(step_cfg, opt, lambda s: 1e-2, donate=False)
+  return jit_train_step(step_cfg, opt, lr_fn, donate=False)
 
 
 def test_gradient_accumulation_equals_full_batch():
@@ -59,6 +59,24 @@ def test_non_finite_update_is_skipped_and_counted():
   assert int(new.skipped) == 1 and int(new.step) == 1
   for a, c in zip(jax.tree.leaves(new.opt_state), jax.tree.leaves(bad.opt_state)):
     np.testing.assert_array_equal(a, c)
+
+
+def test_logged_learning_rate_is_the_one_applied_after_a_skip():
+  """A skipped step applies no update, so the optimizer's schedule does not advance: the rate
+  logged for the next step is the one its update uses (the schedule at the applied count)."""
+  lr_fn = optax.linear_schedule(0.0, 1.0, 10)
+  opt = optax.sgd(lr_fn)
+  fn = step_fn(CFG, 1, opt, lr_fn=lr_fn)
+  state = init_state(CFG, opt, 0)
+  state, m1 = fn(state, batch())
+  bad = jax.tree.map(lambda x: x, state)
+  bad.params = jax.tree.map(lambda x: x.at[(0,) * x.ndim].set(jnp.nan), state.params)
+  skipped, m2 = fn(bad, batch())
+  skipped.params = state.params
+  _, m3 = fn(skipped, batch())
+  count = int(optax.tree.get(skipped.opt_state, 'count'))
+  assert (int(skipped.step), int(skipped.skipped), count) == (2, 1, 1)
+  np.testing.assert_allclose([m1['learning_rate'], m3['learning_rate']], [0.0, lr_fn(count)])
 
 
 def test_flash_dry_run_parameter_counts():

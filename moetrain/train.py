@@ -310,15 +310,14 @@ def run(config, workdir: str) -> dict:
   writer.save_config(config.to_json_best_effort(indent=1))
   tokenizer = pipeline.make_tokenizer(setup.data, workdir)
   if tokenizer.vocab_size > setup.model.vocab_size:
+    hint = (  # a trained tokenizer is cached in the run directory and reused
+      f' and delete {os.path.join(workdir, "tokenizer.model")}'
+      if not setup.data.tokenizer
+      else f' to a tokenizer of that size instead of data.tokenizer={setup.data.tokenizer!r}'
+    )
     raise ValueError(
       f'model.vocab_size={setup.model.vocab_size} is smaller than the tokenizer '
-      f'vocabulary ({tokenizer.vocab_size}); raise it, or set data.vocab_size'
-      + (
-        f' and delete {os.path.join(workdir, "tokenizer.model")} (the run reuses the tokenizer it '
-        'trained there)'
-        if not setup.data.tokenizer
-        else f' to a tokenizer of that size instead of data.tokenizer={setup.data.tokenizer!r}'
-      )
+      f'vocabulary ({tokenizer.vocab_size}); raise it, or set data.vocab_size{hint}'
     )
   pi, pc = jax.process_index(), jax.process_count()
   train_iter = pipeline.make_train_iterator(
@@ -381,10 +380,10 @@ def loop(
     hosts=multihost.Exchange('truncated_examples'),
   )
   pending, last, exhausted, saved, m, why = None, {}, False, False, None, ''
-  evals = {}  # step -> eval results
+  evaluated = (None, {})  # the latest eval: (step, results)
   if start == 0 and eval_batches:  # the baseline that fine-tuning is measured against
     with meter.excluded():
-      evals[0] = run_eval(0, state, eval_batches, eval_fn, batch_sharding, writer)
+      evaluated = 0, run_eval(0, state, eval_batches, eval_fn, batch_sharding, writer)
   finite = jax.process_count() > 1 and setup.data.num_epochs is not None
   data_ended = multihost.Exchange('data_ended') if finite else None
   for step in range(start + 1, stop + 1):
@@ -399,12 +398,7 @@ def loop(
         if not saved:
           ckpt.save(done, state, position or train_iter.get_state(), {'step': done}, force=True)
       ckpt.wait()
-      why = (
-        f'The training data ended after step {done} (data.num_epochs='
-        f'{setup.data.num_epochs}) before train.steps={total}: '
-        + ('saved, evaluating' if done > start else 'no step to save; evaluating')
-        + ' and stopping.'
-      )
+      why = data_ended_note(done, done > start, setup.data.num_epochs, total)
       break
     inputs = to_global(batch, batch_sharding)  # explicit host-to-device, outside the guard
     # The step itself must not move data implicitly. The first call compiles: its time is kept
@@ -422,7 +416,7 @@ def loop(
     if t.eval_every and step % t.eval_every == 0 and step != total and eval_batches:
       jax.block_until_ready(state)  # the step's own time stays in tokens/s, the eval's does not
       with meter.excluded(recurring=True):
-        evals[step] = run_eval(step, state, eval_batches, eval_fn, batch_sharding, writer)
+        evaluated = step, run_eval(step, state, eval_batches, eval_fn, batch_sharding, writer)
     if ckpt.preempted(step) and step != stop:
       if not saved:
         ckpt.save(step, state, train_iter.get_state(), {'step': step}, force=True)
@@ -434,10 +428,19 @@ def loop(
   if why:  # after the last step's log line
     writer.progress(why)
   if (int(state.step) == total or exhausted) and eval_batches:
-    at = int(state.step)  # (evaluated already when the data ended on an eval step)
-    ev = evals.get(at) or run_eval(at, state, eval_batches, eval_fn, batch_sharding, writer)
+    at, ev = evaluated  # (this step's already, when the data ended on an eval step)
+    if at != int(state.step):
+      ev = run_eval(int(state.step), state, eval_batches, eval_fn, batch_sharding, writer)
     last = {**last, **{f'eval_{k}': v for k, v in ev.items()}}
   return state, last
+
+
+def data_ended_note(done: int, saved: bool, num_epochs, total: int) -> str:
+  what = 'saved, evaluating' if saved else 'no step to save; evaluating'
+  return (
+    f'The training data ended after step {done} (data.num_epochs={num_epochs}) before '
+    f'train.steps={total}: {what} and stopping.'
+  )
 
 
 def next_batch(train_iter, data_ended, step: int) -> tuple[dict | None, dict | None]:

@@ -124,7 +124,7 @@ def get_config() -> config_dict.ConfigDict:
   t.stop_at_step = 0  # end this invocation after this step, e.g. a time-boxed session; 0 = steps
   t.log_every = 10  # progress line + metrics.jsonl record every N steps
   t.eval_every = 100  # eval every N steps (and always at the end); 0 = only at the end
-  t.eval_batches = 8  # eval batches per evaluation (cap)
+  t.eval_batches = 8  # eval batches per evaluation (cap); no evals: data.eval_split = ''
   t.checkpoint_every = 50  # save every N steps (and at the end)
   t.keep_checkpoints = 3  # checkpoints kept
   t.async_checkpoint = True  # write checkpoints in the background

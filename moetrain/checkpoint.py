@@ -63,8 +63,16 @@ def process_data_state(saved: dict, reslice: bool = False) -> dict | None:
 class Checkpointer:
   def __init__(self, workdir: str, *, every: int, keep: int, async_save: bool = True):
     self.directory = os.path.join(runtime.run_dir(workdir), 'checkpoints')
+    # Orbax's default policy also saves the first step a manager sees (InitialSavePolicy): for a
+    # large model that is an unrequested full save at step 1 of every run and every resume.
+    policy = ocp.checkpoint_managers.AnySavePolicy(
+      [
+        ocp.checkpoint_managers.FixedIntervalPolicy(max(every, 1)),
+        ocp.checkpoint_managers.PreemptionCheckpointingPolicy(),
+      ]
+    )
     options = ocp.CheckpointManagerOptions(
-      save_interval_steps=max(every, 1),
+      save_decision_policy=policy,
       max_to_keep=keep,
       enable_async_checkpointing=async_save,
       create=True,
@@ -108,18 +116,19 @@ class Checkpointer:
   def latest_step(self) -> int | None:
     return self.manager.latest_step()
 
-  def save(self, step: int, state, data_state: dict, meta: dict, force: bool = False) -> bool:
-    """Saves when the interval (or `force`, or a preemption) says so. Every process calls it at
-    every step: the hosts' data positions (each reads its own slice) are gathered into the
-    checkpoint then."""
-    if not force and not self.manager.should_save(step):
-      return False
+  def due(self, step: int) -> bool:
+    """Whether `step` is a save step (the interval, or a preemption); the same on every host."""
+    return self.manager.should_save(step)
+
+  def save(self, step: int, state, data_state: dict, meta: dict) -> bool:
+    """Saves `step` (ask `due` first). Every process calls it at the same steps: the hosts' data
+    positions (each reads its own slice) are gathered into the checkpoint then."""
     args = ocp.args.Composite(
       state=ocp.args.StandardSave(flatten(state.saved())),
       data=ocp.args.JsonSave({'processes': self._positions.json(data_state, step)}),
       meta=ocp.args.JsonSave(meta),
     )
-    return self.manager.save(step, args=args, force=True)  # should_save was asked above
+    return self.manager.save(step, args=args, force=True)  # the loop asked `due`
 
   def restore_data(self, step: int) -> dict:
     """The data item alone (cheap: no arrays are read)."""

@@ -49,6 +49,11 @@ class LoopConfig:
     for key in ('steps', 'log_every', 'checkpoint_every', 'keep_checkpoints'):
       if getattr(self, key) <= 0:
         raise ValueError(f'train.{key}={getattr(self, key)} must be positive')
+    if self.eval_batches <= 0:
+      raise ValueError(
+        f'train.eval_batches={self.eval_batches} must be positive; to train without evaluations '
+        "set data.eval_split=''"
+      )
     if self.eval_every < 0 or self.stop_at_step < 0:
       raise ValueError('train.eval_every and train.stop_at_step must be >= 0')
 
@@ -90,6 +95,26 @@ ENGINE_FIELDS = (
   'moe_balance_groups',
   'quant',
   'quant_group_size',
+)
+
+
+# DataConfig fields that shape the training stream a checkpoint's data position points into.
+DATA_STREAM_FIELDS = (
+  'source',
+  'path',
+  'tfds_name',
+  'train_split',
+  'text_key',
+  'prompt_key',
+  'completion_key',
+  'messages_key',
+  'tokenizer',
+  'seq_len',
+  'global_batch_size',
+  'shuffle',
+  'seed',
+  'num_epochs',
+  'worker_count',
 )
 
 
@@ -253,7 +278,8 @@ def load_latest(setup: Setup, workdir: str | None, mesh) -> TrainState:
 def check_resumable(config, workdir: str) -> None:
   """Before resuming from <workdir>/checkpoints, the model and LoRA settings that shape the saved
   state must equal those of the run that saved it (<workdir>/config.json); name any that differ
-  instead of failing deep inside the restore. ENGINE_FIELDS (how the model computes) may change."""
+  instead of failing deep inside the restore. ENGINE_FIELDS (how the model computes) may change.
+  Changed DATA_STREAM_FIELDS are allowed, with a warning naming them: the resume is not exact."""
   path = os.path.join(workdir, 'config.json')
   if not os.path.exists(path) or not runtime.saved_steps(workdir):
     return
@@ -288,6 +314,20 @@ def check_resumable(config, workdir: str) -> None:
     raise ValueError(
       f'{workdir} holds checkpoints of a run with other settings; resume with the same ones or '
       'use a new --workdir:\n  ' + '\n  '.join(diffs)
+    )
+  changed = [
+    f'data.{key}: {saved["data"][key]!r} in the checkpointed run, now {now["data"].get(key)!r}'
+    for key in DATA_STREAM_FIELDS
+    if key in saved.get('data', {}) and saved['data'][key] != now.get('data', {}).get(key)
+  ]
+  if changed:  # legitimate (e.g. a bigger batch on a bigger slice), but no longer exact
+    logging.warning(
+      'Resuming %s with other data settings:\n  %s\nThe saved data position is applied to the '
+      'new stream: examples around it may be skipped or read twice, and with another order or '
+      'source the rest of the epoch is not what the checkpointed run would have read. Resume '
+      'with the saved settings for an exact continuation.',
+      workdir,
+      '\n  '.join(changed),
     )
 
 
@@ -396,7 +436,7 @@ def loop(
             last = report(*pending)
           pending = (done, m, *meter.mark(done), train_iter.num_truncated)
         if not saved:
-          ckpt.save(done, state, position or train_iter.get_state(), {'step': done}, force=True)
+          ckpt.save(done, state, position or train_iter.get_state(), {'step': done})
       ckpt.wait()
       why = data_ended_note(done, done > start, setup.data.num_epochs, total)
       break
@@ -412,14 +452,18 @@ def loop(
       last, pending = report(*pending), None
     if step % t.log_every == 0 or step == stop:
       pending = (step, m, *meter.mark(step), train_iter.num_truncated)
-    saved = ckpt.save(step, state, train_iter.get_state(), {'step': step}, force=step == stop)
+    due = step == stop or ckpt.due(step)
+    if due:  # the step's own time stays in tokens/s, the save's (a host copy, a wait) does not
+      jax.block_until_ready(state)
+    with meter.excluded(when=due, recurring=True):
+      saved = due and ckpt.save(step, state, train_iter.get_state(), {'step': step})
     if t.eval_every and step % t.eval_every == 0 and step != total and eval_batches:
       jax.block_until_ready(state)  # the step's own time stays in tokens/s, the eval's does not
       with meter.excluded(recurring=True):
         evaluated = step, run_eval(step, state, eval_batches, eval_fn, batch_sharding, writer)
     if ckpt.preempted(step) and step != stop:
       if not saved:
-        ckpt.save(step, state, train_iter.get_state(), {'step': step}, force=True)
+        ckpt.save(step, state, train_iter.get_state(), {'step': step})
       ckpt.wait()
       why = f'Preempted: saved step {step}; rerun the same command to resume.'
       break

@@ -69,6 +69,7 @@ def base_config(**overrides):
     ({'lora.targets': '(unclosed'}, 'lora.targets'),
     ({'model.quant': 'int3'}, 'model.quant'),
     ({'train.steps': 0}, 'train.steps'),
+    ({'train.eval_batches': 0}, 'train.eval_batches'),
   ],
 )
 def test_bad_config_names_the_field(overrides, field):

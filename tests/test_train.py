@@ -70,7 +70,9 @@ def test_run_logs_checkpoints_and_evaluates(uninterrupted):
   assert any(r['kind'] == 'eval' for r in recs)
   assert 'eval_accuracy' in out
   assert os.listdir(os.path.join(workdir, 'tb'))
-  assert '6' in os.listdir(os.path.join(workdir, 'checkpoints'))
+  # Every checkpoint_every steps and at the end; no unrequested one at step 1.
+  steps = sorted(int(d) for d in os.listdir(os.path.join(workdir, 'checkpoints')) if d.isdigit())
+  assert steps == [3, 6], steps
   # LoRA checkpoints hold adapters, optimizer state and router biases, never the frozen base.
   with open(os.path.join(workdir, 'checkpoints', '6', 'state', '_METADATA')) as f:
     saved = f.read()
@@ -110,6 +112,20 @@ def test_resume_with_other_settings_names_them(uninterrupted, key, value, messag
   (config[section] if section else config)[name] = value
   with pytest.raises(ValueError, match=message):
     train.run(config, workdir)
+
+
+def test_resume_with_other_data_settings_warns_by_name(uninterrupted, caplog):
+  """A changed batch, sequence length or order is allowed on resume, but the data position no
+  longer continues the same stream: the run says which settings changed."""
+  workdir, _ = uninterrupted
+  config = small_config()
+  train.check_resumable(config, workdir)
+  assert 'other data settings' not in caplog.text
+  config.data.seq_len = 32
+  config.data.seed = 7
+  train.check_resumable(config, workdir)
+  assert 'data.seq_len: 64 in the checkpointed run, now 32' in caplog.text
+  assert 'data.seed: 0 in the checkpointed run, now 7' in caplog.text
 
 
 def test_data_running_out_saves_evaluates_and_stops(tmp_path):

@@ -109,6 +109,17 @@ def test_sentencepiece_training_is_deterministic(tmp_path):
   assert a.vocab_size <= 300
 
 
+def test_sentencepiece_learns_from_long_lines(tmp_path):
+  """Lines over SentencePiece's max_sentence_length (bytes; ~1,400 CJK characters at its
+  default) used to be skipped silently: a corpus of long paragraphs alone failed to train."""
+  words = ['红色', '狐狸', '杯子', '蓝色', '铃铛']
+  texts = [''.join(words[(i * j) % 5] for j in range(3000)) for i in range(1, 8)]
+  assert min(len(t.encode()) for t in texts) > 16_000
+  tok = tokenizer_lib.train_sentencepiece(texts, 300, tmp_path / 'a.model')
+  text = '狐狸杯子蓝色铃铛'
+  assert len(tok.encode(text)) <= len(text.encode()) // 2  # learned pieces, not byte fallback
+
+
 def test_get_or_train_tokenizer_caches_in_workdir(tmp_path):
   calls = []
 
@@ -153,6 +164,17 @@ def test_hf_tokenizer_json(tmp_path, spm_tokenizer):
   assert tokenizer_lib.load_tokenizer(tmp_path, bos='<s>', eos=2).bos_id == 1
   with pytest.raises(ValueError, match='not in the vocabulary'):
     tokenizer_lib.load_tokenizer(tmp_path, eos='<nope>')
+  # null declares the token absent (Qwen has no bos): no guess. A named token the vocabulary
+  # lacks is an error for bos/eos (every example would change), a guess for pad.
+  config = {'bos_token': None, 'eos_token': '</s>', 'pad_token': '<nope>'}
+  (tmp_path / 'tokenizer_config.json').write_text(json.dumps(config))
+  tok = tokenizer_lib.load_tokenizer(tmp_path)
+  assert (tok.bos_id, tok.eos_id, tok.pad_id) == (None, 2, 0)
+  (tmp_path / 'tokenizer_config.json').write_text(json.dumps({'eos_token': '<|eot_id|>'}))
+  with pytest.raises(ValueError, match=r"tokenizer_config\.json gives eos_token '<\|eot_id"):
+    tokenizer_lib.load_tokenizer(tmp_path)
+  assert tokenizer_lib.load_tokenizer(tmp_path, eos='</s>').eos_id == 2  # an override wins
+  (tmp_path / 'tokenizer_config.json').unlink()
 
   # A checkpoint directory holding both: tokenizer.json is preferred.
   (tmp_path / 'tokenizer.model').write_bytes(spm_tokenizer.__getstate__()['model_proto'])
@@ -167,6 +189,13 @@ def test_load_tokenizer_errors_name_the_path(tmp_path):
   (tmp_path / 'vocab.txt').write_text('a')
   with pytest.raises(ValueError, match='vocab.txt'):
     tokenizer_lib.load_tokenizer(tmp_path / 'vocab.txt')
+  # Files of the right name but the wrong content (another JSON file, a Git LFS pointer).
+  (tmp_path / 'vocab.json').write_text('{"a": 0, "b": 1}')
+  with pytest.raises(ValueError, match=r'vocab\.json is not a readable Hugging Face tokenizer'):
+    tokenizer_lib.load_tokenizer(tmp_path / 'vocab.json')
+  (tmp_path / 'tokenizer.model').write_text('version https://git-lfs.github.com/spec/v1\n')
+  with pytest.raises(ValueError, match=r'tokenizer\.model is not a readable SentencePiece'):
+    tokenizer_lib.load_tokenizer(tmp_path / 'tokenizer.model')
 
 
 # Sources.
@@ -195,6 +224,19 @@ def test_jsonl_source_reads_all_record_kinds(tmp_path):
     'prompt': '<|system|>\nBe brief.\n<|user|>\nHi\n<|assistant|>\n',
     'completion': 'Hello',
   }
+
+
+def test_chat_in_tfds_columns():
+  """tfds.data_source returns a Sequence of {role, content} features as parallel columns."""
+  columns = {
+    'content': np.array([b'Be brief.', b'Hi', b'Hello'], object),
+    'role': np.array([b'system', b'user', b'assistant'], object),
+  }
+  rows = [{'role': 'system', 'content': 'Be brief.'}, {'role': 'user', 'content': 'Hi'}]
+  rows.append({'role': 'assistant', 'content': 'Hello'})
+  assert sources.render_chat(columns, 'r') == sources.render_chat(rows, 'r')
+  with pytest.raises(ValueError, match='r: messages have 3 roles but 2 contents'):
+    sources.render_chat({**columns, 'content': columns['content'][:2]}, 'r')
 
 
 @pytest.mark.parametrize(
@@ -226,6 +268,10 @@ def test_text_source_splits_paragraphs(tmp_path):
     {'text': 'second doc'},
     {'text': 'third doc'},
   ]
+  # A byte-order mark goes; indentation inside a paragraph (code, verse) stays.
+  (tmp_path / 'd.txt').write_bytes('\ufeffdef f():\n  return 1\n\n  indented\n'.encode())
+  src = sources.TextSource([str(tmp_path / 'd.txt')])
+  assert [src[0], src[1]] == [{'text': 'def f():\n  return 1'}, {'text': '  indented'}]
   (tmp_path / 'c.txt').write_bytes(b'ok\n\xff\n')
   with pytest.raises(ValueError, match='c.txt:2: not valid UTF-8'):
     sources.TextSource([str(tmp_path / 'c.txt')])

@@ -153,7 +153,12 @@ def make_tokenizer(cfg: DataConfig, workdir: str | os.PathLike) -> Tokenizer:
     for i in range(0, len(source), step):
       yield from sources.example_texts(source[i])
 
-  return get_or_train_tokenizer(cfg.tokenizer, workdir, texts, cfg.vocab_size)
+  try:
+    return get_or_train_tokenizer(cfg.tokenizer, workdir, texts, cfg.vocab_size)
+  except ValueError as e:
+    if not cfg.tokenizer:
+      raise
+    raise ValueError(f'data.tokenizer={cfg.tokenizer!r}: {e}') from e
 
 
 class DataIterator(Iterator[dict[str, np.ndarray]]):

@@ -27,6 +27,7 @@ Example = dict[str, str]
 # Earlier assistant turns are context only: the loss is on the final turn.
 CHAT_TURN = '<|{role}|>\n{content}\n'
 CHAT_REPLY = '<|assistant|>\n'
+UTF8_BOM = b'\xef\xbb\xbf'  # editors on Windows start text files with it
 
 
 @dataclasses.dataclass(frozen=True)
@@ -49,7 +50,17 @@ def _as_str(value: Any, where: str, key: str) -> str:
 
 
 def render_chat(messages: Any, where: str) -> Example:
-  """Renders [{role, content}, ...] with CHAT_TURN into a prompt and the final assistant reply."""
+  """Renders [{role, content}, ...] with CHAT_TURN into a prompt and the final assistant reply.
+
+  TFDS stores such a list (a Sequence of {role, content} features) as parallel columns,
+  {'role': [...], 'content': [...]}; that form is accepted too."""
+  if isinstance(messages, Mapping) and 'role' in messages and 'content' in messages:
+    roles, contents = list(messages['role']), list(messages['content'])
+    if len(roles) != len(contents):
+      raise ValueError(f'{where}: messages have {len(roles)} roles but {len(contents)} contents')
+    messages = [{'role': r, 'content': c} for r, c in zip(roles, contents)]
+  if isinstance(messages, (tuple, np.ndarray)):
+    messages = list(messages)
   if not isinstance(messages, list) or not messages:
     raise ValueError(f'{where}: messages should be a non-empty list of {{role, content}} objects')
   turns = []
@@ -183,9 +194,10 @@ class TextSource:
     offset = 0
     with open(path, 'rb') as f:
       for line_no, raw in enumerate(f, start=1):
-        if raw.strip() and start is None:
+        text = raw.removeprefix(UTF8_BOM) if line_no == 1 else raw
+        if text.strip() and start is None:
           start, first_line = offset, line_no
-        elif not raw.strip() and start is not None:
+        elif not text.strip() and start is not None:
           yield start, offset, first_line
           start = None
         try:
@@ -201,7 +213,8 @@ class TextSource:
 
   def __getitem__(self, i: int) -> Example:
     raw, _ = self._records.read(i)
-    return {'text': raw.decode('utf-8').strip()}
+    # The line breaks around the paragraph go, its first line's indentation stays (code, verse).
+    return {'text': raw.removeprefix(UTF8_BOM).decode('utf-8').strip('\r\n')}
 
 
 class TfdsSource:

@@ -20,12 +20,16 @@ HF_CONFIG_FILE = 'tokenizer_config.json'
 # Ids fixed by train_sentencepiece; bos=1 and eos=2 match LongCat-Flash's config.
 PAD_ID, BOS_ID, EOS_ID, UNK_ID = 0, 1, 2, 3
 
-# Used only when tokenizer_config.json does not name the token (first match wins).
+# Used only when tokenizer_config.json has no entry for the token (first match wins); an entry
+# of null means the tokenizer has no such token (e.g. Qwen's bos).
 _GUESSES = {
   'bos': ('<s>', '<|begin_of_text|>', '<bos>', '<|startoftext|>', '<|im_start|>'),
   'eos': ('</s>', '<|end_of_text|>', '<eos>', '<|endoftext|>', '<|im_end|>'),
   'pad': ('<pad>', '[PAD]', '<|pad|>', '<|finetune_right_pad_id|>'),
 }
+
+# Lines longer than this are cut into pieces for SentencePiece training.
+MAX_SENTENCE_CHARS = 4096
 
 Special = int | str | None  # an override: a token id, a token string, or None for the default
 
@@ -84,7 +88,10 @@ class SentencePieceTokenizer:
     name: str = '<sentencepiece proto>',
   ):
     self._state = dict(model_proto=model_proto, bos=bos, eos=eos, pad=pad, name=name)
-    self._sp = spm.SentencePieceProcessor(model_proto=model_proto)
+    try:
+      self._sp = spm.SentencePieceProcessor(model_proto=model_proto)
+    except RuntimeError as e:
+      raise ValueError(f'{name} is not a readable SentencePiece model: {e}') from e
     self.vocab_size = self._sp.vocab_size()
 
     def lookup(piece: str) -> int | None:
@@ -144,21 +151,35 @@ class HFTokenizer:
     self._state = dict(
       tokenizer_json=tokenizer_json, config=config, bos=bos, eos=eos, pad=pad, name=name
     )
-    self._tok = tokenizers.Tokenizer.from_str(tokenizer_json)
+    try:
+      self._tok = tokenizers.Tokenizer.from_str(tokenizer_json)
+    except Exception as e:  # the library raises a bare Exception
+      raise ValueError(f'{name} is not a readable Hugging Face tokenizer.json: {e}') from e
     # Ids can be sparse (added tokens past the base vocab): size the embedding by the largest id.
     self.vocab_size = max(self._tok.get_vocab(with_added_tokens=True).values()) + 1
     lookup = self._tok.token_to_id
 
     def default(kind: str) -> int | None:
-      named = _config_token(config, f'{kind}_token')
-      if named is not None:
+      key = f'{kind}_token'
+      named = _config_token(config, key)
+      if named is not None and lookup(named) is not None:
         return lookup(named)
+      if config.get(key) is not None and kind != 'pad':  # a pad value is never read: guess
+        raise ValueError(
+          f'{name}: {HF_CONFIG_FILE} gives {key} {config[key]!r}, which is not in the '
+          'vocabulary (a tokenizer_config.json from another tokenizer?)'
+        )
+      if key in config and config[key] is None:  # declared absent, e.g. Qwen's "bos_token": null
+        return None
       return next((lookup(t) for t in _GUESSES[kind] if lookup(t) is not None), None)
 
-    common = dict(lookup=lookup, vocab_size=self.vocab_size, where=name)
-    self.bos_id = _resolve(bos, default('bos'), what='bos', **common)
-    self.eos_id = _resolve(eos, default('eos'), what='eos', **common)
-    self.pad_id = _resolve(pad, default('pad'), what='pad', **common) or 0
+    def resolve(kind: str, override: Special) -> int | None:
+      fallback = default(kind) if override is None else None
+      return _resolve(override, fallback, lookup, what=kind, vocab_size=self.vocab_size, where=name)
+
+    self.bos_id = resolve('bos', bos)
+    self.eos_id = resolve('eos', eos)
+    self.pad_id = resolve('pad', pad) or 0
 
   @classmethod
   def from_file(cls, path: str | os.PathLike, **overrides: Special) -> HFTokenizer:
@@ -226,8 +247,15 @@ def train_sentencepiece(
   decode(encode(text)) reproduce the text. `vocab_size` is an upper bound: a small corpus may run
   out of merges first. Single-threaded so that the same texts always give the same model bytes.
   """
-  # SentencePiece skips "sentences" longer than max_sentence_length, so feed documents by line.
-  lines = (line for text in texts for line in text.splitlines() if line.strip())
+  # SentencePiece skips "sentences" longer than max_sentence_length (bytes), silently: feed
+  # documents by line, and long lines in pieces of at most MAX_SENTENCE_CHARS characters.
+  lines = (
+    line[i : i + MAX_SENTENCE_CHARS]
+    for text in texts
+    for line in text.splitlines()
+    if line.strip()
+    for i in range(0, len(line), MAX_SENTENCE_CHARS)
+  )
   model = io.BytesIO()
   try:
     spm.SentencePieceTrainer.train(
@@ -240,6 +268,7 @@ def train_sentencepiece(
       bos_id=BOS_ID,
       eos_id=EOS_ID,
       unk_id=UNK_ID,
+      max_sentence_length=4 * MAX_SENTENCE_CHARS,  # UTF-8: at most 4 bytes a character
       normalization_rule_name='identity',
       remove_extra_whitespaces=False,
       allow_whitespace_only_pieces=True,

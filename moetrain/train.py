@@ -231,7 +231,7 @@ def initial_state(setup: Setup, optimizer, mesh) -> TrainState:
   if setup.peft_adapter:  # continue from (or evaluate) an exported adapter
     model = merge_model(graphdef_of(setup.model), params, moe_bias, frozen)
     hf_longcat.load_peft_adapter(model, setup.model, setup.peft_adapter)
-    params = split_model(model, setup.model)[1]
+    _, params, moe_bias, frozen = split_model(model, setup.model)  # adapters and routers
   return state_from_weights(params, moe_bias, frozen, optimizer, setup.seed, mesh, rules)
 
 

@@ -65,6 +65,14 @@ def perturb_lora(model, seed: int, scale: float = 0.01) -> None:
   nnx.update(model, jax.tree.map(noise, nnx.state(model, nnx.LoRAParam)))
 
 
+def perturb_router(model, seed: int, scale: float = 0.05) -> None:
+  """As training moves them: the expert-bias update the biases, lora.train_router the router."""
+  rng = np.random.default_rng(seed)
+  noise = lambda x: jnp.asarray(np.asarray(x) + scale * rng.standard_normal(x.shape), x.dtype)
+  router = nnx.Any(nnx.PathContains('router'), nnx.PathContains('router_bias'))
+  nnx.update(model, jax.tree.map(noise, nnx.state(model, router)))
+
+
 def hf_loss(logits_BTV, ids_BT):
   """transformers' causal-LM loss: mean cross entropy over the B*(T-1) shifted tokens."""
   logp = jax.nn.log_softmax(logits_BTV[:, :-1].astype(jnp.float32), axis=-1)
@@ -314,10 +322,12 @@ def test_save_hf_merges_lora_and_decodes_int4(tmp_path):
 def test_peft_adapter_round_trip(tmp_path):
   path = fixture('two_layer')
   model, cfg = lora_model('two_layer')
+  perturb_router(model, 5)
   hf.save_peft_adapter(model, cfg, str(tmp_path))
   with open(tmp_path / 'adapter_config.json') as f:
     config = json.load(f)
   assert (config['r'], config['lora_alpha'], config['use_rslora']) == (4, 16.0, False)
+  assert config['modules_to_save'] == ['router']
   with safe_open(str(tmp_path / 'adapter_model.safetensors'), 'numpy') as f:
     shapes = {k: tuple(f.get_slice(k).get_shape()) for k in f.keys()}
   pre = 'base_model.model.model.layers.1.'
@@ -325,6 +335,9 @@ def test_peft_adapter_round_trip(tmp_path):
   assert shapes[pre + 'self_attn.0.q_b_proj.lora_B.weight'] == (2 * 24, 4)  # [N*(P+R), R]
   assert shapes[pre + 'mlp.experts.3.down_proj.lora_B.weight'] == (64, 4)
   assert shapes['base_model.model.lm_head.lora_A.weight'] == (4, 64)
+  assert shapes[pre + 'mlp.router.e_score_correction_bias'] == (6,)  # 4 routed + 2 zero experts
+  assert shapes[pre + 'mlp.router.classifier.weight'] == (6, 64)
+  # Adapters and routers (the base's before the load) come back exactly.
   fresh, _ = lora_model('two_layer', seed=9)
   hf.load_peft_adapter(fresh, cfg, str(tmp_path))
   for x, y in zip(jax.tree.leaves(nnx.state(fresh)), jax.tree.leaves(nnx.state(model))):
@@ -352,6 +365,7 @@ def test_transformers_loads_lora_merged_export(tmp_path):
   transformers = pytest.importorskip('transformers')
   path, ids = fixture('two_layer'), reference('two_layer')['input_ids']
   model, cfg = lora_model('two_layer')
+  perturb_router(model, 5)  # the adapter carries the routers (PEFT modules_to_save)
   want = np.asarray(jax.jit(lambda m, x: m(x)[0])(model, jnp.asarray(ids)))
 
   def hf_logits(directory):

@@ -411,10 +411,23 @@ def save_hf(
 
 ADAPTER_FILE = 'adapter_model.safetensors'
 ADAPTER_CONFIG = 'adapter_config.json'
+# Training moves every layer's e_score_correction_bias (the expert-bias update) and, with
+# lora.train_router, the router classifier: an adapter holds the whole router module as PEFT's
+# modules_to_save (model.layers.{l}.mlp.router, classifier.weight + e_score_correction_bias).
+ROUTER_MODULE = 'router'
 
 
 def _adapted(flat: dict) -> list[Row]:
   return [r for t in table() if (lo := lora_rows(t)) and lo[0].key in flat for r in lo]
+
+
+def _router_rows() -> list[Row]:
+  """The router's rows under PEFT's prefix (as PeftModel.save_pretrained names modules_to_save)."""
+  return [
+    dataclasses.replace(t, name_template=PEFT_PREFIX + t.name_template)
+    for t in table()
+    if f'.mlp.{ROUTER_MODULE}.' in t.name_template
+  ]
 
 
 def _target_modules(rows: list[Row]) -> str:
@@ -426,13 +439,15 @@ def _target_modules(rows: list[Row]) -> str:
 
 
 def save_peft_adapter(model, cfg: ModelConfig, out_dir: str) -> None:
-  """adapter_model.safetensors (lora_A [R, in], lora_B [out, R] per module, experts one by one)
-  and adapter_config.json, as peft's LoraConfig saves them for the HF model."""
-  flat = _flat(nnx.state(model, nnx.LoRAParam))
+  """adapter_model.safetensors (lora_A [R, in], lora_B [out, R] per module, experts one by one,
+  and the routers whole: ROUTER_MODULE) and adapter_config.json, as peft's LoraConfig saves them
+  for the HF model."""
+  flat = _flat(model)
   rows = _adapted(flat)
   if not rows:
     raise ValueError('the model has no LoRA adapters (cfg.lora.rank is 0 or targets match none)')
-  items = [(r, ix) for r in rows for ix in r.indices(cfg.num_layers, cfg.n_routed_experts)]
+  saved = rows + _router_rows()
+  items = [(r, ix) for r in saved for ix in r.indices(cfg.num_layers, cfg.n_routed_experts)]
   specs = [
     (r.name(ix), sio.flat_shape(flat[r.key].shape[r.lead :], r.n_in), flat[r.key].dtype)
     for r, ix in items
@@ -460,7 +475,7 @@ def save_peft_adapter(model, cfg: ModelConfig, out_dir: str) -> None:
     'use_dora': False,
     'init_lora_weights': True,
     'inference_mode': True,
-    'modules_to_save': None,
+    'modules_to_save': [ROUTER_MODULE],
     'base_model_name_or_path': None,
   }
   if writable:
@@ -469,7 +484,8 @@ def save_peft_adapter(model, cfg: ModelConfig, out_dir: str) -> None:
 
 
 def load_peft_adapter(model, cfg: ModelConfig, directory: str) -> None:
-  """Reads a PEFT adapter into the model's LoRA params in place, keeping their shardings."""
+  """Reads a PEFT adapter into the model's LoRA params, and its routers when the adapter holds
+  them (ROUTER_MODULE), in place, keeping their shardings."""
   with open(os.path.join(directory, ADAPTER_CONFIG)) as f:
     c = json.load(f)
   for key, field, default in (
@@ -484,9 +500,13 @@ def load_peft_adapter(model, cfg: ModelConfig, directory: str) -> None:
         f'{ADAPTER_CONFIG}: {key}={c.get(key, default)!r} but the model has '
         f'{f"lora.{field}" if field else key}={want!r}'
       )
-  variables = dict(nnx.to_flat_state(nnx.state(model, nnx.LoRAParam)))
+  router = ROUTER_MODULE in (c.get('modules_to_save') or ())
+  filt = nnx.LoRAParam
+  if router:
+    filt = nnx.Any(filt, nnx.PathContains('router'), nnx.PathContains('router_bias'))
+  variables = dict(nnx.to_flat_state(nnx.state(model, filt)))
   flat = {p: _value(v) for p, v in variables.items()}
-  rows = _adapted(flat)
+  rows = _adapted(flat) + (_router_rows() if router else [])
   reader = stio.Reader(directory, single=ADAPTER_FILE, index=None)
   extra = _check(reader, rows, cfg, {p: x.shape for p, x in flat.items()})
   if extra:

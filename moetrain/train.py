@@ -261,21 +261,46 @@ def restore_or_init(setup: Setup, ckpt: Checkpointer, optimizer, mesh, train_ite
   return dataclasses.replace(state, **saved)
 
 
+def tool_config(config, workdir: str | None):
+  """The config a tool (evaluate, export, generate) reads --workdir's run with: its own
+  <workdir>/config.json when `config` (--config) is None, else `config`, which must match the
+  run's model, LoRA and frozen base as a resume must (check_resumable)."""
+  if workdir and not runtime.saved_steps(workdir):
+    raise ValueError(
+      f'--workdir={workdir!r} holds no checkpoints ({os.path.join(workdir, "checkpoints")}); '
+      'leave --workdir out to use the initial weights of --config'
+    )
+  if config is not None:
+    if workdir:
+      check_resumable(config, workdir, advice="pass the run's settings, or leave --config out")
+    return config
+  if not workdir:
+    raise ValueError('pass --config, or --workdir of a run (its config.json is then used)')
+  import ml_collections
+
+  path = os.path.join(workdir, 'config.json')
+  if not os.path.isfile(path):
+    raise FileNotFoundError(f"{path} does not exist: pass the run's --config")
+  with open(path) as f:
+    return ml_collections.ConfigDict(json.load(f))
+
+
 def load_latest(setup: Setup, workdir: str | None, mesh) -> TrainState:
-  """The run's latest checkpoint (or its initial state when it has none), for tools."""
+  """The run's latest checkpoint (its initial state without a workdir), for tools; check the
+  config with tool_config first."""
   optimizer = optim.make_optimizer(setup.optim, setup.train.steps)
   state = initial_state(setup, optimizer, mesh)
   if workdir:
     ckpt = Checkpointer(workdir, every=1, keep=setup.train.keep_checkpoints, async_save=False)
-    step = ckpt.latest_step()
-    if step is not None:
-      saved, _, _ = ckpt.restore(step, state)
-      state = dataclasses.replace(state, **saved)
+    saved, _, _ = ckpt.restore(ckpt.latest_step(), state)
+    state = dataclasses.replace(state, **saved)
     ckpt.close()
   return state
 
 
-def check_resumable(config, workdir: str) -> None:
+def check_resumable(
+  config, workdir: str, advice: str = 'resume with the same ones or use a new --workdir'
+) -> None:
   """Before resuming from <workdir>/checkpoints, the model and LoRA settings that shape the saved
   state must equal those of the run that saved it (<workdir>/config.json); name any that differ
   instead of failing deep inside the restore. ENGINE_FIELDS (how the model computes) may change.
@@ -312,8 +337,8 @@ def check_resumable(config, workdir: str) -> None:
       )
   if diffs:
     raise ValueError(
-      f'{workdir} holds checkpoints of a run with other settings; resume with the same ones or '
-      'use a new --workdir:\n  ' + '\n  '.join(diffs)
+      f'{workdir} holds checkpoints of a run with other settings; {advice}:\n  '
+      + '\n  '.join(diffs)
     )
   changed = [
     f'data.{key}: {saved["data"][key]!r} in the checkpointed run, now {now["data"].get(key)!r}'

@@ -15,6 +15,7 @@ from safetensors.numpy import save_file
 
 from moetrain import sharding, train_state
 from moetrain.convert import hf_longcat as hf
+from moetrain.convert import safetensors_io as stio
 from moetrain.model import moe as moe_lib
 from moetrain.model import quant
 from moetrain.model.config import LoraConfig
@@ -216,6 +217,22 @@ def test_missing_and_misshapen_tensors_name_the_key(tmp_path):
     hf.load_params(more, cfg)
 
 
+def test_broken_checkpoint_files_are_named(tmp_path):
+  """A truncated shard, an index without its weight map, a shard the index lists but lacks."""
+  src = fixture('two_layer_sharded_bf16')
+  shutil.copytree(src, tmp_path / 'a')
+  shard = tmp_path / 'a' / 'model-00002-of-00003.safetensors'
+  shard.write_bytes(shard.read_bytes()[:1000])
+  with pytest.raises(ValueError, match='model-00002-of-00003.safetensors is not a readable'):
+    stio.Reader(str(tmp_path / 'a'))
+  shard.unlink()
+  with pytest.raises(FileNotFoundError, match='model-00002-of-00003.safetensors does not exist'):
+    stio.Reader(str(tmp_path / 'a'))
+  (tmp_path / 'a' / 'model.safetensors.index.json').write_text('{"metadata": {}}')
+  with pytest.raises(ValueError, match=r'index\.json: not a safetensors index'):
+    stio.Reader(str(tmp_path / 'a'))
+
+
 @pytest.mark.parametrize(
   'key,value,match',
   [
@@ -223,6 +240,7 @@ def test_missing_and_misshapen_tensors_name_the_key(tmp_path):
     ('tie_word_embeddings', True, 'tie_word_embeddings'),
     ('head_dim', 64, 'head_dim=64 must equal qk_rope_head_dim=8'),
     ('q_lora_rank', None, 'q_lora_rank'),
+    ('num_layers', '2', r"config\.json: \{'num_layers': '2'\} should be integers"),
   ],
 )
 def test_config_rejects_unsupported(key, value, match):

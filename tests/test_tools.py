@@ -1,11 +1,12 @@
-"""Command-line tools on a finished run: evaluate and the expert-load heatmap."""
+"""Command-line tools on a finished run: evaluate, export and the expert-load heatmap."""
 
 import json
 import os
 
 import numpy as np
+import pytest
 
-from moetrain.tools import evaluate, expert_load
+from moetrain.tools import evaluate, expert_load, export
 from tests.test_train import small_config, uninterrupted  # noqa: F401 (fixture)
 
 
@@ -39,3 +40,50 @@ def test_expert_load_after_a_resume(tmp_path):
   np.testing.assert_array_equal(loads[:, 0, 0], [1, 2, 30, 40, 5])
   out = expert_load.plot(steps, loads, str(tmp_path / 'load.png'))
   assert os.path.getsize(out) > 1000
+
+
+def test_tools_read_the_runs_own_config(uninterrupted, tmp_path):  # noqa: F811
+  """Without --config a tool reads the run's config.json; a --config that differs from the run
+  in what shapes its weights is refused by name; a --workdir without checkpoints is an error,
+  not the initial weights (and it is not created)."""
+  workdir, out = uninterrupted
+  ev = evaluate.evaluate_checkpoint(None, workdir, max_batches=1)
+  assert ev['step'] == 6 and abs(ev['loss'] - out['eval_loss']) < 1e-6
+  other = small_config()
+  other.lora.alpha = 32.0
+  with pytest.raises(ValueError, match=r'(?s)leave --config out.*lora\.alpha: 16\.0 in the'):
+    evaluate.evaluate_checkpoint(other, workdir, max_batches=1)
+  typo = str(tmp_path / 'typo')
+  with pytest.raises(ValueError, match='holds no checkpoints'):
+    export.export(None, typo, str(tmp_path / 'out'))
+  assert not os.path.exists(typo)
+  with pytest.raises(ValueError, match='--max_batches=0'):
+    evaluate.evaluate_checkpoint(None, workdir, max_batches=0)
+
+
+def test_export_guards_its_output(uninterrupted, tmp_path, monkeypatch):  # noqa: F811
+  workdir, _ = uninterrupted
+  for out, message in (
+    ('gs://bucket/x', 'object-store'),
+    (os.path.join(workdir, 'exported'), 'overlaps --workdir'),
+  ):
+    with pytest.raises(ValueError, match=message):
+      export.export(None, workdir, out)
+  with pytest.raises(ValueError, match=r"--dtype='int8'"):
+    export.export(None, workdir, str(tmp_path / 'x'), dtype='int8')
+  out = str(tmp_path / 'adapter')
+  export.export(None, workdir, out, adapter_only=True)
+  before = {f: os.path.getsize(os.path.join(out, f)) for f in os.listdir(out)}
+  assert sorted(before) == ['adapter_config.json', 'adapter_model.safetensors']
+
+  # A failure half-way through writing leaves the earlier export as it was, and no debris.
+  def fail(model, cfg, out_dir):
+    with open(os.path.join(out_dir, 'adapter_model.safetensors'), 'wb') as f:
+      f.write(b'partial')
+    raise OSError('disk full')
+
+  monkeypatch.setattr(export.hf_longcat, 'save_peft_adapter', fail)
+  with pytest.raises(OSError, match='disk full'):
+    export.export(None, workdir, out, adapter_only=True)
+  assert {f: os.path.getsize(os.path.join(out, f)) for f in os.listdir(out)} == before
+  assert sorted(os.listdir(tmp_path)) == ['adapter']

@@ -108,6 +108,9 @@ def config_from_hf(config_json: dict, **overrides) -> ModelConfig:
       f'config.json qk_head_dim={c["qk_head_dim"]} != qk_nope_head_dim + '
       f'qk_rope_head_dim = {nope + rope}'
     )
+  wrong = {k: c[k] for k in _REQUIRED if type(c[k]) is not int}  # bool too: not a size
+  if wrong:
+    raise ValueError(f'config.json: {wrong} should be integers')
   kw = {field: c[key] for key, field in _REQUIRED.items()}
   kw.update({field: float(c.get(key, d)) for key, (field, d) in _OPTIONAL.items()})
   kw['max_position_embeddings'] = int(kw['max_position_embeddings'])

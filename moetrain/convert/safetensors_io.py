@@ -33,15 +33,19 @@ class Reader:
       files = [single]
       self.files = None
     elif index_path and os.path.exists(index_path):
-      with open(index_path) as f:
-        weight_map = json.load(f)['weight_map']
-      self.files = dict(weight_map)
+      try:
+        with open(index_path) as f:
+          weight_map = json.load(f)['weight_map']
+        self.files = dict(weight_map)
+      except (ValueError, KeyError, TypeError) as e:  # JSONDecodeError is a ValueError
+        raise ValueError(
+          f'{index_path}: not a safetensors index (a JSON object with a "weight_map" of tensor '
+          f'name -> file): {e!r}'
+        ) from e
       files = sorted(set(weight_map.values()))
     else:
       raise FileNotFoundError(f'{directory} holds neither {single} nor {index}')
-    self._handles = {
-      name: safe_open(os.path.join(directory, name), framework='numpy') for name in files
-    }
+    self._handles = {name: _open(os.path.join(directory, name)) for name in files}
     if self.files is None:
       self.files = {k: single for k in self._handles[single].keys()}
 
@@ -70,6 +74,15 @@ class Reader:
       )
     sl = self._slice(name)
     return np.asarray(sl[tuple(index)] if index else sl[:])
+
+
+def _open(path: str):
+  if not os.path.isfile(path):
+    raise FileNotFoundError(f'{path} does not exist (listed in the safetensors index)')
+  try:
+    return safe_open(path, framework='numpy')
+  except Exception as e:  # SafetensorError: truncated, not safetensors, a Git LFS pointer
+    raise ValueError(f'{path} is not a readable safetensors file: {e}') from e
 
 
 def plan_shards(sizes: list[int], max_bytes: int) -> list[list[int]]:

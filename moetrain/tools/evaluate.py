@@ -1,14 +1,16 @@
 """Loss, perplexity and token accuracy of a checkpoint on a dataset, sharded like training.
 
-  python -m moetrain.tools.evaluate --config=configs/longcat_lora.py --workdir=runs/longcat_lora
+  python -m moetrain.tools.evaluate --workdir=runs/longcat_lora
   python -m moetrain.tools.evaluate --config=configs/longcat_lora.py --config.init.hf_checkpoint=DIR
 
-The data section of the config chooses the dataset (data.eval_split, or --split); the latest
-checkpoint of --workdir is evaluated, or the config's initial weights when it has none.
+The latest checkpoint of --workdir is evaluated with the run's own config.json (or --config,
+which must match the run); without --workdir, the initial weights of --config. The data section
+chooses the dataset (data.eval_split, or --split).
 """
 
 import dataclasses
 import functools
+import tempfile
 
 import jax
 from absl import app, flags
@@ -21,7 +23,7 @@ from moetrain.train_step import eval_step
 
 
 def define_flags():
-  config_flags.DEFINE_config_file('config', None, 'Experiment config file.')
+  config_flags.DEFINE_config_file('config', None, "Experiment config (default: the run's own).")
   flags.DEFINE_string('workdir', None, 'Run directory whose latest checkpoint to load.')
   flags.DEFINE_string('split', None, 'Split to evaluate (default data.eval_split).')
   flags.DEFINE_integer('max_batches', None, 'Cap on eval batches.')
@@ -31,11 +33,15 @@ def define_flags():
 def evaluate_checkpoint(
   config, workdir: str | None, split: str | None = None, max_batches: int | None = None
 ) -> dict:
+  if max_batches is not None and max_batches <= 0:
+    raise ValueError(f'--max_batches={max_batches} must be positive (or left out: all batches)')
+  config = train.tool_config(config, workdir)
   setup = train.build(config)
   if split:
     setup = dataclasses.replace(setup, data=dataclasses.replace(setup.data, eval_split=split))
   mesh = sharding.make_mesh(setup.mesh_shape)
-  tokenizer = pipeline.make_tokenizer(setup.data, workdir or '/tmp/moetrain_eval')
+  # Without a run, a trained tokenizer goes to a fresh directory: never one cached for other data.
+  tokenizer = pipeline.make_tokenizer(setup.data, workdir or tempfile.mkdtemp(prefix='moetrain'))
   batches = pipeline.make_eval_batches(
     setup.data,
     tokenizer,
@@ -66,5 +72,4 @@ def main(argv):
 
 if __name__ == '__main__':
   define_flags()
-  flags.mark_flags_as_required(['config'])
   app.run(main)

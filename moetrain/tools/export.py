@@ -1,8 +1,16 @@
 """Exports a run to Hugging Face: the merged model, or the adapters alone (PEFT layout).
 
-  python -m moetrain.tools.export --config=configs/longcat_lora.py --workdir=runs/longcat_lora \
-      --out=exported/ [--adapter_only] [--dtype=bfloat16]
+  python -m moetrain.tools.export --workdir=runs/longcat_lora --out=exported/ \
+      [--adapter_only] [--dtype=bfloat16] [--config=configs/longcat_lora.py]
+
+The run's own config.json is used unless --config is given (it must then match the run). The
+files are written next to --out and moved into it only once all are complete: a failed or killed
+export leaves an earlier export in --out as it was.
 """
+
+import os
+import shutil
+import tempfile
 
 import jax
 from absl import app, flags
@@ -12,30 +20,88 @@ from moetrain import runtime, sharding, train
 from moetrain.convert import hf_longcat
 from moetrain.train_state import graphdef_of, merge_model
 
+DTYPES = ('float32', 'bfloat16', 'float16')
+
 
 def define_flags():
-  config_flags.DEFINE_config_file('config', None, 'Experiment config file of the run.')
+  config_flags.DEFINE_config_file('config', None, "Experiment config (default: the run's own).")
   flags.DEFINE_string('workdir', None, 'Run directory (its latest checkpoint is exported).')
   flags.DEFINE_string('out', None, 'Output directory.')
   flags.DEFINE_bool('adapter_only', False, 'Write adapter_model.safetensors + adapter_config.json.')
-  flags.DEFINE_string('dtype', None, 'Weight dtype of the merged export (default param_dtype).')
+  flags.DEFINE_string(
+    'dtype', None, f'Weight dtype of the merged export {DTYPES}; default the model.param_dtype.'
+  )
   runtime.define_process_flags()
 
 
+def _inside(path: str, directory: str) -> bool:
+  path, directory = os.path.realpath(path), os.path.realpath(directory)
+  return os.path.commonpath([path, directory]) == directory
+
+
+def check_out(out: str, workdir: str, setup: train.Setup) -> None:
+  """--out must be a local (or mounted) directory apart from what the export reads."""
+  if '://' in out:
+    raise ValueError(
+      f'--out={out!r}: object-store paths are not supported; export to a local or mounted '
+      'directory (e.g. gcsfuse) and copy it'
+    )
+  for flag, source in (
+    ('--workdir', workdir),
+    ('init.hf_checkpoint', setup.hf_checkpoint),
+    ('init.peft_adapter', setup.peft_adapter),
+  ):
+    if source and (_inside(out, source) or _inside(source, out)):
+      raise ValueError(f'--out={out!r} overlaps {flag}={source!r}, which the export reads')
+
+
 def export(config, workdir: str, out: str, adapter_only: bool = False, dtype=None) -> str:
+  if dtype is not None and dtype not in DTYPES:
+    raise ValueError(f'--dtype={dtype!r}: use one of {DTYPES}')
+  if dtype is not None and adapter_only:
+    raise ValueError('--dtype applies to the merged export; adapters keep their training dtype')
+  config = train.tool_config(config, workdir)
   setup = train.build(config)
+  check_out(out, workdir, setup)
+  if adapter_only and not setup.model.lora.enabled:
+    raise ValueError('--adapter_only needs a LoRA run (lora.rank > 0)')
   mesh = sharding.make_mesh(setup.mesh_shape)
-  with jax.set_mesh(mesh):
-    state = train.load_latest(setup, workdir, mesh)
-    model = merge_model(graphdef_of(setup.model), state.params, state.moe_bias, state.frozen)
-    if adapter_only:
-      if not setup.model.lora.enabled:
-        raise ValueError('--adapter_only needs a LoRA run (lora.rank > 0)')
-      hf_longcat.save_peft_adapter(model, setup.model, out)
-    else:
-      base = hf_longcat.read_config(setup.hf_checkpoint) if setup.hf_checkpoint else None
-      hf_longcat.save_hf(model, setup.model, out, dtype=dtype, base_config=base)
+  primary = jax.process_index() == 0
+  # Written beside --out (same filesystem, so the final moves are renames).
+  parent = os.path.dirname(os.path.abspath(out))
+  staging = None
+  if primary:
+    os.makedirs(parent, exist_ok=True)
+    staging = tempfile.mkdtemp(prefix=f'.{os.path.basename(os.path.abspath(out))}.', dir=parent)
+  try:
+    with jax.set_mesh(mesh):
+      state = train.load_latest(setup, workdir, mesh)
+      model = merge_model(graphdef_of(setup.model), state.params, state.moe_bias, state.frozen)
+      target = staging or out  # only process 0 writes; the others take part in the gathers
+      if adapter_only:
+        hf_longcat.save_peft_adapter(model, setup.model, target)
+      else:
+        base = hf_longcat.read_config(setup.hf_checkpoint) if setup.hf_checkpoint else None
+        hf_longcat.save_hf(model, setup.model, target, dtype=dtype, base_config=base)
+    if primary:
+      _replace_contents(staging, out)
+  finally:
+    if staging:
+      shutil.rmtree(staging, ignore_errors=True)
   return out
+
+
+def _replace_contents(staging: str, out: str) -> None:
+  """Moves the finished files into `out`, removing the model files of an earlier export there
+  first (a stale model.safetensors would shadow a new sharded index)."""
+  os.makedirs(out, exist_ok=True)
+  new = set(os.listdir(staging))
+  for name in os.listdir(out):
+    stale = name.startswith(('model', 'adapter_model')) and name.endswith(('.safetensors', '.json'))
+    if stale and name not in new:
+      os.remove(os.path.join(out, name))
+  for name in sorted(new, key=lambda n: n == 'config.json' or n == 'adapter_config.json'):
+    os.replace(os.path.join(staging, name), os.path.join(out, name))
 
 
 def main(argv):
@@ -49,5 +115,5 @@ def main(argv):
 
 if __name__ == '__main__':
   define_flags()
-  flags.mark_flags_as_required(['config', 'workdir', 'out'])
+  flags.mark_flags_as_required(['workdir', 'out'])
   app.run(main)

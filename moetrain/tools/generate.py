@@ -1,14 +1,17 @@
 """Text generation (greedy or top-p) over the latent KV cache, and its command line.
 
   python -m moetrain.tools.generate --hf_checkpoint=DIR --prompt='Hello' --max_new_tokens=32
-  python -m moetrain.tools.generate --config=configs/longcat_lora.py --workdir=runs/longcat_lora \
+  python -m moetrain.tools.generate --workdir=runs/longcat_lora \
       --prompt='Hello' --temperature=0.8 --top_p=0.9 --seed=1
+  python -m moetrain.tools.generate --config=configs/longcat_lora.py --prompt='Hello'
 
-With --config, --workdir's latest checkpoint is loaded (the config's initial weights if it has
-none, e.g. --config.init.hf_checkpoint=DIR); prints the text and prefill + decode tokens/s.
+--workdir's latest checkpoint is loaded with the run's own config.json (or --config, which must
+match the run); --config alone loads its initial weights (e.g. --config.init.hf_checkpoint=DIR).
+Prints the text and prefill + decode tokens/s.
 """
 
 import functools
+import tempfile
 import time
 
 import jax
@@ -166,11 +169,11 @@ def define_flags():
   flags.DEFINE_string(
     'hf_checkpoint', None, 'Hugging Face directory (config.json, safetensors, tokenizer.json).'
   )
-  config_flags.DEFINE_config_file('config', None, 'Training config of --workdir.', lock_config=True)
+  config_flags.DEFINE_config_file(
+    'config', None, "Training config (default: --workdir's own).", lock_config=True
+  )
   flags.DEFINE_string(
-    'workdir',
-    None,
-    'Run directory of --config whose latest checkpoint to load (none: the initial weights).',
+    'workdir', None, 'Run directory whose latest checkpoint to load (none: the initial weights).'
   )
   flags.DEFINE_string('prompt', '', 'Text to continue.')
   flags.DEFINE_integer('max_new_tokens', 32, 'Tokens to generate.')
@@ -196,12 +199,14 @@ def load_run(config, workdir: str | None):
   from moetrain.data import pipeline
   from moetrain.train_state import graphdef_of, merge_model
 
+  config = train.tool_config(config, workdir)
   setup = train.build(config)
   mesh = sharding.make_mesh(setup.mesh_shape)
   with jax.set_mesh(mesh):
     state = train.load_latest(setup, workdir, mesh)
   model = merge_model(graphdef_of(setup.model), state.params, state.moe_bias, state.frozen)
-  tokenizer = pipeline.make_tokenizer(setup.data, workdir or '/tmp/moetrain_generate')
+  # Without a run, a trained tokenizer goes to a fresh directory: never one cached for other data.
+  tokenizer = pipeline.make_tokenizer(setup.data, workdir or tempfile.mkdtemp(prefix='moetrain'))
   return model, tokenizer, int(state.step)
 
 
@@ -209,8 +214,10 @@ def main(argv):
   runtime.start_command(preemption=False)  # saves nothing: stay killable
   del argv
   f = flags.FLAGS
-  if bool(f.hf_checkpoint) == (f.config is not None):
-    raise app.UsageError('pass --hf_checkpoint=DIR, or --config (with --workdir for a run)')
+  if bool(f.hf_checkpoint) == (f.config is not None or f.workdir is not None):
+    raise app.UsageError('pass --hf_checkpoint=DIR, or --workdir of a run, or --config')
+  if f.max_new_tokens < 1:
+    raise app.UsageError(f'--max_new_tokens={f.max_new_tokens} must be at least 1')
   if f.hf_checkpoint:
     model, tok = load_hf(f.hf_checkpoint)
     source = f.hf_checkpoint

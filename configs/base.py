@@ -128,5 +128,7 @@ def get_config() -> config_dict.ConfigDict:
   t.checkpoint_every = 50  # save every N steps (and at the end)
   t.keep_checkpoints = 3  # checkpoints kept
   t.async_checkpoint = True  # write checkpoints in the background
-  t.compilation_cache = '~/.cache/moetrain/jax'  # persistent XLA cache; '' = off
+  # Persistent XLA cache: a directory, '' = off, or 'auto': ~/.cache/moetrain/jax on one
+  # process, <workdir>/jax_cache on several (only process 0 writes it: it must be shared).
+  t.compilation_cache = 'auto'
   return c

@@ -42,7 +42,7 @@ def _thp_allowed() -> bool:
 def hugepage_environment(environ) -> dict | None:
   """`environ` with the huge-page malloc tunable added, or None where it is set already, was
   turned off, or this system cannot use it."""
-  if sys.platform != 'linux' or environ.get('MOETRAIN_NO_REEXEC'):
+  if sys.platform != 'linux' or env_flag('MOETRAIN_NO_REEXEC', environ):
     return None
   tunables = environ.get('GLIBC_TUNABLES', '')
   if TUNABLE in tunables or not _glibc_supports_hugetlb() or not _thp_allowed():
@@ -86,6 +86,11 @@ def quiet_library_logs(packages=('orbax',)) -> None:
     handler.addFilter(_QuietBelowWarning(package))
 
 
+def env_flag(name: str, environ=os.environ) -> bool:
+  """A yes/no environment variable: 1, true, yes or on (any case) is yes."""
+  return environ.get(name, '').strip().lower() in ('1', 'true', 'yes', 'on')
+
+
 def define_process_flags() -> None:
   """The flags that make a command one process of a multi-process JAX job (idempotent)."""
   from absl import flags
@@ -118,7 +123,10 @@ def initialize_distributed(preemption: bool = True, resume_step: int | None = No
 
   f = flags.FLAGS
   explicit = 'num_processes' in f and f.num_processes is not None
-  detected = os.environ.get('MOETRAIN_DISTRIBUTED') or 'TPU_WORKER_HOSTNAMES' in os.environ
+  detected = env_flag('MOETRAIN_DISTRIBUTED') or 'TPU_WORKER_HOSTNAMES' in os.environ
+  given = lambda name: name in f and f[name].value is not None
+  if not explicit and (given('process_id') or given('coordinator_address')):
+    raise app.UsageError('--process_id and --coordinator_address need --num_processes')
   if not explicit and not detected:
     return
   jax.config.update('jax_enable_preemption_service', preemption)

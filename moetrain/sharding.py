@@ -93,6 +93,9 @@ def resolve_mesh_shape(shape: Sequence[int], num_devices: int) -> tuple[int, ...
     raise ValueError(f'mesh.shape needs {len(MESH_AXES)} entries {MESH_AXES}, got {shape}')
   if shape.count(-1) > 1:
     raise ValueError(f'mesh.shape={shape}: at most one entry may be -1')
+  bad = [s for s in shape if s < 1 and s != -1]
+  if bad:
+    raise ValueError(f'mesh.shape={shape}: entries are axis sizes >= 1, or -1 for the rest')
   if -1 in shape:
     known = int(np.prod([s for s in shape if s != -1]))
     if num_devices % known:
@@ -149,6 +152,24 @@ def batch_sharding(mesh, ndim: int = 2) -> NamedSharding:
   axes = tuple(a for a in BATCH_AXES if mesh.shape[a] > 1)
   first = None if not axes else axes[0] if len(axes) == 1 else axes
   return NamedSharding(mesh, P(first, *([None] * (ndim - 1))))
+
+
+def check_hosts_own_rows(sharding_, rows: int) -> None:
+  """Each process loads its own rows of every batch (its 1/process_count slice of the data), so
+  no two processes may hold the same batch rows. When they do (a 'tensor' axis that spans hosts
+  replicates the batch over them), the array the step sees would differ from host to host."""
+  held = {}
+  for device, index in sharding_.devices_indices_map((rows, 1)).items():
+    held.setdefault(device.process_index, set()).update(range(*index[0].indices(rows)))
+  procs = sorted(held)
+  for i, a in enumerate(procs):
+    for b in procs[i + 1 :]:
+      if held[a] & held[b]:
+        raise ValueError(
+          f'processes {a} and {b} would both hold batch rows {min(held[a] & held[b])}...: the '
+          f"batch axes (data, fsdp, expert) must split the batch over the hosts; keep the 'tensor' "
+          'axis of mesh.shape within a host'
+        )
 
 
 def replicated(mesh) -> NamedSharding:

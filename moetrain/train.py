@@ -151,6 +151,13 @@ def build(config, num_devices: int | None = None, process_count: int | None = No
       f"model.n_routed_experts={model.n_routed_experts} is not divisible by the 'expert' mesh axis "
       f'({sizes["expert"]}); change mesh.shape or the expert count'
     )
+  per_host = num_devices // process_count
+  if per_host % sizes['tensor']:
+    raise ValueError(
+      f"mesh.shape={mesh_shape}: the 'tensor' axis ({sizes['tensor']}) must divide the "
+      f'{per_host} devices of each process: across hosts it would replicate the batch, which '
+      'each host loads its own slice of'
+    )
   batch_shards = sizes['data'] * sizes['fsdp'] * sizes['expert']
   per_micro = data.global_batch_size // opt.grad_accum_steps
   if data.global_batch_size % opt.grad_accum_steps or per_micro % batch_shards:
@@ -178,6 +185,18 @@ def build(config, num_devices: int | None = None, process_count: int | None = No
     config.init.hf_checkpoint,
     config.init.peft_adapter,
   )
+
+
+HOST_CACHE = '~/.cache/moetrain/jax'
+
+
+def compilation_cache_dir(setting: str, workdir: str) -> str:
+  """train.compilation_cache: a directory, '' for none, or 'auto': HOST_CACHE on one process; on
+  several, <workdir>/jax_cache. JAX writes cache entries from process 0 only, so the other hosts
+  find them only in a directory they all share, and the run directory is one."""
+  if setting != 'auto':
+    return setting
+  return HOST_CACHE if jax.process_count() == 1 else os.path.join(workdir, 'jax_cache')
 
 
 def enable_compilation_cache(path: str) -> None:
@@ -359,7 +378,7 @@ def check_resumable(
 def run(config, workdir: str) -> dict:
   setup = build(config)
   t = setup.train
-  enable_compilation_cache(t.compilation_cache)
+  enable_compilation_cache(compilation_cache_dir(t.compilation_cache, runtime.run_dir(workdir)))
   mesh = sharding.make_mesh(setup.mesh_shape)
   check_resumable(config, workdir)
   ckpt = Checkpointer(
@@ -395,6 +414,7 @@ def run(config, workdir: str) -> dict:
   lr_fn = optim.schedule(setup.optim, t.steps)
   graphdef = graphdef_of(setup.model)
   batch_sharding = sharding.batch_sharding(mesh)
+  sharding.check_hosts_own_rows(batch_sharding, setup.data.global_batch_size)
   with jax.set_mesh(mesh):
     state = restore_or_init(setup, ckpt, optimizer, mesh, train_iter)
     start = int(state.step)

@@ -70,11 +70,41 @@ def base_config(**overrides):
     ({'model.quant': 'int3'}, 'model.quant'),
     ({'train.steps': 0}, 'train.steps'),
     ({'train.eval_batches': 0}, 'train.eval_batches'),
+    ({'mesh.shape': (0, -1, 1, 1)}, 'mesh.shape'),
+    ({'mesh.shape': (-2, -1, 1, 1)}, 'mesh.shape'),
   ],
 )
 def test_bad_config_names_the_field(overrides, field):
   with pytest.raises(ValueError, match=field.replace('.', r'\.')):
     train.build(base_config(**overrides), num_devices=8, process_count=1)
+
+
+def test_tensor_axis_across_hosts_is_refused():
+  """Each host loads its own rows: a tensor axis spanning hosts would replicate the batch."""
+  config = base_config(**{'mesh.shape': (1, 1, 1, -1)})
+  train.build(config, num_devices=8, process_count=1)
+  with pytest.raises(ValueError, match=r"'tensor' axis \(8\) must divide the 4 devices"):
+    train.build(config, num_devices=8, process_count=2)
+  train.build(base_config(**{'mesh.shape': (1, -1, 1, 2)}), num_devices=8, process_count=2)
+
+
+def test_hosts_must_own_their_batch_rows():
+  from collections import namedtuple
+
+  from moetrain import sharding
+
+  Device = namedtuple('Device', 'id process_index')
+
+  class Layout:  # devices_indices_map of a 4-device batch sharding over 2 processes
+    def __init__(self, rows_of_device):
+      self.rows = rows_of_device
+
+    def devices_indices_map(self, shape):
+      return {Device(d, d // 2): (slice(*r), slice(None)) for d, r in enumerate(self.rows)}
+
+  sharding.check_hosts_own_rows(Layout([(0, 2), (2, 4), (4, 6), (6, 8)]), 8)
+  with pytest.raises(ValueError, match='processes 0 and 1 would both hold batch rows 0'):
+    sharding.check_hosts_own_rows(Layout([(0, 4), (4, 8), (0, 4), (4, 8)]), 8)
 
 
 def test_missing_hf_checkpoint_names_the_field(tmp_path):
@@ -100,3 +130,12 @@ def test_no_warmup_starts_at_the_full_rate():
 
   fn = optim.schedule(optim.OptimConfig(warmup_steps=0, learning_rate=1e-3), 100)
   assert abs(float(fn(0)) - 1e-3) < 1e-9 and float(fn(100)) < 1e-3
+
+
+def test_compilation_cache_is_shared_on_several_hosts(monkeypatch):
+  """JAX writes the persistent cache from process 0 only: on several hosts 'auto' puts it in the
+  run directory, which they all share."""
+  assert train.compilation_cache_dir('auto', '/runs/a') == train.HOST_CACHE
+  assert train.compilation_cache_dir('/cache', '/runs/a') == '/cache'
+  monkeypatch.setattr(train.jax, 'process_count', lambda: 2)
+  assert train.compilation_cache_dir('auto', '/runs/a') == '/runs/a/jax_cache'

@@ -26,6 +26,8 @@ def test_tunable_is_added_once_and_keeps_others(capable):
 
 def test_opt_out_and_unsupported_systems(capable, monkeypatch):
   assert runtime.hugepage_environment({'MOETRAIN_NO_REEXEC': '1'}) is None
+  assert runtime.hugepage_environment({'MOETRAIN_NO_REEXEC': 'True'}) is None
+  assert runtime.hugepage_environment({'MOETRAIN_NO_REEXEC': '0'}) is not None  # "0" is no
   monkeypatch.setattr(runtime, '_thp_allowed', lambda: False)
   assert runtime.hugepage_environment({}) is None
 
@@ -68,3 +70,15 @@ def test_object_store_workdirs_are_refused_by_name(tmp_path):
     Checkpointer('gs://bucket/run', every=1, keep=1)
   assert runtime.run_dir(str(tmp_path / 'run')) == str(tmp_path / 'run')
   assert runtime.saved_steps(str(tmp_path / 'run')) == []
+
+
+def test_process_flags_without_num_processes_are_refused():
+  """--process_id alone would run a separate one-process job writing the same run directory."""
+  out = subprocess.run(
+    [sys.executable, '-m', 'moetrain.tools.evaluate', '--workdir=/nonexistent', '--process_id=1'],
+    capture_output=True,
+    text=True,
+    env={**os.environ, 'MOETRAIN_NO_REEXEC': '1'},
+  )
+  assert out.returncode != 0
+  assert '--process_id and --coordinator_address need --num_processes' in out.stderr

@@ -7,5 +7,9 @@ cd "$(dirname "$0")/.."
 tar czf /tmp/moetrain.tgz --exclude=.venv --exclude=runs --exclude=.git .
 gcloud compute tpus tpu-vm scp /tmp/moetrain.tgz "$TPU_NAME":~/ --zone="$ZONE" --worker=all
 gcloud compute tpus tpu-vm ssh "$TPU_NAME" --zone="$ZONE" --worker=all --command='
-  mkdir -p ~/moetrain && tar xzf ~/moetrain.tgz -C ~/moetrain && cd ~/moetrain &&
-  python3 -m venv .venv && .venv/bin/pip install -q -U pip && .venv/bin/pip install -q -e ".[tpu]"'
+  set -e
+  mkdir -p ~/moetrain && tar xzf ~/moetrain.tgz -C ~/moetrain && cd ~/moetrain
+  # JAX 0.10 needs Python >= 3.11; the TPU images (Ubuntu 22.04) have 3.10, so uv provides one.
+  python3 -m pip install -q --user uv || curl -LsSf https://astral.sh/uv/install.sh | sh
+  ~/.local/bin/uv venv -q --seed --python 3.11 .venv
+  ~/.local/bin/uv pip install -q --python .venv/bin/python -e ".[tpu]"'

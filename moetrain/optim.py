@@ -35,6 +35,10 @@ class OptimConfig:
     for name in ('eps', 'weight_decay', 'grad_clip', 'min_lr_ratio'):
       if getattr(self, name) < 0:
         raise ValueError(f'optim.{name}={getattr(self, name)} must be >= 0')
+    if self.min_lr_ratio > 1:
+      raise ValueError(
+        f'optim.min_lr_ratio={self.min_lr_ratio} must be <= 1 (the floor as a fraction of the peak)'
+      )
 
 
 def schedule(cfg: OptimConfig, total_steps: int) -> optax.Schedule:

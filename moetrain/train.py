@@ -8,12 +8,14 @@ import os
 import jax
 import numpy as np
 from absl import logging
+from flax import nnx
 
 from moetrain import metrics as metrics_lib
 from moetrain import multihost, optim, runtime, sharding
 from moetrain.checkpoint import Checkpointer, data_positions, process_data_state
 from moetrain.data import pipeline
 from moetrain.model.config import LoraConfig, ModelConfig
+from moetrain.model.transformer import Transformer
 from moetrain.train_state import (
   TrainState,
   create_sharded,
@@ -172,6 +174,8 @@ def build(config, num_devices: int | None = None, process_count: int | None = No
       f'{batch_shards} batch shards of mesh.shape={mesh_shape}'
     )
   step = StepConfig(model=model, grad_accum_steps=opt.grad_accum_steps, **config.loss.to_dict())
+  step.validate()
+  check_lora_targets(model)
   if config.init.peft_adapter and not model.lora.enabled:
     raise ValueError('init.peft_adapter needs lora.rank > 0 (the rank of the adapter)')
   return Setup(
@@ -197,6 +201,19 @@ def compilation_cache_dir(setting: str, workdir: str) -> str:
   if setting != 'auto':
     return setting
   return HOST_CACHE if jax.process_count() == 1 else os.path.join(workdir, 'jax_cache')
+
+
+def check_lora_targets(model: ModelConfig) -> None:
+  """lora.targets must adapt at least one module (unless only the router trains): a regex that
+  matches none would train nothing, silently."""
+  if not model.lora.enabled or model.lora.train_router:
+    return
+  abstract = nnx.eval_shape(lambda: Transformer(model, nnx.Rngs(0)))  # shapes only: no memory
+  if not jax.tree.leaves(nnx.state(abstract, nnx.LoRAParam)):
+    raise ValueError(
+      f'lora.targets={model.lora.targets!r} matches no module, so nothing would train; module '
+      "paths look like 'layers.attn_0.q_a', 'layers.mlp_1.down', 'layers.moe.experts.up', 'lm_head'"
+    )
 
 
 def enable_compilation_cache(path: str) -> None:

@@ -25,6 +25,17 @@ class StepConfig:
   bias_update_rate: float = 0.0  # mu of the expert-bias controller; 0 = plain top-k
   bias_update_decay_steps: int = 0  # cosine decay of mu to 0 over this many steps; 0 = constant
 
+  def validate(self) -> None:
+    for name in (
+      'router_z_loss',
+      'balance_loss',
+      'hidden_z_loss',
+      'bias_update_rate',
+      'bias_update_decay_steps',
+    ):
+      if getattr(self, name) < 0:
+        raise ValueError(f'loss.{name}={getattr(self, name)} must be >= 0 (0 = off)')
+
 
 def forward_loss(params, moe_bias, frozen, graphdef, batch, rng=None):
   """(masked NLL sum, correct count, aux) of the model on a batch, the loss chunked along the

@@ -149,6 +149,8 @@ class ModelConfig:
     ):
       need(getattr(self, f) > 0, f, f'must be positive, got {getattr(self, f)}')
     need(self.zero_expert_num >= 0, 'zero_expert_num', 'must be >= 0')
+    for f in ('routed_scaling_factor', 'rms_norm_eps', 'mla_norm_eps', 'rope_theta', 'init_std'):
+      need(getattr(self, f) > 0, f, f'must be > 0, got {getattr(self, f)}')
     need(
       self.qk_rope_head_dim > 0 and self.qk_rope_head_dim % 2 == 0,
       'qk_rope_head_dim',
@@ -169,9 +171,27 @@ class ModelConfig:
       f'{self.n_routed_experts} routed experts do not split into {self.moe_balance_groups} groups',
     )
     need(
-      self.zero_expert_num == 0 or self.expected_ffn_experts < self.moe_topk,
+      self.moe_expected_ffn_experts >= 0,
       'moe_expected_ffn_experts',
-      'must be below moe_topk when zero experts exist',
+      'must be >= 0 (0 = uniform routing)',
+    )
+    if self.zero_expert_num:
+      need(
+        self.expected_ffn_experts < self.moe_topk,
+        'moe_expected_ffn_experts',
+        'must be below moe_topk when zero experts exist',
+      )
+    else:  # every selection is an FFN expert
+      need(
+        self.moe_expected_ffn_experts in (0, self.moe_topk),
+        'moe_expected_ffn_experts',
+        f'without zero experts every token uses moe_topk={self.moe_topk} FFN experts: use 0',
+      )
+    need(self.moe_block_size >= 0, 'moe_block_size', 'must be >= 0 (0 = chosen per batch)')
+    need(
+      self.quant != 'int4' or (self.quant_group_size > 0 and self.quant_group_size % 2 == 0),
+      'quant_group_size',
+      f'must be a positive even number for int4, got {self.quant_group_size}',
     )
     need(self.attention_chunk >= 0, 'attention_chunk', 'must be >= 0 (0 = no chunking)')
     need(self.loss_chunk >= 0, 'loss_chunk', 'must be >= 0 (0 = no chunking)')

@@ -48,7 +48,7 @@ def get_config() -> config_dict.ConfigDict:
   m.moe_expected_ffn_experts = 0.0  # K_e target of balancing; 0 = top_k * E / (E + Z)
   m.moe_balance_groups = 0  # FFN-expert groups (D) of the balance loss; 0 = expert-parallel shards
   m.quant = 'none'  # none | int8 | int4: storage of the frozen base (QLoRA)
-  m.quant_group_size = 64  # int4 group size along the input dimension
+  m.quant_group_size = 64  # int4 group along the input dim (one group where it does not divide)
 
   # LoRA (ModelConfig.lora). rank 0 = full fine-tuning / pretraining.
   lo = c.lora = config_dict.ConfigDict()

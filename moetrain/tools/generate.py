@@ -244,8 +244,9 @@ def main(argv):
     return
   print(f'# {source}')
   print(f.prompt + continuation(tok, ids, new))
+  ended = ' and eos' if stats['new_tokens'] > len(new) else ''  # the rate counts eos too
   print(
-    f'# {len(new)} new tokens; compile {stats["compile_s"]:.1f} s; prefill + decode '
+    f'# {len(new)} new tokens{ended}; compile {stats["compile_s"]:.1f} s; prefill + decode '
     f'{stats["run_s"]:.3f} s = {stats["tokens_per_s"]:.1f} tokens/s'
   )
 

@@ -1,6 +1,7 @@
 """MoE layer forward+backward vs its ideal: the same FLOPs as dense matmuls of the active experts.
 
-  python -m bench.moe_layer [--tokens 2048] [--backend auto] [--repeats 5] [--block B] [--skew S]
+  python -m bench.moe_layer [--tokens 2048] [--backend auto] [--dispatch dropless|capacity]
+                            [--dtype float32] [--repeats 5] [--block B] [--skew S]
 
 Shapes are the medium config's MoE (D 512, expert F 256, 16 routed + 8 zero experts, top-4).
 Both are timed in the same run. 'ideal' runs one SwiGLU over exactly the routed rows this batch
@@ -35,6 +36,7 @@ def main():
   ap.add_argument('--tokens', type=int, default=2048)
   ap.add_argument('--backend', default='auto')
   ap.add_argument('--dtype', default='float32')
+  ap.add_argument('--dispatch', default='dropless', choices=['dropless', 'capacity'])
   ap.add_argument('--repeats', type=int, default=5)
   ap.add_argument('--block', type=int, default=0, help='moe_block_size (0 = automatic)')
   ap.add_argument(
@@ -45,7 +47,11 @@ def main():
   )
   args = ap.parse_args()
   cfg = dataclasses.replace(
-    PRESETS['medium'], dtype=args.dtype, moe_backend=args.backend, moe_block_size=args.block
+    PRESETS['medium'],
+    dtype=args.dtype,
+    moe_backend=args.backend,
+    moe_block_size=args.block,
+    moe_dispatch=args.dispatch,
   )
   moe = MoE(cfg, 'layers.moe', nnx.Rngs(0))
   e, x_all = cfg.n_routed_experts, cfg.num_experts_total
@@ -100,6 +106,7 @@ def main():
         'bench': 'moe_layer',
         'mode': mode,
         'backend': args.backend,
+        'dispatch': args.dispatch,
         'dtype': args.dtype,
         'tokens': args.tokens,
         'routed_rows': routed,

@@ -59,6 +59,9 @@ def finetuned(tmp_path_factory):
   out = train.run(config, workdir)
   assert np.isfinite(out['loss']) and out['eval_tokens'] > 0
   exported = export.export(config, workdir, str(tmp_path / 'merged'))
+  # The base checkpoint's tokenizer and generation config travel with the merged export.
+  for name in ('tokenizer.json', 'generation_config.json'):
+    assert os.path.isfile(os.path.join(exported, name)), name
   setup = train.build(config)
   mesh = sharding.make_mesh(setup.mesh_shape)
   ids = np.load(os.path.join(FIXTURE, 'reference.npz'))['input_ids']

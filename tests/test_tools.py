@@ -71,6 +71,13 @@ def test_export_guards_its_output(uninterrupted, tmp_path, monkeypatch):  # noqa
       export.export(None, workdir, out)
   with pytest.raises(ValueError, match=r"--dtype='int8'"):
     export.export(None, workdir, str(tmp_path / 'x'), dtype='int8')
+  # The merged export takes the run's tokenizer along: it loads on its own.
+  merged = export.export(None, workdir, str(tmp_path / 'merged'))
+  assert sorted(os.listdir(merged)) == ['config.json', 'model.safetensors', 'tokenizer.model']
+  from moetrain.data.tokenizer import load_tokenizer
+
+  text = 'reverse: red fox ='
+  assert load_tokenizer(merged).encode(text) == load_tokenizer(workdir).encode(text)
   out = str(tmp_path / 'adapter')
   export.export(None, workdir, out, adapter_only=True)
   before = {f: os.path.getsize(os.path.join(out, f)) for f in os.listdir(out)}
@@ -86,4 +93,4 @@ def test_export_guards_its_output(uninterrupted, tmp_path, monkeypatch):  # noqa
   with pytest.raises(OSError, match='disk full'):
     export.export(None, workdir, out, adapter_only=True)
   assert {f: os.path.getsize(os.path.join(out, f)) for f in os.listdir(out)} == before
-  assert sorted(os.listdir(tmp_path)) == ['adapter']
+  assert sorted(os.listdir(tmp_path)) == ['adapter', 'merged']

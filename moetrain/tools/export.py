@@ -1,4 +1,5 @@
-"""Exports a run to Hugging Face: the merged model, or the adapters alone (PEFT layout).
+"""Exports a run to Hugging Face: the merged model (with the run's tokenizer), or the adapters
+alone (PEFT layout).
 
   python -m moetrain.tools.export --workdir=runs/longcat_lora --out=exported/ \
       [--adapter_only] [--dtype=bfloat16] [--config=configs/longcat_lora.py]
@@ -21,6 +22,10 @@ from moetrain.convert import hf_longcat
 from moetrain.train_state import graphdef_of, merge_model
 
 DTYPES = ('float32', 'bfloat16', 'float16')
+# What a merged export takes along from the run's tokenizer (and the base checkpoint), so that it
+# loads on its own (transformers, `generate --hf_checkpoint`).
+TOKENIZER_FILES = ('tokenizer.json', 'tokenizer_config.json', 'special_tokens_map.json')
+SPM_FILE = 'tokenizer.model'
 
 
 def define_flags():
@@ -55,6 +60,26 @@ def check_out(out: str, workdir: str, setup: train.Setup) -> None:
       raise ValueError(f'--out={out!r} overlaps {flag}={source!r}, which the export reads')
 
 
+def companion_files(setup: train.Setup, workdir: str) -> dict[str, str]:
+  """{name in the export: source} for the run's tokenizer (data.tokenizer: a .model or
+  tokenizer.json file, or a checkpoint directory; else the one the run trained,
+  <workdir>/tokenizer.model) and the base checkpoint's generation_config.json."""
+  src = setup.data.tokenizer
+  files = {}
+  if not src:
+    files[SPM_FILE] = os.path.join(workdir, SPM_FILE)
+  elif os.path.isdir(src):
+    files = {n: os.path.join(src, n) for n in (*TOKENIZER_FILES, SPM_FILE)}
+  elif src.endswith('.json'):
+    files = {n: os.path.join(os.path.dirname(src), n) for n in TOKENIZER_FILES[1:]}
+    files['tokenizer.json'] = src
+  else:
+    files[SPM_FILE] = src
+  if setup.hf_checkpoint:
+    files['generation_config.json'] = os.path.join(setup.hf_checkpoint, 'generation_config.json')
+  return {n: p for n, p in files.items() if os.path.isfile(p)}
+
+
 def export(config, workdir: str, out: str, adapter_only: bool = False, dtype=None) -> str:
   if dtype is not None and dtype not in DTYPES:
     raise ValueError(f'--dtype={dtype!r}: use one of {DTYPES}')
@@ -83,6 +108,9 @@ def export(config, workdir: str, out: str, adapter_only: bool = False, dtype=Non
       else:
         base = hf_longcat.read_config(setup.hf_checkpoint) if setup.hf_checkpoint else None
         hf_longcat.save_hf(model, setup.model, target, dtype=dtype, base_config=base)
+        if primary:
+          for name, source in companion_files(setup, workdir).items():
+            shutil.copyfile(source, os.path.join(staging, name))
     if primary:
       _replace_contents(staging, out)
   finally:

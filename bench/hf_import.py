@@ -1,6 +1,6 @@
 """Hugging Face import throughput (GB/s from local disk) on the medium config.
 
-  python -m bench.hf_import [--dtype bfloat16] [--repeats 3] [--dir /tmp/moetrain_medium_hf]
+  python -m bench.hf_import [--dtype bfloat16] [--repeats 3] [--dir /tmp/moetrain_medium_hf_<dtype>]
 
 Writes a random medium LongCat checkpoint with save_hf (once), then times load_params reading it
 back into device arrays (block_until_ready). The first load includes compiling the per-layer
@@ -27,9 +27,12 @@ def main():
   ap = argparse.ArgumentParser()
   ap.add_argument('--dtype', default='bfloat16')
   ap.add_argument('--repeats', type=int, default=3)
-  ap.add_argument('--dir', default='/tmp/moetrain_medium_hf')
+  ap.add_argument('--dir', default='', help='default /tmp/moetrain_medium_hf_<dtype>')
   ap.add_argument('--quant', default='none')
   args = ap.parse_args()
+  if args.repeats < 1:
+    ap.error('--repeats must be >= 1')
+  args.dir = args.dir or f'/tmp/moetrain_medium_hf_{args.dtype}'  # a cached file per dtype
   cfg = dataclasses.replace(PRESETS['medium'], param_dtype=args.dtype, dtype=args.dtype)
   if not os.path.exists(os.path.join(args.dir, 'config.json')):
     model = Transformer(dataclasses.replace(cfg, param_dtype='float32'), nnx.Rngs(0))

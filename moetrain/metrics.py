@@ -19,7 +19,8 @@ PEAK_FLOPS = {
   'TPU v5': 459e12,
   'TPU v6 lite': 918e12,
   'TPU v6e': 918e12,
-  'NVIDIA H100': 989e12,
+  'NVIDIA H100': 989e12,  # SXM
+  'NVIDIA H100 PCIe': 756e12,  # the longest matching prefix wins
   'NVIDIA H200': 989e12,
   'NVIDIA A100': 312e12,
   'NVIDIA L4': 121e12,

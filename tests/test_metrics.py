@@ -67,3 +67,14 @@ def test_throughput_leaves_out_compilation_and_evals(monkeypatch):
   tps, eta = meter.mark(2)
   assert tps == 100.0
   assert eta == (2 + 5) / 2 * 8
+
+
+def test_peak_flops_by_device_kind():
+  from types import SimpleNamespace
+
+  from moetrain import metrics
+
+  peak = lambda kind: metrics.peak_flops(SimpleNamespace(device_kind=kind))
+  assert peak('NVIDIA H100 80GB HBM3') == 989e12
+  assert peak('NVIDIA H100 PCIe') == 756e12  # the longer prefix
+  assert peak('cpu') is None

@@ -62,8 +62,16 @@ def schedule(cfg: OptimConfig, total_steps: int) -> optax.Schedule:
 
 
 def decay_mask(params):
-  """Weight decay on matrices only (not norms, biases or 1-D scales)."""
-  return jax.tree.map(lambda x: x.ndim - _stacked(x) >= 2, params)
+  """Weight decay on matrices only (not norms, biases or 1-D scales). A Variable's leading
+  'layers' axis (scan_layers stacks) does not count: the mask is decided on the Variables, whose
+  metadata says so, not on their bare arrays."""
+
+  def matrix(x):
+    if isinstance(x, nnx.Variable):
+      return x.replace(x.get_value().ndim - _stacked(x) >= 2)
+    return x.ndim >= 2
+
+  return jax.tree.map(matrix, params, is_leaf=lambda x: isinstance(x, nnx.Variable))
 
 
 def _stacked(x) -> int:

@@ -148,7 +148,8 @@ def train_step(
     updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
     moe_bias = state.moe_bias
     if cfg.bias_update_rate:
-      moe_bias = bias_update(moe_bias, stats['moe']['load'], state.step, cfg)
+      # Its decay schedule counts applied updates, as the learning rate's does.
+      moe_bias = bias_update(moe_bias, stats['moe']['load'], state.step - state.skipped, cfg)
     return optax.apply_updates(state.params, updates), opt_state, moe_bias
 
   # A non-finite loss or gradient skips the update (a branch, not a select over every weight).

@@ -126,3 +126,36 @@ def test_hidden_z_loss_counts_prompts_but_not_padding():
   assert run(full) > 0
   np.testing.assert_allclose(run(prompts), run(full), rtol=1e-6)
   assert abs(run(padded) - run(full)) > 1e-6 * run(full)
+
+
+def test_bias_decay_schedule_counts_applied_updates():
+  """A skipped step moves neither the biases nor their decay schedule: the first applied update
+  after it uses the full rate, as the first update of a run does."""
+  opt = optax.sgd(1e-2)
+  step_cfg = StepConfig(model=CFG, bias_update_rate=1e-2, bias_update_decay_steps=2)
+  fn = jit_train_step(step_cfg, opt, lambda s: 1e-2, donate=False)
+  state = init_state(CFG, opt, 0)
+  first, _ = fn(state, batch())
+  bad = jax.tree.map(lambda x: x, state)
+  bad.params = jax.tree.map(lambda x: x.at[(0,) * x.ndim].set(jnp.nan), state.params)
+  skipped, _ = fn(bad, batch())
+  skipped.params = state.params
+  after, _ = fn(skipped, batch())
+  for a, b, c in zip(*(jax.tree.leaves(s.moe_bias) for s in (first, after, state))):
+    assert np.abs(a - c).max() > 0
+    np.testing.assert_allclose(b - c, a - c, rtol=1e-5, atol=1e-9)
+
+
+def test_weight_decay_spares_norms_of_stacked_layers():
+  """scan_layers stacks every layer variable on a leading 'layers' axis: a norm scale is then
+  [L, D] but still a scale, not a matrix."""
+  from flax import nnx
+
+  from moetrain import optim
+
+  cfg = tiny(scan_layers=True)
+  mask = optim.decay_mask(init_state(cfg, optax.sgd(0.1), 0).params)
+  flat = {'.'.join(map(str, p)): v.get_value() for p, v in nnx.to_flat_state(mask)}
+  assert flat['layers.input_norm_0.scale'] is False and flat['final_norm.scale'] is False
+  assert flat['layers.attn_0.q_a.kernel'] is True and flat['layers.moe.experts.up'] is True
+  assert flat['embed.embedding'] is True

@@ -31,7 +31,9 @@ def get_config() -> config_dict.ConfigDict:
   m.mla_scale_kv_lora = True  # multiply the kv latent by sqrt(D / kv_lora_rank)
   m.max_position_embeddings = 131072  # informational (RoPE needs no table)
   m.init_std = 0.02  # truncated-normal std of random init
-  m.dtype = 'bfloat16'  # compute dtype (router, norms, softmax, loss stay float32)
+  # Compute dtype (router, norms, softmax, loss stay float32): bfloat16, float32, or float16
+  # (older GPUs) with a dynamic loss scale, logged as loss_scale.
+  m.dtype = 'bfloat16'
   m.param_dtype = 'float32'  # storage dtype of parameters
   m.remat = 'full'  # none | full | save_dots | save_moe | offload
   m.scan_layers = True  # lax.scan over layers; False unrolls them (faster when few, slower compile)

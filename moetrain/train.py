@@ -20,6 +20,7 @@ from moetrain.train_state import (
   TrainState,
   create_sharded,
   graphdef_of,
+  initial_loss_scale,
   merge_model,
   split_model,
   state_from_weights,
@@ -268,7 +269,9 @@ def initial_state(setup: Setup, optimizer, mesh) -> TrainState:
     model = merge_model(graphdef_of(setup.model), params, moe_bias, frozen)
     hf_longcat.load_peft_adapter(model, setup.model, setup.peft_adapter)
     _, params, moe_bias, frozen = split_model(model, setup.model)  # adapters and routers
-  return state_from_weights(params, moe_bias, frozen, optimizer, setup.seed, mesh, rules)
+  return state_from_weights(
+    params, moe_bias, frozen, optimizer, setup.seed, mesh, rules, initial_loss_scale(setup.model)
+  )
 
 
 def restore_or_init(setup: Setup, ckpt: Checkpointer, optimizer, mesh, train_iter):
@@ -361,6 +364,13 @@ def check_resumable(
     diffs.append(
       f'optim.grad_clip: {saved["optim"].get("grad_clip")!r} in the checkpointed run, now '
       f'{now["optim"].get("grad_clip")!r} (on and off keep different optimizer states)'
+    )
+  # float16 compute keeps a dynamic loss scale in the state; other dtypes none.
+  half = lambda c: c.get('model', {}).get('dtype') == 'float16'
+  if 'model' in saved and half(saved) != half(now):
+    diffs.append(
+      f'model.dtype: {saved["model"].get("dtype")!r} in the checkpointed run, now '
+      f'{now["model"].get("dtype")!r} (float16 keeps a loss scale in the checkpoint, others none)'
     )
   # A LoRA checkpoint holds no frozen base: the run rebuilds it from init.hf_checkpoint, or from
   # the seed, and the adapters belong to that base.

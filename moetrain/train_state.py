@@ -23,11 +23,27 @@ class TrainState:
   opt_state: optax.OptState
   rng: jax.Array
   skipped: jax.Array  # updates skipped because gradients were not finite
+  # float16 compute only: [the dynamic loss scale, finite steps since it last changed].
+  loss_scale: jax.Array | None = None
 
   def saved(self) -> dict:
-    """What a checkpoint holds: everything except the frozen base."""
+    """What a checkpoint holds: everything except the frozen base (and an unused loss scale)."""
     # Not dataclasses.asdict: it deep-copies leaves and strips nnx Variables of their metadata.
-    return {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != 'frozen'}
+    return {
+      f.name: getattr(self, f.name)
+      for f in dataclasses.fields(self)
+      if f.name != 'frozen' and getattr(self, f.name) is not None
+    }
+
+
+LOSS_SCALE_INIT = 2.0**15  # float16 gradients: the first scale (halved at each overflow)
+
+
+def initial_loss_scale(cfg: ModelConfig) -> jax.Array | None:
+  """float16 compute needs a loss scale (its gradients underflow otherwise); bf16 and f32 none."""
+  if cfg.dtype != 'float16':
+    return None
+  return jnp.asarray([LOSS_SCALE_INIT, 0.0], jnp.float32)
 
 
 def trainable_filter(cfg: ModelConfig):
@@ -60,6 +76,7 @@ def init_state(cfg: ModelConfig, optimizer, seed: int, base: nnx.State | None = 
     opt_state=optimizer.init(params),
     rng=jax.random.key_data(jax.random.key(seed + 1)),
     skipped=jnp.zeros((), jnp.int32),
+    loss_scale=initial_loss_scale(cfg),
   )
 
 
@@ -94,8 +111,11 @@ def create_sharded(cfg: ModelConfig, optimizer, seed: int, mesh, rules) -> Train
   return jax.jit(init, out_shardings=out)()
 
 
-def state_from_weights(params, moe_bias, frozen, optimizer, seed: int, mesh, rules) -> TrainState:
-  """A step-0 state around given (already sharded) weights, e.g. a Hugging Face checkpoint."""
+def state_from_weights(
+  params, moe_bias, frozen, optimizer, seed: int, mesh, rules, loss_scale=None
+) -> TrainState:
+  """A step-0 state around given (already sharded) weights, e.g. a Hugging Face checkpoint;
+  loss_scale: initial_loss_scale of the model config."""
   opt_abstract = jax.eval_shape(optimizer.init, params)
   opt_state = jax.jit(optimizer.init, out_shardings=state_shardings(opt_abstract, mesh, rules))(
     params
@@ -108,4 +128,5 @@ def state_from_weights(params, moe_bias, frozen, optimizer, seed: int, mesh, rul
     opt_state=opt_state,
     rng=jax.random.key_data(jax.random.key(seed + 1)),
     skipped=jnp.zeros((), jnp.int32),
+    loss_scale=loss_scale,
   )

@@ -94,16 +94,22 @@ def _microbatches(batch, n: int):
   return jax.tree.map(lambda x: x.reshape(n, x.shape[0] // n, *x.shape[1:]), batch)
 
 
-def grads_and_stats(state: TrainState, graphdef, batch, rng, cfg: StepConfig):
+def grads_and_stats(state: TrainState, graphdef, batch, rng, cfg: StepConfig, scale=None):
+  """(loss, stats, grads) of the batch, over cfg.grad_accum_steps micro-batches. With `scale`
+  (float16's loss scale) the backward pass runs on scale * loss, so that small gradients do not
+  underflow in float16; the loss and gradients returned are unscaled."""
   totals = token_counts(batch)
-  grad_fn = jax.value_and_grad(
-    lambda p, b, r: loss_fn(p, state.moe_bias, state.frozen, graphdef, b, r, totals, cfg),
-    has_aux=True,
-  )
+
+  def objective(p, b, r):
+    loss, stats = loss_fn(p, state.moe_bias, state.frozen, graphdef, b, r, totals, cfg)
+    return (loss if scale is None else loss * scale), stats
+
+  grad_fn = jax.value_and_grad(objective, has_aux=True)
+  unscale = lambda t: t if scale is None else jax.tree.map(lambda x: x / scale, t)
   n = cfg.grad_accum_steps
   if n == 1:
     (loss, stats), grads = grad_fn(state.params, batch, rng)
-    return loss, stats, grads
+    return unscale(loss), stats, unscale(grads)
 
   def micro(carry, xs):
     mb, i = xs
@@ -113,7 +119,21 @@ def grads_and_stats(state: TrainState, graphdef, batch, rng, cfg: StepConfig):
   zero = jax.eval_shape(grad_fn, state.params, jax.tree.map(lambda x: x[0], micro_batches), rng)
   zero = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), zero)
   ((loss, stats), grads), _ = jax.lax.scan(micro, zero, (micro_batches, jnp.arange(n)))
-  return loss, {**stats, 'moe': finish_routing_stats(stats['moe'], cfg.model)}, grads
+  stats = {**stats, 'moe': finish_routing_stats(stats['moe'], cfg.model)}
+  return unscale(loss), stats, unscale(grads)
+
+
+LOSS_SCALE_PERIOD = 2000  # finite float16 steps in a row before the loss scale doubles
+
+
+def next_loss_scale(loss_scale, finite):
+  """Dynamic loss scaling: halve the scale (not below 1) on a non-finite step, which the step
+  skips; double it after LOSS_SCALE_PERIOD finite steps in a row."""
+  scale, run = loss_scale[0], loss_scale[1]
+  run = jnp.where(finite, run + 1, 0.0)
+  grow = run >= LOSS_SCALE_PERIOD
+  scale = jnp.where(finite, jnp.where(grow, 2 * scale, scale), jnp.maximum(scale / 2, 1.0))
+  return jnp.stack([scale, jnp.where(grow, 0.0, run)])
 
 
 def bias_update(moe_bias, load_LX, step, cfg: StepConfig):
@@ -140,7 +160,8 @@ def train_step(
   cfg: StepConfig,
 ):
   rng, step_rng = jax.random.split(jax.random.wrap_key_data(state.rng))
-  loss, stats, grads = grads_and_stats(state, graphdef, batch, step_rng, cfg)
+  scale = None if state.loss_scale is None else state.loss_scale[0]  # float16 compute only
+  loss, stats, grads = grads_and_stats(state, graphdef, batch, step_rng, cfg, scale)
   grad_norm = optax.tree.norm(grads)
   finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
 
@@ -164,6 +185,7 @@ def train_step(
     moe_bias=moe_bias,
     rng=jax.random.key_data(rng),
     skipped=state.skipped + (~finite).astype(jnp.int32),
+    loss_scale=None if scale is None else next_loss_scale(state.loss_scale, finite),
   )
   tokens = jnp.maximum(stats['tokens'], 1.0)
   metrics = {
@@ -179,6 +201,8 @@ def train_step(
     'skipped': new_state.skipped,
     'moe': stats['moe'],
   }
+  if scale is not None:
+    metrics['loss_scale'] = scale
   return new_state, metrics
 
 

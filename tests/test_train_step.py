@@ -159,3 +159,31 @@ def test_weight_decay_spares_norms_of_stacked_layers():
   assert flat['layers.input_norm_0.scale'] is False and flat['final_norm.scale'] is False
   assert flat['layers.attn_0.q_a.kernel'] is True and flat['layers.moe.experts.up'] is True
   assert flat['embed.embedding'] is True
+
+
+def test_float16_trains_with_a_dynamic_loss_scale():
+  """float16 gradients underflow without a loss scale: the step scales the loss for the
+  backward pass and unscales the gradients; an overflow skips the step and halves the scale; a
+  run of finite steps doubles it."""
+  from moetrain import train_state, train_step
+
+  opt = optax.sgd(1e-2)
+  f16, f32 = (dataclasses.replace(CFG, dtype=d) for d in ('float16', 'float32'))
+  want, _ = step_fn(f32, 1, opt)(init_state(f32, opt, 0), batch())
+  state = init_state(f16, opt, 0)
+  assert init_state(f32, opt, 0).loss_scale is None and 'loss_scale' not in want.saved()
+  np.testing.assert_array_equal(state.loss_scale, [train_state.LOSS_SCALE_INIT, 0])
+  fn = step_fn(f16, 1, opt)
+  new, m = fn(state, batch())
+  assert float(m['loss_scale']) == train_state.LOSS_SCALE_INIT and int(new.skipped) == 0
+  np.testing.assert_array_equal(new.loss_scale, [train_state.LOSS_SCALE_INIT, 1])
+  for a, c in zip(jax.tree.leaves(new.params), jax.tree.leaves(want.params)):
+    np.testing.assert_allclose(a, c, atol=2e-4)  # the unscaled update, to float16 precision
+  bad = jax.tree.map(lambda x: x, state)
+  bad.params = jax.tree.map(lambda x: x.at[(0,) * x.ndim].set(jnp.inf), state.params)
+  over, _ = fn(bad, batch())
+  assert int(over.skipped) == 1
+  np.testing.assert_array_equal(over.loss_scale, [train_state.LOSS_SCALE_INIT / 2, 0])
+  state.loss_scale = jnp.asarray([4.0, train_step.LOSS_SCALE_PERIOD - 1])
+  grown, _ = fn(state, batch())
+  np.testing.assert_array_equal(grown.loss_scale, [8.0, 0.0])

@@ -32,6 +32,21 @@ def step_fn(cfg, accum, opt, balance_loss=0.0, lr_fn=lambda s: 1e-2):
   return jit_train_step(step_cfg, opt, lr_fn, donate=False)
 
 
+def poisoned(state, value=jnp.nan):
+  """A copy of `state` with `value` in every trainable array: its step is non-finite."""
+  bad = jax.tree.map(lambda x: x, state)
+  bad.params = jax.tree.map(lambda x: x.at[(0,) * x.ndim].set(value), state.params)
+  return bad
+
+
+def skip_then_step(fn, state):
+  """A non-finite step from `state`, then a clean one from where it left off (state's params):
+  (the skipped step's state, the clean step's state and metrics)."""
+  skipped, _ = fn(poisoned(state), batch())
+  skipped.params = state.params
+  return skipped, *fn(skipped, batch())
+
+
 def test_gradient_accumulation_equals_full_batch():
   opt = optax.sgd(1.0)  # the update is the gradient itself
   state = init_state(CFG, opt, 0)
@@ -53,8 +68,7 @@ def test_gradient_accumulation_equals_full_batch():
 def test_non_finite_update_is_skipped_and_counted():
   opt = optax.adam(1e-2)
   state = init_state(CFG, opt, 0)
-  bad = jax.tree.map(lambda x: x, state)
-  bad.params = jax.tree.map(lambda x: x.at[(0,) * x.ndim].set(jnp.nan), state.params)
+  bad = poisoned(state)
   new, m = step_fn(CFG, 1, opt, balance_loss=1e-2)(bad, batch())
   assert int(new.skipped) == 1 and int(new.step) == 1
   for a, c in zip(jax.tree.leaves(new.opt_state), jax.tree.leaves(bad.opt_state)):
@@ -67,13 +81,8 @@ def test_logged_learning_rate_is_the_one_applied_after_a_skip():
   lr_fn = optax.linear_schedule(0.0, 1.0, 10)
   opt = optax.sgd(lr_fn)
   fn = step_fn(CFG, 1, opt, lr_fn=lr_fn)
-  state = init_state(CFG, opt, 0)
-  state, m1 = fn(state, batch())
-  bad = jax.tree.map(lambda x: x, state)
-  bad.params = jax.tree.map(lambda x: x.at[(0,) * x.ndim].set(jnp.nan), state.params)
-  skipped, m2 = fn(bad, batch())
-  skipped.params = state.params
-  _, m3 = fn(skipped, batch())
+  state, m1 = fn(init_state(CFG, opt, 0), batch())
+  skipped, _, m3 = skip_then_step(fn, state)
   count = int(optax.tree.get(skipped.opt_state, 'count'))
   assert (int(skipped.step), int(skipped.skipped), count) == (2, 1, 1)
   np.testing.assert_allclose([m1['learning_rate'], m3['learning_rate']], [0.0, lr_fn(count)])
@@ -136,11 +145,7 @@ def test_bias_decay_schedule_counts_applied_updates():
   fn = jit_train_step(step_cfg, opt, lambda s: 1e-2, donate=False)
   state = init_state(CFG, opt, 0)
   first, _ = fn(state, batch())
-  bad = jax.tree.map(lambda x: x, state)
-  bad.params = jax.tree.map(lambda x: x.at[(0,) * x.ndim].set(jnp.nan), state.params)
-  skipped, _ = fn(bad, batch())
-  skipped.params = state.params
-  after, _ = fn(skipped, batch())
+  _, after, _ = skip_then_step(fn, state)
   for a, b, c in zip(*(jax.tree.leaves(s.moe_bias) for s in (first, after, state))):
     assert np.abs(a - c).max() > 0
     np.testing.assert_allclose(b - c, a - c, rtol=1e-5, atol=1e-9)
@@ -179,8 +184,7 @@ def test_float16_trains_with_a_dynamic_loss_scale():
   np.testing.assert_array_equal(new.loss_scale, [train_state.LOSS_SCALE_INIT, 1])
   for a, c in zip(jax.tree.leaves(new.params), jax.tree.leaves(want.params)):
     np.testing.assert_allclose(a, c, atol=2e-4)  # the unscaled update, to float16 precision
-  bad = jax.tree.map(lambda x: x, state)
-  bad.params = jax.tree.map(lambda x: x.at[(0,) * x.ndim].set(jnp.inf), state.params)
+  bad = poisoned(state, jnp.inf)
   over, _ = fn(bad, batch())
   assert int(over.skipped) == 1
   np.testing.assert_array_equal(over.loss_scale, [train_state.LOSS_SCALE_INIT / 2, 0])

@@ -311,7 +311,8 @@ def tool_config(config, workdir: str | None):
     )
   if config is not None:
     if workdir:
-      check_resumable(config, workdir, advice="pass the run's settings, or leave --config out")
+      advice = "pass the run's settings, or leave --config out"
+      check_resumable(config, workdir, advice, tool=True)
     return config
   if not workdir:
     raise ValueError('pass --config, or --workdir of a run (its config.json is then used)')
@@ -338,12 +339,13 @@ def load_latest(setup: Setup, workdir: str | None, mesh) -> TrainState:
 
 
 def check_resumable(
-  config, workdir: str, advice: str = 'resume with the same ones or use a new --workdir'
+  config, workdir: str, advice: str = 'resume with the same ones or use a new --workdir', tool=False
 ) -> None:
   """Before resuming from <workdir>/checkpoints, the model and LoRA settings that shape the saved
   state must equal those of the run that saved it (<workdir>/config.json); name any that differ
   instead of failing deep inside the restore. ENGINE_FIELDS (how the model computes) may change.
-  Changed DATA_STREAM_FIELDS are allowed, with a warning naming them: the resume is not exact."""
+  Changed DATA_STREAM_FIELDS are allowed, with a warning naming them: the resume is not exact.
+  A `tool` (evaluate, export, generate) reads the weights only: other data is its own choice."""
   path = os.path.join(workdir, 'config.json')
   if not os.path.exists(path) or not runtime.saved_steps(workdir):
     return
@@ -386,6 +388,8 @@ def check_resumable(
       f'{workdir} holds checkpoints of a run with other settings; {advice}:\n  '
       + '\n  '.join(diffs)
     )
+  if tool:
+    return
   changed = [
     f'data.{key}: {saved["data"][key]!r} in the checkpointed run, now {now["data"].get(key)!r}'
     for key in DATA_STREAM_FIELDS

@@ -44,6 +44,20 @@ class LoraConfig:
   def matches(self, path: str) -> bool:
     return self.enabled and re.search(self.targets, path) is not None
 
+  def validate(self) -> None:
+    if self.rank < 0:
+      raise ValueError(f'lora.rank={self.rank}: must be >= 0 (0 = no adapters)')
+    if not self.enabled:
+      return
+    if self.alpha <= 0:
+      raise ValueError(f'lora.alpha={self.alpha}: must be > 0 (the adapters scale by it)')
+    try:
+      re.compile(self.targets)
+    except re.error as e:
+      raise ValueError(f'lora.targets: invalid regex {self.targets!r}: {e}') from None
+    if not 0.0 <= self.dropout < 1.0:
+      raise ValueError(f'lora.dropout={self.dropout}: must be in [0, 1)')
+
 
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
@@ -133,47 +147,42 @@ class ModelConfig:
       if not ok:
         raise ValueError(f'{prefix}.{field}: {msg}')
 
-    for f in (
-      'vocab_size',
-      'hidden_size',
-      'num_layers',
-      'num_heads',
-      'q_lora_rank',
-      'kv_lora_rank',
-      'qk_nope_head_dim',
-      'v_head_dim',
-      'ffn_hidden_size',
-      'expert_ffn_hidden_size',
-      'n_routed_experts',
-      'moe_topk',
-    ):
+    for f in POSITIVE_FIELDS:
       need(getattr(self, f) > 0, f, f'must be positive, got {getattr(self, f)}')
-    need(self.zero_expert_num >= 0, 'zero_expert_num', 'must be >= 0')
-    for f in ('routed_scaling_factor', 'rms_norm_eps', 'mla_norm_eps', 'rope_theta', 'init_std'):
-      need(getattr(self, f) > 0, f, f'must be > 0, got {getattr(self, f)}')
+    for f, zero in NON_NEGATIVE_FIELDS.items():
+      need(getattr(self, f) >= 0, f, f'must be >= 0{zero}, got {getattr(self, f)}')
+    for field, choices in CHOICES.items():
+      value = getattr(self, field)
+      need(value in choices, field, f'{value!r} unknown; use one of {choices}')
     need(
-      self.qk_rope_head_dim > 0 and self.qk_rope_head_dim % 2 == 0,
+      self.qk_rope_head_dim % 2 == 0,
       'qk_rope_head_dim',
       f'must be a positive even number (interleaved RoPE pairs), got {self.qk_rope_head_dim}',
     )
+    self._validate_moe(need)
+    need(
+      self.quant != 'int4' or (self.quant_group_size > 0 and self.quant_group_size % 2 == 0),
+      'quant_group_size',
+      f'must be a positive even number for int4, got {self.quant_group_size}',
+    )
+    need(
+      self.quant == 'none' or self.lora.enabled,
+      'quant',
+      'quantised base weights are frozen: set lora.rank > 0 (QLoRA) or quant="none"',
+    )
+    self.lora.validate()
+
+  def _validate_moe(self, need) -> None:
     need(
       self.moe_topk <= self.num_experts_total,
       'moe_topk',
       f'top-k {self.moe_topk} exceeds the {self.num_experts_total} experts '
       f'(n_routed_experts + zero_expert_num); lower it or add experts',
     )
-    for field, choices in CHOICES.items():
-      value = getattr(self, field)
-      need(value in choices, field, f'{value!r} unknown; use one of {choices}')
     need(
-      self.moe_balance_groups >= 0 and self.n_routed_experts % max(self.moe_balance_groups, 1) == 0,
+      self.n_routed_experts % max(self.moe_balance_groups, 1) == 0,
       'moe_balance_groups',
       f'{self.n_routed_experts} routed experts do not split into {self.moe_balance_groups} groups',
-    )
-    need(
-      self.moe_expected_ffn_experts >= 0,
-      'moe_expected_ffn_experts',
-      'must be >= 0 (0 = uniform routing)',
     )
     if self.zero_expert_num:
       need(
@@ -187,31 +196,40 @@ class ModelConfig:
         'moe_expected_ffn_experts',
         f'without zero experts every token uses moe_topk={self.moe_topk} FFN experts: use 0',
       )
-    need(self.moe_block_size >= 0, 'moe_block_size', 'must be >= 0 (0 = chosen per batch)')
-    need(
-      self.quant != 'int4' or (self.quant_group_size > 0 and self.quant_group_size % 2 == 0),
-      'quant_group_size',
-      f'must be a positive even number for int4, got {self.quant_group_size}',
-    )
-    need(self.attention_chunk >= 0, 'attention_chunk', 'must be >= 0 (0 = no chunking)')
-    need(self.loss_chunk >= 0, 'loss_chunk', 'must be >= 0 (0 = no chunking)')
-    need(self.moe_capacity_factor > 0, 'moe_capacity_factor', 'must be > 0')
-    need(self.moe_ep_recv_factor >= 0, 'moe_ep_recv_factor', 'must be >= 0 (0 = worst case)')
-    need(
-      self.quant == 'none' or self.lora.enabled,
-      'quant',
-      'quantised base weights are frozen: set lora.rank > 0 (QLoRA) or quant="none"',
-    )
-    if self.lora.rank < 0:
-      raise ValueError(f'lora.rank={self.lora.rank}: must be >= 0 (0 = no adapters)')
-    if self.lora.enabled and self.lora.alpha <= 0:
-      raise ValueError(f'lora.alpha={self.lora.alpha}: must be > 0 (the adapters scale by it)')
-    if self.lora.enabled:
-      try:
-        re.compile(self.lora.targets)
-      except re.error as e:
-        raise ValueError(f'lora.targets: invalid regex {self.lora.targets!r}: {e}') from None
-      need(0.0 <= self.lora.dropout < 1.0, 'lora.dropout', 'must be in [0, 1)')
+
+
+# Sizes and constants that must be > 0.
+POSITIVE_FIELDS = (
+  'vocab_size',
+  'hidden_size',
+  'num_layers',
+  'num_heads',
+  'q_lora_rank',
+  'kv_lora_rank',
+  'qk_nope_head_dim',
+  'qk_rope_head_dim',
+  'v_head_dim',
+  'ffn_hidden_size',
+  'expert_ffn_hidden_size',
+  'n_routed_experts',
+  'moe_topk',
+  'routed_scaling_factor',
+  'rms_norm_eps',
+  'mla_norm_eps',
+  'rope_theta',
+  'init_std',
+  'moe_capacity_factor',
+)
+# Fields that must be >= 0, with what 0 means.
+NON_NEGATIVE_FIELDS = {
+  'zero_expert_num': '',
+  'moe_balance_groups': ' (0 = one group)',
+  'moe_expected_ffn_experts': ' (0 = uniform routing)',
+  'moe_block_size': ' (0 = chosen per batch)',
+  'attention_chunk': ' (0 = no chunking)',
+  'loss_chunk': ' (0 = no chunking)',
+  'moe_ep_recv_factor': ' (0 = worst case)',
+}
 
 
 PRESETS = {

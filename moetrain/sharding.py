@@ -158,15 +158,13 @@ def check_hosts_own_rows(sharding_, rows: int) -> None:
   """Each process loads its own rows of every batch (its 1/process_count slice of the data), so
   no two processes may hold the same batch rows. When they do (a 'tensor' axis that spans hosts
   replicates the batch over them), the array the step sees would differ from host to host."""
-  held = {}
+  owner = {}  # batch row -> the first process seen holding it
   for device, index in sharding_.devices_indices_map((rows, 1)).items():
-    held.setdefault(device.process_index, set()).update(range(*index[0].indices(rows)))
-  procs = sorted(held)
-  for i, a in enumerate(procs):
-    for b in procs[i + 1 :]:
-      if held[a] & held[b]:
+    for row in range(*index[0].indices(rows)):
+      first = owner.setdefault(row, device.process_index)
+      if first != device.process_index:
         raise ValueError(
-          f'processes {a} and {b} would both hold batch rows {min(held[a] & held[b])}...: the '
+          f'processes {first} and {device.process_index} would both hold batch row {row}: the '
           f"batch axes (data, fsdp, expert) must split the batch over the hosts; keep the 'tensor' "
           'axis of mesh.shape within a host'
         )

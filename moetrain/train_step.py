@@ -164,13 +164,15 @@ def train_step(
   loss, stats, grads = grads_and_stats(state, graphdef, batch, step_rng, cfg, scale)
   grad_norm = optax.tree.norm(grads)
   finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
+  # Updates applied before this one: the schedules (learning rate, bias decay) count these, and a
+  # skipped (non-finite) step applies none.
+  applied = state.step - state.skipped
 
   def update(state):
     updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
     moe_bias = state.moe_bias
     if cfg.bias_update_rate:
-      # Its decay schedule counts applied updates, as the learning rate's does.
-      moe_bias = bias_update(moe_bias, stats['moe']['load'], state.step - state.skipped, cfg)
+      moe_bias = bias_update(moe_bias, stats['moe']['load'], applied, cfg)
     return optax.apply_updates(state.params, updates), opt_state, moe_bias
 
   # A non-finite loss or gradient skips the update (a branch, not a select over every weight).
@@ -193,9 +195,7 @@ def train_step(
     'total_loss': loss,
     'accuracy': stats['correct'] / tokens,
     'grad_norm': grad_norm,
-    # The rate this step's update used: the optimizer's schedule counts applied updates, and a
-    # skipped (non-finite) step applies none.
-    'learning_rate': lr_fn(state.step - state.skipped),
+    'learning_rate': lr_fn(applied),  # the rate this step's update used
     'tokens': stats['tokens'],
     'hidden_z_loss': stats['hidden_z'],
     'skipped': new_state.skipped,

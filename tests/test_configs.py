@@ -112,7 +112,7 @@ def test_hosts_must_own_their_batch_rows():
       return {Device(d, d // 2): (slice(*r), slice(None)) for d, r in enumerate(self.rows)}
 
   sharding.check_hosts_own_rows(Layout([(0, 2), (2, 4), (4, 6), (6, 8)]), 8)
-  with pytest.raises(ValueError, match='processes 0 and 1 would both hold batch rows 0'):
+  with pytest.raises(ValueError, match='processes 0 and 1 would both hold batch row 0'):
     sharding.check_hosts_own_rows(Layout([(0, 4), (4, 8), (0, 4), (4, 8)]), 8)
 
 

@@ -495,7 +495,8 @@ def loop(
     writer=writer,
     hosts=multihost.Exchange('truncated_examples'),
   )
-  pending, last, exhausted, saved, m, why = None, {}, False, False, None, ''
+  log = _DelayedLog(report, meter)
+  exhausted, saved, m, why = False, False, None, ''
   evaluated = (None, {})  # the latest eval: (step, results)
   if start == 0 and eval_batches:  # the baseline that fine-tuning is measured against
     with meter.excluded():
@@ -508,12 +509,10 @@ def loop(
       exhausted, done = True, step - 1
       if done > start:  # log and save the last step run, as at `stop`
         if done % t.log_every:
-          if pending is not None:
-            last = report(*pending)
-          pending = (done, m, *meter.mark(done), train_iter.num_truncated)
+          log.flush()
+          log.mark(done, m, train_iter.num_truncated)
         if not saved:
           ckpt.save(done, state, position or train_iter.get_state(), {'step': done})
-      ckpt.wait()
       why = data_ended_note(done, done > start, setup.data.num_epochs, total)
       break
     inputs = to_global(batch, batch_sharding)  # explicit host-to-device, outside the guard
@@ -523,12 +522,11 @@ def loop(
       state, m = step_fn(state, inputs)
     # Throughput (and MFU) count every token the model reads, not only the scored ones.
     meter.add_tokens(float((batch['segment_ids'] > 0).sum()) * jax.process_count())
-    # Fetch the previous log step's metrics only after dispatching this step: no host stall.
-    if pending is not None:
-      last, pending = report(*pending), None
+    log.flush()  # the previous log step's metrics, fetched after this step's dispatch
     if step % t.log_every == 0 or step == stop:
-      pending = (step, m, *meter.mark(step), train_iter.num_truncated)
-    due = step == stop or ckpt.due(step)
+      log.mark(step, m, train_iter.num_truncated)
+    preempted = ckpt.preempted(step) and step != stop  # every host, every step
+    due = step == stop or preempted or ckpt.due(step)
     if due:  # the step's own time stays in tokens/s, the save's (a host copy, a wait) does not
       jax.block_until_ready(state)
     with meter.excluded(when=due, recurring=True):
@@ -537,22 +535,36 @@ def loop(
       jax.block_until_ready(state)  # the step's own time stays in tokens/s, the eval's does not
       with meter.excluded(recurring=True):
         evaluated = step, run_eval(step, state, eval_batches, eval_fn, batch_sharding, writer)
-    if ckpt.preempted(step) and step != stop:
-      if not saved:
-        ckpt.save(step, state, train_iter.get_state(), {'step': step})
-      ckpt.wait()
+    if preempted:
       why = f'Preempted: saved step {step}; rerun the same command to resume.'
       break
-  if pending is not None:
-    last = report(*pending)
-  if why:  # after the last step's log line
+  log.flush()
+  if why:  # the run stops early: its last checkpoint must be complete; said after the last log
+    ckpt.wait()
     writer.progress(why)
+  last = log.last
   if (int(state.step) == total or exhausted) and eval_batches:
     at, ev = evaluated  # (this step's already, when the data ended on an eval step)
     if at != int(state.step):
       ev = run_eval(int(state.step), state, eval_batches, eval_fn, batch_sharding, writer)
     last = {**last, **{f'eval_{k}': v for k, v in ev.items()}}
   return state, last
+
+
+class _DelayedLog:
+  """Progress records, each marked at its step (timed at dispatch) and fetched from the device
+  one step later, after the next step is dispatched, so that logging never stalls the host."""
+
+  def __init__(self, report, meter):
+    self.report, self.meter = report, meter
+    self.pending, self.last = None, {}
+
+  def mark(self, step: int, m, truncated: int) -> None:
+    self.pending = (step, m, *self.meter.mark(step), truncated)
+
+  def flush(self) -> None:
+    if self.pending is not None:
+      self.last, self.pending = self.report(*self.pending), None
 
 
 def data_ended_note(done: int, saved: bool, num_epochs, total: int) -> str:

@@ -156,19 +156,24 @@ def start_command(preemption: bool = True, resume_step: int | None = None) -> No
   initialize_distributed(preemption, resume_step)
 
 
-def run_dir(workdir: str) -> str:
-  """The absolute path of a run directory. It must be a filesystem path: the run appends to its
-  metrics.jsonl, which object stores cannot do (gcsfs, for one, silently overwrites instead), and
-  os.path would turn 'gs://b/run' into a local './gs:/b/run' that vanishes with the VM. On
-  several hosts it must be one directory they all share, as Orbax's checkpoints are written by
-  every host."""
-  if '://' in workdir:
+def local_path(path: str, flag: str, what: str) -> str:
+  """The absolute path of a directory that `flag` names, refusing object-store URLs by name: os.path
+  would turn 'gs://b/x' into a local './gs:/b/x' that vanishes with the VM."""
+  if '://' in path:
     raise ValueError(
-      f'--workdir={workdir!r}: object-store URLs are not supported as run directories; use a '
-      'filesystem path that every host shares (an NFS or Filestore mount, or the bucket mounted '
+      f'{flag}={path!r}: object-store URLs are not supported as {what}; use a filesystem path '
+      '(on several hosts one they all share: an NFS or Filestore mount, or the bucket mounted '
       'with gcsfuse)'
     )
-  return os.path.abspath(workdir)
+  return os.path.abspath(path)
+
+
+def run_dir(workdir: str) -> str:
+  """The absolute path of a run directory. It must be a filesystem path: the run appends to its
+  metrics.jsonl, which object stores cannot do (gcsfs, for one, silently overwrites instead). On
+  several hosts it must be one directory they all share, as Orbax's checkpoints are written by
+  every host."""
+  return local_path(workdir, '--workdir', 'run directories')
 
 
 def saved_steps(workdir: str) -> list[int]:

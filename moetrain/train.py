@@ -300,10 +300,14 @@ def restore_or_init(setup: Setup, ckpt: Checkpointer, optimizer, mesh, train_ite
   return dataclasses.replace(state, **saved)
 
 
-def tool_config(config, workdir: str | None):
-  """The config a tool (evaluate, export, generate) reads --workdir's run with: its own
-  <workdir>/config.json when `config` (--config) is None, else `config`, which must match the
-  run's model, LoRA and frozen base as a resume must (check_resumable)."""
+def tool_setup(config, workdir: str | None) -> Setup:
+  """The Setup a tool (evaluate, export, generate) reads --workdir's run with: from its own
+  <workdir>/config.json when `config` (--config) is None, else from `config`, which must match
+  the run's model, LoRA and frozen base as a resume must (check_resumable)."""
+  return build(_tool_config(config, workdir))
+
+
+def _tool_config(config, workdir: str | None):
   if workdir and not runtime.saved_steps(workdir):
     raise ValueError(
       f'--workdir={workdir!r} holds no checkpoints ({os.path.join(workdir, "checkpoints")}); '
@@ -327,7 +331,7 @@ def tool_config(config, workdir: str | None):
 
 def load_latest(setup: Setup, workdir: str | None, mesh) -> TrainState:
   """The run's latest checkpoint (its initial state without a workdir), for tools; check the
-  config with tool_config first."""
+  config with tool_setup first."""
   optimizer = optim.make_optimizer(setup.optim, setup.train.steps)
   state = initial_state(setup, optimizer, mesh)
   if workdir:

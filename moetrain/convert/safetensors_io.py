@@ -76,6 +76,11 @@ class Reader:
     return np.asarray(sl[tuple(index)] if index else sl[:])
 
 
+def is_model_file(name: str) -> bool:
+  """model.safetensors, a model-0000k-of-0000n.safetensors shard, or their index."""
+  return _SHARD.match(name) is not None
+
+
 def _open(path: str):
   if not os.path.isfile(path):
     raise FileNotFoundError(f'{path} does not exist (listed in the safetensors index)')
@@ -145,7 +150,7 @@ def write_sharded(out_dir: str, specs, produce, max_shard_bytes: int, writable: 
   if writable:
     os.makedirs(out_dir, exist_ok=True)
     for f in os.listdir(out_dir):
-      if _SHARD.match(f):
+      if is_model_file(f):
         os.remove(os.path.join(out_dir, f))
   n, weight_map = len(groups), {}
   for k, group in enumerate(groups):

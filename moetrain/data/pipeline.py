@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import os
+import tempfile
 from collections.abc import Iterator
 
 import grain
@@ -144,8 +145,10 @@ def open_source(cfg: DataConfig, split: str):
   return source
 
 
-def make_tokenizer(cfg: DataConfig, workdir: str | os.PathLike) -> Tokenizer:
-  """Loads data.tokenizer, or reuses / trains <workdir>/tokenizer.model on the train split."""
+def make_tokenizer(cfg: DataConfig, workdir: str | os.PathLike | None) -> Tokenizer:
+  """Loads data.tokenizer, or reuses / trains <workdir>/tokenizer.model on the train split
+  (without a workdir, in a fresh directory: never a model cached for other data)."""
+  workdir = workdir or tempfile.mkdtemp(prefix='moetrain')
 
   def texts():
     source = open_source(cfg, cfg.train_split)

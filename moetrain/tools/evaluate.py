@@ -10,7 +10,6 @@ chooses the dataset (data.eval_split, or --split).
 
 import dataclasses
 import functools
-import tempfile
 
 import jax
 from absl import app, flags
@@ -35,13 +34,11 @@ def evaluate_checkpoint(
 ) -> dict:
   if max_batches is not None and max_batches <= 0:
     raise ValueError(f'--max_batches={max_batches} must be positive (or left out: all batches)')
-  config = train.tool_config(config, workdir)
-  setup = train.build(config)
+  setup = train.tool_setup(config, workdir)
   if split:
     setup = dataclasses.replace(setup, data=dataclasses.replace(setup.data, eval_split=split))
   mesh = sharding.make_mesh(setup.mesh_shape)
-  # Without a run, a trained tokenizer goes to a fresh directory: never one cached for other data.
-  tokenizer = pipeline.make_tokenizer(setup.data, workdir or tempfile.mkdtemp(prefix='moetrain'))
+  tokenizer = pipeline.make_tokenizer(setup.data, workdir)
   batches = pipeline.make_eval_batches(
     setup.data,
     tokenizer,

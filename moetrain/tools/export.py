@@ -19,6 +19,7 @@ from ml_collections import config_flags
 
 from moetrain import runtime, sharding, train
 from moetrain.convert import hf_longcat
+from moetrain.convert import safetensors_io as stio
 from moetrain.train_state import graphdef_of, merge_model
 
 DTYPES = ('float32', 'bfloat16', 'float16')
@@ -46,11 +47,7 @@ def _inside(path: str, directory: str) -> bool:
 
 def check_out(out: str, workdir: str, setup: train.Setup) -> None:
   """--out must be a local (or mounted) directory apart from what the export reads."""
-  if '://' in out:
-    raise ValueError(
-      f'--out={out!r}: object-store paths are not supported; export to a local or mounted '
-      'directory (e.g. gcsfuse) and copy it'
-    )
+  runtime.local_path(out, '--out', 'export directories')
   for flag, source in (
     ('--workdir', workdir),
     ('init.hf_checkpoint', setup.hf_checkpoint),
@@ -85,8 +82,7 @@ def export(config, workdir: str, out: str, adapter_only: bool = False, dtype=Non
     raise ValueError(f'--dtype={dtype!r}: use one of {DTYPES}')
   if dtype is not None and adapter_only:
     raise ValueError('--dtype applies to the merged export; adapters keep their training dtype')
-  config = train.tool_config(config, workdir)
-  setup = train.build(config)
+  setup = train.tool_setup(config, workdir)
   check_out(out, workdir, setup)
   if adapter_only and not setup.model.lora.enabled:
     raise ValueError('--adapter_only needs a LoRA run (lora.rank > 0)')
@@ -125,7 +121,7 @@ def _replace_contents(staging: str, out: str) -> None:
   os.makedirs(out, exist_ok=True)
   new = set(os.listdir(staging))
   for name in os.listdir(out):
-    stale = name.startswith(('model', 'adapter_model')) and name.endswith(('.safetensors', '.json'))
+    stale = stio.is_model_file(name) or name == hf_longcat.ADAPTER_FILE
     if stale and name not in new:
       os.remove(os.path.join(out, name))
   for name in sorted(new, key=lambda n: n == 'config.json' or n == 'adapter_config.json'):

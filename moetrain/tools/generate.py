@@ -11,7 +11,6 @@ Prints the text and prefill + decode tokens/s.
 """
 
 import functools
-import tempfile
 import time
 
 import jax
@@ -199,14 +198,12 @@ def load_run(config, workdir: str | None):
   from moetrain.data import pipeline
   from moetrain.train_state import graphdef_of, merge_model
 
-  config = train.tool_config(config, workdir)
-  setup = train.build(config)
+  setup = train.tool_setup(config, workdir)
   mesh = sharding.make_mesh(setup.mesh_shape)
   with jax.set_mesh(mesh):
     state = train.load_latest(setup, workdir, mesh)
   model = merge_model(graphdef_of(setup.model), state.params, state.moe_bias, state.frozen)
-  # Without a run, a trained tokenizer goes to a fresh directory: never one cached for other data.
-  tokenizer = pipeline.make_tokenizer(setup.data, workdir or tempfile.mkdtemp(prefix='moetrain'))
+  tokenizer = pipeline.make_tokenizer(setup.data, workdir)
   return model, tokenizer, int(state.step)
 
 

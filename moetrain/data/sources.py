@@ -194,10 +194,11 @@ class TextSource:
     offset = 0
     with open(path, 'rb') as f:
       for line_no, raw in enumerate(f, start=1):
-        text = raw.removeprefix(UTF8_BOM) if line_no == 1 else raw
-        if text.strip() and start is None:
+        if line_no == 1 and raw.startswith(UTF8_BOM):  # spans start after it
+          offset, raw = len(UTF8_BOM), raw[len(UTF8_BOM) :]
+        if raw.strip() and start is None:
           start, first_line = offset, line_no
-        elif not text.strip() and start is not None:
+        elif not raw.strip() and start is not None:
           yield start, offset, first_line
           start = None
         try:
@@ -214,7 +215,7 @@ class TextSource:
   def __getitem__(self, i: int) -> Example:
     raw, _ = self._records.read(i)
     # The line breaks around the paragraph go, its first line's indentation stays (code, verse).
-    return {'text': raw.removeprefix(UTF8_BOM).decode('utf-8').strip('\r\n')}
+    return {'text': raw.decode('utf-8').strip('\r\n')}
 
 
 class TfdsSource:

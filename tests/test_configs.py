@@ -6,7 +6,7 @@ import os
 
 import pytest
 
-from moetrain import train
+from moetrain import run_config, train
 
 ROOT = os.path.join(os.path.dirname(__file__), '..')
 CONFIGS = sorted(
@@ -37,7 +37,7 @@ def test_config_model_sets_every_engine_field():
   """Fine-tuning from a Hugging Face checkpoint takes these fields from config.model (the shapes
   come from its config.json), so the base config must set each of them."""
   config = load(os.path.join(ROOT, 'configs', 'base.py'))
-  missing = [k for k in train.ENGINE_FIELDS if k not in config.model]
+  missing = [k for k in run_config.ENGINE_FIELDS if k not in config.model]
   assert not missing, f'configs/base.py: config.model lacks {missing}'
 
 

@@ -1,0 +1,146 @@
+"""What a run directory's config.json allows: the checks before a resume, and the config the
+tools read a run with."""
+
+import json
+import os
+
+from absl import logging
+
+from moetrain import runtime
+
+# ModelConfig fields that are training/engine choices, not checkpoint shapes: with
+# init.hf_checkpoint the shapes come from its config.json and these from config.model.
+ENGINE_FIELDS = (
+  'init_std',
+  'dtype',
+  'param_dtype',
+  'remat',
+  'scan_layers',
+  'attention_chunk',
+  'attention_recompute',
+  'loss_chunk',
+  'moe_dispatch',
+  'moe_capacity_factor',
+  'moe_backend',
+  'moe_block_size',
+  'moe_expert_parallel',
+  'moe_ep_comm',
+  'moe_ep_recv_factor',
+  'moe_expected_ffn_experts',
+  'moe_balance_groups',
+  'quant',
+  'quant_group_size',
+)
+
+
+# DataConfig fields that shape the training stream a checkpoint's data position points into.
+DATA_STREAM_FIELDS = (
+  'source',
+  'path',
+  'tfds_name',
+  'train_split',
+  'text_key',
+  'prompt_key',
+  'completion_key',
+  'messages_key',
+  'tokenizer',
+  'seq_len',
+  'global_batch_size',
+  'shuffle',
+  'seed',
+  'num_epochs',
+  'worker_count',
+)
+
+
+def tool_config(config, workdir: str | None):
+  """`config` (--config), checked against the run in `workdir` as a resume is, or the run's own
+  config.json when it is None. A workdir without checkpoints is refused: a tool would otherwise
+  read the initial weights."""
+  if workdir and not runtime.saved_steps(workdir):
+    raise ValueError(
+      f'--workdir={workdir!r} holds no checkpoints ({os.path.join(workdir, "checkpoints")}); '
+      'leave --workdir out to use the initial weights of --config'
+    )
+  if config is not None:
+    if workdir:
+      advice = "pass the run's settings, or leave --config out"
+      check_resumable(config, workdir, advice, tool=True)
+    return config
+  if not workdir:
+    raise ValueError('pass --config, or --workdir of a run (its config.json is then used)')
+  import ml_collections
+
+  path = os.path.join(workdir, 'config.json')
+  if not os.path.isfile(path):
+    raise FileNotFoundError(f"{path} does not exist: pass the run's --config")
+  with open(path) as f:
+    return ml_collections.ConfigDict(json.load(f))
+
+
+def check_resumable(
+  config, workdir: str, advice: str = 'resume with the same ones or use a new --workdir', tool=False
+) -> None:
+  """Before resuming from <workdir>/checkpoints, the model and LoRA settings that shape the saved
+  state must equal those of the run that saved it (<workdir>/config.json); name any that differ
+  instead of failing deep inside the restore. ENGINE_FIELDS (how the model computes) may change.
+  Changed DATA_STREAM_FIELDS are allowed, with a warning naming them: the resume is not exact.
+  A `tool` (evaluate, export, generate) reads the weights only: other data is its own choice."""
+  path = os.path.join(workdir, 'config.json')
+  if not os.path.exists(path) or not runtime.saved_steps(workdir):
+    return
+  with open(path) as f:
+    saved = json.load(f)
+  now = json.loads(config.to_json_best_effort())
+  diffs = [
+    f'{section}.{key}: {saved[section].get(key)!r} in the checkpointed run, now {value!r}'
+    for section in ('model', 'lora')
+    for key, value in now.get(section, {}).items()
+    if section in saved
+    and not (section == 'model' and key in ENGINE_FIELDS)
+    and saved[section].get(key, value) != value
+  ]
+  # The optimizer state's structure: gradient clipping adds a state of its own.
+  clip = lambda c: c.get('optim', {}).get('grad_clip', 0) > 0
+  if 'optim' in saved and clip(saved) != clip(now):
+    diffs.append(
+      f'optim.grad_clip: {saved["optim"].get("grad_clip")!r} in the checkpointed run, now '
+      f'{now["optim"].get("grad_clip")!r} (on and off keep different optimizer states)'
+    )
+  # float16 compute keeps a dynamic loss scale in the state; other dtypes none.
+  half = lambda c: c.get('model', {}).get('dtype') == 'float16'
+  if 'model' in saved and half(saved) != half(now):
+    diffs.append(
+      f'model.dtype: {saved["model"].get("dtype")!r} in the checkpointed run, now '
+      f'{now["model"].get("dtype")!r} (float16 keeps a loss scale in the checkpoint, others none)'
+    )
+  # A LoRA checkpoint holds no frozen base: the run rebuilds it from init.hf_checkpoint, or from
+  # the seed, and the adapters belong to that base.
+  if now.get('lora', {}).get('rank', 0) > 0:
+    base = lambda c: c.get('init', {}).get('hf_checkpoint', '') or f'seed {c.get("seed")}'
+    if base(saved) != base(now):
+      diffs.append(
+        f'the frozen base (init.hf_checkpoint, or the seed without one): {base(saved)!r} in the '
+        f'checkpointed run, now {base(now)!r}'
+      )
+  if diffs:
+    raise ValueError(
+      f'{workdir} holds checkpoints of a run with other settings; {advice}:\n  '
+      + '\n  '.join(diffs)
+    )
+  if tool:
+    return
+  changed = [
+    f'data.{key}: {saved["data"][key]!r} in the checkpointed run, now {now["data"].get(key)!r}'
+    for key in DATA_STREAM_FIELDS
+    if key in saved.get('data', {}) and saved['data'][key] != now.get('data', {}).get(key)
+  ]
+  if changed:  # legitimate (e.g. a bigger batch on a bigger slice), but no longer exact
+    logging.warning(
+      'Resuming %s with other data settings:\n  %s\nThe saved data position is applied to the '
+      'new stream: examples around it may be skipped or read twice, and with another order or '
+      'source the rest of the epoch is not what the checkpointed run would have read. Resume '
+      'with the saved settings for an exact continuation.',
+      workdir,
+      '\n  '.join(changed),
+    )

@@ -1,11 +1,13 @@
 """Throughput, MFU and MoE routing statistics, and the writers (stdout, JSONL, TensorBoard)."""
 
 import contextlib
+import functools
 import json
 import os
 import time
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from moetrain.model.config import ModelConfig
@@ -72,20 +74,77 @@ ROUTING_STATS = (
 )
 
 
+def load_imbalance(load, n_routed: int, expert_shards: int) -> dict:
+  """Per layer, from expert loads [L, E+Z] (numpy or jax): the busiest FFN expert's load over the
+  mean, and the busiest expert shard's over the mean (what expert parallelism waits on)."""
+  xp = jnp if isinstance(load, jax.Array) else np
+  ffn = load[:, :n_routed]
+  shards = ffn.reshape(ffn.shape[0], expert_shards, -1).sum(-1)
+  ratio = lambda a: a.max(-1) / xp.maximum(a.mean(-1), 1e-9)
+  return {'expert_max_over_mean': ratio(ffn), 'shard_imbalance': ratio(shards)}
+
+
 def routing_summary(moe: dict, cfg: ModelConfig, expert_shards: int) -> dict:
   """Host-side scalars from the per-layer stats (arrays [L, ...]): each statistic per layer
-  (moe/layer{l}/...) and its mean over layers (moe/...). The load histogram itself is written
-  separately (Writer.write's load)."""
+  (moe/layer{l}/...) and its mean over layers (moe/...). The load imbalance comes with the stats
+  when a Window averaged it over steps; otherwise it is taken from these loads. The load
+  histogram itself is written separately (Writer.write's load)."""
   load = np.asarray(moe['load'], np.float64)  # [L, E+Z]
-  ffn = load[:, : cfg.n_routed_experts]
-  shards = ffn.reshape(ffn.shape[0], expert_shards, -1).sum(-1)
   per_layer = {k: np.asarray(moe[k], np.float64).reshape(-1) for k in ROUTING_STATS}
-  per_layer['expert_max_over_mean'] = ffn.max(-1) / np.maximum(ffn.mean(-1), 1e-9)
-  per_layer['shard_imbalance'] = shards.max(-1) / np.maximum(shards.mean(-1), 1e-9)
+  for k, v in load_imbalance(load, cfg.n_routed_experts, expert_shards).items():
+    per_layer[k] = np.asarray(moe.get(k, v), np.float64).reshape(-1)
   out = {f'moe/{k}': float(np.mean(v)) for k, v in per_layer.items()}
   for k, v in per_layer.items():
     out.update({f'moe/layer{layer}/{k}': float(x) for layer, x in enumerate(v)})
   return out
+
+
+TOKEN_WEIGHTED = ('loss', 'accuracy')  # per scored token over the window
+LAST_VALUE = ('learning_rate', 'skipped', 'loss_scale')  # as of the window's last step
+
+
+class Window:
+  """The train metrics of the steps since the last log, accumulated on the device as the steps
+  are dispatched (nothing is fetched) and reported as one record of the whole window: loss and
+  accuracy per scored token, the learning rate, skipped count and loss scale as of the last step,
+  and the rest (gradient norm, auxiliary losses, routing statistics, each step's load imbalance,
+  the expert loads) as means per step. A log every N steps says what the N steps did, not only
+  what the last one did."""
+
+  def __init__(self, n_routed: int, expert_shards: int):
+    weigh = functools.partial(_weigh, n_routed=n_routed, expert_shards=expert_shards)
+    self._start = jax.jit(weigh)
+    self._add = jax.jit(lambda acc, m: _accumulate(acc, weigh(m)))
+    self._mean = jax.jit(_window_mean)
+    self.acc, self.steps = None, 0
+
+  def add(self, m: dict) -> None:
+    self.acc = self._start(m) if self.acc is None else self._add(self.acc, m)
+    self.steps += 1
+
+  def take(self) -> dict:
+    """The window's record (device arrays), and a new window."""
+    out = self._mean(self.acc, jnp.float32(self.steps))
+    self.acc, self.steps = None, 0
+    return out
+
+
+def _weigh(m: dict, *, n_routed: int, expert_shards: int) -> dict:
+  m = {**m, **{k: m[k] * m['tokens'] for k in TOKEN_WEIGHTED}}
+  moe = m['moe']
+  m['moe'] = {**moe, **load_imbalance(moe['load'].astype(jnp.float32), n_routed, expert_shards)}
+  return jax.tree.map(lambda v: v.astype(jnp.float32), m)
+
+
+def _accumulate(acc: dict, m: dict) -> dict:
+  out = jax.tree.map(jnp.add, acc, m)
+  return {**out, **{k: m[k] for k in LAST_VALUE if k in m}}
+
+
+def _window_mean(acc: dict, steps) -> dict:
+  out = jax.tree.map(lambda v: v / steps, acc)
+  out.update({k: acc[k] / jnp.maximum(acc['tokens'], 1.0) for k in TOKEN_WEIGHTED})
+  return {**out, **{k: acc[k] for k in LAST_VALUE if k in acc}}
 
 
 class Writer:

@@ -355,16 +355,18 @@ def loop(
   total, start = t.steps, int(state.step)
   stop = t.last_step
   meter = metrics_lib.Throughput(start, total)
+  expert_shards = dict(mesh.shape)['expert']
+  window = metrics_lib.Window(cfg.n_routed_experts, expert_shards)  # the steps since the last log
   report = functools.partial(
     log_train,
     cfg=cfg,
-    expert_shards=dict(mesh.shape)['expert'],
+    expert_shards=expert_shards,
     seq_len=setup.data.seq_len,
     writer=writer,
     hosts=multihost.Exchange('truncated_examples'),
   )
   log = _DelayedLog(report, meter)
-  exhausted, saved, m, why = False, False, None, ''
+  exhausted, saved, why = False, False, ''
   evaluated = (None, {})  # the latest eval: (step, results)
   if start == 0 and eval_batches:  # the baseline that fine-tuning is measured against
     with meter.excluded():
@@ -378,7 +380,7 @@ def loop(
       if done > start:  # log and save the last step run, as at `stop`
         if done % t.log_every:
           log.flush()
-          log.mark(done, m, train_iter.num_truncated)
+          log.mark(done, window.take(), train_iter.num_truncated)
         if not saved:
           ckpt.save(done, state, position or train_iter.get_state(), {'step': done})
       why = data_ended_note(done, done > start, setup.data.num_epochs, total)
@@ -388,11 +390,12 @@ def loop(
     # out of tokens/s and the ETA.
     with jax.transfer_guard('disallow'), meter.excluded(when=step == start + 1):
       state, m = step_fn(state, inputs)
+    window.add(m)
     # Throughput (and MFU) count every token the model reads, not only the scored ones.
     meter.add_tokens(float((batch['segment_ids'] > 0).sum()) * jax.process_count())
     log.flush()  # the previous log step's metrics, fetched after this step's dispatch
     if step % t.log_every == 0 or step == stop:
-      log.mark(step, m, train_iter.num_truncated)
+      log.mark(step, window.take(), train_iter.num_truncated)
     preempted = ckpt.preempted(step) and step != stop  # every host, every step
     due = step == stop or preempted or ckpt.due(step)
     if due:  # the step's own time stays in tokens/s, the save's (a host copy, a wait) does not

@@ -4,6 +4,9 @@ import glob
 import json
 import struct
 
+import jax
+import jax.numpy as jnp
+import numpy as np
 from tensorboardX.proto import event_pb2
 
 from moetrain import metrics
@@ -78,3 +81,50 @@ def test_peak_flops_by_device_kind():
   assert peak('NVIDIA H100 80GB HBM3') == 989e12
   assert peak('NVIDIA H100 PCIe') == 756e12  # the longer prefix
   assert peak('cpu') is None
+
+
+class _Cfg:
+  n_routed_experts = 4
+
+
+def _stats() -> dict:
+  return {k: [0.0] for k in metrics.ROUTING_STATS if k != 'router_entropy'}
+
+
+def test_window_reports_the_steps_since_the_last_log():
+  """Two steps in one window: loss and accuracy per scored token over both, the learning rate and
+  skipped count as of the last, the rest (routing stats, load, each step's imbalance) as means."""
+
+  def step(loss, tokens, lr, load):
+    load = jnp.array([load], jnp.float32)  # one layer, 4 FFN experts + 1 zero expert
+    return {
+      'loss': jnp.float32(loss),
+      'accuracy': jnp.float32(loss / 10),
+      'tokens': jnp.float32(tokens),
+      'grad_norm': jnp.float32(loss),
+      'learning_rate': jnp.float32(lr),
+      'skipped': jnp.int32(lr > 1),
+      'moe': {'load': load, 'router_entropy': jnp.array([loss])},
+    }
+
+  w = metrics.Window(n_routed=4, expert_shards=2)
+  # Each step has one expert at twice the mean and one shard (of two experts) at 1.5x; the hot
+  # ones differ, so the mean load is balanced.
+  w.add(step(2.0, 30, 1.0, [8, 4, 0, 4, 0]))
+  w.add(step(4.0, 10, 2.0, [0, 4, 8, 4, 0]))
+  out = w.take()
+  assert w.steps == 0 and w.acc is None
+  np.testing.assert_allclose(out['loss'], (2 * 30 + 4 * 10) / 40)
+  np.testing.assert_allclose(out['accuracy'], (0.2 * 30 + 0.4 * 10) / 40)
+  np.testing.assert_allclose(out['grad_norm'], 3.0)
+  np.testing.assert_allclose(out['tokens'], 20.0)
+  assert float(out['learning_rate']) == 2.0 and float(out['skipped']) == 1.0
+  np.testing.assert_allclose(out['moe']['load'], [[4, 4, 4, 4, 0]])
+  np.testing.assert_allclose(out['moe']['router_entropy'], [3.0])
+  # The steps' own imbalance, not that of the mean load (1).
+  np.testing.assert_allclose(out['moe']['expert_max_over_mean'], [2.0])
+  np.testing.assert_allclose(out['moe']['shard_imbalance'], [1.5])
+  summary = metrics.routing_summary(jax.device_get(out['moe']) | _stats(), _Cfg, 2)
+  assert summary['moe/expert_max_over_mean'] == 2.0 and summary['moe/shard_imbalance'] == 1.5
+  w.add(step(1.0, 5, 3.0, [1, 1, 1, 1, 0]))  # a new window starts empty
+  np.testing.assert_allclose(w.take()['loss'], 1.0)

@@ -109,6 +109,9 @@ def get_config() -> config_dict.ConfigDict:
   o.b2 = 0.95  # Adam beta2
   o.eps = 1e-8  # Adam epsilon (LongCat pretraining used 1e-16)
   o.weight_decay = 0.0  # decoupled weight decay on matrices
+  # Regex over parameter paths spared from weight decay, e.g. r'embed|router|lora_' (paths look
+  # like 'embed.embedding', 'layers.moe.router', 'layers.attn_0.q_a.lora_a'); '' = none.
+  o.weight_decay_exclude = ''
   o.grad_clip = 1.0  # global-norm clip; 0 = off
   o.grad_accum_steps = 1  # micro-batches per step
 

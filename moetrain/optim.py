@@ -1,6 +1,8 @@
 """Optax optimizer and learning-rate schedule from a small frozen config."""
 
 import dataclasses
+import functools
+import re
 
 import jax
 import optax
@@ -17,6 +19,7 @@ class OptimConfig:
   b2: float = 0.95
   eps: float = 1e-8
   weight_decay: float = 0.0
+  weight_decay_exclude: str = ''  # regex over parameter paths spared from decay ('' = none)
   grad_clip: float = 1.0  # global-norm clipping; 0 disables.
   grad_accum_steps: int = 1
 
@@ -35,6 +38,12 @@ class OptimConfig:
     for name in ('eps', 'weight_decay', 'grad_clip', 'min_lr_ratio'):
       if getattr(self, name) < 0:
         raise ValueError(f'optim.{name}={getattr(self, name)} must be >= 0')
+    try:
+      re.compile(self.weight_decay_exclude)
+    except re.error as e:
+      raise ValueError(
+        f'optim.weight_decay_exclude={self.weight_decay_exclude!r} is not a regex: {e}'
+      ) from None
     if self.min_lr_ratio > 1:
       raise ValueError(
         f'optim.min_lr_ratio={self.min_lr_ratio} must be <= 1 (the floor as a fraction of the peak)'
@@ -61,17 +70,21 @@ def schedule(cfg: OptimConfig, total_steps: int) -> optax.Schedule:
   )
 
 
-def decay_mask(params):
-  """Weight decay on matrices only (not norms, biases or 1-D scales). A Variable's leading
-  'layers' axis (scan_layers stacks) does not count: the mask is decided on the Variables, whose
-  metadata says so, not on their bare arrays."""
+def decay_mask(params, exclude: str = ''):
+  """Weight decay on matrices only (not norms, biases or 1-D scales), and not on the parameters
+  whose path ('embed.embedding', 'layers.moe.router', 'layers.attn_0.q_a.lora_a', ...)
+  the regex `exclude` finds. A Variable's leading 'layers' axis (scan_layers stacks) does not
+  count: the mask is decided on the Variables, whose metadata says so, not on their bare
+  arrays."""
+  spared = re.compile(exclude).search if exclude else lambda _: False
 
-  def matrix(x):
+  def matrix(path, x):
+    name = '.'.join(str(getattr(k, 'key', getattr(k, 'idx', k))) for k in path)
     if isinstance(x, nnx.Variable):
-      return x.replace(x.get_value().ndim - _stacked(x) >= 2)
-    return x.ndim >= 2
+      return x.replace(x.get_value().ndim - _stacked(x) >= 2 and not spared(name))
+    return x.ndim >= 2 and not spared(name)
 
-  return jax.tree.map(matrix, params, is_leaf=lambda x: isinstance(x, nnx.Variable))
+  return jax.tree.map_with_path(matrix, params, is_leaf=lambda x: isinstance(x, nnx.Variable))
 
 
 def _stacked(x) -> int:
@@ -84,7 +97,12 @@ def make_optimizer(cfg: OptimConfig, total_steps: int) -> optax.GradientTransfor
   parts = [optax.clip_by_global_norm(cfg.grad_clip)] if cfg.grad_clip > 0 else []
   parts.append(
     optax.adamw(
-      lr, b1=cfg.b1, b2=cfg.b2, eps=cfg.eps, weight_decay=cfg.weight_decay, mask=decay_mask
+      lr,
+      b1=cfg.b1,
+      b2=cfg.b2,
+      eps=cfg.eps,
+      weight_decay=cfg.weight_decay,
+      mask=functools.partial(decay_mask, exclude=cfg.weight_decay_exclude),
     )
   )
   return optax.chain(*parts)

@@ -80,6 +80,7 @@ def base_config(**overrides):
     ({'loss.bias_update_decay_steps': -5}, 'loss.bias_update_decay_steps'),
     ({'loss.bias_update_rate': -1e-3}, 'loss.bias_update_rate'),
     ({'optim.min_lr_ratio': 5.0}, 'optim.min_lr_ratio'),
+    ({'optim.weight_decay_exclude': 'embed|(router'}, 'optim.weight_decay_exclude'),
     ({'mesh.shape': (-2, -1, 1, 1)}, 'mesh.shape'),
   ],
 )

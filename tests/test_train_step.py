@@ -164,6 +164,12 @@ def test_weight_decay_spares_norms_of_stacked_layers():
   assert flat['layers.input_norm_0.scale'] is False and flat['final_norm.scale'] is False
   assert flat['layers.attn_0.q_a.kernel'] is True and flat['layers.moe.experts.up'] is True
   assert flat['embed.embedding'] is True
+  # optim.weight_decay_exclude spares parameters by path, as the config's comment names them.
+  mask = optim.decay_mask(init_state(cfg, optax.sgd(0.1), 0).params, r'embed|router|experts\.up')
+  flat = {'.'.join(map(str, p)): v.get_value() for p, v in nnx.to_flat_state(mask)}
+  assert not flat['embed.embedding'] and not flat['layers.moe.router']
+  assert not flat['layers.moe.experts.up'] and flat['layers.moe.experts.down']
+  assert flat['layers.attn_0.q_a.kernel'] and not flat['final_norm.scale']
 
 
 def test_float16_trains_with_a_dynamic_loss_scale():

@@ -51,23 +51,30 @@ class OptimConfig:
 
 
 def schedule(cfg: OptimConfig, total_steps: int) -> optax.Schedule:
+  """The learning rate of the n-th update (n from 0). A warmup's first update already moves the
+  weights (rate peak / warmup_steps, peak at update warmup_steps) and the cosine reaches its
+  floor at the last update; without warmup the first update runs at the peak."""
   if cfg.schedule == 'constant':
-    return optax.join_schedules(
+    base = optax.join_schedules(
       [
         optax.linear_schedule(0.0, cfg.learning_rate, max(cfg.warmup_steps, 1)),
         optax.constant_schedule(cfg.learning_rate),
       ],
       [cfg.warmup_steps],
     )
-  if cfg.warmup_steps == 0:  # full rate from the first step
+  elif cfg.warmup_steps == 0:  # full rate from the first step
     return optax.cosine_decay_schedule(cfg.learning_rate, total_steps, cfg.min_lr_ratio)
-  return optax.warmup_cosine_decay_schedule(
-    0.0,
-    cfg.learning_rate,
-    max(cfg.warmup_steps, 1),
-    max(total_steps, cfg.warmup_steps + 1),
-    end_value=cfg.learning_rate * cfg.min_lr_ratio,
-  )
+  else:
+    base = optax.warmup_cosine_decay_schedule(
+      0.0,
+      cfg.learning_rate,
+      max(cfg.warmup_steps, 1),
+      max(total_steps, cfg.warmup_steps + 1),
+      end_value=cfg.learning_rate * cfg.min_lr_ratio,
+    )
+  if cfg.warmup_steps == 0:
+    return base
+  return lambda n: base(n + 1)  # a warmup's rate 0 would waste the first update
 
 
 def decay_mask(params, exclude: str = ''):

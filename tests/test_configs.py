@@ -4,6 +4,7 @@ import glob
 import importlib.util
 import os
 
+import numpy as np
 import pytest
 
 from moetrain import run_config, train
@@ -140,6 +141,21 @@ def test_no_warmup_starts_at_the_full_rate():
 
   fn = optim.schedule(optim.OptimConfig(warmup_steps=0, learning_rate=1e-3), 100)
   assert abs(float(fn(0)) - 1e-3) < 1e-9 and float(fn(100)) < 1e-3
+
+
+@pytest.mark.parametrize('kind', ['cosine', 'constant'])
+def test_warmup_moves_the_weights_from_the_first_update(kind):
+  """Update n (from 0) runs at (n + 1) / warmup of the peak during the warmup, the peak at the
+  end of it, and (cosine) the floor at the last of train.steps updates."""
+  from moetrain import optim
+
+  cfg = optim.OptimConfig(warmup_steps=4, learning_rate=1e-3, schedule=kind, min_lr_ratio=0.1)
+  fn = optim.schedule(cfg, 100)
+  np.testing.assert_allclose(
+    [float(fn(n)) for n in range(4)], [2.5e-4, 5e-4, 7.5e-4, 1e-3], rtol=1e-6
+  )
+  assert abs(float(fn(4)) - 1e-3) < 1e-9 if kind == 'constant' else 1e-4 < float(fn(4)) < 1e-3
+  np.testing.assert_allclose(float(fn(99)), 1e-4 if kind == 'cosine' else 1e-3, rtol=1e-6)
 
 
 def test_compilation_cache_is_shared_on_several_hosts(monkeypatch):

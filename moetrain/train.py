@@ -209,7 +209,7 @@ def initial_state(setup: Setup, optimizer, mesh) -> TrainState:
   rules = setup.model.rules
   if not setup.hf_checkpoint and not setup.peft_adapter:
     return create_sharded(setup.model, optimizer, setup.seed, mesh, rules)
-  from moetrain.convert import hf_longcat
+  from moetrain.convert import hf_longcat, peft_adapter
 
   if setup.hf_checkpoint:
     w = hf_longcat.load_params(
@@ -221,7 +221,7 @@ def initial_state(setup: Setup, optimizer, mesh) -> TrainState:
     params, moe_bias, frozen = state.params, state.moe_bias, state.frozen
   if setup.peft_adapter:  # continue from (or evaluate) an exported adapter
     model = merge_model(graphdef_of(setup.model), params, moe_bias, frozen)
-    hf_longcat.load_peft_adapter(model, setup.model, setup.peft_adapter)
+    peft_adapter.load(model, setup.model, setup.peft_adapter)
     _, params, moe_bias, frozen = split_model(model, setup.model)  # adapters and routers
   return state_from_weights(
     params, moe_bias, frozen, optimizer, setup.seed, mesh, rules, initial_loss_scale(setup.model)

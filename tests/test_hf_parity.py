@@ -15,6 +15,7 @@ from safetensors.numpy import save_file
 
 from moetrain import sharding, train_state
 from moetrain.convert import hf_longcat as hf
+from moetrain.convert import peft_adapter
 from moetrain.convert import safetensors_io as stio
 from moetrain.model import moe as moe_lib
 from moetrain.model import quant
@@ -341,7 +342,7 @@ def test_peft_adapter_round_trip(tmp_path):
   path = fixture('two_layer')
   model, cfg = lora_model('two_layer')
   perturb_router(model, 5)
-  hf.save_peft_adapter(model, cfg, str(tmp_path))
+  peft_adapter.save(model, cfg, str(tmp_path))
   with open(tmp_path / 'adapter_config.json') as f:
     config = json.load(f)
   assert (config['r'], config['lora_alpha'], config['use_rslora']) == (4, 16.0, False)
@@ -357,7 +358,7 @@ def test_peft_adapter_round_trip(tmp_path):
   assert shapes[pre + 'mlp.router.classifier.weight'] == (6, 64)
   # Adapters and routers (the base's before the load) come back exactly.
   fresh, _ = lora_model('two_layer', seed=9)
-  hf.load_peft_adapter(fresh, cfg, str(tmp_path))
+  peft_adapter.load(fresh, cfg, str(tmp_path))
   for x, y in zip(jax.tree.leaves(nnx.state(fresh)), jax.tree.leaves(nnx.state(model))):
     np.testing.assert_array_equal(x, y)
   key = 'base_model.model.model.layers.0.mlp.experts.1.up_proj.lora_B.weight'
@@ -365,11 +366,11 @@ def test_peft_adapter_round_trip(tmp_path):
     tensors = {k: f.get_tensor(k) for k in f.keys()}
   save_file({**tensors, key: tensors[key][:-1]}, str(tmp_path / 'adapter_model.safetensors'))
   with pytest.raises(ValueError, match=rf'{key}: shape \(15, 4\).*expected \(16, 4\)'):
-    hf.load_peft_adapter(fresh, cfg, str(tmp_path))
+    peft_adapter.load(fresh, cfg, str(tmp_path))
   other = lora_config(path, rank=2)
   abstract = nnx.eval_shape(lambda: Transformer(other, nnx.Rngs(0)))
   with pytest.raises(ValueError, match='r=4 but the model has lora.rank=2'):
-    hf.load_peft_adapter(abstract, other, str(tmp_path))
+    peft_adapter.load(abstract, other, str(tmp_path))
 
 
 def test_transformers_loads_lora_merged_export(tmp_path):
@@ -407,7 +408,7 @@ def test_transformers_loads_lora_merged_export(tmp_path):
   print(f'transformers on the bf16 export: logits {err:.2e}')
   assert err < 1e-5
   peft = pytest.importorskip('peft')
-  hf.save_peft_adapter(model, cfg, str(tmp_path / 'adapter'))
+  peft_adapter.save(model, cfg, str(tmp_path / 'adapter'))
   base = transformers.AutoModelForCausalLM.from_pretrained(
     path, dtype=torch.float32, attn_implementation='eager'
   )

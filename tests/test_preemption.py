@@ -323,11 +323,11 @@ def test_tools_over_two_processes(tmp_path):
   (line,) = [x for x in logs[0].splitlines() if x.startswith(f'step {step}: loss ')]
   np.testing.assert_allclose(float(line.split()[3]), measured['loss'], rtol=1e-5)
   assert not any(x.startswith('step ') for x in logs[1].splitlines())
-  from moetrain.convert import hf_longcat
+  from moetrain.convert import peft_adapter
   from moetrain.convert.safetensors_io import Reader
   from moetrain.tools import export
 
-  files = {False: {}, True: {'single': hf_longcat.ADAPTER_FILE, 'index': None}}
+  files = {False: {}, True: {'single': peft_adapter.ADAPTER_FILE, 'index': None}}
   for adapter, file in files.items():
     flags = ['--adapter_only'] if adapter else []
     exported = str(tmp_path / f'exported{len(flags)}')

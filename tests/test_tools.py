@@ -89,7 +89,7 @@ def test_export_guards_its_output(uninterrupted, tmp_path, monkeypatch):  # noqa
       f.write(b'partial')
     raise OSError('disk full')
 
-  monkeypatch.setattr(export.hf_longcat, 'save_peft_adapter', fail)
+  monkeypatch.setattr(export.peft_adapter, 'save', fail)
   with pytest.raises(OSError, match='disk full'):
     export.export(None, workdir, out, adapter_only=True)
   assert {f: os.path.getsize(os.path.join(out, f)) for f in os.listdir(out)} == before

@@ -1,4 +1,5 @@
-"""LongCat-Flash <-> Hugging Face: config, the weight-name table, streaming load/save, PEFT."""
+"""LongCat-Flash <-> Hugging Face: config, the weight-name table, streaming load/save (PEFT
+adapters: peft_adapter.py)."""
 
 import dataclasses
 import json
@@ -225,19 +226,20 @@ class Loaded(NamedTuple):
   skipped: list[str]  # checkpoint tensors moetrain has no place for (model.mtp.*)
 
 
-def _value(v):
+def value_of(v):
   return v.get_value() if isinstance(v, nnx.Variable) else v
 
 
-def _flat(tree) -> dict:
+def flat_values(tree) -> dict:
   state = nnx.state(tree) if isinstance(tree, nnx.Module) else tree
-  return {p: _value(v) for p, v in nnx.to_flat_state(state)}
+  return {p: value_of(v) for p, v in nnx.to_flat_state(state)}
 
 
 def _float_shapes(cfg: ModelConfig) -> dict:
   plain = dataclasses.replace(cfg, quant='none')
   return {
-    p: x.shape for p, x in _flat(nnx.eval_shape(lambda: Transformer(plain, nnx.Rngs(0)))).items()
+    p: x.shape
+    for p, x in flat_values(nnx.eval_shape(lambda: Transformer(plain, nnx.Rngs(0)))).items()
   }
 
 
@@ -245,10 +247,10 @@ def _shardings(abstract_state, mesh, rules) -> dict:
   if mesh is None:
     one = SingleDeviceSharding(jax.local_devices()[0])
     return {p: one for p, _ in nnx.to_flat_state(abstract_state)}
-  return _flat(train_state.state_shardings(abstract_state, mesh, rules))
+  return flat_values(train_state.state_shardings(abstract_state, mesh, rules))
 
 
-def _check(reader, rows, cfg, shapes: dict) -> list[str]:
+def check_rows(reader, rows, cfg, shapes: dict) -> list[str]:
   """Raises on a missing or misshapen tensor; returns the checkpoint keys no row uses."""
   expected = set()
   for t in rows:
@@ -309,11 +311,11 @@ def load_params(path, cfg: ModelConfig, mesh=None, rules=None, dtype=None, seed=
   reader = stio.Reader(path)
   graphdef, abstract_state = nnx.split(nnx.eval_shape(lambda: Transformer(cfg, nnx.Rngs(seed))))
   variables = dict(nnx.to_flat_state(abstract_state))
-  abstract = {p: _value(v) for p, v in variables.items()}
+  abstract = {p: value_of(v) for p, v in variables.items()}
   shardings = _shardings(abstract_state, mesh, rules)
   shapes = _float_shapes(cfg)
   rows = table()
-  skipped = _check(reader, rows, cfg, shapes)
+  skipped = check_rows(reader, rows, cfg, shapes)
   values = {}
   for t in rows:
     values.update(
@@ -379,7 +381,7 @@ def _export_items(flat: dict, cfg: ModelConfig, strict: bool) -> list:
 def hf_tensors(model_or_state, cfg: ModelConfig, dtype='float32'):
   """Yields (HF name, array) in checkpoint layout for every table row the state holds (a grad
   state without the router bias, say): LoRA merged, quantised kernels decoded."""
-  flat = _flat(model_or_state)
+  flat = flat_values(model_or_state)
   for t, ix, _ in _export_items(flat, cfg, strict=False):
     yield t.name(ix), _export(flat, t, ix, cfg, dtype)
 
@@ -396,7 +398,7 @@ def save_hf(
   the index) in the transformers LongCat-Flash layout: LoRA merged into the base, quantised
   weights decoded, e_score_correction_bias included. One tensor is on the host at a time; with
   several processes all must call it (shards are gathered) and process 0 writes."""
-  flat = _flat(model_or_state)
+  flat = flat_values(model_or_state)
   dt = jnp.dtype(dtype or cfg.param_dtype)
   items = _export_items(flat, cfg, strict=True)
   specs = [(t.name(ix), shape, dt) for t, ix, shape in items]
@@ -407,119 +409,3 @@ def save_hf(
   if writable:
     with open(os.path.join(out_dir, 'config.json'), 'w') as f:
       json.dump(config_to_hf(cfg, dt.name, base_config), f, indent=2, sort_keys=True)
-
-
-# ---------------------------------------------------------------------------------------------
-# PEFT adapters
-
-ADAPTER_FILE = 'adapter_model.safetensors'
-ADAPTER_CONFIG = 'adapter_config.json'
-# Training moves every layer's e_score_correction_bias (the expert-bias update) and, with
-# lora.train_router, the router classifier: an adapter holds the whole router module as PEFT's
-# modules_to_save (model.layers.{l}.mlp.router, classifier.weight + e_score_correction_bias).
-ROUTER_MODULE = 'router'
-
-
-def _adapted(flat: dict) -> list[Row]:
-  return [r for t in table() if (lo := lora_rows(t)) and lo[0].key in flat for r in lo]
-
-
-def _router_rows() -> list[Row]:
-  """The router's rows under PEFT's prefix (as PeftModel.save_pretrained names modules_to_save)."""
-  return [
-    dataclasses.replace(t, name_template=PEFT_PREFIX + t.name_template)
-    for t in table()
-    if f'.mlp.{ROUTER_MODULE}.' in t.name_template
-  ]
-
-
-def _target_modules(rows: list[Row]) -> str:
-  """A regex that PEFT full-matches against module names (model.layers.<l>.mlps.0.up_proj...)."""
-  mods = {r.name_template.removeprefix(PEFT_PREFIX).rsplit('.', 2)[0] for r in rows}
-  return '|'.join(
-    sorted(m.replace('.', r'\.').replace('{l}', r'\d+').replace('{e}', r'\d+') for m in mods)
-  )
-
-
-def save_peft_adapter(model, cfg: ModelConfig, out_dir: str) -> None:
-  """adapter_model.safetensors (lora_A [R, in], lora_B [out, R] per module, experts one by one,
-  and the routers whole: ROUTER_MODULE) and adapter_config.json, as peft's LoraConfig saves them
-  for the HF model."""
-  flat = _flat(model)
-  rows = _adapted(flat)
-  if not rows:
-    raise ValueError('the model has no LoRA adapters (cfg.lora.rank is 0 or targets match none)')
-  saved = rows + _router_rows()
-  items = [(r, ix) for r in saved for ix in r.indices(cfg.num_layers, cfg.n_routed_experts)]
-  specs = [
-    (r.name(ix), sio.flat_shape(flat[r.key].shape[r.lead :], r.n_in), flat[r.key].dtype)
-    for r, ix in items
-  ]
-  writable = jax.process_index() == 0
-  if writable:
-    os.makedirs(out_dir, exist_ok=True)
-
-  def produce(i):
-    r, ix = items[i]
-    return sio.to_flat(sio.to_host(flat[r.key][ix]), r.n_in)
-
-  stio.write_file(os.path.join(out_dir, ADAPTER_FILE), specs, produce, writable)
-  lo = cfg.lora
-  config = {
-    'peft_type': 'LORA',
-    'task_type': 'CAUSAL_LM',
-    'r': lo.rank,
-    'lora_alpha': lo.alpha,
-    'use_rslora': lo.rslora,
-    'lora_dropout': lo.dropout,
-    'bias': 'none',
-    'target_modules': _target_modules(rows),
-    'fan_in_fan_out': False,
-    'use_dora': False,
-    'init_lora_weights': True,
-    'inference_mode': True,
-    'modules_to_save': [ROUTER_MODULE],
-    'base_model_name_or_path': None,
-  }
-  if writable:
-    with open(os.path.join(out_dir, ADAPTER_CONFIG), 'w') as f:
-      json.dump(config, f, indent=2)
-
-
-def load_peft_adapter(model, cfg: ModelConfig, directory: str) -> None:
-  """Reads a PEFT adapter into the model's LoRA params, and its routers when the adapter holds
-  them (ROUTER_MODULE), in place, keeping their shardings."""
-  with open(os.path.join(directory, ADAPTER_CONFIG)) as f:
-    c = json.load(f)
-  for key, field, default in (
-    ('r', 'rank', 8),
-    ('lora_alpha', 'alpha', 8),
-    ('use_rslora', 'rslora', False),
-    ('use_dora', None, False),
-  ):
-    want = getattr(cfg.lora, field) if field else default
-    if c.get(key, default) != want:
-      raise ValueError(
-        f'{ADAPTER_CONFIG}: {key}={c.get(key, default)!r} but the model has '
-        f'{f"lora.{field}" if field else key}={want!r}'
-      )
-  router = ROUTER_MODULE in (c.get('modules_to_save') or ())
-  filt = nnx.LoRAParam
-  if router:
-    filt = nnx.Any(filt, nnx.PathContains('router'), nnx.PathContains('router_bias'))
-  variables = dict(nnx.to_flat_state(nnx.state(model, filt)))
-  flat = {p: _value(v) for p, v in variables.items()}
-  rows = _adapted(flat) + (_router_rows() if router else [])
-  reader = stio.Reader(directory, single=ADAPTER_FILE, index=None)
-  extra = _check(reader, rows, cfg, {p: x.shape for p, x in flat.items()})
-  if extra:
-    raise ValueError(
-      f'{directory}: {len(extra)} adapter tensors have no LoRA param in this '
-      f'model (check lora.targets), e.g. {extra[:3]}'
-    )
-  abstract = {p: jax.ShapeDtypeStruct(x.shape, x.dtype) for p, x in flat.items()}
-  shardings = {p: x.sharding for p, x in flat.items()}
-  values = {}
-  for r in rows:
-    values.update(sio.load_row(reader, r, abstract, shardings, flat[r.key].shape))
-  nnx.update(model, nnx.from_flat_state({p: variables[p].replace(values[p]) for p in values}))

@@ -18,7 +18,7 @@ from absl import app, flags
 from ml_collections import config_flags
 
 from moetrain import runtime, sharding, train
-from moetrain.convert import hf_longcat
+from moetrain.convert import hf_longcat, peft_adapter
 from moetrain.convert import safetensors_io as stio
 from moetrain.train_state import graphdef_of, merge_model
 
@@ -100,7 +100,7 @@ def export(config, workdir: str, out: str, adapter_only: bool = False, dtype=Non
       model = merge_model(graphdef_of(setup.model), state.params, state.moe_bias, state.frozen)
       target = staging or out  # only process 0 writes; the others take part in the gathers
       if adapter_only:
-        hf_longcat.save_peft_adapter(model, setup.model, target)
+        peft_adapter.save(model, setup.model, target)
       else:
         base = hf_longcat.read_config(setup.hf_checkpoint) if setup.hf_checkpoint else None
         hf_longcat.save_hf(model, setup.model, target, dtype=dtype, base_config=base)
@@ -121,7 +121,7 @@ def _replace_contents(staging: str, out: str) -> None:
   os.makedirs(out, exist_ok=True)
   new = set(os.listdir(staging))
   for name in os.listdir(out):
-    stale = stio.is_model_file(name) or name == hf_longcat.ADAPTER_FILE
+    stale = stio.is_model_file(name) or name == peft_adapter.ADAPTER_FILE
     if stale and name not in new:
       os.remove(os.path.join(out, name))
   for name in sorted(new, key=lambda n: n == 'config.json' or n == 'adapter_config.json'):

@@ -1,0 +1,135 @@
+"""PEFT LoRA adapters of the Hugging Face LongCat-Flash model: adapter_model.safetensors and
+adapter_config.json as peft's LoraConfig saves them, written from and read into moetrain's LoRA
+params (and the routers, which training moves)."""
+
+import dataclasses
+import json
+import os
+
+import jax
+from flax import nnx
+
+from moetrain.convert import safetensors_io as stio
+from moetrain.convert import stacked_io as sio
+from moetrain.convert.hf_longcat import (
+  PEFT_PREFIX,
+  check_rows,
+  flat_values,
+  lora_rows,
+  table,
+  value_of,
+)
+from moetrain.convert.stacked_io import Row
+from moetrain.model.config import ModelConfig
+
+ADAPTER_FILE = 'adapter_model.safetensors'
+ADAPTER_CONFIG = 'adapter_config.json'
+# Training moves every layer's e_score_correction_bias (the expert-bias update) and, with
+# lora.train_router, the router classifier: an adapter holds the whole router module as PEFT's
+# modules_to_save (model.layers.{l}.mlp.router, classifier.weight + e_score_correction_bias).
+ROUTER_MODULE = 'router'
+
+
+def _adapted(flat: dict) -> list[Row]:
+  return [r for t in table() if (lo := lora_rows(t)) and lo[0].key in flat for r in lo]
+
+
+def _router_rows() -> list[Row]:
+  """The router's rows under PEFT's prefix (as PeftModel.save_pretrained names modules_to_save)."""
+  return [
+    dataclasses.replace(t, name_template=PEFT_PREFIX + t.name_template)
+    for t in table()
+    if f'.mlp.{ROUTER_MODULE}.' in t.name_template
+  ]
+
+
+def _target_modules(rows: list[Row]) -> str:
+  """A regex that PEFT full-matches against module names (model.layers.<l>.mlps.0.up_proj...)."""
+  mods = {r.name_template.removeprefix(PEFT_PREFIX).rsplit('.', 2)[0] for r in rows}
+  return '|'.join(
+    sorted(m.replace('.', r'\.').replace('{l}', r'\d+').replace('{e}', r'\d+') for m in mods)
+  )
+
+
+def save(model, cfg: ModelConfig, out_dir: str) -> None:
+  """adapter_model.safetensors (lora_A [R, in], lora_B [out, R] per module, experts one by one,
+  and the routers whole: ROUTER_MODULE) and adapter_config.json, as peft's LoraConfig saves them
+  for the HF model."""
+  flat = flat_values(model)
+  rows = _adapted(flat)
+  if not rows:
+    raise ValueError('the model has no LoRA adapters (cfg.lora.rank is 0 or targets match none)')
+  saved = rows + _router_rows()
+  items = [(r, ix) for r in saved for ix in r.indices(cfg.num_layers, cfg.n_routed_experts)]
+  specs = [
+    (r.name(ix), sio.flat_shape(flat[r.key].shape[r.lead :], r.n_in), flat[r.key].dtype)
+    for r, ix in items
+  ]
+  writable = jax.process_index() == 0
+  if writable:
+    os.makedirs(out_dir, exist_ok=True)
+
+  def produce(i):
+    r, ix = items[i]
+    return sio.to_flat(sio.to_host(flat[r.key][ix]), r.n_in)
+
+  stio.write_file(os.path.join(out_dir, ADAPTER_FILE), specs, produce, writable)
+  lo = cfg.lora
+  config = {
+    'peft_type': 'LORA',
+    'task_type': 'CAUSAL_LM',
+    'r': lo.rank,
+    'lora_alpha': lo.alpha,
+    'use_rslora': lo.rslora,
+    'lora_dropout': lo.dropout,
+    'bias': 'none',
+    'target_modules': _target_modules(rows),
+    'fan_in_fan_out': False,
+    'use_dora': False,
+    'init_lora_weights': True,
+    'inference_mode': True,
+    'modules_to_save': [ROUTER_MODULE],
+    'base_model_name_or_path': None,
+  }
+  if writable:
+    with open(os.path.join(out_dir, ADAPTER_CONFIG), 'w') as f:
+      json.dump(config, f, indent=2)
+
+
+def load(model, cfg: ModelConfig, directory: str) -> None:
+  """Reads a PEFT adapter into the model's LoRA params, and its routers when the adapter holds
+  them (ROUTER_MODULE), in place, keeping their shardings."""
+  with open(os.path.join(directory, ADAPTER_CONFIG)) as f:
+    c = json.load(f)
+  for key, field, default in (
+    ('r', 'rank', 8),
+    ('lora_alpha', 'alpha', 8),
+    ('use_rslora', 'rslora', False),
+    ('use_dora', None, False),
+  ):
+    want = getattr(cfg.lora, field) if field else default
+    if c.get(key, default) != want:
+      raise ValueError(
+        f'{ADAPTER_CONFIG}: {key}={c.get(key, default)!r} but the model has '
+        f'{f"lora.{field}" if field else key}={want!r}'
+      )
+  router = ROUTER_MODULE in (c.get('modules_to_save') or ())
+  filt = nnx.LoRAParam
+  if router:
+    filt = nnx.Any(filt, nnx.PathContains('router'), nnx.PathContains('router_bias'))
+  variables = dict(nnx.to_flat_state(nnx.state(model, filt)))
+  flat = {p: value_of(v) for p, v in variables.items()}
+  rows = _adapted(flat) + (_router_rows() if router else [])
+  reader = stio.Reader(directory, single=ADAPTER_FILE, index=None)
+  extra = check_rows(reader, rows, cfg, {p: x.shape for p, x in flat.items()})
+  if extra:
+    raise ValueError(
+      f'{directory}: {len(extra)} adapter tensors have no LoRA param in this '
+      f'model (check lora.targets), e.g. {extra[:3]}'
+    )
+  abstract = {p: jax.ShapeDtypeStruct(x.shape, x.dtype) for p, x in flat.items()}
+  shardings = {p: x.sharding for p, x in flat.items()}
+  values = {}
+  for r in rows:
+    values.update(sio.load_row(reader, r, abstract, shardings, flat[r.key].shape))
+  nnx.update(model, nnx.from_flat_state({p: variables[p].replace(values[p]) for p in values}))

@@ -53,6 +53,44 @@ DATA_STREAM_FIELDS = (
 )
 
 
+# Config fields that hold local paths. A run resolves them against its working directory before
+# anything reads them, so its config.json holds them absolute: the tools, which read that file,
+# and a resume find the same files from any directory.
+PATH_FIELDS = (
+  ('data', 'path'),
+  ('data', 'tokenizer'),
+  ('data', 'tfds_data_dir'),
+  ('init', 'hf_checkpoint'),
+  ('init', 'peft_adapter'),
+)
+
+
+def absolute(path):
+  """A local path made absolute; '' and URLs (gs://...) unchanged."""
+  if not isinstance(path, str) or not path or '://' in path:
+    return path
+  return os.path.abspath(os.path.expanduser(path))
+
+
+def with_absolute_paths(config):
+  """A copy of `config` (a ConfigDict) with its PATH_FIELDS absolute."""
+  config = config.copy_and_resolve_references()
+  for section, key in PATH_FIELDS:
+    if section in config and key in config[section]:
+      config[section][key] = absolute(config[section][key])
+  return config
+
+
+def _absolute_in(saved: dict) -> dict:
+  """A saved config.json's PATH_FIELDS absolute, as a run now writes them (older runs wrote them
+  as given: relative to where they ran, taken here as the working directory)."""
+  saved = {k: dict(v) if isinstance(v, dict) else v for k, v in saved.items()}
+  for section, key in PATH_FIELDS:
+    if key in saved.get(section, {}):
+      saved[section][key] = absolute(saved[section][key])
+  return saved
+
+
 def tool_config(config, workdir: str | None):
   """`config` (--config), checked against the run in `workdir` as a resume is, or the run's own
   config.json when it is None. A workdir without checkpoints is refused: a tool would otherwise
@@ -63,6 +101,7 @@ def tool_config(config, workdir: str | None):
       'leave --workdir out to use the initial weights of --config'
     )
   if config is not None:
+    config = with_absolute_paths(config)
     if workdir:
       advice = "pass the run's settings, or leave --config out"
       check_resumable(config, workdir, advice, tool=True)
@@ -90,8 +129,8 @@ def check_resumable(
   if not os.path.exists(path) or not runtime.saved_steps(workdir):
     return
   with open(path) as f:
-    saved = json.load(f)
-  now = json.loads(config.to_json_best_effort())
+    saved = _absolute_in(json.load(f))
+  now = _absolute_in(json.loads(config.to_json_best_effort()))
   diffs = [
     f'{section}.{key}: {saved[section].get(key)!r} in the checkpointed run, now {value!r}'
     for section in ('model', 'lora')

@@ -275,6 +275,7 @@ def load_latest(setup: Setup, workdir: str | None, mesh) -> TrainState:
 
 
 def run(config, workdir: str) -> dict:
+  config = run_config.with_absolute_paths(config)  # config.json must not depend on the cwd
   setup = build(config)
   t = setup.train
   enable_compilation_cache(compilation_cache_dir(t.compilation_cache, runtime.run_dir(workdir)))

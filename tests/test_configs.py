@@ -165,3 +165,28 @@ def test_compilation_cache_is_shared_on_several_hosts(monkeypatch):
   assert train.compilation_cache_dir('/cache', '/runs/a') == '/cache'
   monkeypatch.setattr(train.jax, 'process_count', lambda: 2)
   assert train.compilation_cache_dir('auto', '/runs/a') == '/runs/a/jax_cache'
+
+
+def test_a_runs_paths_are_absolute(tmp_path, monkeypatch):
+  """A run resolves its local paths against its working directory (config.json then holds them
+  absolute, so the tools and a resume find the files from anywhere); URLs stay as they are. An
+  older run's relative config.json still matches the same paths given relative."""
+  import json
+
+  monkeypatch.chdir(tmp_path)
+  given = {'data.path': 'data/{split}.jsonl', 'init.hf_checkpoint': 'ckpt', 'lora.rank': 4}
+  config = base_config(**given, **{'data.tfds_data_dir': 'gs://bucket/tfds'})
+  resolved = run_config.with_absolute_paths(config)
+  assert resolved.data.path == str(tmp_path / 'data' / '{split}.jsonl')
+  assert resolved.init.hf_checkpoint == str(tmp_path / 'ckpt')
+  assert resolved.data.tfds_data_dir == 'gs://bucket/tfds' and resolved.data.tokenizer == ''
+  assert config.data.path == 'data/{split}.jsonl'  # a copy
+  (tmp_path / 'run' / 'checkpoints' / '3').mkdir(parents=True)
+  for saved in (resolved, config):  # written by this version, and by an older one
+    (tmp_path / 'run' / 'config.json').write_text(saved.to_json_best_effort())
+    run_config.check_resumable(resolved, str(tmp_path / 'run'))
+  moved = json.loads(resolved.to_json_best_effort())
+  moved['init']['hf_checkpoint'] = str(tmp_path / 'other')
+  (tmp_path / 'run' / 'config.json').write_text(json.dumps(moved))
+  with pytest.raises(ValueError, match='frozen base'):
+    run_config.check_resumable(resolved, str(tmp_path / 'run'))

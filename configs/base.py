@@ -1,6 +1,33 @@
 """Every config key of moetrain, with its default. Experiment files import this and override."""
 
+import dataclasses
+
 from ml_collections import config_dict
+
+from moetrain.model.config import PRESETS
+
+
+def parse_arg(arg: str | None) -> dict:
+  """big_vision-style 'variant=flash,foo=bar' -> dict."""
+  return dict(kv.split('=', 1) for kv in (arg or '').split(',') if kv)
+
+
+def variant_of(arg: str | None, path: str) -> str:
+  """The model variant an experiment file's argument names ('tiny' when it names none)."""
+  args = parse_arg(arg)
+  unknown = set(args) - {'variant'}
+  if unknown:
+    raise ValueError(f'{path}: unknown argument(s) {sorted(unknown)}; use variant=')
+  return args.get('variant', 'tiny')
+
+
+def set_model(config, variant: str) -> None:
+  """config.model's shape fields from the preset `variant` ('tiny', 'medium' or 'flash')."""
+  if variant not in PRESETS:
+    raise ValueError(f'variant={variant!r} is unknown; choose one of {sorted(PRESETS)}')
+  for k, v in dataclasses.asdict(PRESETS[variant]).items():
+    if k in config.model:
+      config.model[k] = v
 
 
 def get_config() -> config_dict.ConfigDict:

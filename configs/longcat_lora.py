@@ -7,35 +7,13 @@ Changes from base: LoRA rank 8 on MLA projections, dense MLPs and routed experts
 router; the variant picks the model shape ('tiny', 'medium' or 'flash').
 """
 
-import dataclasses
-
 from configs import base
-from moetrain.model.config import PRESETS
-
-
-def parse_arg(arg: str | None) -> dict:
-  """big_vision-style 'variant=flash,foo=bar' -> dict."""
-  return dict(kv.split('=', 1) for kv in (arg or '').split(',') if kv)
-
-
-def set_model(config, variant: str) -> None:
-  if variant not in PRESETS:
-    raise ValueError(f'variant={variant!r} is unknown; choose one of {sorted(PRESETS)}')
-  for k, v in dataclasses.asdict(PRESETS[variant]).items():
-    if k in config.model:
-      config.model[k] = v
 
 
 def get_config(arg: str | None = None):
-  args = parse_arg(arg)
-  unknown = set(args) - {'variant'}
-  if unknown:
-    raise ValueError(
-      f'configs/longcat_lora.py: unknown argument(s) {sorted(unknown)}; use variant='
-    )
-  variant = args.get('variant', 'tiny')
+  variant = base.variant_of(arg, 'configs/longcat_lora.py')
   config = base.get_config()
-  set_model(config, variant)
+  base.set_model(config, variant)
   config.lora.rank = 8
   config.lora.alpha = 16.0
   if variant == 'tiny':

@@ -15,7 +15,10 @@ CONFIGS = sorted(
   for p in glob.glob(os.path.join(ROOT, 'configs', '*.py'))
   if not os.path.basename(p).startswith('__')
 )
-VARIANTS = {'longcat_lora.py': ['variant=tiny', 'variant=medium', 'variant=flash']}
+VARIANTS = {
+  name: ['variant=tiny', 'variant=medium', 'variant=flash']
+  for name in ('longcat_lora.py', 'longcat_pretrain.py')
+}
 
 
 def load(path, arg=None):

@@ -37,4 +37,4 @@ def main(argv):
 
 if __name__ == '__main__':
   flags.mark_flags_as_required(['config'])
-  app.run(main)
+  app.run(main, flags_parser=runtime.parse_flags)

@@ -3,6 +3,7 @@
 import contextlib
 import functools
 import json
+import math
 import os
 import time
 
@@ -109,42 +110,54 @@ class Window:
   accuracy per scored token, the learning rate, skipped count and loss scale as of the last step,
   and the rest (gradient norm, auxiliary losses, routing statistics, each step's load imbalance,
   the expert loads) as means per step. A log every N steps says what the N steps did, not only
-  what the last one did."""
+  what the last one did. Steps whose loss or gradient norm was not finite (skipped updates) are
+  left out of the means; a window of only such steps reports the last one as it was."""
 
   def __init__(self, n_routed: int, expert_shards: int):
-    weigh = functools.partial(_weigh, n_routed=n_routed, expert_shards=expert_shards)
-    self._start = jax.jit(weigh)
-    self._add = jax.jit(lambda acc, m: _accumulate(acc, weigh(m)))
-    self._mean = jax.jit(_window_mean)
-    self.acc, self.steps = None, 0
+    full = functools.partial(_with_imbalance, n_routed=n_routed, expert_shards=expert_shards)
+    self._start = jax.jit(lambda m: _weigh(full(m)))
+    self._add = jax.jit(lambda acc, m: _accumulate(acc, _weigh(full(m))))
+    self._mean = jax.jit(lambda acc, last: _window_mean(acc, full(last)))
+    self.acc, self.last, self.steps = None, None, 0
 
   def add(self, m: dict) -> None:
     self.acc = self._start(m) if self.acc is None else self._add(self.acc, m)
-    self.steps += 1
+    self.last, self.steps = m, self.steps + 1
 
   def take(self) -> dict:
     """The window's record (device arrays), and a new window."""
-    out = self._mean(self.acc, jnp.float32(self.steps))
-    self.acc, self.steps = None, 0
+    out = self._mean(self.acc, self.last)
+    self.acc, self.last, self.steps = None, None, 0
     return out
 
 
-def _weigh(m: dict, *, n_routed: int, expert_shards: int) -> dict:
-  m = {**m, **{k: m[k] * m['tokens'] for k in TOKEN_WEIGHTED}}
+def _with_imbalance(m: dict, *, n_routed: int, expert_shards: int) -> dict:
+  """A step's metrics with its load imbalance (load_imbalance of its expert loads)."""
   moe = m['moe']
-  m['moe'] = {**moe, **load_imbalance(moe['load'].astype(jnp.float32), n_routed, expert_shards)}
-  return jax.tree.map(lambda v: v.astype(jnp.float32), m)
+  imbalance = load_imbalance(moe['load'].astype(jnp.float32), n_routed, expert_shards)
+  return {**m, 'moe': {**moe, **imbalance}}
+
+
+def _weigh(m: dict) -> dict:
+  """One step's contribution: its values where it was finite, else zeros; `finite` counts it."""
+  finite = jnp.isfinite(m['loss']) & jnp.isfinite(m['grad_norm'])
+  w = {**m, **{k: m[k] * m['tokens'] for k in TOKEN_WEIGHTED}}
+  w = jax.tree.map(lambda v: jnp.where(finite, v, 0).astype(jnp.float32), w)
+  return {**w, 'finite': finite.astype(jnp.float32)}
 
 
 def _accumulate(acc: dict, m: dict) -> dict:
-  out = jax.tree.map(jnp.add, acc, m)
-  return {**out, **{k: m[k] for k in LAST_VALUE if k in m}}
+  return jax.tree.map(jnp.add, acc, m)
 
 
-def _window_mean(acc: dict, steps) -> dict:
-  out = jax.tree.map(lambda v: v / steps, acc)
+def _window_mean(acc: dict, last: dict) -> dict:
+  acc = dict(acc)
+  n = acc.pop('finite')
+  out = jax.tree.map(lambda v: v / jnp.maximum(n, 1.0), acc)
   out.update({k: acc[k] / jnp.maximum(acc['tokens'], 1.0) for k in TOKEN_WEIGHTED})
-  return {**out, **{k: acc[k] for k in LAST_VALUE if k in acc}}
+  # No finite step: the last one as it was (its non-finite loss or norm says why).
+  out = jax.tree.map(lambda v, x: jnp.where(n > 0, v, x.astype(jnp.float32)), out, last)
+  return {**out, **{k: last[k].astype(jnp.float32) for k in LAST_VALUE if k in last}}
 
 
 class Writer:
@@ -181,7 +194,7 @@ class Writer:
     self._record(record)
     prefix = '' if kind == 'train' else f'{kind}/'
     for k, v in scalars.items():
-      if isinstance(v, (int, float)):
+      if isinstance(v, (int, float)) and math.isfinite(v):  # (the JSONL record keeps the rest)
         self._tb.add_scalar(prefix + k, v, step)
     if load is not None:
       for layer, row in enumerate(np.asarray(load, np.float64)):

@@ -31,7 +31,10 @@ class OptimConfig:
     if self.grad_accum_steps < 1:
       raise ValueError(f'optim.grad_accum_steps must be >= 1, got {self.grad_accum_steps}')
     if self.warmup_steps < 0 or self.warmup_steps > total_steps:
-      raise ValueError(f'optim.warmup_steps={self.warmup_steps} must lie in [0, train.steps]')
+      raise ValueError(
+        f'optim.warmup_steps={self.warmup_steps} must lie in [0, train.steps={total_steps}]; '
+        'for a short run lower it too (e.g. --config.optim.warmup_steps=0)'
+      )
     for name in ('b1', 'b2'):
       if not 0 <= getattr(self, name) < 1:
         raise ValueError(f'optim.{name}={getattr(self, name)} must lie in [0, 1)')

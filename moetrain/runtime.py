@@ -92,6 +92,23 @@ def env_flag(name: str, environ=os.environ) -> bool:
   return environ.get(name, '').strip().lower() in ('1', 'true', 'yes', 'on')
 
 
+def parse_flags(argv: list[str]) -> list[str]:
+  """absl's flag parsing (app.run's flags_parser) that names an unknown --config.<key> instead
+  of raising from inside ml_collections."""
+  from absl import flags
+
+  try:
+    return flags.FLAGS(argv)
+  except (AttributeError, KeyError) as e:
+    name = str(e).strip('"\'')
+    keys = [a.split('=', 1)[0] for a in argv[1:] if a.startswith('--config.')]
+    key = next((k for k in keys if name in k.split('.')), f'--config.…{name}')
+    raise SystemExit(
+      f'{key}: no such config key ({name!r} is not in its section); configs/base.py lists '
+      'every key with its default'
+    ) from None
+
+
 def define_process_flags() -> None:
   """The flags that make a command one process of a multi-process JAX job (idempotent)."""
   from absl import flags

@@ -492,6 +492,8 @@ def log_train(
     f'step {step}  loss {scalars["loss"]:.4f}  lr {scalars["learning_rate"]:.2e}  '
     f'grad_norm {scalars["grad_norm"]:.3f}  tok/s {tokens_per_sec:,.0f}  '
     f'ffn_experts {scalars["moe/ffn_experts_mean"]:.2f}  eta {metrics_lib.format_eta(eta)}'
+    + (f'  skipped {scalars["skipped"]:,.0f} (non-finite)' if scalars['skipped'] else '')
+    + (f'  loss_scale {scalars["loss_scale"]:g}' if 'loss_scale' in scalars else '')
     + (
       f'  truncated {scalars["data/truncated_examples"]:,.0f} (longer than data.seq_len + 1)'
       if scalars['data/truncated_examples']

@@ -128,3 +128,11 @@ def test_window_reports_the_steps_since_the_last_log():
   assert summary['moe/expert_max_over_mean'] == 2.0 and summary['moe/shard_imbalance'] == 1.5
   w.add(step(1.0, 5, 3.0, [1, 1, 1, 1, 0]))  # a new window starts empty
   np.testing.assert_allclose(w.take()['loss'], 1.0)
+  # A skipped (non-finite) step stays out of the means; a window of only such steps shows it.
+  w.add(step(1.0, 5, 3.0, [1, 1, 1, 1, 0]))
+  w.add({**step(1.0, 5, 4.0, [1, 1, 1, 1, 0]), 'grad_norm': jnp.float32(np.inf)})
+  out = w.take()
+  assert float(out['grad_norm']) == 1.0 and float(out['learning_rate']) == 4.0
+  w.add({**step(2.0, 5, 4.0, [1, 1, 1, 1, 0]), 'grad_norm': jnp.float32(np.inf)})
+  out = w.take()
+  assert float(out['grad_norm']) == np.inf and float(out['loss']) == 2.0

@@ -82,3 +82,21 @@ def test_process_flags_without_num_processes_are_refused():
   )
   assert out.returncode != 0
   assert '--process_id and --coordinator_address need --num_processes' in out.stderr
+
+
+def test_an_unknown_config_key_is_named():
+  """`--config.model.nonexistent=3` stops with the key's name, not a traceback from inside
+  ml_collections (the flags are parsed before anything heavy is imported)."""
+  root = os.path.join(os.path.dirname(__file__), '..')
+  for bad, name in (('model.nonexistent', 'nonexistent'), ('nosection.steps', 'nosection')):
+    cmd = [sys.executable, '-m', 'moetrain.main', '--config=configs/longcat_lora.py']
+    out = subprocess.run(
+      [*cmd, f'--config.{bad}=3', '--dry_run'],
+      cwd=root,
+      capture_output=True,
+      text=True,
+      env={**os.environ, 'MOETRAIN_NO_REEXEC': '1', 'PYTHONPATH': root},
+    )
+    assert out.returncode != 0
+    assert f"--config.{bad}: no such config key ('{name}'" in out.stderr
+    assert 'Traceback' not in out.stderr

@@ -140,4 +140,4 @@ def main(argv):
 if __name__ == '__main__':
   define_flags()
   flags.mark_flags_as_required(['workdir', 'out'])
-  app.run(main)
+  app.run(main, flags_parser=runtime.parse_flags)

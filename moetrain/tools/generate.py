@@ -262,4 +262,4 @@ def continuation(tok, prompt_ids, new_ids) -> str:
 
 if __name__ == '__main__':
   define_flags()
-  app.run(main)
+  app.run(main, flags_parser=runtime.parse_flags)

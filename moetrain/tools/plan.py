@@ -1,4 +1,8 @@
-"""Dry run: build the model abstractly (no weights allocated) and report its size."""
+"""Dry run: build the model abstractly (no weights allocated) and report its size.
+
+python -m moetrain.tools.plan --config=configs/longcat_lora.py:variant=flash
+(the same as python -m moetrain.main --config=... --dry_run)
+"""
 
 import math
 
@@ -23,7 +27,9 @@ def param_counts(cfg) -> dict:
   embed = cfg.vocab_size * cfg.hidden_size
   per_expert = 3 * cfg.hidden_size * cfg.expert_ffn_hidden_size * cfg.num_layers
   routed = per_expert * cfg.n_routed_experts
-  active = {k: base - embed - routed + k * per_expert for k in (0, 8, cfg.moe_topk)}
+  k_e = cfg.expected_ffn_experts  # the balancing target (LongCat: 8 of top-12)
+  k_e = int(k_e) if float(k_e).is_integer() else k_e
+  active = {k: base - embed - routed + k * per_expert for k in (0, k_e, cfg.moe_topk)}
   return {'total': base, 'routed_experts': routed, 'adapters': adapters, 'active': active}
 
 
@@ -72,29 +78,42 @@ def loss_block(cfg, mesh_shape, seq_len: int, global_batch_size: int) -> dict:
   }
 
 
+def _count(n: float) -> str:
+  for unit, size in (('B', 1e9), ('M', 1e6), ('K', 1e3)):
+    if n >= size:
+      return f'{n / size:.2f}{unit}'
+  return f'{n:.0f}'
+
+
+def _bytes(n: float) -> str:
+  for unit, size in (('GiB', 2**30), ('MiB', 2**20), ('KiB', 2**10)):
+    if n >= size:
+      return f'{n / size:.2f} {unit}'
+  return f'{n:.0f} bytes'
+
+
 def dry_run(config) -> dict:
   # The mesh is validated for the smallest device count it fits, not this machine's devices.
   setup = train.build(config, num_devices=math.prod(s for s in config.mesh.shape if s > 0))
   counts = param_counts(setup.model)
-  b = 1e9
   print(
-    f'parameters: total {counts["total"] / b:.2f}B '
-    f'(routed experts {counts["routed_experts"] / b:.2f}B), LoRA adapters '
-    f'{counts["adapters"] / 1e6:.2f}M'
+    f'parameters: total {_count(counts["total"])} '
+    f'(routed experts {_count(counts["routed_experts"])}), LoRA adapters '
+    f'{_count(counts["adapters"])}'
   )
   for k, v in counts['active'].items():
-    print(f'activated per token with {k:2d} FFN experts (input embedding excluded): {v / b:.2f}B')
+    print(f'activated per token with {k:>4g} FFN experts (input embedding excluded): {_count(v)}')
   ex = ep_exchange(setup.model, setup.mesh_shape, setup.data.seq_len, setup.data.global_batch_size)
   for comm, e in ex.items():
     print(
       f'expert-parallel exchange {comm!r} (model.moe_ep_comm), per MoE layer and shard: '
       f'{e["local_rows"]} local assignments, receive buffer {e["recv_rows"]} rows = '
-      f'{e["recv_bytes"] / 2**30:.2f} GiB'
+      f'{_bytes(e["recv_bytes"])}'
     )
   lb = loss_block(setup.model, setup.mesh_shape, setup.data.seq_len, setup.data.global_batch_size)
   print(
     f'loss block (model.loss_chunk) per device: float32 logits {list(lb["block_shape"])} = '
-    f'{lb["block_bytes"] / 2**30:.2f} GiB (whole logits: {lb["whole_bytes"] / 2**30:.2f} GiB)'
+    f'{_bytes(lb["block_bytes"])} (whole logits: {_bytes(lb["whole_bytes"])})'
   )
   if any(e['worst_case'] for e in ex.values()):
     print(
@@ -102,3 +121,24 @@ def dry_run(config) -> dict:
       "(ragged) or model.moe_dispatch='capacity'"
     )
   return {**counts, 'ep_exchange': ex, 'loss_block': lb}
+
+
+def main(argv):
+  del argv
+  from absl import flags
+
+  from moetrain import runtime
+
+  runtime.quiet_library_logs()
+  dry_run(flags.FLAGS.config)
+
+
+if __name__ == '__main__':
+  from absl import app, flags
+  from ml_collections import config_flags
+
+  from moetrain import runtime
+
+  config_flags.DEFINE_config_file('config', None, 'Experiment config file.', lock_config=True)
+  flags.mark_flags_as_required(['config'])
+  app.run(main, flags_parser=runtime.parse_flags)

@@ -3,6 +3,7 @@
 import dataclasses
 import functools
 import os
+import re
 
 import jax
 import numpy as np
@@ -24,6 +25,7 @@ from moetrain.train_state import (
   split_model,
   state_from_weights,
   state_shardings,
+  trainable_filter,
 )
 from moetrain.train_step import StepConfig, eval_step, jit_train_step
 
@@ -130,7 +132,7 @@ def build(config, num_devices: int | None = None, process_count: int | None = No
     )
   step = StepConfig(model=model, grad_accum_steps=opt.grad_accum_steps, **config.loss.to_dict())
   step.validate()
-  check_lora_targets(model)
+  check_regexes(model, opt)
   if config.init.peft_adapter and not model.lora.enabled:
     raise ValueError('init.peft_adapter needs lora.rank > 0 (the rank of the adapter)')
   return Setup(
@@ -158,17 +160,26 @@ def compilation_cache_dir(setting: str, workdir: str) -> str:
   return HOST_CACHE if jax.process_count() == 1 else os.path.join(workdir, 'jax_cache')
 
 
-def check_lora_targets(model: ModelConfig) -> None:
-  """lora.targets must adapt at least one module (unless only the router trains): a regex that
-  matches none would train nothing, silently."""
-  if not model.lora.enabled or model.lora.train_router:
-    return
+def check_regexes(model: ModelConfig, opt: optim.OptimConfig) -> None:
+  """lora.targets must adapt at least one module (unless only the router trains), and a set
+  optim.weight_decay_exclude must spare at least one trainable parameter: a regex that matches
+  none would change nothing, silently."""
   abstract = nnx.eval_shape(lambda: Transformer(model, nnx.Rngs(0)))  # shapes only: no memory
-  if not jax.tree.leaves(nnx.state(abstract, nnx.LoRAParam)):
-    raise ValueError(
-      f'lora.targets={model.lora.targets!r} matches no module, so nothing would train; module '
-      "paths look like 'layers.attn_0.q_a', 'layers.mlp_1.down', 'layers.moe.experts.up', 'lm_head'"
-    )
+  if model.lora.enabled and not model.lora.train_router:
+    if not jax.tree.leaves(nnx.state(abstract, nnx.LoRAParam)):
+      raise ValueError(
+        f'lora.targets={model.lora.targets!r} matches no module, so nothing would train; module '
+        "paths look like 'layers.attn_0.q_a', 'layers.mlp_1.down', 'layers.moe.experts.up', "
+        "'lm_head'"
+      )
+  if opt.weight_decay and opt.weight_decay_exclude:
+    trainable = nnx.state(abstract, trainable_filter(model))
+    paths = ['.'.join(map(str, p)) for p, _ in nnx.to_flat_state(trainable)]
+    if not any(re.search(opt.weight_decay_exclude, p) for p in paths):
+      raise ValueError(
+        f'optim.weight_decay_exclude={opt.weight_decay_exclude!r} matches no trainable '
+        f'parameter; their paths look like {paths[:3]}'
+      )
 
 
 def enable_compilation_cache(path: str) -> None:

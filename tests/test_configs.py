@@ -85,6 +85,7 @@ def base_config(**overrides):
     ({'loss.bias_update_rate': -1e-3}, 'loss.bias_update_rate'),
     ({'optim.min_lr_ratio': 5.0}, 'optim.min_lr_ratio'),
     ({'optim.weight_decay_exclude': 'embed|(router'}, 'optim.weight_decay_exclude'),
+    ({'optim.weight_decay': 0.1, 'optim.weight_decay_exclude': 'embedd'}, 'matches no trainable'),
     ({'mesh.shape': (-2, -1, 1, 1)}, 'mesh.shape'),
   ],
 )

@@ -301,6 +301,11 @@ def run(config, workdir: str) -> dict:
   ckpt.watch_preemption()  # before the slow start-up (tokenizer, restore, compilation)
   if (latest := ckpt.latest_step()) is not None:  # a resume on another host count: fail now
     process_data_state(ckpt.restore_data(latest), setup.data.reslice_on_resume)
+    if latest >= t.last_step:  # before the run's files are touched: nothing to log
+      if runtime.is_primary():
+        print(nothing_to_do(workdir, latest, t), flush=True)
+      ckpt.close()
+      return {'step': latest, 'finished': latest >= t.steps}
   writer = metrics_lib.Writer(workdir, resume_step=latest)
   writer.save_config(config.to_json_best_effort(indent=1))
   tokenizer = pipeline.make_tokenizer(setup.data, workdir)
@@ -328,18 +333,6 @@ def run(config, workdir: str) -> dict:
   sharding.check_hosts_own_rows(batch_sharding, setup.data.global_batch_size)
   with jax.set_mesh(mesh):
     state = restore_or_init(setup, ckpt, optimizer, mesh, train_iter)
-    start = int(state.step)
-    if start >= t.last_step:
-      writer.progress(
-        f'Run in {workdir} already finished at step {start} (train.steps={t.steps}); nothing to '
-        'do. Use a new --workdir to train again.'
-        if start >= t.steps
-        else f'Run in {workdir} is at step {start}, already past train.stop_at_step='
-        f'{t.stop_at_step}; nothing to do. Raise it (or set 0 to run to train.steps={t.steps}).'
-      )
-      ckpt.close()
-      writer.close()
-      return {'step': start, 'finished': start >= t.steps}
     shardings = state_shardings(jax.eval_shape(lambda: state), mesh, setup.model.rules)
     step_fn = jit_train_step(setup.step, optimizer, lr_fn, shardings, batch_sharding)
     eval_fn = jax.jit(functools.partial(eval_step, graphdef=graphdef))
@@ -349,6 +342,18 @@ def run(config, workdir: str) -> dict:
   ckpt.close()
   writer.close()
   return last
+
+
+def nothing_to_do(workdir: str, step: int, t) -> str:
+  if step >= t.steps:
+    return (
+      f'Run in {workdir} already finished at step {step} (train.steps={t.steps}); nothing to '
+      'do. Use a new --workdir to train again.'
+    )
+  return (
+    f'Run in {workdir} is at step {step}, already past train.stop_at_step={t.stop_at_step}; '
+    f'nothing to do. Raise it (or set 0 to run to train.steps={t.steps}).'
+  )
 
 
 def loop(

@@ -78,8 +78,10 @@ def test_run_logs_checkpoints_and_evaluates(uninterrupted):
     saved = f.read()
   assert 'params.layers.moe.experts.gate_lora_a' in saved and 'frozen' not in saved
   assert 'experts.gate.value' not in saved  # the base expert weights
-  # a second invocation finds the finished run and does nothing
+  # a second invocation finds the finished run and does nothing (it logs nothing either)
   assert train.run(small_config(), workdir) == {'step': 6, 'finished': True}
+  with open(os.path.join(workdir, 'metrics.jsonl')) as f:
+    assert [json.loads(line) for line in f] == recs
 
 
 def test_resume_continues_bit_for_bit(uninterrupted, tmp_path, capsys):

@@ -9,6 +9,7 @@ from flax import nnx
 
 from moetrain.model import quant
 from moetrain.model.config import ModelConfig
+from moetrain.sharding import constrain
 
 
 def dtype_of(name: str):
@@ -155,11 +156,19 @@ class RMSNorm(nnx.Module):
 class Embed(nnx.Module):
   def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
     self.compute_dtype = dtype_of(cfg.dtype)
+    self.rules = cfg.rules
     emb = normal(rngs, (cfg.vocab_size, cfg.hidden_size), cfg.init_std, dtype_of(cfg.param_dtype))
     self.embedding = quant.make_param(emb, ('vocab', 'embed'), cfg, n_batch=1, n_in=1)
 
   def __call__(self, ids_BT):
-    return quant.dequant(quant.take(quant.raw(self.embedding), ids_BT), self.compute_dtype)
+    # The table is stored with D sharded (over fsdp): gathered whole along D first, as FSDP does
+    # for every weight, the lookup's rows come out batch-sharded like its ids. Left to XLA, rows
+    # sharded on D had to be resharded to the batch, which it could only do by replicating
+    # them when a tensor axis also split the vocabulary.
+    table = jax.tree.map(
+      lambda a: constrain(a, ('vocab', None), self.rules), quant.raw(self.embedding)
+    )
+    return quant.dequant(quant.take(table, ids_BT), self.compute_dtype)
 
 
 def rope_interleaved(x_BTNH, positions_BT, theta: float):

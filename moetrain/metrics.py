@@ -115,18 +115,30 @@ class Window:
 
   def __init__(self, n_routed: int, expert_shards: int):
     full = functools.partial(_with_imbalance, n_routed=n_routed, expert_shards=expert_shards)
-    self._start = jax.jit(lambda m: _weigh(full(m)))
-    self._add = jax.jit(lambda acc, m: _accumulate(acc, _weigh(full(m))))
-    self._mean = jax.jit(lambda acc, last: _window_mean(acc, full(last)))
+    self._jits = (
+      jax.jit(lambda m: _weigh(full(m))),
+      jax.jit(lambda acc, m: _accumulate(acc, _weigh(full(m)))),
+      jax.jit(lambda acc, last: _window_mean(acc, full(last))),
+    )
+    self._fns = None
     self.acc, self.last, self.steps = None, None, 0
 
   def add(self, m: dict) -> None:
-    self.acc = self._start(m) if self.acc is None else self._add(self.acc, m)
+    if self._fns is None:  # all three compiled at the first step: its time is kept apart
+      start, add, mean = self._jits
+      acc = jax.eval_shape(start, m)
+      self._fns = (
+        start.lower(m).compile(),
+        add.lower(acc, m).compile(),
+        mean.lower(acc, m).compile(),
+      )
+    start, add, _ = self._fns
+    self.acc = start(m) if self.acc is None else add(self.acc, m)
     self.last, self.steps = m, self.steps + 1
 
   def take(self) -> dict:
     """The window's record (device arrays), and a new window."""
-    out = self._mean(self.acc, self.last)
+    out = self._fns[2](self.acc, self.last)
     self.acc, self.last, self.steps = None, None, 0
     return out
 

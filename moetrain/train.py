@@ -407,7 +407,7 @@ def loop(
     # out of tokens/s and the ETA.
     with jax.transfer_guard('disallow'), meter.excluded(when=step == start + 1):
       state, m = step_fn(state, inputs)
-    window.add(m)
+      window.add(m)  # (the first compiles the window's sums)
     # Throughput (and MFU) count every token the model reads, not only the scored ones.
     meter.add_tokens(float((batch['segment_ids'] > 0).sum()) * jax.process_count())
     log.flush()  # the previous log step's metrics, fetched after this step's dispatch

@@ -251,7 +251,9 @@ class Writer:
 
 
 class Throughput:
-  """Tokens per second between log points (timed at dispatch) and the ETA of the run."""
+  """Tokens per second between log points and the ETA of the run. A log point is timed when its
+  step has finished (its metrics fetched), not when it was dispatched: the host may run several
+  steps ahead of the device before the first log."""
 
   def __init__(self, start_step: int, total_steps: int):
     self.start_step, self.total = start_step, total_steps
@@ -273,11 +275,19 @@ class Throughput:
       if not recurring:
         self.t_start += spent
 
-  def mark(self, step: int) -> tuple[float, float]:
+  def take_tokens(self) -> float:
+    """The tokens since the last call: a log point's, taken when its step is dispatched."""
+    tokens, self.tokens = self.tokens, 0.0
+    return tokens
+
+  def mark(self, step: int, tokens: float | None = None) -> tuple[float, float]:
+    """(tokens/s, ETA) at a log point, called once `step` has finished; `tokens` (default: all
+    added since the last mark) are those of the steps up to it."""
     now = time.time()
-    tps = self.tokens / max(now - self.t_last, 1e-9)
+    tokens = self.take_tokens() if tokens is None else tokens
+    tps = tokens / max(now - self.t_last, 1e-9)
     eta = (now - self.t_start) / max(step - self.start_step, 1) * (self.total - step)
-    self.t_last, self.tokens = now, 0.0
+    self.t_last = now
     return tps, eta
 
 

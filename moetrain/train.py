@@ -440,19 +440,23 @@ def loop(
 
 
 class _DelayedLog:
-  """Progress records, each marked at its step (timed at dispatch) and fetched from the device
-  one step later, after the next step is dispatched, so that logging never stalls the host."""
+  """Progress records, each marked at its step's dispatch and reported one step later, after the
+  next step is dispatched, so that logging never stalls the host. Fetching the step's metrics
+  waits for the step: tokens/s and the ETA are timed then, at its completion."""
 
   def __init__(self, report, meter):
     self.report, self.meter = report, meter
     self.pending, self.last = None, {}
 
   def mark(self, step: int, m, truncated: int) -> None:
-    self.pending = (step, m, *self.meter.mark(step), truncated)
+    self.pending = (step, m, self.meter.take_tokens(), truncated)
 
   def flush(self) -> None:
     if self.pending is not None:
-      self.last, self.pending = self.report(*self.pending), None
+      step, m, tokens, truncated = self.pending
+      m = jax.device_get(m)
+      self.last = self.report(step, m, *self.meter.mark(step, tokens), truncated)
+      self.pending = None
 
 
 def data_ended_note(done: int, saved: bool, num_epochs, total: int) -> str:

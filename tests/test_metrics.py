@@ -72,6 +72,37 @@ def test_throughput_leaves_out_compilation_and_evals(monkeypatch):
   assert eta == (2 + 5) / 2 * 8
 
 
+def test_a_log_point_is_timed_when_its_step_has_finished(monkeypatch):
+  """The host dispatches steps 1-2 at once (async) and marks step 2; the device finishes step 2
+  four seconds later, when its metrics are fetched: tokens/s counts those seconds, and the next
+  step's tokens (dispatched before the fetch) go to the next log point."""
+  from moetrain import train
+
+  clock = [0.0]
+  monkeypatch.setattr(metrics.time, 'time', lambda: clock[0])
+  meter = metrics.Throughput(start_step=0, total_steps=4)
+  reports = []
+
+  def fetch(m):  # returns once step 2 has run on the device: at t = 4
+    clock[0] += 4.0
+    return m
+
+  def report(step, m, tps, eta, truncated):
+    reports.append((step, tps, eta))
+    return m
+
+  monkeypatch.setattr(train.jax, 'device_get', fetch)
+
+  log = train._DelayedLog(report, meter)
+  meter.add_tokens(100)  # step 1 dispatched
+  meter.add_tokens(100)  # step 2 dispatched
+  log.mark(2, {'loss': 1.0}, 0)
+  meter.add_tokens(100)  # step 3 dispatched
+  log.flush()
+  assert reports == [(2, 200 / 4.0, 4.0)] and log.last == {'loss': 1.0}
+  assert meter.tokens == 100
+
+
 def test_peak_flops_by_device_kind():
   from types import SimpleNamespace
 

@@ -117,7 +117,7 @@ class Window:
     full = functools.partial(_with_imbalance, n_routed=n_routed, expert_shards=expert_shards)
     self._jits = (
       jax.jit(lambda m: _weigh(full(m))),
-      jax.jit(lambda acc, m: _accumulate(acc, _weigh(full(m)))),
+      jax.jit(lambda acc, m: jax.tree.map(jnp.add, acc, _weigh(full(m)))),
       jax.jit(lambda acc, last: _window_mean(acc, full(last))),
     )
     self._fns = None
@@ -156,10 +156,6 @@ def _weigh(m: dict) -> dict:
   w = {**m, **{k: m[k] * m['tokens'] for k in TOKEN_WEIGHTED}}
   w = jax.tree.map(lambda v: jnp.where(finite, v, 0).astype(jnp.float32), w)
   return {**w, 'finite': finite.astype(jnp.float32)}
-
-
-def _accumulate(acc: dict, m: dict) -> dict:
-  return jax.tree.map(jnp.add, acc, m)
 
 
 def _window_mean(acc: dict, last: dict) -> dict:

@@ -11,7 +11,7 @@ from absl import logging
 from flax import nnx
 
 from moetrain import metrics as metrics_lib
-from moetrain import multihost, optim, run_config, runtime, sharding
+from moetrain import multihost, optim, run_config, runtime, sharding, train_log
 from moetrain.checkpoint import Checkpointer, data_positions, process_data_state
 from moetrain.data import pipeline
 from moetrain.model.config import LoraConfig, ModelConfig
@@ -164,16 +164,18 @@ def check_regexes(model: ModelConfig, opt: optim.OptimConfig) -> None:
   """lora.targets must adapt at least one module (unless only the router trains), and a set
   optim.weight_decay_exclude must spare at least one trainable parameter: a regex that matches
   none would change nothing, silently."""
-  abstract = nnx.eval_shape(lambda: Transformer(model, nnx.Rngs(0)))  # shapes only: no memory
+  abstract = functools.cache(  # shapes only (no memory), built only if a check needs them
+    lambda: nnx.eval_shape(lambda: Transformer(model, nnx.Rngs(0)))
+  )
   if model.lora.enabled and not model.lora.train_router:
-    if not jax.tree.leaves(nnx.state(abstract, nnx.LoRAParam)):
+    if not jax.tree.leaves(nnx.state(abstract(), nnx.LoRAParam)):
       raise ValueError(
         f'lora.targets={model.lora.targets!r} matches no module, so nothing would train; module '
         "paths look like 'layers.attn_0.q_a', 'layers.mlp_1.down', 'layers.moe.experts.up', "
         "'lm_head'"
       )
   if opt.weight_decay and opt.weight_decay_exclude:
-    trainable = nnx.state(abstract, trainable_filter(model))
+    trainable = nnx.state(abstract(), trainable_filter(model))
     paths = ['.'.join(map(str, p)) for p, _ in nnx.to_flat_state(trainable)]
     if not any(re.search(opt.weight_decay_exclude, p) for p in paths):
       raise ValueError(
@@ -368,21 +370,11 @@ def loop(
   batch_sharding,
   mesh,
 ):
-  t, cfg = setup.train, setup.model
+  t = setup.train
   total, start = t.steps, int(state.step)
   stop = t.last_step
   meter = metrics_lib.Throughput(start, total)
-  expert_shards = dict(mesh.shape)['expert']
-  window = metrics_lib.Window(cfg.n_routed_experts, expert_shards)  # the steps since the last log
-  report = functools.partial(
-    log_train,
-    cfg=cfg,
-    expert_shards=expert_shards,
-    seq_len=setup.data.seq_len,
-    writer=writer,
-    hosts=multihost.Exchange('truncated_examples'),
-  )
-  log = _DelayedLog(report, meter)
+  log = train_log.TrainLog.create(setup, meter, writer, mesh)
   exhausted, saved, why = False, False, ''
   evaluated = (None, {})  # the latest eval: (step, results)
   if start == 0 and eval_batches:  # the baseline that fine-tuning is measured against
@@ -396,8 +388,7 @@ def loop(
       exhausted, done = True, step - 1
       if done > start:  # log and save the last step run, as at `stop`
         if done % t.log_every:
-          log.flush()
-          log.mark(done, window.take(), train_iter.num_truncated)
+          log.mark(done, train_iter.num_truncated)
         if not saved:
           ckpt.save(done, state, position or train_iter.get_state(), {'step': done})
       why = data_ended_note(done, done > start, setup.data.num_epochs, total)
@@ -407,12 +398,12 @@ def loop(
     # out of tokens/s and the ETA.
     with jax.transfer_guard('disallow'), meter.excluded(when=step == start + 1):
       state, m = step_fn(state, inputs)
-      window.add(m)  # (the first compiles the window's sums)
+      log.add(m)  # (the first compiles the log window's sums)
     # Throughput (and MFU) count every token the model reads, not only the scored ones.
     meter.add_tokens(float((batch['segment_ids'] > 0).sum()) * jax.process_count())
     log.flush()  # the previous log step's metrics, fetched after this step's dispatch
     if step % t.log_every == 0 or step == stop:
-      log.mark(step, window.take(), train_iter.num_truncated)
+      log.mark(step, train_iter.num_truncated)
     preempted = ckpt.preempted(step) and step != stop  # every host, every step
     due = step == stop or preempted or ckpt.due(step)
     if due:  # the step's own time stays in tokens/s, the save's (a host copy, a wait) does not
@@ -437,26 +428,6 @@ def loop(
       ev = run_eval(int(state.step), state, eval_batches, eval_fn, batch_sharding, writer)
     last = {**last, **{f'eval_{k}': v for k, v in ev.items()}}
   return state, last
-
-
-class _DelayedLog:
-  """Progress records, each marked at its step's dispatch and reported one step later, after the
-  next step is dispatched, so that logging never stalls the host. Fetching the step's metrics
-  waits for the step: tokens/s and the ETA are timed then, at its completion."""
-
-  def __init__(self, report, meter):
-    self.report, self.meter = report, meter
-    self.pending, self.last = None, {}
-
-  def mark(self, step: int, m, truncated: int) -> None:
-    self.pending = (step, m, self.meter.take_tokens(), truncated)
-
-  def flush(self) -> None:
-    if self.pending is not None:
-      step, m, tokens, truncated = self.pending
-      m = jax.device_get(m)
-      self.last = self.report(step, m, *self.meter.mark(step, tokens), truncated)
-      self.pending = None
 
 
 def data_ended_note(done: int, saved: bool, num_epochs, total: int) -> str:
@@ -492,32 +463,3 @@ def run_eval(step, state, eval_batches, eval_fn, batch_sharding, writer) -> dict
     f'accuracy {ev["accuracy"]:.4f}  ({int(ev["tokens"])} tokens)'
   )
   return ev
-
-
-def log_train(
-  step, m, tokens_per_sec, eta, truncated, *, cfg, expert_shards, seq_len, writer, hosts
-) -> dict:
-  m = jax.device_get(m)
-  scalars = {k: float(v) for k, v in m.items() if k != 'moe'}
-  scalars.update(metrics_lib.routing_summary(m['moe'], cfg, expert_shards))
-  scalars['tokens_per_sec'] = tokens_per_sec
-  # Examples longer than seq_len + 1 tokens lose their tail (a completion may lose its loss).
-  scalars['data/truncated_examples'] = hosts.sum(truncated, step)
-  peak = metrics_lib.peak_flops(jax.devices()[0])
-  if peak:
-    flops = metrics_lib.flops_per_token(cfg, seq_len, scalars['moe/ffn_experts_mean'])
-    scalars['mfu'] = tokens_per_sec * flops / (peak * jax.device_count())
-  writer.write(step, scalars, load=m['moe']['load'])
-  writer.progress(
-    f'step {step}  loss {scalars["loss"]:.4f}  lr {scalars["learning_rate"]:.2e}  '
-    f'grad_norm {scalars["grad_norm"]:.3f}  tok/s {tokens_per_sec:,.0f}  '
-    f'ffn_experts {scalars["moe/ffn_experts_mean"]:.2f}  eta {metrics_lib.format_eta(eta)}'
-    + (f'  skipped {scalars["skipped"]:,.0f} (non-finite)' if scalars['skipped'] else '')
-    + (f'  loss_scale {scalars["loss_scale"]:g}' if 'loss_scale' in scalars else '')
-    + (
-      f'  truncated {scalars["data/truncated_examples"]:,.0f} (longer than data.seq_len + 1)'
-      if scalars['data/truncated_examples']
-      else ''
-    )
-  )
-  return scalars

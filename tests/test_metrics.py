@@ -76,7 +76,7 @@ def test_a_log_point_is_timed_when_its_step_has_finished(monkeypatch):
   """The host dispatches steps 1-2 at once (async) and marks step 2; the device finishes step 2
   four seconds later, when its metrics are fetched: tokens/s counts those seconds, and the next
   step's tokens (dispatched before the fetch) go to the next log point."""
-  from moetrain import train
+  from moetrain import train_log
 
   clock = [0.0]
   monkeypatch.setattr(metrics.time, 'time', lambda: clock[0])
@@ -91,12 +91,16 @@ def test_a_log_point_is_timed_when_its_step_has_finished(monkeypatch):
     reports.append((step, tps, eta))
     return m
 
-  monkeypatch.setattr(train.jax, 'device_get', fetch)
+  monkeypatch.setattr(train_log.jax, 'device_get', fetch)
 
-  log = train._DelayedLog(report, meter)
+  class Window:  # the steps' summed metrics
+    def take(self):
+      return {'loss': 1.0}
+
+  log = train_log.TrainLog(report, meter, Window())
   meter.add_tokens(100)  # step 1 dispatched
   meter.add_tokens(100)  # step 2 dispatched
-  log.mark(2, {'loss': 1.0}, 0)
+  log.mark(2, 0)
   meter.add_tokens(100)  # step 3 dispatched
   log.flush()
   assert reports == [(2, 200 / 4.0, 4.0)] and log.last == {'loss': 1.0}

@@ -73,22 +73,17 @@ def absolute(path):
 
 
 def with_absolute_paths(config):
-  """A copy of `config` (a ConfigDict) with its PATH_FIELDS absolute."""
-  config = config.copy_and_resolve_references()
+  """A copy of `config` (a ConfigDict, or a config.json's dict) with its PATH_FIELDS absolute.
+  (Older runs wrote them as given, relative to where they ran: taken here as the working
+  directory.)"""
+  if isinstance(config, dict):
+    config = {k: dict(v) if isinstance(v, dict) else v for k, v in config.items()}
+  else:
+    config = config.copy_and_resolve_references()
   for section, key in PATH_FIELDS:
     if section in config and key in config[section]:
       config[section][key] = absolute(config[section][key])
   return config
-
-
-def _absolute_in(saved: dict) -> dict:
-  """A saved config.json's PATH_FIELDS absolute, as a run now writes them (older runs wrote them
-  as given: relative to where they ran, taken here as the working directory)."""
-  saved = {k: dict(v) if isinstance(v, dict) else v for k, v in saved.items()}
-  for section, key in PATH_FIELDS:
-    if key in saved.get(section, {}):
-      saved[section][key] = absolute(saved[section][key])
-  return saved
 
 
 def tool_config(config, workdir: str | None):
@@ -129,8 +124,8 @@ def check_resumable(
   if not os.path.exists(path) or not runtime.saved_steps(workdir):
     return
   with open(path) as f:
-    saved = _absolute_in(json.load(f))
-  now = _absolute_in(json.loads(config.to_json_best_effort()))
+    saved = with_absolute_paths(json.load(f))
+  now = with_absolute_paths(json.loads(config.to_json_best_effort()))
   diffs = [
     f'{section}.{key}: {saved[section].get(key)!r} in the checkpointed run, now {value!r}'
     for section in ('model', 'lora')

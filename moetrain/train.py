@@ -2,6 +2,7 @@
 
 import dataclasses
 import functools
+import json
 import os
 import re
 
@@ -303,11 +304,12 @@ def run(config, workdir: str) -> dict:
   ckpt.watch_preemption()  # before the slow start-up (tokenizer, restore, compilation)
   if (latest := ckpt.latest_step()) is not None:  # a resume on another host count: fail now
     process_data_state(ckpt.restore_data(latest), setup.data.reslice_on_resume)
-    if latest >= t.last_step:  # before the run's files are touched: nothing to log
+    ended = data_ended_at(workdir, setup.data) == latest
+    if latest >= t.last_step or ended:  # before the run's files are touched: nothing to log
       if runtime.is_primary():
-        print(nothing_to_do(workdir, latest, t), flush=True)
+        print(nothing_to_do(workdir, latest, t, ended and setup.data.num_epochs), flush=True)
       ckpt.close()
-      return {'step': latest, 'finished': latest >= t.steps}
+      return {'step': latest, 'finished': latest >= t.steps, 'data_ended': ended}
   writer = metrics_lib.Writer(workdir, resume_step=latest)
   writer.save_config(config.to_json_best_effort(indent=1))
   tokenizer = pipeline.make_tokenizer(setup.data, workdir)
@@ -343,10 +345,45 @@ def run(config, workdir: str) -> dict:
     )
   ckpt.close()
   writer.close()
+  if last.get('data_ended') and runtime.is_primary():  # saved and evaluated: a rerun has no work
+    mark_data_ended(workdir, int(state.step), setup.data)
   return last
 
 
-def nothing_to_do(workdir: str, step: int, t) -> str:
+DATA_ENDED = 'data_ended.json'
+
+
+def _data_stream(data) -> dict:
+  return {k: getattr(data, k) for k in run_config.DATA_STREAM_FIELDS}
+
+
+def mark_data_ended(workdir: str, step: int, data) -> None:
+  """Records in the run directory that the training data ran out at `step` (saved and evaluated
+  by then), with the data settings it ran out under."""
+  path = os.path.join(runtime.run_dir(workdir), DATA_ENDED)
+  with open(path + '.tmp', 'w') as f:
+    json.dump({'step': step, 'data': _data_stream(data)}, f, indent=1)
+  os.replace(path + '.tmp', path)
+
+
+def data_ended_at(workdir: str, data) -> int | None:
+  """The step at which this run's training data ran out, when the data settings are still the
+  ones it ran out under (a resume with more data.num_epochs, say, goes on)."""
+  path = os.path.join(runtime.run_dir(workdir), DATA_ENDED)
+  if not os.path.exists(path):
+    return None
+  with open(path) as f:
+    marked = json.load(f)
+  return marked['step'] if marked['data'] == _data_stream(data) else None
+
+
+def nothing_to_do(workdir: str, step: int, t, data_ended_epochs=None) -> str:
+  if data_ended_epochs:
+    return (
+      f'Run in {workdir} stopped at step {step} when its training data ran out '
+      f'(data.num_epochs={data_ended_epochs}, train.steps={t.steps}); nothing to do. Raise '
+      'data.num_epochs to go on, or use a new --workdir to train again.'
+    )
   if step >= t.steps:
     return (
       f'Run in {workdir} already finished at step {step} (train.steps={t.steps}); nothing to '
@@ -427,7 +464,7 @@ def loop(
     if at != int(state.step):
       ev = run_eval(int(state.step), state, eval_batches, eval_fn, batch_sharding, writer)
     last = {**last, **{f'eval_{k}': v for k, v in ev.items()}}
-  return state, last
+  return state, {**last, 'data_ended': True} if exhausted else last
 
 
 def data_ended_note(done: int, saved: bool, num_epochs, total: int) -> str:

@@ -20,8 +20,9 @@ def test_evaluate_reproduces_the_final_eval(uninterrupted):  # noqa: F811
 
 def test_expert_load_heatmap(uninterrupted, tmp_path):  # noqa: F811
   workdir, _ = uninterrupted
-  steps, loads = expert_load.read_loads(workdir)
-  assert list(steps) == [1, 2, 3, 4, 5, 6] and loads.shape[1:] == (2, 12)
+  steps, loads, start = expert_load.read_loads(workdir)
+  assert list(steps) == [1, 2, 3, 4, 5, 6] and loads.shape[1:] == (2, 12) and start == 0
+  np.testing.assert_array_equal(expert_load.cell_edges(steps, start), np.arange(7))
   out = expert_load.plot(steps, loads, str(tmp_path / 'load.png'), n_routed=8)
   with open(out, 'rb') as f:
     assert f.read(8) == b'\x89PNG\r\n\x1a\n'
@@ -30,15 +31,35 @@ def test_expert_load_heatmap(uninterrupted, tmp_path):  # noqa: F811
 
 def test_expert_load_after_a_resume(tmp_path):
   """A run resumed from step 2 after logging up to 4 logs 3 and 4 again: the heatmap keeps the
-  resumed records, in step order, and draws uneven step intervals."""
+  resumed records, in step order, and each record's cell spans the steps it averages (uneven
+  intervals keep their widths; the axis ends at the last step)."""
   rec = lambda step, v: {'step': step, 'kind': 'train', 'moe/load': [[v, 1.0, 0.0]]}
+  resume = {'step': 2, 'kind': 'resume'}
   with open(tmp_path / 'metrics.jsonl', 'w') as f:
-    for r in (rec(1, 1), rec(2, 2), rec(3, 3), rec(4, 4), rec(3, 30), rec(4, 40), rec(10, 5)):
+    for r in (
+      rec(1, 1),
+      rec(2, 2),
+      rec(3, 3),
+      rec(4, 4),
+      resume,
+      rec(3, 30),
+      rec(4, 40),
+      rec(10, 5),
+    ):
       f.write(json.dumps(r) + '\n')
-  steps, loads = expert_load.read_loads(str(tmp_path))
-  assert list(steps) == [1, 2, 3, 4, 10]
+  steps, loads, start = expert_load.read_loads(str(tmp_path))
+  assert list(steps) == [1, 2, 3, 4, 10] and start == 0
   np.testing.assert_array_equal(loads[:, 0, 0], [1, 2, 30, 40, 5])
+  np.testing.assert_array_equal(expert_load.cell_edges(steps, start), [0, 1, 2, 3, 4, 10])
   out = expert_load.plot(steps, loads, str(tmp_path / 'load.png'))
+  assert os.path.getsize(out) > 1000
+  # Records that begin with a resume (at 50): the first cell starts there.
+  with open(tmp_path / 'metrics.jsonl', 'w') as f:
+    for r in ({'step': 50, 'kind': 'resume'}, rec(60, 1), rec(70, 2)):
+      f.write(json.dumps(r) + '\n')
+  steps, loads, start = expert_load.read_loads(str(tmp_path))
+  np.testing.assert_array_equal(expert_load.cell_edges(steps, start), [50, 60, 70])
+  out = expert_load.plot(steps, loads, str(tmp_path / 'load.png'), start=start)
   assert os.path.getsize(out) > 1000
 
 

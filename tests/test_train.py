@@ -151,8 +151,17 @@ def test_data_running_out_saves_evaluates_and_stops(tmp_path):
   with open(os.path.join(workdir, 'metrics.jsonl')) as f:
     eval_steps = [r['step'] for r in map(json.loads, f) if r['kind'] == 'eval']
   assert eval_steps == list(range(spent + 1)), eval_steps
-  again = train.run(config, workdir)
-  assert 'eval_loss' in again
+  with open(os.path.join(workdir, 'metrics.jsonl')) as f:
+    logged = f.read()
+  again = train.run(config, workdir)  # nothing to do, and nothing logged twice
+  assert again == {'step': spent, 'finished': False, 'data_ended': True}, again
+  with open(os.path.join(workdir, 'metrics.jsonl')) as f:
+    assert f.read() == logged
   assert (
     max(int(d) for d in os.listdir(os.path.join(workdir, 'checkpoints')) if d.isdigit()) == spent
   )
+  config.data.num_epochs = 2  # more data: the run goes on from where it stopped
+  config.train.steps = spent + 2
+  more = train.run(config, workdir)
+  assert 'eval_loss' in more and 'data_ended' not in more, more
+  assert sorted(losses(workdir))[-1] == spent + 2

@@ -16,19 +16,23 @@ def define_flags():
 
 
 def read_loads(workdir: str):
-  """Steps [S] and loads [S, L, E+Z] (token-assignment counts) from metrics.jsonl. A run that
-  resumed from a checkpoint older than its last log appends steps again: a step at or below
-  the last one read drops the abandoned records from that step on."""
+  """Steps [S], loads [S, L, E+Z] (token-assignment counts, per step) from metrics.jsonl, and
+  the step the first record's window starts after (0, or where the run resumed). A record at
+  step s averages the steps since the record before it. A run that resumed from a checkpoint
+  older than its last log appends steps again: a step at or below the last one read drops the
+  abandoned records from that step on."""
   path = os.path.join(workdir, 'metrics.jsonl')
   if not os.path.exists(path):
     raise FileNotFoundError(f'{path} not found: is {workdir!r} a moetrain run directory?')
-  steps, loads = [], []
+  steps, loads, start = [], [], 0
   with open(path) as f:
     for n, line in enumerate(f, 1):
       try:
         rec = json.loads(line)
       except json.JSONDecodeError as e:
         raise ValueError(f'{path}:{n}: not JSON ({e})') from None
+      if rec.get('kind') == 'resume' and not steps:
+        start = rec['step']
       if rec.get('kind') == 'train' and 'moe/load' in rec:
         while steps and steps[-1] >= rec['step']:
           steps.pop()
@@ -37,10 +41,16 @@ def read_loads(workdir: str):
         loads.append(rec['moe/load'])
   if not steps:
     raise ValueError(f'{path} has no train records with moe/load')
-  return np.array(steps), np.array(loads, np.float64)
+  return np.array(steps), np.array(loads, np.float64), start
 
 
-def plot(steps, loads, out: str, n_routed: int | None = None) -> str:
+def cell_edges(steps, start: int = 0):
+  """The heatmap's x edges: a record's cell spans the steps it averages, (the record before it,
+  its step], so the axis ends at the last step logged and uneven intervals keep their widths."""
+  return np.concatenate([[min(start, steps[0] - 1)], steps]).astype(np.float64)
+
+
+def plot(steps, loads, out: str, n_routed: int | None = None, start: int = 0) -> str:
   import matplotlib
 
   matplotlib.use('Agg')
@@ -49,11 +59,7 @@ def plot(steps, loads, out: str, n_routed: int | None = None) -> str:
   n_layers, n_experts = loads.shape[1], loads.shape[2]
   share = loads / np.maximum(loads.sum(-1, keepdims=True), 1)  # fraction of assignments
   fig, axes = plt.subplots(n_layers, 1, figsize=(10, 2.2 * n_layers + 0.6), squeeze=False)
-  # Cell edges halfway between logged steps: uneven logging intervals keep their true widths.
-  steps = np.asarray(steps, np.float64)
-  mid = (steps[1:] + steps[:-1]) / 2
-  half = (mid[0] - steps[0], steps[-1] - mid[-1]) if len(mid) else (0.5, 0.5)
-  x_edges = np.concatenate([[steps[0] - half[0]], mid, [steps[-1] + half[1]]])
+  x_edges = cell_edges(steps, start)
   y_edges = np.arange(n_experts + 1) - 0.5
   for layer, ax in enumerate(axes[:, 0]):
     im = ax.pcolormesh(x_edges, y_edges, share[:, layer].T, cmap='viridis', shading='flat')
@@ -72,13 +78,15 @@ def plot(steps, loads, out: str, n_routed: int | None = None) -> str:
 def main(argv):
   del argv
   workdir = flags.FLAGS.workdir
-  steps, loads = read_loads(workdir)
+  steps, loads, start = read_loads(workdir)
   n_routed = None
   cfg_path = os.path.join(workdir, 'config.json')
   if os.path.exists(cfg_path):
     with open(cfg_path) as f:
       n_routed = json.load(f).get('model', {}).get('n_routed_experts')
-  out = plot(steps, loads, flags.FLAGS.out or os.path.join(workdir, 'expert_load.png'), n_routed)
+  out = plot(
+    steps, loads, flags.FLAGS.out or os.path.join(workdir, 'expert_load.png'), n_routed, start
+  )
   print(f'wrote {out} ({len(steps)} steps, {loads.shape[1]} layers, {loads.shape[2]} experts)')
 
 

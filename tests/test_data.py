@@ -2,6 +2,7 @@
 
 import dataclasses
 import json
+import os
 import pickle
 
 import numpy as np
@@ -174,6 +175,9 @@ def test_hf_tokenizer_json(tmp_path, spm_tokenizer):
   with pytest.raises(ValueError, match=r"tokenizer_config\.json gives eos_token '<\|eot_id"):
     tokenizer_lib.load_tokenizer(tmp_path)
   assert tokenizer_lib.load_tokenizer(tmp_path, eos='</s>').eos_id == 2  # an override wins
+  (tmp_path / 'tokenizer_config.json').write_text('{"eos_token": "</s>",}')
+  with pytest.raises(ValueError, match=r'tokenizer_config\.json is not valid JSON: .*line 1'):
+    tokenizer_lib.load_tokenizer(tmp_path)
   (tmp_path / 'tokenizer_config.json').unlink()
 
   # A checkpoint directory holding both: tokenizer.json is preferred.
@@ -277,6 +281,26 @@ def test_text_source_splits_paragraphs(tmp_path):
     sources.TextSource([str(tmp_path / 'c.txt')])
   with pytest.raises(FileNotFoundError, match='nothing-eval.txt'):
     sources.expand_paths(str(tmp_path / 'nothing-{split}.txt'), 'eval')
+
+
+def test_paths_recurse_and_splits_do_not_share_files(tmp_path):
+  """'**' reaches every depth; a pattern that gives the eval split training files is refused."""
+  for sub in ('train', 'train/sub', 'train/sub/deep', 'eval'):
+    (tmp_path / sub).mkdir(parents=True, exist_ok=True)
+    (tmp_path / sub / 'a.txt').write_text('doc')
+  found = sources.expand_paths(str(tmp_path / '{split}' / '**' / '*.txt'), 'train')
+  assert [os.path.relpath(p, tmp_path) for p in found] == [
+    'train/a.txt',
+    'train/sub/a.txt',
+    'train/sub/deep/a.txt',
+  ]
+  (tmp_path / 'train_small.jsonl').write_text('{"text": "x"}\n')
+  (tmp_path / 'train.jsonl').write_text('{"text": "x"}\n')
+  cfg = pipeline.DataConfig(
+    source='jsonl', path=str(tmp_path / '{split}*.jsonl'), eval_split='train_small'
+  )
+  with pytest.raises(ValueError, match=r'(?s)the same files.*train_small\.jsonl.*trained on'):
+    pipeline.validate(cfg)
 
 
 @pytest.fixture(scope='module')
@@ -481,6 +505,12 @@ def test_eval_batches_are_padded_and_split_across_hosts(tmp_path):
   assert pipeline.make_eval_batches(dataclasses.replace(cfg, eval_split=''), tok) == []
 
 
+def test_eval_examples_cut_short_are_reported(tmp_path, caplog):
+  cfg = small_cfg(tmp_path, seq_len=12)  # 'item 7 =answer 7' is 16 characters
+  pipeline.make_eval_batches(cfg, CharTokenizer())
+  assert '37 eval examples are longer than data.seq_len + 1 = 13 tokens' in caplog.text
+
+
 def test_make_tokenizer_trains_on_the_train_split(tmp_path):
   cfg = small_cfg(tmp_path, vocab_size=300)
   tok = pipeline.make_tokenizer(cfg, tmp_path / 'work')
@@ -504,6 +534,9 @@ def test_make_tokenizer_trains_on_the_train_split(tmp_path):
     (dict(vocab_size=100), 'data.vocab_size'),
     (dict(num_epochs=0), 'data.num_epochs'),
     (dict(worker_count=-1), 'data.worker_count'),
+    (dict(path='/data/{split}.jsonl'), 'data.path'),  # the demo source would ignore it
+    (dict(source='jsonl', path='/x/{split}.jsonl', tfds_name='mnist'), 'data.tfds_name'),
+    (dict(eval_split='train'), 'data.eval_split'),
   ],
 )
 def test_validate_names_the_field(overrides, field):

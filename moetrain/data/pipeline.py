@@ -10,6 +10,7 @@ from collections.abc import Iterator
 
 import grain
 import numpy as np
+from absl import logging
 
 from moetrain.data import packing, sources
 from moetrain.data.tokenizer import Tokenizer, get_or_train_tokenizer
@@ -94,6 +95,25 @@ def _validate_source(cfg: DataConfig) -> None:
       'empty: set at least one so records can be read'
     )
   splits = {'train_split': cfg.train_split, 'eval_split': cfg.eval_split}
+  # A field the source does not read is a config mistake (e.g. data.path set, data.source left
+  # at 'demo'): training on other data than asked for must not pass silently.
+  unread = {
+    'path': cfg.source not in ('jsonl', 'text'),
+    'tfds_name': cfg.source != 'tfds',
+    'tfds_data_dir': cfg.source != 'tfds',
+  }
+  for name, is_unread in unread.items():
+    if is_unread and getattr(cfg, name):
+      raise ValueError(
+        f'data.{name}={getattr(cfg, name)!r} is not read by data.source={cfg.source!r}: set '
+        f"data.source to the source it is for ('jsonl' or 'text' for data.path, 'tfds' for "
+        f'data.tfds_*), or clear data.{name}'
+      )
+  if cfg.eval_split and cfg.eval_split == cfg.train_split:
+    raise ValueError(
+      f'data.eval_split={cfg.eval_split!r} is also data.train_split: evaluating on the training '
+      "data says nothing about generalisation; use another split, or '' for no eval set"
+    )
   if cfg.source == 'demo':
     for name, split in splits.items():
       if split and split not in DEMO_SPLITS:
@@ -112,12 +132,20 @@ def _validate_source(cfg: DataConfig) -> None:
         f"data.path={cfg.path!r} to find its files (e.g. 'data/{{split}}.jsonl'); "
         "or set data.eval_split='' for no eval set"
       )
+    files = {}
     for name, split in splits.items():
       if split:
         try:
-          sources.expand_paths(cfg.path, split)
+          files[name] = sources.expand_paths(cfg.path, split)
         except FileNotFoundError as e:
           raise ValueError(f'data.path={cfg.path!r} with data.{name}: {e}') from e
+    if shared := sorted(set(files.get('train_split', ())) & set(files.get('eval_split', ()))):
+      raise ValueError(
+        f'data.path={cfg.path!r} gives data.train_split={cfg.train_split!r} and '
+        f'data.eval_split={cfg.eval_split!r} the same files ({", ".join(shared[:3])}'
+        f'{", ..." if len(shared) > 3 else ""}): the eval set would be trained on. Make the '
+        'pattern match each split alone'
+      )
 
 
 def validate(cfg: DataConfig, process_count: int = 1) -> None:
@@ -273,13 +301,20 @@ def make_eval_batches(
   rows = packing.pack(
     ds, seq_len=cfg.seq_len, num_bins=cfg.eval_batch_size, pad_id=tokenizer.pad_id
   )
-  batches = []
+  batches, truncated = [], 0
   for batch in rows.batch(cfg.eval_batch_size):
     if max_batches is not None and len(batches) >= max_batches:
       break
-    batch.pop(packing.TRUNCATED_KEY)
+    truncated += int(batch.pop(packing.TRUNCATED_KEY).sum())
     batch = _padding_rows(batch, cfg.eval_batch_size, tokenizer.pad_id)
     batches.append(
       {k: v[process_index * local : (process_index + 1) * local] for k, v in batch.items()}
+    )
+  if truncated and process_index == 0:
+    logging.warning(
+      '%d eval examples are longer than data.seq_len + 1 = %d tokens and lose their tail (their '
+      'completion, or part of it, is not scored): raise data.seq_len to evaluate them whole',
+      truncated,
+      cfg.seq_len + 1,
     )
   return batches

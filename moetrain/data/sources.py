@@ -103,9 +103,10 @@ def example_texts(example: Example) -> list[str]:
 
 
 def expand_paths(pattern: str, split: str) -> list[str]:
-  """Files for `split`: '{split}' in the pattern is replaced by the split name, then globbed."""
+  """Files for `split`: '{split}' in the pattern is replaced by the split name, then globbed
+  ('**' matches any number of directories)."""
   pattern = pattern.replace('{split}', split)
-  paths = sorted(glob.glob(pattern))
+  paths = sorted(p for p in glob.glob(pattern, recursive=True) if os.path.isfile(p))
   if not paths:
     raise FileNotFoundError(f'no file matches {pattern!r} (data.path, split {split!r})')
   return paths

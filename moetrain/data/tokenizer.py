@@ -185,7 +185,12 @@ class HFTokenizer:
   def from_file(cls, path: str | os.PathLike, **overrides: Special) -> HFTokenizer:
     path = Path(path)
     config_path = path.with_name(HF_CONFIG_FILE)
-    config = json.loads(config_path.read_text()) if config_path.is_file() else {}
+    config = {}
+    if config_path.is_file():
+      try:
+        config = json.loads(config_path.read_text(encoding='utf-8'))
+      except json.JSONDecodeError as e:
+        raise ValueError(f'{config_path} is not valid JSON: {e}') from None
     return cls(path.read_text(encoding='utf-8'), config, name=str(path), **overrides)
 
   def encode(self, text: str) -> list[int]:

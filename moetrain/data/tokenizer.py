@@ -194,6 +194,8 @@ class HFTokenizer:
     return cls(path.read_text(encoding='utf-8'), config, name=str(path), **overrides)
 
   def encode(self, text: str) -> list[int]:
+    # Special tokens written in the text ('<|im_start|>' in data rendered with a model's chat
+    # template) are read as those tokens, as transformers' tokenizers do by default.
     return self._tok.encode(text, add_special_tokens=False).ids
 
   def decode(self, ids: Sequence[int]) -> str:

@@ -369,6 +369,24 @@ def test_packing_golden_row():
   np.testing.assert_array_equal(row['loss_mask'], [1, 1, 1, 1, 0, 1, 1, 1, 0, 0])
 
 
+def test_completion_tokens_are_those_of_the_text(spm_tokenizer):
+  """A SentencePiece model starts every text it encodes with a space: the completion is split
+  from the tokens of prompt + completion, so the model trains on the text as written."""
+  tok = spm_tokenizer
+  chat = sources.render_chat(
+    [{'role': 'user', 'content': 'red fox'}, {'role': 'assistant', 'content': 'fox red'}], 'x'
+  )
+  for ex in (chat, demo_task.generate()['eval'][0]):
+    head, tail = packing.split_encode(tok, ex['prompt'], ex['completion'])
+    assert head == tok.encode(ex['prompt'])
+    assert tok.decode(head + tail) == ex['prompt'] + ex['completion']
+  assert tok.decode(tok.encode(chat['prompt']) + tok.encode('fox red')).endswith('\n fox red')
+  # A token across the boundary: each part is encoded by itself.
+  glued = CharTokenizer()
+  glued.encode = lambda text: [ord(c) for c in text.replace('ab', 'X')]
+  assert packing.split_encode(glued, 'za', 'bc') == ([ord('z'), ord('a')], [ord('b'), ord('c')])
+
+
 def test_packing_invariants(spm_tokenizer):
   tok, seq_len = spm_tokenizer, 48
   examples = demo_task.generate()['eval'][:60] + [{'text': 'red fox ' * 40}, {'text': ''}]

@@ -1,7 +1,7 @@
 """Synthetic word-reversal task shipped as demo/{train,eval}.jsonl; run this module to rebuild them.
 
 Each example asks to reverse 3-6 distinct words drawn from a fixed list of 32 everyday words:
-  {"prompt": "reverse: red fox cup =", "completion": "cup fox red"}
+  {"prompt": "reverse: red fox cup =", "completion": " cup fox red"}
 The answer is fully determined by the prompt, so completion-token accuracy is a clean signal: a
 randomly initialised model is at chance and a tiny one learns the copy-in-reverse pattern quickly.
 """
@@ -23,8 +23,9 @@ MIN_WORDS, MAX_WORDS = 3, 6
 
 def make_example(words: list[str]) -> dict[str, str]:
   # The trailing '=' marks where the prompt ends: without it the model cannot tell whether
-  # another input word follows.
-  return {'prompt': f'reverse: {" ".join(words)} =', 'completion': ' '.join(reversed(words))}
+  # another input word follows. The example's text is prompt + completion, so the completion
+  # starts with the space that separates it from the '='.
+  return {'prompt': f'reverse: {" ".join(words)} =', 'completion': ' ' + ' '.join(reversed(words))}
 
 
 def generate(splits: dict[str, int] = SPLITS, seed: int = SEED) -> dict[str, list[dict[str, str]]]:

@@ -43,10 +43,7 @@ def tokenize(
   if 'text' in example:
     prompt, completion = [], tokenizer.encode(example['text'])
   else:
-    prompt, completion = (
-      tokenizer.encode(example['prompt']),
-      tokenizer.encode(example['completion']),
-    )
+    prompt, completion = split_encode(tokenizer, example['prompt'], example['completion'])
   tokens = bos + prompt + completion + eos
   is_target = [0.0] * len(bos) + [float(loss_on_prompt)] * len(prompt)
   is_target += [1.0] * (len(completion) + len(eos))
@@ -55,6 +52,20 @@ def tokenize(
     'is_target': np.asarray(is_target[:max_len], np.float32),
     'truncated': int(len(tokens) > max_len),
   }
+
+
+def split_encode(tokenizer: Tokenizer, prompt: str, completion: str) -> tuple[list, list]:
+  """The tokens of prompt + completion as one text, split where the prompt's own tokens end.
+
+  Encoding the completion alone would not give the tokens of the text: a SentencePiece model
+  (or a tokenizer.json with a Metaspace pre-tokenizer) starts every text it encodes with a
+  space, so 'A:\nfox' would be trained as 'A:\n fox'. Where a token of the joint text spans
+  the boundary, the two are encoded apart instead (the prompt's tokens must be those it has
+  alone: generation encodes the prompt by itself)."""
+  head, joint = tokenizer.encode(prompt), tokenizer.encode(prompt + completion)
+  if joint[: len(head)] == head:
+    return head, joint[len(head) :]
+  return head, tokenizer.encode(completion)
 
 
 def finalize_row(row: dict[str, np.ndarray]) -> dict[str, np.ndarray]:

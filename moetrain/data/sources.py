@@ -99,7 +99,7 @@ def to_example(record: Mapping[str, Any], fields: Fields, where: str) -> Example
 
 def example_texts(example: Example) -> list[str]:
   """The strings that get tokenized for an example (what a tokenizer should be trained on)."""
-  return [example['text']] if 'text' in example else [example['prompt'], example['completion']]
+  return [example['text']] if 'text' in example else [example['prompt'] + example['completion']]
 
 
 def expand_paths(pattern: str, split: str) -> list[str]:

@@ -102,6 +102,8 @@ def test_adapter_only_export(tmp_path):
   out = export.export(config, workdir, str(tmp_path / 'adapter'), adapter_only=True)
   files = sorted(os.listdir(out))
   assert files == ['adapter_config.json', 'adapter_model.safetensors']
+  with open(os.path.join(out, 'adapter_config.json')) as f:  # for peft's AutoPeftModel
+    assert json.load(f)['base_model_name_or_path'] == config.init.hf_checkpoint
   # adapters are a small fraction of the base checkpoint
   assert os.path.getsize(os.path.join(out, files[1])) < 0.5 * os.path.getsize(
     os.path.join(FIXTURE, 'model.safetensors')

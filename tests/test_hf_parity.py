@@ -3,6 +3,7 @@
 import functools
 import json
 import os
+import re
 import shutil
 
 import jax
@@ -232,6 +233,18 @@ def test_broken_checkpoint_files_are_named(tmp_path):
   (tmp_path / 'a' / 'model.safetensors.index.json').write_text('{"metadata": {}}')
   with pytest.raises(ValueError, match=r'index\.json: not a safetensors index'):
     stio.Reader(str(tmp_path / 'a'))
+  # An index that lists a tensor under a shard that does not hold it.
+  shutil.copytree(src, tmp_path / 'b')
+  index = tmp_path / 'b' / 'model.safetensors.index.json'
+  weights = json.loads(index.read_text())
+  name, shard = next(iter(weights['weight_map'].items()))
+  other = next(f for f in weights['weight_map'].values() if f != shard)
+  weights['weight_map'][name] = other
+  index.write_text(json.dumps(weights))
+  with pytest.raises(
+    ValueError, match=rf'{re.escape(name)}: listed in .*index\.json under {other}'
+  ):
+    stio.Reader(str(tmp_path / 'b')).shape(name)
 
 
 @pytest.mark.parametrize(
@@ -371,6 +384,10 @@ def test_peft_adapter_round_trip(tmp_path):
   abstract = nnx.eval_shape(lambda: Transformer(other, nnx.Rngs(0)))
   with pytest.raises(ValueError, match='r=4 but the model has lora.rank=2'):
     peft_adapter.load(abstract, other, str(tmp_path))
+  # Per-module scales would load with the wrong one: refused.
+  (tmp_path / 'adapter_config.json').write_text(json.dumps({**config, 'alpha_pattern': {'o': 8}}))
+  with pytest.raises(ValueError, match=r"adapter_config\.json: alpha_pattern=\{'o': 8\} is not"):
+    peft_adapter.load(fresh, cfg, str(tmp_path))
 
 
 def test_transformers_loads_lora_merged_export(tmp_path):

@@ -104,8 +104,21 @@ def test_export_guards_its_output(uninterrupted, tmp_path, monkeypatch):  # noqa
   before = {f: os.path.getsize(os.path.join(out, f)) for f in os.listdir(out)}
   assert sorted(before) == ['adapter_config.json', 'adapter_model.safetensors']
 
+  # A merged export over an adapter export leaves no adapter file behind (transformers would
+  # read the directory as an adapter); files no export writes stay.
+  (tmp_path / 'again').mkdir()
+  (tmp_path / 'again' / 'notes.txt').write_text('mine')
+  export.export(None, workdir, str(tmp_path / 'again'), adapter_only=True)
+  export.export(None, workdir, str(tmp_path / 'again'))
+  assert sorted(os.listdir(tmp_path / 'again')) == [
+    'config.json',
+    'model.safetensors',
+    'notes.txt',
+    'tokenizer.model',
+  ]
+
   # A failure half-way through writing leaves the earlier export as it was, and no debris.
-  def fail(model, cfg, out_dir):
+  def fail(model, cfg, out_dir, **kw):
     with open(os.path.join(out_dir, 'adapter_model.safetensors'), 'wb') as f:
       f.write(b'partial')
     raise OSError('disk full')
@@ -114,4 +127,21 @@ def test_export_guards_its_output(uninterrupted, tmp_path, monkeypatch):  # noqa
   with pytest.raises(OSError, match='disk full'):
     export.export(None, workdir, out, adapter_only=True)
   assert {f: os.path.getsize(os.path.join(out, f)) for f in os.listdir(out)} == before
-  assert sorted(os.listdir(tmp_path)) == ['adapter', 'merged']
+  assert sorted(os.listdir(tmp_path)) == ['adapter', 'again', 'merged']
+
+
+def test_remote_code_goes_along_or_its_auto_map_goes(tmp_path):
+  """A base config.json's auto_map (trust_remote_code) names .py files: the merged export copies
+  them, or drops the auto_map when the base lacks them."""
+  auto_map = {
+    'AutoConfig': 'configuration_longcat_flash.LongcatFlashConfig',
+    'AutoModelForCausalLM': 'modeling_longcat_flash.LongcatFlashForCausalLM',
+    'AutoTokenizer': ['other/repo--tokenization_x.XTokenizer', None],
+  }
+  (tmp_path / 'config.json').write_text(json.dumps({'auto_map': auto_map, 'vocab_size': 8}))
+  code = ['configuration_longcat_flash.py', 'modeling_longcat_flash.py']
+  assert export.remote_code_files({'auto_map': auto_map}) == code
+  assert export.base_config(str(tmp_path)) == {'vocab_size': 8}
+  for name in code:
+    (tmp_path / name).write_text('# code')
+  assert export.base_config(str(tmp_path))['auto_map'] == auto_map

@@ -51,10 +51,11 @@ def _target_modules(rows: list[Row]) -> str:
   )
 
 
-def save(model, cfg: ModelConfig, out_dir: str) -> None:
+def save(model, cfg: ModelConfig, out_dir: str, base_model: str = '') -> None:
   """adapter_model.safetensors (lora_A [R, in], lora_B [out, R] per module, experts one by one,
   and the routers whole: ROUTER_MODULE) and adapter_config.json, as peft's LoraConfig saves them
-  for the HF model."""
+  for the HF model. base_model: the checkpoint the adapters belong to (its path), written as
+  base_model_name_or_path for peft's AutoPeftModel."""
   flat = flat_values(model)
   rows = _adapted(flat)
   if not rows:
@@ -89,7 +90,7 @@ def save(model, cfg: ModelConfig, out_dir: str) -> None:
     'init_lora_weights': True,
     'inference_mode': True,
     'modules_to_save': [ROUTER_MODULE],
-    'base_model_name_or_path': None,
+    'base_model_name_or_path': base_model or None,
   }
   if writable:
     with open(os.path.join(out_dir, ADAPTER_CONFIG), 'w') as f:
@@ -112,6 +113,14 @@ def load(model, cfg: ModelConfig, directory: str) -> None:
       raise ValueError(
         f'{ADAPTER_CONFIG}: {key}={c.get(key, default)!r} but the model has '
         f'{f"lora.{field}" if field else key}={want!r}'
+      )
+  # Per-module ranks and scales, or adapters on some layers only: one rank and one alpha for
+  # every module here, so such an adapter would load with the wrong scale (or not at all).
+  for key in ('rank_pattern', 'alpha_pattern', 'layers_to_transform'):
+    if c.get(key):
+      raise ValueError(
+        f'{os.path.join(directory, ADAPTER_CONFIG)}: {key}={c[key]!r} is not supported (lora '
+        'has one rank and one alpha for every adapted module, on every layer)'
       )
   router = ROUTER_MODULE in (c.get('modules_to_save') or ())
   filt = nnx.LoRAParam

@@ -27,7 +27,7 @@ class Reader:
   """
 
   def __init__(self, directory: str, single: str = SINGLE, index: str | None = INDEX):
-    self.directory = directory
+    self.directory, self.index = directory, index
     index_path = os.path.join(directory, index) if index else None
     if os.path.exists(os.path.join(directory, single)):
       files = [single]
@@ -56,7 +56,15 @@ class Reader:
     return name in self.files
 
   def _slice(self, name: str):
-    return self._handles[self.files[name]].get_slice(name)
+    try:
+      return self._handles[self.files[name]].get_slice(name)
+    except Exception as e:  # safetensors raises its own SafetensorError
+      if name in self._handles[self.files[name]].keys():
+        raise
+      raise ValueError(
+        f'{name}: listed in {self.directory}/{self.index} under {self.files[name]}, which does '
+        'not hold it (a stale or mismatched index?)'
+      ) from e
 
   def shape(self, name: str) -> tuple[int, ...]:
     return tuple(self._slice(name).get_shape())

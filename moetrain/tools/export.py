@@ -74,7 +74,31 @@ def companion_files(setup: train.Setup, workdir: str) -> dict[str, str]:
     files[SPM_FILE] = src
   if setup.hf_checkpoint:
     files['generation_config.json'] = os.path.join(setup.hf_checkpoint, 'generation_config.json')
+    for name in remote_code_files(hf_longcat.read_config(setup.hf_checkpoint)):
+      files[name] = os.path.join(setup.hf_checkpoint, name)
   return {n: p for n, p in files.items() if os.path.isfile(p)}
+
+
+def remote_code_files(config: dict) -> list[str]:
+  """The Python files a config.json's auto_map names ('configuration_x.XConfig' -> 'configuration_x.py';
+  'repo--module.Class' points at another repository: none)."""
+  refs = [
+    r for v in config.get('auto_map', {}).values() for r in (v if isinstance(v, list) else [v])
+  ]
+  return sorted({f'{r.rsplit(".", 1)[0]}.py' for r in refs if isinstance(r, str) and '--' not in r})
+
+
+def base_config(hf_checkpoint: str) -> dict | None:
+  """The base checkpoint's config.json for the merged export. Its auto_map (remote code for
+  trust_remote_code=True, as the LongCat-Flash release has) is kept only when the files it names
+  are there to copy: a config pointing at code the export lacks does not load."""
+  if not hf_checkpoint:
+    return None
+  base = hf_longcat.read_config(hf_checkpoint)
+  code = remote_code_files(base)
+  if 'auto_map' in base and not all(os.path.isfile(os.path.join(hf_checkpoint, n)) for n in code):
+    base = {k: v for k, v in base.items() if k != 'auto_map'}
+  return base
 
 
 def export(config, workdir: str, out: str, adapter_only: bool = False, dtype=None) -> str:
@@ -100,9 +124,9 @@ def export(config, workdir: str, out: str, adapter_only: bool = False, dtype=Non
       model = merge_model(graphdef_of(setup.model), state.params, state.moe_bias, state.frozen)
       target = staging or out  # only process 0 writes; the others take part in the gathers
       if adapter_only:
-        peft_adapter.save(model, setup.model, target)
+        peft_adapter.save(model, setup.model, target, base_model=setup.hf_checkpoint)
       else:
-        base = hf_longcat.read_config(setup.hf_checkpoint) if setup.hf_checkpoint else None
+        base = base_config(setup.hf_checkpoint)
         hf_longcat.save_hf(model, setup.model, target, dtype=dtype, base_config=base)
         if primary:
           for name, source in companion_files(setup, workdir).items():
@@ -115,13 +139,34 @@ def export(config, workdir: str, out: str, adapter_only: bool = False, dtype=Non
   return out
 
 
+# Files an export may write (with the model files, stio.is_model_file). An earlier export's that
+# the new one does not write are removed: a stale model.safetensors shadows a new sharded index,
+# a stale adapter_config.json makes transformers read a merged export as an adapter, a stale
+# tokenizer.json wins over a new tokenizer.model.
+EXPORT_FILES = (
+  peft_adapter.ADAPTER_FILE,
+  peft_adapter.ADAPTER_CONFIG,
+  'config.json',
+  'generation_config.json',
+  SPM_FILE,
+  *TOKENIZER_FILES,
+)
+
+
 def _replace_contents(staging: str, out: str) -> None:
-  """Moves the finished files into `out`, removing the model files of an earlier export there
-  first (a stale model.safetensors would shadow a new sharded index)."""
+  """Moves the finished files into `out`, first removing what an earlier export there wrote
+  that this one did not (EXPORT_FILES, model files, remote code). Other files are left alone."""
   os.makedirs(out, exist_ok=True)
   new = set(os.listdir(staging))
+  old_config = os.path.join(out, 'config.json')
+  old_code = set()
+  if os.path.isfile(old_config):
+    try:
+      old_code = set(remote_code_files(hf_longcat.read_config(out)))
+    except ValueError:
+      pass
   for name in os.listdir(out):
-    stale = stio.is_model_file(name) or name == peft_adapter.ADAPTER_FILE
+    stale = stio.is_model_file(name) or name in EXPORT_FILES or name in old_code
     if stale and name not in new:
       os.remove(os.path.join(out, name))
   for name in sorted(new, key=lambda n: n == 'config.json' or n == 'adapter_config.json'):

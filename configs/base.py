@@ -148,7 +148,8 @@ def get_config() -> config_dict.ConfigDict:
   c.loss.balance_loss = 0.0  # coefficient of the device-level balance loss
   c.loss.hidden_z_loss = 0.0  # coefficient of LongCat's hidden z-loss
   c.loss.bias_update_rate = 1e-3  # mu of the proportional expert-bias update; 0 = off
-  c.loss.bias_update_decay_steps = 0  # cosine-decay mu to 0 over this many steps; 0 = constant
+  # Cosine-decay mu to 0 over this many steps; 0 = constant, -1 = over train.steps.
+  c.loss.bias_update_decay_steps = 0
 
   # Loop, logging, evaluation and checkpoints.
   t = c.train = config_dict.ConfigDict()

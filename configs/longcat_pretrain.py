@@ -28,8 +28,8 @@ def get_config(arg: str | None = None):
   loss.balance_loss = 1e-4
   loss.hidden_z_loss = 1e-6
   loss.bias_update_rate = 1e-3
-  # mu decays (cosine) to 0 over the run, train.steps following --config.train.steps overrides.
-  loss.bias_update_decay_steps = config.train.get_ref('steps')
+  # mu decays (cosine) to 0 over the run: -1 = over train.steps, as overridden.
+  loss.bias_update_decay_steps = -1
   if variant == 'tiny':
     config.model.vocab_size = 512
     o.learning_rate = 3e-3

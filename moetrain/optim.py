@@ -65,8 +65,10 @@ def schedule(cfg: OptimConfig, total_steps: int) -> optax.Schedule:
       ],
       [cfg.warmup_steps],
     )
-  elif cfg.warmup_steps == 0:  # full rate from the first step
-    return optax.cosine_decay_schedule(cfg.learning_rate, total_steps, cfg.min_lr_ratio)
+  elif cfg.warmup_steps == 0:  # full rate from the first update, the floor at the last
+    return optax.cosine_decay_schedule(
+      cfg.learning_rate, max(total_steps - 1, 1), cfg.min_lr_ratio
+    )
   else:
     base = optax.warmup_cosine_decay_schedule(
       0.0,

@@ -78,6 +78,11 @@ class Setup:
   peft_adapter: str = ''
 
 
+# loss.bias_update_decay_steps = -1: decay over train.steps (the value, not a reference to the
+# field: a shared reference would make setting either one set both).
+FOLLOW_STEPS = -1
+
+
 def model_config(config) -> ModelConfig:
   rules = sharding.Rules.preset(config.mesh.rules)
   lora = LoraConfig(**config.lora.to_dict())
@@ -131,7 +136,10 @@ def build(config, num_devices: int | None = None, process_count: int | None = No
       f'data.eval_batch_size={data.eval_batch_size} must be divisible by the '
       f'{batch_shards} batch shards of mesh.shape={mesh_shape}'
     )
-  step = StepConfig(model=model, grad_accum_steps=opt.grad_accum_steps, **config.loss.to_dict())
+  loss = config.loss.to_dict()
+  if loss.get('bias_update_decay_steps') == FOLLOW_STEPS:  # over the whole run
+    loss['bias_update_decay_steps'] = config.train.steps
+  step = StepConfig(model=model, grad_accum_steps=opt.grad_accum_steps, **loss)
   step.validate()
   check_regexes(model, opt)
   if config.init.peft_adapter and not model.lora.enabled:

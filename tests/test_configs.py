@@ -37,6 +37,19 @@ def test_config_loads_and_validates(path):
     assert setup.model.num_layers > 0
 
 
+def test_bias_decay_follows_train_steps_without_tying_them():
+  """The pretraining config decays mu over train.steps as overridden; setting the decay itself
+  leaves train.steps alone (a shared FieldReference would set both)."""
+  config = load(os.path.join(ROOT, 'configs', 'longcat_pretrain.py'), 'variant=tiny')
+  config.train.steps, config.optim.warmup_steps = 10, 0
+  assert train.build(config, num_devices=8, process_count=1).step.bias_update_decay_steps == 10
+  config.loss.bias_update_decay_steps = 4
+  assert config.train.steps == 10
+  assert train.build(config, num_devices=8, process_count=1).step.bias_update_decay_steps == 4
+  config.loss.bias_update_decay_steps = 0  # off: constant mu
+  assert train.build(config, num_devices=8, process_count=1).step.bias_update_decay_steps == 0
+
+
 def test_config_model_sets_every_engine_field():
   """Fine-tuning from a Hugging Face checkpoint takes these fields from config.model (the shapes
   come from its config.json), so the base config must set each of them."""
@@ -143,8 +156,10 @@ def test_unknown_config_argument_is_refused():
 def test_no_warmup_starts_at_the_full_rate():
   from moetrain import optim
 
-  fn = optim.schedule(optim.OptimConfig(warmup_steps=0, learning_rate=1e-3), 100)
-  assert abs(float(fn(0)) - 1e-3) < 1e-9 and float(fn(100)) < 1e-3
+  cfg = optim.OptimConfig(warmup_steps=0, learning_rate=1e-3, min_lr_ratio=0.1)
+  fn = optim.schedule(cfg, 100)
+  assert abs(float(fn(0)) - 1e-3) < 1e-9 and float(fn(1)) < 1e-3
+  np.testing.assert_allclose(float(fn(99)), 1e-4, rtol=1e-6)  # the floor at the last update
 
 
 @pytest.mark.parametrize('kind', ['cosine', 'constant'])

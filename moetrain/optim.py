@@ -66,9 +66,7 @@ def schedule(cfg: OptimConfig, total_steps: int) -> optax.Schedule:
       [cfg.warmup_steps],
     )
   elif cfg.warmup_steps == 0:  # full rate from the first update, the floor at the last
-    return optax.cosine_decay_schedule(
-      cfg.learning_rate, max(total_steps - 1, 1), cfg.min_lr_ratio
-    )
+    return optax.cosine_decay_schedule(cfg.learning_rate, max(total_steps - 1, 1), cfg.min_lr_ratio)
   else:
     base = optax.warmup_cosine_decay_schedule(
       0.0,

@@ -317,7 +317,9 @@ def run(config, workdir: str) -> dict:
       if runtime.is_primary():
         print(nothing_to_do(workdir, latest, t, ended and setup.data.num_epochs), flush=True)
       ckpt.close()
-      return {'step': latest, 'finished': latest >= t.steps, 'data_ended': ended}
+      return {'step': latest, 'finished': latest >= t.steps} | (
+        {'data_ended': True} if ended else {}
+      )
   writer = metrics_lib.Writer(workdir, resume_step=latest)
   writer.save_config(config.to_json_best_effort(indent=1))
   tokenizer = pipeline.make_tokenizer(setup.data, workdir)

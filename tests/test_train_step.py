@@ -6,6 +6,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+import pytest
 
 from moetrain.model.config import PRESETS
 from moetrain.sharding import Rules
@@ -88,8 +89,9 @@ def test_logged_learning_rate_is_the_one_applied_after_a_skip():
   np.testing.assert_allclose([m1['learning_rate'], m3['learning_rate']], [0.0, lr_fn(count)])
 
 
-def test_flash_dry_run_parameter_counts():
-  counts = param_counts(dataclasses.replace(PRESETS['flash']))
+@pytest.mark.parametrize('quant', ['none', 'int4'])  # a QLoRA base: the same parameters
+def test_flash_dry_run_parameter_counts(quant):
+  counts = param_counts(dataclasses.replace(PRESETS['flash'], quant=quant))
   assert round(counts['total'] / 1e9, 2) == 560.66
   assert [round(counts['active'][k] / 1e9, 2) for k in (0, 8, 12)] == [18.69, 27.15, 31.38]
 

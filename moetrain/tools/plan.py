@@ -4,6 +4,7 @@ python -m moetrain.tools.plan --config=configs/longcat_lora.py:variant=flash
 (the same as python -m moetrain.main --config=... --dry_run)
 """
 
+import dataclasses
 import math
 
 import jax
@@ -20,7 +21,9 @@ def _size(tree) -> int:
 
 
 def param_counts(cfg) -> dict:
-  """Base parameters (LoRA adapters apart) and those a token activates, by FFN experts used."""
+  """Base parameters (LoRA adapters apart) and those a token activates, by FFN experts used.
+  Counted unquantised: a QLoRA base holds the same parameters in fewer bytes."""
+  cfg = dataclasses.replace(cfg, quant='none')
   model = nnx.eval_shape(lambda: Transformer(cfg, nnx.Rngs(0)))
   adapters = _size(nnx.state(model, nnx.LoRAParam))
   base = _size(nnx.state(model, nnx.Param)) - adapters

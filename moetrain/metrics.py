@@ -271,6 +271,11 @@ class Throughput:
       if not recurring:
         self.t_start += spent
 
+  def skip_step(self) -> None:
+    """The step just run (inside `excluded`, its tokens not added) stays out of the ETA's mean
+    step time too: the run's first, whose compute overlaps its compilation."""
+    self.start_step += 1
+
   def take_tokens(self) -> float:
     """The tokens since the last call: a log point's, taken when its step is dispatched."""
     tokens, self.tokens = self.tokens, 0.0
@@ -281,12 +286,15 @@ class Throughput:
     added since the last mark) are those of the steps up to it."""
     now = time.time()
     tokens = self.take_tokens() if tokens is None else tokens
-    tps = tokens / max(now - self.t_last, 1e-9)
-    eta = (now - self.t_start) / max(step - self.start_step, 1) * (self.total - step)
+    tps = tokens / max(now - self.t_last, 1e-9) if tokens else math.nan  # (only skipped steps)
+    counted = step - self.start_step
+    eta = (now - self.t_start) / counted * (self.total - step) if counted > 0 else math.nan
     self.t_last = now
     return tps, eta
 
 
 def format_eta(seconds: float) -> str:
+  if math.isnan(seconds):  # no step timed yet
+    return '-'
   seconds = int(max(seconds, 0))
   return f'{seconds // 3600}:{seconds % 3600 // 60:02d}:{seconds % 60:02d}'

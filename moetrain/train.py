@@ -441,13 +441,18 @@ def loop(
       why = data_ended_note(done, done > start, setup.data.num_epochs, total)
       break
     inputs = to_global(batch, batch_sharding)  # explicit host-to-device, outside the guard
-    # The step itself must not move data implicitly. The first call compiles: its time is kept
-    # out of tokens/s and the ETA.
-    with jax.transfer_guard('disallow'), meter.excluded(when=step == start + 1):
+    # The step itself must not move data implicitly. The first call compiles, and its compute
+    # overlaps that: the whole step, its time and its tokens, stays out of tokens/s and the ETA.
+    first = step == start + 1
+    with jax.transfer_guard('disallow'), meter.excluded(when=first):
       state, m = step_fn(state, inputs)
       log.add(m)  # (the first compiles the log window's sums)
+      if first:
+        jax.block_until_ready(m)
+        meter.skip_step()
     # Throughput (and MFU) count every token the model reads, not only the scored ones.
-    meter.add_tokens(float((batch['segment_ids'] > 0).sum()) * jax.process_count())
+    if not first:
+      meter.add_tokens(float((batch['segment_ids'] > 0).sum()) * jax.process_count())
     log.flush()  # the previous log step's metrics, fetched after this step's dispatch
     if step % t.log_every == 0 or step == stop:
       log.mark(step, train_iter.num_truncated)

@@ -2,6 +2,7 @@
 scalars per log point, each summing up the steps since the previous one."""
 
 import functools
+import math
 
 import jax
 
@@ -64,7 +65,7 @@ def log_train(
   writer.write(step, scalars, load=m['moe']['load'])
   writer.progress(
     f'step {step}  loss {scalars["loss"]:.4f}  lr {scalars["learning_rate"]:.2e}  '
-    f'grad_norm {scalars["grad_norm"]:.3f}  tok/s {tokens_per_sec:,.0f}  '
+    f'grad_norm {scalars["grad_norm"]:.3f}  tok/s {_count(tokens_per_sec)}  '
     f'ffn_experts {scalars["moe/ffn_experts_mean"]:.2f}  eta {metrics_lib.format_eta(eta)}'
     + (f'  skipped {scalars["skipped"]:,.0f} (non-finite)' if scalars['skipped'] else '')
     + (f'  loss_scale {scalars["loss_scale"]:g}' if 'loss_scale' in scalars else '')
@@ -75,3 +76,7 @@ def log_train(
     )
   )
   return scalars
+
+
+def _count(x: float) -> str:
+  return '-' if math.isnan(x) else f'{x:,.0f}'  # '-': no timed step yet (the first compiles)

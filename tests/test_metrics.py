@@ -2,6 +2,7 @@
 
 import glob
 import json
+import math
 import struct
 
 import jax
@@ -59,17 +60,24 @@ def test_throughput_leaves_out_compilation_and_evals(monkeypatch):
   clock = [100.0]
   monkeypatch.setattr(metrics.time, 'time', lambda: clock[0])
   meter = metrics.Throughput(start_step=0, total_steps=10)
-  with meter.excluded(when=True):  # step 1 dispatched: compiles for 30 s
-    clock[0] += 30
-  clock[0] += 1  # step 1 runs
-  meter.add_tokens(100)
+  with meter.excluded(when=True):  # step 1 compiles for 30 s and runs: all of it left out
+    clock[0] += 31
+    meter.skip_step()
   clock[0] += 1  # step 2
+  meter.add_tokens(100)
+  clock[0] += 1  # step 3
   meter.add_tokens(100)
   with meter.excluded(recurring=True):  # an eval
     clock[0] += 5
-  tps, eta = meter.mark(2)
+  tps, eta = meter.mark(3)
   assert tps == 100.0
-  assert eta == (2 + 5) / 2 * 8
+  assert eta == (2 + 5) / 2 * 7
+  # A log point with only the skipped step (log_every=1) has no rate to report.
+  meter = metrics.Throughput(start_step=0, total_steps=10)
+  with meter.excluded(when=True):
+    clock[0] += 31
+    meter.skip_step()
+  assert math.isnan(meter.mark(1)[0])
 
 
 def test_a_log_point_is_timed_when_its_step_has_finished(monkeypatch):

@@ -40,13 +40,18 @@ class TrainLog:
 
   def mark(self, step: int, truncated: int) -> None:
     self.flush()  # one record pending at a time
-    self.pending = (step, self.window.take(), self.meter.take_tokens(), truncated)
+    done = _ready(getattr(self.window, 'last', None))
+    record, tokens = self.window.take(), self.meter.take_tokens()
+    # A step that has already finished (a backend that runs steps as they are dispatched, such
+    # as several CPU devices) is timed now: later, the next step's time would be in its window.
+    timed = self.meter.mark(step, tokens) if done else None
+    self.pending = (step, record, tokens, truncated, timed)
 
   def flush(self) -> None:
     if self.pending is not None:
-      step, m, tokens, truncated = self.pending
+      step, m, tokens, truncated, timed = self.pending
       m = jax.device_get(m)
-      self.last = self.report(step, m, *self.meter.mark(step, tokens), truncated)
+      self.last = self.report(step, m, *(timed or self.meter.mark(step, tokens)), truncated)
       self.pending = None
 
 
@@ -76,6 +81,12 @@ def log_train(
     )
   )
   return scalars
+
+
+def _ready(tree) -> bool:
+  """Whether a step's metrics (device arrays) are computed already."""
+  leaves = jax.tree.leaves(tree)
+  return bool(leaves) and all(getattr(x, 'is_ready', lambda: False)() for x in leaves)
 
 
 def _count(x: float) -> str:

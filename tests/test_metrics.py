@@ -114,6 +114,21 @@ def test_a_log_point_is_timed_when_its_step_has_finished(monkeypatch):
   assert reports == [(2, 200 / 4.0, 4.0)] and log.last == {'loss': 1.0}
   assert meter.tokens == 100
 
+  # A backend that runs steps as they are dispatched (several CPU devices): step 4 has finished
+  # when it is marked, at t = 6, and is timed then (2 s since the last point at t = 4), not
+  # after step 5 has run and its metrics are fetched.
+  class Done:
+    def is_ready(self):
+      return True
+
+  log.window.last = {'loss': Done()}
+  clock[0] += 2.0  # step 3 and 4 run
+  meter.add_tokens(100)  # step 4 dispatched
+  log.mark(4, 0)
+  clock[0] += 3.0  # step 5 runs
+  log.flush()
+  assert reports[-1][:2] == (4, 200 / 2.0)
+
 
 def test_peak_flops_by_device_kind():
   from types import SimpleNamespace

@@ -93,6 +93,11 @@ def base_config(**overrides):
     ({'model.moe_block_size': -3}, 'model.moe_block_size'),
     ({'model.zero_expert_num': 0, 'model.moe_expected_ffn_experts': 1.0}, 'moe_expected_ffn'),
     ({'model.moe_expected_ffn_experts': -1.0}, 'model.moe_expected_ffn_experts'),
+    (  # more FFN experts per token than there are: the bias controller would never settle
+      {'model.n_routed_experts': 2, 'model.moe_expected_ffn_experts': 2.5},
+      'model.moe_expected_ffn_experts: 2.5 is more FFN experts',
+    ),
+    ({'model.quant': 'int4', 'model.num_heads': 3}, 'model.num_heads: 3 is odd'),
     ({'model.rope_theta': 0.0}, 'model.rope_theta'),
     ({'loss.bias_update_decay_steps': -5}, 'loss.bias_update_decay_steps'),
     ({'loss.bias_update_rate': -1e-3}, 'loss.bias_update_rate'),

@@ -68,6 +68,13 @@ def test_cache_holds_latents_not_heads(lora_model):
   assert cache.c.dtype == jnp.float32
   # Prompt slots are written, the rest still empty.
   assert np.all(np.abs(cache.c[:, :, :, :3]).sum(-1) > 0) and np.all(cache.c[:, :, :, 3:] == 0)
+  # Positions past the cache are refused by name (the write would clamp onto the last slot).
+  from moetrain.model import decode
+
+  with pytest.raises(ValueError, match=r'positions 9\.\.9 do not fit a cache of max_len=9'):
+    decode.decode_step(model, cache, ids[:, 0], 9)
+  with pytest.raises(ValueError, match='positions 0..3 do not fit a cache of max_len=3'):
+    decode.prefill(model, ids[:, :4], 3)
 
 
 @pytest.fixture(scope='module')

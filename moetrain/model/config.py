@@ -165,6 +165,18 @@ class ModelConfig:
       'quant_group_size',
       f'must be a positive even number for int4, got {self.quant_group_size}',
     )
+    if self.quant == 'int4':  # codes pack in pairs along each kernel's first input dimension
+      for field in ('hidden_size', 'q_lora_rank', 'kv_lora_rank', 'num_heads', 'ffn_hidden_size'):
+        need(
+          getattr(self, field) % 2 == 0,
+          field,
+          f'{getattr(self, field)} is odd: int4 packs two codes along it; use model.quant=int8',
+        )
+      need(
+        self.expert_ffn_hidden_size % 2 == 0,
+        'expert_ffn_hidden_size',
+        f'{self.expert_ffn_hidden_size} is odd: int4 packs two codes along it; use model.quant=int8',
+      )
     need(
       self.quant == 'none' or self.lora.enabled,
       'quant',
@@ -183,6 +195,12 @@ class ModelConfig:
       self.n_routed_experts % max(self.moe_balance_groups, 1) == 0,
       'moe_balance_groups',
       f'{self.n_routed_experts} routed experts do not split into {self.moe_balance_groups} groups',
+    )
+    need(
+      self.expected_ffn_experts <= self.n_routed_experts,
+      'moe_expected_ffn_experts',
+      f'{self.expected_ffn_experts} is more FFN experts per token than the '
+      f'{self.n_routed_experts} routed experts: the bias controller would chase it forever',
     )
     if self.zero_expert_num:
       need(

@@ -99,6 +99,7 @@ def forward(model: Transformer, cache: KVCache, ids_BT, start, *, absorb: bool =
   cache.max_len. Routing is per token, so this equals the full forward under dropless dispatch;
   capacity dispatch drops depend on how many tokens share a call."""
   b, t = ids_BT.shape
+  _check_room(cache, start, t)
   positions_BT = jnp.broadcast_to(start + jnp.arange(t, dtype=jnp.int32), (b, t))
   valid_BT = jnp.ones((b, t), bool)
   graphdef, state = nnx.split(model.layers)
@@ -123,6 +124,21 @@ def forward(model: Transformer, cache: KVCache, ids_BT, start, *, absorb: bool =
   (h_BTD, cache), _ = jax.lax.scan(body, (model.embed(ids_BT), cache), (state, layers_L))
   logits_BTV = model.lm_head(model.final_norm(h_BTD[:, -1:]))
   return logits_BTV[:, 0].astype(jnp.float32), cache
+
+
+def _check_room(cache: KVCache, start, t: int) -> None:
+  """Positions start..start+t-1 must have slots: past the end, the cache write would clamp onto
+  the last slot and the logits would be wrong, silently. Checked where start is known (a Python
+  int or a concrete array); a traced start is the caller's to keep in range."""
+  try:
+    first = int(start)
+  except (TypeError, jax.errors.ConcretizationTypeError):
+    return
+  if first < 0 or first + t > cache.max_len:
+    raise ValueError(
+      f'positions {first}..{first + t - 1} do not fit a cache of max_len={cache.max_len} '
+      '(prefill with a larger max_len: prompt length + new tokens)'
+    )
 
 
 def prefill(model: Transformer, ids_BT, max_len: int, *, absorb: bool = False):

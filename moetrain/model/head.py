@@ -16,11 +16,11 @@ import jax.numpy as jnp
 from flax import nnx
 
 from moetrain.model import vjp
-from moetrain.sharding import constrain
+from moetrain.sharding import Rules, constrain
 
 
 def head_cross_entropy(
-  head: nnx.Module, h_BTD, targets_BT, mask_BT, chunk: int, rng=None, rules=()
+  head: nnx.Module, h_BTD, targets_BT, mask_BT, chunk: int, rng=None, rules=None
 ):
   """Masked sums (NLL, tokens whose target holds the top logit) of head(h) against targets.
 
@@ -31,7 +31,8 @@ def head_cross_entropy(
   graphdef, state = nnx.split(head)
   leaves, treedef = jax.tree.flatten(state)
   mask_BT = mask_BT.astype(jnp.float32)
-  return _head_ce(leaves, h_BTD, targets_BT, mask_BT, rng, (graphdef, treedef, rules), chunk)
+  static = (graphdef, treedef, rules or Rules())
+  return _head_ce(leaves, h_BTD, targets_BT, mask_BT, rng, static, chunk)
 
 
 def _blocks(h_BTD, targets_BT, mask_BT, chunk: int):

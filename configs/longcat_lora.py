@@ -25,5 +25,6 @@ def get_config(arg: str | None = None):
     config.mesh.shape = (1, -1, 16, 1)
     config.data.seq_len = 8192
     config.data.global_batch_size = 64
+    config.data.eval_batch_size = 64  # a multiple of the batch shards (data*fsdp*expert)
     config.data.tokenizer = ''  # set to the checkpoint directory holding tokenizer.json
   return config

@@ -41,6 +41,7 @@ def get_config(arg: str | None = None):
     config.mesh.shape = (1, -1, 16, 1)
     config.data.seq_len = 8192
     config.data.global_batch_size = 1024
+    config.data.eval_batch_size = 256  # a multiple of the batch shards (data*fsdp*expert)
     config.data.tokenizer = ''  # set to a directory holding tokenizer.json (e.g. the release's)
     config.train.steps = 100_000
     config.train.checkpoint_every = 1000

@@ -190,7 +190,12 @@ class Writer:
         self._record({'step': resume_step, 'kind': 'resume', 'time': time.time()})
 
   def _record(self, record: dict) -> None:
-    self._jsonl.write(json.dumps(record) + '\n')
+    # Standard JSON has no NaN or infinity: a non-finite value (a skipped step's loss, the rate
+    # of a log point with no timed step) is written as null.
+    finite = {
+      k: v if not isinstance(v, float) or math.isfinite(v) else None for k, v in record.items()
+    }
+    self._jsonl.write(json.dumps(finite, allow_nan=False) + '\n')
     self._jsonl.flush()
 
   def write(self, step: int, scalars: dict, load=None, kind: str = 'train') -> None:

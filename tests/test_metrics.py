@@ -54,6 +54,20 @@ def test_a_resume_marks_where_records_start_over(tmp_path):
   assert values[-2:] == [(3, 30.0), (4, 40.0)]
 
 
+def test_non_finite_values_are_json_null(tmp_path):
+  """metrics.jsonl stays standard JSON (other languages' parsers reject NaN); TensorBoard gets
+  the finite scalars only."""
+  w = metrics.Writer(str(tmp_path))
+  w.write(1, {'loss': math.nan, 'grad_norm': math.inf, 'tokens_per_sec': 5.0})
+  w.close()
+  line = (tmp_path / 'metrics.jsonl').read_text()
+  assert 'NaN' not in line and 'Infinity' not in line
+  rec = json.loads(line)
+  assert (rec['loss'], rec['grad_norm'], rec['tokens_per_sec']) == (None, None, 5.0)
+  tags = {v.tag for e in events(tmp_path / 'tb') for v in e.summary.value}
+  assert tags == {'tokens_per_sec'}
+
+
 def test_throughput_leaves_out_compilation_and_evals(monkeypatch):
   """tokens/s counts the steps' time only; the ETA leaves out the one-off compilation but keeps
   the periodic evals (the rest of the run pays for them too)."""

@@ -4,7 +4,7 @@
 set -euo pipefail
 : "${TPU_NAME:?set TPU_NAME}" "${ZONE:?set ZONE}"
 cd "$(dirname "$0")/.."
-tar czf /tmp/moetrain.tgz --exclude=.venv --exclude=runs --exclude=.git .
+tar czf /tmp/moetrain.tgz --exclude=.venv --exclude=runs --exclude=exports --exclude=.git .
 gcloud compute tpus tpu-vm scp /tmp/moetrain.tgz "$TPU_NAME":~/ --zone="$ZONE" --worker=all
 gcloud compute tpus tpu-vm ssh "$TPU_NAME" --zone="$ZONE" --worker=all --command='
   set -e

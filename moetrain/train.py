@@ -95,8 +95,11 @@ def model_config(config) -> ModelConfig:
   return hf_longcat.config_from_hf(hf_longcat.read_config(path), **engine, lora=lora, rules=rules)
 
 
-def build(config, num_devices: int | None = None, process_count: int | None = None) -> Setup:
-  """Converts and validates everything before any compilation; errors name the field."""
+def build(
+  config, num_devices: int | None = None, process_count: int | None = None, training: bool = True
+) -> Setup:
+  """Converts and validates everything before any compilation; errors name the field. A tool
+  (training=False) reading an older run's settings skips the checks only training needs."""
   num_devices = num_devices or jax.device_count()
   process_count = process_count or jax.process_count()
   mesh_shape = sharding.resolve_mesh_shape(config.mesh.shape, num_devices)
@@ -106,6 +109,8 @@ def build(config, num_devices: int | None = None, process_count: int | None = No
   if config.init.hf_checkpoint and not data.tokenizer:  # the checkpoint's own tokenizer
     data = dataclasses.replace(data, tokenizer=config.init.hf_checkpoint)
   pipeline.validate(data, process_count)
+  if training:
+    pipeline.check_training_data(data)
   opt = optim.OptimConfig(**config.optim.to_dict())
   train = LoopConfig(**config.train.to_dict())
   train.validate()
@@ -280,7 +285,7 @@ def tool_setup(config, workdir: str | None) -> Setup:
   """The Setup a tool (evaluate, export, generate) reads --workdir's run with: from its own
   <workdir>/config.json when `config` (--config) is None, else from `config`, which must match
   the run's model, LoRA and frozen base as a resume must (check_resumable)."""
-  return build(run_config.tool_config(config, workdir))
+  return build(run_config.tool_config(config, workdir), training=False)
 
 
 def load_latest(setup: Setup, workdir: str | None, mesh) -> TrainState:

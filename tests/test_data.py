@@ -299,8 +299,9 @@ def test_paths_recurse_and_splits_do_not_share_files(tmp_path):
   cfg = pipeline.DataConfig(
     source='jsonl', path=str(tmp_path / '{split}*.jsonl'), eval_split='train_small'
   )
+  pipeline.validate(cfg)  # a tool may read such a run's settings
   with pytest.raises(ValueError, match=r'(?s)the same files.*train_small\.jsonl.*trained on'):
-    pipeline.validate(cfg)
+    pipeline.check_training_data(cfg)
 
 
 @pytest.fixture(scope='module')
@@ -552,14 +553,27 @@ def test_make_tokenizer_trains_on_the_train_split(tmp_path):
     (dict(vocab_size=100), 'data.vocab_size'),
     (dict(num_epochs=0), 'data.num_epochs'),
     (dict(worker_count=-1), 'data.worker_count'),
-    (dict(path='/data/{split}.jsonl'), 'data.path'),  # the demo source would ignore it
-    (dict(source='jsonl', path='/x/{split}.jsonl', tfds_name='mnist'), 'data.tfds_name'),
-    (dict(eval_split='train'), 'data.eval_split'),
   ],
 )
 def test_validate_names_the_field(overrides, field):
   with pytest.raises(ValueError, match=field.replace('.', r'\.')):
     pipeline.validate(pipeline.DataConfig(**overrides), process_count=4)
+
+
+@pytest.mark.parametrize(
+  'overrides, field',
+  [
+    (dict(path='/data/{split}.jsonl'), 'data.path'),  # the demo source would ignore it
+    (dict(source='tfds', tfds_name='x', tfds_data_dir='/d', path='/p'), 'data.path'),
+    (dict(eval_split='train'), 'data.eval_split'),
+  ],
+)
+def test_training_data_checks_name_the_field(overrides, field):
+  """Checks only a training run makes (a tool may read an older run's settings)."""
+  cfg = pipeline.DataConfig(**overrides)
+  pipeline.validate(cfg)
+  with pytest.raises(ValueError, match=field.replace('.', r'\.')):
+    pipeline.check_training_data(cfg)
 
 
 def test_default_config_is_valid():

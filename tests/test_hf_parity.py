@@ -388,6 +388,9 @@ def test_peft_adapter_round_trip(tmp_path):
   (tmp_path / 'adapter_config.json').write_text(json.dumps({**config, 'alpha_pattern': {'o': 8}}))
   with pytest.raises(ValueError, match=r"adapter_config\.json: alpha_pattern=\{'o': 8\} is not"):
     peft_adapter.load(fresh, cfg, str(tmp_path))
+  (tmp_path / 'adapter_config.json').write_text(json.dumps({**config, 'layers_to_transform': 0}))
+  with pytest.raises(ValueError, match='layers_to_transform=0 is not supported'):
+    peft_adapter.load(fresh, cfg, str(tmp_path))
 
 
 def test_transformers_loads_lora_merged_export(tmp_path):

@@ -2,6 +2,7 @@
 
 import json
 import os
+import shutil
 
 import numpy as np
 import pytest
@@ -80,6 +81,15 @@ def test_tools_read_the_runs_own_config(uninterrupted, tmp_path):  # noqa: F811
   assert not os.path.exists(typo)
   with pytest.raises(ValueError, match='--max_batches=0'):
     evaluate.evaluate_checkpoint(None, workdir, max_batches=0)
+  # A run whose settings a training run would now refuse (a data.path its source ignores, as
+  # older versions allowed) still opens in the tools: they train nothing.
+  older = tmp_path / 'older'
+  shutil.copytree(workdir, older)
+  with open(older / 'config.json') as f:
+    saved = json.load(f)
+  saved['data']['path'] = '/gone/{split}.jsonl'
+  (older / 'config.json').write_text(json.dumps(saved))
+  assert evaluate.evaluate_checkpoint(None, str(older), max_batches=1)['step'] == 6
 
 
 def test_export_guards_its_output(uninterrupted, tmp_path, monkeypatch):  # noqa: F811

@@ -103,7 +103,11 @@ def test_resume_continues_bit_for_bit(uninterrupted, tmp_path, capsys):
     ('lora.rank', 16, r'lora\.rank: 8 in the checkpointed run, now 16'),
     ('optim.grad_clip', 0.0, r'optim\.grad_clip: 1\.0 in the checkpointed run, now 0\.0'),
     ('seed', 1, r"frozen base .*'seed 0, .*' in the checkpointed run, now 'seed 1, "),
-    ('model.init_std', 0.2, r"frozen base .*init_std 0\.02, .*' in the checkpointed run, now '"),
+    (
+      'model.init_std',
+      0.2,
+      r"'seed 0, init_std 0\.02' in the checkpointed run, now 'seed 0, init_std 0\.2'",
+    ),
   ],
 )
 def test_resume_with_other_settings_names_them(uninterrupted, key, value, message):

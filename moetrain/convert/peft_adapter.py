@@ -117,7 +117,7 @@ def load(model, cfg: ModelConfig, directory: str) -> None:
   # Per-module ranks and scales, or adapters on some layers only: one rank and one alpha for
   # every module here, so such an adapter would load with the wrong scale (or not at all).
   for key in ('rank_pattern', 'alpha_pattern', 'layers_to_transform'):
-    if c.get(key):
+    if c.get(key) not in (None, [], {}):  # (layers_to_transform=0 means layer 0 alone)
       raise ValueError(
         f'{os.path.join(directory, ADAPTER_CONFIG)}: {key}={c[key]!r} is not supported (lora '
         'has one rank and one alpha for every adapted module, on every layer)'

@@ -95,6 +95,36 @@ def _validate_source(cfg: DataConfig) -> None:
       'empty: set at least one so records can be read'
     )
   splits = {'train_split': cfg.train_split, 'eval_split': cfg.eval_split}
+  if cfg.source == 'demo':
+    for name, split in splits.items():
+      if split and split not in DEMO_SPLITS:
+        raise ValueError(f'data.{name}={split!r}: the demo source has splits {DEMO_SPLITS}')
+  elif cfg.source == 'tfds' and not cfg.tfds_name:
+    raise ValueError("data.tfds_name is empty: data.source='tfds' needs a dataset name")
+  elif cfg.source in ('jsonl', 'text'):
+    if not cfg.path:
+      raise ValueError(
+        f'data.path is empty: data.source={cfg.source!r} reads the files matching '
+        "data.path ('{split}' in it is replaced by the split name)"
+      )
+    if cfg.eval_split and '{split}' not in cfg.path:
+      raise ValueError(
+        f"data.eval_split={cfg.eval_split!r} needs '{{split}}' in "
+        f"data.path={cfg.path!r} to find its files (e.g. 'data/{{split}}.jsonl'); "
+        "or set data.eval_split='' for no eval set"
+      )
+    for name, split in splits.items():
+      if split:
+        try:
+          sources.expand_paths(cfg.path, split)
+        except FileNotFoundError as e:
+          raise ValueError(f'data.path={cfg.path!r} with data.{name}: {e}') from e
+
+
+def check_training_data(cfg: DataConfig) -> None:
+  """What a training run must not start with, though a tool reading an older run's settings
+  may (it trains nothing): fields the source does not read, and an eval set that is (or shares
+  files with) the training set."""
   # A field the source does not read is a config mistake (e.g. data.path set, data.source left
   # at 'demo'): training on other data than asked for must not pass silently.
   unread = {
@@ -114,32 +144,9 @@ def _validate_source(cfg: DataConfig) -> None:
       f'data.eval_split={cfg.eval_split!r} is also data.train_split: evaluating on the training '
       "data says nothing about generalisation; use another split, or '' for no eval set"
     )
-  if cfg.source == 'demo':
-    for name, split in splits.items():
-      if split and split not in DEMO_SPLITS:
-        raise ValueError(f'data.{name}={split!r}: the demo source has splits {DEMO_SPLITS}')
-  elif cfg.source == 'tfds' and not cfg.tfds_name:
-    raise ValueError("data.tfds_name is empty: data.source='tfds' needs a dataset name")
-  elif cfg.source in ('jsonl', 'text'):
-    if not cfg.path:
-      raise ValueError(
-        f'data.path is empty: data.source={cfg.source!r} reads the files matching '
-        "data.path ('{split}' in it is replaced by the split name)"
-      )
-    if cfg.eval_split and '{split}' not in cfg.path:
-      raise ValueError(
-        f"data.eval_split={cfg.eval_split!r} needs '{{split}}' in "
-        f"data.path={cfg.path!r} to find its files (e.g. 'data/{{split}}.jsonl'); "
-        "or set data.eval_split='' for no eval set"
-      )
-    files = {}
-    for name, split in splits.items():
-      if split:
-        try:
-          files[name] = sources.expand_paths(cfg.path, split)
-        except FileNotFoundError as e:
-          raise ValueError(f'data.path={cfg.path!r} with data.{name}: {e}') from e
-    if shared := sorted(set(files.get('train_split', ())) & set(files.get('eval_split', ()))):
+  if cfg.source in ('jsonl', 'text') and cfg.path and cfg.train_split and cfg.eval_split:
+    train, ev = (set(sources.expand_paths(cfg.path, s)) for s in (cfg.train_split, cfg.eval_split))
+    if shared := sorted(train & ev):
       raise ValueError(
         f'data.path={cfg.path!r} gives data.train_split={cfg.train_split!r} and '
         f'data.eval_split={cfg.eval_split!r} the same files ({", ".join(shared[:3])}'

@@ -4,6 +4,7 @@ Orbax writes each step into a temporary directory and renames it when complete, 
 kill mid-save leaves the previous checkpoint as the latest valid one.
 """
 
+import contextlib
 import os
 import signal
 
@@ -81,6 +82,7 @@ class Checkpointer:
       self.directory, options=options, item_names=('state', 'data', 'meta')
     )
     self._preempted = False
+    self._previous_handler = None
     self._positions = multihost.Exchange('data_positions')
 
   def watch_preemption(self) -> None:
@@ -98,7 +100,7 @@ class Checkpointer:
     """
     if jax.process_count() == 1:
       try:
-        signal.signal(signal.SIGTERM, self._on_sigterm)
+        self._previous_handler = signal.signal(signal.SIGTERM, self._on_sigterm)
       except ValueError:  # not on the main thread (e.g. under some notebook runners)
         pass
     if self.manager.reached_preemption(self.latest_step() or 0):
@@ -132,7 +134,25 @@ class Checkpointer:
 
   def restore_data(self, step: int) -> dict:
     """The data item alone (cheap: no arrays are read)."""
-    return self.manager.restore(step, args=ocp.args.Composite(data=ocp.args.JsonRestore()))['data']
+    with self._naming_damage(step):
+      return self.manager.restore(step, args=ocp.args.Composite(data=ocp.args.JsonRestore()))[
+        'data'
+      ]
+
+  @contextlib.contextmanager
+  def _naming_damage(self, step: int):
+    """A checkpoint that cannot be read (a copy cut short, a filesystem whose renames are not
+    atomic) is named, with the way to resume from the one before it: nothing is deleted here."""
+    try:
+      yield
+    except (KeyError, FileNotFoundError, ValueError, OSError, RuntimeError) as e:
+      earlier = [s for s in self.manager.all_steps() if s < step]
+      fallback = f'step {max(earlier)}' if earlier else 'the start'
+      path = os.path.join(self.directory, str(step))
+      raise ValueError(
+        f'checkpoint {path} cannot be read ({type(e).__name__}: {str(e)[:300]}): it is '
+        f'incomplete or damaged. Move it out of {self.directory} to resume from {fallback}.'
+      ) from e
 
   def restore(self, step: int, abstract_state):
     """Restores onto the shardings of `abstract_state` (any mesh); returns (saved, data, meta),
@@ -142,14 +162,15 @@ class Checkpointer:
       k: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding)
       for k, x in flatten(saved).items()
     }
-    out = self.manager.restore(
-      step,
-      args=ocp.args.Composite(
-        state=ocp.args.StandardRestore(target),
-        data=ocp.args.JsonRestore(),
-        meta=ocp.args.JsonRestore(),
-      ),
-    )
+    with self._naming_damage(step):
+      out = self.manager.restore(
+        step,
+        args=ocp.args.Composite(
+          state=ocp.args.StandardRestore(target),
+          data=ocp.args.JsonRestore(),
+          meta=ocp.args.JsonRestore(),
+        ),
+      )
     return unflatten_like(saved, out['state']), out['data'], out['meta']
 
   def wait(self) -> None:
@@ -158,3 +179,11 @@ class Checkpointer:
   def close(self) -> None:
     self.manager.wait_until_finished()
     self.manager.close()
+    self.release_signal()
+
+  def release_signal(self) -> None:
+    """Gives SIGTERM back to the handler before watch_preemption (train.run() has returned or
+    failed: SIGTERM stops the caller again). Idempotent."""
+    if self._previous_handler is not None:
+      signal.signal(signal.SIGTERM, self._previous_handler)
+      self._previous_handler = None

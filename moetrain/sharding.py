@@ -17,8 +17,10 @@ _WEIGHTS_FSDP = {
   # attention
   'heads': None,
   'head_dim': None,
-  'q_lora': None,
-  'kv_lora': None,
+  # q_b / kv_b's input: without it they (and their optimizer moments) sit whole on every device.
+  # q_a / kv_a keep fsdp on 'embed' (an axis is used once per array).
+  'q_lora': 'fsdp',
+  'kv_lora': 'fsdp',
   # MoE
   'experts': None,
   'expert_mlp': None,
@@ -76,6 +78,20 @@ class Rules:
       raise ValueError(f'mesh.rules={name!r} is unknown; choose one of {sorted(PRESETS)}')
     w, a = PRESETS[name]
     return cls(tuple(w.items()), tuple(a.items()))
+
+
+def check_axes_used(mesh_shape: Sequence[int], rules_name: str) -> None:
+  """A 'tensor' axis > 1 that the rules shard nothing over would run the same step on each of
+  its devices: refused, naming both settings. (An 'expert' axis without expert rules still
+  splits the batch.)"""
+  sizes = dict(zip(MESH_AXES, mesh_shape))
+  weights, _ = PRESETS[rules_name]
+  if sizes['tensor'] > 1 and 'tensor' not in weights.values():
+    raise ValueError(
+      f"mesh.shape={tuple(mesh_shape)} has a 'tensor' axis of {sizes['tensor']}, but "
+      f'mesh.rules={rules_name!r} shards nothing over it (every device of it would repeat the '
+      "same work): use mesh.rules='fsdp_ep_tp', or fold that axis into 'fsdp' or 'data'"
+    )
 
 
 def make_mesh(shape: Sequence[int], devices=None) -> jax.sharding.Mesh:

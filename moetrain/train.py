@@ -103,7 +103,8 @@ def build(
   num_devices = num_devices or jax.device_count()
   process_count = process_count or jax.process_count()
   mesh_shape = sharding.resolve_mesh_shape(config.mesh.shape, num_devices)
-  model = model_config(config)
+  model = model_config(config)  # (checks mesh.rules)
+  sharding.check_axes_used(mesh_shape, config.mesh.rules)
   model.validate()
   data = pipeline.DataConfig(**config.data.to_dict())
   if config.init.hf_checkpoint and not data.tokenizer:  # the checkpoint's own tokenizer
@@ -315,51 +316,54 @@ def run(config, workdir: str) -> dict:
     async_save=t.async_checkpoint,
   )
   ckpt.watch_preemption()  # before the slow start-up (tokenizer, restore, compilation)
-  if (latest := ckpt.latest_step()) is not None:  # a resume on another host count: fail now
-    process_data_state(ckpt.restore_data(latest), setup.data.reslice_on_resume)
-    ended = data_ended_at(workdir, setup.data) == latest
-    if latest >= t.last_step or ended:  # before the run's files are touched: nothing to log
-      if runtime.is_primary():
-        print(nothing_to_do(workdir, latest, t, ended and setup.data.num_epochs), flush=True)
-      ckpt.close()
-      return {'step': latest, 'finished': latest >= t.steps} | (
-        {'data_ended': True} if ended else {}
+  try:
+    if (latest := ckpt.latest_step()) is not None:  # a resume on another host count: fail now
+      process_data_state(ckpt.restore_data(latest), setup.data.reslice_on_resume)
+      ended = data_ended_at(workdir, setup.data) == latest
+      if latest >= t.last_step or ended:  # before the run's files are touched: nothing to log
+        if runtime.is_primary():
+          print(nothing_to_do(workdir, latest, t, ended and setup.data.num_epochs), flush=True)
+        ckpt.close()
+        return {'step': latest, 'finished': latest >= t.steps} | (
+          {'data_ended': True} if ended else {}
+        )
+    writer = metrics_lib.Writer(workdir, resume_step=latest)
+    writer.save_config(config.to_json_best_effort(indent=1))
+    tokenizer = pipeline.make_tokenizer(setup.data, workdir)
+    if tokenizer.vocab_size > setup.model.vocab_size:
+      hint = (  # a trained tokenizer is cached in the run directory and reused
+        f' and delete {os.path.join(workdir, "tokenizer.model")}'
+        if not setup.data.tokenizer
+        else f' to a tokenizer of that size instead of data.tokenizer={setup.data.tokenizer!r}'
       )
-  writer = metrics_lib.Writer(workdir, resume_step=latest)
-  writer.save_config(config.to_json_best_effort(indent=1))
-  tokenizer = pipeline.make_tokenizer(setup.data, workdir)
-  if tokenizer.vocab_size > setup.model.vocab_size:
-    hint = (  # a trained tokenizer is cached in the run directory and reused
-      f' and delete {os.path.join(workdir, "tokenizer.model")}'
-      if not setup.data.tokenizer
-      else f' to a tokenizer of that size instead of data.tokenizer={setup.data.tokenizer!r}'
+      raise ValueError(
+        f'model.vocab_size={setup.model.vocab_size} is smaller than the tokenizer '
+        f'vocabulary ({tokenizer.vocab_size}); raise it, or set data.vocab_size{hint}'
+      )
+    pi, pc = jax.process_index(), jax.process_count()
+    train_iter = pipeline.make_train_iterator(
+      setup.data, tokenizer, process_index=pi, process_count=pc
     )
-    raise ValueError(
-      f'model.vocab_size={setup.model.vocab_size} is smaller than the tokenizer '
-      f'vocabulary ({tokenizer.vocab_size}); raise it, or set data.vocab_size{hint}'
+    eval_batches = pipeline.make_eval_batches(
+      setup.data, tokenizer, max_batches=t.eval_batches, process_index=pi, process_count=pc
     )
-  pi, pc = jax.process_index(), jax.process_count()
-  train_iter = pipeline.make_train_iterator(
-    setup.data, tokenizer, process_index=pi, process_count=pc
-  )
-  eval_batches = pipeline.make_eval_batches(
-    setup.data, tokenizer, max_batches=t.eval_batches, process_index=pi, process_count=pc
-  )
-  optimizer = optim.make_optimizer(setup.optim, t.steps)
-  lr_fn = optim.schedule(setup.optim, t.steps)
-  graphdef = graphdef_of(setup.model)
-  batch_sharding = sharding.batch_sharding(mesh)
-  sharding.check_hosts_own_rows(batch_sharding, setup.data.global_batch_size)
-  with jax.set_mesh(mesh):
-    state = restore_or_init(setup, ckpt, optimizer, mesh, train_iter)
-    shardings = state_shardings(jax.eval_shape(lambda: state), mesh, setup.model.rules)
-    step_fn = jit_train_step(setup.step, optimizer, lr_fn, shardings, batch_sharding)
-    eval_fn = jax.jit(functools.partial(eval_step, graphdef=graphdef))
-    state, last = loop(
-      setup, state, step_fn, eval_fn, train_iter, eval_batches, ckpt, writer, batch_sharding, mesh
-    )
-  ckpt.close()
-  writer.close()
+    optimizer = optim.make_optimizer(setup.optim, t.steps)
+    lr_fn = optim.schedule(setup.optim, t.steps)
+    graphdef = graphdef_of(setup.model)
+    batch_sharding = sharding.batch_sharding(mesh)
+    sharding.check_hosts_own_rows(batch_sharding, setup.data.global_batch_size)
+    with jax.set_mesh(mesh):
+      state = restore_or_init(setup, ckpt, optimizer, mesh, train_iter)
+      shardings = state_shardings(jax.eval_shape(lambda: state), mesh, setup.model.rules)
+      step_fn = jit_train_step(setup.step, optimizer, lr_fn, shardings, batch_sharding)
+      eval_fn = jax.jit(functools.partial(eval_step, graphdef=graphdef))
+      state, last = loop(
+        setup, state, step_fn, eval_fn, train_iter, eval_batches, ckpt, writer, batch_sharding, mesh
+      )
+    ckpt.close()
+    writer.close()
+  finally:  # an error on the way must not leave the caller's process deaf to SIGTERM
+    ckpt.release_signal()
   if last.get('data_ended') and runtime.is_primary():  # saved and evaluated: a rerun has no work
     mark_data_ended(workdir, int(state.step), setup.data)
   return last

@@ -75,6 +75,7 @@ def base_config(**overrides):
     ({'mesh.shape': (1, 4, 3, 1)}, 'mesh.shape'),
     ({'mesh.shape': (1, 1, 8, 1), 'model.n_routed_experts': 12}, 'model.n_routed_experts'),
     ({'mesh.rules': 'nope'}, 'mesh.rules'),
+    ({'mesh.shape': (1, 1, 1, 8), 'mesh.rules': 'fsdp_ep'}, "mesh.rules='fsdp_ep' shards nothing"),
     ({'lora.rank': -4}, 'lora.rank'),
     ({'lora.alpha': 0.0}, 'lora.alpha'),
     ({'optim.b2': 1.5}, 'optim.b2'),

@@ -2,6 +2,7 @@
 
 import json
 import os
+import shutil
 
 import pytest
 
@@ -119,6 +120,23 @@ def test_resume_with_other_settings_names_them(uninterrupted, key, value, messag
   (config[section] if section else config)[name] = value
   with pytest.raises(ValueError, match=message):
     train.run(config, workdir)
+
+
+def test_a_damaged_checkpoint_is_named_and_handlers_are_restored(uninterrupted, tmp_path):
+  """The newest checkpoint cut short (a copy, a filesystem without atomic renames): the run
+  names it and the step to fall back to, and deletes nothing. A finished train.run() gives
+  SIGTERM back to the caller's handler."""
+  import signal
+
+  workdir, _ = uninterrupted
+  copy = tmp_path / 'run'
+  shutil.copytree(workdir, copy)
+  shutil.rmtree(copy / 'checkpoints' / '6' / 'state')
+  before = signal.getsignal(signal.SIGTERM)
+  with pytest.raises(ValueError, match=r'checkpoints/6 cannot be read .*resume from step 3'):
+    train.run(small_config(steps=8), str(copy))
+  assert (copy / 'checkpoints' / '6').is_dir()
+  assert signal.getsignal(signal.SIGTERM) is before
 
 
 def test_resume_with_other_data_settings_warns_by_name(uninterrupted, caplog):

@@ -215,6 +215,10 @@ def main(argv):
     raise app.UsageError('pass --hf_checkpoint=DIR, or --workdir of a run, or --config')
   if f.max_new_tokens < 1:
     raise app.UsageError(f'--max_new_tokens={f.max_new_tokens} must be at least 1')
+  if f.temperature < 0:
+    raise app.UsageError(f'--temperature={f.temperature} must be >= 0 (0 = greedy)')
+  if not 0 < f.top_p <= 1:
+    raise app.UsageError(f'--top_p={f.top_p} must be in (0, 1]')
   if f.hf_checkpoint:
     model, tok = load_hf(f.hf_checkpoint)
     source = f.hf_checkpoint

@@ -150,8 +150,9 @@ class Checkpointer:
       fallback = f'step {max(earlier)}' if earlier else 'the start'
       path = os.path.join(self.directory, str(step))
       raise ValueError(
-        f'checkpoint {path} cannot be read ({type(e).__name__}: {str(e)[:300]}): it is '
-        f'incomplete or damaged. Move it out of {self.directory} to resume from {fallback}.'
+        f'checkpoint {path} cannot be read ({type(e).__name__}: {str(e)[:300]}). If it is '
+        f'incomplete or damaged (a copy cut short, a crash on a filesystem without atomic '
+        f'renames), move it out of {self.directory} to resume from {fallback}.'
       ) from e
 
   def restore(self, step: int, abstract_state):

@@ -328,7 +328,7 @@ def run(config, workdir: str) -> dict:
           {'data_ended': True} if ended else {}
         )
     writer = metrics_lib.Writer(workdir, resume_step=latest)
-    writer.save_config(config.to_json_best_effort(indent=1))
+    writer.save_config(config_json(config, setup))
     tokenizer = pipeline.make_tokenizer(setup.data, workdir)
     if tokenizer.vocab_size > setup.model.vocab_size:
       hint = (  # a trained tokenizer is cached in the run directory and reused
@@ -367,6 +367,17 @@ def run(config, workdir: str) -> dict:
   if last.get('data_ended') and runtime.is_primary():  # saved and evaluated: a rerun has no work
     mark_data_ended(workdir, int(state.step), setup.data)
   return last
+
+
+def config_json(config, setup: Setup) -> str:
+  """The run's config.json: its settings, and with init.hf_checkpoint the model the checkpoint
+  gave (`model_from_checkpoint`: its shapes replace those of the `model` section, which a resume
+  is still checked against)."""
+  saved = json.loads(config.to_json_best_effort())
+  if setup.hf_checkpoint:
+    model = dataclasses.asdict(setup.model)
+    saved['model_from_checkpoint'] = {k: v for k, v in model.items() if k not in ('lora', 'rules')}
+  return json.dumps(saved, indent=1)
 
 
 DATA_ENDED = 'data_ended.json'

@@ -104,6 +104,13 @@ def test_adapter_only_export(tmp_path):
   assert files == ['adapter_config.json', 'adapter_model.safetensors']
   with open(os.path.join(out, 'adapter_config.json')) as f:  # for peft's AutoPeftModel
     assert json.load(f)['base_model_name_or_path'] == config.init.hf_checkpoint
+  # The run's config.json says which shapes the checkpoint gave (not the preset's).
+  with open(os.path.join(workdir, 'config.json')) as f:
+    saved = json.load(f)
+  with open(os.path.join(hf_dir, 'config.json')) as f:
+    hf = json.load(f)
+  assert saved['model_from_checkpoint']['hidden_size'] == hf['hidden_size']
+  assert saved['model_from_checkpoint']['n_routed_experts'] == hf['n_routed_experts']
   # adapters are a small fraction of the base checkpoint
   assert os.path.getsize(os.path.join(out, files[1])) < 0.5 * os.path.getsize(
     os.path.join(FIXTURE, 'model.safetensors')

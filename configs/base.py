@@ -30,6 +30,18 @@ def set_model(config, variant: str) -> None:
       config.model[k] = v
 
 
+def set_flash_pod(config, global_batch_size: int, eval_batch_size: int) -> None:
+  """The flash variant on a TPU pod: experts over 16 devices, FSDP over the rest; bf16 weights;
+  8192-token rows; the tokenizer from the checkpoint (or set data.tokenizer). Batch sizes must
+  be multiples of the batch shards (data * fsdp * expert)."""
+  config.model.param_dtype = 'bfloat16'
+  config.mesh.shape = (1, -1, 16, 1)
+  config.data.seq_len = 8192
+  config.data.global_batch_size = global_batch_size
+  config.data.eval_batch_size = eval_batch_size
+  config.data.tokenizer = ''
+
+
 def get_config() -> config_dict.ConfigDict:
   c = config_dict.ConfigDict()
   c.seed = 0  # model init and dropout; the data order has its own data.seed

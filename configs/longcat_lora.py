@@ -20,11 +20,5 @@ def get_config(arg: str | None = None):
     config.model.vocab_size = 512
     config.optim.learning_rate = 1e-2  # adapters on a small random base move quickly
   elif variant == 'flash':
-    # On a TPU pod: experts over 16 devices, FSDP over the rest; bf16 weights.
-    config.model.param_dtype = 'bfloat16'
-    config.mesh.shape = (1, -1, 16, 1)
-    config.data.seq_len = 8192
-    config.data.global_batch_size = 64
-    config.data.eval_batch_size = 64  # a multiple of the batch shards (data*fsdp*expert)
-    config.data.tokenizer = ''  # set to the checkpoint directory holding tokenizer.json
+    base.set_flash_pod(config, global_batch_size=64, eval_batch_size=64)
   return config

@@ -36,13 +36,7 @@ def get_config(arg: str | None = None):
   elif variant == 'medium':
     o.learning_rate = 1e-3
   elif variant == 'flash':
-    # A TPU pod: experts over 16 devices, FSDP over the rest; bf16 weights.
-    config.model.param_dtype = 'bfloat16'
-    config.mesh.shape = (1, -1, 16, 1)
-    config.data.seq_len = 8192
-    config.data.global_batch_size = 1024
-    config.data.eval_batch_size = 256  # a multiple of the batch shards (data*fsdp*expert)
-    config.data.tokenizer = ''  # set to a directory holding tokenizer.json (e.g. the release's)
+    base.set_flash_pod(config, global_batch_size=1024, eval_batch_size=256)
     config.train.steps = 100_000
     config.train.checkpoint_every = 1000
     config.train.eval_every = 2000

@@ -40,7 +40,7 @@ class TrainLog:
 
   def mark(self, step: int, truncated: int) -> None:
     self.flush()  # one record pending at a time
-    done = _ready(getattr(self.window, 'last', None))
+    done = _ready(self.window.last)
     record, tokens = self.window.take(), self.meter.take_tokens()
     # A step that has already finished (a backend that runs steps as they are dispatched, such
     # as several CPU devices) is timed now: later, the next step's time would be in its window.

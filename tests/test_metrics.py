@@ -116,6 +116,8 @@ def test_a_log_point_is_timed_when_its_step_has_finished(monkeypatch):
   monkeypatch.setattr(train_log.jax, 'device_get', fetch)
 
   class Window:  # the steps' summed metrics
+    last = None  # the last step's metrics: not computed yet when marked
+
     def take(self):
       return {'loss': 1.0}
 

@@ -254,6 +254,7 @@ def test_chat_in_tfds_columns():
       'the last message should be from the assistant',
     ),
     ('{"text": 3}', "field 'text' should be a string"),
+    ('{"text": "cut \\ud83d emoji"}', "field 'text' is not valid Unicode"),
   ],
 )
 def test_jsonl_errors_name_file_and_line(tmp_path, line, message):

@@ -43,10 +43,19 @@ class Fields:
 
 def _as_str(value: Any, where: str, key: str) -> str:
   if isinstance(value, bytes):  # TFDS Text features (np.bytes_ is a bytes subclass)
-    return value.decode('utf-8')
-  if isinstance(value, str):
-    return value
-  raise ValueError(f'{where}: field {key!r} should be a string, got {type(value).__name__}')
+    try:
+      return value.decode('utf-8')
+    except UnicodeDecodeError as e:
+      raise ValueError(f'{where}: field {key!r} is not valid UTF-8: {e}') from e
+  if not isinstance(value, str):
+    raise ValueError(f'{where}: field {key!r} should be a string, got {type(value).__name__}')
+  # JSON may escape a lone half of a surrogate pair ("\ud83d", an emoji cut in two): a string no
+  # tokenizer can encode, which would stop the run at the step that reads it, naming no line.
+  try:
+    value.encode('utf-8')
+  except UnicodeEncodeError as e:
+    raise ValueError(f'{where}: field {key!r} is not valid Unicode: {e}') from e
+  return value
 
 
 def render_chat(messages: Any, where: str) -> Example:

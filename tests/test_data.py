@@ -481,6 +481,25 @@ def test_get_state_set_state_resumes_exactly(tmp_path):
   assert_batches_equal(take(it, 2), batches[3:5])
 
 
+def test_resume_onto_changed_files_says_so(tmp_path, caplog):
+  """A position saved over 120 examples and restored onto files regenerated with 60: the stream
+  it points into is not the saved one (or has ended), which must not pass in silence."""
+  tok = CharTokenizer()
+  states = {}
+  for epochs in (None, 1):
+    it = pipeline.make_train_iterator(small_cfg(tmp_path, num_epochs=epochs), tok)
+    take(it, 8)
+    states[epochs] = json.loads(json.dumps(it.get_state()))
+  pipeline.make_train_iterator(small_cfg(tmp_path), tok).set_state(states[None])
+  assert 'warning' not in caplog.text.lower()  # the same files: silent
+  cfg = small_cfg(tmp_path, n=60)
+  pipeline.make_train_iterator(cfg, tok).set_state(states[None])
+  assert 'this host read 120 examples per epoch, now 60' in caplog.text
+  with pytest.raises(ValueError, match=r'past the end of the training data.*120 examples'):
+    ended = pipeline.make_train_iterator(dataclasses.replace(cfg, num_epochs=1), tok)
+    ended.set_state(states[1])
+
+
 def test_num_epochs_and_truncation_count(tmp_path):
   cfg = small_cfg(tmp_path, num_epochs=2, shuffle=False, seq_len=8)
   it = pipeline.make_train_iterator(cfg, CharTokenizer())

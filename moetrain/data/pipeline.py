@@ -203,12 +203,15 @@ class DataIterator(Iterator[dict[str, np.ndarray]]):
   """Host-local batches with a JSON-serialisable, exactly-resumable state.
 
   Batches hold packing.ROW_KEYS, each shaped [rows, seq_len]. `num_truncated` counts the examples
-  cut to seq_len + 1 tokens so far; it is part of the state so it survives a restore.
+  cut to seq_len + 1 tokens so far; it is part of the state so it survives a restore. `examples`
+  (this host's examples per epoch) is saved too: a position restored onto files that have since
+  grown or shrunk points elsewhere in the new stream, which set_state says.
   """
 
-  def __init__(self, ds: grain.IterDataset):
+  def __init__(self, ds: grain.IterDataset, examples: int | None = None):
     self._it = iter(ds)
     self.num_truncated = 0
+    self.examples = examples
 
   def __next__(self) -> dict[str, np.ndarray]:
     batch = next(self._it)
@@ -216,10 +219,30 @@ class DataIterator(Iterator[dict[str, np.ndarray]]):
     return batch
 
   def get_state(self) -> dict:
-    return {'grain': self._it.get_state(), 'num_truncated': self.num_truncated}
+    state = {'grain': self._it.get_state(), 'num_truncated': self.num_truncated}
+    return state if self.examples is None else {**state, 'examples': self.examples}
 
   def set_state(self, state: dict) -> None:
-    self._it.set_state(state['grain'])
+    saved = state.get('examples')  # (absent in checkpoints from before it was saved)
+    changed = saved is not None and self.examples is not None and saved != self.examples
+    if changed:
+      logging.warning(
+        'The training data changed since the checkpoint: this host read %d examples per epoch, '
+        'now %d. The saved position is applied to the new data: examples around it may be '
+        'skipped or read twice. Restore the files for an exact continuation.',
+        saved,
+        self.examples,
+      )
+    try:
+      self._it.set_state(state['grain'])
+    except IndexError as e:  # grain: the position is past the end of a finite stream
+      if not changed:
+        raise
+      raise ValueError(
+        f'the saved data position lies past the end of the training data, which has changed '
+        f'since the checkpoint ({saved} examples per epoch for this host then, {self.examples} '
+        'now): restore the files, raise data.num_epochs, or start a new --workdir'
+      ) from e
     self.num_truncated = state['num_truncated']
 
   def close(self) -> None:
@@ -258,6 +281,7 @@ def make_train_iterator(
       f'data.train_split={cfg.train_split!r} has no examples for host '
       f'{process_index} of {process_count}'
     )
+  examples = len(ds)
   if cfg.shuffle:
     ds = ds.shuffle(seed=cfg.seed)
   ds = ds.repeat(cfg.num_epochs)
@@ -272,7 +296,7 @@ def make_train_iterator(
     # Each worker packs its own slice of examples: the stream depends on worker_count, so a
     # checkpoint resumes exactly only with the same worker_count.
     batches = batches.mp_prefetch(grain.MultiprocessingOptions(num_workers=cfg.worker_count))
-  return DataIterator(batches)
+  return DataIterator(batches, examples=examples)
 
 
 def _padding_rows(batch: dict[str, np.ndarray], rows: int, pad_id: int) -> dict[str, np.ndarray]:

@@ -383,7 +383,13 @@ def test_completion_tokens_are_those_of_the_text(spm_tokenizer):
     assert head == tok.encode(ex['prompt'])
     assert tok.decode(head + tail) == ex['prompt'] + ex['completion']
   assert tok.decode(tok.encode(chat['prompt']) + tok.encode('fox red')).endswith('\n fox red')
-  # A token across the boundary: each part is encoded by itself.
+  # A token across the boundary ('fox'): each part is encoded by itself, the completion without
+  # the space SentencePiece starts a text with.
+  head, tail = packing.split_encode(tok, 'reverse: red fo', 'x cup =')
+  assert tok.encode('reverse: red fox cup =')[: len(head)] != head  # (the case in question)
+  assert head == tok.encode('reverse: red fo')
+  assert tok.decode(head + tail) == 'reverse: red fox cup ='
+  assert pickle.loads(pickle.dumps(tok)).encode_continuation('x cup =') == tail
   glued = CharTokenizer()
   glued.encode = lambda text: [ord(c) for c in text.replace('ab', 'X')]
   assert packing.split_encode(glued, 'za', 'bc') == ([ord('z'), ord('a')], [ord('b'), ord('c')])

@@ -61,11 +61,12 @@ def split_encode(tokenizer: Tokenizer, prompt: str, completion: str) -> tuple[li
   (or a tokenizer.json with a Metaspace pre-tokenizer) starts every text it encodes with a
   space, so 'A:\nfox' would be trained as 'A:\n fox'. Where a token of the joint text spans
   the boundary, the two are encoded apart instead (the prompt's tokens must be those it has
-  alone: generation encodes the prompt by itself)."""
+  alone: generation encodes the prompt by itself), the completion without that space where the
+  tokenizer can (SentencePieceTokenizer.encode_continuation)."""
   head, joint = tokenizer.encode(prompt), tokenizer.encode(prompt + completion)
   if joint[: len(head)] == head:
     return head, joint[len(head) :]
-  return head, tokenizer.encode(completion)
+  return head, getattr(tokenizer, 'encode_continuation', tokenizer.encode)(completion)
 
 
 def finalize_row(row: dict[str, np.ndarray]) -> dict[str, np.ndarray]:

@@ -93,6 +93,7 @@ class SentencePieceTokenizer:
     except RuntimeError as e:
       raise ValueError(f'{name} is not a readable SentencePiece model: {e}') from e
     self.vocab_size = self._sp.vocab_size()
+    self._continuation = None
 
     def lookup(piece: str) -> int | None:
       token_id = self._sp.piece_to_id(piece)
@@ -112,6 +113,17 @@ class SentencePieceTokenizer:
 
   def encode(self, text: str) -> list[int]:
     return self._sp.encode(text, out_type=int)
+
+  def encode_continuation(self, text: str) -> list[int]:
+    """The tokens of `text` continuing an earlier text: without the space that the model's
+    normaliser puts before every text it encodes (add_dummy_prefix)."""
+    if self._continuation is None:  # built on first use (a race builds it twice: harmless)
+      from sentencepiece import sentencepiece_model_pb2
+
+      proto = sentencepiece_model_pb2.ModelProto.FromString(self._state['model_proto'])
+      proto.normalizer_spec.add_dummy_prefix = False
+      self._continuation = spm.SentencePieceProcessor(model_proto=proto.SerializeToString())
+    return self._continuation.encode(text, out_type=int)
 
   def decode(self, ids: Sequence[int]) -> str:
     return self._sp.decode([int(i) for i in ids])

@@ -12,6 +12,7 @@ from typing import Protocol, runtime_checkable
 
 import sentencepiece as spm
 import tokenizers
+from absl import logging
 
 SPM_FILE = 'tokenizer.model'
 HF_FILE = 'tokenizer.json'
@@ -118,11 +119,19 @@ class SentencePieceTokenizer:
     """The tokens of `text` continuing an earlier text: without the space that the model's
     normaliser puts before every text it encodes (add_dummy_prefix)."""
     if self._continuation is None:  # built on first use (a race builds it twice: harmless)
-      from sentencepiece import sentencepiece_model_pb2
+      try:  # the model's protobuf; sentencepiece's generated module wants a matching protobuf
+        from sentencepiece import sentencepiece_model_pb2
 
-      proto = sentencepiece_model_pb2.ModelProto.FromString(self._state['model_proto'])
-      proto.normalizer_spec.add_dummy_prefix = False
-      self._continuation = spm.SentencePieceProcessor(model_proto=proto.SerializeToString())
+        proto = sentencepiece_model_pb2.ModelProto.FromString(self._state['model_proto'])
+        proto.normalizer_spec.add_dummy_prefix = False
+        self._continuation = spm.SentencePieceProcessor(model_proto=proto.SerializeToString())
+      except Exception as e:  # ImportError, protobuf's VersionError
+        logging.warning(
+          'SentencePiece continuations are encoded with the leading space the model adds to '
+          'every text (its protobuf module did not load: %s)',
+          e,
+        )
+        self._continuation = self._sp
     return self._continuation.encode(text, out_type=int)
 
   def decode(self, ids: Sequence[int]) -> str:

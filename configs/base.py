@@ -124,6 +124,7 @@ def get_config() -> config_dict.ConfigDict:
   d.shuffle = True  # shuffle training examples (reshuffled every epoch)
   d.seed = 0  # data order
   d.loss_on_prompt = False  # also train on prompt tokens
+  d.split_long_texts = True  # text longer than seq_len + 1 tokens: split into rows (else cut)
   d.num_epochs = config_dict.placeholder(int)  # None = repeat forever
   d.worker_count = 0  # grain worker processes (0 = in-process)
   d.reslice_on_resume = False  # resume on another host count: restart the data in new slices

@@ -45,6 +45,7 @@ DATA_STREAM_FIELDS = (
   'messages_key',
   'tokenizer',
   'seq_len',
+  'split_long_texts',
   'global_batch_size',
   'shuffle',
   'seed',

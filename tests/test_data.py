@@ -435,6 +435,42 @@ def test_truncated_example_fills_a_row(spm_tokenizer):
   assert row['loss_mask'].sum() == 32  # every target is text, none is padding or eos
 
 
+def test_long_text_is_split_into_pieces_each_target_once():
+  tok = CharTokenizer()
+  text = ''.join(chr(48 + i % 70) for i in range(47))  # bos + 47 + eos = 49 tokens
+  full, _ = packing._tokens({'text': text}, tok, False)
+  pieces = packing.tokenize_split({'text': text}, tok, max_len=11)
+  assert [len(p['tokens']) for p in pieces] == [11, 11, 11, 11, 9]
+  assert not any(p['truncated'] for p in pieces)
+  for a, b in zip(pieces, pieces[1:]):
+    assert a['tokens'][-1] == b['tokens'][0]  # the next piece starts on the last one's token
+  # Targets (tokens after each piece's first) are the whole example's after bos, once each.
+  np.testing.assert_array_equal(np.concatenate([p['tokens'][1:] for p in pieces]), full[1:])
+  # Exactly max_len + 1 tokens: the second piece is the last two (one new target).
+  two = packing.tokenize_split({'text': text[:9]}, tok, max_len=10)
+  assert [len(p['tokens']) for p in two] == [10, 2]
+  # Prompt/completion examples are cut, not split.
+  (cut,) = packing.tokenize_split({'prompt': 'q' * 30, 'completion': 'a'}, tok, max_len=11)
+  assert len(cut['tokens']) == 11 and cut['truncated'] == 1
+
+
+def test_split_long_texts_trains_on_every_token(spm_tokenizer):
+  tok, seq_len = spm_tokenizer, 32
+  examples = [
+    {'text': 'blue cat red fox ' * 40},
+    {'text': 'a b'},
+    {'prompt': 'x', 'completion': ' y'},
+  ]
+  full = [packing._tokens(e, tok, False) for e in examples]
+  rows = packing.pack_examples(examples, tok, seq_len=seq_len, num_bins=4, split_long_texts=True)
+  assert sum(int(r[packing.TRUNCATED_KEY]) for r in rows) == 0
+  # Every target of every example is scored once: nothing of the long text is lost.
+  assert sum(r['loss_mask'].sum() for r in rows) == sum(sum(t[1:]) for _, t in full)
+  cut = packing.pack_examples(examples, tok, seq_len=seq_len, num_bins=4)
+  assert sum(int(r[packing.TRUNCATED_KEY]) for r in cut) == 1
+  assert sum(r['loss_mask'].sum() for r in cut) < sum(r['loss_mask'].sum() for r in rows)
+
+
 # Pipeline.
 
 
@@ -485,6 +521,30 @@ def test_get_state_set_state_resumes_exactly(tmp_path):
     assert_batches_equal(take(resumed, 25 - start), batches[start:])
   it.set_state(states[3])  # rewinding the same iterator works too
   assert_batches_equal(take(it, 2), batches[3:5])
+
+
+def test_split_pieces_resume_exactly(tmp_path):
+  # Documents of ~3-5 rows each: states taken between a document's pieces must resume inside it.
+  docs = [{'text': f'doc {i} ' + 'abcdefghij' * (20 + 7 * (i % 3))} for i in range(12)]
+  write_jsonl(tmp_path / 'train.jsonl', docs)
+  cfg = pipeline.DataConfig(
+    source='jsonl',
+    path=str(tmp_path / '{split}.jsonl'),
+    eval_split='',
+    seq_len=64,
+    global_batch_size=2,
+  )
+  tok = CharTokenizer()
+  it = pipeline.make_train_iterator(cfg, tok)
+  states, batches = [], []
+  for _ in range(30):
+    states.append(json.loads(json.dumps(it.get_state())))
+    batches.append(next(it))
+  assert sum(b['loss_mask'].sum() for b in batches[:10]) > 0
+  for start in (1, 5, 13, 22):
+    resumed = pipeline.make_train_iterator(cfg, tok)
+    resumed.set_state(states[start])
+    assert_batches_equal(take(resumed, 30 - start), batches[start:])
 
 
 def test_resume_onto_changed_files_says_so(tmp_path, caplog):

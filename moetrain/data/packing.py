@@ -29,6 +29,27 @@ ROW_KEYS = ('inputs', 'targets', 'segment_ids', 'positions', 'loss_mask')
 TRUNCATED_KEY = 'num_truncated'
 
 
+def _tokens(example: Example, tokenizer: Tokenizer, loss_on_prompt: bool) -> tuple[list, list]:
+  """An example's whole token list (bos, prompt, completion or text, eos) and is_target."""
+  bos = [] if tokenizer.bos_id is None else [tokenizer.bos_id]
+  eos = [] if tokenizer.eos_id is None else [tokenizer.eos_id]
+  if 'text' in example:
+    prompt, completion = [], tokenizer.encode(example['text'])
+  else:
+    prompt, completion = split_encode(tokenizer, example['prompt'], example['completion'])
+  tokens = bos + prompt + completion + eos
+  is_target = [0.0] * len(bos) + [float(loss_on_prompt)] * len(prompt)
+  return tokens, is_target + [1.0] * (len(completion) + len(eos))
+
+
+def _piece(tokens: list, is_target: list, truncated: bool) -> dict[str, np.ndarray | int]:
+  return {
+    'tokens': np.asarray(tokens, np.int32),
+    'is_target': np.asarray(is_target, np.float32),
+    'truncated': int(truncated),
+  }
+
+
 def tokenize(
   example: Example, tokenizer: Tokenizer, *, max_len: int, loss_on_prompt: bool = False
 ) -> dict[str, np.ndarray | int]:
@@ -38,20 +59,28 @@ def tokenize(
   for bos, for prompt tokens only with loss_on_prompt, always for completion/text tokens and eos.
   Examples longer than max_len keep their first max_len tokens (losing eos).
   """
-  bos = [] if tokenizer.bos_id is None else [tokenizer.bos_id]
-  eos = [] if tokenizer.eos_id is None else [tokenizer.eos_id]
-  if 'text' in example:
-    prompt, completion = [], tokenizer.encode(example['text'])
-  else:
-    prompt, completion = split_encode(tokenizer, example['prompt'], example['completion'])
-  tokens = bos + prompt + completion + eos
-  is_target = [0.0] * len(bos) + [float(loss_on_prompt)] * len(prompt)
-  is_target += [1.0] * (len(completion) + len(eos))
-  return {
-    'tokens': np.asarray(tokens[:max_len], np.int32),
-    'is_target': np.asarray(is_target[:max_len], np.float32),
-    'truncated': int(len(tokens) > max_len),
-  }
+  tokens, is_target = _tokens(example, tokenizer, loss_on_prompt)
+  return _piece(tokens[:max_len], is_target[:max_len], len(tokens) > max_len)
+
+
+def tokenize_split(
+  example: Example, tokenizer: Tokenizer, *, max_len: int, loss_on_prompt: bool = False
+) -> list[dict[str, np.ndarray | int]]:
+  """`tokenize`, except that a plain-text example longer than max_len becomes several pieces
+  (data.split_long_texts) instead of losing its tail: piece k holds tokens
+  [k (max_len - 1), k (max_len - 1) + max_len), so each piece starts with the token the previous
+  one ended on and every token after the first is a target exactly once. Pieces are packed as
+  examples of their own (positions restart, no attention across them), as in concatenate-and-
+  chunk pretraining. Prompt/completion and chat examples are truncated as before: their
+  completion makes sense only after its prompt."""
+  tokens, is_target = _tokens(example, tokenizer, loss_on_prompt)
+  if 'text' not in example or len(tokens) <= max_len:
+    return [_piece(tokens[:max_len], is_target[:max_len], len(tokens) > max_len)]
+  stride = max_len - 1
+  return [
+    _piece(tokens[i : i + max_len], is_target[i : i + max_len], False)
+    for i in range(0, len(tokens) - 1, stride)
+  ]
 
 
 def split_encode(tokenizer: Tokenizer, prompt: str, completion: str) -> tuple[list, list]:
@@ -104,6 +133,33 @@ def pack(ds: grain.IterDataset, *, seq_len: int, num_bins: int, pad_id: int) -> 
   return packed.map(finalize_row)
 
 
+class _Pieces(grain.experimental.FlatMapTransform):
+  """Each element is a list of pieces (tokenize_split): yields them in order."""
+
+  max_fan_out = 1 << 30  # unused by FlatMapIterDataset; a piece list has no fixed bound
+
+  def flat_map(self, pieces):
+    return pieces
+
+
+def tokenized(
+  ds: grain.MapDataset,
+  tokenizer: Tokenizer,
+  *,
+  max_len: int,
+  loss_on_prompt: bool = False,
+  split_long_texts: bool = False,
+  read_options: grain.ReadOptions | None = None,
+) -> grain.IterDataset:
+  """Examples -> tokenized examples (`tokenize`, or `tokenize_split`'s pieces with
+  split_long_texts), read ahead with read_options. Both resume exactly (grain's flat map saves
+  its parent's position and the index in the current example's pieces)."""
+  kw = dict(tokenizer=tokenizer, max_len=max_len, loss_on_prompt=loss_on_prompt)
+  fn = tokenize_split if split_long_texts else tokenize
+  out = ds.map(functools.partial(fn, **kw)).to_iter_dataset(read_options or grain.ReadOptions())
+  return grain.experimental.FlatMapIterDataset(out, _Pieces()) if split_long_texts else out
+
+
 def pack_examples(
   examples: Sequence[Example],
   tokenizer: Tokenizer,
@@ -111,10 +167,14 @@ def pack_examples(
   seq_len: int,
   num_bins: int = 8,
   loss_on_prompt: bool = False,
+  split_long_texts: bool = False,
 ) -> list[dict[str, np.ndarray]]:
   """Tokenizes and packs a small in-memory list of examples (tools and tests)."""
-  to_tokens = functools.partial(
-    tokenize, tokenizer=tokenizer, max_len=seq_len + 1, loss_on_prompt=loss_on_prompt
+  ds = tokenized(
+    grain.MapDataset.source(list(examples)),
+    tokenizer,
+    max_len=seq_len + 1,
+    loss_on_prompt=loss_on_prompt,
+    split_long_texts=split_long_texts,
   )
-  ds = grain.MapDataset.source(list(examples)).map(to_tokens).to_iter_dataset()
   return list(pack(ds, seq_len=seq_len, num_bins=num_bins, pad_id=tokenizer.pad_id))

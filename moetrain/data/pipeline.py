@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import dataclasses
-import functools
 import os
 import tempfile
 from collections.abc import Iterator
@@ -46,6 +45,7 @@ class DataConfig:
   shuffle: bool = True
   seed: int = 0
   loss_on_prompt: bool = False
+  split_long_texts: bool = True
   num_epochs: int | None = None
   worker_count: int = 0
   reslice_on_resume: bool = False
@@ -253,13 +253,14 @@ class DataIterator(Iterator[dict[str, np.ndarray]]):
 
 
 def _tokenized(cfg: DataConfig, tokenizer: Tokenizer, ds: grain.MapDataset) -> grain.IterDataset:
-  to_tokens = functools.partial(
-    packing.tokenize,
-    tokenizer=tokenizer,
+  return packing.tokenized(
+    ds,
+    tokenizer,
     max_len=cfg.seq_len + 1,
     loss_on_prompt=cfg.loss_on_prompt,
+    split_long_texts=cfg.split_long_texts,
+    read_options=READ_OPTIONS,
   )
-  return ds.map(to_tokens).to_iter_dataset(READ_OPTIONS)
 
 
 def make_train_iterator(

@@ -263,6 +263,50 @@ def test_config_rejects_unsupported(key, value, match):
     hf.config_from_hf(config)
 
 
+# The release's configuration_longcat_flash.py (auto_map, trust_remote_code=True) derives the depth
+# from num_layers with a read-only property: a config.json that sets num_hidden_layers fails there.
+REMOTE_CONFIG = """
+from transformers import PretrainedConfig
+
+
+class LongcatFlashConfig(PretrainedConfig):
+  model_type = 'longcat_flash'
+
+  def __init__(self, num_layers=28, **kwargs):
+    self.num_layers = num_layers
+    super().__init__(**kwargs)
+
+  @property
+  def num_hidden_layers(self):
+    return self.num_layers
+"""
+
+
+def released_style_config(name: str) -> dict:
+  """A fixture's config.json as the Hub release writes it: remote code, no num_hidden_layers."""
+  config = {k: v for k, v in hf.read_config(fixture(name)).items() if k != 'num_hidden_layers'}
+  auto = 'configuration_longcat_flash.LongcatFlashConfig'
+  return {**config, 'auto_map': {'AutoConfig': auto}, 'torch_dtype': 'bfloat16'}
+
+
+def test_export_config_keeps_the_release_layer_keys():
+  base = released_style_config('two_layer')
+  out = hf.config_to_hf(hf.config_from_hf(base), 'bfloat16', base)
+  assert 'num_hidden_layers' not in out and out['num_layers'] == 2
+  assert out['auto_map'] == base['auto_map']
+
+
+def test_remote_code_loads_the_export_config(tmp_path):
+  transformers = pytest.importorskip('transformers')
+  base = released_style_config('two_layer')
+  (tmp_path / 'configuration_longcat_flash.py').write_text(REMOTE_CONFIG)
+  with open(tmp_path / 'config.json', 'w') as f:
+    json.dump(hf.config_to_hf(hf.config_from_hf(base), 'bfloat16', base), f)
+  c = transformers.AutoConfig.from_pretrained(str(tmp_path), trust_remote_code=True)
+  assert type(c).__module__.endswith('configuration_longcat_flash')
+  assert c.num_hidden_layers == 2
+
+
 def test_save_hf_round_trip_is_exact(tmp_path):
   src = fixture('two_layer')
   cfg = f32_config(src)

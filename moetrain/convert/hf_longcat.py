@@ -137,10 +137,13 @@ def config_to_hf(cfg: ModelConfig, dtype: str, base: dict | None = None) -> dict
   out = {'bos_token_id': 1, 'eos_token_id': 2, **(base or {}), **_FIXED}
   out.update({key: getattr(cfg, field) for key, field in _REQUIRED.items()})
   out.update({key: getattr(cfg, field) for key, (field, _) in _OPTIONAL.items()})
+  # No num_hidden_layers, as in the release: transformers 4.57 sets it to 2 * num_layers itself,
+  # the release's remote code (auto_map, trust_remote_code=True) defines it as a read-only
+  # property, so a config.json carrying it fails to load there, and vLLM's FlashConfig would take
+  # it for the number of LongCat layers.
   out.update(
     architectures=['LongcatFlashForCausalLM'],
     model_type='longcat_flash',
-    num_hidden_layers=2 * cfg.num_layers,
     num_key_value_heads=cfg.num_heads,
     head_dim=cfg.qk_rope_head_dim,
     qk_head_dim=cfg.qk_head_dim,

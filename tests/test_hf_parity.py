@@ -294,6 +294,9 @@ def test_export_config_keeps_the_release_layer_keys():
   out = hf.config_to_hf(hf.config_from_hf(base), 'bfloat16', base)
   assert 'num_hidden_layers' not in out and out['num_layers'] == 2
   assert out['auto_map'] == base['auto_map']
+  # The weights' dtype under both names: the base's torch_dtype would contradict a float32 export.
+  out = hf.config_to_hf(hf.config_from_hf(base), 'float32', base)
+  assert out['dtype'] == out['torch_dtype'] == 'float32'
 
 
 def test_remote_code_loads_the_export_config(tmp_path):

@@ -149,6 +149,7 @@ def config_to_hf(cfg: ModelConfig, dtype: str, base: dict | None = None) -> dict
     qk_head_dim=cfg.qk_head_dim,
     attention_dropout=0.0,
     dtype=dtype,
+    torch_dtype=dtype,  # the key transformers before 4.56 reads (the release's, kept from base)
   )
   return out
 

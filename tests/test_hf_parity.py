@@ -337,6 +337,22 @@ def test_save_hf_round_trip_is_exact(tmp_path):
         np.testing.assert_array_equal(g.get_tensor(k), f.get_tensor(k), err_msg=k)
 
 
+
+def test_bf16_export_keeps_the_router_float32(tmp_path):
+  cfg = f32_config(fixture('two_layer'))
+  model = build(load('two_layer', cfg), cfg)
+  perturb_router(model, seed=1)
+  hf.save_hf(model, cfg, str(tmp_path), dtype=jnp.bfloat16)
+  bias = np.asarray(model.layers.moe.router_bias.get_value())
+  with safe_open(str(tmp_path / 'model.safetensors'), 'flax') as f:
+    dtypes = {k: f.get_tensor(k).dtype for k in f.keys()}
+    got = f.get_tensor('model.layers.1.mlp.router.e_score_correction_bias')
+  router = {k for k in dtypes if '.mlp.router.' in k}
+  assert len(router) == 2 * cfg.num_layers
+  assert all(dtypes[k] == jnp.float32 for k in router)
+  assert all(dtypes[k] == jnp.bfloat16 for k in set(dtypes) - router)
+  np.testing.assert_array_equal(np.asarray(got), bias[1])  # not rounded to bfloat16
+
 @pytest.mark.parametrize('mode', ['int8', 'int4'])
 def test_quantised_load_matches_the_model_split(mode):
   path = fixture('four_head')

@@ -382,12 +382,22 @@ def _export_items(flat: dict, cfg: ModelConfig, strict: bool) -> list:
   return items
 
 
+# The router's classifier and its e_score_correction_bias stay float32 in every export, as the
+# model keeps them (transformers: _keep_in_fp32_modules; vLLM: router_dtype float32). In bfloat16
+# the bias's steps of ~1e-3 against expert scores of ~0.04 would round away and re-route tokens.
+FLOAT32_PATHS = ('layers.moe.router', 'layers.moe.router_bias')
+
+
+def _export_dtype(t: Row, dtype):
+  return jnp.dtype(jnp.float32) if t.path in FLOAT32_PATHS else jnp.dtype(dtype)
+
+
 def hf_tensors(model_or_state, cfg: ModelConfig, dtype='float32'):
   """Yields (HF name, array) in checkpoint layout for every table row the state holds (a grad
   state without the router bias, say): LoRA merged, quantised kernels decoded."""
   flat = flat_values(model_or_state)
   for t, ix, _ in _export_items(flat, cfg, strict=False):
-    yield t.name(ix), _export(flat, t, ix, cfg, dtype)
+    yield t.name(ix), _export(flat, t, ix, cfg, _export_dtype(t, dtype))
 
 
 def save_hf(
@@ -405,10 +415,14 @@ def save_hf(
   flat = flat_values(model_or_state)
   dt = jnp.dtype(dtype or cfg.param_dtype)
   items = _export_items(flat, cfg, strict=True)
-  specs = [(t.name(ix), shape, dt) for t, ix, shape in items]
+  specs = [(t.name(ix), shape, _export_dtype(t, dt)) for t, ix, shape in items]
   writable = jax.process_index() == 0
   stio.write_sharded(
-    out_dir, specs, lambda i: _export(flat, *items[i][:2], cfg, dt), max_shard_size, writable
+    out_dir,
+    specs,
+    lambda i: _export(flat, *items[i][:2], cfg, specs[i][2]),
+    max_shard_size,
+    writable,
   )
   if writable:
     with open(os.path.join(out_dir, 'config.json'), 'w') as f:

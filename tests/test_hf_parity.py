@@ -8,6 +8,7 @@ import shutil
 
 import jax
 import jax.numpy as jnp
+import ml_dtypes
 import numpy as np
 import pytest
 from flax import nnx
@@ -337,7 +338,6 @@ def test_save_hf_round_trip_is_exact(tmp_path):
         np.testing.assert_array_equal(g.get_tensor(k), f.get_tensor(k), err_msg=k)
 
 
-
 def test_bf16_export_keeps_the_router_float32(tmp_path):
   cfg = f32_config(fixture('two_layer'))
   model = build(load('two_layer', cfg), cfg)
@@ -352,6 +352,31 @@ def test_bf16_export_keeps_the_router_float32(tmp_path):
   assert all(dtypes[k] == jnp.float32 for k in router)
   assert all(dtypes[k] == jnp.bfloat16 for k in set(dtypes) - router)
   np.testing.assert_array_equal(np.asarray(got), bias[1])  # not rounded to bfloat16
+
+
+def test_export_copies_the_base_mtp_head(tmp_path):
+  mtp = {'model.mtp.norm.weight': None, 'model.mtp.layers.0.eh_proj.weight': None}
+
+  def add(t):
+    mtp['model.mtp.norm.weight'] = t[NORM].astype(ml_dtypes.bfloat16)
+    mtp['model.mtp.layers.0.eh_proj.weight'] = np.arange(12, dtype=np.float32).reshape(3, 4)
+    t.update(mtp)
+
+  base = _rewrite(tmp_path, add)
+  cfg = f32_config(base)
+  model = build(load('two_layer', cfg), cfg)
+  out = tmp_path / 'out'
+  hf.save_hf(model, cfg, str(out), dtype=jnp.float32, max_shard_size=100_000, base_dir=base)
+  with open(out / 'model.safetensors.index.json') as f:
+    weight_map = json.load(f)['weight_map']
+  for k, want in mtp.items():  # copied as they are, dtype included
+    with safe_open(str(out / weight_map[k]), 'numpy') as f:
+      got = f.get_tensor(k)
+    assert got.dtype == want.dtype
+    np.testing.assert_array_equal(got, want)
+  # The export loads as a checkpoint again (the head is skipped, as in the release).
+  assert sorted(hf.load_params(str(out), cfg).skipped) == sorted(mtp)
+
 
 @pytest.mark.parametrize('mode', ['int8', 'int4'])
 def test_quantised_load_matches_the_model_split(mode):

@@ -9,6 +9,7 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from absl import logging
 from flax import nnx
 from jax.sharding import SingleDeviceSharding
@@ -385,6 +386,7 @@ def _export_items(flat: dict, cfg: ModelConfig, strict: bool) -> list:
 # The router's classifier and its e_score_correction_bias stay float32 in every export, as the
 # model keeps them (transformers: _keep_in_fp32_modules; vLLM: router_dtype float32). In bfloat16
 # the bias's steps of ~1e-3 against expert scores of ~0.04 would round away and re-route tokens.
+MTP_PREFIX = 'model.mtp.'  # the multi-token-prediction head: skipped on load, copied on export
 FLOAT32_PATHS = ('layers.moe.router', 'layers.moe.router_bias')
 
 
@@ -407,23 +409,30 @@ def save_hf(
   dtype=None,
   max_shard_size: int = 5 * 2**30,
   base_config: dict | None = None,
+  base_dir: str = '',
 ) -> None:
   """Writes config.json and model.safetensors (or shards of at most max_shard_size bytes plus
   the index) in the transformers LongCat-Flash layout: LoRA merged into the base, quantised
   weights decoded, e_score_correction_bias included. One tensor is on the host at a time; with
-  several processes all must call it (shards are gathered) and process 0 writes."""
+  several processes all must call it (shards are gathered) and process 0 writes. With base_dir
+  (the HF checkpoint the run started from), its MTP head (model.mtp.*, which moetrain does not
+  load or train) is copied over unchanged, so that speculative decoding with it still works."""
   flat = flat_values(model_or_state)
   dt = jnp.dtype(dtype or cfg.param_dtype)
   items = _export_items(flat, cfg, strict=True)
   specs = [(t.name(ix), shape, _export_dtype(t, dt)) for t, ix, shape in items]
   writable = jax.process_index() == 0
-  stio.write_sharded(
-    out_dir,
-    specs,
-    lambda i: _export(flat, *items[i][:2], cfg, specs[i][2]),
-    max_shard_size,
-    writable,
-  )
+  base = stio.Reader(base_dir) if base_dir else None
+  copied = [k for k in base.keys() if k.startswith(MTP_PREFIX)] if base else []
+  specs += [(k, base.shape(k), stio.DTYPES[base.dtype(k)]) for k in copied]
+
+  def produce(i):
+    if i < len(items):
+      return _export(flat, *items[i][:2], cfg, specs[i][2])
+    name, shape, dtype = specs[i]  # a copied tensor: only the writing process reads it
+    return base.read(name) if writable else np.empty(shape, dtype)
+
+  stio.write_sharded(out_dir, specs, produce, max_shard_size, writable)
   if writable:
     with open(os.path.join(out_dir, 'config.json'), 'w') as f:
       json.dump(config_to_hf(cfg, dt.name, base_config), f, indent=2, sort_keys=True)

@@ -127,7 +127,9 @@ def export(config, workdir: str, out: str, adapter_only: bool = False, dtype=Non
         peft_adapter.save(model, setup.model, target, base_model=setup.hf_checkpoint)
       else:
         base = base_config(setup.hf_checkpoint)
-        hf_longcat.save_hf(model, setup.model, target, dtype=dtype, base_config=base)
+        hf_longcat.save_hf(
+          model, setup.model, target, dtype=dtype, base_config=base, base_dir=setup.hf_checkpoint
+        )
         if primary:
           for name, source in companion_files(setup, workdir).items():
             shutil.copyfile(source, os.path.join(staging, name))

@@ -10,7 +10,7 @@ import pytest
 
 from moetrain.model.config import PRESETS
 from moetrain.sharding import Rules
-from moetrain.tools.plan import ep_exchange, loss_block, param_counts
+from moetrain.tools.plan import dry_run, ep_exchange, loss_block, param_counts
 from moetrain.train_state import init_state
 from moetrain.train_step import StepConfig, jit_train_step
 from tests.helpers import tiny, with_lora
@@ -120,6 +120,24 @@ def test_dry_run_reports_the_loss_block_per_device():
   assert lb['whole_bytes'] == lb['block_bytes'] * 32
   whole = loss_block(dataclasses.replace(cfg, loss_chunk=0), (1, 2, 4, 2), 8192, 16)
   assert whole['block_shape'] == (2, 8192, 65536) and whole['block_bytes'] == lb['whole_bytes']
+
+
+def test_dry_run_sizes_buffers_for_a_micro_batch():
+  """Under gradient accumulation a forward pass sees global_batch_size / grad_accum_steps rows:
+  the exchange and loss-block reports are for that micro-batch, not the whole batch."""
+  from configs import longcat_lora
+
+  c = longcat_lora.get_config()
+  c.mesh.shape, c.data.global_batch_size = (1, 2, 4, 1), 32
+  reports = {}
+  for n in (1, 4):
+    c.optim.grad_accum_steps = n
+    reports[n] = dry_run(c)
+  rows = lambda r: r['ep_exchange']['ragged']['local_rows']
+  assert rows(reports[4]) * 4 == rows(reports[1]) > 0
+  assert (
+    reports[4]['loss_block']['block_shape'][0] * 4 == reports[1]['loss_block']['block_shape'][0]
+  )
 
 
 def test_hidden_z_loss_counts_prompts_but_not_padding():

@@ -36,16 +36,17 @@ def param_counts(cfg) -> dict:
   return {'total': base, 'routed_experts': routed, 'adapters': adapters, 'active': active}
 
 
-def ep_exchange(cfg, mesh_shape, seq_len: int, global_batch_size: int) -> dict:
+def ep_exchange(cfg, mesh_shape, seq_len: int, batch_size: int) -> dict:
   """Per MoE layer and shard, the expert-parallel exchange's receive buffer (rows, and bytes in
-  the compute dtype) for each exchange `model.moe_ep_comm` may use; {} without expert
-  parallelism. Dropless buffers are sized for the worst case: at scale, bound them."""
+  the compute dtype) for each exchange `model.moe_ep_comm` may use, for `batch_size` rows per
+  forward pass (a micro-batch under gradient accumulation); {} without expert parallelism.
+  Dropless buffers are sized for the worst case: at scale, bound them."""
   sizes = dict(zip(sharding.MESH_AXES, mesh_shape))
   ep = sizes.get('expert', 1)
   if ep <= 1 or not cfg.moe_expert_parallel:
     return {}
   shards = sizes.get('data', 1) * sizes.get('fsdp', 1) * ep
-  rows = global_batch_size * seq_len // shards * cfg.moe_topk  # local assignments
+  rows = batch_size * seq_len // shards * cfg.moe_topk  # local assignments
   recv = {
     'fixed': ep * expert_parallel.ep_capacity(rows, cfg, ep),
     'ragged': expert_parallel.ep_recv_rows(rows, cfg, ep),
@@ -63,13 +64,13 @@ def ep_exchange(cfg, mesh_shape, seq_len: int, global_batch_size: int) -> dict:
   }
 
 
-def loss_block(cfg, mesh_shape, seq_len: int, global_batch_size: int) -> dict:
+def loss_block(cfg, mesh_shape, seq_len: int, batch_size: int) -> dict:
   """The largest activation of the loss: one block of float32 logits, [B, loss_chunk, V], per
-  device (after the activation rules shard it over the mesh), and the whole-logits size it
-  replaces."""
+  device (after the activation rules shard it over the mesh) for `batch_size` rows per forward
+  pass (a micro-batch under gradient accumulation), and the whole-logits size it replaces."""
   c = cfg.loss_chunk if 0 < cfg.loss_chunk < seq_len else seq_len
   mesh = jax.sharding.AbstractMesh(tuple(mesh_shape), sharding.MESH_AXES)
-  shape = (global_batch_size, c, cfg.vocab_size)
+  shape = (batch_size, c, cfg.vocab_size)
   spec = sharding.logical_to_spec(
     ('batch', 'seq', 'vocab'), shape, cfg.rules.activations, dict(mesh.shape)
   )
@@ -106,14 +107,16 @@ def dry_run(config) -> dict:
   )
   for k, v in counts['active'].items():
     print(f'activated per token with {k:>4g} FFN experts (input embedding excluded): {_count(v)}')
-  ex = ep_exchange(setup.model, setup.mesh_shape, setup.data.seq_len, setup.data.global_batch_size)
+  # One forward pass sees a micro-batch (optim.grad_accum_steps of them make the global batch).
+  micro = setup.data.global_batch_size // setup.optim.grad_accum_steps
+  ex = ep_exchange(setup.model, setup.mesh_shape, setup.data.seq_len, micro)
   for comm, e in ex.items():
     print(
       f'expert-parallel exchange {comm!r} (model.moe_ep_comm), per MoE layer and shard: '
       f'{e["local_rows"]} local assignments, receive buffer {e["recv_rows"]} rows = '
       f'{_bytes(e["recv_bytes"])}'
     )
-  lb = loss_block(setup.model, setup.mesh_shape, setup.data.seq_len, setup.data.global_batch_size)
+  lb = loss_block(setup.model, setup.mesh_shape, setup.data.seq_len, micro)
   print(
     f'loss block (model.loss_chunk) per device: float32 logits {list(lb["block_shape"])} = '
     f'{_bytes(lb["block_bytes"])} (whole logits: {_bytes(lb["whole_bytes"])})'

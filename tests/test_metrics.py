@@ -1,16 +1,19 @@
 """The run's metrics files across a resume."""
 
+import dataclasses
 import glob
 import json
 import math
 import struct
+import types
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from tensorboardX.proto import event_pb2
 
-from moetrain import metrics
+from moetrain import metrics, sharding, train_log
+from moetrain.model.config import PRESETS
 
 
 def events(logdir) -> list:
@@ -210,3 +213,12 @@ def test_window_reports_the_steps_since_the_last_log():
   w.add({**step(2.0, 5, 4.0, [1, 1, 1, 1, 0]), 'grad_norm': jnp.float32(np.inf)})
   out = w.take()
   assert float(out['grad_norm']) == np.inf and float(out['loss']) == 2.0
+
+
+def test_train_log_splits_loads_by_shard_only_under_expert_parallelism():
+  mesh = sharding.make_mesh((1, 1, 2, 1), jax.devices()[:2])
+  for parallel, shards in ((True, 2), (False, 1)):
+    model = dataclasses.replace(PRESETS['tiny'], moe_expert_parallel=parallel)
+    setup = types.SimpleNamespace(model=model, data=types.SimpleNamespace(seq_len=8))
+    log = train_log.TrainLog.create(setup, meter=None, writer=None, mesh=mesh)
+    assert log.report.keywords['expert_shards'] == shards

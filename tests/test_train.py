@@ -188,3 +188,25 @@ def test_data_running_out_saves_evaluates_and_stops(tmp_path):
   more = train.run(config, workdir)
   assert 'eval_loss' in more and 'data_ended' not in more, more
   assert sorted(losses(workdir))[-1] == spent + 2
+
+
+def test_a_checkpoint_comes_after_its_steps_records(tmp_path, monkeypatch):
+  """A run killed while it evaluates a checkpoint step (here: an error at the eval of step 2)
+  must not have saved that step yet: a rerun would go on after it, and its train and eval records
+  would never be written."""
+  config = small_config(steps=3, checkpoint_every=2, eval_every=2, async_checkpoint=False)
+  workdir = str(tmp_path)
+  run_eval = train.run_eval
+
+  def killed_at_2(step, *args):
+    if step == 2:
+      raise KeyboardInterrupt
+    return run_eval(step, *args)
+
+  monkeypatch.setattr(train, 'run_eval', killed_at_2)
+  with pytest.raises(KeyboardInterrupt):
+    train.run(config, workdir)
+  with open(os.path.join(workdir, 'metrics.jsonl')) as f:
+    logged = [(r['kind'], r['step']) for r in map(json.loads, f)]
+  assert logged == [('eval', 0), ('train', 1), ('train', 2)]
+  assert not os.path.exists(os.path.join(workdir, 'checkpoints', '2'))

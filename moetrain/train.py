@@ -481,9 +481,9 @@ def loop(
     if not first:
       meter.add_tokens(float((batch['segment_ids'] > 0).sum()) * jax.process_count())
     log.flush()  # the previous log step's metrics, fetched after this step's dispatch
-    if step % t.log_every == 0 or step == stop:
-      log.mark(step, train_iter.num_truncated)
     preempted = ckpt.preempted(step) and step != stop  # every host, every step
+    if step % t.log_every == 0 or step == stop or preempted:  # (the resumed run logs after it)
+      log.mark(step, train_iter.num_truncated)
     due = step == stop or preempted or ckpt.due(step)
     if due:  # the step's own time stays in tokens/s, the save's (a host copy, a wait) does not
       jax.block_until_ready(state)

@@ -210,3 +210,12 @@ def test_a_checkpoint_comes_after_its_steps_records(tmp_path, monkeypatch):
     logged = [(r['kind'], r['step']) for r in map(json.loads, f)]
   assert logged == [('eval', 0), ('train', 1), ('train', 2)]
   assert not os.path.exists(os.path.join(workdir, 'checkpoints', '2'))
+
+
+def test_a_preempted_run_logs_the_steps_it_saved(tmp_path, monkeypatch):
+  """Preempted at step 2 of a run logging every 4: its record sums up steps 1-2, which the
+  resumed run (logging from step 3 on) would otherwise leave out."""
+  monkeypatch.setattr(train.Checkpointer, 'preempted', lambda self, step: step == 2)
+  train.run(small_config(log_every=4, eval_every=0), str(tmp_path))
+  assert sorted(losses(str(tmp_path))) == [2]
+  assert os.listdir(os.path.join(tmp_path, 'checkpoints')) == ['2']

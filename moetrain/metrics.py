@@ -175,13 +175,17 @@ class Writer:
     """resume_step: the checkpoint step a resumed run goes on from. Steps after it that an
     interrupted run logged are redone: TensorBoard hides its events past that step (purge_step),
     and metrics.jsonl, which keeps them, gets a {'kind': 'resume', 'step': S} record that marks
-    where the records start over."""
+    where the records start over. A rerun of a run killed before its first checkpoint starts
+    over from step 0: it is marked the same way."""
     self.enabled = enabled and jax.process_index() == 0
     self.workdir = workdir
     self._jsonl = self._tb = None
     if self.enabled:
       os.makedirs(workdir, exist_ok=True)
-      self._jsonl = open(os.path.join(workdir, 'metrics.jsonl'), 'a')
+      path = os.path.join(workdir, 'metrics.jsonl')
+      if resume_step is None and os.path.isfile(path) and os.path.getsize(path):
+        resume_step = 0
+      self._jsonl = open(path, 'a')
       from tensorboardX import SummaryWriter
 
       purge = None if resume_step is None else resume_step + 1

@@ -448,6 +448,12 @@ def loop(
     with meter.excluded():
       evaluated = 0, run_eval(0, state, eval_batches, eval_fn, batch_sharding, writer)
   finite = jax.process_count() > 1 and setup.data.num_epochs is not None
+
+  def eval_excluded(step, state):
+    jax.block_until_ready(state)  # the step's own time stays in tokens/s, the eval's does not
+    with meter.excluded(recurring=True):
+      return run_eval(step, state, eval_batches, eval_fn, batch_sharding, writer)
+
   data_ended = multihost.Exchange('data_ended') if finite else None
   for step in range(start + 1, stop + 1):
     batch, position = next_batch(train_iter, data_ended, step)
@@ -457,6 +463,7 @@ def loop(
         if done % t.log_every:
           log.mark(done, train_iter.num_truncated)
         if not saved:
+          log.flush()  # (as at a save step)
           ckpt.save(done, state, position or train_iter.get_state(), {'step': done})
       why = data_ended_note(done, done > start, setup.data.num_epochs, total)
       break
@@ -474,18 +481,22 @@ def loop(
     if not first:
       meter.add_tokens(float((batch['segment_ids'] > 0).sum()) * jax.process_count())
     log.flush()  # the previous log step's metrics, fetched after this step's dispatch
-    if step % t.log_every == 0 or step == stop:
-      log.mark(step, train_iter.num_truncated)
     preempted = ckpt.preempted(step) and step != stop  # every host, every step
+    if step % t.log_every == 0 or step == stop or preempted:  # (the resumed run logs after it)
+      log.mark(step, train_iter.num_truncated)
     due = step == stop or preempted or ckpt.due(step)
     if due:  # the step's own time stays in tokens/s, the save's (a host copy, a wait) does not
       jax.block_until_ready(state)
+      log.flush()  # a kill once the checkpoint is saved must not lose its step's record
+    # A step's eval comes before its checkpoint, so that a kill during the eval leaves the
+    # checkpoint before, which redoes it; a preemption saves first (its grace period is short).
+    eval_due = eval_batches and (step == total or t.eval_every and step % t.eval_every == 0)
+    if eval_due and not preempted:
+      evaluated = step, eval_excluded(step, state)
     with meter.excluded(when=due, recurring=True):
       saved = due and ckpt.save(step, state, train_iter.get_state(), {'step': step})
-    if t.eval_every and step % t.eval_every == 0 and step != total and eval_batches:
-      jax.block_until_ready(state)  # the step's own time stays in tokens/s, the eval's does not
-      with meter.excluded(recurring=True):
-        evaluated = step, run_eval(step, state, eval_batches, eval_fn, batch_sharding, writer)
+    if eval_due and preempted:
+      evaluated = step, eval_excluded(step, state)
     if preempted:
       why = f'Preempted: saved step {step}; rerun the same command to resume.'
       break

@@ -57,6 +57,21 @@ def test_a_resume_marks_where_records_start_over(tmp_path):
   assert values[-2:] == [(3, 30.0), (4, 40.0)]
 
 
+def test_a_rerun_without_a_checkpoint_marks_that_it_starts_over(tmp_path):
+  """A run killed before its first checkpoint logged steps 1-2; its rerun starts over from step
+  0 and logs them again: marked as a resume from step 0, in metrics.jsonl and TensorBoard."""
+  for loss in (1.0, 2.0):
+    w = metrics.Writer(str(tmp_path))
+    for s in (1, 2):
+      w.write(s, {'loss': loss * s})
+    w.close()
+  with open(tmp_path / 'metrics.jsonl') as f:
+    records = [(r['kind'], r['step']) for r in map(json.loads, f)]
+  assert records == [('train', 1), ('train', 2), ('resume', 0), ('train', 1), ('train', 2)]
+  starts = [e.step for e in events(tmp_path / 'tb') if e.HasField('session_log')]
+  assert starts == [1]
+
+
 def test_non_finite_values_are_json_null(tmp_path):
   """metrics.jsonl stays standard JSON (other languages' parsers reject NaN); TensorBoard gets
   the finite scalars only."""

@@ -188,3 +188,34 @@ def test_data_running_out_saves_evaluates_and_stops(tmp_path):
   more = train.run(config, workdir)
   assert 'eval_loss' in more and 'data_ended' not in more, more
   assert sorted(losses(workdir))[-1] == spent + 2
+
+
+def test_a_checkpoint_comes_after_its_steps_records(tmp_path, monkeypatch):
+  """A run killed while it evaluates a checkpoint step (here: an error at the eval of step 2)
+  must not have saved that step yet: a rerun would go on after it, and its train and eval records
+  would never be written."""
+  config = small_config(steps=3, checkpoint_every=2, eval_every=2, async_checkpoint=False)
+  workdir = str(tmp_path)
+  run_eval = train.run_eval
+
+  def killed_at_2(step, *args):
+    if step == 2:
+      raise KeyboardInterrupt
+    return run_eval(step, *args)
+
+  monkeypatch.setattr(train, 'run_eval', killed_at_2)
+  with pytest.raises(KeyboardInterrupt):
+    train.run(config, workdir)
+  with open(os.path.join(workdir, 'metrics.jsonl')) as f:
+    logged = [(r['kind'], r['step']) for r in map(json.loads, f)]
+  assert logged == [('eval', 0), ('train', 1), ('train', 2)]
+  assert not os.path.exists(os.path.join(workdir, 'checkpoints', '2'))
+
+
+def test_a_preempted_run_logs_the_steps_it_saved(tmp_path, monkeypatch):
+  """Preempted at step 2 of a run logging every 4: its record sums up steps 1-2, which the
+  resumed run (logging from step 3 on) would otherwise leave out."""
+  monkeypatch.setattr(train.Checkpointer, 'preempted', lambda self, step: step == 2)
+  train.run(small_config(log_every=4, eval_every=0), str(tmp_path))
+  assert sorted(losses(str(tmp_path))) == [2]
+  assert os.listdir(os.path.join(tmp_path, 'checkpoints')) == ['2']

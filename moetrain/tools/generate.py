@@ -199,11 +199,12 @@ def load_run(config, workdir: str | None):
   from moetrain.train_state import graphdef_of, merge_model
 
   setup = train.tool_setup(config, workdir)
+  tokenizer = pipeline.make_tokenizer(setup.data, workdir)
+  train.check_tokenizer_fits(tokenizer, setup)  # before the (slow) load
   mesh = sharding.make_mesh(setup.mesh_shape)
   with jax.set_mesh(mesh):
     state = train.load_latest(setup, workdir, mesh)
   model = merge_model(graphdef_of(setup.model), state.params, state.moe_bias, state.frozen)
-  tokenizer = pipeline.make_tokenizer(setup.data, workdir)
   return model, tokenizer, int(state.step)
 
 

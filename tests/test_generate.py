@@ -127,3 +127,18 @@ def test_top_p_keeps_the_nucleus_only():
   draws = np.asarray(sample_top_p(logits_BV, jax.random.key(0), 1.0, 0.6))
   assert set(np.unique(draws)) == {0, 1}  # 0.5 < 0.6 of mass before token 1, 0.8 before token 2
   np.testing.assert_allclose((draws == 0).mean(), 0.5 / 0.8, atol=0.03)
+
+
+def test_sampling_flags_are_checked():
+  from absl import app
+
+  from moetrain.tools.generate import check_sampling
+
+  check_sampling(0.0, 1.0)
+  check_sampling(0.7, 0.9)
+  for temperature, top_p in ((-1.0, 1.0), (float('inf'), 1.0), (float('nan'), 1.0)):
+    with pytest.raises(app.UsageError, match='--temperature=.* must be finite and >= 0'):
+      check_sampling(temperature, top_p)
+  for top_p in (0.0, 1.5, float('nan')):
+    with pytest.raises(app.UsageError, match=r'--top_p=.* must be in \(0, 1\]'):
+      check_sampling(1.0, top_p)

@@ -216,10 +216,7 @@ def main(argv):
     raise app.UsageError('pass --hf_checkpoint=DIR, or --workdir of a run, or --config')
   if f.max_new_tokens < 1:
     raise app.UsageError(f'--max_new_tokens={f.max_new_tokens} must be at least 1')
-  if f.temperature < 0:
-    raise app.UsageError(f'--temperature={f.temperature} must be >= 0 (0 = greedy)')
-  if not 0 < f.top_p <= 1:
-    raise app.UsageError(f'--top_p={f.top_p} must be in (0, 1]')
+  check_sampling(f.temperature, f.top_p)
   if f.hf_checkpoint:
     model, tok = load_hf(f.hf_checkpoint)
     source = f.hf_checkpoint
@@ -251,6 +248,15 @@ def main(argv):
     f'# {len(new)} new tokens{ended}; compile {stats["compile_s"]:.1f} s; prefill + decode '
     f'{stats["run_s"]:.3f} s = {stats["tokens_per_s"]:.1f} tokens/s'
   )
+
+
+def check_sampling(temperature: float, top_p: float) -> None:
+  """The sampling flags. An infinite temperature would divide -inf logits (ids past the
+  tokenizer) into NaNs and draw id 0 every time; a NaN one would run greedy."""
+  if not 0 <= temperature < float('inf'):
+    raise app.UsageError(f'--temperature={temperature} must be finite and >= 0 (0 = greedy)')
+  if not 0 < top_p <= 1:
+    raise app.UsageError(f'--top_p={top_p} must be in (0, 1]')
 
 
 def new_tokens(ids_BS, prompt_len: int, eos_id: int | None) -> list[int]:

@@ -142,3 +142,20 @@ def test_sampling_flags_are_checked():
   for top_p in (0.0, 1.5, float('nan')):
     with pytest.raises(app.UsageError, match=r'--top_p=.* must be in \(0, 1\]'):
       check_sampling(1.0, top_p)
+
+
+def test_prompt_ids_and_the_empty_prompt():
+  from types import SimpleNamespace
+
+  from absl import app
+
+  from moetrain.tools.generate import prompt_ids
+
+  tok = SimpleNamespace(encode=lambda text: [5] * len(text), bos_id=1)
+  assert prompt_ids(tok, 'ab', True) == [1, 5, 5] and prompt_ids(tok, 'ab', False) == [5, 5]
+  assert prompt_ids(tok, '', True) == [1]
+  with pytest.raises(app.UsageError, match=r'empty and nothing precedes it \(--add_bos=false\)'):
+    prompt_ids(tok, '', False)
+  tok.bos_id = None
+  with pytest.raises(app.UsageError, match=r'\(the tokenizer has no bos token\)'):
+    prompt_ids(tok, '', True)

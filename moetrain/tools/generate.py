@@ -223,11 +223,7 @@ def main(argv):
   else:
     model, tok, step = load_run(f.config, f.workdir)
     source = f'{f.workdir or "initial weights"} at step {step}'
-  ids = tok.encode(f.prompt)
-  if f.add_bos and tok.bos_id is not None:
-    ids = [tok.bos_id, *ids]
-  if not ids:
-    raise app.UsageError('the prompt is empty and the tokenizer has no bos token')
+  ids = prompt_ids(tok, f.prompt, f.add_bos)
   out, stats = timed_generate(
     model,
     [ids],
@@ -248,6 +244,17 @@ def main(argv):
     f'# {len(new)} new tokens{ended}; compile {stats["compile_s"]:.1f} s; prefill + decode '
     f'{stats["run_s"]:.3f} s = {stats["tokens_per_s"]:.1f} tokens/s'
   )
+
+
+def prompt_ids(tok, prompt: str, add_bos: bool) -> list[int]:
+  """The prompt's tokens, after the tokenizer's bos token if add_bos and it has one."""
+  ids = tok.encode(prompt)
+  if add_bos and tok.bos_id is not None:
+    ids = [tok.bos_id, *ids]
+  if not ids:
+    why = 'the tokenizer has no bos token' if add_bos else '--add_bos=false'
+    raise app.UsageError(f'the prompt is empty and nothing precedes it ({why})')
+  return ids
 
 
 def check_sampling(temperature: float, top_p: float) -> None:

@@ -11,6 +11,7 @@ import pytest
 from flax import nnx
 
 from moetrain.model import decode
+from moetrain.model.transformer import Transformer
 from moetrain.tools.generate import generate, sample_top_p
 from tests.helpers import forward, model_and_ids, nonzero_bias, randomize, tiny, with_lora
 
@@ -159,3 +160,26 @@ def test_prompt_ids_and_the_empty_prompt():
   tok.bos_id = None
   with pytest.raises(app.UsageError, match=r'\(the tokenizer has no bos token\)'):
     prompt_ids(tok, '', True)
+
+
+def test_prefill_attends_in_causal_blocks():
+  """A prefill scores its prompt in blocks of model.attention_chunk queries, as the full forward
+  does, not as one [T, T] square: the same logits, and no more temporaries than the forward."""
+  cfg = tiny(attention_chunk=4)
+  model, ids = model_and_ids(cfg, t=11)
+  randomize(model, 3)
+  full, _ = forward(model, ids)
+  logits, _ = _prefill(*nnx.split(model), ids, 11)
+  np.testing.assert_allclose(logits, full[:, -1], atol=1e-5, rtol=1e-5)
+
+  cfg = tiny(attention_chunk=64, num_heads=8)
+  graphdef, state = nnx.split(nnx.eval_shape(lambda: Transformer(cfg, nnx.Rngs(0))))
+  ids = jax.ShapeDtypeStruct((1, 1024), jnp.int32)
+
+  def temp_bytes(fn):
+    compiled = jax.jit(fn, static_argnums=0).lower(graphdef, state, ids).compile()
+    return compiled.memory_analysis().temp_size_in_bytes
+
+  prefill = temp_bytes(lambda g, s, x: decode.prefill(nnx.merge(g, s), x, 1024))
+  full = temp_bytes(lambda g, s, x: nnx.merge(g, s).features(x)[0][:, -1])
+  assert prefill <= 1.1 * full, (prefill, full)

@@ -282,6 +282,24 @@ def restore_or_init(setup: Setup, ckpt: Checkpointer, optimizer, mesh, train_ite
   return dataclasses.replace(state, **saved)
 
 
+def check_tokenizer_fits(tokenizer, setup: Setup, cached_in: str | None = None) -> None:
+  """Every id of the tokenizer needs a row of the embedding and the lm head: past them, training
+  and evaluation read NaN losses and generation garbage, silently. cached_in: the run directory
+  a trained tokenizer is cached in (training; a tool must not advise deleting a run's)."""
+  if tokenizer.vocab_size <= setup.model.vocab_size:
+    return
+  if setup.data.tokenizer:
+    hint = f' to a tokenizer of that size instead of data.tokenizer={setup.data.tokenizer!r}'
+  elif cached_in:  # a trained tokenizer is cached in the run directory and reused
+    hint = f' and delete {os.path.join(cached_in, "tokenizer.model")}'
+  else:
+    hint = ''
+  raise ValueError(
+    f'model.vocab_size={setup.model.vocab_size} is smaller than the tokenizer '
+    f'vocabulary ({tokenizer.vocab_size}); raise it, or set data.vocab_size{hint}'
+  )
+
+
 def tool_setup(config, workdir: str | None) -> Setup:
   """The Setup a tool (evaluate, export, generate) reads --workdir's run with: from its own
   <workdir>/config.json when `config` (--config) is None, else from `config`, which must match
@@ -330,16 +348,7 @@ def run(config, workdir: str) -> dict:
     writer = metrics_lib.Writer(workdir, resume_step=latest)
     writer.save_config(config_json(config, setup))
     tokenizer = pipeline.make_tokenizer(setup.data, workdir)
-    if tokenizer.vocab_size > setup.model.vocab_size:
-      hint = (  # a trained tokenizer is cached in the run directory and reused
-        f' and delete {os.path.join(workdir, "tokenizer.model")}'
-        if not setup.data.tokenizer
-        else f' to a tokenizer of that size instead of data.tokenizer={setup.data.tokenizer!r}'
-      )
-      raise ValueError(
-        f'model.vocab_size={setup.model.vocab_size} is smaller than the tokenizer '
-        f'vocabulary ({tokenizer.vocab_size}); raise it, or set data.vocab_size{hint}'
-      )
+    check_tokenizer_fits(tokenizer, setup, workdir)
     pi, pc = jax.process_index(), jax.process_count()
     train_iter = pipeline.make_train_iterator(
       setup.data, tokenizer, process_index=pi, process_count=pc

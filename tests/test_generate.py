@@ -11,6 +11,7 @@ import pytest
 from flax import nnx
 
 from moetrain.model import decode
+from moetrain.model.transformer import Transformer
 from moetrain.tools.generate import generate, sample_top_p
 from tests.helpers import forward, model_and_ids, nonzero_bias, randomize, tiny, with_lora
 
@@ -127,3 +128,58 @@ def test_top_p_keeps_the_nucleus_only():
   draws = np.asarray(sample_top_p(logits_BV, jax.random.key(0), 1.0, 0.6))
   assert set(np.unique(draws)) == {0, 1}  # 0.5 < 0.6 of mass before token 1, 0.8 before token 2
   np.testing.assert_allclose((draws == 0).mean(), 0.5 / 0.8, atol=0.03)
+
+
+def test_sampling_flags_are_checked():
+  from absl import app
+
+  from moetrain.tools.generate import check_sampling
+
+  check_sampling(0.0, 1.0)
+  check_sampling(0.7, 0.9)
+  for temperature, top_p in ((-1.0, 1.0), (float('inf'), 1.0), (float('nan'), 1.0)):
+    with pytest.raises(app.UsageError, match='--temperature=.* must be finite and >= 0'):
+      check_sampling(temperature, top_p)
+  for top_p in (0.0, 1.5, float('nan')):
+    with pytest.raises(app.UsageError, match=r'--top_p=.* must be in \(0, 1\]'):
+      check_sampling(1.0, top_p)
+
+
+def test_prompt_ids_and_the_empty_prompt():
+  from types import SimpleNamespace
+
+  from absl import app
+
+  from moetrain.tools.generate import prompt_ids
+
+  tok = SimpleNamespace(encode=lambda text: [5] * len(text), bos_id=1)
+  assert prompt_ids(tok, 'ab', True) == [1, 5, 5] and prompt_ids(tok, 'ab', False) == [5, 5]
+  assert prompt_ids(tok, '', True) == [1]
+  with pytest.raises(app.UsageError, match=r'empty and nothing precedes it \(--add_bos=false\)'):
+    prompt_ids(tok, '', False)
+  tok.bos_id = None
+  with pytest.raises(app.UsageError, match=r'\(the tokenizer has no bos token\)'):
+    prompt_ids(tok, '', True)
+
+
+def test_prefill_attends_in_causal_blocks():
+  """A prefill scores its prompt in blocks of model.attention_chunk queries, as the full forward
+  does, not as one [T, T] square: the same logits, and no more temporaries than the forward."""
+  cfg = tiny(attention_chunk=4)
+  model, ids = model_and_ids(cfg, t=11)
+  randomize(model, 3)
+  full, _ = forward(model, ids)
+  logits, _ = _prefill(*nnx.split(model), ids, 11)
+  np.testing.assert_allclose(logits, full[:, -1], atol=1e-5, rtol=1e-5)
+
+  cfg = tiny(attention_chunk=64, num_heads=8)
+  graphdef, state = nnx.split(nnx.eval_shape(lambda: Transformer(cfg, nnx.Rngs(0))))
+  ids = jax.ShapeDtypeStruct((1, 1024), jnp.int32)
+
+  def temp_bytes(fn):
+    compiled = jax.jit(fn, static_argnums=0).lower(graphdef, state, ids).compile()
+    return compiled.memory_analysis().temp_size_in_bytes
+
+  prefill = temp_bytes(lambda g, s, x: decode.prefill(nnx.merge(g, s), x, 1024))
+  full = temp_bytes(lambda g, s, x: nnx.merge(g, s).features(x)[0][:, -1])
+  assert prefill <= 1.1 * full, (prefill, full)

@@ -155,3 +155,19 @@ def test_remote_code_goes_along_or_its_auto_map_goes(tmp_path):
   for name in code:
     (tmp_path / name).write_text('# code')
   assert export.base_config(str(tmp_path))['auto_map'] == auto_map
+
+
+def test_tools_refuse_a_tokenizer_larger_than_the_model(uninterrupted):  # noqa: F811
+  """As training does: ids past the model's vocabulary would read NaN losses (evaluate) and
+  garbage (generate), silently."""
+  from moetrain.tools import generate
+
+  workdir, _ = uninterrupted
+  config = small_config()
+  config.data.tokenizer = os.path.join(workdir, 'tokenizer.model')
+  config.model.vocab_size = 256
+  message = r'model\.vocab_size=256 is smaller than the tokenizer vocabulary \(\d+\)'
+  with pytest.raises(ValueError, match=message):
+    evaluate.evaluate_checkpoint(config, None, max_batches=1)
+  with pytest.raises(ValueError, match=message):
+    generate.load_run(config, None)

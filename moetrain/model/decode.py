@@ -87,8 +87,12 @@ def cached_attention(
   k_pos_BS = jnp.broadcast_to(jnp.arange(s, dtype=jnp.int32), (b, s))
   ones_BT, ones_BS = jnp.ones((b, t), jnp.int32), jnp.ones((b, s), jnp.int32)
   mask_BTS = attention_mask(positions_BT, ones_BT, k_pos_BS, ones_BS)
-  attend = attend_absorbed if absorb else MLA.attend
-  return attend(mla, q_nope, q_pe, c_BSK, k_pe_BSH, mask_BTS), KVCache(c, k_pe)
+  if absorb:
+    out_BTD = attend_absorbed(mla, q_nope, q_pe, c_BSK, k_pe_BSH, mask_BTS)
+  else:  # from slot 0 (a prefill) the T queries face their own T keys: causal blocks, as training
+    chunk = mla.cfg.attention_chunk if isinstance(start, int) and start == 0 else 0
+    out_BTD = mla.attend(q_nope, q_pe, c_BSK, k_pe_BSH, mask_BTS, causal_chunk=chunk)
+  return out_BTD, KVCache(c, k_pe)
 
 
 def forward(model: Transformer, cache: KVCache, ids_BT, start, *, absorb: bool = False):

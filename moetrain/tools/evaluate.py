@@ -39,6 +39,7 @@ def evaluate_checkpoint(
     setup = dataclasses.replace(setup, data=dataclasses.replace(setup.data, eval_split=split))
   mesh = sharding.make_mesh(setup.mesh_shape)
   tokenizer = pipeline.make_tokenizer(setup.data, workdir)
+  train.check_tokenizer_fits(tokenizer, setup)
   batches = pipeline.make_eval_batches(
     setup.data,
     tokenizer,

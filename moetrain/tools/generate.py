@@ -199,11 +199,12 @@ def load_run(config, workdir: str | None):
   from moetrain.train_state import graphdef_of, merge_model
 
   setup = train.tool_setup(config, workdir)
+  tokenizer = pipeline.make_tokenizer(setup.data, workdir)
+  train.check_tokenizer_fits(tokenizer, setup)  # before the (slow) load
   mesh = sharding.make_mesh(setup.mesh_shape)
   with jax.set_mesh(mesh):
     state = train.load_latest(setup, workdir, mesh)
   model = merge_model(graphdef_of(setup.model), state.params, state.moe_bias, state.frozen)
-  tokenizer = pipeline.make_tokenizer(setup.data, workdir)
   return model, tokenizer, int(state.step)
 
 
@@ -215,21 +216,14 @@ def main(argv):
     raise app.UsageError('pass --hf_checkpoint=DIR, or --workdir of a run, or --config')
   if f.max_new_tokens < 1:
     raise app.UsageError(f'--max_new_tokens={f.max_new_tokens} must be at least 1')
-  if f.temperature < 0:
-    raise app.UsageError(f'--temperature={f.temperature} must be >= 0 (0 = greedy)')
-  if not 0 < f.top_p <= 1:
-    raise app.UsageError(f'--top_p={f.top_p} must be in (0, 1]')
+  check_sampling(f.temperature, f.top_p)
   if f.hf_checkpoint:
     model, tok = load_hf(f.hf_checkpoint)
     source = f.hf_checkpoint
   else:
     model, tok, step = load_run(f.config, f.workdir)
     source = f'{f.workdir or "initial weights"} at step {step}'
-  ids = tok.encode(f.prompt)
-  if f.add_bos and tok.bos_id is not None:
-    ids = [tok.bos_id, *ids]
-  if not ids:
-    raise app.UsageError('the prompt is empty and the tokenizer has no bos token')
+  ids = prompt_ids(tok, f.prompt, f.add_bos)
   out, stats = timed_generate(
     model,
     [ids],
@@ -250,6 +244,26 @@ def main(argv):
     f'# {len(new)} new tokens{ended}; compile {stats["compile_s"]:.1f} s; prefill + decode '
     f'{stats["run_s"]:.3f} s = {stats["tokens_per_s"]:.1f} tokens/s'
   )
+
+
+def prompt_ids(tok, prompt: str, add_bos: bool) -> list[int]:
+  """The prompt's tokens, after the tokenizer's bos token if add_bos and it has one."""
+  ids = tok.encode(prompt)
+  if add_bos and tok.bos_id is not None:
+    ids = [tok.bos_id, *ids]
+  if not ids:
+    why = 'the tokenizer has no bos token' if add_bos else '--add_bos=false'
+    raise app.UsageError(f'the prompt is empty and nothing precedes it ({why})')
+  return ids
+
+
+def check_sampling(temperature: float, top_p: float) -> None:
+  """The sampling flags. An infinite temperature would divide -inf logits (ids past the
+  tokenizer) into NaNs and draw id 0 every time; a NaN one would run greedy."""
+  if not 0 <= temperature < float('inf'):
+    raise app.UsageError(f'--temperature={temperature} must be finite and >= 0 (0 = greedy)')
+  if not 0 < top_p <= 1:
+    raise app.UsageError(f'--top_p={top_p} must be in (0, 1]')
 
 
 def new_tokens(ids_BS, prompt_len: int, eos_id: int | None) -> list[int]:

@@ -105,7 +105,9 @@ def grads_and_stats(state: TrainState, graphdef, batch, rng, cfg: StepConfig, sc
     return (loss if scale is None else loss * scale), stats
 
   grad_fn = jax.value_and_grad(objective, has_aux=True)
-  unscale = lambda t: t if scale is None else jax.tree.map(lambda x: x / scale, t)
+  # In each leaf's own dtype: the float32 scale would promote bfloat16 gradients (param_dtype
+  # bfloat16) to float32, which the optimizer state then took on.
+  unscale = lambda t: t if scale is None else jax.tree.map(lambda x: (x / scale).astype(x.dtype), t)
   n = cfg.grad_accum_steps
   if n == 1:
     (loss, stats), grads = grad_fn(state.params, batch, rng)

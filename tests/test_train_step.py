@@ -217,3 +217,17 @@ def test_float16_trains_with_a_dynamic_loss_scale():
   state.loss_scale = jnp.asarray([4.0, train_step.LOSS_SCALE_PERIOD - 1])
   grown, _ = fn(state, batch())
   np.testing.assert_array_equal(grown.loss_scale, [8.0, 0.0])
+
+
+def test_float16_loss_scale_keeps_bfloat16_parameters_and_state():
+  """Unscaling the float16 gradients by the float32 loss scale promoted bfloat16 ones
+  (param_dtype bfloat16) to float32: the updated optimizer state no longer matched the skip
+  branch's, and the step failed to trace."""
+  opt = optax.adam(1e-2)
+  cfg = dataclasses.replace(CFG, dtype='float16', param_dtype='bfloat16')
+  state = init_state(cfg, opt, 0)
+  new, m = step_fn(cfg, 1, opt)(state, batch())
+  assert int(new.skipped) == 0 and np.isfinite(float(m['loss']))
+  before = jax.tree.leaves((state.params, state.opt_state))
+  after = jax.tree.leaves((new.params, new.opt_state))
+  assert [x.dtype for x in after] == [x.dtype for x in before]

@@ -113,16 +113,22 @@ def grads_and_stats(state: TrainState, graphdef, batch, rng, cfg: StepConfig, sc
     (loss, stats), grads = grad_fn(state.params, batch, rng)
     return unscale(loss), stats, unscale(grads)
 
+  # The sums run in float32 at least (bfloat16 gradients of param_dtype bfloat16 would lose
+  # precision with every micro-batch), and the gradients go back to their own dtype at the end.
+  wide = lambda d: jnp.promote_types(d, jnp.float32) if jnp.issubdtype(d, jnp.floating) else d
+
   def micro(carry, xs):
     mb, i = xs
-    return jax.tree.map(jnp.add, carry, grad_fn(state.params, mb, jax.random.fold_in(rng, i))), None
+    new = grad_fn(state.params, mb, jax.random.fold_in(rng, i))
+    return jax.tree.map(lambda a, b: a + b.astype(a.dtype), carry, new), None
 
   micro_batches = _microbatches(batch, n)
-  zero = jax.eval_shape(grad_fn, state.params, jax.tree.map(lambda x: x[0], micro_batches), rng)
-  zero = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), zero)
+  shapes = jax.eval_shape(grad_fn, state.params, jax.tree.map(lambda x: x[0], micro_batches), rng)
+  zero = jax.tree.map(lambda s: jnp.zeros(s.shape, wide(s.dtype)), shapes)
   ((loss, stats), grads), _ = jax.lax.scan(micro, zero, (micro_batches, jnp.arange(n)))
+  grads = jax.tree.map(lambda g, s: g.astype(s.dtype), unscale(grads), shapes[1])
   stats = {**stats, 'moe': finish_routing_stats(stats['moe'], cfg.model)}
-  return unscale(loss), stats, unscale(grads)
+  return unscale(loss), stats, grads
 
 
 LOSS_SCALE_PERIOD = 2000  # finite float16 steps in a row before the loss scale doubles

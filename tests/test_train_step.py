@@ -11,8 +11,8 @@ import pytest
 from moetrain.model.config import PRESETS
 from moetrain.sharding import Rules
 from moetrain.tools.plan import dry_run, ep_exchange, loss_block, param_counts
-from moetrain.train_state import init_state
-from moetrain.train_step import StepConfig, jit_train_step
+from moetrain.train_state import graphdef_of, init_state
+from moetrain.train_step import StepConfig, grads_and_stats, jit_train_step
 from tests.helpers import tiny, with_lora
 from tests.test_sharding import batch
 
@@ -64,6 +64,19 @@ def test_gradient_accumulation_equals_full_batch():
   # The routing statistics too, those that are not token means included (std, dropped share).
   for key in ('load', 'ffn_experts_mean', 'ffn_experts_std', 'router_entropy', 'dropped_frac'):
     np.testing.assert_allclose(m2['moe'][key], m1['moe'][key], rtol=1e-5, atol=1e-7, err_msg=key)
+
+
+def test_gradient_accumulation_sums_bfloat16_gradients_in_float32():
+  cfg = dataclasses.replace(CFG, param_dtype='bfloat16')
+  state = init_state(cfg, optax.sgd(1.0), 0)
+  sc = StepConfig(model=cfg, grad_accum_steps=4)
+  fn = lambda s, b, r: grads_and_stats(s, graphdef_of(cfg), b, r, sc)
+  jaxpr = jax.make_jaxpr(fn)(state, batch(), jax.random.key(0))
+  (scan,) = [e for e in jaxpr.eqns if e.primitive.name == 'scan']
+  carry = scan.params['jaxpr'].out_avals[: scan.params['num_carry']]
+  assert carry and not any(a.dtype == jnp.bfloat16 for a in carry)
+  _, _, grads = jax.eval_shape(fn, state, batch(), jax.random.key(0))
+  assert {g.dtype for g in jax.tree.leaves(grads)} == {jnp.dtype(jnp.bfloat16)}
 
 
 def test_non_finite_update_is_skipped_and_counted():

@@ -11,6 +11,7 @@ import pytest
 
 from moetrain import sharding
 from moetrain.checkpoint import flatten
+from moetrain.model import quant
 from moetrain.train_state import create_sharded, graphdef_of, state_shardings
 from moetrain.train_step import StepConfig, loss_fn, token_counts
 from tests.helpers import tiny, with_lora
@@ -91,3 +92,31 @@ def test_golden_sharding_table(preset):
       json.dump(table, f, indent=1, sort_keys=True)
   with open(path) as f:
     assert table == json.load(f)
+
+
+def test_int4_codes_shard_where_groups_do_not_divide_the_mesh():
+  """int4 codes [.., K/g, g/2, ..]: where fsdp does not divide the K/g groups (hidden 32 in
+  groups of 16: 2 groups on fsdp=8), the rows within a group take fsdp instead, as int8 and
+  float weights shard their K; they decode to the same weight."""
+  cfg = dataclasses.replace(
+    CFG, quant='int4', quant_group_size=16, rules=sharding.Rules.preset('fsdp')
+  )
+  init = lambda: __import__('moetrain.train_state', fromlist=['x']).init_state(
+    cfg, optax.sgd(1e-3), 0
+  )
+  mesh = sharding.make_mesh((1, 8, 1, 1))
+  specs = flatten(state_shardings(jax.eval_shape(init), mesh, cfg.rules))
+  for name in ('frozen.layers.mlp_0.gate.kernel.q.value', 'frozen.layers.moe.experts.up.q.value'):
+    assert 'fsdp' in specs[name].spec, (name, specs[name].spec)
+  param = quant.make_param(np.random.default_rng(0).normal(size=(32, 48)), ('embed', 'mlp'), cfg)
+  t = param.tensor()
+  spec = lambda v: sharding.logical_to_spec(v.axes, v.shape, cfg.rules.weights, dict(mesh.shape))
+  placed = quant.QTensor(
+    jax.device_put(t.q, jax.sharding.NamedSharding(mesh, spec(param.q))),
+    jax.device_put(t.scale, jax.sharding.NamedSharding(mesh, spec(param.scale))),
+    t.bits,
+    t.axis,
+  )
+  assert placed.q.sharding.spec == jax.sharding.PartitionSpec(None, 'fsdp', None)
+  want = quant.dequant(t, np.float32)
+  np.testing.assert_array_equal(jax.jit(quant.dequant, static_argnums=1)(placed, np.float32), want)

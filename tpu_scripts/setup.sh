@@ -11,5 +11,7 @@ gcloud compute tpus tpu-vm ssh "$TPU_NAME" --zone="$ZONE" --worker=all --command
   mkdir -p ~/moetrain && tar xzf ~/moetrain.tgz -C ~/moetrain && cd ~/moetrain
   # JAX 0.10 needs Python >= 3.11; the TPU images (Ubuntu 22.04) have 3.10, so uv provides one.
   python3 -m pip install -q --user uv || curl -LsSf https://astral.sh/uv/install.sh | sh
-  ~/.local/bin/uv venv -q --seed --python 3.11 .venv
+  # --allow-existing: a rerun (to copy new code) keeps the installed packages; uv >= 0.8 refuses
+  # an existing .venv without it (or --clear).
+  ~/.local/bin/uv venv -q --seed --allow-existing --python 3.11 .venv
   ~/.local/bin/uv pip install -q --python .venv/bin/python -e ".[tpu]"'

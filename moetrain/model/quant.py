@@ -102,7 +102,10 @@ def make_param(kernel, axes, cfg: ModelConfig, n_batch: int = 0, n_in: int = 1):
   if bits == 8:
     scale_axes = tuple(None if n_batch <= i < n_batch + n_in else a for i, a in enumerate(axes))
     return QuantKernel(t.q, t.scale, 8, t.axis, axes, scale_axes)
-  grouped = (*axes[:n_batch], axes[n_batch], None, *axes[n_batch + 1 :])
+  # The input dim's name on its groups and, as a fallback, on the rows within a group: where the
+  # mesh axis does not divide the group count (6144 / 64 = 96 groups on fsdp=64) it shards those
+  # instead of leaving the weight whole on every device (a mesh axis is used once per array).
+  grouped = (*axes[:n_batch], axes[n_batch], axes[n_batch], *axes[n_batch + 1 :])
   return QuantKernel(t.q, t.scale, 4, t.axis, grouped, grouped)
 
 

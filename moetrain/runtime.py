@@ -100,12 +100,19 @@ def parse_flags(argv: list[str]) -> list[str]:
   try:
     return flags.FLAGS(argv)
   except (AttributeError, KeyError) as e:
-    name = str(e).strip('"\'')
+    # ml_collections raises AttributeError(KeyError("'name'\nDid you mean ...?")): the first
+    # line names the key, the rest (if any) suggests one.
+    msg = e
+    while isinstance(msg, BaseException) and msg.args:
+      msg = msg.args[0]
+    name, _, hint = str(msg).partition('\n')
+    name = name.strip('"\'')
     keys = [a.split('=', 1)[0] for a in argv[1:] if a.startswith('--config.')]
     key = next((k for k in keys if name in k.split('.')), f'--config.…{name}')
+    hint = f' {hint.strip()}' if hint.strip() else ''
     raise SystemExit(
-      f'{key}: no such config key ({name!r} is not in its section); configs/base.py lists '
-      'every key with its default'
+      f'{key}: no such config key ({name!r} is not in its section).{hint} configs/base.py '
+      'lists every key with its default'
     ) from None
 
 

@@ -212,6 +212,17 @@ def test_a_checkpoint_comes_after_its_steps_records(tmp_path, monkeypatch):
   assert not os.path.exists(os.path.join(workdir, 'checkpoints', '2'))
 
 
+def test_a_steps_record_comes_before_its_eval(tmp_path):
+  """An eval at a step that saves no checkpoint follows that step's train record, as at a save
+  step (the record is fetched a step late; the progress lines came out as 'eval step 2', 'step
+  2')."""
+  train.run(small_config(steps=3, checkpoint_every=3, eval_every=2), str(tmp_path))
+  with open(os.path.join(tmp_path, 'metrics.jsonl')) as f:
+    logged = [(r['kind'], r['step']) for r in map(json.loads, f)]
+  expected = [('eval', 0), ('train', 1), ('train', 2), ('eval', 2), ('train', 3), ('eval', 3)]
+  assert logged == expected
+
+
 def test_a_preempted_run_logs_the_steps_it_saved(tmp_path, monkeypatch):
   """Preempted at step 2 of a run logging every 4: its record sums up steps 1-2, which the
   resumed run (logging from step 3 on) would otherwise leave out."""

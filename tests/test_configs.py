@@ -217,6 +217,30 @@ def test_a_runs_paths_are_absolute(tmp_path, monkeypatch):
     run_config.check_resumable(resolved, str(tmp_path / 'run'))
 
 
+def test_a_tool_refuses_another_tokenizer_than_the_runs(tmp_path):
+  """evaluate/generate/export --workdir with a --config naming another tokenizer (or none, for a
+  run that had one) would score the weights on other token ids: refused by name. Other data is
+  the tool's choice."""
+  run = tmp_path / 'run'
+  (run / 'checkpoints' / '3').mkdir(parents=True)
+  trained = base_config(**{'data.tokenizer': str(tmp_path / 'tokenizer.json')})
+  (run / 'config.json').write_text(trained.to_json_best_effort())
+  run_config.check_resumable(trained, str(run), tool=True)
+  other_data = base_config(**{'data.tokenizer': str(tmp_path / 'tokenizer.json')})
+  other_data.data.source = 'jsonl'
+  other_data.data.path = str(tmp_path / '{split}.jsonl')
+  run_config.check_resumable(other_data, str(run), tool=True)
+  with pytest.raises(ValueError, match=r"(?s)other settings.*data\.tokenizer: '.*tokenizer.json'"):
+    run_config.check_resumable(base_config(), str(run), tool=True)
+  run_config.check_resumable(base_config(), str(run))  # a resume only warns (data settings)
+  # A run that trained its own (cached in the run directory): a tool without one reuses it, and
+  # may name it.
+  (run / 'config.json').write_text(base_config().to_json_best_effort())
+  run_config.check_resumable(base_config(), str(run), tool=True)
+  own = base_config(**{'data.tokenizer': str(run / 'tokenizer.model')})
+  run_config.check_resumable(own, str(run), tool=True)
+
+
 def notebook_commands(path: str) -> list[list[str]]:
   """The shell commands (`!python -m ...`, continuations joined) of a notebook's code cells."""
   import json

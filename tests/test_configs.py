@@ -150,6 +150,10 @@ def test_missing_hf_checkpoint_names_the_field(tmp_path):
   config.init.hf_checkpoint = str(tmp_path / 'empty')
   with pytest.raises(FileNotFoundError, match=r'empty/config\.json does not exist'):
     train.build(config, num_devices=8, process_count=1)
+  # A checkpoint without its tokenizer (only config.json and weights copied): data.tokenizer.
+  config.init.hf_checkpoint = os.path.join(ROOT, 'tests', 'fixtures', 'longcat_two_layer')
+  with pytest.raises(ValueError, match=r'longcat_two_layer.*holds neither.*point data\.tokenizer'):
+    train.build(config, num_devices=8, process_count=1)
 
 
 def test_unknown_config_argument_is_refused():

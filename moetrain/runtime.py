@@ -94,11 +94,12 @@ def env_flag(name: str, environ=os.environ) -> bool:
 
 def parse_flags(argv: list[str]) -> list[str]:
   """absl's flag parsing (app.run's flags_parser) that names an unknown --config.<key> instead
-  of raising from inside ml_collections."""
-  from absl import flags
+  of raising from inside ml_collections. Other flag errors (a missing --config, an unknown flag)
+  print absl's one-line usage error, as app.run's own parser does, not a traceback."""
+  from absl import app
 
   try:
-    return flags.FLAGS(argv)
+    return app.parse_flags_with_usage(argv)
   except (AttributeError, KeyError) as e:
     # ml_collections raises AttributeError(KeyError("'name'\nDid you mean ...?")): the first
     # line names the key, the rest (if any) suggests one.

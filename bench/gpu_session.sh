@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
-# The GPU measurements of issue 4 in one device call (about 8 minutes on an H100), for a session
-# that is lent a GPU machine: run it there from the repository root with the machine's own JAX
-# (no install; nothing can be fetched there). Results go to $OUT (the device tool's folder that
-# comes back), one log per step; copy the JSON records into bench/RESULTS.md.
-#   device run:  bash bench/gpu_session.sh
+# Every GPU measurement (MoE layer, MFU) in one go, about 8 minutes on an H100: run it on the GPU
+# machine from the repository root with the JAX installed there (it installs nothing). Results go
+# to $OUT (default /tmp/moetrain_gpu), one log per step; copy the JSON records into
+# bench/RESULTS.md.
+#   bash bench/gpu_session.sh
 set -uo pipefail
 export PYTHONPATH=$PWD MOETRAIN_NO_REEXEC=1 XLA_PYTHON_CLIENT_MEM_FRACTION=0.95 PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/moetrain_gpu}

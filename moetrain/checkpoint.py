@@ -5,8 +5,10 @@ kill mid-save leaves the previous checkpoint as the latest valid one.
 """
 
 import contextlib
+import functools
 import os
 import signal
+import sys
 
 import jax
 import orbax.checkpoint as ocp
@@ -59,6 +61,14 @@ def process_data_state(saved: dict, reslice: bool = False) -> dict | None:
     f'{jax.process_count()}: it then restarts from its first example (data.num_epochs counts '
     'again)'
   )
+
+
+def _unless_loop_closed(hook, unraisable) -> None:
+  """sys.unraisablehook that drops the RuntimeError('Event loop is closed') of a callback into a
+  finished asyncio loop and passes anything else to `hook`."""
+  e = unraisable.exc_value
+  if not (isinstance(e, RuntimeError) and str(e) == 'Event loop is closed'):
+    hook(unraisable)
 
 
 class Checkpointer:
@@ -142,7 +152,12 @@ class Checkpointer:
   @contextlib.contextmanager
   def _naming_damage(self, step: int):
     """A checkpoint that cannot be read (a copy cut short, a filesystem whose renames are not
-    atomic) is named, with the way to resume from the one before it: nothing is deleted here."""
+    atomic) is named, with the way to resume from the one before it: nothing is deleted here.
+    A read that fails leaves Orbax's other reads in flight, whose completions call back into its
+    closed event loop: each an unraisable 'Event loop is closed' traceback (hundreds when the
+    array files are missing) that would bury the message. Those are dropped."""
+    hook = sys.unraisablehook
+    sys.unraisablehook = functools.partial(_unless_loop_closed, hook)
     try:
       yield
     except (KeyError, FileNotFoundError, ValueError, OSError, RuntimeError) as e:
@@ -153,7 +168,11 @@ class Checkpointer:
         f'checkpoint {path} cannot be read ({type(e).__name__}: {str(e)[:300]}). If it is '
         f'incomplete or damaged (a copy cut short, a crash on a filesystem without atomic '
         f'renames), move it out of {self.directory} to resume from {fallback}.'
-      ) from e
+      ) from e  # (the filter stays: the reads in flight finish later)
+    except BaseException:
+      sys.unraisablehook = hook
+      raise
+    sys.unraisablehook = hook
 
   def restore(self, step: int, abstract_state):
     """Restores onto the shardings of `abstract_state` (any mesh); returns (saved, data, meta),

@@ -120,7 +120,8 @@ def check_resumable(
   state must equal those of the run that saved it (<workdir>/config.json); name any that differ
   instead of failing deep inside the restore. ENGINE_FIELDS (how the model computes) may change.
   Changed DATA_STREAM_FIELDS are allowed, with a warning naming them: the resume is not exact.
-  A `tool` (evaluate, export, generate) reads the weights only: other data is its own choice."""
+  A `tool` (evaluate, export, generate) reads the weights only: other data is its own choice,
+  but not another tokenizer."""
   path = os.path.join(workdir, 'config.json')
   if not os.path.exists(path) or not runtime.saved_steps(workdir):
     return
@@ -163,6 +164,23 @@ def check_resumable(
       diffs.append(
         f'the frozen base (init.hf_checkpoint, or the seed and model.init_std without one): '
         f'{base(saved)!r} in the checkpointed run, now {base(now)!r}'
+      )
+  if tool:
+    # The weights know the run's token ids: another tokenizer makes them read other text (and
+    # with none given, a tool would train one into the run directory).
+    def tokenizer(c):  # the file it reads: data.tokenizer, the checkpoint's or the run's own
+      path = c.get('data', {}).get('tokenizer', '') or c.get('init', {}).get('hf_checkpoint', '')
+      if not path:
+        return os.path.join(absolute(workdir), 'tokenizer.model')
+      path = absolute(path)
+      names = ('tokenizer.json', 'tokenizer.model') if os.path.isdir(path) else ()
+      found = [os.path.join(path, n) for n in names if os.path.isfile(os.path.join(path, n))]
+      return found[0] if found else path
+
+    if 'data' in saved and tokenizer(saved) != tokenizer(now):
+      diffs.append(
+        f'data.tokenizer: {tokenizer(saved)!r} in the checkpointed run, now {tokenizer(now)!r} '
+        '(the weights were trained on its token ids)'
       )
   if diffs:
     raise ValueError(

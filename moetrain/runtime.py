@@ -94,18 +94,26 @@ def env_flag(name: str, environ=os.environ) -> bool:
 
 def parse_flags(argv: list[str]) -> list[str]:
   """absl's flag parsing (app.run's flags_parser) that names an unknown --config.<key> instead
-  of raising from inside ml_collections."""
-  from absl import flags
+  of raising from inside ml_collections. Other flag errors (a missing --config, an unknown flag)
+  print absl's one-line usage error, as app.run's own parser does, not a traceback."""
+  from absl import app
 
   try:
-    return flags.FLAGS(argv)
+    return app.parse_flags_with_usage(argv)
   except (AttributeError, KeyError) as e:
-    name = str(e).strip('"\'')
+    # ml_collections raises AttributeError(KeyError("'name'\nDid you mean ...?")): the first
+    # line names the key, the rest (if any) suggests one.
+    msg = e
+    while isinstance(msg, BaseException) and msg.args:
+      msg = msg.args[0]
+    name, _, hint = str(msg).partition('\n')
+    name = name.strip('"\'')
     keys = [a.split('=', 1)[0] for a in argv[1:] if a.startswith('--config.')]
     key = next((k for k in keys if name in k.split('.')), f'--config.…{name}')
+    hint = f' {hint.strip()}' if hint.strip() else ''
     raise SystemExit(
-      f'{key}: no such config key ({name!r} is not in its section); configs/base.py lists '
-      'every key with its default'
+      f'{key}: no such config key ({name!r} is not in its section).{hint} configs/base.py '
+      'lists every key with its default'
     ) from None
 
 

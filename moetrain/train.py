@@ -501,6 +501,7 @@ def loop(
     # checkpoint before, which redoes it; a preemption saves first (its grace period is short).
     eval_due = eval_batches and (step == total or t.eval_every and step % t.eval_every == 0)
     if eval_due and not preempted:
+      log.flush()  # the step's record and progress line before its eval's (the eval waits anyway)
       evaluated = step, eval_excluded(step, state)
     with meter.excluded(when=due, recurring=True):
       saved = due and ckpt.save(step, state, train_iter.get_state(), {'step': step})

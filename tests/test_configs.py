@@ -150,6 +150,10 @@ def test_missing_hf_checkpoint_names_the_field(tmp_path):
   config.init.hf_checkpoint = str(tmp_path / 'empty')
   with pytest.raises(FileNotFoundError, match=r'empty/config\.json does not exist'):
     train.build(config, num_devices=8, process_count=1)
+  # A checkpoint without its tokenizer (only config.json and weights copied): data.tokenizer.
+  config.init.hf_checkpoint = os.path.join(ROOT, 'tests', 'fixtures', 'longcat_two_layer')
+  with pytest.raises(ValueError, match=r'longcat_two_layer.*holds neither.*point data\.tokenizer'):
+    train.build(config, num_devices=8, process_count=1)
 
 
 def test_unknown_config_argument_is_refused():
@@ -215,6 +219,30 @@ def test_a_runs_paths_are_absolute(tmp_path, monkeypatch):
   (tmp_path / 'run' / 'config.json').write_text(json.dumps(moved))
   with pytest.raises(ValueError, match='frozen base'):
     run_config.check_resumable(resolved, str(tmp_path / 'run'))
+
+
+def test_a_tool_refuses_another_tokenizer_than_the_runs(tmp_path):
+  """evaluate/generate/export --workdir with a --config naming another tokenizer (or none, for a
+  run that had one) would score the weights on other token ids: refused by name. Other data is
+  the tool's choice."""
+  run = tmp_path / 'run'
+  (run / 'checkpoints' / '3').mkdir(parents=True)
+  trained = base_config(**{'data.tokenizer': str(tmp_path / 'tokenizer.json')})
+  (run / 'config.json').write_text(trained.to_json_best_effort())
+  run_config.check_resumable(trained, str(run), tool=True)
+  other_data = base_config(**{'data.tokenizer': str(tmp_path / 'tokenizer.json')})
+  other_data.data.source = 'jsonl'
+  other_data.data.path = str(tmp_path / '{split}.jsonl')
+  run_config.check_resumable(other_data, str(run), tool=True)
+  with pytest.raises(ValueError, match=r"(?s)other settings.*data\.tokenizer: '.*tokenizer.json'"):
+    run_config.check_resumable(base_config(), str(run), tool=True)
+  run_config.check_resumable(base_config(), str(run))  # a resume only warns (data settings)
+  # A run that trained its own (cached in the run directory): a tool without one reuses it, and
+  # may name it.
+  (run / 'config.json').write_text(base_config().to_json_best_effort())
+  run_config.check_resumable(base_config(), str(run), tool=True)
+  own = base_config(**{'data.tokenizer': str(run / 'tokenizer.model')})
+  run_config.check_resumable(own, str(run), tool=True)
 
 
 def notebook_commands(path: str) -> list[list[str]]:

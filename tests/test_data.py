@@ -246,7 +246,8 @@ def test_chat_in_tfds_columns():
 @pytest.mark.parametrize(
   'line, message',
   [
-    ('{"prompt": "a", "completion": ', 'malformed JSON'),
+    # The column within the line, not json's 'line 2 column 1' (the newline counted).
+    ('{"prompt": "a", "completion": ', 'malformed JSON at column 31: Expecting value'),
     ('{"question": "a"}', 'record has none of the configured fields'),
     ('[1, 2]', 'expected a JSON object'),
     (

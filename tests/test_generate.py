@@ -183,3 +183,21 @@ def test_prefill_attends_in_causal_blocks():
   prefill = temp_bytes(lambda g, s, x: decode.prefill(nnx.merge(g, s), x, 1024))
   full = temp_bytes(lambda g, s, x: nnx.merge(g, s).features(x)[0][:, -1])
   assert prefill <= 1.1 * full, (prefill, full)
+
+
+def test_hf_checkpoint_with_a_run_is_refused_as_both():
+  """--hf_checkpoint together with --workdir/--config: the error says not both (it read as if
+  neither had been given)."""
+  import subprocess
+  import sys
+
+  root = os.path.join(os.path.dirname(__file__), '..')
+  out = subprocess.run(
+    [sys.executable, '-m', 'moetrain.tools.generate', '--hf_checkpoint=ckpt', '--workdir=run'],
+    cwd=root,
+    capture_output=True,
+    text=True,
+    env={**os.environ, 'MOETRAIN_NO_REEXEC': '1', 'PYTHONPATH': root},
+  )
+  assert out.returncode != 0
+  assert 'not both' in out.stderr, out.stderr

@@ -88,7 +88,12 @@ def test_an_unknown_config_key_is_named():
   """`--config.model.nonexistent=3` stops with the key's name, not a traceback from inside
   ml_collections (the flags are parsed before anything heavy is imported)."""
   root = os.path.join(os.path.dirname(__file__), '..')
-  for bad, name in (('model.nonexistent', 'nonexistent'), ('nosection.steps', 'nosection')):
+  cases = (
+    ('model.nonexistent', 'nonexistent'),
+    ('nosection.steps', 'nosection'),
+    ('lora.rnak', 'rnak'),
+  )
+  for bad, name in cases:
     cmd = [sys.executable, '-m', 'moetrain.main', '--config=configs/longcat_lora.py']
     out = subprocess.run(
       [*cmd, f'--config.{bad}=3', '--dry_run'],
@@ -99,4 +104,27 @@ def test_an_unknown_config_key_is_named():
     )
     assert out.returncode != 0
     assert f"--config.{bad}: no such config key ('{name}'" in out.stderr
+    assert 'Traceback' not in out.stderr
+    assert '\\' not in out.stderr  # the key as written, not ml_collections' escaped message
+  assert 'Did you mean "rank" instead of "rnak"?' in out.stderr
+
+
+def test_a_flag_error_is_a_usage_line_not_a_traceback():
+  """A missing --config or a misspelled flag (--dryrun) gets absl's usage error, as app.run's own
+  parser gives it, not a traceback from inside absl."""
+  root = os.path.join(os.path.dirname(__file__), '..')
+  env = {**os.environ, 'MOETRAIN_NO_REEXEC': '1', 'PYTHONPATH': root}
+  for args, message in (
+    ([], 'flag --config=None: Flag --config must have a value other than None'),
+    (['--config=configs/longcat_lora.py', '--dryrun'], "Unknown command line flag 'dryrun'"),
+  ):
+    out = subprocess.run(
+      [sys.executable, '-m', 'moetrain.main', *args],
+      cwd=root,
+      capture_output=True,
+      text=True,
+      env=env,
+    )
+    assert out.returncode == 1
+    assert f'FATAL Flags parsing error: {message}' in out.stderr, out.stderr
     assert 'Traceback' not in out.stderr

@@ -79,6 +79,14 @@ def _validate_tokenizer(cfg: DataConfig) -> None:
       f'data.tokenizer={cfg.tokenizer!r} does not exist: give a .model file, a tokenizer.json or a '
       "checkpoint directory, or '' to train a SentencePiece model into the workdir"
     )
+  names = ('tokenizer.json', 'tokenizer.model')
+  if os.path.isdir(cfg.tokenizer) and not any(
+    os.path.isfile(os.path.join(cfg.tokenizer, n)) for n in names
+  ):
+    raise ValueError(
+      f'data.tokenizer={cfg.tokenizer!r} holds neither {names[0]} nor {names[1]}: point '
+      "data.tokenizer at the one the weights go with (left empty, it is init.hf_checkpoint's)"
+    )
   if not cfg.tokenizer and cfg.vocab_size < MIN_SPM_VOCAB:
     raise ValueError(
       f'data.vocab_size={cfg.vocab_size} is too small for a byte-fallback SentencePiece model: '

@@ -169,8 +169,10 @@ class JsonlSource:
 
   def _parse(self, raw: bytes, where: str) -> Example:
     try:
-      record = json.loads(raw)
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+      record = json.loads(raw.rstrip(b'\r\n'))  # one line: e.colno is the column in it
+    except json.JSONDecodeError as e:
+      raise ValueError(f'{where}: malformed JSON at column {e.colno}: {e.msg}') from e
+    except UnicodeDecodeError as e:
       raise ValueError(f'{where}: malformed JSON: {e}') from e
     if not isinstance(record, dict):
       raise ValueError(f'{where}: expected a JSON object, got {type(record).__name__}')

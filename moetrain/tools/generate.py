@@ -213,7 +213,8 @@ def main(argv):
   del argv
   f = flags.FLAGS
   if bool(f.hf_checkpoint) == (f.config is not None or f.workdir is not None):
-    raise app.UsageError('pass --hf_checkpoint=DIR, or --workdir of a run, or --config')
+    both = '; not both: --hf_checkpoint loads a checkpoint as is' if f.hf_checkpoint else ''
+    raise app.UsageError(f'pass --hf_checkpoint=DIR, or --workdir of a run, or --config{both}')
   if f.max_new_tokens < 1:
     raise app.UsageError(f'--max_new_tokens={f.max_new_tokens} must be at least 1')
   check_sampling(f.temperature, f.top_p)

@@ -372,6 +372,36 @@ def test_packing_golden_row():
   np.testing.assert_array_equal(row['loss_mask'], [1, 1, 1, 1, 0, 1, 1, 1, 0, 0])
 
 
+@pytest.mark.parametrize('style', ['metaspace', 'prepend_normalizer'])
+def test_hf_sentencepiece_style_completion_gets_no_extra_space(tmp_path, style):
+  """A tokenizer.json that marks every text's start as a word start (Metaspace prepend, or
+  Llama 2's Prepend normalizer): a completion encoded apart, where a token spans the boundary,
+  is encoded without that marker, so the pair decodes to the text as written."""
+  from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
+
+  tok = Tokenizer(models.BPE(unk_token='<unk>'))
+  if style == 'metaspace':
+    tok.pre_tokenizer = pre_tokenizers.Metaspace(prepend_scheme='first')
+  else:
+    tok.normalizer = normalizers.Sequence([normalizers.Prepend('▁'), normalizers.Replace(' ', '▁')])
+    tok.pre_tokenizer = pre_tokenizers.Split('▁', 'merged_with_next')
+  tok.decoder = decoders.Metaspace(prepend_scheme='first')
+  trainer = trainers.BpeTrainer(vocab_size=150, special_tokens=['<pad>', '<s>', '</s>', '<unk>'])
+  tok.train_from_iterator(['say cat red fox cup reverse'] * 20, trainer)
+  tok.save(str(tmp_path / 'tokenizer.json'))
+  hf = tokenizer_lib.load_tokenizer(tmp_path / 'tokenizer.json')
+  assert (
+    hf.decode(hf.encode('cat')) == 'cat' and hf.encode('cat')[0] != hf.encode_continuation('cat')[0]
+  )
+  head, tail = packing.split_encode(hf, 'say ca', 't')
+  assert head == hf.encode('say ca') and tail == hf.encode_continuation('t')
+  assert hf.decode(head + tail) == 'say cat'
+  # Where nothing spans the boundary, the split of the joint text is kept as before.
+  head, tail = packing.split_encode(hf, 'say', ' red fox')
+  assert hf.decode(head + tail) == 'say red fox'
+  assert pickle.loads(pickle.dumps(hf)).encode_continuation('cat') == hf.encode_continuation('cat')
+
+
 def test_completion_tokens_are_those_of_the_text(spm_tokenizer):
   """A SentencePiece model starts every text it encodes with a space: the completion is split
   from the tokens of prompt + completion, so the model trains on the text as written."""

@@ -201,6 +201,7 @@ class HFTokenizer:
     self.bos_id = resolve('bos', bos)
     self.eos_id = resolve('eos', eos)
     self.pad_id = resolve('pad', pad) or 0
+    self._continuation = None
 
   @classmethod
   def from_file(cls, path: str | os.PathLike, **overrides: Special) -> HFTokenizer:
@@ -219,6 +220,16 @@ class HFTokenizer:
     # template) are read as those tokens, as transformers' tokenizers do by default.
     return self._tok.encode(text, add_special_tokens=False).ids
 
+  def encode_continuation(self, text: str) -> list[int]:
+    """The tokens of `text` continuing an earlier text: without the word-start marker that a
+    SentencePiece-style tokenizer.json puts before every text it encodes (a Metaspace
+    pre-tokenizer's prepend_scheme, or a Prepend normalizer as in Llama 2's)."""
+    if self._continuation is None:  # built on first use (a race builds it twice: harmless)
+      spec = json.loads(self._state['tokenizer_json'])
+      changed = _drop_prepend(spec)
+      self._continuation = tokenizers.Tokenizer.from_str(json.dumps(spec)) if changed else self._tok
+    return self._continuation.encode(text, add_special_tokens=False).ids
+
   def decode(self, ids: Sequence[int]) -> str:
     return self._tok.decode([int(i) for i in ids], skip_special_tokens=True)
 
@@ -227,6 +238,34 @@ class HFTokenizer:
 
   def __setstate__(self, state: dict) -> None:
     self.__init__(**state)
+
+
+def _drop_prepend(node) -> bool:
+  """Turns off, in a tokenizer.json spec (in place), what prepends the word-start marker to a
+  text: Metaspace pre-tokenizers' prepend_scheme (and the older add_prefix_space) and Prepend
+  normalizers. Returns whether anything changed."""
+  changed = False
+  if isinstance(node, dict):
+    if node.get('type') == 'Metaspace':
+      changed = node.get('prepend_scheme', 'never') != 'never' or bool(node.get('add_prefix_space'))
+      node['prepend_scheme'] = 'never'
+      node.pop('add_prefix_space', None)
+    if node.get('type') == 'Sequence':
+      for key in ('normalizers', 'pretokenizers'):
+        items = node.get(key) or []
+        kept = [n for n in items if not (isinstance(n, dict) and n.get('type') == 'Prepend')]
+        changed |= len(kept) != len(items)
+        if key in node:
+          node[key] = kept
+    for key, value in node.items():
+      if key == 'normalizer' and isinstance(value, dict) and value.get('type') == 'Prepend':
+        node[key], changed = None, True
+      elif isinstance(value, dict | list):
+        changed |= _drop_prepend(value)
+  elif isinstance(node, list):
+    for item in node:
+      changed |= _drop_prepend(item)
+  return changed
 
 
 def load_tokenizer(

@@ -12,6 +12,7 @@ import numpy as np
 from absl import logging
 
 from moetrain.data import packing, sources
+from moetrain.data import tokenizer as tokenizer_lib
 from moetrain.data.tokenizer import Tokenizer, get_or_train_tokenizer
 
 SOURCES = ('demo', 'jsonl', 'text', 'tfds')
@@ -79,13 +80,11 @@ def _validate_tokenizer(cfg: DataConfig) -> None:
       f'data.tokenizer={cfg.tokenizer!r} does not exist: give a .model file, a tokenizer.json or a '
       "checkpoint directory, or '' to train a SentencePiece model into the workdir"
     )
-  names = ('tokenizer.json', 'tokenizer.model')
-  if os.path.isdir(cfg.tokenizer) and not any(
-    os.path.isfile(os.path.join(cfg.tokenizer, n)) for n in names
-  ):
+  if cfg.tokenizer and tokenizer_lib.tokenizer_file(cfg.tokenizer) is None:
     raise ValueError(
-      f'data.tokenizer={cfg.tokenizer!r} holds neither {names[0]} nor {names[1]}: point '
-      "data.tokenizer at the one the weights go with (left empty, it is init.hf_checkpoint's)"
+      f'data.tokenizer={cfg.tokenizer!r} holds neither {tokenizer_lib.HF_FILE} nor '
+      f'{tokenizer_lib.SPM_FILE}: point data.tokenizer at the one the weights go with (left '
+      "empty, it is init.hf_checkpoint's)"
     )
   if not cfg.tokenizer and cfg.vocab_size < MIN_SPM_VOCAB:
     raise ValueError(

@@ -268,21 +268,26 @@ def _drop_prepend(node) -> bool:
   return changed
 
 
+def tokenizer_file(path: str | os.PathLike) -> Path | None:
+  """The file a tokenizer path reads: the path itself, or for a directory (read the way a
+  Hugging Face checkpoint is) its tokenizer.json, else its tokenizer.model; None for a directory
+  holding neither."""
+  path = Path(path)
+  if not path.is_dir():
+    return path
+  return next((c for c in (path / HF_FILE, path / SPM_FILE) if c.is_file()), None)
+
+
 def load_tokenizer(
   path: str | os.PathLike, *, bos: Special = None, eos: Special = None, pad: Special = None
 ) -> Tokenizer:
-  """Loads a `.model` file, a `tokenizer.json` file, or a directory holding either.
-
-  A directory is read the way a Hugging Face checkpoint is: tokenizer.json first, then
-  tokenizer.model. bos/eos/pad override the tokenizer's own special tokens (id or token string).
-  """
-  path = Path(path)
+  """Loads a `.model` file, a `tokenizer.json` file, or a directory holding either
+  (tokenizer_file). bos/eos/pad override the tokenizer's own special tokens (id or string)."""
   overrides = dict(bos=bos, eos=eos, pad=pad)
-  if path.is_dir():
-    for candidate in (path / HF_FILE, path / SPM_FILE):
-      if candidate.is_file():
-        return load_tokenizer(candidate, **overrides)
+  file = tokenizer_file(path)
+  if file is None:
     raise FileNotFoundError(f'tokenizer directory {path} holds neither {HF_FILE} nor {SPM_FILE}')
+  path = file
   if not path.is_file():
     raise FileNotFoundError(f'tokenizer {path} does not exist')
   if path.suffix == '.model':

@@ -7,6 +7,7 @@ import os
 from absl import logging
 
 from moetrain import runtime
+from moetrain.data import tokenizer as tokenizer_lib
 
 # ModelConfig fields that are training/engine choices, not checkpoint shapes: with
 # init.hf_checkpoint the shapes come from its config.json and these from config.model.
@@ -128,69 +129,82 @@ def check_resumable(
   with open(path) as f:
     saved = with_absolute_paths(json.load(f))
   now = with_absolute_paths(json.loads(config.to_json_best_effort()))
+  diffs = _state_diffs(saved, now) + _base_diffs(saved, now)
+  if tool:
+    diffs += _tokenizer_diffs(saved, now, workdir)
+  if diffs:
+    raise ValueError(
+      f'{workdir} holds checkpoints of a run with other settings; {advice}:\n  '
+      + '\n  '.join(diffs)
+    )
+  if not tool:
+    _warn_data_changes(saved, now, workdir)
+
+
+def _was(what: str, saved, now, why: str = '') -> str:
+  return f'{what}: {saved!r} in the checkpointed run, now {now!r}' + (f' ({why})' if why else '')
+
+
+def _state_diffs(saved: dict, now: dict) -> list[str]:
+  """The settings that shape the saved state: model and LoRA fields (not ENGINE_FIELDS),
+  gradient clipping (a state of its own) and float16 (a loss scale in the state)."""
   diffs = [
-    f'{section}.{key}: {saved[section].get(key)!r} in the checkpointed run, now {value!r}'
+    _was(f'{section}.{key}', saved[section].get(key), value)
     for section in ('model', 'lora')
     for key, value in now.get(section, {}).items()
     if section in saved
     and not (section == 'model' and key in ENGINE_FIELDS)
     and saved[section].get(key, value) != value
   ]
-  # The optimizer state's structure: gradient clipping adds a state of its own.
   clip = lambda c: c.get('optim', {}).get('grad_clip', 0) > 0
   if 'optim' in saved and clip(saved) != clip(now):
-    diffs.append(
-      f'optim.grad_clip: {saved["optim"].get("grad_clip")!r} in the checkpointed run, now '
-      f'{now["optim"].get("grad_clip")!r} (on and off keep different optimizer states)'
-    )
-  # float16 compute keeps a dynamic loss scale in the state; other dtypes none.
+    grad_clip = lambda c: c['optim'].get('grad_clip')
+    why = 'on and off keep different optimizer states'
+    diffs.append(_was('optim.grad_clip', grad_clip(saved), grad_clip(now), why))
   half = lambda c: c.get('model', {}).get('dtype') == 'float16'
   if 'model' in saved and half(saved) != half(now):
-    diffs.append(
-      f'model.dtype: {saved["model"].get("dtype")!r} in the checkpointed run, now '
-      f'{now["model"].get("dtype")!r} (float16 keeps a loss scale in the checkpoint, others none)'
+    dtype = lambda c: c['model'].get('dtype')
+    why = 'float16 keeps a loss scale in the checkpoint, others none'
+    diffs.append(_was('model.dtype', dtype(saved), dtype(now), why))
+  return diffs
+
+
+def _base_diffs(saved: dict, now: dict) -> list[str]:
+  """A LoRA checkpoint holds no frozen base: the run rebuilds it from init.hf_checkpoint, or from
+  the seed, and the adapters belong to that base."""
+  if now.get('lora', {}).get('rank', 0) <= 0 or 'model' not in saved:
+    return []
+
+  def base(c):  # what the frozen base is built from (model.param_dtype only rounds it)
+    init_std = c.get('model', {}).get('init_std')
+    return (
+      c.get('init', {}).get('hf_checkpoint', '') or f'seed {c.get("seed")}, init_std {init_std}'
     )
-  # A LoRA checkpoint holds no frozen base: the run rebuilds it from init.hf_checkpoint, or from
-  # the seed, and the adapters belong to that base.
-  if now.get('lora', {}).get('rank', 0) > 0:
 
-    def base(c):  # what the frozen base is built from (model.param_dtype only rounds it)
-      init_std = c.get('model', {}).get('init_std')
-      return (
-        c.get('init', {}).get('hf_checkpoint', '') or f'seed {c.get("seed")}, init_std {init_std}'
-      )
+  what = 'the frozen base (init.hf_checkpoint, or the seed and model.init_std without one)'
+  return [] if base(saved) == base(now) else [_was(what, base(saved), base(now))]
 
-    if 'model' in saved and base(saved) != base(now):
-      diffs.append(
-        f'the frozen base (init.hf_checkpoint, or the seed and model.init_std without one): '
-        f'{base(saved)!r} in the checkpointed run, now {base(now)!r}'
-      )
-  if tool:
-    # The weights know the run's token ids: another tokenizer makes them read other text (and
-    # with none given, a tool would train one into the run directory).
-    def tokenizer(c):  # the file it reads: data.tokenizer, the checkpoint's or the run's own
-      path = c.get('data', {}).get('tokenizer', '') or c.get('init', {}).get('hf_checkpoint', '')
-      if not path:
-        return os.path.join(absolute(workdir), 'tokenizer.model')
-      path = absolute(path)
-      names = ('tokenizer.json', 'tokenizer.model') if os.path.isdir(path) else ()
-      found = [os.path.join(path, n) for n in names if os.path.isfile(os.path.join(path, n))]
-      return found[0] if found else path
 
-    if 'data' in saved and tokenizer(saved) != tokenizer(now):
-      diffs.append(
-        f'data.tokenizer: {tokenizer(saved)!r} in the checkpointed run, now {tokenizer(now)!r} '
-        '(the weights were trained on its token ids)'
-      )
-  if diffs:
-    raise ValueError(
-      f'{workdir} holds checkpoints of a run with other settings; {advice}:\n  '
-      + '\n  '.join(diffs)
-    )
-  if tool:
-    return
+def _tokenizer_diffs(saved: dict, now: dict, workdir: str) -> list[str]:
+  """The weights know the run's token ids: another tokenizer makes them read other text (and
+  with none given, a tool would train one into the run directory)."""
+  if 'data' not in saved:
+    return []
+
+  def tokenizer(c):  # the file it reads: data.tokenizer, the checkpoint's or the run's own
+    path = c.get('data', {}).get('tokenizer', '') or c.get('init', {}).get('hf_checkpoint', '')
+    if not path:
+      return os.path.join(absolute(workdir), tokenizer_lib.SPM_FILE)
+    return str(tokenizer_lib.tokenizer_file(absolute(path)) or absolute(path))
+
+  why = 'the weights were trained on its token ids'
+  same = tokenizer(saved) == tokenizer(now)
+  return [] if same else [_was('data.tokenizer', tokenizer(saved), tokenizer(now), why)]
+
+
+def _warn_data_changes(saved: dict, now: dict, workdir: str) -> None:
   changed = [
-    f'data.{key}: {saved["data"][key]!r} in the checkpointed run, now {now["data"].get(key)!r}'
+    _was(f'data.{key}', saved['data'][key], now.get('data', {}).get(key))
     for key in DATA_STREAM_FIELDS
     if key in saved.get('data', {}) and saved['data'][key] != now.get('data', {}).get(key)
   ]

@@ -166,17 +166,13 @@ class ModelConfig:
       f'must be a positive even number for int4, got {self.quant_group_size}',
     )
     if self.quant == 'int4':  # codes pack in pairs along each kernel's first input dimension
-      for field in ('hidden_size', 'q_lora_rank', 'kv_lora_rank', 'num_heads', 'ffn_hidden_size'):
+      packed = ('hidden_size', 'q_lora_rank', 'kv_lora_rank', 'num_heads')
+      for field in (*packed, 'ffn_hidden_size', 'expert_ffn_hidden_size'):
         need(
           getattr(self, field) % 2 == 0,
           field,
           f'{getattr(self, field)} is odd: int4 packs two codes along it; use model.quant=int8',
         )
-      need(
-        self.expert_ffn_hidden_size % 2 == 0,
-        'expert_ffn_hidden_size',
-        f'{self.expert_ffn_hidden_size} is odd: int4 packs two codes along it; use model.quant=int8',
-      )
     need(
       self.quant == 'none' or self.lora.enabled,
       'quant',

@@ -452,29 +452,21 @@ def loop(
   meter = metrics_lib.Throughput(start, total)
   log = train_log.TrainLog.create(setup, meter, writer, mesh)
   exhausted, saved, why = False, False, ''
+
+  def evaluate(step, recurring=True):  # (step, results), its time out of tokens/s
+    with meter.excluded(recurring=recurring):
+      return step, run_eval(step, state, eval_batches, eval_fn, batch_sharding, writer)
+
   evaluated = (None, {})  # the latest eval: (step, results)
   if start == 0 and eval_batches:  # the baseline that fine-tuning is measured against
-    with meter.excluded():
-      evaluated = 0, run_eval(0, state, eval_batches, eval_fn, batch_sharding, writer)
+    evaluated = evaluate(0, recurring=False)
   finite = jax.process_count() > 1 and setup.data.num_epochs is not None
-
-  def eval_excluded(step, state):
-    jax.block_until_ready(state)  # the step's own time stays in tokens/s, the eval's does not
-    with meter.excluded(recurring=True):
-      return run_eval(step, state, eval_batches, eval_fn, batch_sharding, writer)
-
   data_ended = multihost.Exchange('data_ended') if finite else None
   for step in range(start + 1, stop + 1):
     batch, position = next_batch(train_iter, data_ended, step)
     if batch is None:  # a finite data.num_epochs ran out before train.steps
-      exhausted, done = True, step - 1
-      if done > start:  # log and save the last step run, as at `stop`
-        if done % t.log_every:
-          log.mark(done, train_iter.num_truncated)
-        if not saved:
-          log.flush()  # (as at a save step)
-          ckpt.save(done, state, position or train_iter.get_state(), {'step': done})
-      why = data_ended_note(done, done > start, setup.data.num_epochs, total)
+      exhausted = True
+      why = save_at_data_end(setup, step - 1, start, saved, state, position, train_iter, log, ckpt)
       break
     inputs = to_global(batch, batch_sharding)  # explicit host-to-device, outside the guard
     # The step itself must not move data implicitly. The first call compiles, and its compute
@@ -494,19 +486,20 @@ def loop(
     if step % t.log_every == 0 or step == stop or preempted:  # (the resumed run logs after it)
       log.mark(step, train_iter.num_truncated)
     due = step == stop or preempted or ckpt.due(step)
-    if due:  # the step's own time stays in tokens/s, the save's (a host copy, a wait) does not
+    eval_due = eval_batches and (step == total or t.eval_every and step % t.eval_every == 0)
+    if due or eval_due:
+      # The step's own time stays in tokens/s, the save's and the eval's do not; its record is
+      # written first, so that a kill during either loses nothing.
       jax.block_until_ready(state)
-      log.flush()  # a kill once the checkpoint is saved must not lose its step's record
+      log.flush()
     # A step's eval comes before its checkpoint, so that a kill during the eval leaves the
     # checkpoint before, which redoes it; a preemption saves first (its grace period is short).
-    eval_due = eval_batches and (step == total or t.eval_every and step % t.eval_every == 0)
     if eval_due and not preempted:
-      log.flush()  # the step's record and progress line before its eval's (the eval waits anyway)
-      evaluated = step, eval_excluded(step, state)
+      evaluated = evaluate(step)
     with meter.excluded(when=due, recurring=True):
       saved = due and ckpt.save(step, state, train_iter.get_state(), {'step': step})
     if eval_due and preempted:
-      evaluated = step, eval_excluded(step, state)
+      evaluated = evaluate(step)
     if preempted:
       why = f'Preempted: saved step {step}; rerun the same command to resume.'
       break
@@ -516,11 +509,23 @@ def loop(
     writer.progress(why)
   last = log.last
   if (int(state.step) == total or exhausted) and eval_batches:
-    at, ev = evaluated  # (this step's already, when the data ended on an eval step)
-    if at != int(state.step):
-      ev = run_eval(int(state.step), state, eval_batches, eval_fn, batch_sharding, writer)
+    # (this step's already, when the data ended on an eval step)
+    _, ev = evaluated if evaluated[0] == int(state.step) else evaluate(int(state.step))
     last = {**last, **{f'eval_{k}': v for k, v in ev.items()}}
   return state, {**last, 'data_ended': True} if exhausted else last
+
+
+def save_at_data_end(setup, done, start, saved, state, position, train_iter, log, ckpt) -> str:
+  """A finite data.num_epochs ran out after step `done`: its record is written and it is saved,
+  as at the last step (unless it was saved already, or no step ran), before the position
+  `position` the hosts agreed on. Returns the note that says so."""
+  if done > start:
+    if done % setup.train.log_every:
+      log.mark(done, train_iter.num_truncated)
+    if not saved:
+      log.flush()  # (as at a save step)
+      ckpt.save(done, state, position or train_iter.get_state(), {'step': done})
+  return data_ended_note(done, done > start, setup.data.num_epochs, setup.train.steps)
 
 
 def data_ended_note(done: int, saved: bool, num_epochs, total: int) -> str:

@@ -35,6 +35,10 @@ def set_flash_pod(config, global_batch_size: int, eval_batch_size: int) -> None:
   8192-token rows; the tokenizer from the checkpoint (or set data.tokenizer). Batch sizes must
   be multiples of the batch shards (data * fsdp * expert)."""
   config.model.param_dtype = 'bfloat16'
+  # A worst-case (ep x) receive buffer per MoE layer does not fit a chip at this batch; twice the
+  # local assignments does (moetrain.tools.plan --topology=v5p-128), and overflow is reported
+  # as dropped_frac.
+  config.model.moe_ep_recv_factor = 2.0
   config.mesh.shape = (1, -1, 16, 1)
   config.data.seq_len = 8192
   config.data.global_batch_size = global_batch_size

@@ -11,8 +11,8 @@ import numpy as np
 from absl import logging
 from flax import nnx
 
+from moetrain import aot, multihost, optim, run_config, runtime, sharding, train_log
 from moetrain import metrics as metrics_lib
-from moetrain import multihost, optim, run_config, runtime, sharding, train_log
 from moetrain.checkpoint import Checkpointer, data_positions, process_data_state
 from moetrain.data import pipeline
 from moetrain.model.config import LoraConfig, ModelConfig
@@ -25,7 +25,6 @@ from moetrain.train_state import (
   merge_model,
   split_model,
   state_from_weights,
-  state_shardings,
   trainable_filter,
 )
 from moetrain.train_step import StepConfig, eval_step, jit_train_step
@@ -96,14 +95,21 @@ def model_config(config) -> ModelConfig:
 
 
 def build(
-  config, num_devices: int | None = None, process_count: int | None = None, training: bool = True
+  config,
+  num_devices: int | None = None,
+  process_count: int | None = None,
+  training: bool = True,
+  platform: str | None = None,
 ) -> Setup:
   """Converts and validates everything before any compilation; errors name the field. A tool
-  (training=False) reading an older run's settings skips the checks only training needs."""
+  (training=False) reading an older run's settings skips the checks only training needs.
+  platform: what the step is compiled for (default: this process's backend); it picks the MoE
+  engine, so that a plan compiled on a CPU host for a TPU measures the TPU engine."""
   num_devices = num_devices or jax.device_count()
   process_count = process_count or jax.process_count()
   mesh_shape = sharding.resolve_mesh_shape(config.mesh.shape, num_devices)
   model = model_config(config)  # (checks mesh.rules)
+  model = dataclasses.replace(model, platform=platform or jax.default_backend())
   sharding.check_axes_used(mesh_shape, config.mesh.rules)
   model.validate()
   data = pipeline.DataConfig(**config.data.to_dict())
@@ -362,9 +368,10 @@ def run(config, workdir: str) -> dict:
     batch_sharding = sharding.batch_sharding(mesh)
     sharding.check_hosts_own_rows(batch_sharding, setup.data.global_batch_size)
     with jax.set_mesh(mesh):
-      state = restore_or_init(setup, ckpt, optimizer, mesh, train_iter)
-      shardings = state_shardings(jax.eval_shape(lambda: state), mesh, setup.model.rules)
+      _, shardings = aot.abstract_state(setup, mesh)
       step_fn = jit_train_step(setup.step, optimizer, lr_fn, shardings, batch_sharding)
+      aot.precompile_train_step(setup, mesh, step_fn, writer.progress)  # before any weight
+      state = restore_or_init(setup, ckpt, optimizer, mesh, train_iter)
       eval_fn = jax.jit(functools.partial(eval_step, graphdef=graphdef))
       state, last = loop(
         setup, state, step_fn, eval_fn, train_iter, eval_batches, ckpt, writer, batch_sharding, mesh
@@ -385,7 +392,8 @@ def config_json(config, setup: Setup) -> str:
   saved = json.loads(config.to_json_best_effort())
   if setup.hf_checkpoint:
     model = dataclasses.asdict(setup.model)
-    saved['model_from_checkpoint'] = {k: v for k, v in model.items() if k not in ('lora', 'rules')}
+    skip = ('lora', 'rules', 'platform')
+    saved['model_from_checkpoint'] = {k: v for k, v in model.items() if k not in skip}
   return json.dumps(saved, indent=1)
 
 

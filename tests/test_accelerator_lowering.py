@@ -12,20 +12,12 @@ import pytest
 from flax import nnx
 
 from moetrain import sharding
-from moetrain.model import dispatch, expert_parallel
 from moetrain.model.moe import MoE
 from moetrain.train_state import init_state, state_shardings
 from moetrain.train_step import StepConfig, jit_train_step
 from tests.helpers import ALL_TARGETS, tiny, with_lora
 
 RAGGED_A2A = jax.export.DisabledSafetyCheck.custom_call('ragged_all_to_all')
-
-
-@pytest.fixture
-def accelerator_code(monkeypatch):
-  """The real kernel and collective instead of their CPU stand-ins."""
-  monkeypatch.setattr(dispatch, 'megablox_interpret', lambda: False)
-  monkeypatch.setattr(expert_parallel, 'emulate_ragged_all_to_all', lambda: False)
 
 
 def _export_moe_grad(cfg, platform, mesh_shape=None):
@@ -45,9 +37,10 @@ def _export_moe_grad(cfg, platform, mesh_shape=None):
     return export(st, jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=spec)).mlir_module()
 
 
-# TPU-shaped experts (D and F multiples of 128) with LoRA adapters of rank 8 on them.
+# TPU-shaped experts (D and F multiples of 128) with LoRA adapters of rank 8 on them; the engine
+# chosen for a TPU (the real kernel and collective, not their CPU stand-ins).
 CFG = with_lora(
-  tiny(hidden_size=256, expert_ffn_hidden_size=128, dtype='bfloat16'),
+  tiny(hidden_size=256, expert_ffn_hidden_size=128, dtype='bfloat16', platform='tpu'),
   rank=8,
   targets=r'experts\.(gate|up|down)$',
   alpha=16.0,
@@ -55,21 +48,21 @@ CFG = with_lora(
 EP = dict(rules=sharding.Rules.preset('fsdp_ep_tp'), moe_ep_comm='ragged')
 
 
-def test_megablox_lowers_for_tpu(accelerator_code):
+def test_megablox_lowers_for_tpu():
   """Block shapes pass Mosaic's rules in the forward and in megablox's own VJP (which reuses the
   forward tiling for the transposed products); the thin LoRA products use ragged_dot."""
   text = _export_moe_grad(dataclasses.replace(CFG, moe_backend='megablox'), 'tpu')
   assert text.count('tpu_custom_call') >= 3
 
 
-def test_ragged_expert_parallel_lowers_for_tpu(accelerator_code):
+def test_ragged_expert_parallel_lowers_for_tpu():
   cfg = dataclasses.replace(CFG, moe_backend='megablox', **EP)
   text = _export_moe_grad(cfg, 'tpu', (1, 2, 4, 1))
   assert 'ragged_all_to_all' in text and 'tpu_custom_call' in text
 
 
-def test_ragged_expert_parallel_lowers_for_gpu(accelerator_code):
-  cfg = dataclasses.replace(CFG, moe_backend='ragged_dot', **EP)
+def test_ragged_expert_parallel_lowers_for_gpu():
+  cfg = dataclasses.replace(CFG, moe_backend='ragged_dot', platform='gpu', **EP)
   text = _export_moe_grad(cfg, 'cuda', (1, 2, 4, 1))
   # Tokens out and results back, then the gradient's two reverse exchanges.
   calls = [line for line in text.splitlines() if 'custom_call @ragged_all_to_all(' in line]
@@ -77,10 +70,12 @@ def test_ragged_expert_parallel_lowers_for_gpu(accelerator_code):
 
 
 @pytest.mark.parametrize('platform,backend', [('tpu', 'megablox'), ('cuda', 'ragged_dot')])
-def test_sharded_train_step_lowers(accelerator_code, platform, backend):
+def test_sharded_train_step_lowers(platform, backend):
   """The whole LoRA training step (attention, MoE with ragged expert parallelism, loss, AdamW),
   jitted with the state and batch shardings the training loop uses on a (1,2,4,1) mesh."""
-  cfg = with_lora(dataclasses.replace(CFG, moe_backend=backend, **EP), rank=8, targets=ALL_TARGETS)
+  target = {'cuda': 'gpu'}.get(platform, platform)
+  cfg = dataclasses.replace(CFG, moe_backend=backend, platform=target, **EP)
+  cfg = with_lora(cfg, rank=8, targets=ALL_TARGETS)
   opt = optax.adamw(1e-4)
   mesh = sharding.make_mesh((1, 2, 4, 1))
   with jax.set_mesh(mesh):

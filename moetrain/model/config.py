@@ -127,6 +127,17 @@ class ModelConfig:
   quant_group_size: int = 64
   # Logical-axis rules for activation constraints (set by train.py from the mesh config).
   rules: Rules = Rules()
+  # The platform the MoE engine is chosen for ('cpu', 'gpu', 'tpu'): set by train.build from the
+  # compile target (the planner compiles for a TPU on any host); '' = the backend this runs on.
+  platform: str = ''
+
+  @property
+  def target_platform(self) -> str:
+    if self.platform:
+      return self.platform
+    import jax
+
+    return jax.default_backend()
 
   @property
   def qk_head_dim(self) -> int:

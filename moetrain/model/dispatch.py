@@ -127,7 +127,7 @@ def resolve_backend(cfg: ModelConfig, rows: int = 0) -> str:
   """The grouped-matmul backend for `rows` assignments (0 = unknown: a training batch)."""
   if cfg.moe_backend != 'auto':
     return cfg.moe_backend
-  if jax.default_backend() != 'cpu':
+  if cfg.target_platform != 'cpu':
     # 'megablox' (the Pallas TPU kernel) is opt-in until it has been timed on a TPU.
     return 'ragged_dot'
   # bench/RESULTS.md: for the medium experts (512 x 256) and a training batch 'grouped' beats
@@ -186,9 +186,9 @@ def _gmm_tile(k: int, n: int) -> int | None:
   return next((t for t in (512, 256, 128) if k % t == 0 and n % t == 0), None)
 
 
-def megablox_interpret() -> bool:
+def megablox_interpret(cfg: ModelConfig) -> bool:
   """The megablox kernel is Mosaic (TPU) code; elsewhere Pallas interprets it."""
-  return jax.default_backend() != 'tpu'
+  return cfg.target_platform != 'tpu'
 
 
 def megablox_ffn(x_RD, sizes_E, weights, cfg: ModelConfig, rng):
@@ -205,7 +205,7 @@ def megablox_ffn(x_RD, sizes_E, weights, cfg: ModelConfig, rng):
   tm = 128 if r >= 128 else -(-r // 16) * 16
   rows = -(-r // tm) * tm
   inside = (jnp.arange(rows) < jnp.sum(sizes_E))[:, None]
-  interpret = megablox_interpret()
+  interpret = megablox_interpret(cfg)
 
   def mm(x, w):
     w = quant.dequant(w, dt)

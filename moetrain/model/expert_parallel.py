@@ -38,7 +38,7 @@ def routed_experts(x_MD, idx_MA, gates_MA, weights, cfg: ModelConfig, rng=None):
 def resolve_ep_comm(cfg: ModelConfig) -> str:
   if cfg.moe_ep_comm != 'auto':
     return cfg.moe_ep_comm
-  return 'fixed' if jax.default_backend() == 'cpu' else 'ragged'
+  return 'fixed' if cfg.target_platform == 'cpu' else 'ragged'
 
 
 def expert_parallel(x_MD, idx_MA, gates_MA, weights, cfg: ModelConfig, rng, mesh):
@@ -148,12 +148,13 @@ class Exchange(NamedTuple):
     return Exchange(self.recv_off, self.recv, self.src_off, self.send, self.in_off, self.out_off)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3))
-def ragged_exchange(x_ND, ex: Exchange, rows: int, axis: str):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4))
+def ragged_exchange(x_ND, ex: Exchange, rows: int, axis: str, emulate: bool):
   """[rows, ...] output: the received slices written at their offsets, zeros elsewhere. The
-  gradient is the reverse exchange."""
+  gradient is the reverse exchange. emulate: XLA:CPU has no ragged all-to-all (UNIMPLEMENTED at
+  compile time), so a CPU target runs emulated_ragged_all_to_all."""
   out = jnp.zeros((rows, *x_ND.shape[1:]), x_ND.dtype)
-  if emulate_ragged_all_to_all():
+  if emulate:
     return emulated_ragged_all_to_all(x_ND, out, ex, axis)
   return jax.lax.ragged_all_to_all(
     x_ND, out, ex.in_off, ex.send, ex.out_off, ex.recv, axis_name=axis
@@ -161,14 +162,9 @@ def ragged_exchange(x_ND, ex: Exchange, rows: int, axis: str):
 
 
 ragged_exchange.defvjp(
-  lambda x, ex, rows, axis: (ragged_exchange(x, ex, rows, axis), (ex, x.shape[0])),
-  lambda rows, axis, res, g: (ragged_exchange(g, res[0].reverse(), res[1], axis), None),
+  lambda x, ex, rows, axis, emu: (ragged_exchange(x, ex, rows, axis, emu), (ex, x.shape[0])),
+  lambda rows, axis, emu, res, g: (ragged_exchange(g, res[0].reverse(), res[1], axis, emu), None),
 )
-
-
-def emulate_ragged_all_to_all() -> bool:
-  """XLA:CPU has no ragged all-to-all (UNIMPLEMENTED at compile time)."""
-  return jax.default_backend() == 'cpu'
 
 
 def emulated_ragged_all_to_all(x_ND, out_MD, ex: Exchange, axis: str):
@@ -249,7 +245,8 @@ def _ep_ragged_shard(x_MD, idx_MA, gates_MA, weights, cfg: ModelConfig, ep: int,
   sent_R = (expert_sorted_R < e) & (jnp.arange(r) - ex.in_off[ex_R] < kept_E[ex_R])
   asg_S, slot_R, kept_R = dispatch.place(dispatch.identity_layout(sent_R), order_R)
   send_x = dispatch.dispatch_tokens(x_MD.astype(dtype_of(cfg.dtype)), asg_S, slot_R)
-  recv_x = ragged_exchange(send_x, ex, buf, 'expert')
+  emulate = cfg.target_platform == 'cpu'
+  recv_x = ragged_exchange(send_x, ex, buf, 'expert', emulate)
   # Received rows are sorted by local expert; rows past the groups are empty (id e_loc).
   expert_B = jnp.searchsorted(jnp.cumsum(local_sizes), jnp.arange(buf), side='right')
   local = dispatch.make_layout(
@@ -257,7 +254,7 @@ def _ep_ragged_shard(x_MD, idx_MA, gates_MA, weights, cfg: ModelConfig, ep: int,
   )
   y_buf = local.run(dispatch.gather_rows(recv_x, local.src_P, local.dest_R), weights, rng)
   y_recv = dispatch.gather_rows(y_buf, local.dest_R, local.src_P)
-  y_sorted = ragged_exchange(y_recv, ex.reverse(), r, 'expert')
+  y_sorted = ragged_exchange(y_recv, ex.reverse(), r, 'expert', emulate)
   return dispatch.combine(
     dispatch.gather_rows(y_sorted, slot_R, asg_S), kept_R, idx_MA, gates_MA, cfg
   )

@@ -1,7 +1,9 @@
-"""Dry run: build the model abstractly (no weights allocated) and report its size.
+"""Plan a run: its size (--dry_run), and with --topology its real train and eval steps compiled
+ahead of time for a Cloud TPU slice on any host (per-chip memory, fits or not, a roofline
+estimate of the step time), --search for settings that fit, --smallest for the slices that do.
 
 python -m moetrain.tools.plan --config=configs/longcat_lora.py:variant=flash
-(the same as python -m moetrain.main --config=... --dry_run)
+python -m moetrain.tools.plan --config=configs/longcat_lora.py:variant=flash --topology=v5p-128
 """
 
 import dataclasses
@@ -134,9 +136,16 @@ def main(argv):
   from absl import flags
 
   from moetrain import runtime
+  from moetrain.tools import tpu_plan
 
   runtime.quiet_library_logs()
-  dry_run(flags.FLAGS.config)
+  f = flags.FLAGS
+  if not f.topology:
+    if f.search or f.smallest or f.json:
+      raise app.UsageError('--search, --smallest and --json need --topology')
+    dry_run(f.config)
+    return
+  tpu_plan.main(f.config, f.topology, f.search, f.smallest, f.json, f.workers)
 
 
 if __name__ == '__main__':
@@ -146,5 +155,10 @@ if __name__ == '__main__':
   from moetrain import runtime
 
   config_flags.DEFINE_config_file('config', None, 'Experiment config file.', lock_config=True)
+  flags.DEFINE_string('topology', '', 'Compile for this TPU slice: v5p-128, v6e-64, v5p:4x4x4...')
+  flags.DEFINE_bool('search', False, 'Try settings that change memory and speed; print the best.')
+  flags.DEFINE_bool('smallest', False, "Each generation's smallest slice per training method.")
+  flags.DEFINE_string('json', '', 'Also write the plan as JSON to this path.')
+  flags.DEFINE_integer('workers', 2, 'Compile processes for --search and --smallest.')
   flags.mark_flags_as_required(['config'])
   app.run(main, flags_parser=runtime.parse_flags)

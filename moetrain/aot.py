@@ -1,0 +1,169 @@
+"""Ahead-of-time compilation of the run's real train and eval steps for any set of devices (a
+TPU slice described by libtpu, or this host's), from shapes alone: no weights, no TPU."""
+
+import dataclasses
+import functools
+import re
+import time
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from moetrain import hlo_cost, optim, sharding
+from moetrain.train_state import graphdef_of, init_state, state_shardings
+from moetrain.train_step import eval_step, jit_train_step
+
+BATCH_FIELDS = ('inputs', 'targets', 'positions', 'segment_ids', 'loss_mask')
+
+
+def _is_var(x) -> bool:
+  return isinstance(x, nnx.Variable)
+
+
+def abstract_state(setup, mesh):
+  """(the train state as ShapeDtypeStructs carrying their shardings, the shardings)."""
+  optimizer = optim.make_optimizer(setup.optim, setup.train.steps)
+  abstract = jax.eval_shape(lambda: init_state(setup.model, optimizer, setup.seed))
+  shardings = state_shardings(abstract, mesh, setup.model.rules)
+
+  def sds(a, s):
+    if _is_var(a):
+      return a.replace(jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s.get_value()))
+    return jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s)
+
+  return jax.tree.map(sds, abstract, shardings, is_leaf=_is_var), shardings
+
+
+def abstract_batch(rows: int, seq_len: int, mesh) -> dict:
+  """The packed batch moetrain.data.packing makes: int32 rows and a float32 loss mask."""
+  s = sharding.batch_sharding(mesh)
+  dtype = lambda k: jnp.float32 if k == 'loss_mask' else jnp.int32
+  return {k: jax.ShapeDtypeStruct((rows, seq_len), dtype(k), sharding=s) for k in BATCH_FIELDS}
+
+
+def train_step_fn(setup, mesh, shardings):
+  """The loop's jitted train step (moetrain.train.run builds the same)."""
+  optimizer = optim.make_optimizer(setup.optim, setup.train.steps)
+  lr_fn = optim.schedule(setup.optim, setup.train.steps)
+  return jit_train_step(setup.step, optimizer, lr_fn, shardings, sharding.batch_sharding(mesh))
+
+
+def eval_step_fn(setup):
+  return jax.jit(functools.partial(eval_step, graphdef=graphdef_of(setup.model)))
+
+
+@dataclasses.dataclass
+class Compiled:
+  """One compiled program's per-device figures."""
+
+  name: str
+  memory: dict  # bytes per device: arguments, temporaries, outputs, aliased, code, host, total
+  seconds: float  # compile time
+  cost: hlo_cost.Cost | None
+  xla_flops: float  # cost_analysis' flops (loop bodies once)
+  executable: object = None
+
+
+def memory_of(compiled) -> dict:
+  """Per-device bytes of a compiled program. total = arguments + outputs - aliased (donated
+  state updated in place) + temporaries + generated code: what must fit in the device's memory."""
+  m = compiled.memory_analysis()
+  out = {
+    'arguments': m.argument_size_in_bytes,
+    'temporaries': m.temp_size_in_bytes,
+    'outputs': m.output_size_in_bytes,
+    'aliased': m.alias_size_in_bytes,
+    'code': m.generated_code_size_in_bytes,
+    'host': (m.host_argument_size_in_bytes + m.host_temp_size_in_bytes)
+    + (m.host_output_size_in_bytes - m.host_alias_size_in_bytes),
+  }
+  out['total'] = (
+    out['arguments'] + out['outputs'] - out['aliased'] + out['temporaries'] + out['code']
+  )
+  return out
+
+
+class OutOfMemory(Exception):
+  """XLA refused the program: it does not fit the device memory."""
+
+  def __init__(self, name: str, message: str, seconds: float):
+    self.name, self.message, self.seconds = name, message, seconds
+    super().__init__(f'{name}: {message}')
+
+  @property
+  def required_bytes(self) -> float | None:
+    m = re.search(r'(?:temporaries|requirement) \(?([\d.]+)([GMK])', self.message)
+    return float(m.group(1)) * {'G': 2**30, 'M': 2**20, 'K': 2**10}[m.group(2)] if m else None
+
+
+def compile_fn(name: str, fn, args, analyse: bool = True) -> Compiled:
+  t = time.perf_counter()
+  try:
+    compiled = fn.lower(*args).compile()
+  except jax.errors.JaxRuntimeError as e:
+    if 'RESOURCE_EXHAUSTED' not in str(e):
+      raise
+    msg = next((ln for ln in str(e).splitlines() if 'RESOURCE_EXHAUSTED' in ln), str(e))
+    raise OutOfMemory(
+      name, msg.split('RESOURCE_EXHAUSTED: ')[-1], time.perf_counter() - t
+    ) from None
+  seconds = time.perf_counter() - t
+  ca = compiled.cost_analysis() or {}
+  ca = ca[0] if isinstance(ca, list) else ca
+  cost = hlo_cost.analyse(compiled.as_text()) if analyse else None
+  return Compiled(name, memory_of(compiled), seconds, cost, ca.get('flops', 0.0), compiled)
+
+
+def compile_steps(setup, mesh, evaluate: bool = True) -> dict:
+  """{'train': Compiled, 'eval': Compiled}: the steps the training loop runs, for `mesh`'s
+  devices (the engine chosen for setup.model.platform). Raises OutOfMemory."""
+  state, shardings = abstract_state(setup, mesh)
+  d = setup.data
+  out = {}
+  with jax.set_mesh(mesh):
+    train = train_step_fn(setup, mesh, shardings)
+    out['train'] = compile_fn(
+      'train step', train, (state, abstract_batch(d.global_batch_size, d.seq_len, mesh))
+    )
+    if evaluate and d.eval_split:
+      batch = abstract_batch(d.eval_batch_size, d.seq_len, mesh)
+      out['eval'] = compile_fn('eval step', eval_step_fn(setup), (state, batch))
+  return out
+
+
+def device_memory_limit(device) -> int | None:
+  """Bytes a program may use on `device` (None where the backend does not say, e.g. CPU)."""
+  try:
+    stats = device.memory_stats() or {}
+  except Exception:  # compile-only devices, backends without allocator statistics
+    return None
+  return stats.get('bytes_limit')
+
+
+def precompile_train_step(setup, mesh, step_fn, progress=print) -> Compiled:
+  """Compiles the loop's jitted step from shapes before any weight is read, so that a step that
+  does not fit the devices stops the run in seconds with the compiler's numbers, not after a
+  checkpoint import. The executable lands in the persistent compilation cache (if enabled), where
+  the loop's first call finds it."""
+  state, _ = abstract_state(setup, mesh)
+  d = setup.data
+  progress(
+    f'Compiling the train step for {mesh.devices.size} {mesh.devices.flat[0].platform} devices...'
+  )
+  try:
+    c = compile_fn(
+      'train step',
+      step_fn,
+      (state, abstract_batch(d.global_batch_size, d.seq_len, mesh)),
+      analyse=False,
+    )
+  except OutOfMemory as e:
+    raise ValueError(
+      f'the train step does not fit the devices: {e.message} Plan a setting that fits without '
+      'the devices: python -m moetrain.tools.plan --config=... --topology=<slice> --search'
+    ) from None
+  limit = device_memory_limit(mesh.devices.flat[0])
+  of = f' of {limit / 2**30:.2f} GiB' if limit else ''
+  progress(f'Compiled in {c.seconds:.0f} s: {c.memory["total"] / 2**30:.2f} GiB per device{of}.')
+  return c

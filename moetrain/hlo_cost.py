@@ -1,0 +1,238 @@
+"""FLOPs, HBM bytes and collective bytes of a compiled program, counted from its optimized HLO
+with every while loop's trip count (XLA's cost_analysis counts a loop body once: the layer scan,
+the loss blocks and gradient accumulation would be counted once each)."""
+
+import dataclasses
+import math
+import re
+
+_DTYPE_BYTES = {
+  'pred': 1, 's4': 0.5, 'u4': 0.5, 's8': 1, 'u8': 1, 'f8e4m3fn': 1, 'f8e5m2': 1,
+  'bf16': 2, 'f16': 2, 's16': 2, 'u16': 2, 'f32': 4, 's32': 4, 'u32': 4,
+  'f64': 8, 's64': 8, 'u64': 8, 'c64': 8, 'c128': 16,
+}  # fmt: skip
+_ARRAY = re.compile(r'\b([a-z]+\d*(?:e\d+m\d+(?:fn)?)?)\[([\d,]*)\]')
+_HEADER = re.compile(r'^(?:ENTRY )?%(\S+) .*\{$')
+_INSTR = re.compile(r'^\s+(?:ROOT )?%(\S+) = ')
+_REFS = re.compile(r'\b(calls|to_apply|body|condition)=%([\w.\-]+)')
+_REF_LISTS = re.compile(r'\b(branch_computations|called_computations)=\{([^}]*)\}')
+# Ops that move no data of their own (views, control flow, bookkeeping).
+_FREE = {
+  'parameter', 'constant', 'tuple', 'get-tuple-element', 'bitcast', 'while', 'conditional',
+  'call', 'after-all', 'partition-id', 'replica-id', 'add-dependency', 'opt-barrier',
+  'copy-start', 'copy-done', 'async-start', 'async-done', 'async-update', 'iota',
+}  # fmt: skip
+_COLLECTIVES = (
+  'all-gather', 'all-reduce', 'reduce-scatter', 'all-to-all', 'ragged-all-to-all',
+  'collective-permute',
+)  # fmt: skip
+
+
+@dataclasses.dataclass
+class Instr:
+  name: str
+  op: str
+  shapes: list  # [(dtype, dims)] of its output (several for a tuple)
+  operands: list  # operand names
+  attrs: str  # the rest of the line
+
+  @property
+  def bytes(self) -> float:
+    return sum(_DTYPE_BYTES.get(t, 4) * math.prod(d) for t, d in self.shapes)
+
+
+def _split_type(rest: str) -> tuple[str, str]:
+  """'TYPE op(...)...' -> (TYPE, 'op(...)...'); a tuple type is parenthesised."""
+  if not rest.startswith('('):
+    i = rest.index(' ')
+    return rest[:i], rest[i + 1 :]
+  depth = 0
+  for i, c in enumerate(rest):
+    depth += {'(': 1, ')': -1}.get(c, 0)
+    if depth == 0:
+      return rest[: i + 1], rest[i + 2 :]
+  raise ValueError(f'unbalanced HLO type: {rest[:80]}')
+
+
+def _shapes(type_str: str) -> list:
+  type_str = re.sub(r'\{[^{}]*\}', '', re.sub(r'\{[^{}]*\{[^{}]*\}[^{}]*\}', '', type_str))
+  return [(t, [int(x) for x in d.split(',') if x]) for t, d in _ARRAY.findall(type_str)]
+
+
+def _parse_instr(line: str) -> Instr | None:
+  m = _INSTR.match(line)
+  if not m:
+    return None
+  type_str, rest = _split_type(line[m.end() :])
+  op = rest[: rest.index('(')]
+  depth, end = 0, len(rest)
+  for i in range(len(op), len(rest)):
+    depth += {'(': 1, ')': -1}.get(rest[i], 0)
+    if depth == 0:
+      end = i
+      break
+  inner = rest[len(op) + 1 : end]
+  operands = re.findall(r'%([\w.\-]+)', inner)
+  attrs = rest[end + 1 :]
+  if op == 'constant':
+    attrs = f'value={inner} {attrs}'
+  return Instr(m.group(1), op, _shapes(type_str), operands, attrs)
+
+
+def parse_module(text: str) -> tuple[dict, str]:
+  """{computation: [Instr]} and the entry computation's name."""
+  comps, entry, current = {}, None, None
+  for line in text.splitlines():
+    h = _HEADER.match(line)
+    if h:
+      current = comps.setdefault(h.group(1), [])
+      if line.startswith('ENTRY'):
+        entry = h.group(1)
+      continue
+    if line.startswith('}'):
+      current = None
+    elif current is not None:
+      instr = _parse_instr(line)
+      if instr is not None:
+        current.append(instr)
+  return comps, entry
+
+
+def _trip_count(cond: list) -> int | None:
+  """A scan's condition is `counter < N`: N, when it is a constant."""
+  consts = {}
+  for i in cond:
+    if i.op == 'constant':
+      m = re.match(r'value=(-?\d+) ', i.attrs)
+      consts[i.name] = int(m.group(1)) if m else None
+  for i in cond:
+    if i.op == 'compare' and 'direction=LT' in i.attrs:
+      vals = [consts.get(o) for o in i.operands if consts.get(o) is not None]
+      if vals:
+        return vals[0]
+  return None
+
+
+def _multiplicities(comps: dict, entry: str) -> tuple[dict, dict, list]:
+  """How often each computation runs per call of the entry; the fused ones (bodies of fusion
+  instructions, whose data movement is the fusion's own); while loops whose trip count was not
+  recognised (counted once)."""
+  mult, fused, unknown = {entry: 1}, set(), []
+  order = [entry]
+  for comp in order:  # breadth-first over the call graph
+    for instr in comps.get(comp, []):
+      refs = [(k, v) for k, v in _REFS.findall(instr.attrs)]
+      for k, lst in _REF_LISTS.findall(instr.attrs):
+        refs += [(k, v.strip().lstrip('%')) for v in lst.split(',') if v.strip()]
+      trips = 1
+      if instr.op == 'while':
+        cond = dict(refs).get('condition')
+        trips = _trip_count(comps.get(cond, []))
+        if trips is None:
+          unknown.append(instr.name)
+          trips = 1
+      for kind, callee in refs:
+        if callee not in comps:
+          continue
+        if instr.op == 'fusion' and kind == 'calls':
+          fused.add(callee)
+        n = mult[comp] * (trips if kind in ('body', 'condition') else 1)
+        if callee not in mult:
+          order.append(callee)
+        mult[callee] = mult.get(callee, 0) + n
+  return mult, fused, unknown
+
+
+def _matmul_flops(instr: Instr, table: dict) -> float:
+  ops = [table[o].shapes[0] for o in instr.operands if o in table and table[o].shapes]
+  out = instr.shapes[0][1] if instr.shapes else []
+  if instr.op == 'dot' and len(ops) >= 2:
+    m = re.search(r'lhs_contracting_dims=\{([\d,]*)\}', instr.attrs)
+    k = math.prod(ops[0][1][int(d)] for d in m.group(1).split(',') if d) if m else 1
+    return 2.0 * math.prod(out) * k
+  if instr.op == 'convolution' and len(ops) >= 2:
+    return 2.0 * math.prod(out) * _taps(instr, ops[1][1])
+  if instr.op == 'custom-call' and ('ragged-dot' in instr.name or 'gmm' in instr.attrs):
+    return _grouped_flops(instr)
+  return 0.0
+
+
+def _taps(instr: Instr, kernel: list) -> int:
+  """Multiply-adds per output element of a convolution: the kernel's input features times the
+  window positions that meet real input. XLA writes batched matmuls as convolutions whose
+  spatial dims are the batch, with lhs_dilate = window size: one position meets input."""
+  labels = re.search(r'dim_labels=\w+_(\w+)->', instr.attrs)
+  k_labels = labels.group(1) if labels else ''
+  i = kernel[k_labels.index('i')] if 'i' in k_labels else 1
+  window = re.search(r'window=\{([^}]*)\}', instr.attrs)
+  if not window:
+    return i * math.prod(kernel[j] for j, c in enumerate(k_labels) if c.isdigit())
+  field = lambda key: (
+    [int(x) for x in re.search(rf'{key}=([\dx]+)', window.group(1)).group(1).split('x')]
+    if key + '=' in window.group(1)
+    else None
+  )
+  size = field('size') or []
+  dilate = field('lhs_dilate') or [1] * len(size)
+  return i * math.prod(-(-s // d) for s, d in zip(size, dilate))
+
+
+def _grouped_flops(instr: Instr) -> float:
+  """A grouped matmul kernel (XLA's ragged dot, megablox): [M,K] x [G,K,N] -> [M,N] and its
+  transposes, each 2*M*K*N over the whole row buffer (an upper bound: rows past the groups are
+  skipped by the kernel)."""
+  m = re.search(r'operand_layout_constraints=\{(.*?)\}, (?:frontend|metadata|backend)', instr.attrs)
+  arrays = (_shapes(m.group(1)) if m else []) + instr.shapes
+  arrays = [d for t, d in arrays if t in ('bf16', 'f32', 'f16') and len(d) in (2, 3)]
+  threes = [d for d in arrays if len(d) == 3]
+  twos = [d for d in arrays if len(d) == 2]
+  if len(threes) != 1 or len(twos) < 2:
+    return 0.0
+  g = threes[0][0]
+  prod = math.prod(threes[0]) * math.prod(twos[-2]) * math.prod(twos[-1])
+  return 2.0 * math.sqrt(prod / g)
+
+
+@dataclasses.dataclass
+class Cost:
+  flops: float  # every dot/convolution/grouped matmul, loops counted with their trip counts
+  hbm_bytes: float  # operands + outputs of every unfused instruction and fusion
+  collective_bytes: float  # data each device sends or receives in collectives
+  flops_once: float  # the same flops with every loop body counted once (cost_analysis' way)
+  loops: dict  # while loop body -> trip count
+  unknown_loops: list
+
+
+def analyse(text: str) -> Cost:
+  comps, entry = parse_module(text)
+  mult, fused, unknown = _multiplicities(comps, entry)
+  flops = hbm = coll = once = 0.0
+  loops = {}
+  for comp, instrs in comps.items():
+    n = mult.get(comp, 0)
+    if not n:
+      continue
+    table = {i.name: i for i in instrs}
+    for instr in instrs:
+      f = _matmul_flops(instr, table)
+      flops += n * f
+      once += f
+      if instr.op == 'while':
+        body = re.search(r'body=%([\w.\-]+)', instr.attrs)
+        if body and body.group(1) in mult:
+          loops[body.group(1)] = mult[body.group(1)] // max(n, 1)
+      if comp in fused or instr.op in _FREE:
+        continue
+      base = instr.op.removesuffix('-start').removesuffix('-done')
+      if base in _COLLECTIVES:
+        if not instr.op.endswith('-done'):
+          factor = 2 if base == 'all-reduce' else 1
+          size = instr.bytes if base != 'reduce-scatter' else _operand_bytes(instr, table)
+          coll += n * factor * size
+        continue
+      hbm += n * (instr.bytes + _operand_bytes(instr, table))
+  return Cost(flops, hbm, coll, once, loops, unknown)
+
+
+def _operand_bytes(instr: Instr, table: dict) -> float:
+  return sum(table[o].bytes for o in instr.operands if o in table)

@@ -1,0 +1,373 @@
+"""The TPU planner behind `moetrain.tools.plan --topology`: compile, estimate, search."""
+
+import concurrent.futures
+import hashlib
+import json
+import math
+import multiprocessing
+import os
+import pathlib
+
+from moetrain import topology as topology_lib
+
+HEADROOM = 0.10  # --search and --smallest keep plans that leave this much of the HBM free
+CACHE = '~/.cache/moetrain/plans.json'
+
+
+def with_overrides(config, overrides: dict):
+  """A copy of `config` with {'section.key': value} set, as --config.section.key=value would."""
+  c = config.copy_and_resolve_references()
+  for key, value in overrides.items():
+    section, name = key.split('.', 1)
+    if isinstance(c[section][name], tuple):
+      value = tuple(value)
+    c[section][name] = value
+  return c
+
+
+def model_flops(setup) -> tuple[float, str]:
+  """Model FLOPs of one training step (all devices), and the formula: matmul FLOPs per token
+  k * N_active (k = 6 with weight gradients, 4 for a frozen LoRA base, whose adapters add
+  6 * N_adapters), N_active = parameters a token activates with K_e FFN experts (embedding lookup
+  excluded, lm head included), plus causal attention 3 * 2 * 2 * heads * (d_qk + d_v) * T/2 per
+  token and attention block (two per LongCat layer). Remat recomputation is not model work."""
+  from moetrain.tools import plan
+
+  cfg = setup.model
+  counts = plan.param_counts(cfg)
+  k_e = cfg.expected_ffn_experts
+  per_expert = 3 * cfg.hidden_size * cfg.expert_ffn_hidden_size * cfg.num_layers
+  n_active = counts['total'] - cfg.vocab_size * cfg.hidden_size - counts['routed_experts']
+  n_active += k_e * per_expert
+  lora = cfg.lora.enabled
+  t = setup.data.seq_len
+  attn = 3 * 2 * 2 * cfg.num_heads * (cfg.qk_head_dim + cfg.v_head_dim) * t / 2
+  attn *= 2 * cfg.num_layers
+  per_token = (4 if lora else 6) * n_active + 6 * counts['adapters'] * lora + attn
+  tokens = setup.data.global_batch_size * t
+  formula = (
+    f'{"4" if lora else "6"} x {plan._count(n_active)} active'
+    + (f' + 6 x {plan._count(counts["adapters"])} adapters' if lora else '')
+    + f' + attention {attn:.3g} FLOP, per token, x {tokens} tokens'
+  )
+  return per_token * tokens, formula
+
+
+def plan(config, topology: str, overrides: dict | None = None) -> dict:
+  """Compile `config` (with `overrides`) for `topology`; the per-device report."""
+  from moetrain import aot, sharding, train
+
+  topo = topology_lib.parse(topology)
+  config = with_overrides(config, overrides or {})
+  devices = topo.devices()
+  setup = train.build(config, num_devices=len(devices), process_count=1, platform='tpu')
+  mesh = sharding.make_mesh(setup.mesh_shape, devices)
+  chip = topo.chip
+  report = {
+    'topology': topo.cloud_name,
+    'topology_name': topo.topology_name,
+    'chips': topo.chips,
+    'devices': len(devices),
+    'mesh': dict(zip(sharding.MESH_AXES, setup.mesh_shape)),
+    'overrides': dict(overrides or {}),
+    'engine': engine_of(setup.model),
+    'hbm_bytes': chip.hbm_bytes,
+  }
+  try:
+    steps = aot.compile_steps(setup, mesh)
+  except aot.OutOfMemory as e:
+    need = e.required_bytes
+    return report | {
+      'fits': False,
+      'error': f'{e.name}: {e.message}',
+      'compile_seconds': e.seconds,
+      'per_chip_bytes': {'total': need} if need else {},
+    }
+  train_c = steps['train']
+  worst = max(steps.values(), key=lambda c: c.memory['total'])
+  total = worst.memory['total']
+  flops, formula = model_flops(setup)
+  est = estimate(train_c.cost, chip, flops / len(devices), setup.data)
+  return report | {
+    'fits': total <= chip.hbm_bytes,
+    'headroom': 1 - total / chip.hbm_bytes,
+    'per_chip_bytes': train_c.memory,
+    'eval_per_chip_bytes': steps['eval'].memory if 'eval' in steps else None,
+    'compile_seconds': sum(c.seconds for c in steps.values()),
+    'model_flops_per_step': flops,
+    'model_flops_formula': formula,
+    'hlo_flops_per_chip': train_c.cost.flops,
+    'xla_cost_analysis_flops_per_chip': train_c.xla_flops,
+    'loops': sorted(set(train_c.cost.loops.values()), reverse=True),
+    **est,
+  }
+
+
+def engine_of(cfg) -> dict:
+  from moetrain.model import dispatch, expert_parallel
+
+  return {
+    'moe_backend': dispatch.resolve_backend(cfg),
+    'moe_ep_comm': expert_parallel.resolve_ep_comm(cfg),
+    'moe_dispatch': cfg.moe_dispatch,
+    'remat': cfg.remat,
+  }
+
+
+def estimate(cost, chip, model_flops_per_chip: float, data) -> dict:
+  """Roofline step time per chip: the slowest of compute (the compiled FLOPs at peak), HBM
+  traffic and collective traffic, as if each overlapped the others perfectly."""
+  parts = {
+    'compute': cost.flops / chip.peak_flops,
+    'hbm': cost.hbm_bytes / chip.hbm_bandwidth,
+    'ici': cost.collective_bytes / chip.ici_bandwidth,
+  }
+  step = max(parts.values())
+  return {
+    'est_step_seconds': step,
+    'est_bound_by': max(parts, key=parts.get),
+    'est_seconds_by_part': parts,
+    'est_tokens_per_sec': data.global_batch_size * data.seq_len / step,
+    'est_mfu': model_flops_per_chip / (step * chip.peak_flops),
+  }
+
+
+def _gib(n) -> str:
+  from moetrain.tools.plan import _bytes
+
+  return _bytes(n) if n is not None else '?'
+
+
+def print_plan(r: dict) -> None:
+  over = ' '.join(f'--config.{k}={_arg(v)}' for k, v in r['overrides'].items())
+  print(
+    f'{r["topology"]} ({r["topology_name"]}): {r["chips"]} chips, {r["devices"]} devices, '
+    f'mesh {r["mesh"]}' + (f'  [{over}]' if over else '')
+  )
+  print('engine: ' + ', '.join(f'{k}={v}' for k, v in r['engine'].items()))
+  if 'error' in r:
+    print(f'DOES NOT FIT: {r["error"]} (compile {r["compile_seconds"]:.0f} s)')
+    return
+  m = r['per_chip_bytes']
+  print(
+    'train step per device: '
+    + ', '.join(f'{k} {_gib(m[k])}' for k in ('arguments', 'temporaries', 'outputs', 'aliased'))
+    + f', generated code {_gib(m["code"])}, host offload {_gib(m["host"])}'
+  )
+  if r.get('eval_per_chip_bytes'):
+    print(f'eval step per device: total {_gib(r["eval_per_chip_bytes"]["total"])}')
+  verdict = 'fits' if r['fits'] else 'DOES NOT FIT'
+  print(
+    f'total {_gib(m["total"])} of {_gib(r["hbm_bytes"])} HBM: {verdict}, headroom '
+    f'{100 * r["headroom"]:.1f}% (compile {r["compile_seconds"]:.0f} s)'
+  )
+  parts = ', '.join(f'{k} {v * 1e3:.0f} ms' for k, v in r['est_seconds_by_part'].items())
+  print(
+    f'ESTIMATE (roofline, not a measurement): step {r["est_step_seconds"]:.2f} s '
+    f'({r["est_bound_by"]}-bound; {parts}), {r["est_tokens_per_sec"]:.0f} tokens/s, '
+    f'MFU {100 * r["est_mfu"]:.1f}%'
+  )
+  print(
+    f'model FLOPs {r["model_flops_per_step"]:.3e} per step ({r["model_flops_formula"]}); '
+    f'compiled FLOPs per device {r["hlo_flops_per_chip"]:.3e} with loop trip counts '
+    f'{r["loops"]} (XLA cost_analysis, loop bodies once: {r["xla_cost_analysis_flops_per_chip"]:.3e})'
+  )
+
+
+def _arg(v) -> str:
+  return f"'{v}'" if isinstance(v, tuple) else str(v)
+
+
+# ---------------------------------------------------------------------------------------------
+# --search and --smallest: many compiles, cached, in worker processes.
+
+
+def _cache_key(config, topology: str, overrides: dict) -> str:
+  import jax
+
+  src = pathlib.Path(__file__).resolve().parents[1]
+  code = hashlib.sha256()
+  for p in sorted(src.rglob('*.py')):
+    code.update(p.read_bytes())
+  blob = json.dumps(
+    [
+      config.to_json_best_effort(sort_keys=True),
+      topology,
+      sorted(overrides.items()),
+      jax.__version__,
+    ],
+    default=str,
+  )
+  return hashlib.sha256(blob.encode() + code.digest()).hexdigest()
+
+
+def _load_cache() -> dict:
+  path = pathlib.Path(os.path.expanduser(CACHE))
+  return json.loads(path.read_text()) if path.exists() else {}
+
+
+def _save_cache(cache: dict) -> None:
+  path = pathlib.Path(os.path.expanduser(CACHE))
+  path.parent.mkdir(parents=True, exist_ok=True)
+  tmp = path.with_suffix('.tmp')
+  tmp.write_text(json.dumps(cache))
+  tmp.replace(path)
+
+
+def _worker(args):
+  config, topology, overrides = args
+  try:
+    return plan(config, topology, overrides)
+  except ValueError as e:  # settings the build refuses (a mesh that does not divide, ...)
+    return {'overrides': overrides, 'topology': topology, 'fits': False, 'error': str(e)}
+
+
+def plan_many(config, jobs: list[tuple[str, dict]], workers: int) -> list[dict]:
+  """plan() of each (topology, overrides), cached across invocations, `workers` at a time."""
+  cache = _load_cache()
+  keys = [_cache_key(config, t, o) for t, o in jobs]
+  todo = [(config, t, o) for (t, o), k in zip(jobs, keys) if k not in cache]
+  if todo:
+    print(f'compiling {len(todo)} plans ({len(jobs) - len(todo)} cached), {workers} at a time...')
+    ctx = multiprocessing.get_context('spawn')
+    with concurrent.futures.ProcessPoolExecutor(workers, mp_context=ctx) as pool:
+      for (c, t, o), r in zip(todo, pool.map(_worker, todo)):
+        cache[_cache_key(c, t, o)] = r
+        _save_cache(cache)
+  return [cache[k] for k in keys]
+
+
+def _divisors_pow2(n: int, limit: int) -> list[int]:
+  return [2**i for i in range(int(math.log2(limit)) + 1) if n % 2**i == 0]
+
+
+def neighbours(config, devices: int, base: dict) -> list[dict]:
+  """Settings one change away from `base` (overrides): mesh, dispatch, remat, micro-batches
+  and, under LoRA, the base's storage."""
+  m = config.model
+  out = []
+  for e in _divisors_pow2(m.n_routed_experts, min(devices, m.n_routed_experts)):
+    out.append({'mesh.shape': (1, -1, e, 1), 'mesh.rules': 'fsdp_ep' if e > 1 else 'fsdp'})
+  out += [
+    {'model.moe_dispatch': 'dropless', 'model.moe_ep_recv_factor': f} for f in (0.0, 2.0, 1.25)
+  ]
+  out.append({'model.moe_dispatch': 'capacity', 'model.moe_capacity_factor': 1.25})
+  out += [{'model.remat': r} for r in ('full', 'save_moe', 'save_dots', 'none')]
+  rows = config.data.global_batch_size
+  out += [{'optim.grad_accum_steps': a} for a in (1, 2, 4) if rows % a == 0]
+  if config.lora.rank:
+    out += [{'model.quant': q} for q in ('none', 'int8', 'int4')]
+  return [base | o for o in out if base | o != base]
+
+
+def _ok(r: dict) -> bool:
+  return r.get('fits') and r.get('headroom', 0) >= HEADROOM
+
+
+def search(config, topology: str, workers: int, rounds: int = 3) -> dict | None:
+  """Coordinate search from the config as given: each round compiles every setting one change
+  away from the best so far; the best is the fastest estimate among plans that keep HEADROOM
+  free, or while none does, the smallest."""
+  devices = topology_lib.parse(topology).num_devices
+  best_o = {}
+  (best,) = plan_many(config, [(topology, best_o)], workers)
+  for _ in range(rounds):
+    cands = neighbours(config, devices, best_o)
+    results = plan_many(config, [(topology, o) for o in cands], workers)
+    for o, r in zip(cands, results):
+      if _better(r, best):
+        best, best_o = r, o
+    if not any(_better(r, best) for r in results) and _ok(best):
+      break
+  return best
+
+
+def _better(r: dict, than: dict) -> bool:
+  if _ok(r) != _ok(than):
+    return _ok(r)
+  if _ok(r):
+    return r['est_step_seconds'] < than['est_step_seconds']
+  size = lambda x: (x.get('per_chip_bytes') or {}).get('total') or math.inf
+  return size(r) < size(than)
+
+
+METHODS = {
+  'lora': {'model.quant': 'none'},
+  'qlora-int8': {'model.quant': 'int8'},
+  'qlora-int4': {'model.quant': 'int4'},
+  'full': {'lora.rank': 0, 'model.quant': 'none', 'lora.train_router': False},
+}
+
+
+def slice_overrides(config, devices: int) -> dict:
+  """The config's settings scaled to a slice of `devices`: the expert axis as configured where
+  it fits, else the slice; the batch rounded up to a multiple of the batch shards."""
+  m = config.model
+  e = config.mesh.shape[2] if config.mesh.shape[2] > 0 else 1
+  e = max(d for d in _divisors_pow2(m.n_routed_experts, min(devices, e, m.n_routed_experts)))
+  rows = config.data.global_batch_size
+  rows = -(-rows // devices) * devices
+  return {
+    'mesh.shape': (1, -1, e, 1),
+    'data.global_batch_size': rows,
+    'data.eval_batch_size': -(-config.data.eval_batch_size // devices) * devices,
+  }
+
+
+def smallest(config, generations, workers: int, max_chips: int = 4096) -> list[dict]:
+  """For each generation and method, the smallest power-of-two slice whose plan keeps HEADROOM
+  free (bisection over slice sizes, each compile cached)."""
+  rows = []
+  for gen in generations:
+    chip = topology_lib.CHIPS[gen]
+    for method, over in METHODS.items():
+      if method != 'full' and not config.lora.rank:
+        continue
+      lo, hi, found = 0, int(math.log2(max_chips)), None
+      while lo <= hi:
+        mid = (lo + hi) // 2
+        chips = 2**mid
+        topo = f'{gen}:{topology_lib._torus(chips, chip.dims)}'
+        devices = chips * chip.devices_per_chip
+        (r,) = plan_many(config, [(topo, over | slice_overrides(config, devices))], workers)
+        if _ok(r):
+          found, hi = r, mid - 1
+        else:
+          lo = mid + 1
+      rows.append({'generation': gen, 'method': method, 'plan': found})
+  return rows
+
+
+def main(config, topology: str, do_search: bool, do_smallest: bool, json_path: str, workers):
+  if do_smallest:
+    gens = [topology_lib.parse(t).chip.generation for t in topology.split(',')]
+    rows = smallest(config, gens, workers)
+    for row in rows:
+      r = row['plan']
+      where = (
+        f'{r["topology"]} ({r["chips"]} chips): {_gib(r["per_chip_bytes"]["total"])} per '
+        f'device, est. {r["est_step_seconds"]:.2f} s/step, MFU {100 * r["est_mfu"]:.0f}%'
+        if r
+        else 'none up to 4096 chips'
+      )
+      print(f'{row["generation"]:>6} {row["method"]:<11} smallest slice: {where}')
+    _write(json_path, rows)
+    return
+  if do_search:
+    best = search(config, topology, workers)
+    print_plan(best)
+    if _ok(best):
+      print('fastest plan that leaves 10% HBM free, as flags to paste:')
+      print('  ' + ' '.join(f'--config.{k}={_arg(v)}' for k, v in best['overrides'].items()))
+    else:
+      print('no setting tried leaves 10% of the HBM free; the smallest is above')
+    _write(json_path, best)
+    return
+  r = plan(config, topology)
+  print_plan(r)
+  _write(json_path, r)
+
+
+def _write(path: str, obj) -> None:
+  if path:
+    pathlib.Path(path).write_text(json.dumps(obj, indent=1, default=str))

@@ -1,0 +1,143 @@
+"""The TPU planner: topology names, the compiler's HBM limits, the train step compiled for a TPU
+slice from this CPU host (fits on one side of a boundary, not on the other), the TPU-only paths
+(megablox, the ragged exchange, host offload) compiled, and loop-aware FLOP counting."""
+
+import json
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from configs import longcat_lora
+from moetrain import hlo_cost, topology
+from moetrain.tools import tpu_plan
+
+pytest.importorskip('libtpu', reason="the planner needs libtpu: pip install -e '.[tpu]'")
+
+
+@pytest.mark.parametrize(
+  'name,libtpu_name,chips,devices',
+  [
+    ('v5p-128', 'v5p:4x4x4', 64, 64),
+    ('v5p-8', 'v5p:2x2x1', 4, 4),
+    ('v5p-64', 'v5p:2x4x4', 32, 32),
+    ('v4-32', 'v4:2x2x4', 16, 32),
+    ('v5litepod-16', 'v5e:4x4', 16, 16),
+    ('v6e-256', 'v6e:16x16', 256, 256),
+    ('v6e-1', 'v6e:1x1', 1, 1),
+    ('v5p:4x4x8', 'v5p:4x4x8', 128, 128),
+  ],
+)
+def test_topology_names(name, libtpu_name, chips, devices):
+  t = topology.parse(name)
+  assert (t.topology_name, t.chips, t.num_devices) == (libtpu_name, chips, devices)
+
+
+@pytest.mark.parametrize('bad', ['v9-8', 'v5p', 'v5p-6', 'v5p:4x4', 'tpu7x-8'])
+def test_bad_topology_names_are_refused(bad):
+  with pytest.raises(ValueError, match='--topology'):
+    topology.parse(bad)
+
+
+@pytest.mark.parametrize('gen', sorted(topology.CHIPS))
+def test_hbm_table_is_the_compilers_limit(gen):
+  """Each generation's per-device HBM is what XLA's TPU compiler refuses a program above."""
+  chip = topology.CHIPS[gen]
+  sides = '2x2x1' if chip.dims == 3 else '2x2'
+  dev = topology.topology_devices(f'{gen}:{sides}')[0]
+  assert dev.device_kind == chip.device_kind
+  s = jax.sharding.NamedSharding(jax.sharding.Mesh(np.array([dev]), ('x',)), jax.P())
+  n = 2**31 - 16  # 8 GiB float32 operands, whose cumulative sums must all be live
+  f = jax.jit(lambda *a: sum(jnp.cumsum(x * y)[::2] for x, y in zip(a[:-1], a[1:])))
+  args = [jax.ShapeDtypeStruct((n,), jnp.float32, sharding=s)] * 14
+  with pytest.raises(jax.errors.JaxRuntimeError, match='RESOURCE_EXHAUSTED') as e:
+    f.lower(*args).compile()
+  limit = re.search(r'available HBM \(([\d.]+)G\)', str(e.value)).group(1)
+  assert float(limit) == pytest.approx(chip.hbm_bytes / 2**30, abs=0.006)
+
+
+TINY_EP = {'mesh.shape': (1, 2, 2, 1)}
+
+
+def test_plan_compiles_the_train_and_eval_steps_for_a_slice(tmp_path):
+  """Tiny LoRA on a v5e-4 with experts over 2 chips: the TPU engine is chosen (not this host's),
+  both steps compile, and the report has every per-chip figure and a labelled estimate."""
+  r = tpu_plan.plan(longcat_lora.get_config(), 'v5e-4', TINY_EP)
+  assert r['engine']['moe_backend'] == 'ragged_dot' and r['engine']['moe_ep_comm'] == 'ragged'
+  assert r['fits'] and 0.9 < r['headroom'] < 1
+  m = r['per_chip_bytes']
+  assert m['total'] == m['arguments'] + m['outputs'] - m['aliased'] + m['temporaries'] + m['code']
+  assert r['eval_per_chip_bytes']['total'] > 0
+  assert r['hbm_bytes'] == topology.CHIPS['v5e'].hbm_bytes
+  # Two layers under scan: the compiled FLOPs count them twice, XLA's cost analysis once.
+  assert 2 in r['loops'] and r['hlo_flops_per_chip'] > 1.5 * r['xla_cost_analysis_flops_per_chip']
+  assert 0 < r['est_mfu'] < 1 and r['est_step_seconds'] > 0
+  path = tmp_path / 'plan.json'
+  tpu_plan._write(str(path), r)
+  saved = json.loads(path.read_text())
+  for key in ('topology', 'chips', 'mesh', 'per_chip_bytes', 'hbm_bytes', 'fits',
+              'compile_seconds', 'est_step_seconds', 'est_mfu', 'overrides'):  # fmt: skip
+    assert key in saved
+
+
+def test_the_chunked_loss_is_what_makes_a_big_vocabulary_fit():
+  """One side of the boundary and the other: whole [B, T, V] float32 logits of a 65536-token
+  vocabulary over 4096-token rows exceed a v5e chip's 15.75 GiB; 256-position loss blocks fit."""
+  over = TINY_EP | {
+    'model.vocab_size': 65536,
+    'data.seq_len': 4096,
+    'data.global_batch_size': 16,
+    'data.eval_split': '',
+  }
+  chunked = tpu_plan.plan(longcat_lora.get_config(), 'v5e-4', over)
+  whole = tpu_plan.plan(longcat_lora.get_config(), 'v5e-4', over | {'model.loss_chunk': 0})
+  assert chunked['fits'] and chunked['per_chip_bytes']['total'] < 4 * 2**30
+  assert not whole['fits'] and 'HBM' in whole['error']
+  assert whole['per_chip_bytes']['total'] > topology.CHIPS['v5e'].hbm_bytes
+
+
+def test_tpu_only_paths_compile():
+  """The megablox Pallas kernel (Mosaic, not interpreted), the ragged all-to-all exchange and
+  host offload of the MoE output, compiled by XLA's TPU compiler in one step."""
+  from moetrain import aot, sharding, train
+
+  config = tpu_plan.with_overrides(
+    longcat_lora.get_config(),
+    TINY_EP
+    | {
+      'model.moe_backend': 'megablox',
+      'model.remat': 'offload',
+      'model.hidden_size': 256,
+      'model.expert_ffn_hidden_size': 128,
+    },  # fmt: skip
+  )
+  devices = topology.parse('v5e-4').devices()
+  setup = train.build(config, num_devices=4, process_count=1, platform='tpu')
+  mesh = sharding.make_mesh(setup.mesh_shape, devices)
+  steps = aot.compile_steps(setup, mesh, evaluate=False)
+  text = steps['train'].executable.as_text()
+  assert 'tpu_custom_call' in text and 'gmm' in text  # the kernel, compiled
+  assert 'ragged-all-to-all' in text or 'ragged_all_to_all' in text
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize('remat', ['none', 'full', 'save_dots', 'save_moe', 'offload'])
+def test_remat_policies_compile_and_trade_memory(remat):
+  r = tpu_plan.plan(longcat_lora.get_config(), 'v5e-4', TINY_EP | {'model.remat': remat})
+  assert r['fits'], r
+
+
+def test_loop_trip_counts_are_counted():
+  """A scan of 5 matmuls: 5x the FLOPs of its body, which XLA's cost analysis counts once."""
+
+  def f(x, w):
+    return jax.lax.scan(lambda h, w: (jnp.tanh(h @ w), None), x, w)[0]
+
+  x, w = jnp.ones((64, 128)), jnp.ones((5, 128, 128))
+  compiled = jax.jit(f).lower(x, w).compile()
+  cost = hlo_cost.analyse(compiled.as_text())
+  assert cost.flops == 5 * 2 * 64 * 128 * 128
+  assert cost.flops_once == 2 * 64 * 128 * 128
+  assert cost.flops_once <= compiled.cost_analysis()['flops'] < cost.flops

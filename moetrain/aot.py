@@ -97,9 +97,13 @@ class OutOfMemory(Exception):
     return float(m.group(1)) * {'G': 2**30, 'M': 2**20, 'K': 2**10}[m.group(2)] if m else None
 
 
-def compile_fn(name: str, fn, args, analyse: bool = True) -> Compiled:
+def compile_fn(name: str, fn, args, analyse: bool = True, cache: bool = True) -> Compiled:
+  """cache=False keeps the persistent compilation cache out of it: compile-only (topology)
+  executables cannot be read back from it, and one read back lacks its HLO's loops."""
   t = time.perf_counter()
+  enabled = jax.config.jax_enable_compilation_cache
   try:
+    jax.config.update('jax_enable_compilation_cache', enabled and cache)
     compiled = fn.lower(*args).compile()
   except jax.errors.JaxRuntimeError as e:
     if 'RESOURCE_EXHAUSTED' not in str(e):
@@ -108,6 +112,8 @@ def compile_fn(name: str, fn, args, analyse: bool = True) -> Compiled:
     raise OutOfMemory(
       name, msg.split('RESOURCE_EXHAUSTED: ')[-1], time.perf_counter() - t
     ) from None
+  finally:
+    jax.config.update('jax_enable_compilation_cache', enabled)
   seconds = time.perf_counter() - t
   ca = compiled.cost_analysis() or {}
   ca = ca[0] if isinstance(ca, list) else ca
@@ -124,11 +130,14 @@ def compile_steps(setup, mesh, evaluate: bool = True) -> dict:
   with jax.set_mesh(mesh):
     train = train_step_fn(setup, mesh, shardings)
     out['train'] = compile_fn(
-      'train step', train, (state, abstract_batch(d.global_batch_size, d.seq_len, mesh))
+      'train step',
+      train,
+      (state, abstract_batch(d.global_batch_size, d.seq_len, mesh)),
+      cache=False,
     )
     if evaluate and d.eval_split:
       batch = abstract_batch(d.eval_batch_size, d.seq_len, mesh)
-      out['eval'] = compile_fn('eval step', eval_step_fn(setup), (state, batch))
+      out['eval'] = compile_fn('eval step', eval_step_fn(setup), (state, batch), cache=False)
   return out
 
 

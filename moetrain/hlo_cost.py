@@ -98,16 +98,20 @@ def parse_module(text: str) -> tuple[dict, str]:
   return comps, entry
 
 
-def _trip_count(cond: list) -> int | None:
-  """A scan's condition is `counter < N`: N, when it is a constant."""
+def _trip_count(cond: list, comps: dict) -> int | None:
+  """A scan's condition is `counter < N` (the compare alone, or wrapped in a fusion): N, when
+  it is a constant."""
   consts = {}
   for i in cond:
     if i.op == 'constant':
       m = re.match(r'value=(-?\d+) ', i.attrs)
       consts[i.name] = int(m.group(1)) if m else None
   for i in cond:
-    if i.op == 'compare' and 'direction=LT' in i.attrs:
-      vals = [consts.get(o) for o in i.operands if consts.get(o) is not None]
+    callee = re.search(r'calls=%([\w.\-]+)', i.attrs) if i.op == 'fusion' else None
+    body = comps.get(callee.group(1), []) if callee else []
+    is_lt = 'direction=LT' in i.attrs or any('direction=LT' in j.attrs for j in body)
+    if i.op in ('compare', 'fusion') and is_lt:
+      vals = [consts[o] for o in i.operands if consts.get(o) is not None]
       if vals:
         return vals[0]
   return None
@@ -127,7 +131,7 @@ def _multiplicities(comps: dict, entry: str) -> tuple[dict, dict, list]:
       trips = 1
       if instr.op == 'while':
         cond = dict(refs).get('condition')
-        trips = _trip_count(comps.get(cond, []))
+        trips = _trip_count(comps.get(cond, []), comps)
         if trips is None:
           unknown.append(instr.name)
           trips = 1

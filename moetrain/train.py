@@ -396,7 +396,8 @@ def stopped(e: Exception, ckpt: Checkpointer, writer) -> Exception:
   ckpt.close()
   writer.close()
   newest = ckpt.latest_step()
-  return type(e)(f'{e} Newest checkpoint: {"none" if newest is None else f"step {newest}"}.')
+  newest = 'none (a rerun starts over)' if newest is None else f'step {newest}'
+  return type(e)(f'{e} Newest checkpoint: {newest}.')
 
 
 def config_json(config, setup: Setup) -> str:

@@ -194,6 +194,14 @@ def test_every_checkpoint_holds_the_checksums_of_its_files(uninterrupted):
   assert integrity.problems(step_dir, manifest) == []
 
 
+def test_a_checkpoint_without_checksums_is_restored_with_a_warning(uninterrupted, tmp_path, caplog):
+  """One saved before checksums (or with train.verify_checkpoints=False) is read unchecked."""
+  copy = _copy(uninterrupted[0], tmp_path)
+  (copy / 'checkpoints' / '6' / integrity.MANIFEST).unlink()
+  assert train.run(small_config(), str(copy)) == {'step': 6, 'finished': True}
+  assert 'checkpoints/6 has no checksums' in caplog.text
+
+
 def test_resume_step_goes_back_past_a_damaged_checkpoint(uninterrupted, tmp_path):
   """train.resume_step=3 sets the damaged step 6 aside (not deleted) and trains 4-6 again, as the
   uninterrupted run did; a step without a checkpoint is refused by name."""

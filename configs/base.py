@@ -178,6 +178,13 @@ def get_config() -> config_dict.ConfigDict:
   t.checkpoint_every = 50  # save every N steps (and at the end)
   t.keep_checkpoints = 3  # checkpoints kept
   t.async_checkpoint = True  # write checkpoints in the background
+  # Write the checksums of every checkpoint's files and check them before a restore (each reads
+  # the checkpoint once more: ~1.8 GB/s from disk here, bench/RESULTS.md); False = neither.
+  t.verify_checkpoints = True
+  t.resume_step = 0  # resume from this checkpoint, moving newer ones aside; 0 = the latest
+  # Stop after this many skipped (non-finite) steps in a row; 0 = never. (float16's loss scale
+  # halves at most 15 times from its start before it reaches 1.)
+  t.max_nonfinite_steps = 20
   # Persistent XLA cache: a directory, '' = off, or 'auto': ~/.cache/moetrain/jax on one
   # process, <workdir>/jax_cache on several (only process 0 writes it: it must be shared).
   t.compilation_cache = 'auto'

@@ -1,7 +1,8 @@
 """Orbax checkpoints of the train state (without the frozen base), data position and config.
 
 Orbax writes each step into a temporary directory and renames it when complete, so a crash or
-kill mid-save leaves the previous checkpoint as the latest valid one.
+kill mid-save leaves the previous checkpoint as the latest valid one. Each carries the checksums
+of its files (integrity.MANIFEST), checked before it is restored.
 """
 
 import contextlib
@@ -14,7 +15,7 @@ import jax
 import orbax.checkpoint as ocp
 from absl import logging
 
-from moetrain import multihost, runtime
+from moetrain import integrity, multihost, runtime
 
 
 def _key(path) -> str:
@@ -71,8 +72,29 @@ def _unless_loop_closed(hook, unraisable) -> None:
     hook(unraisable)
 
 
+SET_ASIDE = 'checkpoints_set_aside'  # in the run directory: train.resume_step moves newer ones
+
+
+class DamagedCheckpoint(ValueError):
+  """A checkpoint that cannot be restored; the message names it and the one to fall back to."""
+
+
+def _innermost(e: BaseException) -> str:
+  """The first line of the innermost exception in `e`'s chain: the one that says what failed
+  (Orbax wraps it in one that prints the whole TensorStore spec)."""
+  for _ in range(20):  # (a chain can loop)
+    if (inner := e.__cause__ or e.__context__) is None:
+      break
+    e = inner
+  return f'{type(e).__name__}: {(str(e).splitlines() or [""])[0][:300]}'
+
+
 class Checkpointer:
-  def __init__(self, workdir: str, *, every: int, keep: int, async_save: bool = True):
+  def __init__(
+    self, workdir: str, *, every: int, keep: int, async_save: bool = True, verify: bool = True
+  ):
+    """verify (train.verify_checkpoints): write each checkpoint's checksums and check them before
+    a restore; without, neither (a checkpoint without checksums is restored unchecked)."""
     self.directory = os.path.join(runtime.run_dir(workdir), 'checkpoints')
     # Orbax's default policy also saves the first step a manager sees (InitialSavePolicy): for a
     # large model that is an unrequested full save at step 1 of every run and every resume.
@@ -82,18 +104,27 @@ class Checkpointer:
         ocp.checkpoint_managers.PreemptionCheckpointingPolicy(),
       ]
     )
+    # Saves are always asynchronous (a synchronous one waits for it): Orbax runs the
+    # post-finalization callback only there, on process 0 once every process has written its
+    # files and before the temporary directory is renamed, so the checksums commit with them.
     options = ocp.CheckpointManagerOptions(
       save_decision_policy=policy,
       max_to_keep=keep,
-      enable_async_checkpointing=async_save,
+      enable_async_checkpointing=True,
+      async_options=ocp.AsyncOptions(
+        post_finalization_callback=self._write_manifest if verify else None
+      ),
       create=True,
     )
     self.manager = ocp.CheckpointManager(
       self.directory, options=options, item_names=('state', 'data', 'meta')
     )
+    self.async_save, self.verify = async_save, verify
+    self._saving, self._verified = None, set()
     self._preempted = False
     self._previous_handler = None
     self._positions = multihost.Exchange('data_positions')
+    self._verdicts = multihost.Exchange('checkpoint_damage')
 
   def watch_preemption(self) -> None:
     """From here on a SIGTERM (TPU preemption) makes the training loop save and stop. Only the
@@ -140,35 +171,116 @@ class Checkpointer:
       data=ocp.args.JsonSave({'processes': self._positions.json(data_state, step)}),
       meta=ocp.args.JsonSave(meta),
     )
-    return self.manager.save(step, args=args, force=True)  # the loop asked `due`
+    self.manager.wait_until_finished()  # (the manager would): the callback of the previous
+    self._saving = step  # save reads `_saving`, so it must have run
+    saved = self.manager.save(step, args=args, force=True)  # the loop asked `due`
+    if not self.async_save:
+      self.manager.wait_until_finished()
+    return saved
+
+  def _write_manifest(self) -> None:
+    """Orbax's post-finalization callback: the step's files are complete, in the temporary
+    directory (on filesystems where Orbax renames; else in place, committed by a file after)."""
+    tmp = os.path.join(self.directory, f'{self._saving}{ocp.path.atomicity_types.TMP_DIR_SUFFIX}')
+    integrity.write_manifest(tmp if os.path.isdir(tmp) else self.step_dir(self._saving))
+
+  def step_dir(self, step: int) -> str:
+    return os.path.join(self.directory, str(step))
 
   def restore_data(self, step: int) -> dict:
-    """The data item alone (cheap: no arrays are read)."""
+    """The data item alone (cheap: no arrays are read), after the checksums are checked."""
+    self.check(step)
     with self._naming_damage(step):
       return self.manager.restore(step, args=ocp.args.Composite(data=ocp.args.JsonRestore()))[
         'data'
       ]
 
+  def check(self, step: int) -> None:
+    """Checks a checkpoint's files against its checksums (once per step), every process a share
+    of them; all processes agree on the verdict. DamagedCheckpoint names what differs."""
+    if not self.verify or step in self._verified:
+      return
+    path, manifest = self.step_dir(step), None
+    try:
+      manifest = integrity.read_manifest(path)
+      parts = (jax.process_index(), jax.process_count())
+      found = [] if manifest is None else integrity.problems(path, manifest, *parts)
+    except (OSError, ValueError) as e:
+      found = [str(e)]
+    found = sum(self._verdicts.json(found, step), [])
+    if found:
+      more = f'; {len(found) - 1} more files differ' if len(found) > 1 else ''
+      raise self._damaged(step, f'is damaged ({found[0]}{more})')
+    if manifest is None:
+      logging.warning(
+        'Checkpoint %s has no checksums (saved before moetrain wrote them, or with '
+        'train.verify_checkpoints=False): restored unchecked.',
+        path,
+      )
+    self._verified.add(step)
+
+  def _damaged(self, step: int, what: str) -> DamagedCheckpoint:
+    """The error for checkpoint `step`, with the way to resume from the one before it."""
+    earlier = [s for s in self.manager.all_steps() if s < step]
+    if earlier:
+      advice = (
+        f'to resume from step {max(earlier)} (the one before it), rerun with '
+        f'--config.train.resume_step={max(earlier)}: it moves step {step} (and any newer) into '
+        f'{self.set_aside_dir}'
+      )
+    else:
+      advice = f'to resume from the start, move it out of {self.directory}'
+    return DamagedCheckpoint(
+      f'checkpoint {self.step_dir(step)} {what}. Nothing was deleted; {advice}.'
+    )
+
+  @property
+  def set_aside_dir(self) -> str:
+    return os.path.join(os.path.dirname(self.directory), SET_ASIDE)
+
+  def resume_from(self, step: int) -> None:
+    """train.resume_step: the checkpoints after `step` are moved into set_aside_dir (nothing is
+    deleted), so that the run goes on from `step` and saves its steps anew."""
+    steps = sorted(self.manager.all_steps())
+    if step not in steps:
+      raise ValueError(
+        f'train.resume_step={step}: {self.directory} holds no checkpoint of that step (it holds '
+        f'steps {steps}); set one of them, or 0 for the latest'
+      )
+    newer = [s for s in steps if s > step]
+    if newer and jax.process_index() == 0:
+      for s in newer:
+        os.makedirs(self.set_aside_dir, exist_ok=True)
+        to, n = os.path.join(self.set_aside_dir, str(s)), 0
+        while os.path.exists(to + (f'.{n}' if n else '')):  # set aside before
+          n += 1
+        os.rename(self.step_dir(s), to + (f'.{n}' if n else ''))
+    multihost.Exchange('resume_step')('', step)  # the others wait for process 0's moves
+    self.manager.reload()
+    if newer:
+      logging.warning(
+        'train.resume_step=%d: checkpoints %s moved into %s; the run goes on from step %d.',
+        step,
+        newer,
+        self.set_aside_dir,
+        step,
+      )
+
   @contextlib.contextmanager
   def _naming_damage(self, step: int):
     """A checkpoint that cannot be read (a copy cut short, a filesystem whose renames are not
-    atomic) is named, with the way to resume from the one before it: nothing is deleted here.
-    A read that fails leaves Orbax's other reads in flight, whose completions call back into its
-    closed event loop: each an unraisable 'Event loop is closed' traceback (hundreds when the
-    array files are missing) that would bury the message. Those are dropped."""
+    atomic, or one saved without checksums) is named, with the way to resume from the one before
+    it: nothing is deleted here. A read that fails leaves Orbax's other reads in flight, whose
+    completions call back into its closed event loop: each an unraisable 'Event loop is closed'
+    traceback (hundreds when the array files are missing) that would bury the message. Those are
+    dropped."""
     hook = sys.unraisablehook
     sys.unraisablehook = functools.partial(_unless_loop_closed, hook)
     try:
       yield
-    except (KeyError, FileNotFoundError, ValueError, OSError, RuntimeError) as e:
-      earlier = [s for s in self.manager.all_steps() if s < step]
-      fallback = f'step {max(earlier)}' if earlier else 'the start'
-      path = os.path.join(self.directory, str(step))
-      raise ValueError(
-        f'checkpoint {path} cannot be read ({type(e).__name__}: {str(e)[:300]}). If it is '
-        f'incomplete or damaged (a copy cut short, a crash on a filesystem without atomic '
-        f'renames), move it out of {self.directory} to resume from {fallback}.'
-      ) from e  # (the filter stays: the reads in flight finish later)
+    except Exception as e:  # (Orbax raises a bare Exception for an array it cannot decode)
+      what = f'cannot be read ({_innermost(e)})'
+      raise self._damaged(step, what) from e  # (the filter stays: the reads in flight finish later)
     except BaseException:
       sys.unraisablehook = hook
       raise
@@ -182,6 +294,7 @@ class Checkpointer:
       k: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding)
       for k, x in flatten(saved).items()
     }
+    self.check(step)
     with self._naming_damage(step):
       out = self.manager.restore(
         step,

@@ -1,6 +1,7 @@
 """Entry point: python -m moetrain.main --config=configs/longcat_lora.py [--workdir=DIR]."""
 
 import os
+import sys
 
 from absl import app, flags
 from ml_collections import config_flags
@@ -23,16 +24,20 @@ def default_workdir(config_path: str) -> str:
 def main(argv):
   del argv
   workdir = _WORKDIR.value or default_workdir(flags.FLAGS['config'].config_filename)
+  config = _CONFIG.value
   steps = [] if _DRY_RUN.value else runtime.saved_steps(workdir)
-  runtime.start_command(resume_step=steps[-1] if steps else None)
-  from moetrain import train
+  # (train.resume_step: the run goes back to that checkpoint)
+  runtime.start_command(resume_step=config.train.resume_step or (steps[-1] if steps else None))
+  from moetrain import checkpoint, train, train_log
   from moetrain.tools import plan
 
-  config = _CONFIG.value
   if _DRY_RUN.value:
     plan.dry_run(config)
     return
-  train.run(config, workdir)
+  try:
+    train.run(config, workdir)
+  except (checkpoint.DamagedCheckpoint, train_log.NonFiniteStreak) as e:
+    sys.exit(f'Error: {e}')  # the message says what to do; a traceback would bury it
 
 
 if __name__ == '__main__':

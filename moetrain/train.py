@@ -42,6 +42,9 @@ class LoopConfig:
   checkpoint_every: int = 50
   keep_checkpoints: int = 3
   async_checkpoint: bool = True
+  verify_checkpoints: bool = True
+  resume_step: int = 0
+  max_nonfinite_steps: int = 20
   compilation_cache: str = ''
 
   @property
@@ -58,8 +61,9 @@ class LoopConfig:
         f'train.eval_batches={self.eval_batches} must be positive; to train without evaluations '
         "set data.eval_split=''"
       )
-    if self.eval_every < 0 or self.stop_at_step < 0:
-      raise ValueError('train.eval_every and train.stop_at_step must be >= 0')
+    for key in ('eval_every', 'stop_at_step', 'resume_step', 'max_nonfinite_steps'):
+      if getattr(self, key) < 0:
+        raise ValueError(f'train.{key}={getattr(self, key)} must be >= 0')
 
 
 @dataclasses.dataclass(frozen=True)
@@ -319,7 +323,10 @@ def load_latest(setup: Setup, workdir: str | None, mesh) -> TrainState:
   optimizer = optim.make_optimizer(setup.optim, setup.train.steps)
   state = initial_state(setup, optimizer, mesh)
   if workdir:
-    ckpt = Checkpointer(workdir, every=1, keep=setup.train.keep_checkpoints, async_save=False)
+    t = setup.train
+    ckpt = Checkpointer(
+      workdir, every=1, keep=t.keep_checkpoints, async_save=False, verify=t.verify_checkpoints
+    )
     saved, _, _ = ckpt.restore(ckpt.latest_step(), state)
     state = dataclasses.replace(state, **saved)
     ckpt.close()
@@ -338,7 +345,10 @@ def run(config, workdir: str) -> dict:
     every=t.checkpoint_every,
     keep=t.keep_checkpoints,
     async_save=t.async_checkpoint,
+    verify=t.verify_checkpoints,
   )
+  if t.resume_step:  # back to an earlier checkpoint: the newer ones are set aside
+    ckpt.resume_from(t.resume_step)
   ckpt.watch_preemption()  # before the slow start-up (tokenizer, restore, compilation)
   try:
     if (latest := ckpt.latest_step()) is not None:  # a resume on another host count: fail now
@@ -378,11 +388,23 @@ def run(config, workdir: str) -> dict:
       )
     ckpt.close()
     writer.close()
+  except train_log.NonFiniteStreak as e:
+    raise stopped(e, ckpt, writer) from None
   finally:  # an error on the way must not leave the caller's process deaf to SIGTERM
     ckpt.release_signal()
   if last.get('data_ended') and runtime.is_primary():  # saved and evaluated: a rerun has no work
     mark_data_ended(workdir, int(state.step), setup.data)
   return last
+
+
+def stopped(e: Exception, ckpt: Checkpointer, writer) -> Exception:
+  """The run stopped on a non-finite streak: the save in flight (of a step before the streak)
+  completes, and the error names the newest checkpoint."""
+  ckpt.close()
+  writer.close()
+  newest = ckpt.latest_step()
+  newest = 'none (a rerun starts over)' if newest is None else f'step {newest}'
+  return type(e)(f'{e} Newest checkpoint: {newest}.')
 
 
 def config_json(config, setup: Setup) -> str:
@@ -505,11 +527,12 @@ def loop(
     if eval_due and not preempted:
       evaluated = evaluate(step)
     with meter.excluded(when=due, recurring=True):
-      saved = due and ckpt.save(step, state, train_iter.get_state(), {'step': step})
+      saved = due and save_if_finite(ckpt, log, step, state, train_iter.get_state())
     if eval_due and preempted:
       evaluated = evaluate(step)
     if preempted:
-      why = f'Preempted: saved step {step}; rerun the same command to resume.'
+      done = f'saved step {step}' if saved else f'step {step} not saved (non-finite)'
+      why = f'Preempted: {done}; rerun the same command to resume.'
       break
   log.flush()
   if why:  # the run stops early: its last checkpoint must be complete; said after the last log
@@ -532,8 +555,25 @@ def save_at_data_end(setup, done, start, saved, state, position, train_iter, log
       log.mark(done, train_iter.num_truncated)
     if not saved:
       log.flush()  # (as at a save step)
-      ckpt.save(done, state, position or train_iter.get_state(), {'step': done})
+      save_if_finite(ckpt, log, done, state, position or train_iter.get_state())
   return data_ended_note(done, done > start, setup.data.num_epochs, setup.train.steps)
+
+
+def save_if_finite(ckpt, log, step: int, state, position: dict) -> bool:
+  """Saves `step` unless the update of that step (and of those just before it) was skipped for
+  a non-finite loss or gradient: checkpoints of a diverged run would rotate the newest one before
+  it out (train.keep_checkpoints)."""
+  if streak := log.nonfinite_streak(step):
+    newest = ckpt.latest_step()
+    logging.warning(
+      'Step %d not saved: it ends %d skipped steps in a row (non-finite loss or gradients); the '
+      'newest checkpoint stays %s.',
+      step,
+      streak,
+      'none' if newest is None else f'step {newest}',
+    )
+    return False
+  return ckpt.save(step, state, position, {'step': step})
 
 
 def data_ended_note(done: int, saved: bool, num_epochs, total: int) -> str:

@@ -5,6 +5,7 @@ import functools
 import math
 
 import jax
+import jax.numpy as jnp
 
 from moetrain import metrics as metrics_lib
 from moetrain import multihost
@@ -14,10 +15,12 @@ class TrainLog:
   """Progress records, each summing up the steps since the previous one (a metrics.Window),
   marked at its step's dispatch and reported one step later, after the next step is dispatched,
   so that logging never stalls the host. Fetching the step's metrics waits for the step:
-  tokens/s and the ETA are timed then, at its completion."""
+  tokens/s and the ETA are timed then, at its completion. The non-finite streak is fetched with
+  them, and NonFiniteStreak raised once it reaches `max_nonfinite` (0: never)."""
 
-  def __init__(self, report, meter, window):
+  def __init__(self, report, meter, window, max_nonfinite: int = 0):
     self.report, self.meter, self.window = report, meter, window
+    self.streak, self.max_nonfinite = Streak(), max_nonfinite
     self.pending, self.last = None, {}
 
   @classmethod
@@ -35,10 +38,11 @@ class TrainLog:
       hosts=multihost.Exchange('truncated_examples'),
     )
     window = metrics_lib.Window(setup.model.n_routed_experts, expert_shards)
-    return cls(report, meter, window)
+    return cls(report, meter, window, setup.train.max_nonfinite_steps)
 
   def add(self, m) -> None:
     self.window.add(m)
+    self.streak.add(m)
 
   def mark(self, step: int, truncated: int) -> None:
     self.flush()  # one record pending at a time
@@ -47,14 +51,76 @@ class TrainLog:
     # A step that has already finished (a backend that runs steps as they are dispatched, such
     # as several CPU devices) is timed now: later, the next step's time would be in its window.
     timed = self.meter.mark(step, tokens) if done else None
-    self.pending = (step, record, tokens, truncated, timed)
+    self.pending = (step, record, tokens, truncated, timed, self.streak.take())
 
   def flush(self) -> None:
     if self.pending is not None:
-      step, m, tokens, truncated, timed = self.pending
-      m = jax.device_get(m)
+      step, m, tokens, truncated, timed, streak = self.pending
+      m, (_, longest) = jax.device_get((m, streak))
       self.last = self.report(step, m, *(timed or self.meter.mark(step, tokens)), truncated)
       self.pending = None
+      self._check(step, int(longest))
+
+  def nonfinite_streak(self, step: int) -> int:
+    """The skipped steps in a row up to `step`, the latest dispatched (this waits for it: call
+    it where the loop waits anyway)."""
+    if self.streak.counts is None:  # no step yet
+      return 0
+    current, longest = map(int, jax.device_get(self.streak.counts))
+    self._check(step, longest)
+    return current
+
+  def _check(self, step: int, longest: int) -> None:
+    if self.max_nonfinite and longest >= self.max_nonfinite:
+      raise NonFiniteStreak(
+        f'{longest} steps in a row up to step {step} had a non-finite loss or gradient norm and '
+        f'were skipped (train.max_nonfinite_steps={self.max_nonfinite}): stopping. Checkpoints '
+        'are saved only after a finite step, so the newest one precedes the streak; lower '
+        'optim.learning_rate (or check the data) and rerun to resume from it, or set '
+        'train.max_nonfinite_steps=0 never to stop.'
+      )
+
+
+class NonFiniteStreak(RuntimeError):
+  """train.max_nonfinite_steps steps in a row were skipped: the run cannot recover by itself."""
+
+
+class Streak:
+  """Steps in a row whose update was skipped (a non-finite loss or gradient norm, as the train
+  step decides), counted on the device as the steps are dispatched: (current, the longest since
+  the last `take`), two device scalars."""
+
+  def __init__(self):
+    self.counts, self._fns = None, None
+
+  def add(self, m) -> None:
+    if self._fns is None:  # both compiled at the first step, whose time is kept apart
+      first = jax.jit(_streak_first).lower(m).compile()
+      counts = jax.eval_shape(_streak_first, m)
+      self._fns = (first, jax.jit(_streak_next).lower(counts, m).compile())
+    first, next_ = self._fns
+    self.counts = first(m) if self.counts is None else next_(self.counts, m)
+
+  def take(self):
+    """The counts as of the latest step; the longest starts over from the current streak."""
+    counts = self.counts
+    if counts is None:  # no step yet
+      return 0, 0
+    self.counts = (counts[0], counts[0])
+    return counts
+
+
+def _skipped(m) -> jax.Array:
+  return (~(jnp.isfinite(m['total_loss']) & jnp.isfinite(m['grad_norm']))).astype(jnp.int32)
+
+
+def _streak_first(m):
+  return _skipped(m), _skipped(m)
+
+
+def _streak_next(counts, m):
+  current = jnp.where(_skipped(m) > 0, counts[0] + 1, 0)
+  return current, jnp.maximum(counts[1], current)
 
 
 def log_train(

@@ -234,6 +234,32 @@ def test_train_log_splits_loads_by_shard_only_under_expert_parallelism():
   mesh = sharding.make_mesh((1, 1, 2, 1), jax.devices()[:2])
   for parallel, shards in ((True, 2), (False, 1)):
     model = dataclasses.replace(PRESETS['tiny'], moe_expert_parallel=parallel)
-    setup = types.SimpleNamespace(model=model, data=types.SimpleNamespace(seq_len=8))
+    setup = types.SimpleNamespace(
+      model=model,
+      data=types.SimpleNamespace(seq_len=8),
+      train=types.SimpleNamespace(max_nonfinite_steps=20),
+    )
     log = train_log.TrainLog.create(setup, meter=None, writer=None, mesh=mesh)
     assert log.report.keywords['expert_shards'] == shards
+
+
+def test_nonfinite_streak_counts_skipped_steps_in_a_row():
+  """A step is skipped when its loss or gradient norm is not finite (as the train step decides);
+  the streak counts them in a row, and the longest since the last log point is kept."""
+  streak = train_log.Streak()
+  nan = jnp.float32(np.nan)
+
+  def step(loss=1.0, grad_norm=1.0):
+    streak.add({'total_loss': jnp.float32(loss), 'grad_norm': jnp.float32(grad_norm)})
+
+  assert streak.take() == (0, 0)  # no step yet
+  step(nan)
+  step(grad_norm=np.inf)
+  step(nan)
+  assert [int(x) for x in streak.counts] == [3, 3]
+  step()
+  step(nan)
+  assert [int(x) for x in streak.take()] == [1, 3]
+  assert [int(x) for x in streak.counts] == [1, 1]  # the longest starts over
+  step()
+  assert [int(x) for x in streak.take()] == [0, 1]

@@ -263,6 +263,22 @@ def test_sigterm_to_one_host_stops_all_and_resumes_exactly(tmp_path):
   assert os.stat(os.path.join(workdir, 'config.json')).st_mtime_ns == written
   assert max(r['step'] for r in records(workdir) if r['kind'] == 'train') == step
 
+  # Each host wrote its own array files, and process 0 checksummed them all once both had. One
+  # of process 1's damaged: each host checks its share of the files, and both stop, naming it.
+  from moetrain import integrity
+
+  step_dir = os.path.join(workdir, 'checkpoints', str(step))
+  manifest = integrity.read_manifest(step_dir)
+  ones = sorted(f for f in manifest if f.startswith('state/ocdbt.process_1/d/'))
+  assert ones and integrity.problems(step_dir, manifest) == []
+  with open(os.path.join(step_dir, ones[0]), 'r+b') as f:
+    byte = f.read(1)
+    f.seek(0)
+    f.write(bytes([byte[0] ^ 0xFF]))
+  logs = Job(workdir, tokenizer, f'--config.train.stop_at_step={step + 1}', processes=2).wait(1)
+  for log in logs:
+    assert f'checkpoints/{step} is damaged ({ones[0]}: checksum' in log, log[-2000:]
+
 
 @pytest.mark.slow  # ~65 s on a fresh clone; the one-process mesh load is in test_hf_parity.py
 def test_qlora_from_a_hugging_face_checkpoint_over_two_processes(tmp_path):

@@ -2,11 +2,14 @@
 
 import json
 import os
+import re
 import shutil
+import subprocess
+import sys
 
 import pytest
 
-from moetrain import run_config, train
+from moetrain import checkpoint, integrity, run_config, train, train_log
 from tests.test_configs import ROOT, load
 from tests.test_data import numbered_records, write_jsonl
 
@@ -122,21 +125,145 @@ def test_resume_with_other_settings_names_them(uninterrupted, key, value, messag
     train.run(config, workdir)
 
 
-def test_a_damaged_checkpoint_is_named_and_handlers_are_restored(uninterrupted, tmp_path):
-  """The newest checkpoint cut short (a copy, a filesystem without atomic renames): the run
-  names it and the step to fall back to, and deletes nothing. A finished train.run() gives
-  SIGTERM back to the caller's handler."""
+def _copy(workdir, tmp_path):
+  copy = tmp_path / 'run'
+  shutil.copytree(workdir, copy)
+  return copy
+
+
+def _files(path) -> dict:
+  return {str(p.relative_to(path)): p.read_bytes() for p in sorted(path.rglob('*')) if p.is_file()}
+
+
+def _largest_array_file(step_dir):
+  return max(
+    (step_dir / 'state' / 'ocdbt.process_0' / 'd').iterdir(), key=lambda p: p.stat().st_size
+  )
+
+
+def _zero_bytes(step_dir):
+  path = _largest_array_file(step_dir)
+  data = bytearray(path.read_bytes())
+  data[len(data) // 2 : len(data) // 2 + 64] = bytes(64)
+  path.write_bytes(bytes(data))
+
+
+def _truncate(step_dir):
+  path = _largest_array_file(step_dir)
+  path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
+
+
+def _damage_metadata(step_dir):  # (the same size: only the checksum can tell)
+  path = step_dir / 'state' / '_METADATA'
+  path.write_bytes(b'[' + path.read_bytes()[1:])
+
+
+DAMAGE = {
+  'zeroed': (_zero_bytes, r'ocdbt\.process_0/d/\w+: checksum \w+, \w+ was written'),
+  'truncated': (_truncate, r'ocdbt\.process_0/d/\w+: \d+ bytes, \d+ were written'),
+  'deleted': (lambda d: _largest_array_file(d).unlink(), r'ocdbt\.process_0/d/\w+: missing'),
+  'metadata': (_damage_metadata, r'state/_METADATA: checksum'),
+  'manifest': (lambda d: (d / integrity.MANIFEST).write_text('{'), r'unreadable'),
+}
+
+
+@pytest.mark.parametrize('damage', DAMAGE)
+def test_a_damaged_checkpoint_is_named_with_the_step_to_resume_from(
+  uninterrupted, tmp_path, damage
+):
+  """The newest checkpoint damaged after it was written (zeroed bytes, cut short, a file lost,
+  its metadata or checksums changed): its checksums say so before anything is restored, with
+  the checkpoint to fall back to and the flag that does; nothing is deleted or changed."""
+  workdir, _ = uninterrupted
+  copy = _copy(workdir, tmp_path)
+  spoil, what = DAMAGE[damage]
+  spoil(copy / 'checkpoints' / '6')
+  before = _files(copy)
+  message = rf'checkpoints/6 is damaged \(.*{what}.*resume from step 3 .*resume_step=3'
+  with pytest.raises(checkpoint.DamagedCheckpoint, match=message):
+    train.run(small_config(steps=8), str(copy))
+  assert _files(copy) == before
+
+
+def test_every_checkpoint_holds_the_checksums_of_its_files(uninterrupted):
+  workdir, _ = uninterrupted
+  step_dir = os.path.join(workdir, 'checkpoints', '6')
+  manifest = integrity.read_manifest(step_dir)
+  assert sorted(manifest) == integrity.item_files(step_dir)
+  assert any(f.startswith('state/ocdbt.process_0/d/') for f in manifest)
+  assert integrity.problems(step_dir, manifest) == []
+
+
+def test_a_checkpoint_without_checksums_is_restored_with_a_warning(uninterrupted, tmp_path, caplog):
+  """One saved before checksums (or with train.verify_checkpoints=False) is read unchecked."""
+  copy = _copy(uninterrupted[0], tmp_path)
+  (copy / 'checkpoints' / '6' / integrity.MANIFEST).unlink()
+  assert train.run(small_config(), str(copy)) == {'step': 6, 'finished': True}
+  assert 'checkpoints/6 has no checksums' in caplog.text
+
+
+def test_resume_step_goes_back_past_a_damaged_checkpoint(uninterrupted, tmp_path):
+  """train.resume_step=3 sets the damaged step 6 aside (not deleted) and trains 4-6 again, as the
+  uninterrupted run did; a step without a checkpoint is refused by name."""
+  full, _ = uninterrupted
+  copy = _copy(full, tmp_path)
+  _zero_bytes(copy / 'checkpoints' / '6')
+  with pytest.raises(ValueError, match=r'resume_step=4: .* holds no checkpoint .*steps \[3, 6\]'):
+    train.run(small_config(resume_step=4), str(copy))
+  train.run(small_config(resume_step=3), str(copy))
+  assert os.listdir(copy / checkpoint.SET_ASIDE) == ['6']
+  assert sorted(os.listdir(copy / 'checkpoints')) == ['3', '6']
+  want, got = losses(full), losses(str(copy))
+  assert [got[s] for s in range(4, 7)] == [want[s] for s in range(4, 7)]
+
+
+def test_a_damaged_checkpoint_is_named_from_the_main_entry_point(uninterrupted, tmp_path):
+  """`python -m moetrain.main` prints the message alone (no traceback) and exits with 1."""
+  copy = _copy(uninterrupted[0], tmp_path)
+  _truncate(copy / 'checkpoints' / '6')
+  env = dict(os.environ, PYTHONPATH=ROOT, JAX_PLATFORMS='cpu')
+  args = ['--config=configs/longcat_lora.py', f'--workdir={copy}']
+  done = subprocess.run(
+    [sys.executable, '-m', 'moetrain.main', *args],
+    cwd=ROOT,
+    env=env,
+    capture_output=True,
+    text=True,
+  )
+  assert done.returncode == 1, done.stderr[-2000:]
+  last = done.stderr.strip().splitlines()[-1]
+  assert re.match(r'Error: checkpoint .*checkpoints/6 is damaged .*resume_step=3', last), last
+  assert 'Traceback' not in done.stderr
+
+
+def test_a_checkpoint_without_checksums_that_cannot_be_read_is_named(uninterrupted, tmp_path):
+  """train.verify_checkpoints=False (or a checkpoint from before checksums): a read that fails
+  names the checkpoint and the step to fall back to, and deletes nothing. A finished train.run()
+  gives SIGTERM back to the caller's handler."""
   import signal
 
   workdir, _ = uninterrupted
-  copy = tmp_path / 'run'
-  shutil.copytree(workdir, copy)
+  copy = _copy(workdir, tmp_path)
   shutil.rmtree(copy / 'checkpoints' / '6' / 'state')
   before = signal.getsignal(signal.SIGTERM)
   with pytest.raises(ValueError, match=r'checkpoints/6 cannot be read .*resume from step 3'):
-    train.run(small_config(steps=8), str(copy))
+    train.run(small_config(steps=8, verify_checkpoints=False), str(copy))
   assert (copy / 'checkpoints' / '6').is_dir()
   assert signal.getsignal(signal.SIGTERM) is before
+
+
+def test_a_nonfinite_streak_stops_the_run_and_keeps_the_last_finite_checkpoint(tmp_path):
+  """A learning rate of 1e30: step 1's update makes every later loss non-finite. The run saves
+  no step of the streak (keep_checkpoints=2 would otherwise rotate step 1 out by step 3) and
+  stops after max_nonfinite_steps of them, naming the checkpoint before it."""
+  config = small_config(steps=20, checkpoint_every=1, keep_checkpoints=2, max_nonfinite_steps=3)
+  config.optim.learning_rate = 1e30
+  with pytest.raises(train_log.NonFiniteStreak, match=r'3 steps in a row up to step 4 .*step 1\.'):
+    train.run(config, str(tmp_path))
+  with open(tmp_path / 'metrics.jsonl') as f:
+    skipped = {r['step']: r['skipped'] for r in map(json.loads, f) if r['kind'] == 'train'}
+  assert skipped == {1: 0, 2: 1, 3: 2, 4: 3}
+  assert os.listdir(tmp_path / 'checkpoints') == ['1']
 
 
 def test_a_damaged_checkpoint_is_not_buried_under_closed_loop_callbacks(tmp_path, monkeypatch):

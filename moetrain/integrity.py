@@ -1,0 +1,83 @@
+"""Checksums of a checkpoint's files, written with it and verified before it is restored."""
+
+import concurrent.futures
+import json
+import os
+import zlib
+
+MANIFEST = 'moetrain_manifest.json'
+CHUNK = 4 << 20
+# Reads of several files overlap: zlib.crc32 releases the GIL on large buffers.
+THREADS = 4
+
+
+def checksum(path: str) -> tuple[int, str]:
+  """(size, CRC-32 as 8 hex digits) of a file, read in chunks. CRC-32 finds the damage of copies
+  and storage (zeroed, cut or flipped bytes); nobody forges a checkpoint."""
+  crc, size = 0, 0
+  with open(path, 'rb') as f:
+    while chunk := f.read(CHUNK):
+      crc, size = zlib.crc32(chunk, crc), size + len(chunk)
+  return size, f'{crc:08x}'
+
+
+def item_files(step_dir: str) -> list[str]:
+  """The files of a checkpoint's items (its subdirectories), relative to `step_dir`, sorted.
+  Files at its top are left out: Orbax writes them (commit_success.txt) or rewrites them (the
+  commit time in _CHECKPOINT_METADATA) after the manifest."""
+  out = []
+  for item in sorted(os.listdir(step_dir)):
+    top = os.path.join(step_dir, item)
+    if not os.path.isdir(top):
+      continue
+    for root, _, files in os.walk(top):
+      out += [os.path.relpath(os.path.join(root, f), step_dir) for f in files]
+  return sorted(out)
+
+
+def _checksums(step_dir: str, files: list[str]) -> list[tuple[int, str]]:
+  with concurrent.futures.ThreadPoolExecutor(THREADS) as pool:
+    return list(pool.map(lambda f: checksum(os.path.join(step_dir, f)), files))
+
+
+def write_manifest(step_dir: str) -> None:
+  """Writes MANIFEST into `step_dir` once all its items are written (tmp + rename: a reader
+  never sees half a manifest)."""
+  files = item_files(step_dir)
+  sums = _checksums(step_dir, files)
+  manifest = {'files': {f: {'size': n, 'crc32': c} for f, (n, c) in zip(files, sums)}}
+  path = os.path.join(step_dir, MANIFEST)
+  with open(path + '.tmp', 'w') as f:
+    json.dump(manifest, f, indent=0)
+  os.replace(path + '.tmp', path)
+
+
+def read_manifest(step_dir: str) -> dict | None:
+  """{file: {'size', 'crc32'}} of a checkpoint, or None when it has none (written before moetrain
+  wrote manifests, or with train.verify_checkpoints off). ValueError if it cannot be read."""
+  path = os.path.join(step_dir, MANIFEST)
+  if not os.path.exists(path):
+    return None
+  try:
+    with open(path) as f:
+      return dict(json.load(f)['files'])
+  except (ValueError, KeyError, TypeError) as e:  # (JSONDecodeError is a ValueError)
+    raise ValueError(f'{MANIFEST}: unreadable ({type(e).__name__})') from e
+
+
+def problems(step_dir: str, manifest: dict, part: int = 0, parts: int = 1) -> list[str]:
+  """What is wrong with the files of `manifest` in `step_dir` ([] when all match); checks every
+  `parts`-th file from the `part`-th, so that several processes share the reading."""
+  out, present = [], []
+  for f in sorted(manifest)[part::parts]:
+    path = os.path.join(step_dir, f)
+    if not os.path.isfile(path):
+      out.append(f'{f}: missing')
+    elif (size := os.path.getsize(path)) != manifest[f]['size']:
+      out.append(f'{f}: {size} bytes, {manifest[f]["size"]} were written')
+    else:
+      present.append(f)
+  for f, (_, crc) in zip(present, _checksums(step_dir, present)):
+    if crc != manifest[f]['crc32']:
+      out.append(f'{f}: checksum {crc}, {manifest[f]["crc32"]} was written')
+  return out

@@ -43,7 +43,7 @@ def abstract_batch(rows: int, seq_len: int, mesh) -> dict:
 
 
 def train_step_fn(setup, mesh, shardings):
-  """The loop's jitted train step (moetrain.train.run builds the same)."""
+  """The jitted train step the loop runs (moetrain.train.run) and the planner compiles."""
   optimizer = optim.make_optimizer(setup.optim, setup.train.steps)
   lr_fn = optim.schedule(setup.optim, setup.train.steps)
   return jit_train_step(setup.step, optimizer, lr_fn, shardings, sharding.batch_sharding(mesh))
@@ -150,12 +150,11 @@ def device_memory_limit(device) -> int | None:
   return stats.get('bytes_limit')
 
 
-def precompile_train_step(setup, mesh, step_fn, progress=print) -> Compiled:
+def precompile_train_step(setup, mesh, step_fn, state, progress=print) -> Compiled:
   """Compiles the loop's jitted step from shapes before any weight is read, so that a step that
   does not fit the devices stops the run in seconds with the compiler's numbers, not after a
   checkpoint import. The executable lands in the persistent compilation cache (if enabled), where
-  the loop's first call finds it."""
-  state, _ = abstract_state(setup, mesh)
+  the loop's first call finds it. state: abstract_state's."""
   d = setup.data
   progress(
     f'Compiling the train step for {mesh.devices.size} {mesh.devices.flat[0].platform} devices...'

@@ -27,7 +27,7 @@ from moetrain.train_state import (
   state_from_weights,
   trainable_filter,
 )
-from moetrain.train_step import StepConfig, eval_step, jit_train_step
+from moetrain.train_step import StepConfig
 
 
 @dataclasses.dataclass(frozen=True)
@@ -373,16 +373,14 @@ def run(config, workdir: str) -> dict:
       setup.data, tokenizer, max_batches=t.eval_batches, process_index=pi, process_count=pc
     )
     optimizer = optim.make_optimizer(setup.optim, t.steps)
-    lr_fn = optim.schedule(setup.optim, t.steps)
-    graphdef = graphdef_of(setup.model)
     batch_sharding = sharding.batch_sharding(mesh)
     sharding.check_hosts_own_rows(batch_sharding, setup.data.global_batch_size)
     with jax.set_mesh(mesh):
-      _, shardings = aot.abstract_state(setup, mesh)
-      step_fn = jit_train_step(setup.step, optimizer, lr_fn, shardings, batch_sharding)
-      aot.precompile_train_step(setup, mesh, step_fn, writer.progress)  # before any weight
+      abstract, shardings = aot.abstract_state(setup, mesh)
+      step_fn = aot.train_step_fn(setup, mesh, shardings)
+      aot.precompile_train_step(setup, mesh, step_fn, abstract, writer.progress)  # before weights
       state = restore_or_init(setup, ckpt, optimizer, mesh, train_iter)
-      eval_fn = jax.jit(functools.partial(eval_step, graphdef=graphdef))
+      eval_fn = aot.eval_step_fn(setup)
       state, last = loop(
         setup, state, step_fn, eval_fn, train_iter, eval_batches, ckpt, writer, batch_sharding, mesh
       )

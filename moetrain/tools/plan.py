@@ -32,10 +32,16 @@ def param_counts(cfg) -> dict:
   embed = cfg.vocab_size * cfg.hidden_size
   per_expert = 3 * cfg.hidden_size * cfg.expert_ffn_hidden_size * cfg.num_layers
   routed = per_expert * cfg.n_routed_experts
-  k_e = cfg.expected_ffn_experts  # the balancing target (LongCat: 8 of top-12)
-  k_e = int(k_e) if float(k_e).is_integer() else k_e
+  k_e = balance_target(cfg)
   active = {k: base - embed - routed + k * per_expert for k in (0, k_e, cfg.moe_topk)}
   return {'total': base, 'routed_experts': routed, 'adapters': adapters, 'active': active}
+
+
+def balance_target(cfg) -> float:
+  """K_e, the FFN experts per token that balancing aims at (LongCat: 8 of top-12); an int
+  where it is whole, as param_counts' 'active' keys hold it."""
+  k_e = cfg.expected_ffn_experts
+  return int(k_e) if float(k_e).is_integer() else k_e
 
 
 def ep_exchange(cfg, mesh_shape, seq_len: int, batch_size: int) -> dict:

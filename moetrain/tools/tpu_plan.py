@@ -35,10 +35,7 @@ def model_flops(setup) -> tuple[float, str]:
 
   cfg = setup.model
   counts = plan.param_counts(cfg)
-  k_e = cfg.expected_ffn_experts
-  per_expert = 3 * cfg.hidden_size * cfg.expert_ffn_hidden_size * cfg.num_layers
-  n_active = counts['total'] - cfg.vocab_size * cfg.hidden_size - counts['routed_experts']
-  n_active += k_e * per_expert
+  n_active = counts['active'][plan.balance_target(cfg)]
   lora = cfg.lora.enabled
   t = setup.data.seq_len
   attn = 3 * 2 * 2 * cfg.num_heads * (cfg.qk_head_dim + cfg.v_head_dim) * t / 2
@@ -274,10 +271,11 @@ def search(config, topology: str, workers: int, rounds: int = 3) -> dict | None:
   for _ in range(rounds):
     cands = neighbours(config, devices, best_o)
     results = plan_many(config, [(topology, o) for o in cands], workers)
+    start = best
     for o, r in zip(cands, results):
       if _better(r, best):
         best, best_o = r, o
-    if not any(_better(r, best) for r in results) and _ok(best):
+    if best is start:  # no neighbour improves on it
       break
   return best
 

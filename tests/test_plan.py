@@ -83,19 +83,24 @@ def test_plan_compiles_the_train_and_eval_steps_for_a_slice(tmp_path):
 
 
 def test_a_batch_that_fits_and_one_that_does_not():
-  """One side of the boundary and the other: attention without query blocks holds float32
-  [B, N, T, T] scores; at 16384 positions one row per chip fits a v5e's 15.75 GiB, four do not."""
-  over = TINY_EP | {
-    'data.seq_len': 16384,
-    'model.attention_chunk': 0,
+  """One side of the boundary and the other, on one v5e chip (15.75 GiB): without loss blocks
+  (model.loss_chunk=0) the step holds whole float32 [B, T, V] logits, 256 MiB per row at 512
+  positions and a 131072-token vocabulary: 8 rows fit, 64 do not."""
+  over = {
+    'mesh.shape': (1, 1, 1, 1),
+    'data.seq_len': 512,
+    'model.vocab_size': 131072,
+    'model.loss_chunk': 0,
     'data.eval_split': '',
   }
   config = longcat_lora.get_config()
-  fits = tpu_plan.plan(config, 'v5e-4', over | {'data.global_batch_size': 4})
-  over = tpu_plan.plan(config, 'v5e-4', over | {'data.global_batch_size': 16})
-  assert fits['fits'] and fits['per_chip_bytes']['total'] < topology.CHIPS['v5e'].hbm_bytes
+  hbm = topology.CHIPS['v5e'].hbm_bytes
+  fits = tpu_plan.plan(config, 'v5e-1', over | {'data.global_batch_size': 8})
+  assert fits['fits'] and fits['per_chip_bytes']['total'] < hbm
+  assert fits['per_chip_bytes']['temporaries'] > 8 * 512 * 131072 * 4  # the logits
+  over = tpu_plan.plan(config, 'v5e-1', over | {'data.global_batch_size': 64})
   assert not over['fits'] and 'HBM' in over['error']
-  assert over['per_chip_bytes']['total'] > topology.CHIPS['v5e'].hbm_bytes
+  assert over['per_chip_bytes']['total'] > hbm
 
 
 def test_tpu_only_paths_compile():

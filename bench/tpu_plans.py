@@ -1,5 +1,5 @@
 """The README's flash commands compiled for the slices they are planned for (minutes each, on any
-host with libtpu): python -m bench.tpu_plans [--only NAME] [--json DIR]. Prints the README table's
+host with libtpu): python -m bench.tpu_plans [--only NAME,...] [--json DIR]. Prints the README table's
 rows; bench/RESULTS.md "TPU plans" holds the results."""
 
 import argparse
@@ -10,11 +10,15 @@ from configs import longcat_lora, longcat_pretrain
 from moetrain.tools import tpu_plan
 
 PLANS = {
-  # name: (config module, topology, overrides): every flash command of the README.
+  # name: (config module, topology, overrides): every flash command of the README, each on the
+  # slice it names. QLoRA takes fewer chips for the same 64 rows of 8192 tokens, in micro-batches
+  # of one row per chip.
   'lora': (longcat_lora, 'v5p-128', {}),
-  'qlora-int8': (longcat_lora, 'v5p-128', {'model.quant': 'int8'}),
-  'qlora-int4': (longcat_lora, 'v5p-128', {'model.quant': 'int4'}),
-  # Full fine-tuning of the same model, batch and slice: expected not to fit.
+  'qlora-int8': (longcat_lora, 'v5p-64', {'model.quant': 'int8', 'optim.grad_accum_steps': 2}),
+  'qlora-int4': (longcat_lora, 'v5p-32', {'model.quant': 'int4', 'optim.grad_accum_steps': 4}),
+  # Pretraining: 1024 rows on 256 chips, four micro-batches.
+  'pretrain': (longcat_pretrain, 'v5p-512', {'optim.grad_accum_steps': 4}),
+  # Full fine-tuning of the LoRA command's model, batch and slice: expected not to fit.
   'full-same-slice': (
     longcat_pretrain,
     'v5p-128',
@@ -38,11 +42,11 @@ def row(name: str, r: dict) -> str:
 
 def main():
   p = argparse.ArgumentParser()
-  p.add_argument('--only', default='')
+  p.add_argument('--only', default='', help='comma-separated names of PLANS')
   p.add_argument('--json', default='')
   args = p.parse_args()
   for name, (module, topo, over) in PLANS.items():
-    if args.only and name != args.only:
+    if args.only and name not in args.only.split(','):
       continue
     r = tpu_plan.plan(module.get_config('variant=flash'), topo, over)
     tpu_plan.print_plan(r)

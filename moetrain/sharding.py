@@ -50,6 +50,13 @@ def _preset(ep: bool, tp: bool) -> tuple[dict, dict]:
   if ep:
     w['experts'] = 'expert'
     a['experts'] = 'expert'
+    # Every other weight shards over the expert axis too (FSDP over fsdp x expert): replicated
+    # over it, the dense, attention and embedding weights (and in full training their gradients
+    # and moments) would sit on each expert shard whole, 16x at LongCat-Flash's mesh. Their
+    # gradients are summed over every batch shard anyway. Expert weights keep 'embed' on fsdp
+    # ('expert' already holds their first axis).
+    for name in ('embed', 'q_lora', 'kv_lora'):
+      w[name] = ('fsdp', 'expert')
   if tp:
     for name in ('heads', 'mlp', 'expert_mlp', 'vocab'):
       w[name] = 'tensor'

@@ -146,3 +146,25 @@ def test_loop_trip_counts_are_counted():
   assert cost.flops == 5 * 2 * 64 * 128 * 128
   assert cost.flops_once == 2 * 64 * 128 * 128
   assert cost.flops_once <= compiled.xla_flops < cost.flops
+
+
+@pytest.mark.slow
+def test_search_and_smallest_compile_for_real(tmp_path, capsys):
+  """--search and --smallest on the tiny model with real TPU compiles in two spawned worker
+  processes: the search ends on a plan with headroom and the flags it prints; each method's
+  smallest v5e slice fits and the one below it does not."""
+  cache = str(tmp_path / 'plans.json')
+  config = longcat_lora.get_config()
+  best = tpu_plan.search(config, 'v5e-4', workers=2, rounds=1, cache=cache)
+  assert tpu_plan._ok(best)
+  rows = tpu_plan.smallest(config, ['v5e'], workers=2, max_chips=16, cache=cache)
+  assert [r['method'] for r in rows] == list(tpu_plan.METHODS)
+  for row in rows:
+    r = row['plan']
+    assert r and tpu_plan._ok(r), row
+    if r['chips'] > 1:
+      smaller = topology.CHIPS['v5e']
+      half = f'v5e:{topology._torus(r["chips"] // 2, smaller.dims)}'
+      over = tpu_plan.METHODS[row['method']] | tpu_plan.slice_overrides(config, r['chips'] // 2)
+      (below,) = tpu_plan.plan_many(config, [(half, over)], 1, cache)
+      assert not tpu_plan._ok(below)

@@ -136,7 +136,7 @@ def _gib(n) -> str:
 
 
 def print_plan(r: dict) -> None:
-  over = ' '.join(f'--config.{k}={_arg(v)}' for k, v in r['overrides'].items())
+  over = _flags(r['overrides'])
   print(
     f'{r["topology"]} ({r["topology_name"]}): {r["chips"]} chips, {r["devices"]} devices, '
     f'mesh {r["mesh"]}' + (f'  [{over}]' if over else '')
@@ -172,7 +172,8 @@ def print_plan(r: dict) -> None:
 
 
 def _arg(v) -> str:
-  return f"'{v}'" if isinstance(v, tuple) else str(v)
+  """A value as a --config flag takes it (a JSON-cached tuple comes back as a list)."""
+  return f"'{tuple(v)}'" if isinstance(v, (tuple, list)) else str(v)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -198,16 +199,19 @@ def _cache_key(config, topology: str, overrides: dict) -> str:
   return hashlib.sha256(blob.encode() + code.digest()).hexdigest()
 
 
-def _load_cache() -> dict:
-  path = pathlib.Path(os.path.expanduser(CACHE))
-  return json.loads(path.read_text()) if path.exists() else {}
+def _load_cache(path: str) -> dict:
+  path = pathlib.Path(os.path.expanduser(path))
+  try:
+    return json.loads(path.read_text()) if path.exists() else {}
+  except ValueError:  # a damaged cache is only lost time: start a new one
+    return {}
 
 
-def _save_cache(cache: dict) -> None:
-  path = pathlib.Path(os.path.expanduser(CACHE))
+def _save_cache(cache: dict, path: str) -> None:
+  path = pathlib.Path(os.path.expanduser(path))
   path.parent.mkdir(parents=True, exist_ok=True)
-  tmp = path.with_suffix('.tmp')
-  tmp.write_text(json.dumps(cache))
+  tmp = path.with_suffix(f'.{os.getpid()}.tmp')
+  tmp.write_text(json.dumps(cache, default=str))
   tmp.replace(path)
 
 
@@ -219,19 +223,42 @@ def _worker(args):
     return {'overrides': overrides, 'topology': topology, 'fits': False, 'error': str(e)}
 
 
-def plan_many(config, jobs: list[tuple[str, dict]], workers: int) -> list[dict]:
-  """plan() of each (topology, overrides), cached across invocations, `workers` at a time."""
-  cache = _load_cache()
+def plan_many(config, jobs: list[tuple[str, dict]], workers: int, cache: str = CACHE) -> list[dict]:
+  """plan() of each (topology, overrides), cached in the JSON file `cache` across invocations
+  (keyed by the config, the overrides, jax's version and moetrain's source), `workers` spawned
+  processes at a time (1: in this process). Each result is saved as it arrives, so an
+  interrupted search resumes where it stopped."""
+  done = _load_cache(cache)
   keys = [_cache_key(config, t, o) for t, o in jobs]
-  todo = [(config, t, o) for (t, o), k in zip(jobs, keys) if k not in cache]
+  todo = list({k: (config, t, o) for (t, o), k in zip(jobs, keys) if k not in done}.items())
   if todo:
     print(f'compiling {len(todo)} plans ({len(jobs) - len(todo)} cached), {workers} at a time...')
-    ctx = multiprocessing.get_context('spawn')
-    with concurrent.futures.ProcessPoolExecutor(workers, mp_context=ctx) as pool:
-      for (c, t, o), r in zip(todo, pool.map(_worker, todo)):
-        cache[_cache_key(c, t, o)] = r
-        _save_cache(cache)
-  return [cache[k] for k in keys]
+    if workers <= 1:
+      results = map(_worker, [job for _, job in todo])
+    else:
+      ctx = multiprocessing.get_context('spawn')
+      pool = concurrent.futures.ProcessPoolExecutor(workers, mp_context=ctx)
+      results = pool.map(_worker, [job for _, job in todo])
+    for (k, (_, t, o)), r in zip(todo, results):
+      done = _load_cache(cache) | {k: r}  # another planner may have added plans meanwhile
+      _save_cache(done, cache)
+      print(f'  {t} {_flags(o) or "(as configured)"}: {_verdict(r)}', flush=True)
+    if workers > 1:
+      pool.shutdown()
+  return [done[k] for k in keys]
+
+
+def _verdict(r: dict) -> str:
+  if r.get('fits'):
+    return (
+      f'{_gib(r["per_chip_bytes"]["total"])} per device, {100 * r["headroom"]:.0f}% free, '
+      f'est. {r["est_step_seconds"]:.3g} s/step'
+    )
+  return 'does not fit' if 'HBM' in r.get('error', '') else f'refused: {r.get("error", "?")}'
+
+
+def _flags(overrides: dict) -> str:
+  return ' '.join(f'--config.{k}={_arg(v)}' for k, v in overrides.items())
 
 
 def _divisors_pow2(n: int, limit: int) -> list[int]:
@@ -239,8 +266,9 @@ def _divisors_pow2(n: int, limit: int) -> list[int]:
 
 
 def neighbours(config, devices: int, base: dict) -> list[dict]:
-  """Settings one change away from `base` (overrides): mesh, dispatch, remat, micro-batches
-  and, under LoRA, the base's storage."""
+  """Settings one change away from `base` (overrides of `config`): the expert axis, dispatch
+  (dropless unbounded or with a bounded receive buffer, or capacity), remat, micro-batches and,
+  under LoRA, the base's storage. Changes to what `base` already has are left out."""
   m = config.model
   out = []
   for e in _divisors_pow2(m.n_routed_experts, min(devices, m.n_routed_experts)):
@@ -251,26 +279,35 @@ def neighbours(config, devices: int, base: dict) -> list[dict]:
   out.append({'model.moe_dispatch': 'capacity', 'model.moe_capacity_factor': 1.25})
   out += [{'model.remat': r} for r in ('full', 'save_moe', 'save_dots', 'none')]
   rows = config.data.global_batch_size
-  out += [{'optim.grad_accum_steps': a} for a in (1, 2, 4) if rows % a == 0]
+  out += [{'optim.grad_accum_steps': a} for a in (1, 2, 4, 8) if rows % a == 0]
   if config.lora.rank:
     out += [{'model.quant': q} for q in ('none', 'int8', 'int4')]
-  return [base | o for o in out if base | o != base]
+  now = with_overrides(config, base)
+  current = lambda k: tuple(now[k]) if isinstance(now[k], tuple) else now[k]  # noqa: E731
+  return [base | o for o in out if any(current(k) != v for k, v in o.items())]
+
+
+def drops_tokens(overrides: dict, config) -> bool:
+  """Whether these settings bound the tokens an expert receives (overflow is dropped and
+  reported as moe/dropped_frac): capacity dispatch, or a bounded receive buffer."""
+  m = with_overrides(config, overrides).model
+  return m.moe_dispatch == 'capacity' or m.moe_ep_recv_factor > 0
 
 
 def _ok(r: dict) -> bool:
   return r.get('fits') and r.get('headroom', 0) >= HEADROOM
 
 
-def search(config, topology: str, workers: int, rounds: int = 3) -> dict | None:
+def search(config, topology: str, workers: int, rounds: int = 3, cache: str = CACHE) -> dict:
   """Coordinate search from the config as given: each round compiles every setting one change
   away from the best so far; the best is the fastest estimate among plans that keep HEADROOM
   free, or while none does, the smallest."""
   devices = topology_lib.parse(topology).num_devices
   best_o = {}
-  (best,) = plan_many(config, [(topology, best_o)], workers)
+  (best,) = plan_many(config, [(topology, best_o)], workers, cache)
   for _ in range(rounds):
     cands = neighbours(config, devices, best_o)
-    results = plan_many(config, [(topology, o) for o in cands], workers)
+    results = plan_many(config, [(topology, o) for o in cands], workers, cache)
     start = best
     for o, r in zip(cands, results):
       if _better(r, best):
@@ -299,22 +336,25 @@ METHODS = {
 
 def slice_overrides(config, devices: int) -> dict:
   """The config's settings scaled to a slice of `devices`: the expert axis as configured where
-  it fits, else the slice; the batch rounded up to a multiple of the batch shards."""
+  it fits, else the slice; the batch rounded up to a multiple of the batch shards (every device
+  needs a row), in micro-batches of one row per device (the least activation memory)."""
   m = config.model
   e = config.mesh.shape[2] if config.mesh.shape[2] > 0 else 1
   e = max(d for d in _divisors_pow2(m.n_routed_experts, min(devices, e, m.n_routed_experts)))
-  rows = config.data.global_batch_size
-  rows = -(-rows // devices) * devices
+  rows = -(-config.data.global_batch_size // devices) * devices
   return {
     'mesh.shape': (1, -1, e, 1),
+    'mesh.rules': 'fsdp_ep' if e > 1 else 'fsdp',
     'data.global_batch_size': rows,
     'data.eval_batch_size': -(-config.data.eval_batch_size // devices) * devices,
+    'optim.grad_accum_steps': rows // devices,
   }
 
 
-def smallest(config, generations, workers: int, max_chips: int = 4096) -> list[dict]:
-  """For each generation and method, the smallest power-of-two slice whose plan keeps HEADROOM
-  free (bisection over slice sizes, each compile cached)."""
+def smallest(config, generations, workers: int, max_chips: int = 4096, cache: str = CACHE):
+  """For each generation and method (LoRA, QLoRA int8/int4 under a LoRA config; full training
+  always), the smallest power-of-two slice whose plan keeps HEADROOM free: a bisection over
+  slice sizes (memory per device falls as the slice grows), each compile cached."""
   rows = []
   for gen in generations:
     chip = topology_lib.CHIPS[gen]
@@ -327,7 +367,8 @@ def smallest(config, generations, workers: int, max_chips: int = 4096) -> list[d
         chips = 2**mid
         topo = f'{gen}:{topology_lib._torus(chips, chip.dims)}'
         devices = chips * chip.devices_per_chip
-        (r,) = plan_many(config, [(topo, over | slice_overrides(config, devices))], workers)
+        job = (topo, over | slice_overrides(config, devices))
+        (r,) = plan_many(config, [job], workers, cache)
         if _ok(r):
           found, hi = r, mid - 1
         else:
@@ -336,15 +377,24 @@ def smallest(config, generations, workers: int, max_chips: int = 4096) -> list[d
   return rows
 
 
+def generations(names: str) -> list[str]:
+  """--topology for --smallest: generations ('v5p,v6e') or slices of them ('v5p-128')."""
+  out = []
+  for name in names.split(','):
+    name = topology_lib.ALIASES.get(name.strip(), name.strip())
+    out.append(name if name in topology_lib.CHIPS else topology_lib.parse(name).chip.generation)
+  return out
+
+
 def main(config, topology: str, do_search: bool, do_smallest: bool, json_path: str, workers):
   if do_smallest:
-    gens = [topology_lib.parse(t).chip.generation for t in topology.split(',')]
-    rows = smallest(config, gens, workers)
+    rows = smallest(config, generations(topology), workers)
     for row in rows:
       r = row['plan']
       where = (
         f'{r["topology"]} ({r["chips"]} chips): {_gib(r["per_chip_bytes"]["total"])} per '
-        f'device, est. {r["est_step_seconds"]:.2f} s/step, MFU {100 * r["est_mfu"]:.0f}%'
+        f'device, est. {r["est_step_seconds"]:.2f} s/step, MFU {100 * r["est_mfu"]:.0f}%\n'
+        f'    {_flags(r["overrides"])}'
         if r
         else 'none up to 4096 chips'
       )
@@ -355,10 +405,12 @@ def main(config, topology: str, do_search: bool, do_smallest: bool, json_path: s
     best = search(config, topology, workers)
     print_plan(best)
     if _ok(best):
-      print('fastest plan that leaves 10% HBM free, as flags to paste:')
-      print('  ' + ' '.join(f'--config.{k}={_arg(v)}' for k, v in best['overrides'].items()))
+      print(f'fastest plan that leaves {HEADROOM:.0%} of the HBM free, as flags to paste:')
+      print('  ' + (_flags(best['overrides']) or '(the config as it is)'))
+      if drops_tokens(best['overrides'], config):
+        print('  (it bounds the tokens per expert: overflow is dropped, see moe/dropped_frac)')
     else:
-      print('no setting tried leaves 10% of the HBM free; the smallest is above')
+      print(f'no setting tried leaves {HEADROOM:.0%} of the HBM free; the smallest is above')
     _write(json_path, best)
     return
   r = plan(config, topology)

@@ -1,0 +1,128 @@
+"""--search and --smallest over a planner whose memory and speed follow known formulas (the real
+compiles are in tests/test_plan.py and, for these searches on a tiny model, in a slow test):
+what they pick, the flags they print, the cache that spares a second run its compiles."""
+
+import math
+
+import pytest
+
+from configs import longcat_lora, longcat_pretrain
+from moetrain import topology
+from moetrain.tools import tpu_plan
+
+GIB = 2**30
+
+
+class FakePlanner:
+  """plan() by formula. Per device: the weights' `need` / devices (halved by int8, quartered by
+  int4, x3 for full training with its moments) plus 1 GiB of activations per row of a
+  micro-batch (x1.5 under save_* remat, x2 without). The step time falls with the expert axis
+  and rises with micro-batches and with the recomputation remat does."""
+
+  def __init__(self, need_gib: float):
+    self.need, self.calls = need_gib * GIB, []
+
+  def __call__(self, config, topo, overrides=None):
+    overrides = dict(overrides or {})
+    self.calls.append((topo, overrides))
+    c = tpu_plan.with_overrides(config, overrides)
+    t = topology.parse(topo)
+    weights = self.need / t.num_devices * {'none': 1, 'int8': 0.5, 'int4': 0.25}[c.model.quant]
+    weights *= 1 if c.lora.rank else 3
+    rows = c.data.global_batch_size // c.optim.grad_accum_steps / t.num_devices
+    remat = {'none': 2, 'full': 1, 'save_moe': 1.5, 'save_dots': 1.5, 'offload': 1}
+    need = weights + rows * GIB * remat[c.model.remat]
+    report = {'topology': t.cloud_name, 'chips': t.chips, 'overrides': overrides}
+    if need > t.chip.hbm_bytes:
+      return report | {'fits': False, 'error': 'Ran out of memory on HBM', 'per_chip_bytes': {}}
+    step = 10 / c.mesh.shape[2] + c.optim.grad_accum_steps
+    step *= {'none': 1, 'full': 1.3, 'save_moe': 1.1, 'save_dots': 1.2, 'offload': 1.3}[c.model.remat]
+    return report | {
+      'fits': True,
+      'headroom': 1 - need / t.chip.hbm_bytes,
+      'per_chip_bytes': {'total': need},
+      'est_step_seconds': step,
+      'est_mfu': 0.1,
+    }
+
+
+@pytest.fixture
+def fake(monkeypatch):
+  def install(need_gib):
+    planner = FakePlanner(need_gib)
+    monkeypatch.setattr(tpu_plan, 'plan', planner)
+    return planner
+
+  return install
+
+
+def test_search_keeps_the_fastest_plan_with_headroom_and_caches(fake, tmp_path, capsys):
+  # v5e-4: 4 devices of 15.75 GiB. 44 GiB of weights and 16 rows (4 GiB per device) leave
+  # under 10% free as configured; the tiny model's 16 experts allow an expert axis of 4, the
+  # fastest; a quantised base then leaves room to recompute nothing (remat none).
+  planner = fake(44)
+  cache = str(tmp_path / 'plans.json')
+  config = longcat_lora.get_config()
+  assert not tpu_plan._ok(planner(config, 'v5e-4'))  # as configured
+  best = tpu_plan.search(config, 'v5e-4', workers=1, cache=cache)
+  assert best['fits'] and best['headroom'] >= tpu_plan.HEADROOM
+  o = best['overrides']
+  assert tuple(o['mesh.shape']) == (1, -1, 4, 1)
+  assert o['model.quant'] in ('int8', 'int4') and o['model.remat'] == 'none'
+  # Every setting one change away from the winner is slower or short of headroom.
+  for n in tpu_plan.neighbours(config, 4, o):
+    r = planner(config, 'v5e-4', n)
+    assert not tpu_plan._ok(r) or r['est_step_seconds'] >= best['est_step_seconds']
+  compiled = len(planner.calls)
+  again = tpu_plan.search(config, 'v5e-4', workers=1, cache=cache)
+  assert len(planner.calls) == compiled  # all from the cache
+  assert tpu_plan._flags(again['overrides']) == tpu_plan._flags(o)
+  assert 'cached' in capsys.readouterr().out
+
+
+def test_neighbours_leave_out_what_is_already_set():
+  config = longcat_lora.get_config()
+  for n in tpu_plan.neighbours(config, 4, {}):
+    c = tpu_plan.with_overrides(config, n)
+    assert any(
+      (tuple(c[k]) if isinstance(c[k], tuple) else c[k]) != (
+        tuple(config[k]) if isinstance(config[k], tuple) else config[k]
+      )
+      for k in n
+    ), n
+  names = [tuple(sorted(n)) for n in tpu_plan.neighbours(config, 4, {})]
+  assert ('model.quant',) in names  # QLoRA storage is searched under LoRA only
+  pretrain = longcat_pretrain.get_config()
+  assert all('model.quant' not in n for n in tpu_plan.neighbours(pretrain, 4, {}))
+
+
+def test_smallest_bisects_each_method_to_its_smallest_slice(fake, tmp_path):
+  # 1000 GiB of weights on v5p (95.74 GiB per chip, 10% kept free) plus 1 GiB for the one row per
+  # device of each micro-batch: LoRA 16 chips, int8 8, int4 4, full (x3) 64.
+  fake(1000)
+  config = longcat_lora.get_config()
+  rows = tpu_plan.smallest(config, ['v5p'], workers=1, cache=str(tmp_path / 'p.json'))
+  chips = {r['method']: r['plan']['chips'] for r in rows}
+  usable = topology.CHIPS['v5p'].hbm_bytes * (1 - tpu_plan.HEADROOM) / GIB - 1
+  expect = {
+    m: 2 ** math.ceil(math.log2(need / usable))
+    for m, need in {'lora': 1000, 'qlora-int8': 500, 'qlora-int4': 250, 'full': 3000}.items()
+  }
+  assert chips == expect == {'lora': 16, 'qlora-int8': 8, 'qlora-int4': 4, 'full': 64}
+  o = rows[0]['plan']['overrides']  # LoRA on 16 chips: the 16 rows in one micro-batch
+  assert o['data.global_batch_size'] % 16 == 0
+  assert o['data.global_batch_size'] // o['optim.grad_accum_steps'] == 16
+
+
+def test_smallest_takes_generations_or_slices():
+  assert tpu_plan.generations('v5p,v6e') == ['v5p', 'v6e']
+  assert tpu_plan.generations('v5litepod-16,v4-8') == ['v5e', 'v4']
+  with pytest.raises(ValueError, match='--topology'):
+    tpu_plan.generations('v9')
+
+
+def test_flags_paste_back_as_the_same_settings():
+  """The printed flags, given to the config flag parser as a user pastes them, set the same
+  values (a tuple cached as a JSON list prints as the tuple)."""
+  flags = tpu_plan._flags({'mesh.shape': [1, -1, 4, 1], 'model.remat': 'save_moe'})
+  assert flags == "--config.mesh.shape='(1, -1, 4, 1)' --config.model.remat=save_moe"

@@ -174,6 +174,8 @@ def test_capacity_drops_exactly_what_it_reports():
     ),
     # The CPU grouped engine (its per-batch tile switch) on the received rows of each exchange.
     *(((1, 2, 4, 1), c, 'grouped') for c in ('fixed', 'ragged')),
+    # Backends that run the received rows in place (no layout copies).
+    *(((1, 2, 4, 1), 'ragged', b) for b in ('ragged_dot', 'dense')),
   ],
 )
 def test_expert_parallel_equals_single_device(mesh_shape, comm, backend):

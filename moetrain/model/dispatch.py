@@ -123,6 +123,11 @@ def combine(y_RD, kept_R, idx_MA, gates_MA, cfg: ModelConfig):
   return y_MD, (routed_MA & ~kept_MA).astype(jnp.float32)
 
 
+# Backends that run the expert-sorted rows where they lie (an identity layout). Each gives zero
+# rows for zero inputs (no biases), so rows past the groups stay zero and take no gradient.
+SORTED_ROW_BACKENDS = ('ragged_dot', 'megablox', 'dense')
+
+
 def resolve_backend(cfg: ModelConfig, rows: int = 0) -> str:
   """The grouped-matmul backend for `rows` assignments (0 = unknown: a training batch)."""
   if cfg.moe_backend != 'auto':

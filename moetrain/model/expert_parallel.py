@@ -252,8 +252,14 @@ def _ep_ragged_shard(x_MD, idx_MA, gates_MA, weights, cfg: ModelConfig, ep: int,
   local = dispatch.make_layout(
     expert_B, local_sizes, cfg, 'dropless', dispatch.expected_group(cfg, ep * idx_MA.size)
   )
-  y_buf = local.run(dispatch.gather_rows(recv_x, local.src_P, local.dest_R), weights, rng)
-  y_recv = dispatch.gather_rows(y_buf, local.dest_R, local.src_P)
+  if dispatch.resolve_backend(cfg, buf) in dispatch.SORTED_ROW_BACKENDS:
+    # The received rows are the layout: no copy in and out of it (each a [buf, D] buffer in
+    # both passes). Rows past the groups are zeros (the exchange's fill) and are never sent
+    # back.
+    y_recv = local.run(recv_x, weights, rng)
+  else:
+    y_buf = local.run(dispatch.gather_rows(recv_x, local.src_P, local.dest_R), weights, rng)
+    y_recv = dispatch.gather_rows(y_buf, local.dest_R, local.src_P)
   y_sorted = ragged_exchange(y_recv, ex.reverse(), r, 'expert', emulate)
   return dispatch.combine(
     dispatch.gather_rows(y_sorted, slot_R, asg_S), kept_R, idx_MA, gates_MA, cfg

@@ -61,7 +61,7 @@ def test_hbm_table_is_the_compilers_limit(gen):
 TINY_EP = {'mesh.shape': (1, 2, 2, 1)}
 
 
-def test_plan_compiles_the_train_and_eval_steps_for_a_slice(tmp_path):
+def test_plan_compiles_the_train_and_eval_steps_for_a_slice(tmp_path, capsys):
   """Tiny LoRA on a v5e-4 with experts over 2 chips: the TPU engine is chosen (not this host's),
   both steps compile, and the report has every per-chip figure and a labelled estimate."""
   r = tpu_plan.plan(longcat_lora.get_config(), 'v5e-4', TINY_EP)
@@ -78,8 +78,11 @@ def test_plan_compiles_the_train_and_eval_steps_for_a_slice(tmp_path):
   tpu_plan._write(str(path), r)
   saved = json.loads(path.read_text())
   for key in ('topology', 'chips', 'mesh', 'per_chip_bytes', 'hbm_bytes', 'fits',
-              'compile_seconds', 'est_step_seconds', 'est_mfu', 'overrides'):  # fmt: skip
+              'compile_seconds', 'est_step_seconds', 'est_mfu', 'overrides', 'buffers'):  # fmt: skip
     assert key in saved
+  tpu_plan.print_plan(r)
+  out = capsys.readouterr().out
+  assert 'ESTIMATE' in out and 'fits' in out and 'the compiler\'s temporaries are' in out
 
 
 def test_a_batch_that_fits_and_one_that_does_not():

@@ -126,3 +126,19 @@ def test_flags_paste_back_as_the_same_settings():
   values (a tuple cached as a JSON list prints as the tuple)."""
   flags = tpu_plan._flags({'mesh.shape': [1, -1, 4, 1], 'model.remat': 'save_moe'})
   assert flags == "--config.mesh.shape='(1, -1, 4, 1)' --config.model.remat=save_moe"
+
+
+def test_step_buffer_arithmetic_of_the_flash_lora_step():
+  """The planner's buffer arithmetic for the README's flash LoRA step on v5p-128 (mesh 1x4x16x1,
+  one row of 8192 tokens per device): 98304 local assignments, a receive buffer of twice that
+  (model.moe_ep_recv_factor=2), 6144 x 2048 experts, 32 of them per shard gathered over fsdp."""
+  from moetrain import train
+  from moetrain.tools import plan
+
+  setup = train.build(longcat_lora.get_config('variant=flash'), num_devices=64, platform='tpu')
+  b = plan.step_buffers(setup.model, setup.mesh_shape, 8192, 64)
+  assert (b['local_rows'], b['recv_rows']) == (98304, 196608)
+  moe = list(b['moe_layer'].values())
+  assert moe[0] == 3 * 196608 * 6144 * 2 and moe[1] == 6 * 196608 * 2048 * 2
+  assert moe[2] == 4 * 98304 * 6144 * 2 and moe[3] == 32 * 3 * 6144 * 2048 * 2
+  assert b['layer_inputs_bytes'] == 28 * 8192 * 6144 * 2

@@ -90,6 +90,54 @@ def loss_block(cfg, mesh_shape, seq_len: int, batch_size: int) -> dict:
   }
 
 
+def step_buffers(cfg, mesh_shape, seq_len: int, batch_size: int) -> dict:
+  """The arithmetic of one training step's largest temporaries per device, for `batch_size` rows
+  per forward pass, to set beside the compiler's figure. Under remat the peak is the backward of
+  one MoE layer, which holds, each once: the rows the experts run on (received rows, [R, D]),
+  their gate/up products [R, 2F] and SwiGLU [R, F], the same three as gradients plus the
+  gradient arriving at the outputs [R, D]; the shard's own assignment rows (sent, returned and
+  their two gradients, [r, D] each); its experts' weights gathered over fsdp. Beside it: the
+  layer inputs the scan keeps (one [b, T, D] per layer), one attention block's float32 scores and
+  their gradient, one loss block's float32 logits and their gradient. R is the exchange's
+  receive buffer (model.moe_ep_recv_factor) or, without expert parallelism, the local rows."""
+  sizes = dict(zip(sharding.MESH_AXES, mesh_shape))
+  shards = sizes['data'] * sizes['fsdp'] * sizes['expert']
+  b = max(batch_size // shards, 1)  # rows per device
+  item = jnp.dtype(cfg.dtype).itemsize
+  d, f = cfg.hidden_size, cfg.expert_ffn_hidden_size
+  ex = ep_exchange(cfg, mesh_shape, seq_len, batch_size)
+  comm = expert_parallel.resolve_ep_comm(cfg) if ex else None
+  local = b * seq_len * cfg.moe_topk
+  recv = ex[comm]['recv_rows'] if ex else local
+  ep = sizes['expert'] if ex else 1
+  quant_item = {'none': jnp.dtype(cfg.param_dtype).itemsize, 'int8': 1, 'int4': 0.5}[cfg.quant]
+  gathered = cfg.n_routed_experts // ep * 3 * d * f
+  gathered *= (item if cfg.quant != 'none' else 0) + (quant_item if sizes['fsdp'] > 1 else 0)
+  chunk = cfg.attention_chunk if 0 < cfg.attention_chunk < seq_len else seq_len
+  heads = cfg.num_heads // sizes['tensor'] if cfg.num_heads % sizes['tensor'] == 0 else cfg.num_heads
+  moe = {
+    'received rows [R, D] and their gradient, gradient at the outputs': 3 * recv * d * item,
+    'gate/up [R, 2F], SwiGLU [R, F] and their gradients': 6 * recv * f * item,
+    'assignment rows [r, D]: sent, returned, two gradients': 4 * local * d * item,
+    'expert weights gathered over fsdp (dequantised)': gathered,
+  }
+  out = {
+    'moe_layer': moe,
+    'moe_layer_bytes': sum(moe.values()),
+    'recv_rows': recv,
+    'local_rows': local,
+    'layer_inputs_bytes': cfg.num_layers * b * seq_len * d * item,
+    'attention_block_bytes': 2 * b * heads * chunk * seq_len * 4,
+    'loss_block_bytes': 2 * loss_block(cfg, mesh_shape, seq_len, batch_size)['block_bytes'],
+  }
+  out['total_bytes'] = (
+    out['moe_layer_bytes']
+    + out['layer_inputs_bytes']
+    + max(out['attention_block_bytes'], out['loss_block_bytes'])
+  )
+  return out
+
+
 def _count(n: float) -> str:
   for unit, size in (('B', 1e9), ('M', 1e6), ('K', 1e3)):
     if n >= size:

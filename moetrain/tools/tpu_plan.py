@@ -53,6 +53,7 @@ def model_flops(setup) -> tuple[float, str]:
 def plan(config, topology: str, overrides: dict | None = None) -> dict:
   """Compile `config` (with `overrides`) for `topology`; the per-device report."""
   from moetrain import aot, sharding, train
+  from moetrain.tools import plan as plan_lib
 
   topo = topology_lib.parse(topology)
   config = with_overrides(config, overrides or {})
@@ -81,6 +82,8 @@ def plan(config, topology: str, overrides: dict | None = None) -> dict:
       'per_chip_bytes': {'total': need} if need else {},
     }
   train_c = steps['train']
+  micro = setup.data.global_batch_size // setup.optim.grad_accum_steps
+  buffers = plan_lib.step_buffers(setup.model, setup.mesh_shape, setup.data.seq_len, micro)
   worst = max(steps.values(), key=lambda c: c.memory['total'])
   total = worst.memory['total']
   flops, formula = model_flops(setup)
@@ -96,6 +99,7 @@ def plan(config, topology: str, overrides: dict | None = None) -> dict:
     'hlo_flops_per_chip': train_c.cost.flops,
     'xla_cost_analysis_flops_per_chip': train_c.xla_flops,
     'loops': sorted(set(train_c.cost.loops.values()), reverse=True),
+    'buffers': buffers,
     **est,
   }
 
@@ -151,6 +155,16 @@ def print_plan(r: dict) -> None:
     + ', '.join(f'{k} {_gib(m[k])}' for k in ('arguments', 'temporaries', 'outputs', 'aliased'))
     + f', generated code {_gib(m["code"])}, host offload {_gib(m["host"])}'
   )
+  if r.get('buffers'):
+    b = r['buffers']
+    moe = ', '.join(f'{k} {_gib(v)}' for k, v in b['moe_layer'].items())
+    print(
+      f'arithmetic of the largest buffers: one MoE layer backward {_gib(b["moe_layer_bytes"])} '
+      f'(R = {b["recv_rows"]} rows, r = {b["local_rows"]}: {moe}); layer inputs kept '
+      f'{_gib(b["layer_inputs_bytes"])}; attention block {_gib(b["attention_block_bytes"])}, '
+      f'loss block {_gib(b["loss_block_bytes"])}: {_gib(b["total_bytes"])}, the compiler\'s '
+      f'temporaries are {m["temporaries"] / b["total_bytes"]:.2f}x that'
+    )
   if r.get('eval_per_chip_bytes'):
     print(f'eval step per device: total {_gib(r["eval_per_chip_bytes"]["total"])}')
   verdict = 'fits' if r['fits'] else 'DOES NOT FIT'

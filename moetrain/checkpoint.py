@@ -114,7 +114,7 @@ class Checkpointer:
       async_options=ocp.AsyncOptions(
         post_finalization_callback=self._write_manifest if verify else None
       ),
-      create=True,
+      create=False,  # save() makes the directory: a run that fails before it writes nothing
     )
     self.manager = ocp.CheckpointManager(
       self.directory, options=options, item_names=('state', 'data', 'meta')
@@ -122,7 +122,7 @@ class Checkpointer:
     self.async_save, self.verify = async_save, verify
     self._saving, self._verified = None, set()
     self._preempted = False
-    self._previous_handler = None
+    self._previous_handler = self._previous_int_handler = None
     self._positions = multihost.Exchange('data_positions')
     self._verdicts = multihost.Exchange('checkpoint_damage')
 
@@ -142,10 +142,22 @@ class Checkpointer:
     if jax.process_count() == 1:
       try:
         self._previous_handler = signal.signal(signal.SIGTERM, self._on_sigterm)
+        # Ctrl-C saves and stops like SIGTERM; a second Ctrl-C aborts (KeyboardInterrupt).
+        self._previous_int_handler = signal.signal(signal.SIGINT, self._on_sigint)
       except ValueError:  # not on the main thread (e.g. under some notebook runners)
         pass
     if self.manager.reached_preemption(self.latest_step() or 0):
       self._preempted = True
+
+  def _on_sigint(self, signum, frame):
+    del signum, frame
+    print(
+      'Ctrl-C: saving a checkpoint at the next step, then exiting (Ctrl-C again aborts without '
+      'saving).',
+      flush=True,
+    )
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    self._preempted = True
 
   def _on_sigterm(self, signum, frame):
     del signum, frame
@@ -171,6 +183,7 @@ class Checkpointer:
       data=ocp.args.JsonSave({'processes': self._positions.json(data_state, step)}),
       meta=ocp.args.JsonSave(meta),
     )
+    os.makedirs(self.directory, exist_ok=True)
     self.manager.wait_until_finished()  # (the manager would): the callback of the previous
     self._saving = step  # save reads `_saving`, so it must have run
     saved = self.manager.save(step, args=args, force=True)  # the loop asked `due`
@@ -320,3 +333,6 @@ class Checkpointer:
     if self._previous_handler is not None:
       signal.signal(signal.SIGTERM, self._previous_handler)
       self._previous_handler = None
+    if self._previous_int_handler is not None:
+      signal.signal(signal.SIGINT, self._previous_int_handler)
+      self._previous_int_handler = None

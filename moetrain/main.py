@@ -1,7 +1,6 @@
 """Entry point: python -m moetrain.main --config=configs/longcat_lora.py [--workdir=DIR]."""
 
 import os
-import sys
 
 from absl import app, flags
 from ml_collections import config_flags
@@ -28,18 +27,15 @@ def main(argv):
   steps = [] if _DRY_RUN.value else runtime.saved_steps(workdir)
   # (train.resume_step: the run goes back to that checkpoint)
   runtime.start_command(resume_step=config.train.resume_step or (steps[-1] if steps else None))
-  from moetrain import checkpoint, train, train_log
+  from moetrain import train
   from moetrain.tools import plan
 
   if _DRY_RUN.value:
     plan.dry_run(config)
     return
-  try:
-    train.run(config, workdir)
-  except (checkpoint.DamagedCheckpoint, train_log.NonFiniteStreak) as e:
-    sys.exit(f'Error: {e}')  # the message says what to do; a traceback would bury it
+  train.run(config, workdir)  # (user errors: one line, runtime.short_errors)
 
 
 if __name__ == '__main__':
   flags.mark_flags_as_required(['config'])
-  app.run(main, flags_parser=runtime.parse_flags)
+  app.run(runtime.short_errors(main), flags_parser=runtime.parse_flags)

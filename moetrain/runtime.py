@@ -13,6 +13,7 @@ multi-process JAX job the command is one process of (--num_processes/--process_i
 --coordinator_address, or a cluster JAX detects itself).
 """
 
+import functools
 import logging
 import os
 import platform
@@ -179,6 +180,34 @@ def start_command(preemption: bool = True, resume_step: int | None = None) -> No
   reexec_with_hugepages()
   quiet_library_logs()
   initialize_distributed(preemption, resume_step)
+
+
+class UserError(Exception):
+  """An error in what the user asked for (not a bug): its message says what and how to fix it."""
+
+
+# What a command reports as one line: moetrain's user errors, and the ValueErrors (bad settings,
+# data, names) and OSErrors (missing files, permissions, read-only directories) it raises with
+# the field, file or path in their message.
+USER_ERRORS = (UserError, ValueError, OSError)
+
+
+def short_errors(main):
+  """main(argv) for absl's app.run, with user errors printed as `Error: <message>` and a
+  non-zero exit instead of a traceback. MOETRAIN_TRACEBACK=1 or --verbosity=1 shows tracebacks."""
+
+  @functools.wraps(main)
+  def wrapped(argv):
+    from absl import flags
+
+    try:
+      return main(argv)
+    except USER_ERRORS as e:
+      if env_flag('MOETRAIN_TRACEBACK') or flags.FLAGS.verbosity > 0:
+        raise
+      sys.exit(f'Error: {e}\n(MOETRAIN_TRACEBACK=1 shows where it was raised)')
+
+  return wrapped
 
 
 def local_path(path: str, flag: str, what: str) -> str:

@@ -11,7 +11,7 @@ import numpy as np
 from absl import logging
 from flax import nnx
 
-from moetrain import aot, multihost, optim, run_config, runtime, sharding, train_log
+from moetrain import aot, lease, multihost, optim, run_config, runtime, sharding, train_log
 from moetrain import metrics as metrics_lib
 from moetrain.checkpoint import Checkpointer, data_positions, process_data_state
 from moetrain.data import pipeline
@@ -340,6 +340,26 @@ def run(config, workdir: str) -> dict:
   enable_compilation_cache(compilation_cache_dir(t.compilation_cache, runtime.run_dir(workdir)))
   mesh = sharding.make_mesh(setup.mesh_shape)
   run_config.check_resumable(config, workdir)
+  # One run per directory: nothing below writes into it before the lease is held (by process
+  # 0 for the job; the others learn whether it got it and stop with it when it did not).
+  held, refused = None, ''
+  if runtime.is_primary():
+    try:
+      held = lease.Lease(runtime.run_dir(workdir)).acquire()
+    except lease.LeaseHeld as e:
+      refused = str(e)
+  refused = multihost.Exchange('run_lease')(refused, 0)[0]
+  if refused:
+    raise lease.LeaseHeld(refused)
+  try:
+    return _run(config, workdir, setup, mesh)
+  finally:
+    if held is not None:
+      held.release()
+
+
+def _run(config, workdir: str, setup: Setup, mesh) -> dict:
+  t = setup.train
   ckpt = Checkpointer(
     workdir,
     every=t.checkpoint_every,
@@ -361,8 +381,8 @@ def run(config, workdir: str) -> dict:
         return {'step': latest, 'finished': latest >= t.steps} | (
           {'data_ended': True} if ended else {}
         )
-    writer = metrics_lib.Writer(workdir, resume_step=latest)
-    writer.save_config(config_json(config, setup))
+    # The tokenizer and data first: a run they refuse leaves metrics.jsonl, tb/ and config.json
+    # as they were (config.json is rewritten only by a run that gets as far as training).
     tokenizer = pipeline.make_tokenizer(setup.data, workdir)
     check_tokenizer_fits(tokenizer, setup, workdir)
     pi, pc = jax.process_index(), jax.process_count()
@@ -372,6 +392,8 @@ def run(config, workdir: str) -> dict:
     eval_batches = pipeline.make_eval_batches(
       setup.data, tokenizer, max_batches=t.eval_batches, process_index=pi, process_count=pc
     )
+    writer = metrics_lib.Writer(workdir, resume_step=latest)
+    writer.save_config(config_json(config, setup))
     optimizer = optim.make_optimizer(setup.optim, t.steps)
     batch_sharding = sharding.batch_sharding(mesh)
     sharding.check_hosts_own_rows(batch_sharding, setup.data.global_batch_size)

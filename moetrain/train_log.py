@@ -7,6 +7,8 @@ import math
 import jax
 import jax.numpy as jnp
 
+from moetrain import runtime
+
 from moetrain import metrics as metrics_lib
 from moetrain import multihost
 
@@ -81,7 +83,7 @@ class TrainLog:
       )
 
 
-class NonFiniteStreak(RuntimeError):
+class NonFiniteStreak(runtime.UserError):
   """train.max_nonfinite_steps steps in a row were skipped: the run cannot recover by itself."""
 
 

@@ -481,3 +481,31 @@ def test_sigterm_during_a_resumed_start_up_stops_at_the_first_step(tmp_path, aft
   logs = job.wait()
   assert f'Preempted: saved step {step + 1};' in logs[0]
   assert max(train_losses(workdir)) == step + 1
+
+
+def test_one_run_per_directory_ctrl_c_saves_and_a_failed_rerun_changes_nothing(tmp_path):
+  """A second run in a directory a run holds is refused in one line naming the holder; Ctrl-C
+  (SIGINT) then saves and stops the first like SIGTERM; a rerun whose data is refused exits
+  with one line and leaves config.json and metrics.jsonl as they were."""
+  workdir = str(tmp_path / 'run')
+  first = Job(workdir)
+  deadline = time.monotonic() + TIMEOUT
+  while not train_losses(workdir):
+    assert first.procs[0].poll() is None and time.monotonic() < deadline, first.log(0)[-3000:]
+    time.sleep(0.2)
+  (log,) = Job(workdir).wait(code=1)
+  pid = first.procs[0].pid
+  assert f'is in use by another run (process {pid} on host' in log
+  assert 'Traceback' not in log
+  first.procs[0].send_signal(signal.SIGINT)
+  (log,) = first.wait()
+  saved = max(int(d) for d in os.listdir(os.path.join(workdir, 'checkpoints')) if d.isdigit())
+  assert f'Preempted: saved step {saved};' in log and 'Traceback' not in log
+  assert not os.path.exists(os.path.join(workdir, 'lease.json'))  # released
+  before = {n: open(os.path.join(workdir, n), 'rb').read() for n in ('config.json', 'metrics.jsonl')}
+  (log,) = Job(
+    workdir, '--config.data.source=jsonl', f'--config.data.path={tmp_path}/missing.jsonl'
+  ).wait(code=1)
+  assert 'Error:' in log and 'missing.jsonl' in log and 'Traceback' not in log
+  after = {n: open(os.path.join(workdir, n), 'rb').read() for n in before}
+  assert after == before

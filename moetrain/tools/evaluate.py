@@ -70,4 +70,4 @@ def main(argv):
 
 if __name__ == '__main__':
   define_flags()
-  app.run(main, flags_parser=runtime.parse_flags)
+  app.run(runtime.short_errors(main), flags_parser=runtime.parse_flags)

@@ -187,4 +187,4 @@ def main(argv):
 if __name__ == '__main__':
   define_flags()
   flags.mark_flags_as_required(['workdir', 'out'])
-  app.run(main, flags_parser=runtime.parse_flags)
+  app.run(runtime.short_errors(main), flags_parser=runtime.parse_flags)

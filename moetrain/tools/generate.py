@@ -281,4 +281,4 @@ def continuation(tok, prompt_ids, new_ids) -> str:
 
 if __name__ == '__main__':
   define_flags()
-  app.run(main, flags_parser=runtime.parse_flags)
+  app.run(runtime.short_errors(main), flags_parser=runtime.parse_flags)

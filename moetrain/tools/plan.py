@@ -215,4 +215,4 @@ if __name__ == '__main__':
   flags.DEFINE_string('json', '', 'Also write the plan as JSON to this path.')
   flags.DEFINE_integer('workers', 2, 'Compile processes for --search and --smallest.')
   flags.mark_flags_as_required(['config'])
-  app.run(main, flags_parser=runtime.parse_flags)
+  app.run(runtime.short_errors(main), flags_parser=runtime.parse_flags)

@@ -1,0 +1,132 @@
+"""One run per directory: a lease file in the run directory, held by the training job.
+
+<run dir>/lease.json names its holder (host, pid, start time) and a heartbeat the holder renews
+every HEARTBEAT seconds. A second run finds it and stops with a message naming the holder. A
+lease is stale, and taken over, when its holder is a dead process on this host, or when its
+heartbeat is older than STALE seconds (a holder on another host of a shared filesystem that
+stopped renewing). Creating the file is atomic (O_EXCL), so of two runs starting together one
+wins; a takeover moves the stale file aside first (rename, atomic), so of two runs taking over
+one stale lease one wins too.
+
+In a job of several processes only process 0 takes the lease: the job is one run.
+"""
+
+import datetime
+import json
+import os
+import socket
+import threading
+import time
+
+from moetrain import runtime
+
+LEASE = 'lease.json'
+HEARTBEAT = 30.0  # seconds between renewals
+STALE = 300.0  # a heartbeat older than this frees the lease (holders on other hosts)
+
+
+class LeaseHeld(runtime.UserError):
+  """The run directory is in use by another run; the message names it."""
+
+
+def _pid_alive(pid: int) -> bool:
+  try:
+    os.kill(pid, 0)
+  except ProcessLookupError:
+    return False
+  except PermissionError:  # another user's live process
+    return True
+  return True
+
+
+def _read(path: str) -> dict | None:
+  try:
+    with open(path) as f:
+      return json.load(f)
+  except FileNotFoundError:
+    return None
+  except ValueError:  # half-written by a holder killed while creating it: its mtime tells
+    return {'host': '?', 'pid': -1, 'start': 0, 'heartbeat': os.path.getmtime(path)}
+
+
+def _describe(holder: dict) -> str:
+  start = datetime.datetime.fromtimestamp(holder.get('start', 0)).isoformat(' ', 'seconds')
+  return f'process {holder.get("pid")} on host {holder.get("host")!r}, started {start}'
+
+
+def stale(holder: dict, now: float | None = None) -> bool:
+  now = time.time() if now is None else now
+  if holder.get('host') == socket.gethostname() and holder.get('pid', -1) > 0:
+    return not _pid_alive(holder['pid'])
+  return now - holder.get('heartbeat', 0) > STALE
+
+
+class Lease:
+  """Held from acquire() to release(); a daemon thread renews the heartbeat meanwhile."""
+
+  def __init__(self, run_dir: str):
+    self.path = os.path.join(run_dir, LEASE)
+    self.me = {'host': socket.gethostname(), 'pid': os.getpid(), 'start': time.time()}
+    self._stop = threading.Event()
+    self._thread = None
+
+  def acquire(self) -> 'Lease':
+    os.makedirs(os.path.dirname(self.path), exist_ok=True)
+    for _ in range(3):
+      if self._create():
+        self._thread = threading.Thread(target=self._renew, daemon=True, name='run-lease')
+        self._thread.start()
+        return self
+      holder = _read(self.path)
+      if holder is None:  # released meanwhile
+        continue
+      if holder.get('host') == self.me['host'] and holder.get('pid') == self.me['pid']:
+        return self  # this process holds it already (train.run called twice)
+      if not stale(holder):
+        raise LeaseHeld(
+          f'{os.path.dirname(self.path)} is in use by another run ({_describe(holder)}; '
+          f'{self.path}). Wait for it to finish, stop it, or give this run its own --workdir. '
+          f'If that run is dead on another host, its lease frees itself {STALE:.0f} s after '
+          'its last heartbeat.'
+        )
+      aside = f'{self.path}.stale.{os.getpid()}'
+      try:
+        os.rename(self.path, aside)  # one taker wins; the others find the new lease
+      except FileNotFoundError:
+        continue
+      os.remove(aside)
+    raise LeaseHeld(f'could not take the lease {self.path}: other runs keep taking it')
+
+  def _create(self) -> bool:
+    try:
+      fd = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+    except FileExistsError:
+      return False
+    with os.fdopen(fd, 'w') as f:
+      json.dump(self.me | {'heartbeat': time.time()}, f)
+    return True
+
+  def _renew(self) -> None:
+    while not self._stop.wait(HEARTBEAT):
+      holder = _read(self.path)
+      if not holder or holder.get('pid') != self.me['pid'] or holder.get('host') != self.me['host']:
+        return  # taken over (we were presumed dead): never write over the new holder's lease
+      tmp = f'{self.path}.{os.getpid()}.tmp'
+      with open(tmp, 'w') as f:
+        json.dump(self.me | {'heartbeat': time.time()}, f)
+      os.replace(tmp, self.path)
+
+  def release(self) -> None:
+    self._stop.set()
+    if self._thread is not None:
+      self._thread.join()
+      self._thread = None
+      holder = _read(self.path)
+      if holder and holder.get('pid') == self.me['pid'] and holder.get('host') == self.me['host']:
+        os.remove(self.path)
+
+  def __enter__(self) -> 'Lease':
+    return self.acquire()
+
+  def __exit__(self, *exc) -> None:
+    self.release()

@@ -205,7 +205,7 @@ def short_errors(main):
     except USER_ERRORS as e:
       if env_flag('MOETRAIN_TRACEBACK') or flags.FLAGS.verbosity > 0:
         raise
-      sys.exit(f'Error: {e}\n(MOETRAIN_TRACEBACK=1 shows where it was raised)')
+      sys.exit(f'Error: {e}')
 
   return wrapped
 

@@ -49,17 +49,19 @@ class TrainLog:
   def mark(self, step: int, truncated: int) -> None:
     self.flush()  # one record pending at a time
     done = _ready(self.window.last)
+    steps = self.window.steps
     record, tokens = self.window.take(), self.meter.take_tokens()
     # A step that has already finished (a backend that runs steps as they are dispatched, such
     # as several CPU devices) is timed now: later, the next step's time would be in its window.
     timed = self.meter.mark(step, tokens) if done else None
-    self.pending = (step, record, tokens, truncated, timed, self.streak.take())
+    self.pending = (step, record, tokens, truncated, timed, self.streak.take(), steps)
 
   def flush(self) -> None:
     if self.pending is not None:
-      step, m, tokens, truncated, timed, streak = self.pending
+      step, m, tokens, truncated, timed, streak, steps = self.pending
       m, (_, longest) = jax.device_get((m, streak))
-      self.last = self.report(step, m, *(timed or self.meter.mark(step, tokens)), truncated)
+      timed = timed or self.meter.mark(step, tokens)
+      self.last = self.report(step, m, *timed, truncated, window_steps=steps)
       self.pending = None
       self._check(step, int(longest))
 
@@ -126,9 +128,14 @@ def _streak_next(counts, m):
 
 
 def log_train(
-  step, m, tokens_per_sec, eta, truncated, *, cfg, expert_shards, seq_len, writer, hosts
+  step, m, tokens_per_sec, eta, truncated, *, cfg, expert_shards, seq_len, writer, hosts,
+  window_steps=None,
 ) -> dict:
+  """window_steps: the steps the record's means are over (fewer than train.log_every in the
+  first window after a resume from a step between log points, and at a stop)."""
   scalars = {k: float(v) for k, v in m.items() if k != 'moe'}
+  if window_steps is not None:
+    scalars['window_steps'] = window_steps
   scalars.update(metrics_lib.routing_summary(m['moe'], cfg, expert_shards))
   scalars['tokens_per_sec'] = tokens_per_sec
   # Examples longer than seq_len + 1 tokens lose their tail (a completion may lose its loss).

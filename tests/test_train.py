@@ -388,3 +388,7 @@ def test_a_preempted_run_logs_the_steps_it_saved(tmp_path, monkeypatch):
   train.run(small_config(log_every=4, eval_every=0), str(tmp_path))
   assert sorted(losses(str(tmp_path))) == [2]
   assert os.listdir(os.path.join(tmp_path, 'checkpoints')) == ['2']
+  # The record says it is a partial window: its means are over 2 steps, not train.log_every.
+  with open(os.path.join(tmp_path, 'metrics.jsonl')) as f:
+    (record,) = [r for r in map(json.loads, f) if r['kind'] == 'train']
+  assert record['window_steps'] == 2

@@ -7,10 +7,8 @@ import math
 import jax
 import jax.numpy as jnp
 
-from moetrain import runtime
-
 from moetrain import metrics as metrics_lib
-from moetrain import multihost
+from moetrain import multihost, runtime
 
 
 class TrainLog:
@@ -128,7 +126,17 @@ def _streak_next(counts, m):
 
 
 def log_train(
-  step, m, tokens_per_sec, eta, truncated, *, cfg, expert_shards, seq_len, writer, hosts,
+  step,
+  m,
+  tokens_per_sec,
+  eta,
+  truncated,
+  *,
+  cfg,
+  expert_shards,
+  seq_len,
+  writer,
+  hosts,
   window_steps=None,
 ) -> dict:
   """window_steps: the steps the record's means are over (fewer than train.log_every in the

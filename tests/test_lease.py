@@ -14,7 +14,9 @@ from moetrain import lease
 
 def write(path, **holder):
   with open(path, 'w') as f:
-    json.dump({'host': socket.gethostname(), 'pid': os.getpid(), 'start': 0, 'heartbeat': 0} | holder, f)
+    json.dump(
+      {'host': socket.gethostname(), 'pid': os.getpid(), 'start': 0, 'heartbeat': 0} | holder, f
+    )
 
 
 def test_a_held_lease_is_refused_naming_its_holder_and_released(tmp_path):

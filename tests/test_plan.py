@@ -82,7 +82,7 @@ def test_plan_compiles_the_train_and_eval_steps_for_a_slice(tmp_path, capsys):
     assert key in saved
   tpu_plan.print_plan(r)
   out = capsys.readouterr().out
-  assert 'ESTIMATE' in out and 'fits' in out and 'the compiler\'s temporaries are' in out
+  assert 'ESTIMATE' in out and 'fits' in out and "the compiler's temporaries are" in out
 
 
 def test_a_batch_that_fits_and_one_that_does_not():

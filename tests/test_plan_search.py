@@ -36,7 +36,9 @@ class FakePlanner:
     if need > t.chip.hbm_bytes:
       return report | {'fits': False, 'error': 'Ran out of memory on HBM', 'per_chip_bytes': {}}
     step = 10 / c.mesh.shape[2] + c.optim.grad_accum_steps
-    step *= {'none': 1, 'full': 1.3, 'save_moe': 1.1, 'save_dots': 1.2, 'offload': 1.3}[c.model.remat]
+    step *= {'none': 1, 'full': 1.3, 'save_moe': 1.1, 'save_dots': 1.2, 'offload': 1.3}[
+      c.model.remat
+    ]
     return report | {
       'fits': True,
       'headroom': 1 - need / t.chip.hbm_bytes,
@@ -85,9 +87,8 @@ def test_neighbours_leave_out_what_is_already_set():
   for n in tpu_plan.neighbours(config, 4, {}):
     c = tpu_plan.with_overrides(config, n)
     assert any(
-      (tuple(c[k]) if isinstance(c[k], tuple) else c[k]) != (
-        tuple(config[k]) if isinstance(config[k], tuple) else config[k]
-      )
+      (tuple(c[k]) if isinstance(c[k], tuple) else c[k])
+      != (tuple(config[k]) if isinstance(config[k], tuple) else config[k])
       for k in n
     ), n
   names = [tuple(sorted(n)) for n in tpu_plan.neighbours(config, 4, {})]

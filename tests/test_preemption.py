@@ -502,7 +502,9 @@ def test_one_run_per_directory_ctrl_c_saves_and_a_failed_rerun_changes_nothing(t
   saved = max(int(d) for d in os.listdir(os.path.join(workdir, 'checkpoints')) if d.isdigit())
   assert f'Preempted: saved step {saved};' in log and 'Traceback' not in log
   assert not os.path.exists(os.path.join(workdir, 'lease.json'))  # released
-  before = {n: open(os.path.join(workdir, n), 'rb').read() for n in ('config.json', 'metrics.jsonl')}
+  before = {
+    n: open(os.path.join(workdir, n), 'rb').read() for n in ('config.json', 'metrics.jsonl')
+  }
   (log,) = Job(
     workdir, '--config.data.source=jsonl', f'--config.data.path={tmp_path}/missing.jsonl'
   ).wait(code=1)

@@ -114,7 +114,9 @@ def step_buffers(cfg, mesh_shape, seq_len: int, batch_size: int) -> dict:
   gathered = cfg.n_routed_experts // ep * 3 * d * f
   gathered *= (item if cfg.quant != 'none' else 0) + (quant_item if sizes['fsdp'] > 1 else 0)
   chunk = cfg.attention_chunk if 0 < cfg.attention_chunk < seq_len else seq_len
-  heads = cfg.num_heads // sizes['tensor'] if cfg.num_heads % sizes['tensor'] == 0 else cfg.num_heads
+  heads = (
+    cfg.num_heads // sizes['tensor'] if cfg.num_heads % sizes['tensor'] == 0 else cfg.num_heads
+  )
   moe = {
     'received rows [R, D] and their gradient, gradient at the outputs': 3 * recv * d * item,
     'gate/up [R, 2F], SwiGLU [R, F] and their gradients': 6 * recv * f * item,

@@ -162,7 +162,7 @@ def print_plan(r: dict) -> None:
       f'arithmetic of the largest buffers: one MoE layer backward {_gib(b["moe_layer_bytes"])} '
       f'(R = {b["recv_rows"]} rows, r = {b["local_rows"]}: {moe}); layer inputs kept '
       f'{_gib(b["layer_inputs_bytes"])}; attention block {_gib(b["attention_block_bytes"])}, '
-      f'loss block {_gib(b["loss_block_bytes"])}: {_gib(b["total_bytes"])}, the compiler\'s '
+      f"loss block {_gib(b['loss_block_bytes'])}: {_gib(b['total_bytes'])}, the compiler's "
       f'temporaries are {m["temporaries"] / b["total_bytes"]:.2f}x that'
     )
   if r.get('eval_per_chip_bytes'):

@@ -30,7 +30,7 @@ PLANS = {
 def row(name: str, r: dict) -> str:
   if 'error' in r:
     need = (r.get('per_chip_bytes') or {}).get('total')
-    need = f'{need / 2**30:.1f} needed' if need else 'refused'
+    need = f'temporaries alone {need / 2**30:.1f}' if need else 'refused'
     return f'| LongCat-Flash | {name} | {r["topology"]} | does not fit ({need}) | - | - | - |'
   m = r['per_chip_bytes']['total'] / 2**30
   return (

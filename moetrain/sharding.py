@@ -105,9 +105,16 @@ def make_mesh(shape: Sequence[int], devices=None) -> jax.sharding.Mesh:
   """Mesh over MESH_AXES; one entry of `shape` may be -1 (the remaining devices)."""
   devices = list(devices if devices is not None else jax.devices())
   shape = resolve_mesh_shape(shape, len(devices))
-  return jax.make_mesh(
-    shape, MESH_AXES, axis_types=(AxisType.Auto,) * len(MESH_AXES), devices=devices
-  )
+  types = (AxisType.Auto,) * len(MESH_AXES)
+  try:
+    return jax.make_mesh(shape, MESH_AXES, axis_types=types, devices=devices)
+  except NotImplementedError:
+    # A TPU torus whose sides no product of them matches an axis (v5p-512 is 4x8x8: fsdp 16 and
+    # expert 16 each need a side split in two): let an axis span parts of physical sides.
+    from jax.experimental import mesh_utils
+
+    grid = mesh_utils.create_device_mesh(shape, devices, allow_split_physical_axes=True)
+    return jax.sharding.Mesh(grid, MESH_AXES, axis_types=types)
 
 
 def resolve_mesh_shape(shape: Sequence[int], num_devices: int) -> tuple[int, ...]:

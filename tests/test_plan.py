@@ -171,3 +171,14 @@ def test_search_and_smallest_compile_for_real(tmp_path, capsys):
       over = tpu_plan.METHODS[row['method']] | tpu_plan.slice_overrides(config, r['chips'] // 2)
       (below,) = tpu_plan.plan_many(config, [(half, over)], 1, cache)
       assert not tpu_plan._ok(below)
+
+
+def test_a_mesh_whose_axes_split_the_torus_sides():
+  """v5p-512 is a 4x8x8 torus: the flash mesh (1, 16, 16, 1) needs sides split between fsdp and
+  expert, which jax.make_mesh refuses; the mesh is built all the same, every device once."""
+  from moetrain import sharding
+
+  devices = topology.parse('v5p-512').devices()
+  mesh = sharding.make_mesh((1, -1, 16, 1), devices)
+  assert dict(mesh.shape) == {'data': 1, 'fsdp': 16, 'expert': 16, 'tensor': 1}
+  assert sorted(d.id for d in mesh.devices.flat) == sorted(d.id for d in devices)

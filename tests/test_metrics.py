@@ -127,14 +127,16 @@ def test_a_log_point_is_timed_when_its_step_has_finished(monkeypatch):
     clock[0] += 4.0
     return m
 
-  def report(step, m, tps, eta, truncated):
+  def report(step, m, tps, eta, truncated, window_steps):
     reports.append((step, tps, eta))
+    assert window_steps == 2
     return m
 
   monkeypatch.setattr(train_log.jax, 'device_get', fetch)
 
   class Window:  # the steps' summed metrics
     last = None  # the last step's metrics: not computed yet when marked
+    steps = 2
 
     def take(self):
       return {'loss': 1.0}

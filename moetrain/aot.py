@@ -153,8 +153,7 @@ def device_memory_limit(device) -> int | None:
 def precompile_train_step(setup, mesh, step_fn, state, progress=print) -> Compiled:
   """Compiles the loop's jitted step from shapes before any weight is read, so that a step that
   does not fit the devices stops the run in seconds with the compiler's numbers, not after a
-  checkpoint import. The executable lands in the persistent compilation cache (if enabled), where
-  the loop's first call finds it. state: abstract_state's."""
+  checkpoint import. The loop runs the returned executable. state: abstract_state's."""
   d = setup.data
   progress(
     f'Compiling the train step for {mesh.devices.size} {mesh.devices.flat[0].platform} devices...'

@@ -399,8 +399,9 @@ def _run(config, workdir: str, setup: Setup, mesh) -> dict:
     sharding.check_hosts_own_rows(batch_sharding, setup.data.global_batch_size)
     with jax.set_mesh(mesh):
       abstract, shardings = aot.abstract_state(setup, mesh)
-      step_fn = aot.train_step_fn(setup, mesh, shardings)
-      aot.precompile_train_step(setup, mesh, step_fn, abstract, writer.progress)  # before weights
+      jitted = aot.train_step_fn(setup, mesh, shardings)
+      # Compiled before any weight is read; the loop runs this executable (no second compile).
+      step_fn = aot.precompile_train_step(setup, mesh, jitted, abstract, writer.progress).executable
       state = restore_or_init(setup, ckpt, optimizer, mesh, train_iter)
       eval_fn = aot.eval_step_fn(setup)
       state, last = loop(

@@ -150,9 +150,15 @@ def _with_imbalance(m: dict, *, n_routed: int, expert_shards: int) -> dict:
   return {**m, 'moe': {**moe, **imbalance}}
 
 
+def finite_step(m: dict) -> jax.Array:
+  """Whether a step's update was applied: the train step skips one whose loss (auxiliary losses
+  included) or gradient norm is not finite."""
+  return jnp.isfinite(m['total_loss']) & jnp.isfinite(m['grad_norm'])
+
+
 def _weigh(m: dict) -> dict:
   """One step's contribution: its values where it was finite, else zeros; `finite` counts it."""
-  finite = jnp.isfinite(m['loss']) & jnp.isfinite(m['grad_norm'])
+  finite = finite_step(m)
   w = {**m, **{k: m[k] * m['tokens'] for k in TOKEN_WEIGHTED}}
   w = jax.tree.map(lambda v: jnp.where(finite, v, 0).astype(jnp.float32), w)
   return {**w, 'finite': finite.astype(jnp.float32)}

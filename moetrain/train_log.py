@@ -113,7 +113,7 @@ class Streak:
 
 
 def _skipped(m) -> jax.Array:
-  return (~(jnp.isfinite(m['total_loss']) & jnp.isfinite(m['grad_norm']))).astype(jnp.int32)
+  return (~metrics_lib.finite_step(m)).astype(jnp.int32)
 
 
 def _streak_first(m):

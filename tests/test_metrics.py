@@ -193,6 +193,7 @@ def test_window_reports_the_steps_since_the_last_log():
     load = jnp.array([load], jnp.float32)  # one layer, 4 FFN experts + 1 zero expert
     return {
       'loss': jnp.float32(loss),
+      'total_loss': jnp.float32(loss),
       'accuracy': jnp.float32(loss / 10),
       'tokens': jnp.float32(tokens),
       'grad_norm': jnp.float32(loss),

@@ -262,8 +262,8 @@ class Checkpointer:
       )
     newer = [s for s in steps if s > step]
     if newer and jax.process_index() == 0:
+      os.makedirs(self.set_aside_dir, exist_ok=True)
       for s in newer:
-        os.makedirs(self.set_aside_dir, exist_ok=True)
         to, n = os.path.join(self.set_aside_dir, str(s)), 0
         while os.path.exists(to + (f'.{n}' if n else '')):  # set aside before
           n += 1

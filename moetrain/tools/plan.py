@@ -107,7 +107,7 @@ def step_buffers(cfg, mesh_shape, seq_len: int, batch_size: int) -> dict:
   d, f = cfg.hidden_size, cfg.expert_ffn_hidden_size
   ex = ep_exchange(cfg, mesh_shape, seq_len, batch_size)
   comm = expert_parallel.resolve_ep_comm(cfg) if ex else None
-  local = b * seq_len * cfg.moe_topk
+  local = ex[comm]['local_rows'] if ex else b * seq_len * cfg.moe_topk
   recv = ex[comm]['recv_rows'] if ex else local
   ep = sizes['expert'] if ex else 1
   quant_item = {'none': jnp.dtype(cfg.param_dtype).itemsize, 'int8': 1, 'int4': 0.5}[cfg.quant]

@@ -17,7 +17,6 @@ def get_config(arg: str | None = None):
   config.lora.rank = 8
   config.lora.alpha = 16.0
   if variant == 'tiny':
-    config.model.vocab_size = 512
     config.optim.learning_rate = 1e-2  # adapters on a small random base move quickly
   elif variant == 'flash':
     base.set_flash_pod(config, global_batch_size=64, eval_batch_size=64)

@@ -31,7 +31,6 @@ def get_config(arg: str | None = None):
   # mu decays (cosine) to 0 over the run: -1 = over train.steps, as overridden.
   loss.bias_update_decay_steps = -1
   if variant == 'tiny':
-    config.model.vocab_size = 512
     o.learning_rate = 3e-3
   elif variant == 'medium':
     o.learning_rate = 1e-3

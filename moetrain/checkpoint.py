@@ -15,7 +15,7 @@ import jax
 import orbax.checkpoint as ocp
 from absl import logging
 
-from moetrain import integrity, multihost, runtime
+from moetrain import integrity, multihost, rundir
 
 
 def _key(path) -> str:
@@ -95,7 +95,7 @@ class Checkpointer:
   ):
     """verify (train.verify_checkpoints): write each checkpoint's checksums and check them before
     a restore; without, neither (a checkpoint without checksums is restored unchecked)."""
-    self.directory = os.path.join(runtime.run_dir(workdir), 'checkpoints')
+    self.directory = os.path.join(rundir.run_dir(workdir), 'checkpoints')
     # Orbax's default policy also saves the first step a manager sees (InitialSavePolicy): for a
     # large model that is an unrequested full save at step 1 of every run and every resume.
     policy = ocp.checkpoint_managers.AnySavePolicy(

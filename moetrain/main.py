@@ -5,7 +5,7 @@ import os
 from absl import app, flags
 from ml_collections import config_flags
 
-from moetrain import runtime
+from moetrain import rundir, runtime
 
 _CONFIG = config_flags.DEFINE_config_file(
   'config', None, 'Experiment config file.', lock_config=True
@@ -24,7 +24,7 @@ def main(argv):
   del argv
   workdir = _WORKDIR.value or default_workdir(flags.FLAGS['config'].config_filename)
   config = _CONFIG.value
-  steps = [] if _DRY_RUN.value else runtime.saved_steps(workdir)
+  steps = [] if _DRY_RUN.value else rundir.saved_steps(workdir)
   # (train.resume_step: the run goes back to that checkpoint)
   runtime.start_command(resume_step=config.train.resume_step or (steps[-1] if steps else None))
   from moetrain import train

@@ -8,28 +8,29 @@ import jax
 import optax
 from flax import nnx
 
+from moetrain.fields import check, field
+
 
 @dataclasses.dataclass(frozen=True)
 class OptimConfig:
-  learning_rate: float = 3e-3
-  warmup_steps: int = 20
-  schedule: str = 'cosine'  # 'cosine' | 'constant'
-  min_lr_ratio: float = 0.1
-  b1: float = 0.9
-  b2: float = 0.95
-  eps: float = 1e-8
-  weight_decay: float = 0.0
-  weight_decay_exclude: str = ''  # regex over parameter paths spared from decay ('' = none)
-  grad_clip: float = 1.0  # global-norm clipping; 0 disables.
-  grad_accum_steps: int = 1
+  """The `config.optim` section: AdamW."""
+
+  learning_rate: float = field(3e-3, check='positive')  # peak learning rate
+  warmup_steps: int = 20  # linear warmup steps
+  schedule: str = field('cosine', choices=('cosine', 'constant'))  # after the warmup
+  min_lr_ratio: float = field(0.1, check='non_negative')  # cosine floor, a fraction of the peak
+  b1: float = 0.9  # Adam beta1
+  b2: float = 0.95  # Adam beta2
+  eps: float = field(1e-8, check='non_negative')  # Adam epsilon (LongCat pretraining: 1e-16)
+  weight_decay: float = field(0.0, check='non_negative')  # decoupled weight decay on matrices
+  # Regex over parameter paths spared from weight decay, e.g. r'embed|router|lora_' (paths look
+  # like 'embed.embedding', 'layers.moe.router', 'layers.attn_0.q_a.lora_a'); '' = none.
+  weight_decay_exclude: str = ''
+  grad_clip: float = field(1.0, check='non_negative', zero='0 = off')  # global-norm clipping
+  grad_accum_steps: int = field(1, check='positive')  # micro-batches per step
 
   def validate(self, total_steps: int) -> None:
-    if self.schedule not in ('cosine', 'constant'):
-      raise ValueError(f"optim.schedule={self.schedule!r}: use 'cosine' or 'constant'")
-    if self.learning_rate <= 0:
-      raise ValueError(f'optim.learning_rate must be > 0, got {self.learning_rate}')
-    if self.grad_accum_steps < 1:
-      raise ValueError(f'optim.grad_accum_steps must be >= 1, got {self.grad_accum_steps}')
+    check(self, 'optim')
     if self.warmup_steps < 0 or self.warmup_steps > total_steps:
       raise ValueError(
         f'optim.warmup_steps={self.warmup_steps} must lie in [0, train.steps={total_steps}]; '
@@ -38,9 +39,6 @@ class OptimConfig:
     for name in ('b1', 'b2'):
       if not 0 <= getattr(self, name) < 1:
         raise ValueError(f'optim.{name}={getattr(self, name)} must lie in [0, 1)')
-    for name in ('eps', 'weight_decay', 'grad_clip', 'min_lr_ratio'):
-      if getattr(self, name) < 0:
-        raise ValueError(f'optim.{name}={getattr(self, name)} must be >= 0')
     try:
       re.compile(self.weight_decay_exclude)
     except re.error as e:

@@ -222,23 +222,6 @@ def local_path(path: str, flag: str, what: str) -> str:
   return os.path.abspath(path)
 
 
-def run_dir(workdir: str) -> str:
-  """The absolute path of a run directory. It must be a filesystem path: the run appends to its
-  metrics.jsonl, which object stores cannot do (gcsfs, for one, silently overwrites instead). On
-  several hosts it must be one directory they all share, as Orbax's checkpoints are written by
-  every host."""
-  return local_path(workdir, '--workdir', 'run directories')
-
-
-def saved_steps(workdir: str) -> list[int]:
-  """The steps of <workdir>/checkpoints that were written completely (Orbax names a checkpoint's
-  directory by its step once it is whole), in order; no JAX needed."""
-  directory = os.path.join(run_dir(workdir), 'checkpoints')
-  if not os.path.isdir(directory):
-    return []
-  return sorted(int(d) for d in os.listdir(directory) if d.isdigit())
-
-
 def is_primary() -> bool:
   """Process 0, the one that prints a command's results."""
   import jax

@@ -9,32 +9,36 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from moetrain.fields import check, field
 from moetrain.model.config import ModelConfig
 from moetrain.model.head import head_cross_entropy
 from moetrain.model.moe import ROUTING_COUNTS, finish_routing_stats
 from moetrain.train_state import TrainState, graphdef_of, merge_model
 
+off = functools.partial(field, check='non_negative', zero='0 = off')
+
 
 @dataclasses.dataclass(frozen=True)
-class StepConfig:
-  model: ModelConfig
-  grad_accum_steps: int = 1
-  router_z_loss: float = 0.0  # coefficient of the router z-loss
-  balance_loss: float = 0.0  # coefficient of the device-level balance loss
-  hidden_z_loss: float = 0.0  # coefficient of LongCat's hidden z-loss on the last hidden state
-  bias_update_rate: float = 0.0  # mu of the expert-bias controller; 0 = plain top-k
-  bias_update_decay_steps: int = 0  # cosine decay of mu to 0 over this many steps; 0 = constant
+class LossConfig:
+  """The `config.loss` section: auxiliary losses and the expert-bias controller."""
+
+  router_z_loss: float = off(0.0)  # coefficient of mean(logsumexp(router logits)^2)
+  balance_loss: float = off(0.0)  # coefficient of the device-level balance loss
+  hidden_z_loss: float = off(0.0)  # coefficient of LongCat's hidden z-loss on the last hidden state
+  bias_update_rate: float = off(1e-3)  # mu of the proportional expert-bias update
+  # Cosine-decay mu to 0 over this many steps; 0 = constant, -1 (in a config) = over train.steps.
+  bias_update_decay_steps: int = field(0, check='non_negative', zero='0 = constant')
 
   def validate(self) -> None:
-    for name in (
-      'router_z_loss',
-      'balance_loss',
-      'hidden_z_loss',
-      'bias_update_rate',
-      'bias_update_decay_steps',
-    ):
-      if getattr(self, name) < 0:
-        raise ValueError(f'loss.{name}={getattr(self, name)} must be >= 0 (0 = off)')
+    check(self, 'loss')
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class StepConfig(LossConfig):
+  """What the step function computes: the model, the loss terms and the micro-batches."""
+
+  model: ModelConfig
+  grad_accum_steps: int = 1
 
 
 def forward_loss(params, moe_bias, frozen, graphdef, batch, rng=None):

@@ -7,7 +7,8 @@ import os
 import numpy as np
 import pytest
 
-from moetrain import run_config, train
+from moetrain import rundir
+from moetrain import setup as setup_lib
 
 ROOT = os.path.join(os.path.dirname(__file__), '..')
 CONFIGS = sorted(
@@ -33,7 +34,7 @@ def test_config_loads_and_validates(path):
   for arg in VARIANTS.get(os.path.basename(path), [None]):
     config = load(path, arg)
     devices = 16 if 'flash' in str(arg) else 8
-    setup = train.build(config, num_devices=devices, process_count=1)
+    setup = setup_lib.build(config, num_devices=devices, process_count=1)
     assert setup.model.num_layers > 0
 
 
@@ -42,19 +43,19 @@ def test_bias_decay_follows_train_steps_without_tying_them():
   leaves train.steps alone (a shared FieldReference would set both)."""
   config = load(os.path.join(ROOT, 'configs', 'longcat_pretrain.py'), 'variant=tiny')
   config.train.steps, config.optim.warmup_steps = 10, 0
-  assert train.build(config, num_devices=8, process_count=1).step.bias_update_decay_steps == 10
+  assert setup_lib.build(config, num_devices=8, process_count=1).step.bias_update_decay_steps == 10
   config.loss.bias_update_decay_steps = 4
   assert config.train.steps == 10
-  assert train.build(config, num_devices=8, process_count=1).step.bias_update_decay_steps == 4
+  assert setup_lib.build(config, num_devices=8, process_count=1).step.bias_update_decay_steps == 4
   config.loss.bias_update_decay_steps = 0  # off: constant mu
-  assert train.build(config, num_devices=8, process_count=1).step.bias_update_decay_steps == 0
+  assert setup_lib.build(config, num_devices=8, process_count=1).step.bias_update_decay_steps == 0
 
 
 def test_config_model_sets_every_engine_field():
   """Fine-tuning from a Hugging Face checkpoint takes these fields from config.model (the shapes
   come from its config.json), so the base config must set each of them."""
   config = load(os.path.join(ROOT, 'configs', 'base.py'))
-  missing = [k for k in run_config.ENGINE_FIELDS if k not in config.model]
+  missing = [k for k in rundir.engine_fields() if k not in config.model]
   assert not missing, f'configs/base.py: config.model lacks {missing}'
 
 
@@ -110,16 +111,16 @@ def base_config(**overrides):
 )
 def test_bad_config_names_the_field(overrides, field):
   with pytest.raises(ValueError, match=field.replace('.', r'\.')):
-    train.build(base_config(**overrides), num_devices=8, process_count=1)
+    setup_lib.build(base_config(**overrides), num_devices=8, process_count=1)
 
 
 def test_tensor_axis_across_hosts_is_refused():
   """Each host loads its own rows: a tensor axis spanning hosts would replicate the batch."""
   config = base_config(**{'mesh.shape': (1, 1, 1, -1)})
-  train.build(config, num_devices=8, process_count=1)
+  setup_lib.build(config, num_devices=8, process_count=1)
   with pytest.raises(ValueError, match=r"'tensor' axis \(8\) must divide the 4 devices"):
-    train.build(config, num_devices=8, process_count=2)
-  train.build(base_config(**{'mesh.shape': (1, -1, 1, 2)}), num_devices=8, process_count=2)
+    setup_lib.build(config, num_devices=8, process_count=2)
+  setup_lib.build(base_config(**{'mesh.shape': (1, -1, 1, 2)}), num_devices=8, process_count=2)
 
 
 def test_hosts_must_own_their_batch_rows():
@@ -145,15 +146,15 @@ def test_missing_hf_checkpoint_names_the_field(tmp_path):
   config = base_config()
   config.init.hf_checkpoint = str(tmp_path / 'nowhere')
   with pytest.raises(FileNotFoundError, match=r'nowhere.*init\.hf_checkpoint'):
-    train.build(config, num_devices=8, process_count=1)
+    setup_lib.build(config, num_devices=8, process_count=1)
   (tmp_path / 'empty').mkdir()
   config.init.hf_checkpoint = str(tmp_path / 'empty')
   with pytest.raises(FileNotFoundError, match=r'empty/config\.json does not exist'):
-    train.build(config, num_devices=8, process_count=1)
+    setup_lib.build(config, num_devices=8, process_count=1)
   # A checkpoint without its tokenizer (only config.json and weights copied): data.tokenizer.
   config.init.hf_checkpoint = os.path.join(ROOT, 'tests', 'fixtures', 'longcat_two_layer')
   with pytest.raises(ValueError, match=r'longcat_two_layer.*holds neither.*point data\.tokenizer'):
-    train.build(config, num_devices=8, process_count=1)
+    setup_lib.build(config, num_devices=8, process_count=1)
 
 
 def test_unknown_config_argument_is_refused():
@@ -190,10 +191,10 @@ def test_warmup_moves_the_weights_from_the_first_update(kind):
 def test_compilation_cache_is_shared_on_several_hosts(monkeypatch):
   """JAX writes the persistent cache from process 0 only: on several hosts 'auto' puts it in the
   run directory, which they all share."""
-  assert train.compilation_cache_dir('auto', '/runs/a') == train.HOST_CACHE
-  assert train.compilation_cache_dir('/cache', '/runs/a') == '/cache'
-  monkeypatch.setattr(train.jax, 'process_count', lambda: 2)
-  assert train.compilation_cache_dir('auto', '/runs/a') == '/runs/a/jax_cache'
+  assert setup_lib.compilation_cache_dir('auto', '/runs/a') == setup_lib.HOST_CACHE
+  assert setup_lib.compilation_cache_dir('/cache', '/runs/a') == '/cache'
+  monkeypatch.setattr(setup_lib.jax, 'process_count', lambda: 2)
+  assert setup_lib.compilation_cache_dir('auto', '/runs/a') == '/runs/a/jax_cache'
 
 
 def test_a_runs_paths_are_absolute(tmp_path, monkeypatch):
@@ -205,7 +206,7 @@ def test_a_runs_paths_are_absolute(tmp_path, monkeypatch):
   monkeypatch.chdir(tmp_path)
   given = {'data.path': 'data/{split}.jsonl', 'init.hf_checkpoint': 'ckpt', 'lora.rank': 4}
   config = base_config(**given, **{'data.tfds_data_dir': 'gs://bucket/tfds'})
-  resolved = run_config.with_absolute_paths(config)
+  resolved = rundir.with_absolute_paths(config)
   assert resolved.data.path == str(tmp_path / 'data' / '{split}.jsonl')
   assert resolved.init.hf_checkpoint == str(tmp_path / 'ckpt')
   assert resolved.data.tfds_data_dir == 'gs://bucket/tfds' and resolved.data.tokenizer == ''
@@ -213,12 +214,12 @@ def test_a_runs_paths_are_absolute(tmp_path, monkeypatch):
   (tmp_path / 'run' / 'checkpoints' / '3').mkdir(parents=True)
   for saved in (resolved, config):  # written by this version, and by an older one
     (tmp_path / 'run' / 'config.json').write_text(saved.to_json_best_effort())
-    run_config.check_resumable(resolved, str(tmp_path / 'run'))
+    rundir.check_resumable(resolved, str(tmp_path / 'run'))
   moved = json.loads(resolved.to_json_best_effort())
   moved['init']['hf_checkpoint'] = str(tmp_path / 'other')
   (tmp_path / 'run' / 'config.json').write_text(json.dumps(moved))
   with pytest.raises(ValueError, match='frozen base'):
-    run_config.check_resumable(resolved, str(tmp_path / 'run'))
+    rundir.check_resumable(resolved, str(tmp_path / 'run'))
 
 
 def test_a_tool_refuses_another_tokenizer_than_the_runs(tmp_path):
@@ -229,20 +230,20 @@ def test_a_tool_refuses_another_tokenizer_than_the_runs(tmp_path):
   (run / 'checkpoints' / '3').mkdir(parents=True)
   trained = base_config(**{'data.tokenizer': str(tmp_path / 'tokenizer.json')})
   (run / 'config.json').write_text(trained.to_json_best_effort())
-  run_config.check_resumable(trained, str(run), tool=True)
+  rundir.check_resumable(trained, str(run), tool=True)
   other_data = base_config(**{'data.tokenizer': str(tmp_path / 'tokenizer.json')})
   other_data.data.source = 'jsonl'
   other_data.data.path = str(tmp_path / '{split}.jsonl')
-  run_config.check_resumable(other_data, str(run), tool=True)
+  rundir.check_resumable(other_data, str(run), tool=True)
   with pytest.raises(ValueError, match=r"(?s)other settings.*data\.tokenizer: '.*tokenizer.json'"):
-    run_config.check_resumable(base_config(), str(run), tool=True)
-  run_config.check_resumable(base_config(), str(run))  # a resume only warns (data settings)
+    rundir.check_resumable(base_config(), str(run), tool=True)
+  rundir.check_resumable(base_config(), str(run))  # a resume only warns (data settings)
   # A run that trained its own (cached in the run directory): a tool without one reuses it, and
   # may name it.
   (run / 'config.json').write_text(base_config().to_json_best_effort())
-  run_config.check_resumable(base_config(), str(run), tool=True)
+  rundir.check_resumable(base_config(), str(run), tool=True)
   own = base_config(**{'data.tokenizer': str(run / 'tokenizer.model')})
-  run_config.check_resumable(own, str(run), tool=True)
+  rundir.check_resumable(own, str(run), tool=True)
 
 
 def notebook_commands(path: str) -> list[list[str]]:
@@ -278,7 +279,7 @@ def test_colab_notebook_commands_build():
           except (ValueError, SyntaxError):
             pass
           config[section][name] = value
-      train.build(config, num_devices=8, process_count=1)
+      setup_lib.build(config, num_devices=8, process_count=1)
     else:
       spec = importlib.util.find_spec(module)
       assert spec is not None, module

@@ -109,7 +109,8 @@ def test_a_batch_that_fits_and_one_that_does_not():
 def test_tpu_only_paths_compile():
   """The megablox Pallas kernel (Mosaic, not interpreted), the ragged all-to-all exchange and
   host offload of the MoE output, compiled by XLA's TPU compiler in one step."""
-  from moetrain import aot, sharding, train
+  from moetrain import aot, sharding
+  from moetrain.setup import build
 
   config = tpu_plan.with_overrides(
     longcat_lora.get_config(),
@@ -122,7 +123,7 @@ def test_tpu_only_paths_compile():
     },  # fmt: skip
   )
   devices = topology.parse('v5e-4').devices()
-  setup = train.build(config, num_devices=4, process_count=1, platform='tpu')
+  setup = build(config, num_devices=4, process_count=1, platform='tpu')
   mesh = sharding.make_mesh(setup.mesh_shape, devices)
   steps = aot.compile_steps(setup, mesh, evaluate=False)
   text = steps['train'].executable.as_text()

@@ -133,10 +133,10 @@ def test_step_buffer_arithmetic_of_the_flash_lora_step():
   """The planner's buffer arithmetic for the README's flash LoRA step on v5p-128 (mesh 1x4x16x1,
   one row of 8192 tokens per device): 98304 local assignments, a receive buffer of twice that
   (model.moe_ep_recv_factor=2), 6144 x 2048 experts, 32 of them per shard gathered over fsdp."""
-  from moetrain import train
+  from moetrain.setup import build
   from moetrain.tools import plan
 
-  setup = train.build(longcat_lora.get_config('variant=flash'), num_devices=64, platform='tpu')
+  setup = build(longcat_lora.get_config('variant=flash'), num_devices=64, platform='tpu')
   b = plan.step_buffers(setup.model, setup.mesh_shape, 8192, 64)
   assert (b['local_rows'], b['recv_rows']) == (98304, 196608)
   moe = list(b['moe_layer'].values())

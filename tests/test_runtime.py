@@ -6,7 +6,7 @@ import sys
 
 import pytest
 
-from moetrain import runtime
+from moetrain import rundir, runtime
 
 
 @pytest.fixture
@@ -63,13 +63,13 @@ def test_object_store_workdirs_are_refused_by_name(tmp_path):
   """gs:// would otherwise become a local './gs:/...' directory that vanishes with the VM."""
   for url in ('gs://bucket/runs/lora', 's3://bucket/run'):
     with pytest.raises(ValueError, match=f"--workdir='{url}': object-store URLs"):
-      runtime.saved_steps(url)
+      rundir.saved_steps(url)
   from moetrain.checkpoint import Checkpointer
 
   with pytest.raises(ValueError, match='mounted with gcsfuse'):
     Checkpointer('gs://bucket/run', every=1, keep=1)
-  assert runtime.run_dir(str(tmp_path / 'run')) == str(tmp_path / 'run')
-  assert runtime.saved_steps(str(tmp_path / 'run')) == []
+  assert rundir.run_dir(str(tmp_path / 'run')) == str(tmp_path / 'run')
+  assert rundir.saved_steps(str(tmp_path / 'run')) == []
 
 
 def test_process_flags_without_num_processes_are_refused():

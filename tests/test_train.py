@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from moetrain import checkpoint, integrity, run_config, train, train_log
+from moetrain import checkpoint, integrity, rundir, train, train_log
 from tests.test_configs import ROOT, load
 from tests.test_data import numbered_records, write_jsonl
 
@@ -302,11 +302,11 @@ def test_resume_with_other_data_settings_warns_by_name(uninterrupted, caplog):
   longer continues the same stream: the run says which settings changed."""
   workdir, _ = uninterrupted
   config = small_config()
-  run_config.check_resumable(config, workdir)
+  rundir.check_resumable(config, workdir)
   assert 'other data settings' not in caplog.text
   config.data.seq_len = 32
   config.data.seed = 7
-  run_config.check_resumable(config, workdir)
+  rundir.check_resumable(config, workdir)
   assert 'data.seq_len: 64 in the checkpointed run, now 32' in caplog.text
   assert 'data.seed: 0 in the checkpointed run, now 7' in caplog.text
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
 import tempfile
 from collections.abc import Iterator
@@ -14,6 +15,7 @@ from absl import logging
 from moetrain.data import packing, sources
 from moetrain.data import tokenizer as tokenizer_lib
 from moetrain.data.tokenizer import Tokenizer, get_or_train_tokenizer
+from moetrain.fields import check, field
 
 SOURCES = ('demo', 'jsonl', 'text', 'tfds')
 DEMO_SPLITS = ('train', 'eval')
@@ -21,6 +23,7 @@ MIN_SPM_VOCAB = 300  # 256 byte-fallback pieces + 4 specials + room for characte
 MAX_TOKENIZER_EXAMPLES = 100_000  # examples (evenly spaced over the train split) to train spm on
 # Threads that read and tokenize ahead of packing when worker_count is 0 (order is preserved).
 READ_OPTIONS = grain.ReadOptions(num_threads=4, prefetch_buffer_size=256)
+stream = functools.partial(field, role='stream')
 
 
 @dataclasses.dataclass(frozen=True)
@@ -28,28 +31,32 @@ class DataConfig:
   """The `config.data` section. Splits: for jsonl/text, '{split}' in `path` is replaced by the
   split name (e.g. 'data/{split}.jsonl'); eval_split='' means there is no eval set."""
 
-  source: str = 'demo'
-  path: str = ''
-  tfds_name: str = ''
-  tfds_data_dir: str = ''
-  train_split: str = 'train'
-  eval_split: str = 'eval'
-  text_key: str = 'text'
-  prompt_key: str = 'prompt'
-  completion_key: str = 'completion'
-  messages_key: str = 'messages'
-  tokenizer: str = ''
+  source: str = stream('demo', choices=SOURCES)
+  # jsonl/text file or glob; '{split}' is replaced by the split name.
+  path: str = stream('', role=('stream', 'path'))
+  tfds_name: str = stream('')  # tfds dataset name (prepared locally; read via tfds.data_source)
+  tfds_data_dir: str = field('', role='path')  # tfds data_dir
+  train_split: str = stream('train')
+  eval_split: str = 'eval'  # '' = no evaluation
+  text_key: str = stream('text')  # field holding plain text
+  prompt_key: str = stream('prompt')  # field holding a prompt (loss off unless loss_on_prompt)
+  completion_key: str = stream('completion')  # field holding the completion
+  messages_key: str = stream('messages')  # field holding chat messages [{role, content}]
+  # A sentencepiece .model, a tokenizer.json or a directory with one; '' = a sentencepiece model
+  # trained into the run directory on first use (of vocab_size pieces).
+  tokenizer: str = stream('', role=('stream', 'path'))
   vocab_size: int = 512
-  seq_len: int = 128
-  global_batch_size: int = 16
-  eval_batch_size: int = 16
-  shuffle: bool = True
-  seed: int = 0
-  loss_on_prompt: bool = False
-  split_long_texts: bool = True
-  num_epochs: int | None = None
-  worker_count: int = 0
-  reslice_on_resume: bool = False
+  seq_len: int = stream(128)  # tokens per packed row
+  global_batch_size: int = stream(16)  # rows per step over all hosts
+  eval_batch_size: int = 16  # rows per eval batch over all hosts
+  shuffle: bool = stream(True)  # shuffle training examples (reshuffled every epoch)
+  seed: int = stream(0)  # data order
+  loss_on_prompt: bool = False  # also train on prompt tokens
+  # Text longer than seq_len + 1 tokens is split into rows (else cut).
+  split_long_texts: bool = stream(True)
+  num_epochs: int | None = stream(None)  # None = repeat forever
+  worker_count: int = stream(0)  # grain worker processes (0 = in-process)
+  reslice_on_resume: bool = False  # resume on another host count: restart the data in new slices
 
   @property
   def fields(self) -> sources.Fields:
@@ -94,8 +101,6 @@ def _validate_tokenizer(cfg: DataConfig) -> None:
 
 
 def _validate_source(cfg: DataConfig) -> None:
-  if cfg.source not in SOURCES:
-    raise ValueError(f'data.source={cfg.source!r} is unknown: use one of {SOURCES}')
   if not (cfg.text_key or (cfg.prompt_key and cfg.completion_key) or cfg.messages_key):
     raise ValueError(
       'data.text_key, data.prompt_key/completion_key and data.messages_key are all '
@@ -164,6 +169,7 @@ def check_training_data(cfg: DataConfig) -> None:
 
 def validate(cfg: DataConfig, process_count: int = 1) -> None:
   """Raises ValueError naming the bad `data.*` field and how to fix it."""
+  check(cfg, 'data')
   _validate_sizes(cfg, process_count)
   _validate_tokenizer(cfg)
   _validate_source(cfg)

@@ -1,8 +1,10 @@
 """Frozen model configuration and the named presets (tiny for CPU, medium for benches, flash)."""
 
 import dataclasses
+import functools
 import re
 
+from moetrain.fields import check, field
 from moetrain.sharding import Rules
 
 REMAT_POLICIES = ('none', 'full', 'save_dots', 'save_moe', 'offload')
@@ -10,26 +12,26 @@ MOE_DISPATCH = ('dropless', 'capacity')
 MOE_BACKENDS = ('auto', 'ragged_dot', 'megablox', 'grouped', 'blocked', 'gathered', 'dense')
 MOE_EP_COMM = ('auto', 'fixed', 'ragged')
 QUANT_MODES = ('none', 'int8', 'int4')
-# The fields that take one of a fixed set of values.
-CHOICES = {
-  'remat': REMAT_POLICIES,
-  'moe_dispatch': MOE_DISPATCH,
-  'moe_ep_comm': MOE_EP_COMM,
-  'moe_backend': MOE_BACKENDS,
-  'quant': QUANT_MODES,
-  'dtype': ('bfloat16', 'float32', 'float16'),
-  'param_dtype': ('bfloat16', 'float32'),
-}
+# LoRA's default targets: every MLA projection, dense MLP, routed expert and the output head.
+LORA_TARGETS = (
+  r'attn_\d\.(q_a|q_b|kv_a|kv_b|o)$|mlp_\d\.(gate|up|down)$|experts\.(gate|up|down)$|lm_head$'
+)
+positive = functools.partial(field, check='positive')
+engine = functools.partial(field, role='engine')
 
 
 @dataclasses.dataclass(frozen=True)
 class LoraConfig:
-  rank: int = 0  # 0 disables LoRA (full fine-tuning / pretraining).
-  alpha: float = 16.0
-  rslora: bool = False  # scale alpha / sqrt(rank) instead of alpha / rank.
-  dropout: float = 0.0
-  targets: str = ''  # regex over module paths such as 'layers.attn_0.q_a', 'layers.moe.experts.up'.
-  train_router: bool = False
+  """The `config.lora` section. rank 0 = full fine-tuning / pretraining."""
+
+  rank: int = field(0, check='non_negative', zero='0 = no adapters')  # adapter rank R
+  alpha: float = 16.0  # scale = alpha / rank (or alpha / sqrt(rank) with rslora)
+  rslora: bool = False  # rank-stabilised scaling
+  dropout: float = 0.0  # dropout on the adapter input
+  # Regex over module paths: 'layers.attn_0.q_a', 'layers.mlp_1.up', 'layers.moe.experts.down',
+  # 'lm_head'.
+  targets: str = LORA_TARGETS
+  train_router: bool = False  # also train the router classifier
 
   @property
   def enabled(self) -> bool:
@@ -45,8 +47,7 @@ class LoraConfig:
     return self.enabled and re.search(self.targets, path) is not None
 
   def validate(self) -> None:
-    if self.rank < 0:
-      raise ValueError(f'lora.rank={self.rank}: must be >= 0 (0 = no adapters)')
+    check(self, 'lora')
     if not self.enabled:
       return
     if self.alpha <= 0:
@@ -61,75 +62,80 @@ class LoraConfig:
 
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
-  """LongCat-Flash hyper-parameters (HF names where they exist) plus engine settings."""
+  """The `config.model` section: LongCat-Flash hyper-parameters (the names of the HF config where
+  it has them) and how the model computes (role 'engine'). The defaults are the 'tiny' preset."""
 
-  vocab_size: int = 1024
-  hidden_size: int = 128
-  num_layers: int = 2
-  num_heads: int = 4
-  q_lora_rank: int = 64
-  kv_lora_rank: int = 32
-  qk_nope_head_dim: int = 32
-  qk_rope_head_dim: int = 16
-  v_head_dim: int = 32
-  ffn_hidden_size: int = 256
-  expert_ffn_hidden_size: int = 64
-  n_routed_experts: int = 8
-  zero_expert_num: int = 4
-  moe_topk: int = 3
-  routed_scaling_factor: float = 6.0
-  rms_norm_eps: float = 1e-5
-  mla_norm_eps: float = 1e-6
-  rope_theta: float = 1e7
-  mla_scale_q_lora: bool = True
-  mla_scale_kv_lora: bool = True
-  max_position_embeddings: int = 131072
-  init_std: float = 0.02  # of the normal before truncation at +-2 std (weights: 0.88 init_std)
-  # Numerics and memory.
-  dtype: str = 'bfloat16'  # compute dtype; router, norms, softmax and loss stay float32.
-  param_dtype: str = 'float32'
-  remat: str = 'full'
+  vocab_size: int = positive(512)  # must be >= the tokenizer's vocabulary
+  hidden_size: int = positive(128)  # D
+  num_layers: int = positive(2)  # LongCat layers (each: 2 attention + 2 dense MLP + 1 MoE)
+  num_heads: int = positive(4)  # H
+  q_lora_rank: int = positive(64)  # MLA query low-rank width
+  kv_lora_rank: int = positive(32)  # MLA compressed kv latent width (what the KV cache stores)
+  qk_nope_head_dim: int = positive(32)  # per-head q/k width without RoPE
+  qk_rope_head_dim: int = positive(16)  # RoPE part of q; the one rope key all heads share
+  v_head_dim: int = positive(32)  # per-head value width
+  ffn_hidden_size: int = positive(256)  # dense SwiGLU hidden width
+  expert_ffn_hidden_size: int = positive(64)  # routed expert SwiGLU hidden width
+  n_routed_experts: int = positive(8)  # FFN experts
+  zero_expert_num: int = field(4, check='non_negative')  # zero-computation (identity) experts
+  moe_topk: int = positive(3)  # experts per token, zero experts included
+  routed_scaling_factor: float = positive(6.0)  # gate multiplier (zero experts' too)
+  rms_norm_eps: float = positive(1e-5)  # layer norms and the final norm
+  mla_norm_eps: float = positive(1e-6)  # MLA latent norms (HF's default, not rms_norm_eps)
+  rope_theta: float = positive(1e7)  # interleaved RoPE base
+  mla_scale_q_lora: bool = True  # multiply q by sqrt(D / q_lora_rank)
+  mla_scale_kv_lora: bool = True  # multiply the kv latent by sqrt(D / kv_lora_rank)
+  max_position_embeddings: int = 131072  # informational (RoPE needs no table)
+  # Std of the normal of random init before truncation at +-2 std (weights: 0.88 init_std).
+  init_std: float = engine(0.02, check='positive')
+  # Compute dtype (router, norms, softmax and loss stay float32): bfloat16, float32, or float16
+  # (older GPUs) with a dynamic loss scale, logged as loss_scale.
+  dtype: str = engine('bfloat16', choices=('bfloat16', 'float32', 'float16'))
+  param_dtype: str = engine('float32', choices=('bfloat16', 'float32'))  # storage of parameters
+  remat: str = engine('full', choices=REMAT_POLICIES)
   # Layers as one lax.scan (compile time independent of depth) or unrolled: the scan stacks every
   # layer's saved activations into [L, ...] buffers and slices them back in the backward pass,
   # copies an unrolled stack does not make (~5% of a 4-layer CPU step; bench/RESULTS.md).
-  scan_layers: bool = True
+  scan_layers: bool = engine(True)
   # Query block of causal self-attention: each block of queries scores only the keys up to its
   # last position, skipping the upper triangle block by block; 0 = one block (the full square).
-  attention_chunk: int = 128
+  attention_chunk: int = engine(128, check='non_negative', zero='0 = no chunking')
   # What attention keeps for its backward pass: True = each query's softmax max and sum, the
   # scores recomputed in the backward (flash-attention style: O(T) instead of O(T * S) memory per
   # head; as fast as keeping them on this CPU, bench/RESULTS.md); False = the float32 probabilities.
-  attention_recompute: bool = True
+  attention_recompute: bool = engine(True)
   # Sequence positions per block of the training/eval loss: the lm head and its cross entropy run
   # block by block, so only [B, loss_chunk, V] logits exist at a time; 0 = one block.
-  loss_chunk: int = 256
-  # MoE engine.
-  moe_dispatch: str = 'dropless'
-  moe_capacity_factor: float = 1.25
-  moe_backend: str = 'auto'
-  moe_block_size: int = 0  # CPU backends' row tile; 0 = auto (grouped: chosen per batch).
-  moe_expert_parallel: bool = True  # shard_map over the 'expert' mesh axis when it is > 1.
+  loss_chunk: int = engine(256, check='non_negative', zero='0 = no chunking')
+  moe_dispatch: str = engine('dropless', choices=MOE_DISPATCH)
+  # Capacity dispatch: each expert's buffer holds factor * K_e / E of the tokens.
+  moe_capacity_factor: float = engine(1.25, check='positive')
+  moe_backend: str = engine('auto', choices=MOE_BACKENDS)
+  # CPU backends' row tile; 0 = auto (grouped: chosen per batch).
+  moe_block_size: int = engine(0, check='non_negative', zero='0 = chosen per batch')
+  moe_expert_parallel: bool = engine(True)  # shard_map over the 'expert' mesh axis when it is > 1
   # Token exchange of expert parallelism: 'fixed' all_to_all buffers (any platform), 'ragged'
   # ragged_all_to_all straight into expert-sorted receive buffers (GPU/TPU; emulated on CPU),
   # 'auto' = ragged where the platform has it.
-  moe_ep_comm: str = 'auto'
+  moe_ep_comm: str = engine('auto', choices=MOE_EP_COMM)
   # Receive buffer of the ragged exchange (dropless) in local assignments; 0 = ep times them, the
   # worst case, so nothing can drop. A smaller buffer bounds memory at large ep and drops (and
   # reports) what overflows it.
-  moe_ep_recv_factor: float = 0.0
-  moe_expected_ffn_experts: float = 0.0  # K_e of the balancing targets; 0 = uniform top_k*E/(E+Z).
-  # FFN-expert groups D of the device-level balance loss; 0 = the expert-parallel shards (the
+  moe_ep_recv_factor: float = engine(0.0, check='non_negative', zero='0 = worst case')
+  # K_e, the FFN experts per token that balancing aims at; 0 = uniform, top_k * E / (E + Z).
+  moe_expected_ffn_experts: float = engine(0.0, check='non_negative', zero='0 = uniform routing')
+  # FFN-expert groups of the device-level balance loss; 0 = the expert-parallel shards (the
   # 'expert' mesh axis when model.moe_expert_parallel, else 1).
-  moe_balance_groups: int = 0
-  # Fine-tuning.
-  lora: LoraConfig = LoraConfig()
-  quant: str = 'none'  # storage of frozen base weights (QLoRA).
-  quant_group_size: int = 64
-  # Logical-axis rules for activation constraints (set by train.py from the mesh config).
-  rules: Rules = Rules()
-  # The platform the MoE engine is chosen for ('cpu', 'gpu', 'tpu'): set by train.build from the
+  moe_balance_groups: int = engine(0, check='non_negative', zero='0 = one group per shard')
+  quant: str = engine('none', choices=QUANT_MODES)  # storage of the frozen base (QLoRA)
+  # int4 group along the input dim (one group where it does not divide).
+  quant_group_size: int = engine(64)
+  # Derived: set from the `lora` and `mesh` sections and the compile target.
+  lora: LoraConfig = field(LoraConfig(), role='derived')
+  rules: Rules = field(Rules(), role='derived')  # logical-axis rules (mesh.rules)
+  # The platform the MoE engine is chosen for ('cpu', 'gpu', 'tpu'): set by setup.build from the
   # compile target (the planner compiles for a TPU on any host); '' = the backend this runs on.
-  platform: str = ''
+  platform: str = field('', role='derived')
 
   @property
   def target_platform(self) -> str:
@@ -154,17 +160,11 @@ class ModelConfig:
     return self.moe_topk * self.n_routed_experts / self.num_experts_total
 
   def validate(self, prefix: str = 'model') -> None:
-    def need(ok, field, msg):
+    def need(ok, key, msg):
       if not ok:
-        raise ValueError(f'{prefix}.{field}: {msg}')
+        raise ValueError(f'{prefix}.{key}: {msg}')
 
-    for f in POSITIVE_FIELDS:
-      need(getattr(self, f) > 0, f, f'must be positive, got {getattr(self, f)}')
-    for f, zero in NON_NEGATIVE_FIELDS.items():
-      need(getattr(self, f) >= 0, f, f'must be >= 0{zero}, got {getattr(self, f)}')
-    for field, choices in CHOICES.items():
-      value = getattr(self, field)
-      need(value in choices, field, f'{value!r} unknown; use one of {choices}')
+    check(self, prefix)
     need(
       self.qk_rope_head_dim % 2 == 0,
       'qk_rope_head_dim',
@@ -221,40 +221,6 @@ class ModelConfig:
         'moe_expected_ffn_experts',
         f'without zero experts every token uses moe_topk={self.moe_topk} FFN experts: use 0',
       )
-
-
-# Sizes and constants that must be > 0.
-POSITIVE_FIELDS = (
-  'vocab_size',
-  'hidden_size',
-  'num_layers',
-  'num_heads',
-  'q_lora_rank',
-  'kv_lora_rank',
-  'qk_nope_head_dim',
-  'qk_rope_head_dim',
-  'v_head_dim',
-  'ffn_hidden_size',
-  'expert_ffn_hidden_size',
-  'n_routed_experts',
-  'moe_topk',
-  'routed_scaling_factor',
-  'rms_norm_eps',
-  'mla_norm_eps',
-  'rope_theta',
-  'init_std',
-  'moe_capacity_factor',
-)
-# Fields that must be >= 0, with what 0 means.
-NON_NEGATIVE_FIELDS = {
-  'zero_expert_num': '',
-  'moe_balance_groups': ' (0 = one group)',
-  'moe_expected_ffn_experts': ' (0 = uniform routing)',
-  'moe_block_size': ' (0 = chosen per batch)',
-  'attention_chunk': ' (0 = no chunking)',
-  'loss_chunk': ' (0 = no chunking)',
-  'moe_ep_recv_factor': ' (0 = worst case)',
-}
 
 
 PRESETS = {

@@ -15,8 +15,10 @@ import jax
 from absl import app, flags
 from ml_collections import config_flags
 
-from moetrain import runtime, sharding, train
+from moetrain import runtime, sharding
+from moetrain import setup as setup_lib
 from moetrain.data import pipeline
+from moetrain.evaluation import evaluate
 from moetrain.train_state import graphdef_of
 from moetrain.train_step import eval_step
 
@@ -34,12 +36,12 @@ def evaluate_checkpoint(
 ) -> dict:
   if max_batches is not None and max_batches <= 0:
     raise ValueError(f'--max_batches={max_batches} must be positive (or left out: all batches)')
-  setup = train.tool_setup(config, workdir)
+  setup = setup_lib.tool_setup(config, workdir)
   if split:
     setup = dataclasses.replace(setup, data=dataclasses.replace(setup.data, eval_split=split))
   mesh = sharding.make_mesh(setup.mesh_shape)
   tokenizer = pipeline.make_tokenizer(setup.data, workdir)
-  train.check_tokenizer_fits(tokenizer, setup)
+  setup_lib.check_tokenizer_fits(tokenizer, setup)
   batches = pipeline.make_eval_batches(
     setup.data,
     tokenizer,
@@ -50,9 +52,9 @@ def evaluate_checkpoint(
   if not batches:
     raise ValueError('no eval data: set data.eval_split (or --split)')
   with jax.set_mesh(mesh):
-    state = train.load_latest(setup, workdir, mesh)
+    state = setup_lib.load_latest(setup, workdir, mesh)
     eval_fn = jax.jit(functools.partial(eval_step, graphdef=graphdef_of(setup.model)))
-    out = train.evaluate(state, batches, eval_fn, sharding.batch_sharding(mesh))
+    out = evaluate(state, batches, eval_fn, sharding.batch_sharding(mesh))
   return {'step': int(state.step), **out}
 
 

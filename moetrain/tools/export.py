@@ -17,7 +17,8 @@ import jax
 from absl import app, flags
 from ml_collections import config_flags
 
-from moetrain import runtime, sharding, train
+from moetrain import runtime, sharding
+from moetrain import setup as setup_lib
 from moetrain.convert import hf_longcat, peft_adapter
 from moetrain.convert import safetensors_io as stio
 from moetrain.train_state import graphdef_of, merge_model
@@ -45,7 +46,7 @@ def _inside(path: str, directory: str) -> bool:
   return os.path.commonpath([path, directory]) == directory
 
 
-def check_out(out: str, workdir: str, setup: train.Setup) -> None:
+def check_out(out: str, workdir: str, setup: setup_lib.Setup) -> None:
   """--out must be a local (or mounted) directory apart from what the export reads."""
   runtime.local_path(out, '--out', 'export directories')
   for flag, source in (
@@ -57,7 +58,7 @@ def check_out(out: str, workdir: str, setup: train.Setup) -> None:
       raise ValueError(f'--out={out!r} overlaps {flag}={source!r}, which the export reads')
 
 
-def companion_files(setup: train.Setup, workdir: str) -> dict[str, str]:
+def companion_files(setup: setup_lib.Setup, workdir: str) -> dict[str, str]:
   """{name in the export: source} for the run's tokenizer (data.tokenizer: a .model or
   tokenizer.json file, or a checkpoint directory; else the one the run trained,
   <workdir>/tokenizer.model) and the base checkpoint's generation_config.json."""
@@ -106,7 +107,7 @@ def export(config, workdir: str, out: str, adapter_only: bool = False, dtype=Non
     raise ValueError(f'--dtype={dtype!r}: use one of {DTYPES}')
   if dtype is not None and adapter_only:
     raise ValueError('--dtype applies to the merged export; adapters keep their training dtype')
-  setup = train.tool_setup(config, workdir)
+  setup = setup_lib.tool_setup(config, workdir)
   check_out(out, workdir, setup)
   if adapter_only and not setup.model.lora.enabled:
     raise ValueError('--adapter_only needs a LoRA run (lora.rank > 0)')
@@ -120,7 +121,7 @@ def export(config, workdir: str, out: str, adapter_only: bool = False, dtype=Non
     staging = tempfile.mkdtemp(prefix=f'.{os.path.basename(os.path.abspath(out))}.', dir=parent)
   try:
     with jax.set_mesh(mesh):
-      state = train.load_latest(setup, workdir, mesh)
+      state = setup_lib.load_latest(setup, workdir, mesh)
       model = merge_model(graphdef_of(setup.model), state.params, state.moe_bias, state.frozen)
       target = staging or out  # only process 0 writes; the others take part in the gathers
       if adapter_only:

@@ -13,9 +13,10 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from moetrain import sharding, train
+from moetrain import sharding
 from moetrain.model import expert_parallel
 from moetrain.model.transformer import Transformer
+from moetrain.setup import build
 
 
 def _size(tree) -> int:
@@ -156,7 +157,7 @@ def _bytes(n: float) -> str:
 
 def dry_run(config) -> dict:
   # The mesh is validated for the smallest device count it fits, not this machine's devices.
-  setup = train.build(config, num_devices=math.prod(s for s in config.mesh.shape if s > 0))
+  setup = build(config, num_devices=math.prod(s for s in config.mesh.shape if s > 0))
   counts = param_counts(setup.model)
   print(
     f'parameters: total {_count(counts["total"])} '

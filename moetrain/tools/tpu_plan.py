@@ -52,13 +52,14 @@ def model_flops(setup) -> tuple[float, str]:
 
 def plan(config, topology: str, overrides: dict | None = None) -> dict:
   """Compile `config` (with `overrides`) for `topology`; the per-device report."""
-  from moetrain import aot, sharding, train
+  from moetrain import aot, sharding
+  from moetrain.setup import build
   from moetrain.tools import plan as plan_lib
 
   topo = topology_lib.parse(topology)
   config = with_overrides(config, overrides or {})
   devices = topo.devices()
-  setup = train.build(config, num_devices=len(devices), process_count=1, platform='tpu')
+  setup = build(config, num_devices=len(devices), process_count=1, platform='tpu')
   mesh = sharding.make_mesh(setup.mesh_shape, devices)
   chip = topo.chip
   report = {

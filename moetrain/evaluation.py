@@ -1,0 +1,31 @@
+"""Evaluation over a list of host-local batches: the loop's and the evaluate tool's."""
+
+import jax
+import numpy as np
+
+
+def to_global(batch: dict, sharding) -> dict:
+  """A host-local batch as global arrays (each host holds its rows of the batch sharding)."""
+  return {k: jax.make_array_from_process_local_data(sharding, v) for k, v in batch.items()}
+
+
+def evaluate(state, batches, eval_fn, batch_sharding) -> dict:
+  """Loss, perplexity and accuracy over every scored token of `batches`."""
+  totals = {'nll_sum': 0.0, 'correct': 0.0, 'tokens': 0.0}
+  outs = [eval_fn(state, to_global(b, batch_sharding)) for b in batches]
+  for out in jax.device_get(outs):
+    for k in totals:
+      totals[k] += float(out[k])
+  if totals['tokens'] == 0:
+    raise ValueError(
+      'the eval batches hold no scored tokens: every example was cut before its completion '
+      '(raise data.seq_len) or the eval split is empty'
+    )
+  n = totals['tokens']
+  loss = totals['nll_sum'] / n
+  return {
+    'loss': loss,
+    'perplexity': float(np.exp(min(loss, 50.0))),
+    'accuracy': totals['correct'] / n,
+    'tokens': totals['tokens'],
+  }

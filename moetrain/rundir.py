@@ -1,0 +1,259 @@
+"""The run directory: its config.json (what a resume may change, the config the tools read a run
+with), the marker of data that ran out, the steps saved in it and what a run says about it."""
+
+import functools
+import json
+import os
+
+from absl import logging
+
+from moetrain import runtime
+
+# (JAX, the model and the data pipeline are imported where used: `python -m moetrain.main` reads
+# the saved steps before it re-executes itself, runtime.start_command.)
+
+
+@functools.cache
+def engine_fields() -> tuple[str, ...]:
+  """How the model computes (may change on a resume); with init.hf_checkpoint these come from the
+  config, the shapes from the checkpoint."""
+  from moetrain import fields
+  from moetrain.model.config import ModelConfig
+
+  return fields.with_role(ModelConfig, 'engine')
+
+
+@functools.cache
+def stream_fields() -> tuple[str, ...]:
+  """What shapes the training stream a checkpoint's data position points into."""
+  from moetrain import fields
+  from moetrain.data import pipeline
+
+  return fields.with_role(pipeline.DataConfig, 'stream')
+
+
+def absolute(path):
+  """A local path made absolute; '' and URLs (gs://...) unchanged."""
+  if not isinstance(path, str) or not path or '://' in path:
+    return path
+  return os.path.abspath(os.path.expanduser(path))
+
+
+def with_absolute_paths(config):
+  """A copy of `config` (a ConfigDict, or a config.json's dict) with its paths absolute (role "path").
+  (Older runs wrote them as given, relative to where they ran: taken here as the working
+  directory.)"""
+  if isinstance(config, dict):
+    config = {k: dict(v) if isinstance(v, dict) else v for k, v in config.items()}
+  else:
+    config = config.copy_and_resolve_references()
+  from moetrain import sections
+
+  for section, key in sections.path_fields():
+    if section in config and key in config[section]:
+      config[section][key] = absolute(config[section][key])
+  return config
+
+
+def tool_config(config, workdir: str | None):
+  """`config` (--config), checked against the run in `workdir` as a resume is, or the run's own
+  config.json when it is None. A workdir without checkpoints is refused: a tool would otherwise
+  read the initial weights."""
+  if workdir and not saved_steps(workdir):
+    raise ValueError(
+      f'--workdir={workdir!r} holds no checkpoints ({os.path.join(workdir, "checkpoints")}); '
+      'leave --workdir out to use the initial weights of --config'
+    )
+  if config is not None:
+    config = with_absolute_paths(config)
+    if workdir:
+      advice = "pass the run's settings, or leave --config out"
+      check_resumable(config, workdir, advice, tool=True)
+    return config
+  if not workdir:
+    raise ValueError('pass --config, or --workdir of a run (its config.json is then used)')
+  import ml_collections
+
+  path = os.path.join(workdir, 'config.json')
+  if not os.path.isfile(path):
+    raise FileNotFoundError(f"{path} does not exist: pass the run's --config")
+  with open(path) as f:  # (an older run's lacks newer keys: they were at their defaults)
+    return ml_collections.ConfigDict(_with_defaults(json.load(f)))
+
+
+def check_resumable(
+  config, workdir: str, advice: str = 'resume with the same ones or use a new --workdir', tool=False
+) -> None:
+  """Before resuming from <workdir>/checkpoints, the model and LoRA settings that shape the saved
+  state must equal those of the run that saved it (<workdir>/config.json); name any that differ
+  instead of failing deep inside the restore. engine_fields() (how the model computes) may change.
+  Changed stream_fields() are allowed, with a warning naming them: the resume is not exact.
+  A `tool` (evaluate, export, generate) reads the weights only: other data is its own choice,
+  but not another tokenizer."""
+  path = os.path.join(workdir, 'config.json')
+  if not os.path.exists(path) or not saved_steps(workdir):
+    return
+  with open(path) as f:  # (an older run's lacks newer keys: they were at their defaults)
+    saved = with_absolute_paths(_with_defaults(json.load(f)))
+  now = with_absolute_paths(json.loads(config.to_json_best_effort()))
+  diffs = _state_diffs(saved, now) + _base_diffs(saved, now)
+  if tool:
+    diffs += _tokenizer_diffs(saved, now, workdir)
+  if diffs:
+    raise ValueError(
+      f'{workdir} holds checkpoints of a run with other settings; {advice}:\n  '
+      + '\n  '.join(diffs)
+    )
+  if not tool:
+    _warn_data_changes(saved, now, workdir)
+
+
+def _was(what: str, saved, now, why: str = '') -> str:
+  return f'{what}: {saved!r} in the checkpointed run, now {now!r}' + (f' ({why})' if why else '')
+
+
+def _state_diffs(saved: dict, now: dict) -> list[str]:
+  """The settings that shape the saved state: model and LoRA fields (not engine_fields()),
+  gradient clipping (a state of its own) and float16 (a loss scale in the state)."""
+  diffs = [
+    _was(f'{section}.{key}', saved[section][key], now[section][key])
+    for section in ('model', 'lora')
+    for key in now[section]
+    if not (section == 'model' and key in engine_fields())
+    and saved[section][key] != now[section][key]
+  ]
+  clip = lambda c: c['optim']['grad_clip'] > 0
+  if clip(saved) != clip(now):
+    why = 'on and off keep different optimizer states'
+    diffs.append(
+      _was('optim.grad_clip', saved['optim']['grad_clip'], now['optim']['grad_clip'], why)
+    )
+  half = lambda c: c['model']['dtype'] == 'float16'
+  if half(saved) != half(now):
+    why = 'float16 keeps a loss scale in the checkpoint, others none'
+    diffs.append(_was('model.dtype', saved['model']['dtype'], now['model']['dtype'], why))
+  return diffs
+
+
+def _base_diffs(saved: dict, now: dict) -> list[str]:
+  """A LoRA checkpoint holds no frozen base: the run rebuilds it from init.hf_checkpoint, or from
+  the seed, and the adapters belong to that base."""
+  if now['lora']['rank'] <= 0:
+    return []
+
+  def base(c):  # what the frozen base is built from (model.param_dtype only rounds it)
+    return c['init']['hf_checkpoint'] or f'seed {c["seed"]}, init_std {c["model"]["init_std"]}'
+
+  what = 'the frozen base (init.hf_checkpoint, or the seed and model.init_std without one)'
+  return [] if base(saved) == base(now) else [_was(what, base(saved), base(now))]
+
+
+def _with_defaults(saved: dict) -> dict:
+  from moetrain import sections
+
+  return sections.with_defaults(saved)
+
+
+def _tokenizer_diffs(saved: dict, now: dict, workdir: str) -> list[str]:
+  """The weights know the run's token ids: another tokenizer makes them read other text (and
+  with none given, a tool would train one into the run directory)."""
+  from moetrain.data import tokenizer as tokenizer_lib
+
+  def tokenizer(c):  # the file it reads: data.tokenizer, the checkpoint's or the run's own
+    path = c['data']['tokenizer'] or c['init']['hf_checkpoint']
+    if not path:
+      return os.path.join(absolute(workdir), tokenizer_lib.SPM_FILE)
+    return str(tokenizer_lib.tokenizer_file(absolute(path)) or absolute(path))
+
+  why = 'the weights were trained on its token ids'
+  same = tokenizer(saved) == tokenizer(now)
+  return [] if same else [_was('data.tokenizer', tokenizer(saved), tokenizer(now), why)]
+
+
+def _warn_data_changes(saved: dict, now: dict, workdir: str) -> None:
+  was, new = saved['data'], now['data']
+  changed = [_was(f'data.{k}', was[k], new[k]) for k in stream_fields() if was[k] != new[k]]
+  if changed:  # legitimate (e.g. a bigger batch on a bigger slice), but no longer exact
+    logging.warning(
+      'Resuming %s with other data settings:\n  %s\nThe saved data position is applied to the '
+      'new stream: examples around it may be skipped or read twice, and with another order or '
+      'source the rest of the epoch is not what the checkpointed run would have read. Resume '
+      'with the saved settings for an exact continuation.',
+      workdir,
+      '\n  '.join(changed),
+    )
+
+
+def run_dir(workdir: str) -> str:
+  """The absolute path of a run directory. It must be a filesystem path: the run appends to its
+  metrics.jsonl, which object stores cannot do (gcsfs, for one, silently overwrites instead). On
+  several hosts it must be one directory they all share, as Orbax's checkpoints are written by
+  every host."""
+  return runtime.local_path(workdir, '--workdir', 'run directories')
+
+
+def saved_steps(workdir: str) -> list[int]:
+  """The steps of <workdir>/checkpoints that were written completely (Orbax names a checkpoint's
+  directory by its step once it is whole), in order; no JAX needed."""
+  directory = os.path.join(run_dir(workdir), 'checkpoints')
+  if not os.path.isdir(directory):
+    return []
+  return sorted(int(d) for d in os.listdir(directory) if d.isdigit())
+
+
+def config_json(config, setup) -> str:
+  """The run's config.json: its settings, and with init.hf_checkpoint the model the checkpoint
+  gave (`model_from_checkpoint`: its shapes replace those of the `model` section, which a resume
+  is still checked against)."""
+  saved = json.loads(config.to_json_best_effort())
+  if setup.hf_checkpoint:
+    from moetrain import fields
+
+    keys = fields.keys(type(setup.model))
+    saved['model_from_checkpoint'] = {k: getattr(setup.model, k) for k in keys}
+  return json.dumps(saved, indent=1)
+
+
+DATA_ENDED = 'data_ended.json'
+
+
+def _data_stream(data) -> dict:
+  return {k: getattr(data, k) for k in stream_fields()}
+
+
+def mark_data_ended(workdir: str, step: int, data) -> None:
+  """Records in the run directory that the training data ran out at `step` (saved and evaluated
+  by then), with the data settings it ran out under."""
+  path = os.path.join(run_dir(workdir), DATA_ENDED)
+  with open(path + '.tmp', 'w') as f:
+    json.dump({'step': step, 'data': _data_stream(data)}, f, indent=1)
+  os.replace(path + '.tmp', path)
+
+
+def data_ended_at(workdir: str, data) -> int | None:
+  """The step at which this run's training data ran out, when the data settings are still the
+  ones it ran out under (a resume with more data.num_epochs, say, goes on)."""
+  path = os.path.join(run_dir(workdir), DATA_ENDED)
+  if not os.path.exists(path):
+    return None
+  with open(path) as f:
+    marked = json.load(f)
+  return marked['step'] if marked['data'] == _data_stream(data) else None
+
+
+def nothing_to_do(workdir: str, step: int, t, data_ended_epochs=None) -> str:
+  if data_ended_epochs:
+    return (
+      f'Run in {workdir} stopped at step {step} when its training data ran out '
+      f'(data.num_epochs={data_ended_epochs}, train.steps={t.steps}); nothing to do. Raise '
+      'data.num_epochs to go on, or use a new --workdir to train again.'
+    )
+  if step >= t.steps:
+    return (
+      f'Run in {workdir} already finished at step {step} (train.steps={t.steps}); nothing to '
+      'do. Use a new --workdir to train again.'
+    )
+  return (
+    f'Run in {workdir} is at step {step}, already past train.stop_at_step={t.stop_at_step}; '
+    f'nothing to do. Raise it (or set 0 to run to train.steps={t.steps}).'
+  )

@@ -1,0 +1,116 @@
+"""The config's sections. Every config key is declared once, as a field of its section's
+dataclass (SECTIONS), with its default, its checks and its role (moetrain.fields); the ConfigDict
+of configs/base.py, the resume checks and the tools' path handling are derived from them."""
+
+import dataclasses
+import functools
+
+from ml_collections import config_dict
+
+from moetrain import fields, optim, sharding
+from moetrain.data import pipeline
+from moetrain.fields import field
+from moetrain.model.config import LoraConfig, ModelConfig
+from moetrain.train_step import LossConfig
+
+positive = functools.partial(field, check='positive')
+non_negative = functools.partial(field, check='non_negative')
+
+
+@dataclasses.dataclass(frozen=True)
+class LoopConfig:
+  """The `config.train` section: the loop, logging, evaluation and checkpoints."""
+
+  steps: int = positive(200)  # optimizer steps (the schedule's length)
+  # End this invocation after this step (e.g. a time-boxed session); 0 = train.steps.
+  stop_at_step: int = non_negative(0)
+  log_every: int = positive(10)  # progress line + metrics.jsonl record every N steps
+  eval_every: int = non_negative(100, zero='0 = only at the end')  # (and always at the end)
+  eval_batches: int = 8  # eval batches per evaluation (cap); no evals: data.eval_split = ''
+  checkpoint_every: int = positive(50)  # save every N steps (and at the end)
+  keep_checkpoints: int = positive(3)  # checkpoints kept
+  async_checkpoint: bool = True  # write checkpoints in the background
+  # Write the checksums of every checkpoint's files and check them before a restore (each reads
+  # the checkpoint once more: ~1.8 GB/s from disk here, bench/RESULTS.md); False = neither.
+  verify_checkpoints: bool = True
+  # Resume from this checkpoint, moving newer ones aside; 0 = the latest.
+  resume_step: int = non_negative(0)
+  # Stop after this many skipped (non-finite) steps in a row; 0 = never. (float16's loss scale
+  # halves at most 15 times from its start before it reaches 1.)
+  max_nonfinite_steps: int = non_negative(20, zero='0 = never stop')
+  # Persistent XLA cache: a directory, '' = off, or 'auto': ~/.cache/moetrain/jax on one
+  # process, <workdir>/jax_cache on several (only process 0 writes it: it must be shared).
+  compilation_cache: str = 'auto'
+
+  @property
+  def last_step(self) -> int:
+    """Where this invocation stops: stop_at_step (a time-boxed session) or steps."""
+    return min(self.stop_at_step or self.steps, self.steps)
+
+  def validate(self) -> None:
+    if self.eval_batches <= 0:
+      raise ValueError(
+        f'train.eval_batches={self.eval_batches} must be positive; to train without evaluations '
+        "set data.eval_split=''"
+      )
+    fields.check(self, 'train')
+
+
+@dataclasses.dataclass(frozen=True)
+class InitConfig:
+  """The `config.init` section: the initial weights."""
+
+  # Hugging Face LongCat-Flash directory: shapes, weights and tokenizer.
+  hf_checkpoint: str = field('', role='path')
+  # PEFT adapter directory (tools.export --adapter_only) to start from.
+  peft_adapter: str = field('', role='path')
+
+
+@dataclasses.dataclass(frozen=True)
+class MeshConfig:
+  """The `config.mesh` section: the device mesh, axes (data, fsdp, expert, tensor)."""
+
+  shape: tuple = (1, -1, 1, 1)  # one entry may be -1 (the remaining devices)
+  rules: str = field('fsdp_ep_tp', choices=tuple(sharding.PRESETS))  # logical-axis rule preset
+
+
+# The config's sections, each a dataclass whose fields are its keys; `seed` (model init and
+# dropout; the data order has data.seed) is the one top-level key.
+SECTIONS = {
+  'model': ModelConfig,
+  'lora': LoraConfig,
+  'data': pipeline.DataConfig,
+  'init': InitConfig,
+  'mesh': MeshConfig,
+  'optim': optim.OptimConfig,
+  'loss': LossConfig,
+  'train': LoopConfig,
+}
+SEED = 0
+
+
+def default_config() -> config_dict.ConfigDict:
+  """Every key with its default (configs/base.py)."""
+  c = config_dict.ConfigDict({'seed': SEED})
+  for name, cls in SECTIONS.items():
+    section = fields.defaults(cls)
+    for f in dataclasses.fields(cls):  # a None default must still take its type later
+      if section.get(f.name, 0) is None:
+        section[f.name] = config_dict.placeholder(int)
+    c[name] = section
+  return c
+
+
+def with_defaults(saved: dict) -> dict:
+  """A run's config.json (a dict) with the keys it lacks (an older run's) at their defaults."""
+  out = {'seed': saved.get('seed', SEED)}
+  for name, cls in SECTIONS.items():
+    out[name] = {**fields.defaults(cls), **saved.get(name, {})}
+  return out | {k: v for k, v in saved.items() if k not in out}
+
+
+def path_fields() -> tuple[tuple[str, str], ...]:
+  """(section, key) of every key that holds a local path."""
+  return tuple(
+    (name, key) for name, cls in SECTIONS.items() for key in fields.with_role(cls, 'path')
+  )

@@ -1,0 +1,271 @@
+"""From a config to a validated Setup, and the state a run or a tool starts from: `build`
+converts and checks a config before anything compiles; `initial_state`, `restore_or_init` and
+`load_latest` give the weights. The tools import this module, never the training loop."""
+
+import dataclasses
+import functools
+import os
+import re
+
+import jax
+from absl import logging
+from flax import nnx
+
+from moetrain import fields, optim, rundir, sharding
+from moetrain.checkpoint import Checkpointer, data_positions, process_data_state
+from moetrain.data import pipeline
+from moetrain.model.config import LoraConfig, ModelConfig
+from moetrain.model.transformer import Transformer
+from moetrain.sections import InitConfig, LoopConfig
+from moetrain.train_state import (
+  TrainState,
+  create_sharded,
+  graphdef_of,
+  initial_loss_scale,
+  merge_model,
+  split_model,
+  state_from_weights,
+  trainable_filter,
+)
+from moetrain.train_step import StepConfig
+
+
+@dataclasses.dataclass(frozen=True)
+class Setup:
+  """The ConfigDict turned into the frozen dataclasses the library takes."""
+
+  model: ModelConfig
+  data: pipeline.DataConfig
+  optim: optim.OptimConfig
+  step: StepConfig
+  mesh_shape: tuple[int, ...]
+  seed: int
+  train: LoopConfig
+  hf_checkpoint: str = ''
+  peft_adapter: str = ''
+
+
+# loss.bias_update_decay_steps = -1: decay over train.steps (the value, not a reference to the
+# field: a shared reference would make setting either one set both).
+FOLLOW_STEPS = -1
+
+
+def model_config(config) -> ModelConfig:
+  rules = sharding.Rules.preset(config.mesh.rules)
+  lora = LoraConfig(**config.lora.to_dict())
+  path = config.init.hf_checkpoint
+  if not path:
+    return ModelConfig(**config.model.to_dict(), lora=lora, rules=rules)
+  from moetrain.convert import hf_longcat
+
+  engine = {k: config.model[k] for k in fields.with_role(ModelConfig, 'engine')}
+  return hf_longcat.config_from_hf(hf_longcat.read_config(path), **engine, lora=lora, rules=rules)
+
+
+def build(
+  config,
+  num_devices: int | None = None,
+  process_count: int | None = None,
+  training: bool = True,
+  platform: str | None = None,
+) -> Setup:
+  """Converts and validates everything before any compilation; errors name the field. A tool
+  (training=False) reading an older run's settings skips the checks only training needs.
+  platform: what the step is compiled for (default: this process's backend); it picks the MoE
+  engine, so that a plan compiled on a CPU host for a TPU measures the TPU engine."""
+  num_devices = num_devices or jax.device_count()
+  process_count = process_count or jax.process_count()
+  mesh_shape = sharding.resolve_mesh_shape(config.mesh.shape, num_devices)
+  model = model_config(config)  # (checks mesh.rules)
+  model = dataclasses.replace(model, platform=platform or jax.default_backend())
+  sharding.check_axes_used(mesh_shape, config.mesh.rules)
+  model.validate()
+  data = pipeline.DataConfig(**config.data.to_dict())
+  if config.init.hf_checkpoint and not data.tokenizer:  # the checkpoint's own tokenizer
+    data = dataclasses.replace(data, tokenizer=config.init.hf_checkpoint)
+  pipeline.validate(data, process_count)
+  if training:
+    pipeline.check_training_data(data)
+  opt = optim.OptimConfig(**config.optim.to_dict())
+  train = LoopConfig(**config.train.to_dict())
+  train.validate()
+  opt.validate(train.steps)
+  check_mesh_fits(model, data, opt, mesh_shape, num_devices // process_count)
+  loss = config.loss.to_dict()
+  if loss.get('bias_update_decay_steps') == FOLLOW_STEPS:  # over the whole run
+    loss['bias_update_decay_steps'] = config.train.steps
+  step = StepConfig(model=model, grad_accum_steps=opt.grad_accum_steps, **loss)
+  step.validate()
+  check_regexes(model, opt)
+  if config.init.peft_adapter and not model.lora.enabled:
+    raise ValueError('init.peft_adapter needs lora.rank > 0 (the rank of the adapter)')
+  init = InitConfig(**config.init.to_dict())
+  return Setup(
+    model, data, opt, step, mesh_shape, config.seed, train, init.hf_checkpoint, init.peft_adapter
+  )
+
+
+def check_mesh_fits(model, data, opt, mesh_shape, per_host: int) -> None:
+  """The experts, the tensor axis and the batches must divide over the mesh."""
+  sizes = dict(zip(sharding.MESH_AXES, mesh_shape))
+  if model.n_routed_experts % sizes['expert']:
+    raise ValueError(
+      f"model.n_routed_experts={model.n_routed_experts} is not divisible by the 'expert' mesh axis "
+      f'({sizes["expert"]}); change mesh.shape or the expert count'
+    )
+  if per_host % sizes['tensor']:
+    raise ValueError(
+      f"mesh.shape={mesh_shape}: the 'tensor' axis ({sizes['tensor']}) must divide the "
+      f'{per_host} devices of each process: across hosts it would replicate the batch, which '
+      'each host loads its own slice of'
+    )
+  batch_shards = sizes['data'] * sizes['fsdp'] * sizes['expert']
+  per_micro = data.global_batch_size // opt.grad_accum_steps
+  if data.global_batch_size % opt.grad_accum_steps or per_micro % batch_shards:
+    raise ValueError(
+      f'data.global_batch_size={data.global_batch_size} must split into optim.grad_accum_steps='
+      f'{opt.grad_accum_steps} micro-batches each divisible by the {batch_shards} batch shards '
+      f'(data*fsdp*expert of mesh.shape={mesh_shape})'
+    )
+  if data.eval_split and data.eval_batch_size % batch_shards:
+    raise ValueError(
+      f'data.eval_batch_size={data.eval_batch_size} must be divisible by the '
+      f'{batch_shards} batch shards of mesh.shape={mesh_shape}'
+    )
+
+
+def check_regexes(model: ModelConfig, opt: optim.OptimConfig) -> None:
+  """lora.targets must adapt at least one module (unless only the router trains), and a set
+  optim.weight_decay_exclude must spare at least one trainable parameter: a regex that matches
+  none would change nothing, silently."""
+  abstract = functools.cache(  # shapes only (no memory), built only if a check needs them
+    lambda: nnx.eval_shape(lambda: Transformer(model, nnx.Rngs(0)))
+  )
+  if model.lora.enabled and not model.lora.train_router:
+    if not jax.tree.leaves(nnx.state(abstract(), nnx.LoRAParam)):
+      raise ValueError(
+        f'lora.targets={model.lora.targets!r} matches no module, so nothing would train; module '
+        "paths look like 'layers.attn_0.q_a', 'layers.mlp_1.down', 'layers.moe.experts.up', "
+        "'lm_head'"
+      )
+  if opt.weight_decay and opt.weight_decay_exclude:
+    trainable = nnx.state(abstract(), trainable_filter(model))
+    paths = ['.'.join(map(str, p)) for p, _ in nnx.to_flat_state(trainable)]
+    if not any(re.search(opt.weight_decay_exclude, p) for p in paths):
+      raise ValueError(
+        f'optim.weight_decay_exclude={opt.weight_decay_exclude!r} matches no trainable '
+        f'parameter; their paths look like {paths[:3]}'
+      )
+
+
+def check_tokenizer_fits(tokenizer, setup: Setup, cached_in: str | None = None) -> None:
+  """Every id of the tokenizer needs a row of the embedding and the lm head: past them, training
+  and evaluation read NaN losses and generation garbage, silently. cached_in: the run directory
+  a trained tokenizer is cached in (training; a tool must not advise deleting a run's)."""
+  if tokenizer.vocab_size <= setup.model.vocab_size:
+    return
+  if setup.data.tokenizer:
+    hint = f' to a tokenizer of that size instead of data.tokenizer={setup.data.tokenizer!r}'
+  elif cached_in:  # a trained tokenizer is cached in the run directory and reused
+    hint = f' and delete {os.path.join(cached_in, "tokenizer.model")}'
+  else:
+    hint = ''
+  raise ValueError(
+    f'model.vocab_size={setup.model.vocab_size} is smaller than the tokenizer '
+    f'vocabulary ({tokenizer.vocab_size}); raise it, or set data.vocab_size{hint}'
+  )
+
+
+HOST_CACHE = '~/.cache/moetrain/jax'
+
+
+def compilation_cache_dir(setting: str, workdir: str) -> str:
+  """train.compilation_cache: a directory, '' for none, or 'auto': HOST_CACHE on one process; on
+  several, <workdir>/jax_cache. JAX writes cache entries from process 0 only, so the other hosts
+  find them only in a directory they all share, and the run directory is one."""
+  if setting != 'auto':
+    return setting
+  return HOST_CACHE if jax.process_count() == 1 else os.path.join(workdir, 'jax_cache')
+
+
+def enable_compilation_cache(path: str) -> None:
+  if path:
+    jax.config.update('jax_compilation_cache_dir', os.path.expanduser(path))
+    jax.config.update('jax_persistent_cache_min_compile_time_secs', 0.5)
+
+
+def initial_state(setup: Setup, optimizer, mesh) -> TrainState:
+  """The state a fresh run starts from: the Hugging Face checkpoint in init.hf_checkpoint
+  (streamed into its shardings), else random init from the seed. A LoRA run's frozen base is
+  rebuilt this way on every start; checkpoints hold only what trains."""
+  rules = setup.model.rules
+  if not setup.hf_checkpoint and not setup.peft_adapter:
+    return create_sharded(setup.model, optimizer, setup.seed, mesh, rules)
+  from moetrain.convert import hf_longcat, peft_adapter
+
+  if setup.hf_checkpoint:
+    w = hf_longcat.load_params(
+      setup.hf_checkpoint, setup.model, mesh=mesh, rules=rules, seed=setup.seed
+    )
+    params, moe_bias, frozen = w.params, w.moe_bias, w.frozen
+  else:
+    state = create_sharded(setup.model, optimizer, setup.seed, mesh, rules)
+    params, moe_bias, frozen = state.params, state.moe_bias, state.frozen
+  if setup.peft_adapter:  # continue from (or evaluate) an exported adapter
+    model = merge_model(graphdef_of(setup.model), params, moe_bias, frozen)
+    peft_adapter.load(model, setup.model, setup.peft_adapter)
+    _, params, moe_bias, frozen = split_model(model, setup.model)  # adapters and routers
+  return state_from_weights(
+    params, moe_bias, frozen, optimizer, setup.seed, mesh, rules, initial_loss_scale(setup.model)
+  )
+
+
+def restore_or_init(setup: Setup, ckpt: Checkpointer, optimizer, mesh, train_iter):
+  """The latest checkpoint's state, and the training data moved to its position; else the
+  initial state."""
+  state = initial_state(setup, optimizer, mesh)
+  step = ckpt.latest_step()
+  if step is None:
+    return state
+  saved, data_states, _ = ckpt.restore(step, state)
+  position = process_data_state(data_states, setup.data.reslice_on_resume)
+  if position is not None:
+    train_iter.set_state(position)
+  else:  # another number of hosts, and data.reslice_on_resume: the data starts over
+    positions = data_positions(data_states)
+    logging.warning(
+      'Step %d was saved by %d processes, this run has %d (data.reslice_on_resume): the training '
+      'data restarts from its first example, re-sliced over %d processes (data.num_epochs counts '
+      'again).',
+      step,
+      len(positions),
+      jax.process_count(),
+      jax.process_count(),
+    )
+    if jax.process_index() == 0:  # the run's count of truncated examples goes on
+      train_iter.num_truncated = sum(p['num_truncated'] for p in positions)
+  logging.info('Resumed from step %d', step)
+  return dataclasses.replace(state, **saved)
+
+
+def tool_setup(config, workdir: str | None) -> Setup:
+  """The Setup a tool (evaluate, export, generate) reads --workdir's run with: from its own
+  <workdir>/config.json when `config` (--config) is None, else from `config`, which must match
+  the run's model, LoRA and frozen base as a resume must (rundir.check_resumable)."""
+  return build(rundir.tool_config(config, workdir), training=False)
+
+
+def load_latest(setup: Setup, workdir: str | None, mesh) -> TrainState:
+  """The run's latest checkpoint (its initial state without a workdir), for tools; check the
+  config with tool_setup first."""
+  optimizer = optim.make_optimizer(setup.optim, setup.train.steps)
+  state = initial_state(setup, optimizer, mesh)
+  if workdir:
+    t = setup.train
+    ckpt = Checkpointer(
+      workdir, every=1, keep=t.keep_checkpoints, async_save=False, verify=t.verify_checkpoints
+    )
+    saved, _, _ = ckpt.restore(ckpt.latest_step(), state)
+    state = dataclasses.replace(state, **saved)
+    ckpt.close()
+  return state

@@ -1,0 +1,65 @@
+"""Every config key is declared once (a field of its section's dataclass): the base config, the
+dataclasses a run builds and the derived key lists cannot disagree."""
+
+import dataclasses
+
+import pytest
+
+from configs import base
+from moetrain import fields, rundir, sections
+from moetrain.model.config import PRESETS, ModelConfig
+from moetrain.setup import build
+
+
+def test_the_base_config_is_the_dataclass_defaults():
+  config = base.get_config()
+  assert set(config.keys()) == {'seed', *sections.SECTIONS}
+  for name, cls in sections.SECTIONS.items():
+    assert set(config[name].keys()) == set(fields.keys(cls)), name
+    for key, default in fields.defaults(cls).items():
+      assert config[name][key] == default, f'{name}.{key}'
+
+
+def test_a_run_of_the_base_config_builds_the_default_dataclasses():
+  setup = build(base.get_config(), num_devices=1, process_count=1)
+  assert setup.data == sections.SECTIONS['data']()
+  assert setup.optim == sections.SECTIONS['optim']()
+  assert setup.train == sections.SECTIONS['train']()
+  for key, default in fields.defaults(sections.SECTIONS['loss']).items():
+    assert getattr(setup.step, key) == default, f'loss.{key}'
+  derived = fields.with_role(ModelConfig, 'derived')
+  assert (
+    dataclasses.replace(setup.model, **{k: getattr(ModelConfig(), k) for k in derived})
+    == (PRESETS['tiny'])
+  )
+
+
+def test_the_key_lists_are_derived_from_the_declarations():
+  config = base.get_config()
+  assert set(rundir.engine_fields()) < set(config.model.keys())
+  assert set(rundir.stream_fields()) < set(config.data.keys())
+  paths = sections.path_fields()
+  assert ('data', 'path') in paths and ('init', 'hf_checkpoint') in paths
+  assert all(key in config[section] for section, key in paths)
+  # lora, rules and platform are set from other sections, not keys of `model`.
+  assert not {'lora', 'rules', 'platform'} & set(config.model.keys())
+
+
+def test_declared_checks_name_the_key():
+  with pytest.raises(ValueError, match=r'model\.hidden_size=0: must be positive'):
+    dataclasses.replace(ModelConfig(), hidden_size=0).validate()
+  with pytest.raises(ValueError, match=r"model\.remat='most' is unknown"):
+    dataclasses.replace(ModelConfig(), remat='most').validate()
+  with pytest.raises(ValueError, match=r'model\.loss_chunk=-1: must be >= 0 \(0 = no chunking\)'):
+    dataclasses.replace(ModelConfig(), loss_chunk=-1).validate()
+  with pytest.raises(ValueError, match='role='):
+    fields.field(0, role='shapes')
+
+
+def test_an_older_runs_config_json_gets_the_keys_it_lacks_at_their_defaults():
+  saved = {'seed': 3, 'model': {'hidden_size': 64}, 'model_from_checkpoint': {'x': 1}}
+  full = sections.with_defaults(saved)
+  assert full['seed'] == 3 and full['model']['hidden_size'] == 64
+  assert full['model']['num_layers'] == ModelConfig().num_layers
+  assert full['train'] == fields.defaults(sections.SECTIONS['train'])
+  assert full['model_from_checkpoint'] == {'x': 1}

@@ -6,16 +6,13 @@ of its files (integrity.MANIFEST), checked before it is restored.
 """
 
 import contextlib
-import functools
 import os
-import signal
-import sys
 
 import jax
 import orbax.checkpoint as ocp
 from absl import logging
 
-from moetrain import integrity, multihost, rundir
+from moetrain import integrity, multihost, rundir, runtime
 
 
 def _key(path) -> str:
@@ -62,14 +59,6 @@ def process_data_state(saved: dict, reslice: bool = False) -> dict | None:
     f'{jax.process_count()}: it then restarts from its first example (data.num_epochs counts '
     'again)'
   )
-
-
-def _unless_loop_closed(hook, unraisable) -> None:
-  """sys.unraisablehook that drops the RuntimeError('Event loop is closed') of a callback into a
-  finished asyncio loop and passes anything else to `hook`."""
-  e = unraisable.exc_value
-  if not (isinstance(e, RuntimeError) and str(e) == 'Event loop is closed'):
-    hook(unraisable)
 
 
 SET_ASIDE = 'checkpoints_set_aside'  # in the run directory: train.resume_step moves newer ones
@@ -122,51 +111,25 @@ class Checkpointer:
     self.async_save, self.verify = async_save, verify
     self._saving, self._verified = None, set()
     self._preempted = False
-    self._previous_handler = self._previous_int_handler = None
     self._positions = multihost.Exchange('data_positions')
     self._verdicts = multihost.Exchange('checkpoint_damage')
 
   def watch_preemption(self) -> None:
-    """From here on a SIGTERM (TPU preemption) makes the training loop save and stop. Only the
-    loop calls this: tools that merely restore must stay killable.
-
-    One process: a Python handler sets a flag. Several: JAX's preemption service (started by
-    jax.distributed.initialize) catches SIGTERM on any host and all hosts agree on the step to
-    stop at (`reached_preemption`). A Python handler there would replace the service's own, and
-    the host that caught the signal would stop alone while the others wait in its collectives.
-    The service picks the step after the highest one any host has reported, so report the step
-    a resumed run starts from now: a notice during its start-up then stops it at its first step
-    instead of at a step number it has passed. (`python -m moetrain.main` reported it already on
-    joining the job, runtime.initialize_distributed; this covers train.run called from Python.)
-    """
-    if jax.process_count() == 1:
-      try:
-        self._previous_handler = signal.signal(signal.SIGTERM, self._on_sigterm)
-        # Ctrl-C saves and stops like SIGTERM; a second Ctrl-C aborts (KeyboardInterrupt).
-        self._previous_int_handler = signal.signal(signal.SIGINT, self._on_sigint)
-      except ValueError:  # not on the main thread (e.g. under some notebook runners)
-        pass
+    """From here on a stop request makes the training loop save and stop (`preempted`). Only
+    the loop calls this. One process: SIGTERM or Ctrl-C, through the handlers the command's
+    entry point installed (runtime.handle_stop_signals). Several: JAX's preemption service
+    (started by jax.distributed.initialize) catches SIGTERM on any host and all hosts agree on
+    the step to stop at (`reached_preemption`). The service picks the step after the highest one
+    any host has reported, so report the step a resumed run starts from now: a notice during its
+    start-up then stops it at its first step instead of at a step number it has passed.
+    (`python -m moetrain.main` reported it already on joining the job,
+    runtime.initialize_distributed; this covers train.run called from Python.)"""
     if self.manager.reached_preemption(self.latest_step() or 0):
       self._preempted = True
 
-  def _on_sigint(self, signum, frame):
-    del signum, frame
-    print(
-      'Ctrl-C: saving a checkpoint at the next step, then exiting (Ctrl-C again aborts without '
-      'saving).',
-      flush=True,
-    )
-    signal.signal(signal.SIGINT, signal.default_int_handler)
-    self._preempted = True
-
-  def _on_sigterm(self, signum, frame):
-    del signum, frame
-    logging.warning('SIGTERM received: saving a checkpoint at the next step, then exiting.')
-    self._preempted = True
-
   def preempted(self, step: int) -> bool:
     """True at the step every process stops at; call it at every step on every process."""
-    return self._preempted or self.manager.reached_preemption(step)
+    return self._preempted or runtime.stop_requested() or self.manager.reached_preemption(step)
 
   def latest_step(self) -> int | None:
     return self.manager.latest_step()
@@ -283,21 +246,13 @@ class Checkpointer:
   def _naming_damage(self, step: int):
     """A checkpoint that cannot be read (a copy cut short, a filesystem whose renames are not
     atomic, or one saved without checksums) is named, with the way to resume from the one before
-    it: nothing is deleted here. A read that fails leaves Orbax's other reads in flight, whose
-    completions call back into its closed event loop: each an unraisable 'Event loop is closed'
-    traceback (hundreds when the array files are missing) that would bury the message. Those are
-    dropped."""
-    hook = sys.unraisablehook
-    sys.unraisablehook = functools.partial(_unless_loop_closed, hook)
+    it: nothing is deleted here. (The reads still in flight then call back into Orbax's closed
+    event loop: runtime.start_command drops those 'Event loop is closed' tracebacks.)"""
     try:
       yield
     except Exception as e:  # (Orbax raises a bare Exception for an array it cannot decode)
       what = f'cannot be read ({_innermost(e)})'
-      raise self._damaged(step, what) from e  # (the filter stays: the reads in flight finish later)
-    except BaseException:
-      sys.unraisablehook = hook
-      raise
-    sys.unraisablehook = hook
+      raise self._damaged(step, what) from e
 
   def restore(self, step: int, abstract_state):
     """Restores onto the shardings of `abstract_state` (any mesh); returns (saved, data, meta),
@@ -325,14 +280,3 @@ class Checkpointer:
   def close(self) -> None:
     self.manager.wait_until_finished()
     self.manager.close()
-    self.release_signal()
-
-  def release_signal(self) -> None:
-    """Gives SIGTERM back to the handler before watch_preemption (train.run() has returned or
-    failed: SIGTERM stops the caller again). Idempotent."""
-    if self._previous_handler is not None:
-      signal.signal(signal.SIGTERM, self._previous_handler)
-      self._previous_handler = None
-    if self._previous_int_handler is not None:
-      signal.signal(signal.SIGINT, self._previous_int_handler)
-      self._previous_int_handler = None

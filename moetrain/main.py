@@ -33,6 +33,7 @@ def main(argv):
   if _DRY_RUN.value:
     plan.dry_run(config)
     return
+  runtime.handle_stop_signals()  # SIGTERM and Ctrl-C: save at the next step and stop
   train.run(config, workdir)  # (user errors: one line, runtime.short_errors)
 
 

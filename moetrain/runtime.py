@@ -17,7 +17,9 @@ import functools
 import logging
 import os
 import platform
+import signal
 import sys
+import threading
 
 TUNABLE = 'glibc.malloc.hugetlb'
 THP_SETTING = '/sys/kernel/mm/transparent_hugepage/enabled'
@@ -175,11 +177,59 @@ def initialize_distributed(preemption: bool = True, resume_step: int | None = No
 
 
 def start_command(preemption: bool = True, resume_step: int | None = None) -> None:
-  """First thing in a command's main: huge-page malloc (re-executing once), quiet library logs,
-  then the multi-process job, if any (see initialize_distributed)."""
+  """First thing in a command's main: huge-page malloc (re-executing once), quiet library logs
+  and closed-loop noise, then the multi-process job, if any (see initialize_distributed)."""
   reexec_with_hugepages()
   quiet_library_logs()
+  sys.unraisablehook = functools.partial(_unless_loop_closed, sys.unraisablehook)
   initialize_distributed(preemption, resume_step)
+
+
+def _unless_loop_closed(hook, unraisable) -> None:
+  """sys.unraisablehook that drops the RuntimeError('Event loop is closed') of a callback into a
+  finished asyncio loop and passes anything else to `hook`. A checkpoint read that fails leaves
+  Orbax's other reads in flight, whose completions call back into its closed event loop:
+  hundreds of such tracebacks when the array files are missing, burying the error itself."""
+  e = unraisable.exc_value
+  if not (isinstance(e, RuntimeError) and str(e) == 'Event loop is closed'):
+    hook(unraisable)
+
+
+_STOP = threading.Event()
+
+
+def handle_stop_signals() -> None:
+  """For a training command's main: SIGTERM (a preemption notice) and a first Ctrl-C ask the
+  training loop to save at its next step and stop (`stop_requested`); a second Ctrl-C aborts.
+  One process only: on several, JAX's preemption service owns SIGTERM and agrees on the step.
+  Library code installs no handler: train.run called from a notebook stops as the notebook
+  stops it."""
+  import jax
+  from absl import logging as absl_logging
+
+  def on_sigterm(signum, frame):
+    del signum, frame
+    absl_logging.warning('SIGTERM received: saving a checkpoint at the next step, then exiting.')
+    _STOP.set()
+
+  def on_sigint(signum, frame):
+    del signum, frame
+    print(
+      'Ctrl-C: saving a checkpoint at the next step, then exiting (Ctrl-C again aborts without '
+      'saving).',
+      flush=True,
+    )
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    _STOP.set()
+
+  if jax.process_count() == 1:
+    signal.signal(signal.SIGTERM, on_sigterm)
+    signal.signal(signal.SIGINT, on_sigint)
+
+
+def stop_requested() -> bool:
+  """Whether a signal asked the training loop to save and stop (handle_stop_signals)."""
+  return _STOP.is_set()
 
 
 class UserError(Exception):

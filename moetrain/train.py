@@ -100,8 +100,6 @@ def _run(config, workdir: str, setup: Setup, mesh) -> dict:
     job.writer.close()
   except train_log.NonFiniteStreak as e:
     raise stopped(e, ckpt, job.writer) from None
-  finally:  # an error on the way must not leave the caller's process deaf to SIGTERM
-    ckpt.release_signal()
   if last.get('data_ended') and runtime.is_primary():  # saved and evaluated: a rerun has no work
     rundir.mark_data_ended(workdir, int(state.step), setup.data)
   return last

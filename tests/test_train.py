@@ -238,8 +238,8 @@ def test_a_damaged_checkpoint_is_named_from_the_main_entry_point(uninterrupted, 
 
 def test_a_checkpoint_without_checksums_that_cannot_be_read_is_named(uninterrupted, tmp_path):
   """train.verify_checkpoints=False (or a checkpoint from before checksums): a read that fails
-  names the checkpoint and the step to fall back to, and deletes nothing. A finished train.run()
-  gives SIGTERM back to the caller's handler."""
+  names the checkpoint and the step to fall back to, and deletes nothing. train.run() leaves the
+  caller's SIGTERM handler alone (only the entry point installs one)."""
   import signal
 
   workdir, _ = uninterrupted

@@ -132,8 +132,14 @@ def resolve_backend(cfg: ModelConfig, rows: int = 0) -> str:
   """The grouped-matmul backend for `rows` assignments (0 = unknown: a training batch)."""
   if cfg.moe_backend != 'auto':
     return cfg.moe_backend
+  if cfg.target_platform == 'tpu' and not cfg.lora.enabled:
+    # XLA's TPU compiler lowers ragged_dot's weight gradient as one dense matmul over every row
+    # per local expert (G times the FLOPs: 13x the model's for the flash pretraining step);
+    # megablox's tgmm computes each expert's from its own rows (bench/RESULTS.md).
+    return 'megablox'
   if cfg.target_platform != 'cpu':
-    # 'megablox' (the Pallas TPU kernel) is opt-in until it has been timed on a TPU.
+    # A LoRA base's expert weights take no gradient; megablox there is opt-in until it has been
+    # timed on a TPU.
     return 'ragged_dot'
   # bench/RESULTS.md: for the medium experts (512 x 256) and a training batch 'grouped' beats
   # 'gathered' and 'blocked'. One batched matmul ('gathered') wins where grouped's per-expert

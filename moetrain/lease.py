@@ -1,15 +1,5 @@
 """One run per directory: a lease file in the run directory, held by the training job.
-
-<run dir>/lease.json names its holder (host, pid, start time) and a heartbeat the holder renews
-every HEARTBEAT seconds. A second run finds it and stops with a message naming the holder. A
-lease is stale, and taken over, when its holder is a dead process on this host, or when its
-heartbeat is older than STALE seconds (a holder on another host of a shared filesystem that
-stopped renewing). Creating the file is atomic (O_EXCL), so of two runs starting together one
-wins; a takeover moves the stale file aside first (rename, atomic), so of two runs taking over
-one stale lease one wins too.
-
-In a job of several processes only process 0 takes the lease: the job is one run.
-"""
+(Design: docs/design.md, "moetrain/lease.py".)"""
 
 import datetime
 import json

@@ -1,17 +1,5 @@
 """Process settings for fast host (CPU) execution, applied by the command-line entry points.
-
-XLA:CPU allocates an executable's temporaries afresh on every call: several GB for a training
-step of the medium config. glibc serves blocks that large with new mmap'd memory, which the kernel
-then faults in one 4 KiB page at a time: measured at about a quarter of the step's CPU time (2.5 s
-of system time in a 5.5 s step on 2 cores; bench/RESULTS.md). glibc's `glibc.malloc.hugetlb=1`
-tunable makes malloc advise transparent huge pages for those blocks, so they fault in 2 MiB at a
-time. Tunables are read only when a process starts, so an entry point re-executes itself once with
-the tunable set. That happens before any JAX backend starts; MOETRAIN_NO_REEXEC=1 turns it off.
-
-`start_command` does what every command does first: that, quieter library logs, and joining the
-multi-process JAX job the command is one process of (--num_processes/--process_id/
---coordinator_address, or a cluster JAX detects itself).
-"""
+(Design: docs/design.md, "moetrain/runtime.py".)"""
 
 import functools
 import logging
@@ -115,7 +103,7 @@ def parse_flags(argv: list[str]) -> list[str]:
     key = next((k for k in keys if name in k.split('.')), f'--config.…{name}')
     hint = f' {hint.strip()}' if hint.strip() else ''
     raise SystemExit(
-      f'{key}: no such config key ({name!r} is not in its section).{hint} configs/base.py '
+      f'{key}: no such config key ({name!r} is not in its section).{hint} docs/config.md '
       'lists every key with its default'
     ) from None
 

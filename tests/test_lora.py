@@ -2,6 +2,7 @@
 
 import dataclasses
 
+import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -64,8 +65,7 @@ def test_gradients_reach_only_adapters():
   assert n_opt == 2 * n_adapters + 1  # mu, nu and the step count
   step = jit_train_step(StepConfig(model=cfg), opt, lambda s: 1e-2, donate=False)
   new, _ = step(state, batch())
-  for a, b in zip(jax.tree.leaves(new.frozen), jax.tree.leaves(state.frozen)):
-    np.testing.assert_array_equal(a, b)
+  chex.assert_trees_all_equal(new.frozen, state.frozen)
   changed = [
     not np.array_equal(a, b)
     for a, b in zip(jax.tree.leaves(new.params), jax.tree.leaves(state.params))

@@ -3,6 +3,7 @@
 import dataclasses
 import functools
 
+import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -122,8 +123,7 @@ def test_moe_matches_per_expert_loop(backend, shape):
     assert 'pallas_call' in str(jax.make_jaxpr(lambda st: _engine(nnx.merge(gd, st), x))(st))
   g_engine = loss_and_grads(moe, x, _engine)
   g_ref = loss_and_grads(moe, x, _reference)
-  for a, b in zip(jax.tree.leaves(g_engine), jax.tree.leaves(g_ref)):
-    np.testing.assert_allclose(a, b, atol=1e-5, rtol=1e-5)
+  chex.assert_trees_all_close(g_engine, g_ref, atol=1e-5, rtol=1e-5)
 
 
 def test_dropless_equals_capacity_when_capacity_suffices():
@@ -196,8 +196,7 @@ def test_expert_parallel_equals_single_device(mesh_shape, comm, backend):
     g = loss_and_grads(moe, xs, fn)
     hlo = jax.jit(lambda st, x: fn(nnx.merge(gd, st), x)).lower(st, xs).as_text()
   np.testing.assert_allclose(y, y_ref, atol=1e-5, rtol=1e-5)
-  for a, b in zip(jax.tree.leaves(g), jax.tree.leaves(g_ref)):
-    np.testing.assert_allclose(a, b, atol=1e-5, rtol=1e-5)
+  chex.assert_trees_all_close(g, g_ref, atol=1e-5, rtol=1e-5)
   # The ragged exchange's CPU emulation gathers every shard's rows.
   assert ('all_to_all' if comm == 'fixed' else 'all_gather') in hlo
 

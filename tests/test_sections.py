@@ -63,3 +63,12 @@ def test_an_older_runs_config_json_gets_the_keys_it_lacks_at_their_defaults():
   assert full['model']['num_layers'] == ModelConfig().num_layers
   assert full['train'] == fields.defaults(sections.SECTIONS['train'])
   assert full['model_from_checkpoint'] == {'x': 1}
+
+
+def test_the_config_reference_is_current():
+  """docs/config.md is generated from the declarations: regenerate it with
+  `python -m moetrain.sections > docs/config.md` after changing a key."""
+  import pathlib
+
+  path = pathlib.Path(__file__).parent.parent / 'docs' / 'config.md'
+  assert path.read_text() == sections.reference()

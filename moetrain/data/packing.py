@@ -1,17 +1,5 @@
 """Tokenises examples into tokens + loss targets and packs them into fixed-length training rows.
-
-A packed row holds seq_len + 1 tokens from one or more examples and is split into
-  inputs [T], targets [T] (inputs shifted by one), segment_ids [T] (1, 2, ... per example, 0 on
-  padding), positions [T] (restarting at 0 per example) and loss_mask [T] float32,
-where T = seq_len. loss_mask is 0 on padding, on prompt tokens (unless loss_on_prompt) and on an
-example's last token, whose target would be the next example's first token.
-
-Packing is grain's FirstFitPackIterDataset rather than our own loop: it is greedy first-fit over a
-window of `num_bins` rows, and it is checkpointable in a way that resumes exactly. Its state is the
-upstream iterator position at the start of the current window plus the number of rows already
-emitted from it; restoring re-reads and re-packs that window, which is deterministic, and skips
-the emitted rows. So a restored pipeline yields exactly the rows the original would have.
-"""
+(Design: docs/design.md, "moetrain/data/packing.py".)"""
 
 from __future__ import annotations
 

@@ -31,12 +31,12 @@ class DataConfig:
   """The `config.data` section. Splits: for jsonl/text, '{split}' in `path` is replaced by the
   split name (e.g. 'data/{split}.jsonl'); eval_split='' means there is no eval set."""
 
-  source: str = stream('demo', choices=SOURCES)
+  source: str = stream('demo', choices=SOURCES)  # where the examples come from
   # jsonl/text file or glob; '{split}' is replaced by the split name.
   path: str = stream('', role=('stream', 'path'))
   tfds_name: str = stream('')  # tfds dataset name (prepared locally; read via tfds.data_source)
   tfds_data_dir: str = field('', role='path')  # tfds data_dir
-  train_split: str = stream('train')
+  train_split: str = stream('train')  # the split trained on
   eval_split: str = 'eval'  # '' = no evaluation
   text_key: str = stream('text')  # field holding plain text
   prompt_key: str = stream('prompt')  # field holding a prompt (loss off unless loss_on_prompt)
@@ -45,7 +45,7 @@ class DataConfig:
   # A sentencepiece .model, a tokenizer.json or a directory with one; '' = a sentencepiece model
   # trained into the run directory on first use (of vocab_size pieces).
   tokenizer: str = stream('', role=('stream', 'path'))
-  vocab_size: int = 512
+  vocab_size: int = 512  # pieces of a sentencepiece model trained on first use
   seq_len: int = stream(128)  # tokens per packed row
   global_batch_size: int = stream(16)  # rows per step over all hosts
   eval_batch_size: int = 16  # rows per eval batch over all hosts

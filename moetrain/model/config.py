@@ -92,7 +92,7 @@ class ModelConfig:
   # (older GPUs) with a dynamic loss scale, logged as loss_scale.
   dtype: str = engine('bfloat16', choices=('bfloat16', 'float32', 'float16'))
   param_dtype: str = engine('float32', choices=('bfloat16', 'float32'))  # storage of parameters
-  remat: str = engine('full', choices=REMAT_POLICIES)
+  remat: str = engine('full', choices=REMAT_POLICIES)  # what the backward pass recomputes
   # Layers as one lax.scan (compile time independent of depth) or unrolled: the scan stacks every
   # layer's saved activations into [L, ...] buffers and slices them back in the backward pass,
   # copies an unrolled stack does not make (~5% of a 4-layer CPU step; bench/RESULTS.md).
@@ -107,9 +107,10 @@ class ModelConfig:
   # Sequence positions per block of the training/eval loss: the lm head and its cross entropy run
   # block by block, so only [B, loss_chunk, V] logits exist at a time; 0 = one block.
   loss_chunk: int = engine(256, check='non_negative', zero='0 = no chunking')
-  moe_dispatch: str = engine('dropless', choices=MOE_DISPATCH)
+  moe_dispatch: str = engine('dropless', choices=MOE_DISPATCH)  # or per-expert buffers
   # Capacity dispatch: each expert's buffer holds factor * K_e / E of the tokens.
   moe_capacity_factor: float = engine(1.25, check='positive')
+  # The experts' grouped matmul; 'auto' picks per platform (model/dispatch.py resolve_backend).
   moe_backend: str = engine('auto', choices=MOE_BACKENDS)
   # CPU backends' row tile; 0 = auto (grouped: chosen per batch).
   moe_block_size: int = engine(0, check='non_negative', zero='0 = chosen per batch')

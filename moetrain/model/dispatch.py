@@ -1,12 +1,7 @@
 """Dispatch of routed assignments to experts: dropless and capacity strategies, the grouped-matmul
 backends (ragged_dot on GPU, the Pallas megablox kernel on TPU, grouped.py's loop on CPU, a dense
 reference). Expert parallelism over the 'expert' mesh axis is in expert_parallel.py.
-
-Every path has the same shape: sort assignments by expert, choose a *layout* (which buffer slot
-each assignment occupies), gather tokens into the buffer, run the expert SwiGLU on the buffer,
-gather results back to assignments, and sum them with their gates. Index movement is done with
-gathers in both passes (custom VJPs): XLA:CPU runs scatters serially, which dominated the step.
-"""
+(Design: docs/design.md, "moetrain/model/dispatch.py".)"""
 
 import math
 from typing import NamedTuple
@@ -24,7 +19,7 @@ def _take(x, idx):
   # The barrier was meant to keep XLA from fusing the index arithmetic into the gather (session
   # 2). With jax 0.10.2 XLA:CPU drops it before fusion: the compiled layer holds no barrier and
   # the arithmetic sits in the gather's fusion. Gathers rebuilt on clean indices measured the
-  # same (bench/RESULTS.md, session 5), so it stays as a harmless hint.
+  # same (bench/RESULTS.md), so it stays as a harmless hint.
   idx = jax.lax.optimization_barrier(idx)
   return jnp.take(x, idx, axis=0, mode='fill', fill_value=0)
 
@@ -52,7 +47,7 @@ def dispatch_tokens(x_MD, asg_P, slot_R):
 def _dispatch_bwd(res, g_PD):
   slot_R, m = res
   # Gather, then sum the A slots of each token. The barrier was meant to keep XLA:CPU from
-  # fusing the gather into the reduction (~8x slower, session 2); see _take on barriers today.
+  # fusing the gather into the reduction (~8x slower, bench/RESULTS.md); see _take on barriers today.
   g_RD = jax.lax.optimization_barrier(_take(g_PD, slot_R))
   return g_RD.reshape(m, -1, g_PD.shape[-1]).sum(1), None, None
 

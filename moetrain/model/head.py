@@ -1,13 +1,5 @@
 """Cross entropy of the lm head, fused and chunked along the sequence.
-
-The [B, T, V] float32 logits are the largest activation of a training step (LongCat's vocabulary
-of 131072 over 8192 tokens is 4 GiB per sequence, plus as much again for their gradient). Here
-the head runs on blocks of `chunk` positions: each block's logits give its NLL, its correct
-count and, when differentiating, straight away the gradient of the NLL with respect to the
-block's hidden states and the head's trained weights (softmax minus one-hot, pulled back through
-the head). Only [B, chunk, V] logits exist at a time, and the backward pass is a scale of what
-the forward left behind: no logits are stored for it and none are recomputed.
-"""
+(Design: docs/design.md, "moetrain/model/head.py".)"""
 
 import functools
 

@@ -85,7 +85,7 @@ def lora_product(x_MK, a_KR, b_RN):
 
   Autodiff forms dA = x^T dh and dB = h^T g, which contract the token rows of both operands.
   XLA:CPU runs that form in its generic dot, and for these thin shapes (rank 16) at 8-15
-  GFLOP/s: 8% of the single-core LoRA step went there (bench/RESULTS.md, session 7). Here the
+  GFLOP/s: 8% of the single-core LoRA step went there (bench/RESULTS.md). Here the
   thin [M, R] factors are transposed first (cheap: R rows) and the gradients formed as
   dA^T = dh^T x and dB = h^T g, ordinary products that run on the fast matmul path."""
   return (x_MK @ a_KR) @ b_RN

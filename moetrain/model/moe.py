@@ -1,15 +1,5 @@
 """LongCat MoE: float32 router with correction bias, zero-computation experts, routed experts.
-
-Algorithm, per token x (M tokens, X = E routed + Z zero experts, top-A):
-  1. p = softmax(x @ W_router) over all X experts, in float32.
-  2. idx = top_A(p + bias): the bias steers selection only (it is updated outside the optimizer).
-  3. gate = p[idx] * routed_scaling_factor, no renormalisation.
-  4. zero experts (idx >= E) contribute gate * x directly and never enter dispatch.
-  5. routed assignments are sorted by expert, run through the expert SwiGLU (plus per-expert LoRA)
-     by a grouped matmul, unsorted and summed with their gates.
-Dispatch strategies and grouped-matmul backends live in moetrain/model/dispatch.py (the CPU
-default engine in grouped.py), expert parallelism in moetrain/model/expert_parallel.py.
-"""
+(Design: docs/design.md, "moetrain/model/moe.py".)"""
 
 import jax
 import jax.numpy as jnp

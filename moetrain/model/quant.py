@@ -1,11 +1,5 @@
 """Storage of frozen base weights: plain float parameters, or int8 / int4 for QLoRA.
-
-A kernel is viewed as [batch..., in..., out...] (batch = the expert axis of stacked experts).
-int8 keeps the kernel's shape with one float32 scale per output channel (max |w| over the
-input dims / 127). int4 groups `quant_group_size` rows of the first input dim, one scale per
-group and output channel (max |w| / 7), and packs two 4-bit values per uint8, so a weight costs
-0.5 byte plus its share of the scale. Dequantisation happens inside the consuming matmul.
-"""
+(Design: docs/design.md, "moetrain/model/quant.py".)"""
 
 import dataclasses
 

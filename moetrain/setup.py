@@ -77,7 +77,7 @@ def build(
   process_count = process_count or jax.process_count()
   mesh_shape = sharding.resolve_mesh_shape(config.mesh.shape, num_devices)
   model = model_config(config)  # (checks mesh.rules)
-  model = dataclasses.replace(model, platform=platform or jax.default_backend())
+  model = model.laid_out(platform or jax.default_backend(), mesh_shape)
   sharding.check_axes_used(mesh_shape, config.mesh.rules)
   model.validate()
   data = pipeline.DataConfig(**config.data.to_dict())

@@ -26,9 +26,9 @@ class TrainLog:
   @classmethod
   def create(cls, setup, meter, writer, mesh) -> 'TrainLog':
     """The records of a run of `setup` (log_train), with routing stats per expert shard of `mesh`."""
-    # As expert_parallel.expert_shards: without model.moe_expert_parallel the experts are not
-    # split by shard (nor are the balance-loss groups), so there is no shard imbalance to show.
-    expert_shards = dict(mesh.shape)['expert'] if setup.model.moe_expert_parallel else 1
+    # Without model.moe_expert_parallel the experts are not split by shard (nor are the
+    # balance-loss groups), so there is no shard imbalance to show.
+    expert_shards = setup.model.expert_shards
     report = functools.partial(
       log_train,
       cfg=setup.model,

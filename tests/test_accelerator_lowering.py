@@ -21,6 +21,8 @@ RAGGED_A2A = jax.export.DisabledSafetyCheck.custom_call('ragged_all_to_all')
 
 
 def _export_moe_grad(cfg, platform, mesh_shape=None):
+  if mesh_shape is not None:
+    cfg = cfg.laid_out(cfg.platform, mesh_shape)
   moe = MoE(cfg, 'layers.moe', nnx.Rngs(0))
   gd, st = nnx.split(moe)
   x = jax.ShapeDtypeStruct((8, 64, cfg.hidden_size), jnp.bfloat16)
@@ -75,9 +77,9 @@ def test_sharded_train_step_lowers(platform, backend):
   jitted with the state and batch shardings the training loop uses on a (1,2,4,1) mesh."""
   target = {'cuda': 'gpu'}.get(platform, platform)
   cfg = dataclasses.replace(CFG, moe_backend=backend, platform=target, **EP)
-  cfg = with_lora(cfg, rank=8, targets=ALL_TARGETS)
-  opt = optax.adamw(1e-4)
   mesh = sharding.make_mesh((1, 2, 4, 1))
+  cfg = with_lora(cfg, rank=8, targets=ALL_TARGETS).laid_out(target, mesh)
+  opt = optax.adamw(1e-4)
   with jax.set_mesh(mesh):
     abstract = jax.eval_shape(lambda: init_state(cfg, opt, 0))
     shardings = state_shardings(abstract, mesh, cfg.rules)

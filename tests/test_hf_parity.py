@@ -152,7 +152,7 @@ def test_float32_logits_loss_routing_grads(name, with_topk):
 def test_sharded_mesh_logits(name):
   path, ref = fixture(name), reference(name)
   mesh = sharding.make_mesh((1, 2, 2, 2))
-  cfg = f32_config(path, rules=sharding.Rules.preset('fsdp_ep_tp'))
+  cfg = f32_config(path, rules=sharding.Rules.preset('fsdp_ep_tp')).laid_out('cpu', mesh)
   loaded = hf.load_params(path, cfg, mesh=mesh)
   spec = loaded.params['layers']['moe']['experts']['gate'].get_value().sharding.spec
   assert spec[1] == 'expert', spec  # placed by the rules, not replicated

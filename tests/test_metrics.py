@@ -237,6 +237,7 @@ def test_train_log_splits_loads_by_shard_only_under_expert_parallelism():
   mesh = sharding.make_mesh((1, 1, 2, 1), jax.devices()[:2])
   for parallel, shards in ((True, 2), (False, 1)):
     model = dataclasses.replace(PRESETS['tiny'], moe_expert_parallel=parallel)
+    model = model.laid_out('cpu', mesh)
     setup = types.SimpleNamespace(
       model=model,
       data=types.SimpleNamespace(seq_len=8),

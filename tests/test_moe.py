@@ -188,6 +188,7 @@ def test_expert_parallel_equals_single_device(mesh_shape, comm, backend):
   y_ref = jit_call(fn, moe, x)
   g_ref = loss_and_grads(moe, x, fn)
   mesh = sharding.make_mesh(mesh_shape)
+  moe = with_cfg(moe, cfg.laid_out('cpu', mesh))  # the engine laid out for the mesh
   with jax.set_mesh(mesh):
     gd, st = nnx.split(moe)
     spec = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(('data', 'fsdp', 'expert')))
@@ -263,7 +264,8 @@ def route_on_ep_mesh(cfg, seed: int, m: int = 64):
   with jax.set_mesh(mesh):
     spec = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(('fsdp', 'expert')))
     args = [jax.device_put(a, spec) for a in (x, idx, gates)]
-    y, dropped = jax.jit(lambda *a: expert_parallel.routed_experts(*a, w, cfg))(*args)
+    laid_out = cfg.laid_out('cpu', mesh)
+    y, dropped = jax.jit(lambda *a: expert_parallel.routed_experts(*a, w, laid_out))(*args)
   return x, idx, gates, w, y, dropped
 
 
@@ -410,7 +412,7 @@ def test_balance_groups_default_to_the_expert_shards():
   mesh = sharding.make_mesh((1, 2, 4, 1))
   with jax.set_mesh(mesh):
     spec = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(('data', 'fsdp', 'expert')))
-    auto = jit_call(loss, moe, jax.device_put(x, spec))
+    auto = jit_call(loss, with_cfg(moe, cfg.laid_out('cpu', mesh)), jax.device_put(x, spec))
   np.testing.assert_allclose(auto, explicit[4], rtol=1e-5)
 
 

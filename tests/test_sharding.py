@@ -38,8 +38,8 @@ def batch(b=8, t=16, vocab=64):
 
 
 def loss_on(mesh_shape, devices=None, preset='fsdp_ep_tp'):
-  cfg = dataclasses.replace(CFG, rules=sharding.Rules.preset(preset))
   mesh = sharding.make_mesh(mesh_shape, devices)
+  cfg = dataclasses.replace(CFG, rules=sharding.Rules.preset(preset)).laid_out('cpu', mesh)
   opt = optax.adamw(1e-3)
   with jax.set_mesh(mesh):
     state = create_sharded(cfg, opt, 0, mesh, cfg.rules)

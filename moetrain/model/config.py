@@ -5,7 +5,7 @@ import functools
 import re
 
 from moetrain.fields import check, field
-from moetrain.sharding import Rules
+from moetrain.sharding import MESH_AXES, Rules
 
 REMAT_POLICIES = ('none', 'full', 'save_dots', 'save_moe', 'offload')
 MOE_DISPATCH = ('dropless', 'capacity')
@@ -134,17 +134,29 @@ class ModelConfig:
   # Derived: set from the `lora` and `mesh` sections and the compile target.
   lora: LoraConfig = field(LoraConfig(), role='derived')
   rules: Rules = field(Rules(), role='derived')  # logical-axis rules (mesh.rules)
-  # The platform the MoE engine is chosen for ('cpu', 'gpu', 'tpu'): set by setup.build from the
-  # compile target (the planner compiles for a TPU on any host); '' = the backend this runs on.
-  platform: str = field('', role='derived')
+  # The MoE engine is chosen once, from these two, by setup.build: the platform the step is
+  # compiled for ('cpu', 'gpu', 'tpu'; the planner compiles for a TPU on any host) and the
+  # sizes of the mesh axes (data, fsdp, expert, tensor) it runs on; () = one device.
+  platform: str = field('cpu', role='derived')
+  mesh_shape: tuple = field((), role='derived')
 
   @property
   def target_platform(self) -> str:
-    if self.platform:
-      return self.platform
-    import jax
+    return self.platform
 
-    return jax.default_backend()
+  @property
+  def expert_shards(self) -> int:
+    """How many shards the routed experts are split over: the 'expert' mesh axis when
+    model.moe_expert_parallel is set, else 1."""
+    if not self.moe_expert_parallel or not self.mesh_shape:
+      return 1
+    return dict(zip(MESH_AXES, self.mesh_shape))['expert']
+
+  def laid_out(self, platform: str, mesh_shape) -> 'ModelConfig':
+    """This config with the engine's platform and mesh (mesh_shape: sizes, or a Mesh)."""
+    if hasattr(mesh_shape, 'axis_sizes'):
+      mesh_shape = mesh_shape.axis_sizes
+    return dataclasses.replace(self, platform=platform, mesh_shape=tuple(mesh_shape))
 
   @property
   def qk_head_dim(self) -> int:

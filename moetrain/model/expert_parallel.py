@@ -15,23 +15,14 @@ import jax.numpy as jnp
 from moetrain.model import dispatch
 from moetrain.model.config import ModelConfig
 from moetrain.model.layers import dtype_of
-
-
-def expert_shards(cfg: ModelConfig) -> int:
-  """How many shards the routed experts are split over: the 'expert' axis of the current mesh
-  when model.moe_expert_parallel is set, else 1."""
-  mesh = jax.sharding.get_abstract_mesh()
-  if not cfg.moe_expert_parallel or mesh.empty:
-    return 1
-  return dict(mesh.shape).get('expert', 1)
+from moetrain.sharding import MESH_AXES
 
 
 def routed_experts(x_MD, idx_MA, gates_MA, weights, cfg: ModelConfig, rng=None):
   """dispatch.routed_experts, expert-parallel (see expert_parallel) when the routed experts are
-  split over more than one shard (expert_shards)."""
-  if expert_shards(cfg) > 1:
-    mesh = jax.sharding.get_abstract_mesh()
-    return expert_parallel(x_MD, idx_MA, gates_MA, weights, cfg, rng, mesh)
+  split over more than one shard (cfg.expert_shards, from the mesh setup.build laid it out for)."""
+  if cfg.expert_shards > 1:
+    return expert_parallel(x_MD, idx_MA, gates_MA, weights, cfg, rng)
   return dispatch.routed_experts(x_MD, idx_MA, gates_MA, weights, cfg, rng)
 
 
@@ -41,8 +32,8 @@ def resolve_ep_comm(cfg: ModelConfig) -> str:
   return 'fixed' if cfg.target_platform == 'cpu' else 'ragged'
 
 
-def expert_parallel(x_MD, idx_MA, gates_MA, weights, cfg: ModelConfig, rng, mesh):
-  """shard_map over the mesh: tokens stay sharded over the batch axes, experts over 'expert'.
+def expert_parallel(x_MD, idx_MA, gates_MA, weights, cfg: ModelConfig, rng):
+  """shard_map over the mesh of cfg.mesh_shape (the one in context, jax.set_mesh): tokens stay sharded over the batch axes, experts over 'expert'.
   Two token exchanges (model.moe_ep_comm):
     fixed:  each shard packs its assignments into [ep, cap, D] send buffers by destination shard
             and all_to_all's them (fixed sizes, so it runs everywhere, XLA:CPU included); the
@@ -55,7 +46,7 @@ def expert_parallel(x_MD, idx_MA, gates_MA, weights, cfg: ModelConfig, rng, mesh
   the exchange's shards in token order (exactly one device's capacity dispatch of those tokens);
   fixed keeps each expert's first c of every shard's own assignments (GShard's groups; c from
   one shard's tokens), so a skewed shard can drop rows one device would have kept."""
-  sizes = dict(mesh.shape)
+  sizes = dict(zip(MESH_AXES, cfg.mesh_shape))
   batch = tuple(a for a in ('data', 'fsdp', 'expert') if sizes.get(a, 1) > 1)
   tok = jax.sharding.PartitionSpec(batch)
   w_specs = jax.tree.map(lambda _: jax.sharding.PartitionSpec('expert'), weights)
@@ -72,7 +63,6 @@ def expert_parallel(x_MD, idx_MA, gates_MA, weights, cfg: ModelConfig, rng, mesh
 
   fn = jax.shard_map(
     local,
-    mesh=mesh,
     in_specs=(tok, tok, tok, w_specs, jax.sharding.PartitionSpec()),
     out_specs=(tok, tok),
     check_vma=False,

@@ -141,7 +141,7 @@ def balance_loss(frac_X, mean_p_X, cfg: ModelConfig):
   experts as one more group; sum_j F_j * P_j / tau_j, where tau_j is the group's target share of
   assignments (K_e/K split over the FFN groups, (K-K_e)/K for the zero group). Equals 1 at target."""
   e, z = cfg.n_routed_experts, cfg.zero_expert_num
-  k, groups = cfg.moe_topk, cfg.moe_balance_groups or expert_parallel.expert_shards(cfg)
+  k, groups = cfg.moe_topk, cfg.moe_balance_groups or cfg.expert_shards
   k_e = cfg.expected_ffn_experts if z else k
   f_G = jnp.sum(frac_X[:e].reshape(groups, e // groups), axis=-1)
   p_G = jnp.sum(mean_p_X[:e].reshape(groups, e // groups), axis=-1)

@@ -169,8 +169,13 @@ def start_command(preemption: bool = True, resume_step: int | None = None) -> No
   and closed-loop noise, then the multi-process job, if any (see initialize_distributed)."""
   reexec_with_hugepages()
   quiet_library_logs()
-  sys.unraisablehook = functools.partial(_unless_loop_closed, sys.unraisablehook)
+  quiet_closed_loop_errors()
   initialize_distributed(preemption, resume_step)
+
+
+def quiet_closed_loop_errors() -> None:
+  """From here on, unraisable 'Event loop is closed' errors are dropped (_unless_loop_closed)."""
+  sys.unraisablehook = functools.partial(_unless_loop_closed, sys.unraisablehook)
 
 
 def _unless_loop_closed(hook, unraisable) -> None:

@@ -185,6 +185,20 @@ def test_a_mesh_whose_axes_split_the_torus_sides():
   assert sorted(d.id for d in mesh.devices.flat) == sorted(d.id for d in devices)
 
 
+def test_auto_picks_megablox_where_tpu_expert_weights_train():
+  from moetrain.model import dispatch
+  from moetrain.model.config import LoraConfig, ModelConfig
+
+  tpu = ModelConfig(platform='tpu')
+  assert dispatch.resolve_backend(tpu) == 'megablox'
+  assert dispatch.resolve_backend(ModelConfig(platform='tpu', lora=LoraConfig(rank=4))) == (
+    'ragged_dot'
+  )
+  assert dispatch.resolve_backend(ModelConfig(platform='gpu')) == 'ragged_dot'
+  assert dispatch.resolve_backend(ModelConfig(platform='cpu')) in ('grouped', 'gathered')
+
+
+@pytest.mark.slow
 def test_full_training_on_tpu_uses_megablox_for_the_expert_weight_gradients():
   """XLA's TPU compiler lowers ragged_dot's weight gradient as a dense matmul over every row for
   each local expert; full training ('auto') therefore picks megablox on TPU, whose compiled

@@ -24,8 +24,6 @@ def field(default, *, role=(), check: str = '', zero: str = '', choices=()):
   if check and check not in CHECKS:
     raise ValueError(f'check={check!r}: use one of {CHECKS}')
   meta = {'roles': roles, 'check': check, 'zero': zero, 'choices': tuple(choices)}
-  if isinstance(default, (list, dict, set)) or dataclasses.is_dataclass(default):
-    return dataclasses.field(default_factory=lambda: default, metadata=meta)
   return dataclasses.field(default=default, metadata=meta)
 
 

@@ -92,12 +92,9 @@ SEED = 0
 def default_config() -> config_dict.ConfigDict:
   """Every key with its default (configs/base.py)."""
   c = config_dict.ConfigDict({'seed': SEED})
-  for name, cls in SECTIONS.items():
-    section = fields.defaults(cls)
-    for f in dataclasses.fields(cls):  # a None default must still take its type later
-      if section.get(f.name, 0) is None:
-        section[f.name] = config_dict.placeholder(int)
-    c[name] = section
+  for name, cls in SECTIONS.items():  # (a None default must take an int later: num_epochs)
+    defaults = fields.defaults(cls).items()
+    c[name] = {k: config_dict.placeholder(int) if v is None else v for k, v in defaults}
   return c
 
 

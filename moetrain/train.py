@@ -34,11 +34,7 @@ class Job:
   eval_batches: list
   ckpt: Checkpointer
   writer: metrics_lib.Writer
-  mesh: jax.sharding.Mesh
-
-  @property
-  def batch_sharding(self):
-    return sharding.batch_sharding(self.mesh)
+  batch_sharding: jax.sharding.NamedSharding  # of the batches' rows over the mesh
 
 
 @dataclasses.dataclass(frozen=True)
@@ -134,7 +130,8 @@ def start(config, workdir: str, setup: Setup, mesh, ckpt: Checkpointer) -> tuple
   )
   writer = metrics_lib.Writer(workdir, resume_step=ckpt.latest_step())
   writer.save_config(rundir.config_json(config, setup))
-  sharding.check_hosts_own_rows(sharding.batch_sharding(mesh), setup.data.global_batch_size)
+  batch_sharding = sharding.batch_sharding(mesh)
+  sharding.check_hosts_own_rows(batch_sharding, setup.data.global_batch_size)
   abstract, shardings = aot.abstract_state(setup, mesh)
   jitted = aot.train_step_fn(setup, mesh, shardings)
   # The loop runs this executable (no second compile).
@@ -142,7 +139,7 @@ def start(config, workdir: str, setup: Setup, mesh, ckpt: Checkpointer) -> tuple
   optimizer = optim.make_optimizer(setup.optim, t.steps)
   state = restore_or_init(setup, ckpt, optimizer, mesh, train_iter)
   eval_fn = aot.eval_step_fn(setup)
-  job = Job(setup, step_fn, eval_fn, train_iter, eval_batches, ckpt, writer, mesh)
+  job = Job(setup, step_fn, eval_fn, train_iter, eval_batches, ckpt, writer, batch_sharding)
   return job, state
 
 
@@ -189,7 +186,7 @@ def loop(job: Job, state: TrainState) -> tuple[TrainState, dict]:
   t = job.setup.train
   start_step = int(state.step)
   meter = metrics_lib.Throughput(start_step, t.steps)
-  log = train_log.TrainLog.create(job.setup, meter, job.writer, job.mesh)
+  log = train_log.TrainLog.create(job.setup, meter, job.writer)
   evals = Evals(job, meter)
   if start_step == 0 and job.eval_batches:  # the baseline that fine-tuning is measured against
     evals(state, 0, recurring=False)

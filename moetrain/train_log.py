@@ -24,8 +24,8 @@ class TrainLog:
     self.pending, self.last = None, {}
 
   @classmethod
-  def create(cls, setup, meter, writer, mesh) -> 'TrainLog':
-    """The records of a run of `setup` (log_train), with routing stats per expert shard of `mesh`."""
+  def create(cls, setup, meter, writer) -> 'TrainLog':
+    """The records of a run of `setup` (log_train), with routing stats per expert shard."""
     # Without model.moe_expert_parallel the experts are not split by shard (nor are the
     # balance-loss groups), so there is no shard imbalance to show.
     expert_shards = setup.model.expert_shards

@@ -2,12 +2,30 @@
 
 import dataclasses
 import functools
+import os
+import subprocess
+import sys
 
 import jax
 from flax import nnx
 
 from moetrain.model.config import LoraConfig, ModelConfig
 from moetrain.model.transformer import Transformer
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def run_command(module: str, *args: str, **env: str) -> subprocess.CompletedProcess:
+  """`python -m module args` from the repository root, as a user runs it (no huge-page
+  re-execution); `env` adds environment variables."""
+  return subprocess.run(
+    [sys.executable, '-m', module, *args],
+    cwd=ROOT,
+    capture_output=True,
+    text=True,
+    env={**os.environ, 'MOETRAIN_NO_REEXEC': '1', 'PYTHONPATH': ROOT, **env},
+  )
+
 
 TINY = ModelConfig(
   dtype='float32',

@@ -13,7 +13,15 @@ from flax import nnx
 from moetrain.model import decode
 from moetrain.model.transformer import Transformer
 from moetrain.tools.generate import generate, sample_top_p
-from tests.helpers import forward, model_and_ids, nonzero_bias, randomize, tiny, with_lora
+from tests.helpers import (
+  forward,
+  model_and_ids,
+  nonzero_bias,
+  randomize,
+  run_command,
+  tiny,
+  with_lora,
+)
 
 FIXTURE = os.path.join(os.path.dirname(__file__), 'fixtures', 'longcat_two_layer')
 
@@ -188,16 +196,6 @@ def test_prefill_attends_in_causal_blocks():
 def test_hf_checkpoint_with_a_run_is_refused_as_both():
   """--hf_checkpoint together with --workdir/--config: the error says not both (it read as if
   neither had been given)."""
-  import subprocess
-  import sys
-
-  root = os.path.join(os.path.dirname(__file__), '..')
-  out = subprocess.run(
-    [sys.executable, '-m', 'moetrain.tools.generate', '--hf_checkpoint=ckpt', '--workdir=run'],
-    cwd=root,
-    capture_output=True,
-    text=True,
-    env={**os.environ, 'MOETRAIN_NO_REEXEC': '1', 'PYTHONPATH': root},
-  )
+  out = run_command('moetrain.tools.generate', '--hf_checkpoint=ckpt', '--workdir=run')
   assert out.returncode != 0
   assert 'not both' in out.stderr, out.stderr

@@ -243,7 +243,7 @@ def test_train_log_splits_loads_by_shard_only_under_expert_parallelism():
       data=types.SimpleNamespace(seq_len=8),
       train=types.SimpleNamespace(max_nonfinite_steps=20),
     )
-    log = train_log.TrainLog.create(setup, meter=None, writer=None, mesh=mesh)
+    log = train_log.TrainLog.create(setup, meter=None, writer=None)
     assert log.report.keywords['expert_shards'] == shards
 
 

@@ -7,6 +7,7 @@ import sys
 import pytest
 
 from moetrain import rundir, runtime
+from tests.helpers import run_command
 
 
 @pytest.fixture
@@ -74,12 +75,7 @@ def test_object_store_workdirs_are_refused_by_name(tmp_path):
 
 def test_process_flags_without_num_processes_are_refused():
   """--process_id alone would run a separate one-process job writing the same run directory."""
-  out = subprocess.run(
-    [sys.executable, '-m', 'moetrain.tools.evaluate', '--workdir=/nonexistent', '--process_id=1'],
-    capture_output=True,
-    text=True,
-    env={**os.environ, 'MOETRAIN_NO_REEXEC': '1'},
-  )
+  out = run_command('moetrain.tools.evaluate', '--workdir=/nonexistent', '--process_id=1')
   assert out.returncode != 0
   assert '--process_id and --coordinator_address need --num_processes' in out.stderr
 
@@ -87,21 +83,14 @@ def test_process_flags_without_num_processes_are_refused():
 def test_an_unknown_config_key_is_named():
   """`--config.model.nonexistent=3` stops with the key's name, not a traceback from inside
   ml_collections (the flags are parsed before anything heavy is imported)."""
-  root = os.path.join(os.path.dirname(__file__), '..')
   cases = (
     ('model.nonexistent', 'nonexistent'),
     ('nosection.steps', 'nosection'),
     ('lora.rnak', 'rnak'),
   )
   for bad, name in cases:
-    cmd = [sys.executable, '-m', 'moetrain.main', '--config=configs/longcat_lora.py']
-    out = subprocess.run(
-      [*cmd, f'--config.{bad}=3', '--dry_run'],
-      cwd=root,
-      capture_output=True,
-      text=True,
-      env={**os.environ, 'MOETRAIN_NO_REEXEC': '1', 'PYTHONPATH': root},
-    )
+    config = '--config=configs/longcat_lora.py'
+    out = run_command('moetrain.main', config, f'--config.{bad}=3', '--dry_run')
     assert out.returncode != 0
     assert f"--config.{bad}: no such config key ('{name}'" in out.stderr
     assert 'Traceback' not in out.stderr
@@ -112,19 +101,11 @@ def test_an_unknown_config_key_is_named():
 def test_a_flag_error_is_a_usage_line_not_a_traceback():
   """A missing --config or a misspelled flag (--dryrun) gets absl's usage error, as app.run's own
   parser gives it, not a traceback from inside absl."""
-  root = os.path.join(os.path.dirname(__file__), '..')
-  env = {**os.environ, 'MOETRAIN_NO_REEXEC': '1', 'PYTHONPATH': root}
   for args, message in (
     ([], 'flag --config=None: Flag --config must have a value other than None'),
     (['--config=configs/longcat_lora.py', '--dryrun'], "Unknown command line flag 'dryrun'"),
   ):
-    out = subprocess.run(
-      [sys.executable, '-m', 'moetrain.main', *args],
-      cwd=root,
-      capture_output=True,
-      text=True,
-      env=env,
-    )
+    out = run_command('moetrain.main', *args)
     assert out.returncode == 1
     assert f'FATAL Flags parsing error: {message}' in out.stderr, out.stderr
     assert 'Traceback' not in out.stderr

@@ -4,12 +4,12 @@ import json
 import os
 import re
 import shutil
-import subprocess
 import sys
 
 import pytest
 
 from moetrain import checkpoint, integrity, rundir, train, train_log
+from tests.helpers import run_command
 from tests.test_configs import ROOT, load
 from tests.test_data import numbered_records, write_jsonl
 
@@ -221,15 +221,8 @@ def test_a_damaged_checkpoint_is_named_from_the_main_entry_point(uninterrupted, 
   """`python -m moetrain.main` prints the message alone (no traceback) and exits with 1."""
   copy = _copy(uninterrupted[0], tmp_path)
   _truncate(copy / 'checkpoints' / '6')
-  env = dict(os.environ, PYTHONPATH=ROOT, JAX_PLATFORMS='cpu')
   args = ['--config=configs/longcat_lora.py', f'--workdir={copy}']
-  done = subprocess.run(
-    [sys.executable, '-m', 'moetrain.main', *args],
-    cwd=ROOT,
-    env=env,
-    capture_output=True,
-    text=True,
-  )
+  done = run_command('moetrain.main', *args, JAX_PLATFORMS='cpu')
   assert done.returncode == 1, done.stderr[-2000:]
   last = done.stderr.strip().splitlines()[-1]
   assert re.match(r'Error: checkpoint .*checkpoints/6 is damaged .*resume_step=3', last), last
@@ -272,7 +265,6 @@ def test_a_damaged_checkpoint_is_not_buried_under_closed_loop_callbacks(tmp_path
   traceback (155 of them for the demo) printed around the message naming the checkpoint. A
   command drops those (runtime.start_command); other unraisable errors still show."""
   import gc
-  import sys
 
   from moetrain import checkpoint, runtime
 

@@ -141,10 +141,6 @@ class ModelConfig:
   mesh_shape: tuple = field((), role='derived')
 
   @property
-  def target_platform(self) -> str:
-    return self.platform
-
-  @property
   def expert_shards(self) -> int:
     """How many shards the routed experts are split over: the 'expert' mesh axis when
     model.moe_expert_parallel is set, else 1."""

@@ -127,12 +127,12 @@ def resolve_backend(cfg: ModelConfig, rows: int = 0) -> str:
   """The grouped-matmul backend for `rows` assignments (0 = unknown: a training batch)."""
   if cfg.moe_backend != 'auto':
     return cfg.moe_backend
-  if cfg.target_platform == 'tpu' and not cfg.lora.enabled:
+  if cfg.platform == 'tpu' and not cfg.lora.enabled:
     # XLA's TPU compiler lowers ragged_dot's weight gradient as one dense matmul over every row
     # per local expert (G times the FLOPs: 13x the model's for the flash pretraining step);
     # megablox's tgmm computes each expert's from its own rows (bench/RESULTS.md).
     return 'megablox'
-  if cfg.target_platform != 'cpu':
+  if cfg.platform != 'cpu':
     # A LoRA base's expert weights take no gradient; megablox there is opt-in until it has been
     # timed on a TPU.
     return 'ragged_dot'
@@ -194,7 +194,7 @@ def _gmm_tile(k: int, n: int) -> int | None:
 
 def megablox_interpret(cfg: ModelConfig) -> bool:
   """The megablox kernel is Mosaic (TPU) code; elsewhere Pallas interprets it."""
-  return cfg.target_platform != 'tpu'
+  return cfg.platform != 'tpu'
 
 
 def megablox_ffn(x_RD, sizes_E, weights, cfg: ModelConfig, rng):

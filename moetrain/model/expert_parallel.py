@@ -29,7 +29,7 @@ def routed_experts(x_MD, idx_MA, gates_MA, weights, cfg: ModelConfig, rng=None):
 def resolve_ep_comm(cfg: ModelConfig) -> str:
   if cfg.moe_ep_comm != 'auto':
     return cfg.moe_ep_comm
-  return 'fixed' if cfg.target_platform == 'cpu' else 'ragged'
+  return 'fixed' if cfg.platform == 'cpu' else 'ragged'
 
 
 def expert_parallel(x_MD, idx_MA, gates_MA, weights, cfg: ModelConfig, rng):
@@ -235,7 +235,7 @@ def _ep_ragged_shard(x_MD, idx_MA, gates_MA, weights, cfg: ModelConfig, ep: int,
   sent_R = (expert_sorted_R < e) & (jnp.arange(r) - ex.in_off[ex_R] < kept_E[ex_R])
   asg_S, slot_R, kept_R = dispatch.place(dispatch.identity_layout(sent_R), order_R)
   send_x = dispatch.dispatch_tokens(x_MD.astype(dtype_of(cfg.dtype)), asg_S, slot_R)
-  emulate = cfg.target_platform == 'cpu'
+  emulate = cfg.platform == 'cpu'
   recv_x = ragged_exchange(send_x, ex, buf, 'expert', emulate)
   # Received rows are sorted by local expert; rows past the groups are empty (id e_loc).
   expert_B = jnp.searchsorted(jnp.cumsum(local_sizes), jnp.arange(buf), side='right')

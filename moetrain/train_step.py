@@ -10,8 +10,8 @@ import jax.numpy as jnp
 import optax
 
 from moetrain.fields import check, field
+from moetrain.kernels.cross_entropy import head_cross_entropy
 from moetrain.model.config import ModelConfig
-from moetrain.model.head import head_cross_entropy
 from moetrain.model.moe import ROUTING_COUNTS, finish_routing_stats
 from moetrain.train_state import TrainState, graphdef_of, merge_model
 
@@ -55,6 +55,7 @@ def forward_loss(params, moe_bias, frozen, graphdef, batch, rng=None):
       model.cfg.loss_chunk,
       rng,
       model.cfg.rules,
+      model.cfg.kernels == 'reference',
     )
   return nll, correct, aux
 

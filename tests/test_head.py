@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from moetrain.model.head import head_cross_entropy
+from moetrain.kernels.cross_entropy import head_cross_entropy
 from moetrain.model.layers import Linear
 from tests.helpers import randomize, tiny, with_lora
 

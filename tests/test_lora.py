@@ -10,8 +10,8 @@ import optax
 import pytest
 from flax import nnx
 
+from moetrain.kernels.lora import lora_product
 from moetrain.model import lora, quant
-from moetrain.model.layers import lora_product
 from moetrain.model.transformer import Transformer
 from moetrain.train_state import init_state, split_model
 from moetrain.train_step import StepConfig, jit_train_step
@@ -136,12 +136,13 @@ def test_qlora_computes_the_float_model_of_its_dequantised_weights():
 def test_expert_adapters_draw_their_own_dropout_masks():
   """Each projection's LoRA dropout has its own key: 'gate' and 'down' (names of one length)
   drew the same mask once, identical when the expert's D == F."""
-  from moetrain.model.layers import with_lora as expert_mm
+  from moetrain.kernels.lora import with_lora as expert_mm
 
   eye = jnp.eye(16)
   weights = {n: jnp.zeros((16, 16)) for n in ('gate', 'up', 'down')}
   weights.update({f'{n}_{ab}': eye for n in ('gate', 'up', 'down') for ab in ('lora_a', 'lora_b')})
-  mm = expert_mm(lambda x, w: x @ w, weights, 1.0, jax.random.key(0), 0.5)
+  cfg = with_lora(tiny(), rank=16, alpha=16.0, dropout=0.5)  # scale 1
+  mm = expert_mm(lambda x, w: x @ w, weights, cfg, jax.random.key(0))
   x = jnp.ones((8, 16))
   masks = [np.asarray(mm(x, n)) != 0 for n in ('gate', 'up', 'down')]  # y = dropout(x) here
   for i in range(3):

@@ -8,7 +8,8 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from moetrain.model.attention import attention_core, attention_mask, attention_probs
+from moetrain.kernels.attention import attention_core
+from moetrain.model.attention import attention_mask, attention_probs
 from moetrain.model.config import ModelConfig
 from moetrain.model.layers import matmul_dims, rope_interleaved
 from moetrain.model.transformer import Transformer

@@ -11,7 +11,8 @@ import pytest
 from flax import nnx
 
 from moetrain import sharding
-from moetrain.model import dispatch, expert_parallel, grouped
+from moetrain.kernels import exchange, grouped
+from moetrain.model import dispatch, expert_parallel
 from moetrain.model.moe import MoE, RouterBias, balance_loss, route, routing_stats
 from moetrain.train_step import StepConfig, bias_update
 from tests.helpers import jit_call, randomize, tiny, with_lora
@@ -208,8 +209,8 @@ def test_emulated_ragged_all_to_all_follows_the_jax_docs():
   a2a = lambda v: jax.lax.all_to_all(v, 'x', 0, 0, tiled=True)
 
   def f(x, in_off, send, out_off, recv):
-    ex = expert_parallel.Exchange(in_off, send, out_off, recv, a2a(out_off), a2a(in_off))
-    return expert_parallel.emulated_ragged_all_to_all(x, jnp.zeros(4, x.dtype), ex, 'x')
+    ex = exchange.Exchange(in_off, send, out_off, recv, a2a(out_off), a2a(in_off))
+    return exchange.emulated_ragged_all_to_all(x, jnp.zeros(4, x.dtype), ex, 'x')
 
   spec = jax.sharding.PartitionSpec('x')
   fn = jax.jit(jax.shard_map(f, mesh=mesh, in_specs=spec, out_specs=spec))

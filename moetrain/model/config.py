@@ -128,6 +128,9 @@ class ModelConfig:
   # FFN-expert groups of the device-level balance loss; 0 = the expert-parallel shards (the
   # 'expert' mesh axis when model.moe_expert_parallel, else 1).
   moe_balance_groups: int = engine(0, check='non_negative', zero='0 = one group per shard')
+  # 'reference' runs every kernel (hand-written backward passes, CPU loops, the ragged exchange;
+  # moetrain/kernels) as plain autodiff code of the same function: slower, for checking numerics.
+  kernels: str = engine('fast', choices=('fast', 'reference'))
   quant: str = engine('none', choices=QUANT_MODES)  # storage of the frozen base (QLoRA)
   # int4 group along the input dim (one group where it does not divide).
   quant_group_size: int = engine(64)

@@ -1,5 +1,6 @@
-"""Dispatch of routed assignments to experts: dropless and capacity strategies, the grouped-matmul
-backends (ragged_dot on GPU, the Pallas megablox kernel on TPU, grouped.py's loop on CPU, a dense
+"""Dispatch of routed assignments to experts: dropless and capacity strategies, and which
+grouped-matmul backend runs them (moetrain/kernels/experts.py: ragged_dot on GPU, the Pallas
+megablox kernel on TPU, the grouped loop of moetrain/kernels/grouped.py on CPU, a dense
 reference). Expert parallelism over the 'expert' mesh axis is in expert_parallel.py.
 (Design: docs/design.md, "moetrain/model/dispatch.py".)"""
 
@@ -9,52 +10,11 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
+from moetrain.kernels import experts, grouped
+from moetrain.kernels.lora import with_lora
+from moetrain.kernels.rows import dispatch_tokens, gather_rows
 from moetrain.model import quant
 from moetrain.model.config import ModelConfig
-from moetrain.model.grouped import Groups, choose_tile, expert_ffn, split_trainable, tile_candidates
-from moetrain.model.layers import dtype_of, swiglu, with_lora
-
-
-def _take(x, idx):
-  # The barrier was meant to keep XLA from fusing the index arithmetic into the gather (session
-  # 2). With jax 0.10.2 XLA:CPU drops it before fusion: the compiled layer holds no barrier and
-  # the arithmetic sits in the gather's fusion. Gathers rebuilt on clean indices measured the
-  # same (bench/RESULTS.md), so it stays as a harmless hint.
-  idx = jax.lax.optimization_barrier(idx)
-  return jnp.take(x, idx, axis=0, mode='fill', fill_value=0)
-
-
-@jax.custom_vjp
-def gather_rows(x, idx, inv):
-  """x[idx] (out-of-range -> zero rows) for an injective idx whose inverse is inv."""
-  return _take(x, idx)
-
-
-gather_rows.defvjp(
-  lambda x, idx, inv: (_take(x, idx), inv), lambda inv, g: (_take(g, inv), None, None)
-)
-
-
-@jax.custom_vjp
-def dispatch_tokens(x_MD, asg_P, slot_R):
-  """Buffer rows from tokens: slot p holds token asg_P[p] // A (asg_P out of range = empty).
-  A token fills up to A slots, so the backward sums its A assignment slots (slot_R is [M*A])."""
-  m = x_MD.shape[0]
-  a = slot_R.shape[0] // m
-  return _take(x_MD, jnp.where(asg_P < m * a, asg_P // a, m))
-
-
-def _dispatch_bwd(res, g_PD):
-  slot_R, m = res
-  # Gather, then sum the A slots of each token. The barrier was meant to keep XLA:CPU from
-  # fusing the gather into the reduction (~8x slower, bench/RESULTS.md); see _take on barriers today.
-  g_RD = jax.lax.optimization_barrier(_take(g_PD, slot_R))
-  return g_RD.reshape(m, -1, g_PD.shape[-1]).sum(1), None, None
-
-
-dispatch_tokens.defvjp(
-  lambda x, asg, slot: (dispatch_tokens(x, asg, slot), (slot, x.shape[0])), _dispatch_bwd
-)
 
 
 def sort_assignments(expert_R, num_experts: int):
@@ -101,9 +61,10 @@ def routed_experts(x_MD, idx_MA, gates_MA, weights, cfg: ModelConfig, rng=None):
   order_R, expert_sorted_R, sizes_E = sort_assignments(idx_MA.reshape(-1), e)
   layout = make_layout(expert_sorted_R, sizes_E, cfg, cfg.moe_dispatch)
   asg_P, slot_R, kept_R = place(layout, order_R)
-  x_PD = dispatch_tokens(x_MD.astype(dtype_of(cfg.dtype)), asg_P, slot_R)
+  ref = cfg.kernels == 'reference'
+  x_PD = dispatch_tokens(x_MD.astype(cfg.dtype), asg_P, slot_R, reference=ref)
   y_PD = layout.run(x_PD, weights, rng)
-  y_RD = gather_rows(y_PD, slot_R, asg_P)
+  y_RD = gather_rows(y_PD, slot_R, asg_P, reference=ref)
   return combine(y_RD, kept_R, idx_MA, gates_MA, cfg)
 
 
@@ -164,78 +125,18 @@ def make_layout(
     return blocked_layout(sizes_E, r, cfg)
   if backend == 'grouped':
     g = expected_group(cfg, r) if expect is None else expect
-    return grouped_layout(expert_sorted_R, sizes_E, tile_candidates(g, cfg.moe_block_size), cfg)
+    return grouped_layout(
+      expert_sorted_R, sizes_E, grouped.tile_candidates(g, cfg.moe_block_size), cfg
+    )
   # Rows past sum(sizes) are zero-expert assignments.
   ident = identity_layout(expert_sorted_R < e)
   if backend == 'ragged_dot':
-    return ident._replace(run=lambda x, w, rng: ragged_ffn(x, sizes_E, w, cfg, rng))
+    return ident._replace(run=lambda x, w, rng: experts.ragged_ffn(x, sizes_E, w, cfg, rng))
   if backend == 'megablox':
-    return ident._replace(run=lambda x, w, rng: megablox_ffn(x, sizes_E, w, cfg, rng))
+    return ident._replace(run=lambda x, w, rng: experts.megablox_ffn(x, sizes_E, w, cfg, rng))
   if backend == 'dense':
-    return ident._replace(run=lambda x, w, rng: dense_ffn(x, expert_sorted_R, w, cfg, rng))
+    return ident._replace(run=lambda x, w, rng: experts.dense_ffn(x, expert_sorted_R, w, cfg, rng))
   raise ValueError(f'model.moe_backend={backend!r} is unknown')
-
-
-def ragged_ffn(x_RD, sizes_E, weights, cfg: ModelConfig, rng):
-  dt = dtype_of(cfg.dtype)
-
-  def mm(x, w):
-    return jax.lax.ragged_dot(x, quant.dequant(w, dt), sizes_E, preferred_element_type=dt)
-
-  return swiglu(x_RD, with_lora(mm, weights, cfg.lora.scale, rng, cfg.lora.dropout), dt)
-
-
-def _gmm_tile(k: int, n: int) -> int | None:
-  """One megablox tile for both the K and N dimensions: its VJP reuses the forward's tiling for
-  the transposed products, so the tile must suit both (TPU lanes: a multiple of 128 dividing
-  each). None where there is none (small LoRA ranks)."""
-  return next((t for t in (512, 256, 128) if k % t == 0 and n % t == 0), None)
-
-
-def megablox_interpret(cfg: ModelConfig) -> bool:
-  """The megablox kernel is Mosaic (TPU) code; elsewhere Pallas interprets it."""
-  return cfg.platform != 'tpu'
-
-
-def megablox_ffn(x_RD, sizes_E, weights, cfg: ModelConfig, rng):
-  """The Pallas TPU grouped matmul (jax.experimental.pallas.ops.tpu.megablox) for the expert
-  weights; the LoRA adapters' thin products (rank < 128) go through ragged_dot. Off TPU the
-  kernel runs in Pallas' interpret mode: slow, but it checks this path on CPU. Rows are padded
-  to a multiple of the row tile, and the kernel leaves rows past the groups (zero-expert
-  assignments, padding) unwritten, so they are masked to zeros, which also keeps their garbage
-  out of the gradients."""
-  from jax.experimental.pallas.ops.tpu.megablox import ops as megablox
-
-  dt = dtype_of(cfg.dtype)
-  r = x_RD.shape[0]
-  tm = 128 if r >= 128 else -(-r // 16) * 16
-  rows = -(-r // tm) * tm
-  inside = (jnp.arange(rows) < jnp.sum(sizes_E))[:, None]
-  interpret = megablox_interpret(cfg)
-
-  def mm(x, w):
-    w = quant.dequant(w, dt)
-    t = _gmm_tile(*w.shape[1:])
-    if t is None:  # the thin LoRA products: XLA's ragged_dot
-      y = jax.lax.ragged_dot(x.astype(dt), w, sizes_E, preferred_element_type=dt)
-    else:
-      y = megablox.gmm(x.astype(dt), w, sizes_E, dt, (tm, t, t), None, None, False, interpret)
-    return jnp.where(inside, y, 0)
-
-  x_PD = jnp.where(inside, jnp.pad(x_RD, ((0, rows - r), (0, 0))), 0)
-  mm = with_lora(mm, weights, cfg.lora.scale, rng, cfg.lora.dropout)
-  return swiglu(x_PD, mm, dt)[:r]
-
-
-def dense_ffn(x_RD, expert_R, weights, cfg: ModelConfig, rng):
-  """Reference backend: every row multiplies its own expert's gathered weights."""
-  dt = dtype_of(cfg.dtype)
-  e_R = jnp.minimum(expert_R, cfg.n_routed_experts - 1)
-
-  def mm(x, w):
-    return jnp.einsum('rd,rdf->rf', x, quant.dequant(quant.take(w, e_R), dt))
-
-  return swiglu(x_RD, with_lora(mm, weights, cfg.lora.scale, rng, cfg.lora.dropout), dt)
 
 
 def block_size(rows: int, experts: int, requested: int) -> int:
@@ -275,69 +176,10 @@ def blocked_layout(sizes_E, r: int, cfg: ModelConfig) -> Layout:
   def run(x_PD, weights, rng):
     x_NBD = x_PD.reshape(nblocks, b, -1)
     if resolve_backend(cfg, r) == 'gathered':
-      return gathered_ffn(x_NBD, block_expert, weights, cfg, rng)
-    return blocked_ffn(x_NBD, block_expert, used, weights, cfg, rng)
+      return experts.gathered_ffn(x_NBD, block_expert, weights, cfg, rng)
+    return experts.blocked_ffn(x_NBD, block_expert, used, weights, cfg, rng)
 
   return Layout(src_P, dest_R, valid_R, run)
-
-
-def blocked_ffn(x_NBD, block_expert_N, used, weights, cfg: ModelConfig, rng):
-  """A scan over blocks; blocks past `used` (the padding left by zero-expert assignments) are
-  skipped by a cond, so their matmuls never run."""
-  n, b, d = x_NBD.shape
-  dt = dtype_of(cfg.dtype)
-
-  def ffn(x_BD, ex, k):
-    w = {name: quant.take(v, ex) for name, v in weights.items()}
-    mm = with_lora(
-      lambda x, wt: x @ quant.dequant(wt, dt),
-      w,
-      cfg.lora.scale,
-      None if rng is None else jax.random.fold_in(rng, k),
-      cfg.lora.dropout,
-    )
-    return swiglu(x_BD, mm, dt).astype(dt)
-
-  def body(_, inp):
-    x_BD, ex, k = inp
-    skip = lambda x, ex, k: jnp.zeros((b, d), dt)
-    return None, jax.lax.cond(k < used, ffn, skip, x_BD, ex, k)
-
-  _, y_NBD = jax.lax.scan(body, None, (x_NBD, block_expert_N, jnp.arange(n)))
-  return y_NBD.reshape(n * b, d)
-
-
-@jax.custom_vjp
-def take_experts(w_EX, block_expert_N):
-  """Per-block weights w[block_expert]; the weight gradient is a one-hot matmul over blocks
-  (a dense segment sum) instead of XLA:CPU's serial scatter-add."""
-  return jnp.take(w_EX, block_expert_N, axis=0)
-
-
-def _take_experts_bwd(res, g_NX):
-  block_expert_N, e = res
-  onehot_NE = jax.nn.one_hot(block_expert_N, e, dtype=g_NX.dtype)
-  return jnp.tensordot(onehot_NE, g_NX, axes=(0, 0)), None
-
-
-take_experts.defvjp(lambda w, n: (take_experts(w, n), (n, w.shape[0])), _take_experts_bwd)
-
-
-def gathered_ffn(x_NBD, block_expert_N, weights, cfg: ModelConfig, rng):
-  n, b, d = x_NBD.shape
-  dt = dtype_of(cfg.dtype)
-  w_N = {
-    name: quant.take(v, block_expert_N)
-    if isinstance(v, quant.QTensor)
-    else take_experts(v, block_expert_N)
-    for name, v in weights.items()
-  }
-
-  def mm(x, w):
-    return jnp.einsum('NBD,NDF->NBF', x, quant.dequant(w, dt))
-
-  mm = with_lora(mm, w_N, cfg.lora.scale, rng, cfg.lora.dropout)
-  return swiglu(x_NBD, mm, dt).reshape(n * b, d)
 
 
 def grouped_layout(expert_sorted_R, sizes_E, tiles: tuple, cfg: ModelConfig) -> Layout:
@@ -345,14 +187,17 @@ def grouped_layout(expert_sorted_R, sizes_E, tiles: tuple, cfg: ModelConfig) -> 
   into."""
   r, e = expert_sorted_R.shape[0], sizes_E.shape[0]
   spare = max(tiles)
-  groups = Groups(jnp.cumsum(sizes_E) - sizes_E, sizes_E, choose_tile(sizes_E, tiles))
+  groups = grouped.Groups(
+    jnp.cumsum(sizes_E) - sizes_E, sizes_E, grouped.choose_tile(sizes_E, tiles)
+  )
   valid_R = expert_sorted_R < e
   rows = jnp.arange(r)
   src_P = jnp.concatenate([jnp.where(valid_R, rows, r), jnp.full((spare,), r, rows.dtype)])
 
   def run(x_PD, weights, rng):
-    w_train, w_frozen = split_trainable(weights)
-    return expert_ffn(x_PD, w_train, w_frozen, groups, rng, tiles, cfg)
+    w_train, w_frozen = grouped.split_trainable(weights)
+    ref = cfg.kernels == 'reference'
+    return grouped.expert_ffn(x_PD, w_train, w_frozen, groups, rng, tiles, cfg, reference=ref)
 
   return Layout(src_P, jnp.where(valid_R, rows, r + spare), valid_R, run)
 
@@ -375,13 +220,13 @@ def capacity_layout(expert_sorted_R, sizes_E, c: int, cfg: ModelConfig) -> Layou
   slot = jnp.arange(e * c)
   ex_S, pos_S = slot // c, slot % c
   src_S = jnp.where(pos_S < sizes_E[ex_S], group_start_E[ex_S] + pos_S, r)
-  dt = dtype_of(cfg.dtype)
+  dt = jnp.dtype(cfg.dtype)
 
   def run(x_SD, weights, rng):
     def mm(x, w):
       return jnp.einsum('ECD,EDF->ECF', x, quant.dequant(w, dt))
 
-    mm = with_lora(mm, weights, cfg.lora.scale, rng, cfg.lora.dropout)
-    return swiglu(x_SD.reshape(e, c, -1), mm, dt).reshape(e * c, -1)
+    mm = with_lora(mm, weights, cfg, rng)
+    return experts.swiglu(x_SD.reshape(e, c, -1), mm, dt).reshape(e * c, -1)
 
   return Layout(src_S, jnp.where(kept_R, ex_R * c + pos_R, e * c), kept_R, run)

@@ -5,16 +5,15 @@ GPU/TPU, emulated from fixed-size collectives on CPU). Each shard runs the singl
 moetrain.model.dispatch on the rows it received.
 """
 
-import functools
 import math
-from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 
+from moetrain.kernels.exchange import Exchange, ragged_exchange
+from moetrain.kernels.rows import dispatch_tokens, gather_rows
 from moetrain.model import dispatch
 from moetrain.model.config import ModelConfig
-from moetrain.model.layers import dtype_of
 from moetrain.sharding import MESH_AXES
 
 
@@ -80,6 +79,7 @@ def ep_capacity(rows: int, cfg: ModelConfig, ep: int) -> int:
 
 
 def _ep_shard(x_MD, idx_MA, gates_MA, weights, cfg: ModelConfig, ep: int, rng):
+  ref = cfg.kernels == 'reference'
   d = x_MD.shape[-1]
   e = cfg.n_routed_experts
   e_loc = e // ep
@@ -96,7 +96,7 @@ def _ep_shard(x_MD, idx_MA, gates_MA, weights, cfg: ModelConfig, ep: int, rng):
       jnp.minimum(expert_sorted_R // e_loc, ep), shard_sizes, cap, cfg
     )
   asg_S, slot_R, kept_R = dispatch.place(send, order_R)
-  send_x = dispatch.dispatch_tokens(x_MD.astype(dtype_of(cfg.dtype)), asg_S, slot_R)
+  send_x = dispatch_tokens(x_MD.astype(cfg.dtype), asg_S, slot_R, reference=ref)
   send_e = jnp.take(
     (expert_sorted_R % e_loc).astype(jnp.int32), send.src_P, mode='fill', fill_value=e_loc
   )
@@ -108,70 +108,12 @@ def _ep_shard(x_MD, idx_MA, gates_MA, weights, cfg: ModelConfig, ep: int, rng):
     sorted2, sizes2, cfg, 'dropless', dispatch.expected_group(cfg, ep * idx_MA.size)
   )
   asg2, slot2, _ = dispatch.place(local, order2)
-  y_buf = local.run(dispatch.gather_rows(recv_x, asg2, slot2), weights, rng)
-  y_recv = dispatch.gather_rows(y_buf, slot2, asg2).reshape(ep, cap, d)
+  y_buf = local.run(gather_rows(recv_x, asg2, slot2, reference=ref), weights, rng)
+  y_recv = gather_rows(y_buf, slot2, asg2, reference=ref).reshape(ep, cap, d)
   y_back = jax.lax.all_to_all(y_recv, 'expert', 0, 0).reshape(ep * cap, d)
   return dispatch.combine(
-    dispatch.gather_rows(y_back, slot_R, asg_S), kept_R, idx_MA, gates_MA, cfg
+    gather_rows(y_back, slot_R, asg_S, reference=ref), kept_R, idx_MA, gates_MA, cfg
   )
-
-
-class Exchange(NamedTuple):
-  """One ragged exchange over a mesh axis of size ep, in K slices (K a multiple of ep; slice i
-  goes to shard i // (K/ep)): the arguments of lax.ragged_all_to_all plus the receive side, so
-  the reverse exchange (the transpose) is this one with the roles swapped.
-
-  in_off, send:  where my slice i starts in my operand, and its rows.
-  out_off:       where my slice i lands in its receiver's output.
-  recv, recv_off, src_off: the slice i I receive (from shard i // (K/ep), its slice number
-                 me * K/ep + i % (K/ep)): its rows, where it lands in my output, and where it
-                 starts in its sender's operand."""
-
-  in_off: jax.Array
-  send: jax.Array
-  out_off: jax.Array
-  recv: jax.Array
-  recv_off: jax.Array
-  src_off: jax.Array
-
-  def reverse(self) -> 'Exchange':
-    return Exchange(self.recv_off, self.recv, self.src_off, self.send, self.in_off, self.out_off)
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4))
-def ragged_exchange(x_ND, ex: Exchange, rows: int, axis: str, emulate: bool):
-  """[rows, ...] output: the received slices written at their offsets, zeros elsewhere. The
-  gradient is the reverse exchange. emulate: XLA:CPU has no ragged all-to-all (UNIMPLEMENTED at
-  compile time), so a CPU target runs emulated_ragged_all_to_all."""
-  out = jnp.zeros((rows, *x_ND.shape[1:]), x_ND.dtype)
-  if emulate:
-    return emulated_ragged_all_to_all(x_ND, out, ex, axis)
-  return jax.lax.ragged_all_to_all(
-    x_ND, out, ex.in_off, ex.send, ex.out_off, ex.recv, axis_name=axis
-  )
-
-
-ragged_exchange.defvjp(
-  lambda x, ex, rows, axis, emu: (ragged_exchange(x, ex, rows, axis, emu), (ex, x.shape[0])),
-  lambda rows, axis, emu, res, g: (ragged_exchange(g, res[0].reverse(), res[1], axis, emu), None),
-)
-
-
-def emulated_ragged_all_to_all(x_ND, out_MD, ex: Exchange, axis: str):
-  """lax.ragged_all_to_all's semantics from fixed-size collectives, for XLA:CPU, which lacks the
-  op. Like the real op it writes recv[i] rows at recv_off[i] (the receiver's view); the rows come
-  from the sender's operand at src_off[i]. Every shard gathers every operand (ep x the memory:
-  this is for tests and CPU meshes, not for speed)."""
-  n, m = x_ND.shape[0], out_MD.shape[0]
-  ep = jax.lax.axis_size(axis)
-  spd = ex.recv.shape[0] // ep
-  all_x = jax.lax.all_gather(x_ND, axis).reshape(ep * n, *x_ND.shape[1:])
-  o = jnp.arange(m)
-  hit_KM = (o[None] >= ex.recv_off[:, None]) & (o[None] < (ex.recv_off + ex.recv)[:, None])
-  k_M = jnp.argmax(hit_KM, axis=0)
-  src_M = (k_M // spd) * n + ex.src_off[k_M] + o - ex.recv_off[k_M]
-  taken = jnp.take(all_x, src_M, axis=0, mode='clip')
-  return jnp.where(hit_KM.any(0).reshape(m, *([1] * (x_ND.ndim - 1))), taken, out_MD)
 
 
 def ep_recv_rows(rows: int, cfg: ModelConfig, ep: int) -> int:
@@ -222,6 +164,7 @@ def ragged_plan(counts_SE, me, e_loc: int, buf: int, cap: int = 0):
 def _ep_ragged_shard(x_MD, idx_MA, gates_MA, weights, cfg: ModelConfig, ep: int, rng):
   """One shard's side of the ragged exchange: sort by expert, send each group to its expert's
   shard, run the local experts on the (already expert-sorted) rows received, send them back."""
+  ref = cfg.kernels == 'reference'
   e = cfg.n_routed_experts
   e_loc = e // ep
   order_R, expert_sorted_R, sizes_E = dispatch.sort_assignments(idx_MA.reshape(-1), e)
@@ -234,9 +177,9 @@ def _ep_ragged_shard(x_MD, idx_MA, gates_MA, weights, cfg: ModelConfig, ep: int,
   ex_R = jnp.minimum(expert_sorted_R, e - 1)
   sent_R = (expert_sorted_R < e) & (jnp.arange(r) - ex.in_off[ex_R] < kept_E[ex_R])
   asg_S, slot_R, kept_R = dispatch.place(dispatch.identity_layout(sent_R), order_R)
-  send_x = dispatch.dispatch_tokens(x_MD.astype(dtype_of(cfg.dtype)), asg_S, slot_R)
+  send_x = dispatch_tokens(x_MD.astype(cfg.dtype), asg_S, slot_R, reference=ref)
   emulate = cfg.platform == 'cpu'
-  recv_x = ragged_exchange(send_x, ex, buf, 'expert', emulate)
+  recv_x = ragged_exchange(send_x, ex, buf, 'expert', emulate, reference=ref)
   # Received rows are sorted by local expert; rows past the groups are empty (id e_loc).
   expert_B = jnp.searchsorted(jnp.cumsum(local_sizes), jnp.arange(buf), side='right')
   local = dispatch.make_layout(
@@ -248,9 +191,9 @@ def _ep_ragged_shard(x_MD, idx_MA, gates_MA, weights, cfg: ModelConfig, ep: int,
     # back.
     y_recv = local.run(recv_x, weights, rng)
   else:
-    y_buf = local.run(dispatch.gather_rows(recv_x, local.src_P, local.dest_R), weights, rng)
-    y_recv = dispatch.gather_rows(y_buf, local.dest_R, local.src_P)
-  y_sorted = ragged_exchange(y_recv, ex.reverse(), r, 'expert', emulate)
+    y_buf = local.run(gather_rows(recv_x, local.src_P, local.dest_R, reference=ref), weights, rng)
+    y_recv = gather_rows(y_buf, local.dest_R, local.src_P, reference=ref)
+  y_sorted = ragged_exchange(y_recv, ex.reverse(), r, 'expert', emulate, reference=ref)
   return dispatch.combine(
-    dispatch.gather_rows(y_sorted, slot_R, asg_S), kept_R, idx_MA, gates_MA, cfg
+    gather_rows(y_sorted, slot_R, asg_S, reference=ref), kept_R, idx_MA, gates_MA, cfg
   )

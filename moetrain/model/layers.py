@@ -7,6 +7,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from moetrain.kernels.lora import lora_dropout, lora_product
 from moetrain.model import quant
 from moetrain.model.config import ModelConfig
 from moetrain.sharding import constrain
@@ -54,6 +55,7 @@ class Linear(nnx.Module):
     kernel = normal(rngs, shape, std, dtype_of(cfg.param_dtype))
     self.kernel = quant.make_param(kernel, axes, cfg, n_batch=0, n_in=n_in)
     self.lora_scale, self.lora_dropout = cfg.lora.scale, cfg.lora.dropout
+    self.reference_kernels = cfg.kernels == 'reference'
     self.has_lora = cfg.lora.matches(path)
     if self.has_lora:
       in_shape, out_shape = shape[:n_in], shape[n_in:]
@@ -75,72 +77,9 @@ class Linear(nnx.Module):
       a_KR = self.lora_a[...].astype(dt).reshape(x_MK.shape[1], -1)
       b_RN = self.lora_b[...].astype(dt).reshape(a_KR.shape[1], -1)
       xa_MK = lora_dropout(x_MK, self.lora_dropout, rng)
-      y_MN = y_MN + self.lora_scale * lora_product(xa_MK, a_KR, b_RN)
+      ab_MN = lora_product(xa_MK, a_KR, b_RN, reference=self.reference_kernels)
+      y_MN = y_MN + self.lora_scale * ab_MN
     return y_MN.reshape(*lead, *out_shape)
-
-
-@jax.custom_vjp
-def lora_product(x_MK, a_KR, b_RN):
-  """(x @ a) @ b for 2-D LoRA factors, with a backward whose adapter gradients are plain matmuls.
-
-  Autodiff forms dA = x^T dh and dB = h^T g, which contract the token rows of both operands.
-  XLA:CPU runs that form in its generic dot, and for these thin shapes (rank 16) at 8-15
-  GFLOP/s: 8% of the single-core LoRA step went there (bench/RESULTS.md). Here the
-  thin [M, R] factors are transposed first (cheap: R rows) and the gradients formed as
-  dA^T = dh^T x and dB = h^T g, ordinary products that run on the fast matmul path."""
-  return (x_MK @ a_KR) @ b_RN
-
-
-def _lora_fwd(x_MK, a_KR, b_RN):
-  h_MR = x_MK @ a_KR
-  return h_MR @ b_RN, (x_MK, a_KR, b_RN, h_MR)
-
-
-def _lora_bwd(res, g_MN):
-  x_MK, a_KR, b_RN, h_MR = res
-  g_MN = g_MN.astype(h_MR.dtype)
-  # The barriers keep XLA from folding the transposes back into the products: into x^T dh
-  # again, or, where the forward is recomputed in the same loop (the grouped MoE engine), into a
-  # product a^T x^T that forms h^T directly, which is a generic dot too.
-  dh_MR, h_MR = jax.lax.optimization_barrier((g_MN @ b_RN.T, h_MR))
-  dh_RM, h_RM = jax.lax.optimization_barrier((dh_MR.T, h_MR.T))
-  da_RK = jax.lax.optimization_barrier(dh_RM @ x_MK)
-  return dh_MR @ a_KR.T, da_RK.T.astype(a_KR.dtype), (h_RM @ g_MN).astype(b_RN.dtype)
-
-
-lora_product.defvjp(_lora_fwd, _lora_bwd)
-
-
-def lora_dropout(x, rate: float, rng):
-  if rate == 0.0 or rng is None:
-    return x
-  keep = jax.random.bernoulli(rng, 1.0 - rate, x.shape)
-  return jnp.where(keep, x / (1.0 - rate), 0).astype(x.dtype)
-
-
-def swiglu(x, mm, dtype):
-  h = jax.nn.silu(mm(x, 'gate').astype(jnp.float32)) * mm(x, 'up').astype(jnp.float32)
-  return mm(h.astype(dtype), 'down')
-
-
-def with_lora(base_mm, weights, scale, rng, dropout):
-  """Adds the per-expert adapters as two small grouped matmuls on the permuted rows. Where they
-  are one expert's 2-D factors (the grouped and blocked tiles), layers.lora_product runs them:
-  its backward keeps their gradients on the fast matmul path."""
-
-  def mm(x, name):
-    y = base_mm(x, weights[name])
-    if f'{name}_lora_a' in weights:
-      key = None if rng is None else jax.random.fold_in(rng, zlib.crc32(name.encode()))
-      xa = lora_dropout(x, dropout, key)
-      a, b = weights[f'{name}_lora_a'], weights[f'{name}_lora_b']
-      if a.ndim == 2:
-        y = y + scale * lora_product(xa, a.astype(xa.dtype), b.astype(xa.dtype))
-      else:
-        y = y + scale * base_mm(base_mm(xa, a), b)
-    return y
-
-  return mm
 
 
 class RMSNorm(nnx.Module):

@@ -125,7 +125,7 @@ class Transformer(nnx.Module):
   def features(self, ids_BT, positions_BT=None, segment_ids_BT=None, rng=None):
     """The lm head's input (the final-normed hidden states [B, T, D]) and aux: per-layer routing
     stats stacked on axis 0 and the pre-norm last hidden state's per-token log-sum-exp (for the
-    hidden z-loss). Training takes the loss from here (model/head.py), never the whole logits."""
+    hidden z-loss). Training takes the loss from here (kernels/cross_entropy.py), never the whole logits."""
     b, t = ids_BT.shape
     if positions_BT is None:
       positions_BT = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))

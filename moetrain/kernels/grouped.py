@@ -12,9 +12,10 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from moetrain.model import quant, vjp
+from moetrain.kernels import Kernel, experts, vjp
+from moetrain.kernels.lora import with_lora
+from moetrain.model import quant
 from moetrain.model.config import ModelConfig
-from moetrain.model.layers import dtype_of, with_lora
 
 
 class Groups(NamedTuple):
@@ -67,12 +68,10 @@ def _tile_fns(cfg: ModelConfig):
   """The expert SwiGLU on one tile in two halves, so the forward loop can keep gate and up for
   the backward instead of recomputing them: (gate, up) = first(w, x); y = second(w, gate, up).
   LoRA dropout keys fold in the tile's first row, so both loops draw the same masks."""
-  dt = dtype_of(cfg.dtype)
+  dt = jnp.dtype(cfg.dtype)
 
   def mm(w, key):
-    return with_lora(
-      lambda x, wt: x @ quant.dequant(wt, dt), w, cfg.lora.scale, key, cfg.lora.dropout
-    )
+    return with_lora(lambda x, wt: x @ quant.dequant(wt, dt), w, cfg, key)
 
   def first(w, x, key):
     f = mm(w, key)
@@ -112,7 +111,7 @@ def _ffn_forward(x_PD, w_train, w_frozen, groups, rng, tiles, cfg):
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6))
-def expert_ffn(x_PD, w_train, w_frozen, groups: Groups, rng, tiles: tuple, cfg: ModelConfig):
+def _expert_ffn(x_PD, w_train, w_frozen, groups: Groups, rng, tiles: tuple, cfg: ModelConfig):
   """The routed experts' SwiGLU (with their LoRA adapters) over expert-sorted rows, sized by the
   dynamic group sizes: per expert, a loop over its group's b-row tiles, each a few 2-D matmuls
   against that expert's weights (sliced once per expert). The CPU backend: cost follows the
@@ -183,7 +182,21 @@ def _expert_ffn_bwd(tiles, cfg, res, g_PD):
   return dx_PD, dw, None, None, None
 
 
-expert_ffn.defvjp(_expert_ffn_fwd, _expert_ffn_bwd, symbolic_zeros=True)
+_expert_ffn.defvjp(_expert_ffn_fwd, _expert_ffn_bwd, symbolic_zeros=True)
+
+
+def _expert_ffn_reference(x_PD, w_train, w_frozen, groups: Groups, rng, tiles: tuple, cfg):
+  """Every row of a group against its expert's gathered weights (experts.dense_ffn), rows past
+  the groups zero. LoRA dropout masks are drawn per projection over all rows, not per tile: with
+  lora.dropout > 0 this agrees with the fast path in distribution, not value by value."""
+  ends_E = groups.start + groups.size
+  expert_P = jnp.searchsorted(ends_E, jnp.arange(x_PD.shape[0]), side='right')
+  y_PD = experts.dense_ffn(x_PD, expert_P, {**w_train, **w_frozen}, cfg, rng)
+  inside = (expert_P < ends_E.shape[0]) & (jnp.arange(x_PD.shape[0]) >= groups.start[0])
+  return jnp.where(inside[:, None], y_PD, 0).astype(x_PD.dtype)
+
+
+expert_ffn = Kernel('expert_ffn', _expert_ffn, _expert_ffn_reference)
 
 
 TILE_OVERHEAD_ROWS = 32  # a tile's fixed cost (loop trip, slices) in rows of matmul work

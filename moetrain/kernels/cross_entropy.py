@@ -1,30 +1,29 @@
 """Cross entropy of the lm head, fused and chunked along the sequence.
-(Design: docs/design.md, "moetrain/model/head.py".)"""
-
-import functools
+(Design: docs/design.md, "moetrain/kernels/cross_entropy.py".)"""
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from moetrain.model import vjp
+from moetrain.kernels import Kernel, vjp
 from moetrain.sharding import Rules, constrain
 
 
 def head_cross_entropy(
-  head: nnx.Module, h_BTD, targets_BT, mask_BT, chunk: int, rng=None, rules=None
+  head: nnx.Module, h_BTD, targets_BT, mask_BT, chunk: int, rng=None, rules=None, reference=False
 ):
   """Masked sums (NLL, tokens whose target holds the top logit) of head(h) against targets.
 
   head(x_BcD, rng) -> logits [B, c, V] (an nnx module, LoRA adapters and quantised weights
   included); chunk = positions per block (0 = one block). Dropout keys fold in the block index.
   Differentiable in h and in the head's float weights; "correct" is a count (no gradient).
+  reference: the same blocks differentiated by autodiff, instead of the fused backward.
   """
   graphdef, state = nnx.split(head)
   leaves, treedef = jax.tree.flatten(state)
   mask_BT = mask_BT.astype(jnp.float32)
   static = (graphdef, treedef, rules or Rules())
-  return _head_ce(leaves, h_BTD, targets_BT, mask_BT, rng, static, chunk)
+  return head_ce(leaves, h_BTD, targets_BT, mask_BT, rng, static, chunk, reference=reference)
 
 
 def _blocks(h_BTD, targets_BT, mask_BT, chunk: int):
@@ -66,8 +65,7 @@ def _logits_fn(static, rng):
   return logits
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6))
-def _head_ce(leaves, h_BTD, targets_BT, mask_BT, rng, static, chunk):
+def _head_ce_primal(leaves, h_BTD, targets_BT, mask_BT, rng, static, chunk):
   logits = _logits_fn(static, rng)
   h_N, t_N, m_N = _blocks(h_BTD, targets_BT, mask_BT, chunk)
 
@@ -78,6 +76,9 @@ def _head_ce(leaves, h_BTD, targets_BT, mask_BT, rng, static, chunk):
 
   _, (nll, correct) = jax.lax.scan(block, None, (h_N, t_N, m_N, jnp.arange(h_N.shape[0])))
   return nll.sum(), correct.sum()
+
+
+_head_ce = jax.custom_vjp(_head_ce_primal, nondiff_argnums=(5, 6))
 
 
 def _head_ce_fwd(leaves, h_BTD, targets_BT, mask_BT, rng, static, chunk):
@@ -119,3 +120,8 @@ def _head_ce_bwd(static, chunk, res, g):
 
 
 _head_ce.defvjp(_head_ce_fwd, _head_ce_bwd, symbolic_zeros=True)
+
+# The loss over a head given as (leaves, static): the fast path keeps no logits for the backward
+# (each block's weight and input gradients are formed in the forward pass, while its logits
+# exist); the reference is the same scan of blocks differentiated by autodiff.
+head_ce = Kernel('head_ce', _head_ce, _head_ce_primal)

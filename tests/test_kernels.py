@@ -1,0 +1,270 @@
+"""Every kernel's fast path against its plain-autodiff reference (moetrain/kernels): the same
+values and the same gradients, one kernel at a time and through the whole model."""
+
+import ast
+import dataclasses
+import importlib
+import pathlib
+import pkgutil
+
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from moetrain import kernels, sharding
+from moetrain.kernels import attention, cross_entropy, exchange, grouped, lora, rows
+from moetrain.model import dispatch, expert_parallel
+from moetrain.model.attention import attention_mask
+from moetrain.model.layers import Linear
+from moetrain.train_state import split_model
+from moetrain.train_step import forward_loss
+from tests.helpers import model_and_ids, randomize, tiny, with_lora
+
+ROOT = pathlib.Path(__file__).parent.parent / 'moetrain'
+
+
+def _kernels() -> list[kernels.Kernel]:
+  found = []
+  for info in pkgutil.iter_modules(kernels.__path__):
+    module = importlib.import_module(f'moetrain.kernels.{info.name}')
+    found += [v for v in vars(module).values() if isinstance(v, kernels.Kernel) and v not in found]
+  return found
+
+
+def _custom_vjp_sites() -> list[str]:
+  """Every place in moetrain that makes a custom VJP (a decorator or a call of custom_vjp)."""
+  sites = []
+  for path in sorted(ROOT.rglob('*.py')):
+    for node in ast.walk(ast.parse(path.read_text())):
+      if isinstance(node, ast.Attribute) and node.attr == 'custom_vjp':
+        sites.append(f'{path.relative_to(ROOT.parent)}:{node.lineno}')
+  return sites
+
+
+def test_every_custom_vjp_is_the_fast_path_of_a_kernel():
+  sites = _custom_vjp_sites()
+  assert all(s.startswith('moetrain/kernels/') for s in sites), sites
+  fast = [k for k in _kernels() if isinstance(k.fast, jax.custom_vjp)]
+  assert len(fast) == len(sites) == 8, (sorted(k.name for k in fast), sites)
+  assert all(k.reference is not k.fast for k in _kernels())
+
+
+def _with(args, argnums, diff):
+  args = list(args)
+  for i, d in zip(argnums, diff, strict=True):
+    args[i] = d
+  return args
+
+
+def _plain(kernel, args, argnums):
+  """make(reference) -> the kernel as a function of args[argnums]."""
+  return lambda reference: lambda *d: kernel(*_with(args, argnums, d), reference=reference)
+
+
+def _gather_rows():
+  perm = np.random.default_rng(0).permutation(9)  # 9 slots for 7 rows: 2 empty
+  idx_P = jnp.array(np.where(perm < 7, perm, 7))
+  inv = jnp.array([int(np.flatnonzero(perm == r)[0]) for r in range(7)])
+  x = jax.random.normal(jax.random.key(0), (7, 3))
+  return _plain(rows.gather_rows, (x, idx_P, inv), (0,)), (x,)
+
+
+def _dispatch_tokens():
+  m, a, e = 6, 2, 4
+  idx_MA = jax.random.randint(jax.random.key(1), (m, a), 0, e + 2)  # ids >= e: zero experts
+  order_R, expert_sorted_R, _ = dispatch.sort_assignments(idx_MA.reshape(-1), e)
+  asg_P, slot_R, _ = dispatch.place(dispatch.identity_layout(expert_sorted_R < e), order_R)
+  x = jax.random.normal(jax.random.key(2), (m, 3))
+  return _plain(rows.dispatch_tokens, (x, asg_P, slot_R), (0,)), (x,)
+
+
+def _take_experts():
+  w = jax.random.normal(jax.random.key(3), (4, 3, 5))
+  return _plain(rows.take_experts, (w, jnp.array([0, 2, 2, 3, 0, 1])), (0,)), (w,)
+
+
+def _lora_product():
+  x, a, b = (
+    jax.random.normal(jax.random.key(i), s) for i, s in enumerate([(12, 6), (6, 2), (2, 5)])
+  )
+  return _plain(lora.lora_product, (x, a, b), (0, 1, 2)), (x, a, b)
+
+
+def _attention(recompute):
+  def case():
+    t = 11
+    ks = jax.random.split(jax.random.key(4), 3)
+    q, k = (jax.random.normal(key, (2, 3, t, 6)) for key in ks[:2])
+    v = jax.random.normal(ks[2], (2, 3, t, 5))
+    seg = jnp.array([[1] * 5 + [2] * 6, [1] * 9 + [0] * 2])
+    pos = jnp.array([list(range(5)) + list(range(6)), list(range(9)) + [0] * 2])
+    mask = attention_mask(pos, seg, pos, seg) & jnp.tril(jnp.ones((1, t, t), jnp.bool_))
+    mask = mask.at[1, t - 1].set(False)  # a query that sees no key
+    blocks = ((0, 4, 4), (4, 8, 8), (8, 11, 11))
+    args = (q, k, v, mask, 0.3, blocks, recompute)
+    return _plain(attention.attention_core, args, (0, 1, 2)), (q, k, v)
+
+  return case
+
+
+def _head_ce():
+  cfg = with_lora(tiny(), targets=r'lm_head$')
+  head = Linear('BTD,DV->BTV', (32, 64), ('embed', 'vocab'), cfg, 'lm_head', nnx.Rngs(0))
+  randomize(head, 1, nnx.LoRAParam)
+  graphdef, adapters, base = nnx.split(head, nnx.LoRAParam, ...)
+  k = jax.random.split(jax.random.key(5), 3)
+  h = jax.random.normal(k[0], (2, 10, 32))
+  targets = jax.random.randint(k[1], (2, 10), 0, 64)
+  mask = (jax.random.uniform(k[2], (2, 10)) < 0.8).astype(jnp.float32)
+
+  def make(reference):
+    def fn(adapters, h):
+      m = nnx.merge(graphdef, adapters, base)
+      return cross_entropy.head_cross_entropy(m, h, targets, mask, 3, None, None, reference)
+
+    return fn
+
+  return make, (adapters, h)
+
+
+def _expert_ffn(adapters_only):
+  def case():
+    cfg = with_lora(tiny(expert_ffn_hidden_size=6), rank=2, targets=r'experts\.')
+    sizes_E = jnp.array([5, 0, 20, 9], jnp.int32)
+    e, d, f, tiles, n = 4, cfg.hidden_size, 6, (16, 32), 34
+    shapes = dict(gate=(e, d, f), up=(e, d, f), down=(e, f, d))
+    keys = iter(jax.random.split(jax.random.key(6), 10))
+    w = {name: 0.3 * jax.random.normal(next(keys), s) for name, s in shapes.items()}
+    for name, (_, i, o) in shapes.items():
+      w[f'{name}_lora_a'] = 0.3 * jax.random.normal(next(keys), (e, i, 2))
+      w[f'{name}_lora_b'] = 0.3 * jax.random.normal(next(keys), (e, 2, o))
+    x = jax.random.normal(next(keys), (n + 3 + max(tiles), d)).at[n:].set(0)
+    groups = grouped.Groups(jnp.cumsum(sizes_E) - sizes_E, sizes_E, jnp.int32(1))
+    base = {k: v for k, v in w.items() if '_lora_' not in k}
+    adapters = {k: v for k, v in w.items() if '_lora_' in k}
+
+    def make(reference):
+      def fn(x, trained):
+        weights = {**base, **trained} if adapters_only else trained
+        train, frozen = grouped.split_trainable(weights)
+        return grouped.expert_ffn(x, train, frozen, groups, None, tiles, cfg, reference=reference)
+
+      return fn
+
+    return make, (x, adapters if adapters_only else w)
+
+  return case
+
+
+CASES = {
+  'gather_rows': _gather_rows,
+  'dispatch_tokens': _dispatch_tokens,
+  'take_experts': _take_experts,
+  'lora_product': _lora_product,
+  'attention_core_recompute': _attention(True),
+  'attention_core_saved_probs': _attention(False),
+  'head_ce': _head_ce,
+  'expert_ffn': _expert_ffn(False),
+  'expert_ffn_adapters_only': _expert_ffn(True),
+}
+
+
+def _assert_same_function(make, diff, seed=7):
+  """Values and the pullback of a random cotangent, fast path (jitted) against reference."""
+  fast, ref = jax.jit(make(False)), jax.jit(make(True))
+  out, pull = jax.vjp(fast, *diff)
+  want, want_pull = jax.vjp(ref, *diff)
+  chex.assert_trees_all_close(out, want, atol=1e-5, rtol=1e-5)
+  leaves, tree = jax.tree.flatten(want)
+  keys = jax.random.split(jax.random.key(seed), len(leaves))
+  cot = jax.tree.unflatten(
+    tree, [jax.random.normal(k, v.shape, v.dtype) for k, v in zip(keys, leaves)]
+  )
+  got_g, want_g = pull(cot), want_pull(cot)
+  for got, ref_g in zip(jax.tree.leaves(got_g), jax.tree.leaves(want_g), strict=True):
+    assert float(jnp.abs(ref_g).max()) > 0  # every input gets a gradient
+    # Sums over many rows: float32 rounding is relative to the gradient's scale.
+    scale = max(1.0, float(jnp.abs(ref_g).max()))
+    np.testing.assert_allclose(got, ref_g, atol=1e-5 * scale, rtol=1e-5)
+
+
+@pytest.mark.parametrize('case', CASES)
+def test_fast_path_equals_its_autodiff_reference(case):
+  _assert_same_function(*CASES[case]())
+
+
+def test_ragged_exchange_equals_its_autodiff_reference():
+  """The exchange inside a shard_map over 4 shards (its CPU emulation forward): the reverse
+  exchange as its gradient against autodiff through the emulation's all_gather and take."""
+  ep, e_loc, r, d, buf = 4, 2, 8, 3, 20
+  auto = (jax.sharding.AxisType.Auto,)
+  mesh = jax.make_mesh((ep,), ('expert',), axis_types=auto, devices=jax.devices()[:ep])
+  ids = np.sort(np.random.default_rng(1).integers(0, ep * e_loc + 1, (ep, r)), axis=1)
+  counts_SE = jnp.array([np.bincount(row, minlength=ep * e_loc + 1)[:-1] for row in ids])
+  spec = jax.sharding.PartitionSpec('expert')
+
+  def make(reference):
+    def local(x):
+      me = jax.lax.axis_index('expert')
+      ex, _, _ = expert_parallel.ragged_plan(counts_SE, me, e_loc, buf)
+      return exchange.ragged_exchange(x, ex, buf, 'expert', True, reference=reference)
+
+    return jax.shard_map(local, mesh=mesh, in_specs=spec, out_specs=spec, check_vma=False)
+
+  x = jax.random.normal(jax.random.key(8), (ep * r, d))
+  _assert_same_function(make, (x,))
+
+
+def _loss_and_grads(cfg, mesh_shape=None):
+  model, ids = model_and_ids(cfg, t=12)
+  randomize(model, 3, nnx.LoRAParam if cfg.lora.enabled else nnx.Param, 0.05)
+  _, params, bias, frozen = split_model(model, cfg)
+  batch = dict(
+    inputs=ids,
+    targets=jnp.roll(ids, -1, 1),
+    loss_mask=jnp.ones(ids.shape),
+    positions=jnp.broadcast_to(jnp.arange(12), ids.shape),
+    segment_ids=jnp.ones(ids.shape, jnp.int32),
+  )
+
+  out = {}
+  for kind in ('fast', 'reference'):
+    c = dataclasses.replace(cfg, kernels=kind)
+    gd = nnx.graphdef(type(model)(c, nnx.Rngs(0)))
+    step = jax.jit(jax.value_and_grad(lambda p, gd=gd: forward_loss(p, bias, frozen, gd, batch)[0]))
+    if mesh_shape:
+      with jax.set_mesh(sharding.make_mesh(mesh_shape)):
+        out[kind] = step(params)
+    else:
+      out[kind] = step(params)
+  return out
+
+
+@pytest.mark.parametrize(
+  'setting',
+  [
+    # LoRA everywhere (Linear's lora_product, the head's loss, attention), the grouped engine.
+    dict(lora=True, moe_backend='grouped'),
+    # Full training, experts over 4 shards exchanging ragged buffers, the gathered engine.
+    dict(lora=False, moe_backend='gathered', moe_ep_comm='ragged', mesh=(1, 2, 4, 1)),
+  ],
+  ids=['lora_grouped', 'full_expert_parallel'],
+)
+def test_model_with_reference_kernels_gives_the_same_loss_and_gradients(setting):
+  """model.kernels='reference' swaps every kernel for its autodiff twin: the training loss and
+  every trained parameter's gradient are unchanged."""
+  setting = dict(setting)
+  mesh, use_lora = setting.pop('mesh', None), setting.pop('lora')
+  cfg = tiny(attention_chunk=5, loss_chunk=5, **setting)
+  cfg = with_lora(cfg) if use_lora else cfg
+  if mesh:
+    cfg = dataclasses.replace(cfg, rules=sharding.Rules.preset('fsdp_ep_tp'))
+    cfg = cfg.laid_out('cpu', sharding.make_mesh(mesh))
+  out = _loss_and_grads(cfg, mesh)
+  (loss, grads), (want, want_grads) = out['fast'], out['reference']
+  np.testing.assert_allclose(loss, want, rtol=1e-5)
+  for got, ref in zip(jax.tree.leaves(grads), jax.tree.leaves(want_grads), strict=True):
+    np.testing.assert_allclose(got, ref, atol=1e-5 * max(1.0, float(jnp.abs(ref).max())), rtol=1e-4)

@@ -29,7 +29,6 @@ def setup(lora: bool):
   head = Linear(
     'BTD,DV->BTV',
     (cfg.hidden_size, cfg.vocab_size),
-    ('embed', 'vocab'),
     cfg,
     'lm_head',
     nnx.Rngs(0),

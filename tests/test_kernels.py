@@ -112,7 +112,7 @@ def _attention(recompute):
 
 def _head_ce():
   cfg = with_lora(tiny(), targets=r'lm_head$')
-  head = Linear('BTD,DV->BTV', (32, 64), ('embed', 'vocab'), cfg, 'lm_head', nnx.Rngs(0))
+  head = Linear('BTD,DV->BTV', (32, 64), cfg, 'lm_head', nnx.Rngs(0))
   randomize(head, 1, nnx.LoRAParam)
   graphdef, adapters, base = nnx.split(head, nnx.LoRAParam, ...)
   k = jax.random.split(jax.random.key(5), 3)

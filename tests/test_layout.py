@@ -3,6 +3,7 @@ and no ambient engine state in the model's math."""
 
 import ast
 import pathlib
+import re
 
 ROOT = pathlib.Path(__file__).parent.parent / 'moetrain'
 MAX_LINES = 60
@@ -50,3 +51,53 @@ def test_the_model_reads_no_ambient_backend_or_mesh():
     }
     ambient = {c for c in calls if c.endswith(('default_backend', 'get_abstract_mesh'))}
     assert not ambient, (path, ambient)
+
+
+SUFFIX = re.compile(r'^[a-z][a-z0-9]*_([A-Z][A-Za-z]*)$')
+EINSUM = re.compile(r'^[A-Z]+(,[A-Z]+)*->[A-Z]*$')
+
+
+def _shape_names(tree):
+  """(name, letters) of every suffixed identifier and every upper-case einsum string."""
+  for node in ast.walk(tree):
+    name = None
+    if isinstance(node, ast.Name):
+      name = node.id
+    elif isinstance(node, ast.arg):
+      name = node.arg
+    elif isinstance(node, ast.Attribute):
+      name = node.attr
+    if name and (m := SUFFIX.match(name)):
+      yield name, m.group(1)
+    if isinstance(node, ast.Constant) and isinstance(node.value, str):
+      if EINSUM.match(node.value):
+        yield node.value, node.value.replace(',', '').replace('->', '')
+
+
+def test_shape_letters_come_from_the_one_table():
+  """Every array-name suffix (x_BTD) and einsum string in the model and its kernels uses only
+  letters of moetrain/axes.py's table; the table names its logical axes once each."""
+  from moetrain import axes
+
+  unknown = [
+    f'{path.relative_to(ROOT.parent)}: {name}'
+    for under in ('model', 'kernels')
+    for path, tree in _modules(ROOT / under)
+    for name, letters in _shape_names(tree)
+    if set(letters) - set(axes.LETTERS)
+  ]
+  assert not unknown, unknown
+  names = [v.name for v in axes.LETTERS.values() if v.name]
+  assert len(names) == len(set(names))
+  assert axes.names('EDF', F=axes.EXPERT_MLP) == ('experts', 'embed', 'expert_mlp')
+
+
+def test_the_sharding_rules_speak_the_tables_names():
+  """Every logical name the rule presets map is one of axes.py's (a renamed letter cannot
+  leave a rule behind that nothing uses)."""
+  from moetrain import axes, sharding
+
+  for preset in ('fsdp', 'fsdp_ep', 'fsdp_ep_tp'):
+    rules = sharding.Rules.preset(preset)
+    used = {name for name, _ in rules.weights + rules.activations}
+    assert used <= axes.WEIGHT_NAMES, (preset, used - axes.WEIGHT_NAMES)

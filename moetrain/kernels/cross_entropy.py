@@ -5,6 +5,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from moetrain import axes
 from moetrain.kernels import Kernel, vjp
 from moetrain.sharding import Rules, constrain
 
@@ -14,7 +15,7 @@ def head_cross_entropy(
 ):
   """Masked sums (NLL, tokens whose target holds the top logit) of head(h) against targets.
 
-  head(x_BcD, rng) -> logits [B, c, V] (an nnx module, LoRA adapters and quantised weights
+  head(x_BTD, rng) -> logits [B, c, V] (an nnx module, LoRA adapters and quantised weights
   included); chunk = positions per block (0 = one block). Dropout keys fold in the block index.
   Differentiable in h and in the head's float weights; "correct" is a count (no gradient).
   reference: the same blocks differentiated by autodiff, instead of the fused backward.
@@ -39,42 +40,42 @@ def _blocks(h_BTD, targets_BT, mask_BT, chunk: int):
   return split(h_BTD), split(targets_BT), split(mask_BT)
 
 
-def _stats(logits_BcV, targets_Bc, mask_Bc):
+def _stats(logits_BTV, targets_BT, mask_BT):
   """(nll sum, correct count, d nll / d logits) of one block, in float32."""
-  max_Bc = jnp.max(logits_BcV, axis=-1)
-  exp_BcV = jnp.exp(logits_BcV - max_Bc[..., None])
-  sum_Bc = jnp.sum(exp_BcV, axis=-1)
-  gold_Bc = jnp.take_along_axis(logits_BcV, targets_Bc[..., None], axis=-1)[..., 0]
-  nll = jnp.sum((max_Bc + jnp.log(sum_Bc) - gold_Bc) * mask_Bc)
+  max_BT = jnp.max(logits_BTV, axis=-1)
+  exp_BTV = jnp.exp(logits_BTV - max_BT[..., None])
+  sum_BT = jnp.sum(exp_BTV, axis=-1)
+  gold_BT = jnp.take_along_axis(logits_BTV, targets_BT[..., None], axis=-1)[..., 0]
+  nll = jnp.sum((max_BT + jnp.log(sum_BT) - gold_BT) * mask_BT)
   # "Correct" compares the target's logit with the row max the log-sum-exp needs anyway (a tie
   # counts) instead of an argmax: XLA:CPU runs that variadic reduce over the vocabulary slowly.
-  correct = jnp.sum((gold_Bc >= max_Bc) * mask_Bc)
-  onehot_BcV = jax.nn.one_hot(targets_Bc, logits_BcV.shape[-1], dtype=jnp.float32)
-  dlogits_BcV = (exp_BcV / sum_Bc[..., None] - onehot_BcV) * mask_Bc[..., None]
-  return nll, correct, dlogits_BcV
+  correct = jnp.sum((gold_BT >= max_BT) * mask_BT)
+  onehot_BTV = jax.nn.one_hot(targets_BT, logits_BTV.shape[-1], dtype=jnp.float32)
+  dlogits_BTV = (exp_BTV / sum_BT[..., None] - onehot_BTV) * mask_BT[..., None]
+  return nll, correct, dlogits_BTV
 
 
 def _logits_fn(static, rng):
   graphdef, treedef, rules = static
 
-  def logits(leaves, x_BcD, i):
+  def logits(leaves, x_BTD, i):
     key = None if rng is None else jax.random.fold_in(rng, i)
     head = nnx.merge(graphdef, jax.tree.unflatten(treedef, leaves))
-    return constrain(head(x_BcD, key).astype(jnp.float32), ('batch', 'seq', 'vocab'), rules)
+    return constrain(head(x_BTD, key).astype(jnp.float32), axes.names('BTV'), rules)
 
   return logits
 
 
 def _head_ce_primal(leaves, h_BTD, targets_BT, mask_BT, rng, static, chunk):
   logits = _logits_fn(static, rng)
-  h_N, t_N, m_N = _blocks(h_BTD, targets_BT, mask_BT, chunk)
+  h_U, t_U, m_U = _blocks(h_BTD, targets_BT, mask_BT, chunk)
 
   def block(_, xs):
     h, t, m, i = xs
     nll, correct, _ = _stats(logits(leaves, h, i), t, m)
     return None, (nll, correct)
 
-  _, (nll, correct) = jax.lax.scan(block, None, (h_N, t_N, m_N, jnp.arange(h_N.shape[0])))
+  _, (nll, correct) = jax.lax.scan(block, None, (h_U, t_U, m_U, jnp.arange(h_U.shape[0])))
   return nll.sum(), correct.sum()
 
 
@@ -93,7 +94,7 @@ def _head_ce_fwd(leaves, h_BTD, targets_BT, mask_BT, rng, static, chunk):
     return [next(it) if d else v for v, d in zip(leaves, trained)]
 
   logits = _logits_fn(static, rng)
-  h_N, t_N, m_N = _blocks(h_BTD, targets_BT, mask_BT, chunk)
+  h_U, t_U, m_U = _blocks(h_BTD, targets_BT, mask_BT, chunk)
 
   def block(acc, xs):
     h, t, m, i = xs
@@ -103,10 +104,10 @@ def _head_ce_fwd(leaves, h_BTD, targets_BT, mask_BT, rng, static, chunk):
     return [a + g.astype(jnp.float32) for a, g in zip(acc, dw)], (nll, correct, dh)
 
   acc = [jnp.zeros(v.shape, jnp.float32) for v in need]
-  xs = (h_N, t_N, m_N, jnp.arange(h_N.shape[0]))
-  dw, (nll, correct, dh_N) = jax.lax.scan(block, acc, xs)
+  xs = (h_U, t_U, m_U, jnp.arange(h_U.shape[0]))
+  dw, (nll, correct, dh_U) = jax.lax.scan(block, acc, xs)
   b, t = targets_BT.shape
-  dh_BTD = dh_N.swapaxes(0, 1).reshape(b, -1, h_BTD.shape[-1])[:, :t]
+  dh_BTD = dh_U.swapaxes(0, 1).reshape(b, -1, h_BTD.shape[-1])[:, :t]
   it = iter(dw)
   dw = [next(it).astype(v.dtype) if d else None for v, d in zip(leaves, trained)]
   return (nll.sum(), correct.sum()), (dh_BTD, dw)

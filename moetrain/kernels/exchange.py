@@ -11,14 +11,15 @@ from moetrain.kernels import Kernel
 
 
 class Exchange(NamedTuple):
-  """One ragged exchange over a mesh axis of size ep, in K slices (K a multiple of ep; slice i
-  goes to shard i // (K/ep)): the arguments of lax.ragged_all_to_all plus the receive side, so
-  the reverse exchange (the transpose) is this one with the roles swapped.
+  """One ragged exchange over a mesh axis of size ep, in E slices (one per expert group; E a
+  multiple of ep, slice i goes to shard i // (E/ep)): the arguments of lax.ragged_all_to_all
+  plus the receive side, so the reverse exchange (the transpose) is this one with the roles
+  swapped.
 
   in_off, send:  where my slice i starts in my operand, and its rows.
   out_off:       where my slice i lands in its receiver's output.
-  recv, recv_off, src_off: the slice i I receive (from shard i // (K/ep), its slice number
-                 me * K/ep + i % (K/ep)): its rows, where it lands in my output, and where it
+  recv, recv_off, src_off: the slice i I receive (from shard i // (E/ep), its slice number
+                 me * E/ep + i % (E/ep)): its rows, where it lands in my output, and where it
                  starts in its sender's operand."""
 
   in_off: jax.Array
@@ -33,12 +34,12 @@ class Exchange(NamedTuple):
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4))
-def _ragged_exchange(x_ND, ex: Exchange, rows: int, axis: str, emulate: bool):
-  out = jnp.zeros((rows, *x_ND.shape[1:]), x_ND.dtype)
+def _ragged_exchange(x_PD, ex: Exchange, rows: int, axis: str, emulate: bool):
+  out = jnp.zeros((rows, *x_PD.shape[1:]), x_PD.dtype)
   if emulate:
-    return emulated_ragged_all_to_all(x_ND, out, ex, axis)
+    return emulated_ragged_all_to_all(x_PD, out, ex, axis)
   return jax.lax.ragged_all_to_all(
-    x_ND, out, ex.in_off, ex.send, ex.out_off, ex.recv, axis_name=axis
+    x_PD, out, ex.in_off, ex.send, ex.out_off, ex.recv, axis_name=axis
   )
 
 
@@ -48,9 +49,9 @@ _ragged_exchange.defvjp(
 )
 
 
-def _reference(x_ND, ex: Exchange, rows: int, axis: str, emulate: bool):
-  out = jnp.zeros((rows, *x_ND.shape[1:]), x_ND.dtype)
-  return emulated_ragged_all_to_all(x_ND, out, ex, axis)
+def _reference(x_PD, ex: Exchange, rows: int, axis: str, emulate: bool):
+  out = jnp.zeros((rows, *x_PD.shape[1:]), x_PD.dtype)
+  return emulated_ragged_all_to_all(x_PD, out, ex, axis)
 
 
 # [rows, ...] output: the received slices written at their offsets, zeros elsewhere, inside a
@@ -60,18 +61,18 @@ def _reference(x_ND, ex: Exchange, rows: int, axis: str, emulate: bool):
 ragged_exchange = Kernel('ragged_exchange', _ragged_exchange, _reference)
 
 
-def emulated_ragged_all_to_all(x_ND, out_MD, ex: Exchange, axis: str):
+def emulated_ragged_all_to_all(x_PD, out_PD, ex: Exchange, axis: str):
   """lax.ragged_all_to_all's semantics from fixed-size collectives, for XLA:CPU, which lacks the
   op. Like the real op it writes recv[i] rows at recv_off[i] (the receiver's view); the rows come
   from the sender's operand at src_off[i]. Every shard gathers every operand (ep x the memory:
   this is for tests and CPU meshes, not for speed)."""
-  n, m = x_ND.shape[0], out_MD.shape[0]
+  n, m = x_PD.shape[0], out_PD.shape[0]
   ep = jax.lax.axis_size(axis)
   spd = ex.recv.shape[0] // ep
-  all_x = jax.lax.all_gather(x_ND, axis).reshape(ep * n, *x_ND.shape[1:])
+  all_x = jax.lax.all_gather(x_PD, axis).reshape(ep * n, *x_PD.shape[1:])
   o = jnp.arange(m)
-  hit_KM = (o[None] >= ex.recv_off[:, None]) & (o[None] < (ex.recv_off + ex.recv)[:, None])
-  k_M = jnp.argmax(hit_KM, axis=0)
-  src_M = (k_M // spd) * n + ex.src_off[k_M] + o - ex.recv_off[k_M]
-  taken = jnp.take(all_x, src_M, axis=0, mode='clip')
-  return jnp.where(hit_KM.any(0).reshape(m, *([1] * (x_ND.ndim - 1))), taken, out_MD)
+  hit_EP = (o[None] >= ex.recv_off[:, None]) & (o[None] < (ex.recv_off + ex.recv)[:, None])
+  e_P = jnp.argmax(hit_EP, axis=0)
+  src_P = (e_P // spd) * n + ex.src_off[e_P] + o - ex.recv_off[e_P]
+  taken = jnp.take(all_x, src_P, axis=0, mode='clip')
+  return jnp.where(hit_EP.any(0).reshape(m, *([1] * (x_PD.ndim - 1))), taken, out_PD)

@@ -80,39 +80,39 @@ def dense_ffn(x_RD, expert_R, weights, cfg: ModelConfig, rng):
   return swiglu(x_RD, with_lora(mm, weights, cfg, rng), dt)
 
 
-def blocked_ffn(x_NBD, block_expert_N, used, weights, cfg: ModelConfig, rng):
+def blocked_ffn(x_UPD, block_expert_U, used, weights, cfg: ModelConfig, rng):
   """A scan over blocks; blocks past `used` (the padding left by zero-expert assignments) are
   skipped by a cond, so their matmuls never run."""
-  n, b, d = x_NBD.shape
+  n, b, d = x_UPD.shape
   dt = jnp.dtype(cfg.dtype)
 
-  def ffn(x_BD, ex, k):
+  def ffn(x_PD, ex, k):
     w = {name: quant.take(v, ex) for name, v in weights.items()}
     key = None if rng is None else jax.random.fold_in(rng, k)
     mm = with_lora(lambda x, wt: x @ quant.dequant(wt, dt), w, cfg, key)
-    return swiglu(x_BD, mm, dt).astype(dt)
+    return swiglu(x_PD, mm, dt).astype(dt)
 
   def body(_, inp):
-    x_BD, ex, k = inp
+    x_PD, ex, k = inp
     skip = lambda x, ex, k: jnp.zeros((b, d), dt)
-    return None, jax.lax.cond(k < used, ffn, skip, x_BD, ex, k)
+    return None, jax.lax.cond(k < used, ffn, skip, x_PD, ex, k)
 
-  _, y_NBD = jax.lax.scan(body, None, (x_NBD, block_expert_N, jnp.arange(n)))
-  return y_NBD.reshape(n * b, d)
+  _, y_UPD = jax.lax.scan(body, None, (x_UPD, block_expert_U, jnp.arange(n)))
+  return y_UPD.reshape(n * b, d)
 
 
-def gathered_ffn(x_NBD, block_expert_N, weights, cfg: ModelConfig, rng):
-  n, b, d = x_NBD.shape
+def gathered_ffn(x_UPD, block_expert_U, weights, cfg: ModelConfig, rng):
+  n, b, d = x_UPD.shape
   dt = jnp.dtype(cfg.dtype)
-  w_N = {
-    name: quant.take(v, block_expert_N)
+  w_U = {
+    name: quant.take(v, block_expert_U)
     if isinstance(v, quant.QTensor)
-    else take_experts(v, block_expert_N, reference=cfg.kernels == 'reference')
+    else take_experts(v, block_expert_U, reference=cfg.kernels == 'reference')
     for name, v in weights.items()
   }
 
   def mm(x, w):
-    return jnp.einsum('NBD,NDF->NBF', x, quant.dequant(w, dt))
+    return jnp.einsum('UPD,UDF->UPF', x, quant.dequant(w, dt))
 
-  mm = with_lora(mm, w_N, cfg, rng)
-  return swiglu(x_NBD, mm, dt).reshape(n * b, d)
+  mm = with_lora(mm, w_U, cfg, rng)
+  return swiglu(x_UPD, mm, dt).reshape(n * b, d)

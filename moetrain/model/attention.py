@@ -6,6 +6,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from moetrain import axes
 from moetrain.kernels.attention import attention_core, masked_scores
 from moetrain.model.config import ModelConfig
 from moetrain.model.layers import Linear, RMSNorm, rope_interleaved
@@ -31,21 +32,13 @@ class MLA(nnx.Module):
     self.cfg = cfg
     d, n, q, k = cfg.hidden_size, cfg.num_heads, cfg.q_lora_rank, cfg.kv_lora_rank
     qk, nope, v, rope = cfg.qk_head_dim, cfg.qk_nope_head_dim, cfg.v_head_dim, cfg.qk_rope_head_dim
-    self.q_a = Linear('BTD,DQ->BTQ', (d, q), ('embed', 'q_lora'), cfg, f'{path}.q_a', rngs)
-    self.q_a_norm = RMSNorm(q, 'q_lora', cfg.mla_norm_eps, cfg)
-    self.q_b = Linear(
-      'BTQ,QNH->BTNH', (q, n, qk), ('q_lora', 'heads', 'head_dim'), cfg, f'{path}.q_b', rngs
-    )
-    self.kv_a = Linear(
-      'BTD,DK->BTK', (d, k + rope), ('embed', 'kv_lora'), cfg, f'{path}.kv_a', rngs
-    )
-    self.kv_a_norm = RMSNorm(k, 'kv_lora', cfg.mla_norm_eps, cfg)
-    self.kv_b = Linear(
-      'BTK,KNH->BTNH', (k, n, nope + v), ('kv_lora', 'heads', 'head_dim'), cfg, f'{path}.kv_b', rngs
-    )
-    self.o = Linear(
-      'BTNH,NHD->BTD', (n, v, d), ('heads', 'head_dim', 'embed'), cfg, f'{path}.o', rngs
-    )
+    self.q_a = Linear('BTD,DQ->BTQ', (d, q), cfg, f'{path}.q_a', rngs)
+    self.q_a_norm = RMSNorm(q, 'Q', cfg.mla_norm_eps, cfg)
+    self.q_b = Linear('BTQ,QNH->BTNH', (q, n, qk), cfg, f'{path}.q_b', rngs)
+    self.kv_a = Linear('BTD,DK->BTK', (d, k + rope), cfg, f'{path}.kv_a', rngs)
+    self.kv_a_norm = RMSNorm(k, 'K', cfg.mla_norm_eps, cfg)
+    self.kv_b = Linear('BTK,KNH->BTNH', (k, n, nope + v), cfg, f'{path}.kv_b', rngs)
+    self.o = Linear('BTNH,NHD->BTD', (n, v, d), cfg, f'{path}.o', rngs)
     # Variance alignment of the low-rank paths (TR eq. 6-7); HF applies them unconditionally.
     self.alpha_q = math.sqrt(d / q) if cfg.mla_scale_q_lora else 1.0
     self.alpha_kv = math.sqrt(d / k) if cfg.mla_scale_kv_lora else 1.0
@@ -97,7 +90,7 @@ class MLA(nnx.Module):
       cfg.attention_recompute,
       reference=cfg.kernels == 'reference',
     )
-    out_BTNH = constrain(out_BNTH.transpose(0, 2, 1, 3), ('batch', 'seq', 'heads', None), cfg.rules)
+    out_BTNH = constrain(out_BNTH.transpose(0, 2, 1, 3), axes.names('BTN') + (None,), cfg.rules)
     return self.o(out_BTNH, rng)
 
   def __call__(self, x_BTD, positions_BT, segment_ids_BT, rng=None):

@@ -174,10 +174,10 @@ def blocked_layout(sizes_E, r: int, cfg: ModelConfig) -> Layout:
   src_P = jnp.where((slot // b < used) & (j_P < sizes_E[ex_P]), group_start_E[ex_P] + j_P, r)
 
   def run(x_PD, weights, rng):
-    x_NBD = x_PD.reshape(nblocks, b, -1)
+    x_UPD = x_PD.reshape(nblocks, b, -1)
     if resolve_backend(cfg, r) == 'gathered':
-      return experts.gathered_ffn(x_NBD, block_expert, weights, cfg, rng)
-    return experts.blocked_ffn(x_NBD, block_expert, used, weights, cfg, rng)
+      return experts.gathered_ffn(x_UPD, block_expert, weights, cfg, rng)
+    return experts.blocked_ffn(x_UPD, block_expert, used, weights, cfg, rng)
 
   return Layout(src_P, dest_R, valid_R, run)
 
@@ -218,15 +218,15 @@ def capacity_layout(expert_sorted_R, sizes_E, c: int, cfg: ModelConfig) -> Layou
   pos_R = jnp.arange(r) - group_start_E[ex_R]
   kept_R = (expert_sorted_R < e) & (pos_R < c)
   slot = jnp.arange(e * c)
-  ex_S, pos_S = slot // c, slot % c
-  src_S = jnp.where(pos_S < sizes_E[ex_S], group_start_E[ex_S] + pos_S, r)
+  ex_P, pos_P = slot // c, slot % c
+  src_P = jnp.where(pos_P < sizes_E[ex_P], group_start_E[ex_P] + pos_P, r)
   dt = jnp.dtype(cfg.dtype)
 
-  def run(x_SD, weights, rng):
+  def run(x_PD, weights, rng):
     def mm(x, w):
       return jnp.einsum('ECD,EDF->ECF', x, quant.dequant(w, dt))
 
     mm = with_lora(mm, weights, cfg, rng)
-    return experts.swiglu(x_SD.reshape(e, c, -1), mm, dt).reshape(e * c, -1)
+    return experts.swiglu(x_PD.reshape(e, c, -1), mm, dt).reshape(e * c, -1)
 
-  return Layout(src_S, jnp.where(kept_R, ex_R * c + pos_R, e * c), kept_R, run)
+  return Layout(src_P, jnp.where(kept_R, ex_R * c + pos_R, e * c), kept_R, run)

@@ -95,8 +95,8 @@ def _ep_shard(x_MD, idx_MA, gates_MA, weights, cfg: ModelConfig, ep: int, rng):
     send = dispatch.capacity_layout(
       jnp.minimum(expert_sorted_R // e_loc, ep), shard_sizes, cap, cfg
     )
-  asg_S, slot_R, kept_R = dispatch.place(send, order_R)
-  send_x = dispatch_tokens(x_MD.astype(cfg.dtype), asg_S, slot_R, reference=ref)
+  asg_P, slot_R, kept_R = dispatch.place(send, order_R)
+  send_x = dispatch_tokens(x_MD.astype(cfg.dtype), asg_P, slot_R, reference=ref)
   send_e = jnp.take(
     (expert_sorted_R % e_loc).astype(jnp.int32), send.src_P, mode='fill', fill_value=e_loc
   )
@@ -112,7 +112,7 @@ def _ep_shard(x_MD, idx_MA, gates_MA, weights, cfg: ModelConfig, ep: int, rng):
   y_recv = gather_rows(y_buf, slot2, asg2, reference=ref).reshape(ep, cap, d)
   y_back = jax.lax.all_to_all(y_recv, 'expert', 0, 0).reshape(ep * cap, d)
   return dispatch.combine(
-    gather_rows(y_back, slot_R, asg_S, reference=ref), kept_R, idx_MA, gates_MA, cfg
+    gather_rows(y_back, slot_R, asg_P, reference=ref), kept_R, idx_MA, gates_MA, cfg
   )
 
 
@@ -131,34 +131,34 @@ def ep_expert_capacity(rows: int, cfg: ModelConfig, ep: int) -> int:
   return dispatch.capacity(ep * rows // cfg.moe_topk, cfg)
 
 
-def ragged_plan(counts_SE, me, e_loc: int, buf: int, cap: int = 0):
-  """The exchange of expert groups for every shard's group sizes counts_SE [ep, E] (all shards
+def ragged_plan(counts_GE, me, e_loc: int, buf: int, cap: int = 0):
+  """The exchange of expert groups for every shard's group sizes counts_GE [ep, E] (all shards
   compute the same plan). Receive buffers are sorted by local expert, then by source shard, so
   the received rows are already grouped for the grouped matmul. With cap > 0 each expert keeps
   its first cap rows in source-shard order, i.e. in global token order, as one device's capacity
   dispatch does. A buffer of `buf` rows keeps groups in that order until full (what does not fit
   is dropped). Returns the exchange, this shard's kept rows per expert [E] and its local
   experts' received group sizes [e_loc]."""
-  ep, e = counts_SE.shape
-  before_SE = jnp.cumsum(counts_SE, axis=0) - counts_SE  # the expert's rows on earlier shards
-  sent_SE = jnp.clip(cap - before_SE, 0, counts_SE) if cap else counts_SE
-  total_RL = sent_SE.sum(0).reshape(ep, e_loc)
-  start_E = (jnp.cumsum(total_RL, axis=1) - total_RL).reshape(e)
-  off_SE = start_E[None] + jnp.cumsum(sent_SE, axis=0) - sent_SE
-  kept_SE = jnp.clip(buf - off_SE, 0, sent_SE)
-  off_SE = jnp.minimum(off_SE, buf)  # groups that do not fit: empty slices at the end
-  group_start_SE = jnp.cumsum(counts_SE, axis=1) - counts_SE
+  ep, e = counts_GE.shape
+  before_GE = jnp.cumsum(counts_GE, axis=0) - counts_GE  # the expert's rows on earlier shards
+  sent_GE = jnp.clip(cap - before_GE, 0, counts_GE) if cap else counts_GE
+  total_GE = sent_GE.sum(0).reshape(ep, e_loc)
+  start_E = (jnp.cumsum(total_GE, axis=1) - total_GE).reshape(e)
+  off_GE = start_E[None] + jnp.cumsum(sent_GE, axis=0) - sent_GE
+  kept_GE = jnp.clip(buf - off_GE, 0, sent_GE)
+  off_GE = jnp.minimum(off_GE, buf)  # groups that do not fit: empty slices at the end
+  group_start_GE = jnp.cumsum(counts_GE, axis=1) - counts_GE
   # What I receive, source-major: [ep sources, my e_loc experts] flattened.
-  mine = lambda a_SE: jax.lax.dynamic_slice_in_dim(a_SE, me * e_loc, e_loc, axis=1).reshape(e)
+  mine = lambda a_GE: jax.lax.dynamic_slice_in_dim(a_GE, me * e_loc, e_loc, axis=1).reshape(e)
   ex = Exchange(
-    in_off=group_start_SE[me],
-    send=kept_SE[me],
-    out_off=off_SE[me],
-    recv=mine(kept_SE),
-    recv_off=mine(off_SE),
-    src_off=mine(group_start_SE),
+    in_off=group_start_GE[me],
+    send=kept_GE[me],
+    out_off=off_GE[me],
+    recv=mine(kept_GE),
+    recv_off=mine(off_GE),
+    src_off=mine(group_start_GE),
   )
-  return ex, kept_SE[me], mine(kept_SE).reshape(ep, e_loc).sum(0)
+  return ex, kept_GE[me], mine(kept_GE).reshape(ep, e_loc).sum(0)
 
 
 def _ep_ragged_shard(x_MD, idx_MA, gates_MA, weights, cfg: ModelConfig, ep: int, rng):
@@ -171,19 +171,19 @@ def _ep_ragged_shard(x_MD, idx_MA, gates_MA, weights, cfg: ModelConfig, ep: int,
   r = expert_sorted_R.shape[0]
   buf = ep_recv_rows(r, cfg, ep)
   cap = ep_expert_capacity(r, cfg, ep) if cfg.moe_dispatch == 'capacity' else 0
-  counts_SE = jax.lax.all_gather(sizes_E, 'expert')
-  ex, kept_E, local_sizes = ragged_plan(counts_SE, jax.lax.axis_index('expert'), e_loc, buf, cap)
+  counts_GE = jax.lax.all_gather(sizes_E, 'expert')
+  ex, kept_E, local_sizes = ragged_plan(counts_GE, jax.lax.axis_index('expert'), e_loc, buf, cap)
   # Send buffer: the expert-sorted rows; each group sends its first kept_E[e] rows.
   ex_R = jnp.minimum(expert_sorted_R, e - 1)
   sent_R = (expert_sorted_R < e) & (jnp.arange(r) - ex.in_off[ex_R] < kept_E[ex_R])
-  asg_S, slot_R, kept_R = dispatch.place(dispatch.identity_layout(sent_R), order_R)
-  send_x = dispatch_tokens(x_MD.astype(cfg.dtype), asg_S, slot_R, reference=ref)
+  asg_P, slot_R, kept_R = dispatch.place(dispatch.identity_layout(sent_R), order_R)
+  send_x = dispatch_tokens(x_MD.astype(cfg.dtype), asg_P, slot_R, reference=ref)
   emulate = cfg.platform == 'cpu'
   recv_x = ragged_exchange(send_x, ex, buf, 'expert', emulate, reference=ref)
   # Received rows are sorted by local expert; rows past the groups are empty (id e_loc).
-  expert_B = jnp.searchsorted(jnp.cumsum(local_sizes), jnp.arange(buf), side='right')
+  expert_P = jnp.searchsorted(jnp.cumsum(local_sizes), jnp.arange(buf), side='right')
   local = dispatch.make_layout(
-    expert_B, local_sizes, cfg, 'dropless', dispatch.expected_group(cfg, ep * idx_MA.size)
+    expert_P, local_sizes, cfg, 'dropless', dispatch.expected_group(cfg, ep * idx_MA.size)
   )
   if dispatch.resolve_backend(cfg, buf) in dispatch.SORTED_ROW_BACKENDS:
     # The received rows are the layout: no copy in and out of it (each a [buf, D] buffer in
@@ -195,5 +195,5 @@ def _ep_ragged_shard(x_MD, idx_MA, gates_MA, weights, cfg: ModelConfig, ep: int,
     y_recv = gather_rows(y_buf, local.dest_R, local.src_P, reference=ref)
   y_sorted = ragged_exchange(y_recv, ex.reverse(), r, 'expert', emulate, reference=ref)
   return dispatch.combine(
-    gather_rows(y_sorted, slot_R, asg_S, reference=ref), kept_R, idx_MA, gates_MA, cfg
+    gather_rows(y_sorted, slot_R, asg_P, reference=ref), kept_R, idx_MA, gates_MA, cfg
   )

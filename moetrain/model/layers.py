@@ -7,6 +7,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from moetrain import axes
 from moetrain.kernels.lora import lora_dropout, lora_product
 from moetrain.model import quant
 from moetrain.model.config import ModelConfig
@@ -39,21 +40,22 @@ def matmul_dims(eqn: str) -> int:
 
 
 class Linear(nnx.Module):
-  """A projection `eqn` (e.g. 'BTD,DNH->BTNH') whose kernel carries logical axis names; LoRA
-  adapters A [in.., R] and B [R, out..] are added when `path` matches lora.targets (the weight
+  """A projection `eqn` (e.g. 'BTD,DNH->BTNH') whose kernel [D, N, H] carries the logical axis
+  names of its letters (moetrain/axes.py); LoRA adapters A [in.., J] and B [J, out..] are added when `path` matches lora.targets (the weight
   delta A @ B is never formed), and the frozen kernel may be stored quantised (QLoRA).
 
   It runs as 2-D matmuls over the flattened tokens: with the batch and sequence dimensions kept
   apart, the weight-gradient contractions (over both) made XLA:CPU transpose the activation
   gradients through slow strided fusions, 3x the time of the LoRA MLP (bench/RESULTS.md)."""
 
-  def __init__(self, eqn, shape, axes, cfg: ModelConfig, path: str, rngs: nnx.Rngs, std=None):
+  def __init__(self, eqn, shape, cfg: ModelConfig, path: str, rngs: nnx.Rngs, std=None):
     self.eqn, self.path = eqn, path
+    names = axes.names(eqn.split('->')[0].split(',')[1])
     self.compute_dtype = dtype_of(cfg.dtype)
     std = cfg.init_std if std is None else std
     n_in = self.n_in = matmul_dims(eqn)
     kernel = normal(rngs, shape, std, dtype_of(cfg.param_dtype))
-    self.kernel = quant.make_param(kernel, axes, cfg, n_batch=0, n_in=n_in)
+    self.kernel = quant.make_param(kernel, names, cfg, n_batch=0, n_in=n_in)
     self.lora_scale, self.lora_dropout = cfg.lora.scale, cfg.lora.dropout
     self.reference_kernels = cfg.kernels == 'reference'
     self.has_lora = cfg.lora.matches(path)
@@ -62,32 +64,33 @@ class Linear(nnx.Module):
       r = cfg.lora.rank
       a = normal(rngs, (*in_shape, r), math.prod(in_shape) ** -0.5, dtype_of(cfg.param_dtype))
       b = jnp.zeros((r, *out_shape), dtype_of(cfg.param_dtype))
-      self.lora_a = nnx.LoRAParam(a, axes=(*axes[:n_in], 'lora_rank'))
-      self.lora_b = nnx.LoRAParam(b, axes=('lora_rank', *axes[n_in:]))
+      self.lora_a = nnx.LoRAParam(a, axes=(*names[:n_in], *axes.names('J')))
+      self.lora_b = nnx.LoRAParam(b, axes=(*axes.names('J'), *names[n_in:]))
 
   def __call__(self, x, rng=None):
     dt = self.compute_dtype
     lead, n_in = x.shape[: x.ndim - self.n_in], self.n_in
-    x_MK = x.astype(dt).reshape(math.prod(lead), -1)
+    x_MI = x.astype(dt).reshape(math.prod(lead), -1)
     w = quant.value(self.kernel, dt)
     out_shape = w.shape[n_in:]
-    y_MN = x_MK @ w.reshape(x_MK.shape[1], -1)
+    y_MO = x_MI @ w.reshape(x_MI.shape[1], -1)
     if self.has_lora:
       rng = None if rng is None else jax.random.fold_in(rng, zlib.crc32(self.path.encode()))
-      a_KR = self.lora_a[...].astype(dt).reshape(x_MK.shape[1], -1)
-      b_RN = self.lora_b[...].astype(dt).reshape(a_KR.shape[1], -1)
-      xa_MK = lora_dropout(x_MK, self.lora_dropout, rng)
-      ab_MN = lora_product(xa_MK, a_KR, b_RN, reference=self.reference_kernels)
-      y_MN = y_MN + self.lora_scale * ab_MN
-    return y_MN.reshape(*lead, *out_shape)
+      a_IJ = self.lora_a[...].astype(dt).reshape(x_MI.shape[1], -1)
+      b_JO = self.lora_b[...].astype(dt).reshape(a_IJ.shape[1], -1)
+      xa_MI = lora_dropout(x_MI, self.lora_dropout, rng)
+      ab_MO = lora_product(xa_MI, a_IJ, b_JO, reference=self.reference_kernels)
+      y_MO = y_MO + self.lora_scale * ab_MO
+    return y_MO.reshape(*lead, *out_shape)
 
 
 class RMSNorm(nnx.Module):
   """w * x * rsqrt(mean(x^2) + eps), in float32, cast back to the input dtype."""
 
-  def __init__(self, dim: int, axis: str, eps: float, cfg: ModelConfig):
+  def __init__(self, dim: int, letter: str, eps: float, cfg: ModelConfig):
+    """letter: the normalised dimension's (moetrain/axes.py)."""
     self.eps = eps
-    self.scale = nnx.Param(jnp.ones((dim,), dtype_of(cfg.param_dtype)), axes=(axis,))
+    self.scale = nnx.Param(jnp.ones((dim,), dtype_of(cfg.param_dtype)), axes=axes.names(letter))
 
   def __call__(self, x):
     x32 = x.astype(jnp.float32)
@@ -101,7 +104,7 @@ class Embed(nnx.Module):
     self.compute_dtype = dtype_of(cfg.dtype)
     self.rules = cfg.rules
     emb = normal(rngs, (cfg.vocab_size, cfg.hidden_size), cfg.init_std, dtype_of(cfg.param_dtype))
-    self.embedding = quant.make_param(emb, ('vocab', 'embed'), cfg, n_batch=1, n_in=1)
+    self.embedding = quant.make_param(emb, axes.names('VD'), cfg, n_batch=1, n_in=1)
 
   def __call__(self, ids_BT):
     # The table is stored with D sharded (over fsdp): gathered whole along D first, as FSDP does

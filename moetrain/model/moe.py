@@ -5,6 +5,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from moetrain import axes
 from moetrain.model import expert_parallel, quant
 from moetrain.model.config import ModelConfig
 from moetrain.model.layers import dtype_of, normal
@@ -18,29 +19,29 @@ class Experts(nnx.Module):
   """Stacked routed-expert SwiGLU weights [E, D, F] / [E, F, D] and their per-expert LoRA."""
 
   NAMES = ('gate', 'up', 'down')
+  LETTERS = {'gate': 'EDF', 'up': 'EDF', 'down': 'EFD'}
 
   def __init__(self, cfg: ModelConfig, path: str, rngs: nnx.Rngs):
     e, d, f = cfg.n_routed_experts, cfg.hidden_size, cfg.expert_ffn_hidden_size
     pdt = dtype_of(cfg.param_dtype)
     shapes = {'gate': (e, d, f), 'up': (e, d, f), 'down': (e, f, d)}
-    axes = {
-      'gate': ('experts', 'embed', 'expert_mlp'),
-      'up': ('experts', 'embed', 'expert_mlp'),
-      'down': ('experts', 'expert_mlp', 'embed'),
-    }
+    f_name = {'F': axes.EXPERT_MLP}
+    names = {n: axes.names(letters, **f_name) for n, letters in self.LETTERS.items()}
     self.lora_names = tuple(n for n in self.NAMES if cfg.lora.matches(f'{path}.{n}'))
     self.lora_scale = cfg.lora.scale
     for n in self.NAMES:
       setattr(
-        self, n, quant.make_param(normal(rngs, shapes[n], cfg.init_std, pdt), axes[n], cfg, 1)
+        self, n, quant.make_param(normal(rngs, shapes[n], cfg.init_std, pdt), names[n], cfg, 1)
       )
     r = cfg.lora.rank
     for n in self.lora_names:
       _, din, dout = shapes[n]
       a = normal(rngs, (e, din, r), din**-0.5, pdt)
-      setattr(self, f'{n}_lora_a', nnx.LoRAParam(a, axes=(axes[n][0], axes[n][1], 'lora_rank')))
+      a_axes = axes.names(self.LETTERS[n][:2] + 'J', **f_name)
+      setattr(self, f'{n}_lora_a', nnx.LoRAParam(a, axes=a_axes))
       b = jnp.zeros((e, r, dout), pdt)
-      setattr(self, f'{n}_lora_b', nnx.LoRAParam(b, axes=(axes[n][0], 'lora_rank', axes[n][2])))
+      b_axes = axes.names(self.LETTERS[n][0] + 'J' + self.LETTERS[n][2], **f_name)
+      setattr(self, f'{n}_lora_b', nnx.LoRAParam(b, axes=b_axes))
 
   def weights(self) -> dict:
     """Raw arrays (or quantised tensors) keyed 'gate', 'gate_lora_a', ... for the engine."""
@@ -65,9 +66,9 @@ class MoE(nnx.Module):
     self.cfg = cfg
     x = cfg.num_experts_total
     self.router = nnx.Param(
-      normal(rngs, (cfg.hidden_size, x), cfg.init_std, jnp.float32), axes=('embed', 'router')
+      normal(rngs, (cfg.hidden_size, x), cfg.init_std, jnp.float32), axes=axes.names('DX')
     )
-    self.router_bias = RouterBias(jnp.zeros((x,), jnp.float32), axes=('router',))
+    self.router_bias = RouterBias(jnp.zeros((x,), jnp.float32), axes=axes.names('X'))
     self.experts = Experts(cfg, f'{path}.experts', rngs)
 
   def __call__(self, x_BTD, valid_BT, rng=None):

@@ -5,13 +5,14 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
+from moetrain import axes
 from moetrain.model.attention import MLA
 from moetrain.model.config import ModelConfig
 from moetrain.model.layers import Embed, Linear, RMSNorm
 from moetrain.model.moe import MoE
 from moetrain.sharding import constrain
 
-ACT = ('batch', 'seq', 'embed')
+ACT = axes.names('BTD')
 
 
 class MLP(nnx.Module):
@@ -19,14 +20,14 @@ class MLP(nnx.Module):
 
   def __init__(self, cfg: ModelConfig, path: str, rngs: nnx.Rngs):
     d, f = cfg.hidden_size, cfg.ffn_hidden_size
-    self.gate = Linear('BTD,DF->BTF', (d, f), ('embed', 'mlp'), cfg, f'{path}.gate', rngs)
-    self.up = Linear('BTD,DF->BTF', (d, f), ('embed', 'mlp'), cfg, f'{path}.up', rngs)
-    self.down = Linear('BTF,FD->BTD', (f, d), ('mlp', 'embed'), cfg, f'{path}.down', rngs)
+    self.gate = Linear('BTD,DF->BTF', (d, f), cfg, f'{path}.gate', rngs)
+    self.up = Linear('BTD,DF->BTF', (d, f), cfg, f'{path}.up', rngs)
+    self.down = Linear('BTF,FD->BTD', (f, d), cfg, f'{path}.down', rngs)
     self.rules = cfg.rules
 
   def __call__(self, x_BTD, rng=None):
     h_BTF = jax.nn.silu(self.gate(x_BTD, rng).astype(jnp.float32)) * self.up(x_BTD, rng)
-    h_BTF = constrain(h_BTF.astype(x_BTD.dtype), ('batch', 'seq', 'mlp'), self.rules)
+    h_BTF = constrain(h_BTF.astype(x_BTD.dtype), axes.names('BTF'), self.rules)
     return self.down(h_BTF, rng)
 
 
@@ -37,10 +38,10 @@ class DecoderLayer(nnx.Module):
   def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
     d, eps, p = cfg.hidden_size, cfg.rms_norm_eps, 'layers'
     self.rules = cfg.rules
-    self.input_norm_0 = RMSNorm(d, 'embed', eps, cfg)
-    self.input_norm_1 = RMSNorm(d, 'embed', eps, cfg)
-    self.post_norm_0 = RMSNorm(d, 'embed', eps, cfg)
-    self.post_norm_1 = RMSNorm(d, 'embed', eps, cfg)
+    self.input_norm_0 = RMSNorm(d, 'D', eps, cfg)
+    self.input_norm_1 = RMSNorm(d, 'D', eps, cfg)
+    self.post_norm_0 = RMSNorm(d, 'D', eps, cfg)
+    self.post_norm_1 = RMSNorm(d, 'D', eps, cfg)
     self.attn_0 = MLA(cfg, f'{p}.attn_0', rngs)
     self.attn_1 = MLA(cfg, f'{p}.attn_1', rngs)
     self.mlp_0 = MLP(cfg, f'{p}.mlp_0', rngs)
@@ -94,7 +95,7 @@ def mark_layer_axes(layers: nnx.Module) -> None:
   """Prepends the scan axis name to the logical axes of every stacked variable."""
   for _, var in nnx.iter_graph(layers):
     if isinstance(var, nnx.Variable) and 'axes' in var.get_metadata():
-      var.set_metadata('axes', ('layers', *var.axes))
+      var.set_metadata('axes', (*axes.names('L'), *var.axes))
 
 
 class Transformer(nnx.Module):
@@ -109,17 +110,15 @@ class Transformer(nnx.Module):
 
     self.layers = make_layers(rngs)
     mark_layer_axes(self.layers)
-    self.final_norm = RMSNorm(cfg.hidden_size, 'embed', cfg.rms_norm_eps, cfg)
-    self.lm_head = Linear(
-      'BTD,DV->BTV', (cfg.hidden_size, cfg.vocab_size), ('embed', 'vocab'), cfg, 'lm_head', rngs
-    )
+    self.final_norm = RMSNorm(cfg.hidden_size, 'D', cfg.rms_norm_eps, cfg)
+    self.lm_head = Linear('BTD,DV->BTV', (cfg.hidden_size, cfg.vocab_size), cfg, 'lm_head', rngs)
 
   def __call__(self, ids_BT, positions_BT=None, segment_ids_BT=None, rng=None):
     """Returns float32 logits [B, T, V] and the aux of `features`."""
     h_BTD, aux = self.features(ids_BT, positions_BT, segment_ids_BT, rng)
     with jax.named_scope('lm_head'):
       logits_BTV = self.lm_head(h_BTD, rng).astype(jnp.float32)
-      logits_BTV = constrain(logits_BTV, ('batch', 'seq', 'vocab'), self.cfg.rules)
+      logits_BTV = constrain(logits_BTV, axes.names('BTV'), self.cfg.rules)
     return logits_BTV, aux
 
   def features(self, ids_BT, positions_BT=None, segment_ids_BT=None, rng=None):

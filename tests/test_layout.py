@@ -43,7 +43,7 @@ def test_the_tools_import_setup_not_the_training_loop():
 
 def test_the_model_reads_no_ambient_backend_or_mesh():
   """The engine is laid out by setup.build (ModelConfig.platform and mesh_shape)."""
-  for path, tree in _modules(ROOT / 'model'):
+  for path, tree in [*_modules(ROOT / 'model'), *_modules(ROOT / 'kernels')]:
     calls = {
       ast.unparse(node.func)
       for node in ast.walk(tree)

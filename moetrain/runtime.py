@@ -1,6 +1,7 @@
 """Process settings for fast host (CPU) execution, applied by the command-line entry points.
 (Design: docs/design.md, "moetrain/runtime.py".)"""
 
+import contextlib
 import functools
 import logging
 import os
@@ -8,6 +9,7 @@ import platform
 import signal
 import sys
 import threading
+import time
 
 TUNABLE = 'glibc.malloc.hugetlb'
 THP_SETTING = '/sys/kernel/mm/transparent_hugepage/enabled'
@@ -270,3 +272,16 @@ def is_primary() -> bool:
   import jax
 
   return jax.process_index() == 0
+
+
+@contextlib.contextmanager
+def phase(what: str):
+  """A long start-up phase said on process 0's stdout: `what ...` before it and `what: done in
+  X s` after; the caller may add to the end line through the yielded dict's 'note'."""
+  primary = is_primary()
+  if primary:
+    print(f'{what} ...', flush=True)
+  start, said = time.perf_counter(), {'note': ''}
+  yield said
+  if primary:
+    print(f'{what}: done in {time.perf_counter() - start:.1f} s{said["note"]}', flush=True)

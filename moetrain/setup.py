@@ -4,6 +4,7 @@ converts and checks a config before anything compiles; `initial_state`, `restore
 
 import dataclasses
 import functools
+import math
 import os
 import re
 
@@ -11,7 +12,7 @@ import jax
 from absl import logging
 from flax import nnx
 
-from moetrain import fields, optim, rundir, sharding
+from moetrain import axes, fields, optim, rundir, runtime, sharding
 from moetrain.checkpoint import Checkpointer, data_positions, process_data_state
 from moetrain.data import pipeline
 from moetrain.model.config import LoraConfig, ModelConfig
@@ -97,6 +98,7 @@ def build(
   step = StepConfig(model=model, grad_accum_steps=opt.grad_accum_steps, **loss)
   step.validate()
   check_regexes(model, opt)
+  check_lora_rank(model)
   if config.init.peft_adapter and not model.lora.enabled:
     raise ValueError('init.peft_adapter needs lora.rank > 0 (the rank of the adapter)')
   init = InitConfig(**config.init.to_dict())
@@ -134,13 +136,47 @@ def check_mesh_fits(model, data, opt, mesh_shape, per_host: int) -> None:
     )
 
 
+@functools.lru_cache(maxsize=4)
+def abstract_model(model: ModelConfig) -> Transformer:
+  """The model's shapes only (no memory), for the checks that need them."""
+  return nnx.eval_shape(lambda: Transformer(model, nnx.Rngs(0)))
+
+
+def check_lora_rank(model: ModelConfig) -> None:
+  """An adapter whose rank exceeds the smaller side of the matrix it adapts has more parameters
+  than that matrix and no low-rank saving: refused, naming the layers and the largest rank
+  that fits them all."""
+  if not model.lora.enabled:
+    return
+  flat = dict(nnx.to_flat_state(nnx.state(abstract_model(model), nnx.LoRAParam)))
+  stacked = {axes.LETTERS[c].name for c in 'LEJ'}  # layers, experts, the rank itself
+
+  def width(v) -> int:
+    names = v.get_metadata().get('axes', ())
+    return math.prod(n for n, a in zip(v.value.shape, names) if a not in stacked)
+
+  sides = {}
+  for path, a in flat.items():
+    if str(path[-1]).endswith('lora_a'):
+      b = flat[(*path[:-1], str(path[-1]).replace('lora_a', 'lora_b'))]
+      own = str(path[-1]).removesuffix('lora_a').rstrip('_')  # an expert projection's name
+      sides['.'.join(map(str, (*path[:-1], *([own] if own else []))))] = min(width(a), width(b))
+  too_wide = {k: v for k, v in sides.items() if v < model.lora.rank}
+  if too_wide:
+    named = ', '.join(f'{k} ({v})' for k, v in list(too_wide.items())[:4])
+    raise ValueError(
+      f'lora.rank={model.lora.rank} is larger than the smaller side of {len(too_wide)} adapted '
+      f'matrices: {named}{", ..." if len(too_wide) > 4 else ""}; such an adapter costs more '
+      f'than the matrix. Use lora.rank <= {min(sides.values())}, or leave those out of '
+      'lora.targets'
+    )
+
+
 def check_regexes(model: ModelConfig, opt: optim.OptimConfig) -> None:
   """lora.targets must adapt at least one module (unless only the router trains), and a set
   optim.weight_decay_exclude must spare at least one trainable parameter: a regex that matches
   none would change nothing, silently."""
-  abstract = functools.cache(  # shapes only (no memory), built only if a check needs them
-    lambda: nnx.eval_shape(lambda: Transformer(model, nnx.Rngs(0)))
-  )
+  abstract = functools.partial(abstract_model, model)
   if model.lora.enabled and not model.lora.train_router:
     if not jax.tree.leaves(nnx.state(abstract(), nnx.LoRAParam)):
       raise ValueError(
@@ -223,11 +259,14 @@ def initial_state(setup: Setup, optimizer, mesh) -> TrainState:
 def restore_or_init(setup: Setup, ckpt: Checkpointer, optimizer, mesh, train_iter):
   """The latest checkpoint's state, and the training data moved to its position; else the
   initial state."""
-  state = initial_state(setup, optimizer, mesh)
   step = ckpt.latest_step()
+  base = f'Importing {setup.hf_checkpoint}' if setup.hf_checkpoint else 'Initialising the model'
+  with runtime.phase(base):
+    state = initial_state(setup, optimizer, mesh)
   if step is None:
     return state
-  saved, data_states, _ = ckpt.restore(step, state)
+  with runtime.phase(f'Restoring step {step}'):
+    saved, data_states, _ = ckpt.restore(step, state)
   position = process_data_state(data_states, setup.data.reslice_on_resume)
   if position is not None:
     train_iter.set_state(position)
@@ -244,7 +283,6 @@ def restore_or_init(setup: Setup, ckpt: Checkpointer, optimizer, mesh, train_ite
     )
     if jax.process_index() == 0:  # the run's count of truncated examples goes on
       train_iter.num_truncated = sum(p['num_truncated'] for p in positions)
-  logging.info('Resumed from step %d', step)
   return dataclasses.replace(state, **saved)
 
 

@@ -121,13 +121,18 @@ def start(config, workdir: str, setup: Setup, mesh, ckpt: Checkpointer) -> tuple
   config.json as they were (config.json is rewritten only by a run that gets as far as this).
   Then the step, compiled before any weight is read, and the state (restored, or initial)."""
   t = setup.train
-  tokenizer = pipeline.make_tokenizer(setup.data, workdir)
+  with runtime.phase('Tokenizer') as said:
+    tokenizer = pipeline.make_tokenizer(setup.data, workdir)
+    said['note'] = f' (a vocabulary of {tokenizer.vocab_size})'
   check_tokenizer_fits(tokenizer, setup, workdir)
   hosts = {'process_index': jax.process_index(), 'process_count': jax.process_count()}
   train_iter = pipeline.make_train_iterator(setup.data, tokenizer, **hosts)
-  eval_batches = pipeline.make_eval_batches(
-    setup.data, tokenizer, max_batches=t.eval_batches, **hosts
-  )
+  with runtime.phase('Evaluation data') as said:
+    eval_batches = pipeline.make_eval_batches(
+      setup.data, tokenizer, max_batches=t.eval_batches, **hosts
+    )
+    said['note'] = f' ({len(eval_batches)} batches)'
+
   writer = metrics_lib.Writer(workdir, resume_step=ckpt.latest_step())
   writer.save_config(rundir.config_json(config, setup))
   batch_sharding = sharding.batch_sharding(mesh)

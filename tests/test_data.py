@@ -719,3 +719,27 @@ def test_empty_split_is_an_error_naming_it(tmp_path):
   (tmp_path / 'train.jsonl').write_text('\n  \n')  # blank lines only
   with pytest.raises(ValueError, match=r"split 'train' .*train\.jsonl\) has no examples"):
     pipeline.make_tokenizer(cfg, tmp_path / 'work')
+
+
+def test_completions_that_are_all_empty_are_refused(spm_tokenizer, tmp_path, caplog):
+  """Only end-of-text would train: refused before any batch, naming the key and the fixes; a
+  few empty completions among others are a warning; with loss_on_prompt the prompts train."""
+  empty = [{'prompt': f'item {i} =', 'completion': ' '} for i in range(20)]
+  cfg = pipeline.DataConfig(
+    source='jsonl',
+    path=str(write_jsonl(tmp_path / 'e.jsonl', empty)),
+    eval_split='',
+    seq_len=32,
+    global_batch_size=2,
+  )
+  with pytest.raises(
+    ValueError,
+    match="completion of each of the first 20 examples is empty.*data.completion_key='completion'",
+  ):
+    pipeline.make_train_iterator(cfg, spm_tokenizer)
+  next(pipeline.make_train_iterator(dataclasses.replace(cfg, loss_on_prompt=True), spm_tokenizer))
+  some = numbered_records(18) + empty[:2]
+  cfg = dataclasses.replace(cfg, path=str(write_jsonl(tmp_path / 's.jsonl', some)))
+  with caplog.at_level('WARNING'):
+    next(pipeline.make_train_iterator(cfg, spm_tokenizer))
+  assert '2 of the first 20 prompt/completion examples have an empty completion' in caplog.text

@@ -296,6 +296,7 @@ def make_train_iterator(
       f'{process_index} of {process_count}'
     )
   examples = len(ds)
+  check_completions(ds, cfg)
   if cfg.shuffle:
     ds = ds.shuffle(seed=cfg.seed)
   ds = ds.repeat(cfg.num_epochs)
@@ -311,6 +312,32 @@ def make_train_iterator(
     # checkpoint resumes exactly only with the same worker_count.
     batches = batches.mp_prefetch(grain.MultiprocessingOptions(num_workers=cfg.worker_count))
   return DataIterator(batches, examples=examples)
+
+
+def check_completions(ds: grain.MapDataset, cfg: DataConfig, sample: int = 256) -> None:
+  """Prompt/completion (and chat) examples train on their completion and its end-of-text token:
+  where the first `sample` examples' completions are all empty, only end-of-text would train,
+  which is refused; some empty ones are a warning."""
+  if cfg.loss_on_prompt:
+    return
+  seen = [ds[i] for i in range(min(sample, len(ds)))]
+  paired = [ex for ex in seen if 'completion' in ex]
+  empty = sum(not ex['completion'].strip() for ex in paired)
+  where = f'data.train_split={cfg.train_split!r}'
+  if paired and empty == len(paired):
+    raise ValueError(
+      f'{where}: the completion of each of the first {len(paired)} examples is empty, so only '
+      f'the end-of-text token would be trained. Check data.completion_key='
+      f'{cfg.completion_key!r} (or data.messages_key), or set data.loss_on_prompt=True'
+    )
+  if empty:
+    logging.warning(
+      '%s: %d of the first %d prompt/completion examples have an empty completion (only their '
+      'end-of-text token trains)',
+      where,
+      empty,
+      len(paired),
+    )
 
 
 def _padding_rows(batch: dict[str, np.ndarray], rows: int, pad_id: int) -> dict[str, np.ndarray]:

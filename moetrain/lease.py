@@ -19,7 +19,7 @@ class LeaseHeld(runtime.UserError):
   """The run directory is in use by another run; the message names it."""
 
 
-def _pid_alive(pid: int) -> bool:
+def pid_alive(pid: int) -> bool:
   try:
     os.kill(pid, 0)
   except ProcessLookupError:
@@ -47,7 +47,7 @@ def _describe(holder: dict) -> str:
 def stale(holder: dict, now: float | None = None) -> bool:
   now = time.time() if now is None else now
   if holder.get('host') == socket.gethostname() and holder.get('pid', -1) > 0:
-    return not _pid_alive(holder['pid'])
+    return not pid_alive(holder['pid'])
   return now - holder.get('heartbeat', 0) > STALE
 
 

@@ -171,3 +171,25 @@ def test_tools_refuse_a_tokenizer_larger_than_the_model(uninterrupted):  # noqa:
     evaluate.evaluate_checkpoint(config, None, max_batches=1)
   with pytest.raises(ValueError, match=message):
     generate.load_run(config, None)
+
+
+def test_an_export_removes_what_killed_exports_left_behind(tmp_path):
+  """A kill -9 during an export leaves its staging directory beside --out; the next export to
+  that --out removes it when its process is gone (a live export's, or another --out's, stay)."""
+  import socket
+  import subprocess
+
+  from moetrain.tools import export
+
+  out = tmp_path / 'hf'
+  host = socket.gethostname()
+  dead = subprocess.Popen(['true'])  # a process that has exited
+  dead.wait()
+  left = tmp_path / f'.hf.{host}.{dead.pid}.abc123'
+  live = tmp_path / f'.hf.{host}.{os.getpid()}.def456'
+  other = tmp_path / f'.hf2.{host}.{dead.pid}.ghi789'
+  for d in (left, live, other):
+    d.mkdir()
+    (d / 'model.safetensors').write_bytes(b'partial')
+  export.remove_dead_staging(str(out))
+  assert not left.exists() and live.exists() and other.exists()

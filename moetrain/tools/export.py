@@ -11,13 +11,14 @@ export leaves an earlier export in --out as it was.
 
 import os
 import shutil
+import socket
 import tempfile
 
 import jax
 from absl import app, flags
 from ml_collections import config_flags
 
-from moetrain import runtime, sharding
+from moetrain import lease, runtime, sharding
 from moetrain import setup as setup_lib
 from moetrain.convert import hf_longcat, peft_adapter
 from moetrain.convert import safetensors_io as stio
@@ -118,7 +119,8 @@ def export(config, workdir: str, out: str, adapter_only: bool = False, dtype=Non
   staging = None
   if primary:
     os.makedirs(parent, exist_ok=True)
-    staging = tempfile.mkdtemp(prefix=f'.{os.path.basename(os.path.abspath(out))}.', dir=parent)
+    remove_dead_staging(out)
+    staging = tempfile.mkdtemp(prefix=_staging_prefix(out, os.getpid()), dir=parent)
   try:
     with jax.set_mesh(mesh):
       state = setup_lib.load_latest(setup, workdir, mesh)
@@ -140,6 +142,21 @@ def export(config, workdir: str, out: str, adapter_only: bool = False, dtype=Non
     if staging:
       shutil.rmtree(staging, ignore_errors=True)
   return out
+
+
+def _staging_prefix(out: str, pid: int) -> str:
+  return f'.{os.path.basename(os.path.abspath(out))}.{socket.gethostname()}.{pid}.'
+
+
+def remove_dead_staging(out: str) -> None:
+  """Removes the staging directories that killed exports to `out` from this host left behind
+  (their process is gone); another host's, or a live export's, are left alone."""
+  parent = os.path.dirname(os.path.abspath(out))
+  mine = _staging_prefix(out, 0)[:-2]  # '.<out>.<host>.'
+  for name in os.listdir(parent):
+    pid = name[len(mine) :].split('.')[0]
+    if name.startswith(mine) and pid.isdigit() and not lease.pid_alive(int(pid)):
+      shutil.rmtree(os.path.join(parent, name), ignore_errors=True)
 
 
 # Files an export may write (with the model files, stio.is_model_file). An earlier export's that

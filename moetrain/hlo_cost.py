@@ -240,3 +240,55 @@ def analyse(text: str) -> Cost:
 
 def _operand_bytes(instr: Instr, table: dict) -> float:
   return sum(table[o].bytes for o in instr.operands if o in table)
+
+
+@dataclasses.dataclass
+class MatmulSite:
+  flops: float  # per call of the program: one run's FLOPs times how often it runs
+  runs: int  # runs per call of the program (loop trip counts multiplied)
+  computation: str
+  name: str
+  op: str
+  shapes: list  # the output's [(dtype, dims)]
+  operands: list  # the operands' shapes, where the computation defines them
+
+
+def top_matmuls(text: str, n: int = 20) -> list[MatmulSite]:
+  """The n dots, convolutions and grouped matmuls with the most FLOPs per call of the program,
+  each with its loop multiplicity: where a compiled step's FLOPs go."""
+  comps, entry = parse_module(text)
+  mult, _, _ = _multiplicities(comps, entry)
+  sites = []
+  for comp, instrs in comps.items():
+    table = {i.name: i for i in instrs}
+    for instr in instrs:
+      if runs := mult.get(comp, 0):
+        if f := _matmul_flops(instr, table):
+          ops = [table[o].shapes for o in instr.operands if o in table]
+          sites.append(MatmulSite(runs * f, runs, comp, instr.name, instr.op, instr.shapes, ops))
+  return sorted(sites, key=lambda s: -s.flops)[:n]
+
+
+def main(argv=None) -> None:
+  """python -m moetrain.hlo_cost MODULE.txt [N]: the totals and the top N matmul sites of an
+  optimized HLO text dump (XLA_FLAGS=--xla_dump_to=DIR --xla_dump_hlo_as_text)."""
+  import sys
+
+  args = sys.argv[1:] if argv is None else argv
+  text = open(args[0]).read()
+  cost = analyse(text)
+  print(
+    f'FLOPs {cost.flops:.4g} (loop bodies once: {cost.flops_once:.4g}), HBM bytes '
+    f'{cost.hbm_bytes:.4g}, collective bytes {cost.collective_bytes:.4g}'
+  )
+  for s in top_matmuls(text, int(args[1]) if len(args) > 1 else 20):
+    share = s.flops / cost.flops if cost.flops else 0.0
+    dims = lambda shapes: 'x'.join(str(list(d)) for _, d in shapes)
+    print(
+      f'{share:6.1%} {s.flops:.4g} = {s.runs} x {s.op} {s.name} ({s.computation}): '
+      f'{" , ".join(dims(o) for o in s.operands)} -> {dims(s.shapes)}'
+    )
+
+
+if __name__ == '__main__':
+  main()

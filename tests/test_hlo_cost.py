@@ -1,0 +1,36 @@
+"""FLOPs counted from optimized HLO with loop trip counts (moetrain/hlo_cost.py)."""
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+from moetrain import hlo_cost
+
+
+def _looped_matmul_hlo(trips: int = 7) -> str:
+  def f(x, w):
+    return jax.lax.fori_loop(0, trips, lambda i, x: jnp.tanh(x @ w), x)
+
+  return jax.jit(f).lower(jnp.ones((16, 32)), jnp.ones((32, 32))).compile().as_text()
+
+
+def test_top_matmuls_count_each_site_with_its_loop_trips():
+  text = _looped_matmul_hlo(7)
+  (site,) = hlo_cost.top_matmuls(text, 5)
+  assert site.runs == 7 and site.op == 'dot'
+  assert site.flops == 7 * 2 * 16 * 32 * 32
+  cost = hlo_cost.analyse(text)
+  assert cost.flops == pytest.approx(site.flops) and cost.flops_once == pytest.approx(
+    site.flops / 7
+  )
+
+
+def test_the_listing_command_prints_the_share_of_each_site(tmp_path, capsys):
+  path = tmp_path / 'module.txt'
+  path.write_text(_looped_matmul_hlo(3))
+  hlo_cost.main([str(path), '3'])
+  out = capsys.readouterr().out.splitlines()
+  assert out[0].startswith('FLOPs 9.83e+04')
+  assert (
+    out[1].startswith('100.0% 9.83e+04 = 3 x dot') and '[16, 32] , [32, 32] -> [16, 32]' in out[1]
+  )

@@ -299,6 +299,7 @@ def test_qlora_from_a_hugging_face_checkpoint_over_two_processes(tmp_path):
     'train.steps': 3,
     'train.eval_every': 3,
     'optim.warmup_steps': 1,
+    'optim.learning_rate': 1e-2,  # three steps must show the adapters learning
     **EVAL,
   }
   Job(workdir, *(f'--config.{k}={v}' for k, v in extra.items()), processes=2).wait()

@@ -557,3 +557,26 @@ def test_choose_tile_follows_the_group_sizes():
   assert int(grouped.choose_tile(even, tiles)) == 2
   assert int(grouped.choose_tile(skewed, tiles)) == 0
   assert grouped.choose_tile(even, (64,)) == 0
+
+
+def test_megablox_without_expert_parallelism_runs_on_each_batch_shard():
+  """XLA cannot partition a Mosaic kernel: on a mesh without an expert axis the megablox engine
+  runs in a shard_map over the batch shards (weights gathered whole), with the single-device
+  result. (Its TPU compile: tests/test_plan.py.)"""
+  cfg = dataclasses.replace(CFG, moe_backend='megablox', **LANES)
+  moe = make_moe(cfg)
+  x = jax.random.normal(jax.random.key(3), (64, cfg.hidden_size))
+  _, _, idx, gates = route(
+    x, moe.router[...], moe.router_bias[...], cfg.moe_topk, cfg.routed_scaling_factor
+  )
+  w = moe.experts.weights()
+  want, _ = dispatch.routed_experts(x, idx, gates, w, cfg)
+  mesh = sharding.make_mesh((1, -1, 1, 1))  # the 8 test devices over fsdp
+  laid_out = cfg.laid_out('cpu', mesh)
+  fn = lambda *a: expert_parallel.routed_experts(*a, w, laid_out)
+  with jax.set_mesh(mesh):
+    spec = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec('fsdp'))
+    args = [jax.device_put(a, spec) for a in (x, idx, gates)]
+    assert 'shard_map' in str(jax.make_jaxpr(fn)(*args))
+    y, _ = jax.jit(fn)(*args)
+  np.testing.assert_allclose(y, want, atol=1e-5, rtol=1e-5)

@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from configs import longcat_lora
+from configs import longcat_lora, longcat_pretrain
 from moetrain import aot, topology
 from moetrain.tools import tpu_plan
 
@@ -129,6 +129,15 @@ def test_tpu_only_paths_compile():
   text = steps['train'].executable.as_text()
   assert 'tpu_custom_call' in text and 'gmm' in text  # the kernel, compiled
   assert 'ragged-all-to-all' in text or 'ragged_all_to_all' in text
+
+
+def test_megablox_without_expert_parallelism_compiles_for_tpu():
+  """Full training on TPU picks megablox; on a mesh without an expert axis its Mosaic kernel must
+  run inside a shard_map (XLA refused: "Mosaic kernels cannot be automatically partitioned")."""
+  lanes = {'model.hidden_size': 256, 'model.expert_ffn_hidden_size': 128, 'data.eval_split': ''}
+  r = tpu_plan.plan(longcat_pretrain.get_config(), 'v5e-4', lanes)
+  assert r['engine']['moe_backend'] == 'megablox' and r['mesh']['expert'] == 1
+  assert r['fits'], r
 
 
 @pytest.mark.slow

@@ -19,10 +19,50 @@ from moetrain.sharding import MESH_AXES
 
 def routed_experts(x_MD, idx_MA, gates_MA, weights, cfg: ModelConfig, rng=None):
   """dispatch.routed_experts, expert-parallel (see expert_parallel) when the routed experts are
-  split over more than one shard (cfg.expert_shards, from the mesh setup.build laid it out for)."""
+  split over more than one shard (cfg.expert_shards, from the mesh setup.build laid it out for);
+  on each batch shard (per_batch_shard) where the backend is a kernel XLA cannot partition."""
   if cfg.expert_shards > 1:
     return expert_parallel(x_MD, idx_MA, gates_MA, weights, cfg, rng)
+  unpartitioned = dispatch.resolve_backend(cfg) == 'megablox' and cfg.moe_dispatch == 'dropless'
+  if unpartitioned and math.prod(cfg.mesh_shape) > 1:
+    return per_batch_shard(x_MD, idx_MA, gates_MA, weights, cfg, rng)
   return dispatch.routed_experts(x_MD, idx_MA, gates_MA, weights, cfg, rng)
+
+
+def _sharded(shard, x_MD, idx_MA, gates_MA, weights, cfg: ModelConfig, w_spec, rng):
+  """shard(x, idx, gates, w, key) in a shard_map over the mesh in context: tokens sharded over
+  the batch axes, the weights by w_spec, each shard's dropout key folded with its index."""
+  sizes = dict(zip(MESH_AXES, cfg.mesh_shape))
+  batch = tuple(a for a in ('data', 'fsdp', 'expert') if sizes.get(a, 1) > 1)
+  tok = jax.sharding.PartitionSpec(batch)
+  rng_data = None if rng is None else jax.random.key_data(rng)
+
+  def local(x, idx, gates, w, key_data):
+    key = (
+      None
+      if key_data is None
+      else jax.random.fold_in(jax.random.wrap_key_data(key_data), jax.lax.axis_index(batch))
+    )
+    return shard(x, idx, gates, w, key)
+
+  fn = jax.shard_map(
+    local,
+    in_specs=(tok, tok, tok, jax.tree.map(lambda _: w_spec, weights), jax.sharding.PartitionSpec()),
+    out_specs=(tok, tok),
+    check_vma=False,
+  )
+  return fn(x_MD, idx_MA, gates_MA, weights, rng_data)
+
+
+def per_batch_shard(x_MD, idx_MA, gates_MA, weights, cfg: ModelConfig, rng):
+  """The single-device engine on each batch shard's tokens, the experts' weights gathered whole
+  onto every shard (as FSDP gathers any weight): for megablox, whose Mosaic kernel XLA cannot
+  partition ("Mosaic kernels cannot be automatically partitioned")."""
+
+  def shard(x, idx, gates, w, key):
+    return dispatch.routed_experts(x, idx, gates, w, cfg, key)
+
+  return _sharded(shard, x_MD, idx_MA, gates_MA, weights, cfg, jax.sharding.PartitionSpec(), rng)
 
 
 def resolve_ep_comm(cfg: ModelConfig) -> str:
@@ -45,28 +85,14 @@ def expert_parallel(x_MD, idx_MA, gates_MA, weights, cfg: ModelConfig, rng):
   the exchange's shards in token order (exactly one device's capacity dispatch of those tokens);
   fixed keeps each expert's first c of every shard's own assignments (GShard's groups; c from
   one shard's tokens), so a skewed shard can drop rows one device would have kept."""
-  sizes = dict(zip(MESH_AXES, cfg.mesh_shape))
-  batch = tuple(a for a in ('data', 'fsdp', 'expert') if sizes.get(a, 1) > 1)
-  tok = jax.sharding.PartitionSpec(batch)
-  w_specs = jax.tree.map(lambda _: jax.sharding.PartitionSpec('expert'), weights)
-  rng_data = None if rng is None else jax.random.key_data(rng)
+  ep = dict(zip(MESH_AXES, cfg.mesh_shape))['expert']
 
-  def local(x, idx, gates, w, key_data):
-    key = (
-      None
-      if key_data is None
-      else jax.random.fold_in(jax.random.wrap_key_data(key_data), jax.lax.axis_index(batch))
-    )
-    shard = _ep_ragged_shard if resolve_ep_comm(cfg) == 'ragged' else _ep_shard
-    return shard(x, idx, gates, w, cfg, sizes['expert'], key)
+  def shard(x, idx, gates, w, key):
+    run = _ep_ragged_shard if resolve_ep_comm(cfg) == 'ragged' else _ep_shard
+    return run(x, idx, gates, w, cfg, ep, key)
 
-  fn = jax.shard_map(
-    local,
-    in_specs=(tok, tok, tok, w_specs, jax.sharding.PartitionSpec()),
-    out_specs=(tok, tok),
-    check_vma=False,
-  )
-  return fn(x_MD, idx_MA, gates_MA, weights, rng_data)
+  w_spec = jax.sharding.PartitionSpec('expert')
+  return _sharded(shard, x_MD, idx_MA, gates_MA, weights, cfg, w_spec, rng)
 
 
 def ep_capacity(rows: int, cfg: ModelConfig, ep: int) -> int:

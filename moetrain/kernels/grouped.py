@@ -192,8 +192,8 @@ def _expert_ffn_reference(x_PD, w_train, w_frozen, groups: Groups, rng, tiles: t
   ends_E = groups.start + groups.size
   expert_P = jnp.searchsorted(ends_E, jnp.arange(x_PD.shape[0]), side='right')
   y_PD = experts.dense_ffn(x_PD, expert_P, {**w_train, **w_frozen}, cfg, rng)
-  inside = (expert_P < ends_E.shape[0]) & (jnp.arange(x_PD.shape[0]) >= groups.start[0])
-  return jnp.where(inside[:, None], y_PD, 0).astype(x_PD.dtype)
+  inside_P = expert_P < ends_E.shape[0]  # groups start at row 0 and follow one another
+  return jnp.where(inside_P[:, None], y_PD, 0).astype(x_PD.dtype)
 
 
 expert_ffn = Kernel('expert_ffn', _expert_ffn, _expert_ffn_reference)

@@ -155,18 +155,19 @@ def _matmul_flops(instr: Instr, table: dict) -> float:
     k = math.prod(ops[0][1][int(d)] for d in m.group(1).split(',') if d) if m else 1
     return 2.0 * math.prod(out) * k
   if instr.op == 'convolution' and len(ops) >= 2:
-    return 2.0 * math.prod(out) * _taps(instr, ops[1][1])
+    return 2.0 * math.prod(out) * _taps(instr, ops[0][1], ops[1][1])
   if instr.op == 'custom-call' and ('ragged-dot' in instr.name or 'gmm' in instr.attrs):
     return _grouped_flops(instr)
   return 0.0
 
 
-def _taps(instr: Instr, kernel: list) -> int:
+def _taps(instr: Instr, lhs: list, kernel: list) -> int:
   """Multiply-adds per output element of a convolution: the kernel's input features times the
   window positions that meet real input. XLA writes batched matmuls as convolutions whose
-  spatial dims are the batch, with lhs_dilate = window size: one position meets input."""
-  labels = re.search(r'dim_labels=\w+_(\w+)->', instr.attrs)
-  k_labels = labels.group(1) if labels else ''
+  spatial dims are the batch: either the input dilated by the window size (lhs_dilate) or an
+  input of size 1 padded by window - 1 on both sides; in both, one position meets input."""
+  labels = re.search(r'dim_labels=(\w+)_(\w+)->', instr.attrs)
+  x_labels, k_labels = labels.groups() if labels else ('', '')
   i = kernel[k_labels.index('i')] if 'i' in k_labels else 1
   window = re.search(r'window=\{([^}]*)\}', instr.attrs)
   if not window:
@@ -178,7 +179,9 @@ def _taps(instr: Instr, kernel: list) -> int:
   )
   size = field('size') or []
   dilate = field('lhs_dilate') or [1] * len(size)
-  return i * math.prod(-(-s // d) for s, d in zip(size, dilate))
+  # The input's spatial sizes, in the order of the window's dims ('0', '1', ...).
+  spatial = [lhs[x_labels.index(str(d))] if str(d) in x_labels else s for d, s in enumerate(size)]
+  return i * math.prod(min(-(-s // d), n) for s, d, n in zip(size, dilate, spatial))
 
 
 def _grouped_flops(instr: Instr) -> float:

@@ -34,3 +34,20 @@ def test_the_listing_command_prints_the_share_of_each_site(tmp_path, capsys):
   assert (
     out[1].startswith('100.0% 9.83e+04 = 3 x dot') and '[16, 32] , [32, 32] -> [16, 32]' in out[1]
   )
+
+
+# A batched matmul as XLA's TPU compiler writes it (the o projection's input gradient of the
+# flash step): the 64 heads are a spatial dim of window 64 over an input of size 1 padded by 63
+# on both sides, so each output position meets one input position, not 64.
+PADDED_BATCH_CONV = """HloModule m
+
+ENTRY %main (p0: bf16[8192,512,1], p1: bf16[64,256,512]) -> bf16[8192,64,256] {
+  %p0 = bf16[8192,512,1]{2,1,0} parameter(0)
+  %p1 = bf16[64,256,512]{2,1,0} parameter(1)
+  ROOT %convolution.1 = bf16[8192,64,256]{2,1,0} convolution(%p0, %p1), window={size=64 pad=63_63 rhs_reversal=1}, dim_labels=bf0_0oi->b0f
+}
+"""
+
+
+def test_a_batched_matmul_written_as_a_padded_convolution_counts_once_per_batch():
+  assert hlo_cost.analyse(PADDED_BATCH_CONV).flops == 2 * 8192 * 64 * 256 * 512

@@ -153,7 +153,7 @@ def check_lora_rank(model: ModelConfig) -> None:
 
   def width(v) -> int:
     names = v.get_metadata().get('axes', ())
-    return math.prod(n for n, a in zip(v.value.shape, names) if a not in stacked)
+    return math.prod(n for n, a in zip(v.get_value().shape, names) if a not in stacked)
 
   sides = {}
   for path, a in flat.items():

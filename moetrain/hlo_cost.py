@@ -210,10 +210,43 @@ class Cost:
   unknown_loops: list
 
 
+@dataclasses.dataclass
+class MatmulSite:
+  flops: float  # per call of the program: one run's FLOPs times how often it runs
+  runs: int  # runs per call of the program (loop trip counts multiplied)
+  computation: str
+  name: str
+  op: str
+  shapes: list  # the output's [(dtype, dims)]
+  operands: list  # the operands' shapes, where the computation defines them
+
+
+def _matmul_sites(comps: dict, mult: dict):
+  """Every dot, convolution and grouped matmul that runs, as a MatmulSite."""
+  for comp, instrs in comps.items():
+    if not (runs := mult.get(comp, 0)):
+      continue
+    table = {i.name: i for i in instrs}
+    for instr in instrs:
+      if f := _matmul_flops(instr, table):
+        ops = [table[o].shapes for o in instr.operands if o in table]
+        yield MatmulSite(runs * f, runs, comp, instr.name, instr.op, instr.shapes, ops)
+
+
+def top_matmuls(text: str, n: int = 20) -> list[MatmulSite]:
+  """The n dots, convolutions and grouped matmuls with the most FLOPs per call of the program,
+  each with its loop multiplicity: where a compiled step's FLOPs go."""
+  comps, entry = parse_module(text)
+  sites = _matmul_sites(comps, _multiplicities(comps, entry)[0])
+  return sorted(sites, key=lambda s: -s.flops)[:n]
+
+
 def analyse(text: str) -> Cost:
   comps, entry = parse_module(text)
   mult, fused, unknown = _multiplicities(comps, entry)
-  flops = hbm = coll = once = 0.0
+  sites = list(_matmul_sites(comps, mult))
+  flops, once = sum(s.flops for s in sites), sum(s.flops / s.runs for s in sites)
+  hbm = coll = 0.0
   loops = {}
   for comp, instrs in comps.items():
     n = mult.get(comp, 0)
@@ -221,9 +254,6 @@ def analyse(text: str) -> Cost:
       continue
     table = {i.name: i for i in instrs}
     for instr in instrs:
-      f = _matmul_flops(instr, table)
-      flops += n * f
-      once += f
       if instr.op == 'while':
         body = re.search(r'body=%([\w.\-]+)', instr.attrs)
         if body and body.group(1) in mult:
@@ -243,33 +273,6 @@ def analyse(text: str) -> Cost:
 
 def _operand_bytes(instr: Instr, table: dict) -> float:
   return sum(table[o].bytes for o in instr.operands if o in table)
-
-
-@dataclasses.dataclass
-class MatmulSite:
-  flops: float  # per call of the program: one run's FLOPs times how often it runs
-  runs: int  # runs per call of the program (loop trip counts multiplied)
-  computation: str
-  name: str
-  op: str
-  shapes: list  # the output's [(dtype, dims)]
-  operands: list  # the operands' shapes, where the computation defines them
-
-
-def top_matmuls(text: str, n: int = 20) -> list[MatmulSite]:
-  """The n dots, convolutions and grouped matmuls with the most FLOPs per call of the program,
-  each with its loop multiplicity: where a compiled step's FLOPs go."""
-  comps, entry = parse_module(text)
-  mult, _, _ = _multiplicities(comps, entry)
-  sites = []
-  for comp, instrs in comps.items():
-    table = {i.name: i for i in instrs}
-    for instr in instrs:
-      if runs := mult.get(comp, 0):
-        if f := _matmul_flops(instr, table):
-          ops = [table[o].shapes for o in instr.operands if o in table]
-          sites.append(MatmulSite(runs * f, runs, comp, instr.name, instr.op, instr.shapes, ops))
-  return sorted(sites, key=lambda s: -s.flops)[:n]
 
 
 def main(argv=None) -> None:

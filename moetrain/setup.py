@@ -155,12 +155,12 @@ def check_lora_rank(model: ModelConfig) -> None:
     names = v.get_metadata().get('axes', ())
     return math.prod(n for n, a in zip(v.get_value().shape, names) if a not in stacked)
 
-  sides = {}
+  sides = {}  # 'layers.attn_0.q_a', 'layers.moe.experts.gate': the smaller side
   for path, a in flat.items():
     if str(path[-1]).endswith('lora_a'):
       b = flat[(*path[:-1], str(path[-1]).replace('lora_a', 'lora_b'))]
-      own = str(path[-1]).removesuffix('lora_a').rstrip('_')  # an expert projection's name
-      sides['.'.join(map(str, (*path[:-1], *([own] if own else []))))] = min(width(a), width(b))
+      name = '.'.join(map(str, path)).removesuffix('lora_a').rstrip('._')
+      sides[name] = min(width(a), width(b))
   too_wide = {k: v for k, v in sides.items() if v < model.lora.rank}
   if too_wide:
     named = ', '.join(f'{k} ({v})' for k, v in list(too_wide.items())[:4])

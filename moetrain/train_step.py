@@ -55,7 +55,7 @@ def forward_loss(params, moe_bias, frozen, graphdef, batch, rng=None):
       model.cfg.loss_chunk,
       rng,
       model.cfg.rules,
-      model.cfg.kernels == 'reference',
+      model.cfg.reference_kernels,
     )
   return nll, correct, aux
 

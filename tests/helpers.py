@@ -97,3 +97,16 @@ def _call(m, *args):
 
 def forward(model, *args):
   return jit_call(_call, model, *args)
+
+
+def expert_weights(key, e: int, d: int, f: int, rank: int = 2, scale: float = 0.3) -> dict:
+  """Random routed-expert weights as the MoE engine takes them: 'gate', 'up' [E, D, F], 'down'
+  [E, F, D] and each one's per-expert LoRA factors '<name>_lora_a' [E, in, rank] and
+  '<name>_lora_b' [E, rank, out]."""
+  shapes = dict(gate=(e, d, f), up=(e, d, f), down=(e, f, d))
+  keys = iter(jax.random.split(key, 9))
+  w = {name: scale * jax.random.normal(next(keys), s) for name, s in shapes.items()}
+  for name, (_, i, o) in shapes.items():
+    w[f'{name}_lora_a'] = scale * jax.random.normal(next(keys), (e, i, rank))
+    w[f'{name}_lora_b'] = scale * jax.random.normal(next(keys), (e, rank, o))
+  return w

@@ -2,6 +2,7 @@
 values and the same gradients, one kernel at a time and through the whole model."""
 
 import ast
+import contextlib
 import dataclasses
 import importlib
 import pathlib
@@ -19,9 +20,10 @@ from moetrain.kernels import attention, cross_entropy, exchange, grouped, lora, 
 from moetrain.model import dispatch, expert_parallel
 from moetrain.model.attention import attention_mask
 from moetrain.model.layers import Linear
-from moetrain.train_state import split_model
+from moetrain.train_state import graphdef_of, split_model
 from moetrain.train_step import forward_loss
-from tests.helpers import model_and_ids, randomize, tiny, with_lora
+from tests.helpers import expert_weights, model_and_ids, randomize, tiny, with_lora
+from tests.test_sharding import batch
 
 ROOT = pathlib.Path(__file__).parent.parent / 'moetrain'
 
@@ -135,13 +137,8 @@ def _expert_ffn(adapters_only):
     cfg = with_lora(tiny(expert_ffn_hidden_size=6), rank=2, targets=r'experts\.')
     sizes_E = jnp.array([5, 0, 20, 9], jnp.int32)
     e, d, f, tiles, n = 4, cfg.hidden_size, 6, (16, 32), 34
-    shapes = dict(gate=(e, d, f), up=(e, d, f), down=(e, f, d))
-    keys = iter(jax.random.split(jax.random.key(6), 10))
-    w = {name: 0.3 * jax.random.normal(next(keys), s) for name, s in shapes.items()}
-    for name, (_, i, o) in shapes.items():
-      w[f'{name}_lora_a'] = 0.3 * jax.random.normal(next(keys), (e, i, 2))
-      w[f'{name}_lora_b'] = 0.3 * jax.random.normal(next(keys), (e, 2, o))
-    x = jax.random.normal(next(keys), (n + 3 + max(tiles), d)).at[n:].set(0)
+    w = expert_weights(jax.random.key(6), e, d, f)
+    x = jax.random.normal(jax.random.key(7), (n + 3 + max(tiles), d)).at[n:].set(0)
     groups = grouped.Groups(jnp.cumsum(sizes_E) - sizes_E, sizes_E, jnp.int32(1))
     base = {k: v for k, v in w.items() if '_lora_' not in k}
     adapters = {k: v for k, v in w.items() if '_lora_' in k}
@@ -219,26 +216,17 @@ def test_ragged_exchange_equals_its_autodiff_reference():
 
 
 def _loss_and_grads(cfg, mesh_shape=None):
-  model, ids = model_and_ids(cfg, t=12)
+  """{'fast'|'reference': (loss, gradients of the trained parameters)} on one batch."""
+  model, _ = model_and_ids(cfg)
   randomize(model, 3, nnx.LoRAParam if cfg.lora.enabled else nnx.Param, 0.05)
   _, params, bias, frozen = split_model(model, cfg)
-  batch = dict(
-    inputs=ids,
-    targets=jnp.roll(ids, -1, 1),
-    loss_mask=jnp.ones(ids.shape),
-    positions=jnp.broadcast_to(jnp.arange(12), ids.shape),
-    segment_ids=jnp.ones(ids.shape, jnp.int32),
-  )
-
+  data = batch(b=8, t=12)
+  mesh = sharding.make_mesh(mesh_shape) if mesh_shape else None
   out = {}
   for kind in ('fast', 'reference'):
-    c = dataclasses.replace(cfg, kernels=kind)
-    gd = nnx.graphdef(type(model)(c, nnx.Rngs(0)))
-    step = jax.jit(jax.value_and_grad(lambda p, gd=gd: forward_loss(p, bias, frozen, gd, batch)[0]))
-    if mesh_shape:
-      with jax.set_mesh(sharding.make_mesh(mesh_shape)):
-        out[kind] = step(params)
-    else:
+    gd = graphdef_of(dataclasses.replace(cfg, kernels=kind))
+    step = jax.jit(jax.value_and_grad(lambda p, gd=gd: forward_loss(p, bias, frozen, gd, data)[0]))
+    with jax.set_mesh(mesh) if mesh else contextlib.nullcontext():
       out[kind] = step(params)
   return out
 

@@ -15,7 +15,7 @@ from moetrain.kernels import exchange, grouped
 from moetrain.model import dispatch, expert_parallel
 from moetrain.model.moe import MoE, RouterBias, balance_loss, route, routing_stats
 from moetrain.train_step import StepConfig, bias_update
-from tests.helpers import jit_call, randomize, tiny, with_lora
+from tests.helpers import expert_weights, jit_call, randomize, tiny, with_lora
 
 EXPERT_LORA = r'experts\.(gate|up|down)$'
 
@@ -485,11 +485,7 @@ def test_grouped_tiles_match_rowwise_experts(sizes, pick):
   sizes_E = jnp.array(sizes, jnp.int32)
   rows = sum(sizes)
   keys = iter(jax.random.split(jax.random.key(0), 16))
-  shapes = dict(gate=(e, d, f), up=(e, d, f), down=(e, f, d))
-  w = {k: 0.3 * jax.random.normal(next(keys), s) for k, s in shapes.items()}
-  for k, (_, i, o) in shapes.items():
-    w[f'{k}_lora_a'] = 0.3 * jax.random.normal(next(keys), (e, i, 2))
-    w[f'{k}_lora_b'] = 0.3 * jax.random.normal(next(keys), (e, 2, o))
+  w = expert_weights(next(keys), e, d, f)
   x = jax.random.normal(next(keys), (rows + 3 + b, d)).at[rows:].set(0)  # + zero-expert rows
   expert_R = jnp.repeat(jnp.arange(e), sizes_E, total_repeat_length=rows)
   groups = grouped.Groups(jnp.cumsum(sizes_E) - sizes_E, sizes_E, jnp.int32(pick))

@@ -107,7 +107,7 @@ def gathered_ffn(x_UPD, block_expert_U, weights, cfg: ModelConfig, rng):
   w_U = {
     name: quant.take(v, block_expert_U)
     if isinstance(v, quant.QTensor)
-    else take_experts(v, block_expert_U, reference=cfg.kernels == 'reference')
+    else take_experts(v, block_expert_U, reference=cfg.reference_kernels)
     for name, v in weights.items()
   }
 

@@ -53,7 +53,7 @@ def with_lora(base_mm, weights, cfg, rng):
   two small matmuls on the same rows (cfg: the ModelConfig, for the LoRA scale, dropout and
   kernels). Where they are one expert's 2-D factors (the grouped and blocked tiles),
   lora_product runs them."""
-  reference = cfg.kernels == 'reference'
+  reference = cfg.reference_kernels
 
   def mm(x, name):
     y = base_mm(x, weights[name])

@@ -88,7 +88,7 @@ class MLA(nnx.Module):
       scale,
       blocks,
       cfg.attention_recompute,
-      reference=cfg.kernels == 'reference',
+      reference=cfg.reference_kernels,
     )
     out_BTNH = constrain(out_BNTH.transpose(0, 2, 1, 3), axes.names('BTN') + (None,), cfg.rules)
     return self.o(out_BTNH, rng)

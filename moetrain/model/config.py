@@ -144,6 +144,11 @@ class ModelConfig:
   mesh_shape: tuple = field((), role='derived')
 
   @property
+  def reference_kernels(self) -> bool:
+    """model.kernels='reference': every kernel runs its plain-autodiff twin."""
+    return self.kernels == 'reference'
+
+  @property
   def expert_shards(self) -> int:
     """How many shards the routed experts are split over: the 'expert' mesh axis when
     model.moe_expert_parallel is set, else 1."""

@@ -61,7 +61,7 @@ def routed_experts(x_MD, idx_MA, gates_MA, weights, cfg: ModelConfig, rng=None):
   order_R, expert_sorted_R, sizes_E = sort_assignments(idx_MA.reshape(-1), e)
   layout = make_layout(expert_sorted_R, sizes_E, cfg, cfg.moe_dispatch)
   asg_P, slot_R, kept_R = place(layout, order_R)
-  ref = cfg.kernels == 'reference'
+  ref = cfg.reference_kernels
   x_PD = dispatch_tokens(x_MD.astype(cfg.dtype), asg_P, slot_R, reference=ref)
   y_PD = layout.run(x_PD, weights, rng)
   y_RD = gather_rows(y_PD, slot_R, asg_P, reference=ref)
@@ -196,7 +196,7 @@ def grouped_layout(expert_sorted_R, sizes_E, tiles: tuple, cfg: ModelConfig) -> 
 
   def run(x_PD, weights, rng):
     w_train, w_frozen = grouped.split_trainable(weights)
-    ref = cfg.kernels == 'reference'
+    ref = cfg.reference_kernels
     return grouped.expert_ffn(x_PD, w_train, w_frozen, groups, rng, tiles, cfg, reference=ref)
 
   return Layout(src_P, jnp.where(valid_R, rows, r + spare), valid_R, run)

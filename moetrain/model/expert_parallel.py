@@ -105,7 +105,7 @@ def ep_capacity(rows: int, cfg: ModelConfig, ep: int) -> int:
 
 
 def _ep_shard(x_MD, idx_MA, gates_MA, weights, cfg: ModelConfig, ep: int, rng):
-  ref = cfg.kernels == 'reference'
+  ref = cfg.reference_kernels
   d = x_MD.shape[-1]
   e = cfg.n_routed_experts
   e_loc = e // ep
@@ -190,7 +190,7 @@ def ragged_plan(counts_GE, me, e_loc: int, buf: int, cap: int = 0):
 def _ep_ragged_shard(x_MD, idx_MA, gates_MA, weights, cfg: ModelConfig, ep: int, rng):
   """One shard's side of the ragged exchange: sort by expert, send each group to its expert's
   shard, run the local experts on the (already expert-sorted) rows received, send them back."""
-  ref = cfg.kernels == 'reference'
+  ref = cfg.reference_kernels
   e = cfg.n_routed_experts
   e_loc = e // ep
   order_R, expert_sorted_R, sizes_E = dispatch.sort_assignments(idx_MA.reshape(-1), e)

@@ -57,7 +57,7 @@ class Linear(nnx.Module):
     kernel = normal(rngs, shape, std, dtype_of(cfg.param_dtype))
     self.kernel = quant.make_param(kernel, names, cfg, n_batch=0, n_in=n_in)
     self.lora_scale, self.lora_dropout = cfg.lora.scale, cfg.lora.dropout
-    self.reference_kernels = cfg.kernels == 'reference'
+    self.reference_kernels = cfg.reference_kernels
     self.has_lora = cfg.lora.matches(path)
     if self.has_lora:
       in_shape, out_shape = shape[:n_in], shape[n_in:]

@@ -120,7 +120,7 @@ def export(config, workdir: str, out: str, adapter_only: bool = False, dtype=Non
   if primary:
     os.makedirs(parent, exist_ok=True)
     remove_dead_staging(out)
-    staging = tempfile.mkdtemp(prefix=_staging_prefix(out, os.getpid()), dir=parent)
+    staging = tempfile.mkdtemp(prefix=f'{_staging_prefix(out)}{os.getpid()}.', dir=parent)
   try:
     with jax.set_mesh(mesh):
       state = setup_lib.load_latest(setup, workdir, mesh)
@@ -144,17 +144,17 @@ def export(config, workdir: str, out: str, adapter_only: bool = False, dtype=Non
   return out
 
 
-def _staging_prefix(out: str, pid: int) -> str:
-  return f'.{os.path.basename(os.path.abspath(out))}.{socket.gethostname()}.{pid}.'
+def _staging_prefix(out: str) -> str:
+  """Staging directories of exports to `out` from this host: '.<out>.<host>.<pid>.<random>'."""
+  return f'.{os.path.basename(os.path.abspath(out))}.{socket.gethostname()}.'
 
 
 def remove_dead_staging(out: str) -> None:
   """Removes the staging directories that killed exports to `out` from this host left behind
   (their process is gone); another host's, or a live export's, are left alone."""
-  parent = os.path.dirname(os.path.abspath(out))
-  mine = _staging_prefix(out, 0)[:-2]  # '.<out>.<host>.'
+  parent, mine = os.path.dirname(os.path.abspath(out)), _staging_prefix(out)
   for name in os.listdir(parent):
-    pid = name[len(mine) :].split('.')[0]
+    pid = name.removeprefix(mine).split('.')[0]
     if name.startswith(mine) and pid.isdigit() and not lease.pid_alive(int(pid)):
       shutil.rmtree(os.path.join(parent, name), ignore_errors=True)
 

@@ -11,7 +11,7 @@ from flax import nnx
 from moetrain.kernels.attention import attention_core
 from moetrain.model.attention import attention_mask, attention_probs
 from moetrain.model.config import ModelConfig
-from moetrain.model.layers import matmul_dims, rope_interleaved
+from moetrain.model.layers import matmul_dims, rope
 from moetrain.model.transformer import Transformer
 from tests.helpers import (
   forward,
@@ -195,12 +195,18 @@ def test_moe_backends_match_dense_reference(backend):
   np.testing.assert_allclose(out, ref, atol=1e-5, rtol=1e-5)
 
 
-def test_rope_interleaved_pairs():
+@pytest.mark.parametrize('interleaved', [True, False])
+def test_rope_rotates_pairs_or_halves(interleaved):
   x = jnp.arange(8.0).reshape(1, 1, 1, 8)
-  out = rope_interleaved(x, jnp.array([[3]]), 10.0)
+  cfg = ModelConfig(rope_theta=10.0, rope_interleaved=interleaved)
+  out = rope(x, jnp.array([[3]]), cfg)
   ang = 3 * 10.0 ** (-np.arange(0, 8, 2) / 8)
-  x0, x1 = np.arange(0, 8, 2.0), np.arange(1, 8, 2.0)
-  want = np.stack([x0 * np.cos(ang) - x1 * np.sin(ang), x1 * np.cos(ang) + x0 * np.sin(ang)], -1)
+  if interleaved:  # (x0, x1), (x2, x3), ...
+    x0, x1 = np.arange(0, 8, 2.0), np.arange(1, 8, 2.0)
+  else:  # (x0, x4), (x1, x5), ...
+    x0, x1 = np.arange(0, 4.0), np.arange(4, 8.0)
+  y0, y1 = x0 * np.cos(ang) - x1 * np.sin(ang), x1 * np.cos(ang) + x0 * np.sin(ang)
+  want = np.stack([y0, y1], -1) if interleaved else np.concatenate([y0, y1])
   np.testing.assert_allclose(out.reshape(-1), want.reshape(-1), rtol=1e-5)
 
 

@@ -1,4 +1,5 @@
-"""Multi-head latent attention (MLA) as in DeepSeek-V2 / LongCat-Flash."""
+"""Attention: multi-head latent attention (MLA; DeepSeek-V2/V3, LongCat-Flash) and grouped-query
+attention (GQA; Qwen3-MoE, Mixtral), over one blocked causal core."""
 
 import math
 
@@ -9,7 +10,7 @@ from flax import nnx
 from moetrain import axes
 from moetrain.kernels.attention import attention_core, masked_scores
 from moetrain.model.config import ModelConfig
-from moetrain.model.layers import Linear, RMSNorm, rope_interleaved
+from moetrain.model.layers import Linear, RMSNorm, rope
 from moetrain.sharding import constrain
 
 
@@ -23,6 +24,40 @@ def attention_mask(q_pos_BT, q_seg_BT, k_pos_BS, k_seg_BS):
 def attention_probs(s_BNTS, mask_BTS, scale: float):
   """Scaled, masked softmax over keys, in float32."""
   return jax.nn.softmax(masked_scores(s_BNTS, mask_BTS, scale), axis=-1)
+
+
+def self_mask(positions_BT, segment_ids_BT):
+  """attention_mask of a sequence over itself, causal in index order too: that changes nothing
+  within a segment (positions increase there) and makes padding (segment 0, repeated positions)
+  independent of attention_chunk."""
+  mask = attention_mask(positions_BT, segment_ids_BT, positions_BT, segment_ids_BT)
+  t = positions_BT.shape[1]
+  return mask & jnp.tril(jnp.ones((1, t, t), jnp.bool_))
+
+
+def multi_head(q_BTNH, k_BSNH, v_BSNH, mask_BTS, cfg: ModelConfig, causal_chunk: int = 0):
+  """Softmax attention of T queries over S keys, per head; out [B, T, N, H]. With
+  causal_chunk > 0 (self-attention, T == S, positions increasing within each segment) the
+  queries go in blocks of that size and block i scores only keys [0, end of block i): later
+  keys are masked anyway, so the result is the same while the upper triangle of the T x T
+  square is skipped block by block."""
+  q_BNTH, k_BNSH, v_BNSH = (x.transpose(0, 2, 1, 3) for x in (q_BTNH, k_BSNH, v_BSNH))
+  t, s = q_BNTH.shape[2], k_BNSH.shape[2]
+  step = causal_chunk if 0 < causal_chunk < t else t
+  blocks = tuple(
+    (i, min(i + step, t), min(i + step, t) if causal_chunk else s) for i in range(0, t, step)
+  )
+  out_BNTH = attention_core(
+    q_BNTH,
+    k_BNSH,
+    v_BNSH,
+    mask_BTS,
+    cfg.qk_head_dim**-0.5,
+    blocks,
+    cfg.attention_recompute,
+    reference=cfg.reference_kernels,
+  )
+  return constrain(out_BNTH.transpose(0, 2, 1, 3), axes.names('BTN') + (None,), cfg.rules)
 
 
 class MLA(nnx.Module):
@@ -46,7 +81,7 @@ class MLA(nnx.Module):
   def project_q(self, x_BTD, positions_BT, rng=None):
     q_BTNH = self.q_b(self.q_a_norm(self.q_a(x_BTD, rng)), rng) * self.alpha_q
     nope = self.cfg.qk_nope_head_dim
-    q_pe = rope_interleaved(q_BTNH[..., nope:], positions_BT, self.cfg.rope_theta)
+    q_pe = rope(q_BTNH[..., nope:], positions_BT, self.cfg)
     return q_BTNH[..., :nope], q_pe
 
   def latent(self, x_BTD, positions_BT, rng=None):
@@ -54,51 +89,67 @@ class MLA(nnx.Module):
     ckv_BTK = self.kv_a(x_BTD, rng)
     k = self.cfg.kv_lora_rank
     c_BTK = self.kv_a_norm(ckv_BTK[..., :k]) * self.alpha_kv
-    k_pe = rope_interleaved(ckv_BTK[..., None, k:], positions_BT, self.cfg.rope_theta)[:, :, 0]
+    k_pe = rope(ckv_BTK[..., None, k:], positions_BT, self.cfg)[:, :, 0]
     return c_BTK, k_pe
 
   def attend(self, q_nope, q_pe, c_BSK, k_pe_BSH, mask_BTS, rng=None, causal_chunk: int = 0):
-    """Attention of the T queries over the S keys of the latent c. With causal_chunk > 0 (self-
-    attention, T == S, positions increasing within each segment) the queries go in blocks of that
-    size and block i scores only keys [0, end of block i): later keys are masked anyway, so the
-    result is the same while the upper triangle of the T x T square is skipped block by block."""
-    cfg = self.cfg
+    """Attention of the T queries over the S keys of the latent c (multi_head's causal_chunk)."""
     kv_BSNH = self.kv_b(c_BSK, rng)
-    nope = cfg.qk_nope_head_dim
+    nope = self.cfg.qk_nope_head_dim
     k_nope, v_BSNH = kv_BSNH[..., :nope], kv_BSNH[..., nope:]
     # One score product over [nope | rope] features: the rope key, shared by all heads, is
-    # broadcast to each (its gradient sums over them). Head-major once, not per block.
+    # broadcast to each (its gradient sums over them).
     k_pe_BSNH = jnp.broadcast_to(
       k_pe_BSH[:, :, None].astype(k_nope.dtype), (*k_nope.shape[:3], k_pe_BSH.shape[-1])
     )
-    q_BNTH = jnp.concatenate([q_nope, q_pe.astype(q_nope.dtype)], -1).transpose(0, 2, 1, 3)
-    k_BNSH = jnp.concatenate([k_nope, k_pe_BSNH], -1).transpose(0, 2, 1, 3)
-    v_BNSH = v_BSNH.transpose(0, 2, 1, 3)
-    t, s = q_BNTH.shape[2], k_BNSH.shape[2]
-    step = causal_chunk if 0 < causal_chunk < t else t
-    blocks = tuple(
-      (i, min(i + step, t), min(i + step, t) if causal_chunk else s) for i in range(0, t, step)
-    )
-    scale = cfg.qk_head_dim**-0.5
-    out_BNTH = attention_core(
-      q_BNTH,
-      k_BNSH,
-      v_BNSH,
-      mask_BTS,
-      scale,
-      blocks,
-      cfg.attention_recompute,
-      reference=cfg.reference_kernels,
-    )
-    out_BTNH = constrain(out_BNTH.transpose(0, 2, 1, 3), axes.names('BTN') + (None,), cfg.rules)
+    q_BTNH = jnp.concatenate([q_nope, q_pe.astype(q_nope.dtype)], -1)
+    k_BSNH = jnp.concatenate([k_nope, k_pe_BSNH], -1)
+    out_BTNH = multi_head(q_BTNH, k_BSNH, v_BSNH, mask_BTS, self.cfg, causal_chunk)
     return self.o(out_BTNH, rng)
 
   def __call__(self, x_BTD, positions_BT, segment_ids_BT, rng=None):
     q_nope, q_pe = self.project_q(x_BTD, positions_BT, rng)
     c_BTK, k_pe = self.latent(x_BTD, positions_BT, rng)
-    mask = attention_mask(positions_BT, segment_ids_BT, positions_BT, segment_ids_BT)
-    # Causal in index order too: it changes nothing within a segment (positions increase there)
-    # and makes padding (segment 0, repeated positions) independent of attention_chunk.
-    t = x_BTD.shape[1]
-    mask &= jnp.tril(jnp.ones((1, t, t), jnp.bool_))
+    mask = self_mask(positions_BT, segment_ids_BT)
     return self.attend(q_nope, q_pe, c_BTK, k_pe, mask, rng, self.cfg.attention_chunk)
+
+
+class GQA(nnx.Module):
+  """Grouped-query attention: N query heads share N_kv key/value heads (N / N_kv each), with
+  RMSNorm over each query and key head before RoPE when cfg.qk_norm (Qwen3)."""
+
+  def __init__(self, cfg: ModelConfig, path: str, rngs: nnx.Rngs):
+    self.cfg = cfg
+    d, n, g, h = cfg.hidden_size, cfg.num_heads, cfg.kv_heads, cfg.gqa_head_dim
+    self.q = Linear('BTD,DNH->BTNH', (d, n, h), cfg, f'{path}.q', rngs)
+    # The key/value heads N_kv are heads too ('heads' shards them like the query heads).
+    self.k = Linear('BTD,DNH->BTNH', (d, g, h), cfg, f'{path}.k', rngs)
+    self.v = Linear('BTD,DNH->BTNH', (d, g, h), cfg, f'{path}.v', rngs)
+    self.o = Linear('BTNH,NHD->BTD', (n, h, d), cfg, f'{path}.o', rngs)
+    if cfg.qk_norm:
+      self.q_norm = RMSNorm(h, 'H', cfg.rms_norm_eps, cfg)
+      self.k_norm = RMSNorm(h, 'H', cfg.rms_norm_eps, cfg)
+
+  def project(self, x_BTD, positions_BT, rng=None):
+    """Queries [B, T, N, H] and the cache content: keys and values [B, T, N_kv, H]."""
+    q_BTNH, k_BTNH = self.q(x_BTD, rng), self.k(x_BTD, rng)
+    if self.cfg.qk_norm:
+      q_BTNH, k_BTNH = self.q_norm(q_BTNH), self.k_norm(k_BTNH)
+    q_BTNH = rope(q_BTNH, positions_BT, self.cfg)
+    return q_BTNH, rope(k_BTNH, positions_BT, self.cfg), self.v(x_BTD, rng)
+
+  def attend(self, q_BTNH, k_BSNH, v_BSNH, mask_BTS, rng=None, causal_chunk: int = 0):
+    """Each key/value head serves its N / N_kv consecutive query heads (HF's repeat_kv)."""
+    groups = self.cfg.num_heads // self.cfg.kv_heads
+    k_BSNH, v_BSNH = (jnp.repeat(x, groups, axis=2) for x in (k_BSNH, v_BSNH))
+    out_BTNH = multi_head(q_BTNH, k_BSNH, v_BSNH, mask_BTS, self.cfg, causal_chunk)
+    return self.o(out_BTNH, rng)
+
+  def __call__(self, x_BTD, positions_BT, segment_ids_BT, rng=None):
+    q_BTNH, k_BTNH, v_BTNH = self.project(x_BTD, positions_BT, rng)
+    mask = self_mask(positions_BT, segment_ids_BT)
+    return self.attend(q_BTNH, k_BTNH, v_BTNH, mask, rng, self.cfg.attention_chunk)
+
+
+def make_attention(cfg: ModelConfig, path: str, rngs: nnx.Rngs):
+  return (MLA if cfg.attention == 'mla' else GQA)(cfg, path, rngs)

@@ -3,6 +3,7 @@
 import dataclasses
 import functools
 import re
+from typing import NamedTuple
 
 from moetrain.fields import check, field
 from moetrain.sharding import MESH_AXES, Rules
@@ -12,9 +13,13 @@ MOE_DISPATCH = ('dropless', 'capacity')
 MOE_BACKENDS = ('auto', 'ragged_dot', 'megablox', 'grouped', 'blocked', 'gathered', 'dense')
 MOE_EP_COMM = ('auto', 'fixed', 'ragged')
 QUANT_MODES = ('none', 'int8', 'int4')
-# LoRA's default targets: every MLA projection, dense MLP, routed expert and the output head.
+# The families, by the model_type of their Hugging Face config.json.
+MODEL_TYPES = ('longcat_flash', 'deepseek_v3', 'qwen3_moe', 'mixtral')
+# LoRA's default targets: every attention projection (MLA or GQA), dense MLP, shared and routed
+# expert, and the output head.
 LORA_TARGETS = (
-  r'attn_\d\.(q_a|q_b|kv_a|kv_b|o)$|mlp_\d\.(gate|up|down)$|experts\.(gate|up|down)$|lm_head$'
+  r'attn(_\d)?\.(q|k|v|o|q_a|q_b|kv_a|kv_b)$|(mlp(_\d)?|shared)\.(gate|up|down)$'
+  r'|experts\.(gate|up|down)$|lm_head$'
 )
 positive = functools.partial(field, check='positive')
 engine = functools.partial(field, role='engine')
@@ -60,15 +65,58 @@ class LoraConfig:
       raise ValueError(f'lora.dropout={self.dropout}: must be in [0, 1)')
 
 
+class LayerGroup(NamedTuple):
+  """Consecutive decoder layers of one kind, stacked and scanned as one module `name`."""
+
+  name: str  # the Transformer attribute: 'layers' (MoE layers), 'dense_layers', 'layers_1', ...
+  kind: str  # 'moe' or 'dense' (an MLP in place of the MoE)
+  start: int  # the first layer's index in the checkpoint (model.layers.{l})
+  count: int
+
+
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
-  """The `config.model` section: LongCat-Flash hyper-parameters (the names of the HF config where
-  it has them) and how the model computes (role 'engine'). The defaults are the 'tiny' preset."""
+  """The `config.model` section: the model's hyper-parameters (the names of the HF configs where
+  they have them), the parts the decoder is built from (attention, RoPE, router, layer layout:
+  one decoder serves every family) and how it computes (role 'engine'). The defaults are the
+  'tiny' preset, a small LongCat-Flash."""
+
+  # The family (HF model_type): names the checkpoint layout for import and export. The parts
+  # below say what the decoder computes; model/families.py sets them per family.
+  model_type: str = field('longcat_flash', choices=MODEL_TYPES)
 
   vocab_size: int = positive(512)  # must be >= the tokenizer's vocabulary
   hidden_size: int = positive(128)  # D
-  num_layers: int = positive(2)  # LongCat layers (each: 2 attention + 2 dense MLP + 1 MoE)
-  num_heads: int = positive(4)  # H
+  # Decoder layers: LongCat's shortcut layers (each 2 attention + 2 dense MLP + 1 MoE), or
+  # standard layers (attention + MoE, or attention + dense MLP; HF num_hidden_layers).
+  num_layers: int = positive(2)
+  num_heads: int = positive(4)  # N
+  # Parts. 'shortcut': LongCat's ScMoE layer; 'standard': pre-norm attention then MoE (or MLP).
+  layer_layout: str = field('shortcut', choices=('shortcut', 'standard'))
+  attention: str = field('mla', choices=('mla', 'gqa'))  # latent (MLA) or grouped-query
+  # RoPE on adjacent pairs (2i, 2i+1) (LongCat, DeepSeek) or on halves (i, i + H/2) (Qwen, Mixtral).
+  rope_interleaved: bool = True
+  num_kv_heads: int = field(0, check='non_negative', zero='0 = num_heads')  # GQA key/value heads
+  head_dim: int = field(0, check='non_negative', zero='0 = hidden_size / num_heads')  # GQA
+  qk_norm: bool = False  # GQA: RMSNorm over each query and key head before RoPE (Qwen3)
+  # Router: 'softmax' or 'sigmoid' scores; top-k over score + correction bias (router_bias: a
+  # buffer the balancing controller moves), within the topk_group best of n_group expert groups;
+  # gates are the chosen scores, renormalised to sum 1 (norm_topk_prob), times
+  # routed_scaling_factor.
+  router_score: str = field('softmax', choices=('softmax', 'sigmoid'))
+  router_bias: bool = True
+  norm_topk_prob: bool = False
+  n_group: int = positive(1)
+  topk_group: int = positive(1)
+  # Shared experts (DeepSeek): one SwiGLU of width n_shared_experts * expert_ffn_hidden_size
+  # every token goes through beside the routed ones.
+  n_shared_experts: int = field(0, check='non_negative')
+  # Standard layers with a dense MLP in place of the MoE: the first first_k_dense_replace
+  # (DeepSeek), those in mlp_only_layers, and those l with (l + 1) % decoder_sparse_step != 0
+  # (Qwen).
+  first_k_dense_replace: int = field(0, check='non_negative')
+  mlp_only_layers: tuple = ()
+  decoder_sparse_step: int = positive(1)
   q_lora_rank: int = positive(64)  # MLA query low-rank width
   kv_lora_rank: int = positive(32)  # MLA compressed kv latent width (what the KV cache stores)
   qk_nope_head_dim: int = positive(32)  # per-head q/k width without RoPE
@@ -164,7 +212,49 @@ class ModelConfig:
 
   @property
   def qk_head_dim(self) -> int:
+    """Per-head width of queries and keys (the softmax scale's)."""
+    if self.attention == 'gqa':
+      return self.gqa_head_dim
     return self.qk_nope_head_dim + self.qk_rope_head_dim
+
+  @property
+  def gqa_head_dim(self) -> int:
+    return self.head_dim or self.hidden_size // self.num_heads
+
+  @property
+  def kv_heads(self) -> int:
+    return self.num_kv_heads or self.num_heads
+
+  def layer_kinds(self) -> tuple[str, ...]:
+    """'moe' or 'dense' per decoder layer (a shortcut layer always holds an MoE)."""
+    if self.layer_layout == 'shortcut':
+      return ('moe',) * self.num_layers
+    return tuple(
+      'dense'
+      if i < self.first_k_dense_replace
+      or i in self.mlp_only_layers
+      or (i + 1) % self.decoder_sparse_step
+      else 'moe'
+      for i in range(self.num_layers)
+    )
+
+  def layer_groups(self) -> tuple[LayerGroup, ...]:
+    """The layers as runs of one kind, each stacked and scanned as one module: 'layers' holds
+    the (first run of) MoE layers, 'dense_layers' the dense ones; further runs of a kind (layers
+    interleaved) are 'layers_1', 'dense_layers_1', ..."""
+    groups, seen = [], {}
+    for i, kind in enumerate(self.layer_kinds()):
+      if groups and groups[-1].kind == kind:
+        groups[-1] = groups[-1]._replace(count=groups[-1].count + 1)
+        continue
+      n = seen[kind] = seen.get(kind, -1) + 1
+      base = 'layers' if kind == 'moe' else 'dense_layers'
+      groups.append(LayerGroup(base + (f'_{n}' if n else ''), kind, i, 1))
+    return tuple(groups)
+
+  @property
+  def num_moe_layers(self) -> int:
+    return self.layer_kinds().count('moe')
 
   @property
   def num_experts_total(self) -> int:
@@ -182,11 +272,7 @@ class ModelConfig:
         raise ValueError(f'{prefix}.{key}: {msg}')
 
     check(self, prefix)
-    need(
-      self.qk_rope_head_dim % 2 == 0,
-      'qk_rope_head_dim',
-      f'must be a positive even number (interleaved RoPE pairs), got {self.qk_rope_head_dim}',
-    )
+    self._validate_parts(need)
     self._validate_moe(need)
     need(
       self.quant != 'int4' or (self.quant_group_size > 0 and self.quant_group_size % 2 == 0),
@@ -207,6 +293,49 @@ class ModelConfig:
       'quantised base weights are frozen: set lora.rank > 0 (QLoRA) or quant="none"',
     )
     self.lora.validate()
+
+  def _validate_parts(self, need) -> None:
+    rope = ('qk_rope_head_dim', self.qk_rope_head_dim)
+    if self.attention == 'gqa':
+      rope = ('head_dim', self.gqa_head_dim)
+      need(
+        self.num_heads % self.kv_heads == 0,
+        'num_kv_heads',
+        f'{self.num_heads} query heads do not split into {self.kv_heads} key/value groups',
+      )
+      need(
+        self.head_dim or self.hidden_size % self.num_heads == 0,
+        'head_dim',
+        f'0 means hidden_size / num_heads, but {self.hidden_size} / {self.num_heads} is not whole',
+      )
+    need(rope[1] % 2 == 0, rope[0], f'must be even (RoPE rotates pairs), got {rope[1]}')
+    need(
+      self.layer_layout == 'standard' or self.attention == 'mla',
+      'attention',
+      "LongCat's shortcut layer is built on MLA: use attention='mla' or layer_layout='standard'",
+    )
+    bad = [i for i in self.mlp_only_layers if not 0 <= i < self.num_layers]
+    need(not bad, 'mlp_only_layers', f'{bad} are not layers 0..{self.num_layers - 1}')
+    need(
+      'moe' in self.layer_kinds(),
+      'first_k_dense_replace',
+      'every layer is dense (first_k_dense_replace, mlp_only_layers, decoder_sparse_step): '
+      'an MoE model needs at least one MoE layer',
+    )
+    e, g = self.n_routed_experts, self.n_group
+    need(e % g == 0, 'n_group', f'{e} routed experts do not split into {g} groups')
+    need(g == 1 or e // g >= 2, 'n_group', "group scores sum each group's best two: >= 2 experts")
+    need(self.topk_group <= g, 'topk_group', f'{self.topk_group} exceeds n_group={g}')
+    need(
+      g == 1 or not self.zero_expert_num,
+      'n_group',
+      'group-limited routing covers routed experts only: zero_expert_num must be 0',
+    )
+    need(
+      g == 1 or self.topk_group * (e // g) >= self.moe_topk,
+      'topk_group',
+      f'the {self.topk_group} best groups hold fewer than moe_topk={self.moe_topk} experts',
+    )
 
   def _validate_moe(self, need) -> None:
     need(

@@ -1,4 +1,4 @@
-"""Building blocks: einsum Linear with optional LoRA, RMSNorm, embedding and interleaved RoPE."""
+"""Building blocks: einsum Linear with optional LoRA, RMSNorm, embedding and RoPE."""
 
 import math
 import zlib
@@ -84,6 +84,22 @@ class Linear(nnx.Module):
     return y_MO.reshape(*lead, *out_shape)
 
 
+class MLP(nnx.Module):
+  """SwiGLU: down(silu(gate(x)) * up(x)), of hidden width `width` (default ffn_hidden_size)."""
+
+  def __init__(self, cfg: ModelConfig, path: str, rngs: nnx.Rngs, width: int = 0):
+    d, f = cfg.hidden_size, width or cfg.ffn_hidden_size
+    self.gate = Linear('BTD,DF->BTF', (d, f), cfg, f'{path}.gate', rngs)
+    self.up = Linear('BTD,DF->BTF', (d, f), cfg, f'{path}.up', rngs)
+    self.down = Linear('BTF,FD->BTD', (f, d), cfg, f'{path}.down', rngs)
+    self.rules = cfg.rules
+
+  def __call__(self, x_BTD, rng=None):
+    h_BTF = jax.nn.silu(self.gate(x_BTD, rng).astype(jnp.float32)) * self.up(x_BTD, rng)
+    h_BTF = constrain(h_BTF.astype(x_BTD.dtype), axes.names('BTF'), self.rules)
+    return self.down(h_BTF, rng)
+
+
 class RMSNorm(nnx.Module):
   """w * x * rsqrt(mean(x^2) + eps), in float32, cast back to the input dtype."""
 
@@ -117,14 +133,20 @@ class Embed(nnx.Module):
     return quant.dequant(quant.take(table, ids_BT), self.compute_dtype)
 
 
-def rope_interleaved(x_BTNH, positions_BT, theta: float):
-  """DeepSeek/LongCat RoPE: adjacent pairs (x[2i], x[2i+1]) rotate by pos * theta^(-2i/H).
-  Rotate-half on this layout is a different function (logits off by ~1 on real weights)."""
+def rope(x_BTNH, positions_BT, cfg: ModelConfig):
+  """Rotary embedding: pair i of the H features rotates by pos * rope_theta^(-2i/H). The pairs
+  are adjacent features (x[2i], x[2i+1]) with cfg.rope_interleaved (DeepSeek, LongCat), else
+  the two halves (x[i], x[i + H/2]) (Qwen, Mixtral). The two are different functions of the
+  same weights (logits off by ~1 on a real checkpoint when mixed up)."""
   h = x_BTNH.shape[-1]
-  inv_freq = theta ** (-jnp.arange(0, h, 2, dtype=jnp.float32) / h)
+  inv_freq = cfg.rope_theta ** (-jnp.arange(0, h, 2, dtype=jnp.float32) / h)
   ang = positions_BT.astype(jnp.float32)[..., None] * inv_freq[None, None, :]  # [B, T, H/2]
   cos, sin = jnp.cos(ang)[:, :, None, :], jnp.sin(ang)[:, :, None, :]
-  x = x_BTNH.astype(jnp.float32).reshape(*x_BTNH.shape[:-1], h // 2, 2)
-  x0, x1 = x[..., 0], x[..., 1]
-  out = jnp.stack([x0 * cos - x1 * sin, x1 * cos + x0 * sin], axis=-1)
+  x = x_BTNH.astype(jnp.float32)
+  if cfg.rope_interleaved:
+    x = x.reshape(*x_BTNH.shape[:-1], h // 2, 2)
+    x0, x1, axis = x[..., 0], x[..., 1], -1
+  else:
+    x0, x1, axis = x[..., : h // 2], x[..., h // 2 :], -2
+  out = jnp.stack([x0 * cos - x1 * sin, x1 * cos + x0 * sin], axis=axis)
   return out.reshape(x_BTNH.shape).astype(x_BTNH.dtype)

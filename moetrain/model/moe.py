@@ -1,5 +1,6 @@
-"""LongCat MoE: float32 router with correction bias, zero-computation experts, routed experts.
-(Design: docs/design.md, "moetrain/model/moe.py".)"""
+"""The MoE block of every family: a float32 router (softmax or sigmoid scores, correction bias,
+group-limited top-k, renormalised gates), routed experts, LongCat's zero-computation experts and
+DeepSeek's shared experts. (Design: docs/design.md, "moetrain/model/moe.py".)"""
 
 import jax
 import jax.numpy as jnp
@@ -8,11 +9,12 @@ from flax import nnx
 from moetrain import axes
 from moetrain.model import expert_parallel, quant
 from moetrain.model.config import ModelConfig
-from moetrain.model.layers import dtype_of, normal
+from moetrain.model.layers import MLP, dtype_of, normal
 
 
 class RouterBias(nnx.Variable):
-  """LongCat's e_score_correction_bias: a buffer updated by the balancing controller."""
+  """The router's e_score_correction_bias (LongCat, DeepSeek-V3): a buffer updated by the
+  balancing controller."""
 
 
 class Experts(nnx.Module):
@@ -52,13 +54,37 @@ class Experts(nnx.Module):
     return w
 
 
-def route(x_MD, w_DX, bias_X, topk: int, scale: float):
-  """float32 softmax router; the bias shifts selection but not the gates."""
+def route(x_MD, w_DX, bias_X, cfg: ModelConfig):
+  """float32 router: scores (softmax or sigmoid of the logits), top-k over score + bias within
+  the best expert groups, gates = the chosen scores (renormalised with cfg.norm_topk_prob) times
+  routed_scaling_factor. The bias (None: none) and the group limit steer selection only."""
   logits_MX = jnp.dot(x_MD.astype(jnp.float32), w_DX.astype(jnp.float32))
-  probs_MX = jax.nn.softmax(logits_MX, axis=-1)
-  _, idx_MA = jax.lax.top_k(jax.lax.stop_gradient(probs_MX) + bias_X[None, :], topk)
-  gates_MA = jnp.take_along_axis(probs_MX, idx_MA, axis=-1) * scale
-  return logits_MX, probs_MX, idx_MA, gates_MA
+  if cfg.router_score == 'softmax':
+    scores_MX = jax.nn.softmax(logits_MX, axis=-1)
+  else:
+    scores_MX = jax.nn.sigmoid(logits_MX)
+  choice_MX = jax.lax.stop_gradient(scores_MX)
+  if bias_X is not None:
+    choice_MX = choice_MX + bias_X[None, :]
+  if cfg.n_group > 1:
+    choice_MX = best_groups(choice_MX, cfg.n_group, cfg.topk_group)
+  _, idx_MA = jax.lax.top_k(choice_MX, cfg.moe_topk)
+  gates_MA = jnp.take_along_axis(scores_MX, idx_MA, axis=-1)
+  if cfg.norm_topk_prob:
+    gates_MA = gates_MA / (jnp.sum(gates_MA, axis=-1, keepdims=True) + 1e-20)
+  return logits_MX, scores_MX, idx_MA, gates_MA * cfg.routed_scaling_factor
+
+
+def best_groups(choice_MX, n_group: int, topk_group: int):
+  """DeepSeek-V3's group limit: experts in n_group consecutive groups, each scored by the sum of
+  its best two choice scores; the experts outside a token's topk_group best groups score 0 (as
+  in transformers, so not below a negative score of a kept one)."""
+  m, x = choice_MX.shape
+  grouped_MGX = choice_MX.reshape(m, n_group, x // n_group)
+  score_MG = jnp.sum(jax.lax.top_k(grouped_MGX, 2)[0], axis=-1)
+  _, best_MA = jax.lax.top_k(score_MG, topk_group)
+  keep_MG = jnp.sum(jax.nn.one_hot(best_MA, n_group, dtype=jnp.int32), axis=1) > 0
+  return jnp.where(keep_MG[:, :, None], grouped_MGX, 0.0).reshape(m, x)
 
 
 class MoE(nnx.Module):
@@ -68,17 +94,20 @@ class MoE(nnx.Module):
     self.router = nnx.Param(
       normal(rngs, (cfg.hidden_size, x), cfg.init_std, jnp.float32), axes=axes.names('DX')
     )
-    self.router_bias = RouterBias(jnp.zeros((x,), jnp.float32), axes=axes.names('X'))
+    if cfg.router_bias:
+      self.router_bias = RouterBias(jnp.zeros((x,), jnp.float32), axes=axes.names('X'))
     self.experts = Experts(cfg, f'{path}.experts', rngs)
+    if cfg.n_shared_experts:
+      width = cfg.n_shared_experts * cfg.expert_ffn_hidden_size
+      self.shared = MLP(cfg, f'{path}.shared', rngs, width)
 
   def __call__(self, x_BTD, valid_BT, rng=None):
     cfg = self.cfg
     b, t, d = x_BTD.shape
     x_MD = x_BTD.reshape(b * t, d)
     valid_M = valid_BT.reshape(b * t).astype(jnp.float32)
-    logits_MX, probs_MX, idx_MA, gates_MA = route(
-      x_MD, self.router[...], self.router_bias[...], cfg.moe_topk, cfg.routed_scaling_factor
-    )
+    bias_X = self.router_bias[...] if cfg.router_bias else None
+    logits_MX, scores_MX, idx_MA, gates_MA = route(x_MD, self.router[...], bias_X, cfg)
     # Padding (segment id 0) goes to no expert: it takes no capacity, buffer rows or compute,
     # and gets a zero output. The id past every expert keeps it out of dispatch and of the zero
     # experts' sum alike.
@@ -91,8 +120,14 @@ class MoE(nnx.Module):
     is_zero_MA = (idx_MA >= cfg.n_routed_experts) & (idx_MA < cfg.num_experts_total)
     zero_gate_M = jnp.sum(jnp.where(is_zero_MA, gates_MA, 0.0), axis=-1)
     y_MD = y_MD + zero_gate_M[:, None] * x_MD.astype(jnp.float32)  # float32, rounded once
+    probs_MX = scores_MX
+    if cfg.router_score == 'sigmoid':  # a distribution, for the entropy and the balance loss
+      probs_MX = scores_MX / jnp.sum(scores_MX, axis=-1, keepdims=True)
     stats = routing_stats(logits_MX, probs_MX, idx_MA, valid_M, dropped, cfg)
-    return y_MD.reshape(b, t, d).astype(x_BTD.dtype), stats
+    y_BTD = y_MD.reshape(b, t, d).astype(x_BTD.dtype)
+    if cfg.n_shared_experts:
+      y_BTD = y_BTD + self.shared(x_BTD, rng)
+    return y_BTD, stats
 
 
 def routing_stats(logits_MX, probs_MX, idx_MA, valid_M, dropped_MA, cfg: ModelConfig) -> dict:

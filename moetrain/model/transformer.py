@@ -1,4 +1,6 @@
-"""LongCat-Flash decoder: shortcut-connected MoE layers (ScMoE) scanned over depth."""
+"""The decoder of every family: embedding, runs of decoder layers each scanned over depth (LongCat's
+shortcut-connected MoE layers, or standard pre-norm layers with an MoE or a dense MLP), final norm
+and lm head."""
 
 import jax
 import jax.numpy as jnp
@@ -6,37 +8,22 @@ from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
 from moetrain import axes
-from moetrain.model.attention import MLA
-from moetrain.model.config import ModelConfig
-from moetrain.model.layers import Embed, Linear, RMSNorm
+from moetrain.model.attention import MLA, make_attention
+from moetrain.model.config import LayerGroup, ModelConfig
+from moetrain.model.layers import MLP, Embed, Linear, RMSNorm
 from moetrain.model.moe import MoE
 from moetrain.sharding import constrain
 
 ACT = axes.names('BTD')
 
 
-class MLP(nnx.Module):
-  """Dense SwiGLU."""
+class ShortcutLayer(nnx.Module):
+  """LongCat-Flash's ScMoE layer: two attention + dense-MLP sublayers; the MoE reads the first
+  post-attention norm and its output joins the residual only at the end of the layer (TR
+  section 2, HF DecoderLayer)."""
 
-  def __init__(self, cfg: ModelConfig, path: str, rngs: nnx.Rngs):
-    d, f = cfg.hidden_size, cfg.ffn_hidden_size
-    self.gate = Linear('BTD,DF->BTF', (d, f), cfg, f'{path}.gate', rngs)
-    self.up = Linear('BTD,DF->BTF', (d, f), cfg, f'{path}.up', rngs)
-    self.down = Linear('BTF,FD->BTD', (f, d), cfg, f'{path}.down', rngs)
-    self.rules = cfg.rules
-
-  def __call__(self, x_BTD, rng=None):
-    h_BTF = jax.nn.silu(self.gate(x_BTD, rng).astype(jnp.float32)) * self.up(x_BTD, rng)
-    h_BTF = constrain(h_BTF.astype(x_BTD.dtype), axes.names('BTF'), self.rules)
-    return self.down(h_BTF, rng)
-
-
-class DecoderLayer(nnx.Module):
-  """Two attention + dense-MLP sublayers; the MoE reads the first post-attention norm and its
-  output joins the residual only at the end of the layer (TR section 2, HF DecoderLayer)."""
-
-  def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
-    d, eps, p = cfg.hidden_size, cfg.rms_norm_eps, 'layers'
+  def __init__(self, cfg: ModelConfig, p: str, rngs: nnx.Rngs):
+    d, eps = cfg.hidden_size, cfg.rms_norm_eps
     self.rules = cfg.rules
     self.input_norm_0 = RMSNorm(d, 'D', eps, cfg)
     self.input_norm_1 = RMSNorm(d, 'D', eps, cfg)
@@ -76,6 +63,65 @@ class DecoderLayer(nnx.Module):
     return constrain(h_BTD, ACT, self.rules), stats
 
 
+class StandardLayer(nnx.Module):
+  """Pre-norm attention, then a pre-norm MoE (kind 'moe') or dense SwiGLU MLP ('dense'), each
+  added to the residual (DeepSeek, Qwen3-MoE, Mixtral)."""
+
+  def __init__(self, cfg: ModelConfig, kind: str, p: str, rngs: nnx.Rngs):
+    d, eps = cfg.hidden_size, cfg.rms_norm_eps
+    self.rules = cfg.rules
+    self.input_norm = RMSNorm(d, 'D', eps, cfg)
+    self.post_norm = RMSNorm(d, 'D', eps, cfg)
+    self.attn = make_attention(cfg, f'{p}.attn', rngs)
+    if kind == 'moe':
+      self.moe = MoE(cfg, f'{p}.moe', rngs)
+    else:
+      self.mlp = MLP(cfg, f'{p}.mlp', rngs)
+
+  def __call__(self, h_BTD, positions_BT, segment_ids_BT, rng=None):
+    rngs = [None] * 2 if rng is None else list(jax.random.split(rng, 2))
+
+    def attend(i, x_BTD):
+      return self.attn(x_BTD, positions_BT, segment_ids_BT, rngs[0])
+
+    return self.body(h_BTD, attend, segment_ids_BT > 0, rngs)
+
+  def body(self, h_BTD, attend, valid_BT, rngs):
+    """attend(0, x_BTD) runs the attention (full sequence, or against a KV cache in
+    model/decode.py); rngs: 2 keys or Nones (attention, MoE or MLP). Stats: None in a dense
+    layer."""
+    with jax.named_scope('attn'):
+      h_BTD = h_BTD + attend(0, self.input_norm(h_BTD))
+    x_BTD, stats = self.post_norm(h_BTD), None
+    if hasattr(self, 'moe'):
+      with jax.named_scope('moe'):
+        m_BTD, stats = self.moe(x_BTD, valid_BT, rngs[1])
+      m_BTD = checkpoint_name(m_BTD, 'moe_out')
+    else:
+      with jax.named_scope('mlp'):
+        m_BTD = self.mlp(x_BTD, rngs[1])
+    return constrain(h_BTD + m_BTD, ACT, self.rules), stats
+
+
+def make_layer(cfg: ModelConfig, group: LayerGroup, rngs: nnx.Rngs):
+  if cfg.layer_layout == 'shortcut':
+    return ShortcutLayer(cfg, group.name, rngs)
+  return StandardLayer(cfg, group.kind, group.name, rngs)
+
+
+def make_stack(cfg: ModelConfig, group: LayerGroup, rngs: nnx.Rngs):
+  """The group's layers as one module whose variables carry a leading layer axis."""
+
+  @nnx.split_rngs(splits=group.count)
+  @nnx.vmap(in_axes=(0,), out_axes=0)
+  def make_layers(rngs):
+    return make_layer(cfg, group, rngs)
+
+  stack = make_layers(rngs)
+  mark_layer_axes(stack)
+  return stack
+
+
 def remat_policy(name: str):
   cp = jax.checkpoint_policies
   return {
@@ -99,17 +145,14 @@ def mark_layer_axes(layers: nnx.Module) -> None:
 
 
 class Transformer(nnx.Module):
+  """Runs of layers of one kind (cfg.layer_groups()) are stacked modules, each scanned: 'layers'
+  (MoE layers), 'dense_layers', ..."""
+
   def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
     self.cfg = cfg
     self.embed = Embed(cfg, rngs)
-
-    @nnx.split_rngs(splits=cfg.num_layers)
-    @nnx.vmap(in_axes=(0,), out_axes=0)
-    def make_layers(rngs):
-      return DecoderLayer(cfg, rngs)
-
-    self.layers = make_layers(rngs)
-    mark_layer_axes(self.layers)
+    for group in cfg.layer_groups():
+      setattr(self, group.name, make_stack(cfg, group, rngs))
     self.final_norm = RMSNorm(cfg.hidden_size, 'D', cfg.rms_norm_eps, cfg)
     self.lm_head = Linear('BTD,DV->BTV', (cfg.hidden_size, cfg.vocab_size), cfg, 'lm_head', rngs)
 
@@ -122,9 +165,10 @@ class Transformer(nnx.Module):
     return logits_BTV, aux
 
   def features(self, ids_BT, positions_BT=None, segment_ids_BT=None, rng=None):
-    """The lm head's input (the final-normed hidden states [B, T, D]) and aux: per-layer routing
-    stats stacked on axis 0 and the pre-norm last hidden state's per-token log-sum-exp (for the
-    hidden z-loss). Training takes the loss from here (kernels/cross_entropy.py), never the whole logits."""
+    """The lm head's input (the final-normed hidden states [B, T, D]) and aux: the routing stats
+    of the MoE layers stacked on axis 0 (in layer order) and the pre-norm last hidden state's
+    per-token log-sum-exp (for the hidden z-loss). Training takes the loss from here
+    (kernels/cross_entropy.py), never the whole logits."""
     b, t = ids_BT.shape
     if positions_BT is None:
       positions_BT = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
@@ -136,9 +180,18 @@ class Transformer(nnx.Module):
     return self.final_norm(h_BTD), {'moe': stats, 'hidden_lse_BT': z_BT}
 
   def run_layers(self, h_BTD, positions_BT, segment_ids_BT, rng):
-    graphdef, state = nnx.split(self.layers)
-    n = self.cfg.num_layers
-    rngs_L = None if rng is None else jax.random.split(rng, n)
+    cfg = self.cfg
+    rngs_L = None if rng is None else jax.random.split(rng, cfg.num_layers)
+    stats = []
+    for group in cfg.layer_groups():
+      group_rngs = None if rng is None else rngs_L[group.start : group.start + group.count]
+      h_BTD, out = self.run_group(group, h_BTD, positions_BT, segment_ids_BT, group_rngs)
+      if group.kind == 'moe':
+        stats.append(out)
+    return h_BTD, jax.tree.map(lambda *x: jnp.concatenate(x), *stats)
+
+  def run_group(self, group: LayerGroup, h_BTD, positions_BT, segment_ids_BT, rngs_L):
+    graphdef, state = nnx.split(getattr(self, group.name))
 
     def body(h, xs):
       layer_state, layer_rng = xs
@@ -149,7 +202,7 @@ class Transformer(nnx.Module):
     if self.cfg.scan_layers:
       return jax.lax.scan(body, h_BTD, (state, rngs_L))
     outs = []
-    for i in range(n):
+    for i in range(group.count):
       h_BTD, out = body(h_BTD, jax.tree.map(lambda x, i=i: x[i], (state, rngs_L)))
       outs.append(out)
     return h_BTD, jax.tree.map(lambda *x: jnp.stack(x), *outs)

@@ -18,7 +18,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from bench.common import emit, machine
-from moetrain.convert import hf_longcat
+from moetrain.convert import hf
 from moetrain.model.config import PRESETS
 from moetrain.model.transformer import Transformer
 
@@ -36,7 +36,7 @@ def main():
   cfg = dataclasses.replace(PRESETS['medium'], param_dtype=args.dtype, dtype=args.dtype)
   if not os.path.exists(os.path.join(args.dir, 'config.json')):
     model = Transformer(dataclasses.replace(cfg, param_dtype='float32'), nnx.Rngs(0))
-    hf_longcat.save_hf(model, cfg, args.dir, dtype=jnp.dtype(args.dtype))
+    hf.save_hf(model, cfg, args.dir, dtype=jnp.dtype(args.dtype))
   size = sum(
     os.path.getsize(os.path.join(args.dir, f))
     for f in os.listdir(args.dir)
@@ -46,7 +46,7 @@ def main():
   times = []
   for _ in range(args.repeats + 1):
     t = time.perf_counter()
-    loaded = hf_longcat.load_params(args.dir, load_cfg)
+    loaded = hf.load_params(args.dir, load_cfg)
     jax.block_until_ready((loaded.params, loaded.frozen, loaded.moe_bias))
     times.append(time.perf_counter() - t)
   warm = statistics.median(times[1:])

@@ -57,10 +57,10 @@ def model_config(config) -> ModelConfig:
   path = config.init.hf_checkpoint
   if not path:
     return ModelConfig(**config.model.to_dict(), lora=lora, rules=rules)
-  from moetrain.convert import hf_longcat
+  from moetrain.convert import hf
 
   engine = {k: config.model[k] for k in fields.with_role(ModelConfig, 'engine')}
-  return hf_longcat.config_from_hf(hf_longcat.read_config(path), **engine, lora=lora, rules=rules)
+  return hf.config_from_hf(hf.read_config(path), **engine, lora=lora, rules=rules)
 
 
 def build(
@@ -237,12 +237,10 @@ def initial_state(setup: Setup, optimizer, mesh) -> TrainState:
   rules = setup.model.rules
   if not setup.hf_checkpoint and not setup.peft_adapter:
     return create_sharded(setup.model, optimizer, setup.seed, mesh, rules)
-  from moetrain.convert import hf_longcat, peft_adapter
+  from moetrain.convert import hf, peft_adapter
 
   if setup.hf_checkpoint:
-    w = hf_longcat.load_params(
-      setup.hf_checkpoint, setup.model, mesh=mesh, rules=rules, seed=setup.seed
-    )
+    w = hf.load_params(setup.hf_checkpoint, setup.model, mesh=mesh, rules=rules, seed=setup.seed)
     params, moe_bias, frozen = w.params, w.moe_bias, w.frozen
   else:
     state = create_sharded(setup.model, optimizer, setup.seed, mesh, rules)

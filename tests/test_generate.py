@@ -90,7 +90,7 @@ def test_cache_holds_latents_not_heads(lora_model):
 def hf():
   """The HF fixture model and both rows' 5-token prompts. Every generate() call below has the
   same shapes, so they share one compilation; rows are independent, so row 0 is HF's prompt."""
-  from moetrain.convert.hf_longcat import load_model
+  from moetrain.convert.hf import load_model
 
   ref = np.load(os.path.join(FIXTURE, 'reference.npz'))
   return load_model(FIXTURE, dtype=jnp.float32), ref['input_ids'][:, :5], ref['greedy_ids']

@@ -11,7 +11,7 @@ from tokenizers import Tokenizer, models, pre_tokenizers
 
 from moetrain import setup as setup_lib
 from moetrain import sharding, train
-from moetrain.convert import hf_longcat
+from moetrain.convert import hf
 from moetrain.data.demo_task import WORDS
 from moetrain.tools import evaluate, export
 from moetrain.train_state import graphdef_of, merge_model
@@ -76,10 +76,10 @@ def finetuned(tmp_path_factory):
 def test_lora_finetune_export_reload(finetuned):
   exported, ids, want = finetuned
   # the adapters moved the model away from the base checkpoint ...
-  base = hf_longcat.load_model(FIXTURE, dtype=np.float32)
+  base = hf.load_model(FIXTURE, dtype=np.float32)
   assert np.abs(np.asarray(base(ids)[0]) - np.asarray(want)).max() > 1e-4
   # ... and the merged export reproduces the fine-tuned model
-  got, _ = hf_longcat.load_model(exported, dtype=np.float32)(ids)
+  got, _ = hf.load_model(exported, dtype=np.float32)(ids)
   np.testing.assert_allclose(got, want, atol=1e-5)
 
 

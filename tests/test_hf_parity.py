@@ -16,8 +16,7 @@ from safetensors import safe_open
 from safetensors.numpy import save_file
 
 from moetrain import sharding, train_state
-from moetrain.convert import hf_longcat as hf
-from moetrain.convert import peft_adapter
+from moetrain.convert import hf, peft_adapter
 from moetrain.convert import safetensors_io as stio
 from moetrain.model import moe as moe_lib
 from moetrain.model import quant

@@ -1,4 +1,4 @@
-"""PEFT LoRA adapters of the Hugging Face LongCat-Flash model: adapter_model.safetensors and
+"""PEFT LoRA adapters of the Hugging Face models (every family): adapter_model.safetensors and
 adapter_config.json as peft's LoraConfig saves them, written from and read into moetrain's LoRA
 params (and the routers, which training moves)."""
 
@@ -11,7 +11,7 @@ from flax import nnx
 
 from moetrain.convert import safetensors_io as stio
 from moetrain.convert import stacked_io as sio
-from moetrain.convert.hf_longcat import (
+from moetrain.convert.hf import (
   PEFT_PREFIX,
   check_rows,
   flat_values,
@@ -26,21 +26,32 @@ ADAPTER_FILE = 'adapter_model.safetensors'
 ADAPTER_CONFIG = 'adapter_config.json'
 # Training moves every layer's e_score_correction_bias (the expert-bias update) and, with
 # lora.train_router, the router classifier: an adapter holds the whole router module as PEFT's
-# modules_to_save (model.layers.{l}.mlp.router, classifier.weight + e_score_correction_bias).
-ROUTER_MODULE = 'router'
+# modules_to_save (LongCat: model.layers.{l}.mlp.router, classifier.weight +
+# e_score_correction_bias; the others: mlp.gate or block_sparse_moe.gate).
+ROUTER_PATHS = ('.moe.router', '.moe.router_bias')
 
 
-def _adapted(flat: dict) -> list[Row]:
-  return [r for t in table() if (lo := lora_rows(t)) and lo[0].key in flat for r in lo]
+def _adapted(flat: dict, cfg: ModelConfig) -> list[Row]:
+  return [r for t in table(cfg) if (lo := lora_rows(t)) and lo[0].key in flat for r in lo]
 
 
-def _router_rows() -> list[Row]:
+def _router_rows(cfg: ModelConfig) -> list[Row]:
   """The router's rows under PEFT's prefix (as PeftModel.save_pretrained names modules_to_save)."""
   return [
     dataclasses.replace(t, name_template=PEFT_PREFIX + t.name_template)
-    for t in table()
-    if f'.mlp.{ROUTER_MODULE}.' in t.name_template
+    for t in table(cfg)
+    if t.path.endswith(ROUTER_PATHS)
   ]
+
+
+def router_module(cfg: ModelConfig) -> str:
+  """The name (last component) of the HF router module: 'router' (LongCat) or 'gate'."""
+  rows = {
+    t.path.rsplit('.', 1)[1]: t.name_template for t in table(cfg) if t.path.endswith(ROUTER_PATHS)
+  }
+  if 'router_bias' in rows:  # <module>.e_score_correction_bias
+    return rows['router_bias'].rsplit('.', 2)[1]
+  return rows['router'].rsplit('.', 2)[1]  # <module>.weight
 
 
 def _target_modules(rows: list[Row]) -> str:
@@ -57,11 +68,11 @@ def save(model, cfg: ModelConfig, out_dir: str, base_model: str = '') -> None:
   for the HF model. base_model: the checkpoint the adapters belong to (its path), written as
   base_model_name_or_path for peft's AutoPeftModel."""
   flat = flat_values(model)
-  rows = _adapted(flat)
+  rows = _adapted(flat, cfg)
   if not rows:
     raise ValueError('the model has no LoRA adapters (cfg.lora.rank is 0 or targets match none)')
-  saved = rows + _router_rows()
-  items = [(r, ix) for r in saved for ix in r.indices(cfg.num_layers, cfg.n_routed_experts)]
+  saved = rows + _router_rows(cfg)
+  items = [(r, ix) for r in saved for ix in r.indices(cfg.n_routed_experts)]
   specs = [
     (r.name(ix), sio.flat_shape(flat[r.key].shape[r.lead :], r.n_in), flat[r.key].dtype)
     for r, ix in items
@@ -89,7 +100,7 @@ def save(model, cfg: ModelConfig, out_dir: str, base_model: str = '') -> None:
     'use_dora': False,
     'init_lora_weights': True,
     'inference_mode': True,
-    'modules_to_save': [ROUTER_MODULE],
+    'modules_to_save': [router_module(cfg)],
     'base_model_name_or_path': base_model or None,
   }
   if writable:
@@ -99,7 +110,7 @@ def save(model, cfg: ModelConfig, out_dir: str, base_model: str = '') -> None:
 
 def load(model, cfg: ModelConfig, directory: str) -> None:
   """Reads a PEFT adapter into the model's LoRA params, and its routers when the adapter holds
-  them (ROUTER_MODULE), in place, keeping their shardings."""
+  them (router_module), in place, keeping their shardings."""
   with open(os.path.join(directory, ADAPTER_CONFIG)) as f:
     c = json.load(f)
   for key, field, default in (
@@ -122,13 +133,13 @@ def load(model, cfg: ModelConfig, directory: str) -> None:
         f'{os.path.join(directory, ADAPTER_CONFIG)}: {key}={c[key]!r} is not supported (lora '
         'has one rank and one alpha for every adapted module, on every layer)'
       )
-  router = ROUTER_MODULE in (c.get('modules_to_save') or ())
+  router = router_module(cfg) in (c.get('modules_to_save') or ())
   filt = nnx.LoRAParam
   if router:
     filt = nnx.Any(filt, nnx.PathContains('router'), nnx.PathContains('router_bias'))
   variables = dict(nnx.to_flat_state(nnx.state(model, filt)))
   flat = {p: value_of(v) for p, v in variables.items()}
-  rows = _adapted(flat) + (_router_rows() if router else [])
+  rows = _adapted(flat, cfg) + (_router_rows(cfg) if router else [])
   reader = stio.Reader(directory, single=ADAPTER_FILE, index=None)
   extra = check_rows(reader, rows, cfg, {p: x.shape for p, x in flat.items()})
   if extra:

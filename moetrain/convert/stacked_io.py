@@ -24,7 +24,9 @@ class Row:
   # Input dims of a kernel [in..., out...]: the checkpoint holds it transposed and flattened,
   # [prod(out), prod(in)] (torch Linear). None: the same layout on both sides.
   n_in: int | None
-  stacked: bool = False  # leading layer axis L
+  # A stacked variable's leading layer axis L: the checkpoint's layer number {l} of each entry
+  # (a group of layers: range(start, start + count)); () = not stacked.
+  layers: tuple = ()
   experts: bool = False  # then the routed-expert axis E
 
   @property
@@ -32,15 +34,21 @@ class Row:
     return tuple(self.path.split('.'))
 
   @property
+  def stacked(self) -> bool:
+    return bool(self.layers)
+
+  @property
   def lead(self) -> int:  # leading axes that one checkpoint tensor's index ix covers
     return self.stacked + self.experts
 
-  def indices(self, num_layers: int, num_experts: int) -> list[tuple[int, ...]]:
-    ls = [(layer,) for layer in range(num_layers)] if self.stacked else [()]
+  def indices(self, num_experts: int) -> list[tuple[int, ...]]:
+    """Index (layer position, expert) of each checkpoint tensor of the row."""
+    ls = [(i,) for i in range(len(self.layers))] if self.stacked else [()]
     return [(*ix, e) for ix in ls for e in range(num_experts)] if self.experts else ls
 
   def name(self, ix: tuple[int, ...]) -> str:
-    return self.name_template.format(l=ix[0] if ix else 0, e=ix[1] if len(ix) > 1 else 0)
+    layer = self.layers[ix[0]] if ix else 0
+    return self.name_template.format(l=layer, e=ix[1] if len(ix) > 1 else 0)
 
   def quant_dims(self) -> tuple[int, int]:
     """(batch dims, input dims) of a per-layer piece, as Embed / Linear / Experts quantise it."""

@@ -52,7 +52,7 @@ def multi_head(q_BTNH, k_BSNH, v_BSNH, mask_BTS, cfg: ModelConfig, causal_chunk:
     k_BNSH,
     v_BNSH,
     mask_BTS,
-    cfg.qk_head_dim**-0.5,
+    cfg.attention_scale,
     blocks,
     cfg.attention_recompute,
     reference=cfg.reference_kernels,
@@ -67,19 +67,25 @@ class MLA(nnx.Module):
     self.cfg = cfg
     d, n, q, k = cfg.hidden_size, cfg.num_heads, cfg.q_lora_rank, cfg.kv_lora_rank
     qk, nope, v, rope = cfg.qk_head_dim, cfg.qk_nope_head_dim, cfg.v_head_dim, cfg.qk_rope_head_dim
-    self.q_a = Linear('BTD,DQ->BTQ', (d, q), cfg, f'{path}.q_a', rngs)
-    self.q_a_norm = RMSNorm(q, 'Q', cfg.mla_norm_eps, cfg)
-    self.q_b = Linear('BTQ,QNH->BTNH', (q, n, qk), cfg, f'{path}.q_b', rngs)
+    if q:
+      self.q_a = Linear('BTD,DQ->BTQ', (d, q), cfg, f'{path}.q_a', rngs)
+      self.q_a_norm = RMSNorm(q, 'Q', cfg.mla_norm_eps, cfg)
+      self.q_b = Linear('BTQ,QNH->BTNH', (q, n, qk), cfg, f'{path}.q_b', rngs)
+    else:  # q_lora_rank 0: one plain projection (DeepSeek-V2-Lite, Moonlight)
+      self.q = Linear('BTD,DNH->BTNH', (d, n, qk), cfg, f'{path}.q', rngs)
     self.kv_a = Linear('BTD,DK->BTK', (d, k + rope), cfg, f'{path}.kv_a', rngs)
     self.kv_a_norm = RMSNorm(k, 'K', cfg.mla_norm_eps, cfg)
     self.kv_b = Linear('BTK,KNH->BTNH', (k, n, nope + v), cfg, f'{path}.kv_b', rngs)
     self.o = Linear('BTNH,NHD->BTD', (n, v, d), cfg, f'{path}.o', rngs)
     # Variance alignment of the low-rank paths (TR eq. 6-7); HF applies them unconditionally.
-    self.alpha_q = math.sqrt(d / q) if cfg.mla_scale_q_lora else 1.0
+    self.alpha_q = math.sqrt(d / q) if cfg.mla_scale_q_lora and q else 1.0
     self.alpha_kv = math.sqrt(d / k) if cfg.mla_scale_kv_lora else 1.0
 
   def project_q(self, x_BTD, positions_BT, rng=None):
-    q_BTNH = self.q_b(self.q_a_norm(self.q_a(x_BTD, rng)), rng) * self.alpha_q
+    if self.cfg.q_lora_rank:
+      q_BTNH = self.q_b(self.q_a_norm(self.q_a(x_BTD, rng)), rng) * self.alpha_q
+    else:
+      q_BTNH = self.q(x_BTD, rng)
     nope = self.cfg.qk_nope_head_dim
     q_pe = rope(q_BTNH[..., nope:], positions_BT, self.cfg)
     return q_BTNH[..., :nope], q_pe

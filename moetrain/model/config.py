@@ -2,6 +2,7 @@
 
 import dataclasses
 import functools
+import math
 import re
 from typing import NamedTuple
 
@@ -65,6 +66,10 @@ class LoraConfig:
       raise ValueError(f'lora.dropout={self.dropout}: must be in [0, 1)')
 
 
+def yarn_mscale(factor: float, mscale: float = 1.0) -> float:
+  return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
+
+
 class LayerGroup(NamedTuple):
   """Consecutive decoder layers of one kind, stacked and scanned as one module `name`."""
 
@@ -117,7 +122,7 @@ class ModelConfig:
   first_k_dense_replace: int = field(0, check='non_negative')
   mlp_only_layers: tuple = ()
   decoder_sparse_step: int = positive(1)
-  q_lora_rank: int = positive(64)  # MLA query low-rank width
+  q_lora_rank: int = field(64, check='non_negative', zero='0 = a plain q projection')  # MLA
   kv_lora_rank: int = positive(32)  # MLA compressed kv latent width (what the KV cache stores)
   qk_nope_head_dim: int = positive(32)  # per-head q/k width without RoPE
   qk_rope_head_dim: int = positive(16)  # RoPE part of q; the one rope key all heads share
@@ -134,6 +139,16 @@ class ModelConfig:
   mla_scale_q_lora: bool = True  # multiply q by sqrt(D / q_lora_rank)
   mla_scale_kv_lora: bool = True  # multiply the kv latent by sqrt(D / kv_lora_rank)
   max_position_embeddings: int = 131072  # informational (RoPE needs no table)
+  # YaRN RoPE scaling (DeepSeek's rope_scaling), off at factor 0: frequencies interpolated by
+  # `yarn_factor` below the correction range of yarn_beta_fast / yarn_beta_slow rotations over
+  # yarn_original_max_position, cos/sin scaled by mscale(yarn_mscale) / mscale(
+  # yarn_mscale_all_dim), the softmax scale by mscale(yarn_mscale_all_dim)^2.
+  yarn_factor: float = field(0.0, check='non_negative', zero='0 = no RoPE scaling')
+  yarn_original_max_position: int = field(0, check='non_negative')
+  yarn_beta_fast: float = positive(32.0)
+  yarn_beta_slow: float = positive(1.0)
+  yarn_mscale: float = field(1.0, check='non_negative')
+  yarn_mscale_all_dim: float = field(0.0, check='non_negative')
   # Std of the normal of random init before truncation at +-2 std (weights: 0.88 init_std).
   init_std: float = engine(0.02, check='positive')
   # Compute dtype (router, norms, softmax and loss stay float32): bfloat16, float32, or float16
@@ -191,6 +206,9 @@ class ModelConfig:
   platform: str = field('cpu', role='derived')
   mesh_shape: tuple = field((), role='derived')
 
+  def __post_init__(self):  # configs and config.json give lists; the config must stay hashable
+    object.__setattr__(self, 'mlp_only_layers', tuple(self.mlp_only_layers))
+
   @property
   def reference_kernels(self) -> bool:
     """model.kernels='reference': every kernel runs its plain-autodiff twin."""
@@ -216,6 +234,14 @@ class ModelConfig:
     if self.attention == 'gqa':
       return self.gqa_head_dim
     return self.qk_nope_head_dim + self.qk_rope_head_dim
+
+  @property
+  def attention_scale(self) -> float:
+    """The softmax's score scale: 1/sqrt(qk_head_dim), times YaRN's mscale^2 when it has one."""
+    scale = self.qk_head_dim**-0.5
+    if self.yarn_factor > 1 and self.yarn_mscale_all_dim:
+      scale *= yarn_mscale(self.yarn_factor, self.yarn_mscale_all_dim) ** 2
+    return scale
 
   @property
   def gqa_head_dim(self) -> int:

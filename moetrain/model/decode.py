@@ -57,7 +57,7 @@ def attend_absorbed(mla: MLA, q_nope_BTNH, q_pe_BTNH, c_BSK, k_pe_BSH, mask_BTS)
   s_BNTS += jnp.einsum(
     'BTNH,BSH->BNTS', q_pe_BTNH, k_pe_BSH.astype(q_pe_BTNH.dtype), preferred_element_type=f32
   )
-  p_BNTS = attention_probs(s_BNTS, mask_BTS, cfg.qk_head_dim**-0.5).astype(c_BSK.dtype)
+  p_BNTS = attention_probs(s_BNTS, mask_BTS, cfg.attention_scale).astype(c_BSK.dtype)
   o_BTNK = jnp.einsum('BNTS,BSK->BTNK', p_BNTS, c_BSK)
   return mla.o(jnp.einsum('BTNK,KNH->BTNH', o_BTNK, w_v_KNH))
 

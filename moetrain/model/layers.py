@@ -5,12 +5,13 @@ import zlib
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 from moetrain import axes
 from moetrain.kernels.lora import lora_dropout, lora_product
 from moetrain.model import quant
-from moetrain.model.config import ModelConfig
+from moetrain.model.config import ModelConfig, yarn_mscale
 from moetrain.sharding import constrain
 
 
@@ -133,15 +134,38 @@ class Embed(nnx.Module):
     return quant.dequant(quant.take(table, ids_BT), self.compute_dtype)
 
 
+def rope_frequencies(h: int, cfg: ModelConfig):
+  """(inverse frequencies [H/2] float32, cos/sin factor) of RoPE over h features, with YaRN's
+  scaling when cfg.yarn_factor > 1 (as transformers' _compute_yarn_parameters, truncated)."""
+  base, factor = cfg.rope_theta, cfg.yarn_factor
+  if factor <= 1:
+    return base ** (-jnp.arange(0, h, 2, dtype=jnp.float32) / h), 1.0
+  pos_freqs = base ** (np.arange(0, h, 2, dtype=np.float32) / h)
+  original = cfg.yarn_original_max_position or cfg.max_position_embeddings
+
+  def correction_dim(rotations):
+    return h * math.log(original / (rotations * 2 * math.pi)) / (2 * math.log(base))
+
+  low = max(math.floor(correction_dim(cfg.yarn_beta_fast)), 0)
+  high = min(math.ceil(correction_dim(cfg.yarn_beta_slow)), h - 1)
+  ramp = np.clip((np.arange(h // 2, dtype=np.float32) - low) / max(high - low, 1e-3), 0, 1)
+  extrapolate = 1 - ramp
+  inv_freq = (1.0 / (factor * pos_freqs)) * ramp + (1.0 / pos_freqs) * extrapolate
+  scale = yarn_mscale(factor, cfg.yarn_mscale) / yarn_mscale(factor, cfg.yarn_mscale_all_dim)
+  if not (cfg.yarn_mscale and cfg.yarn_mscale_all_dim):
+    scale = yarn_mscale(factor)
+  return jnp.asarray(inv_freq, jnp.float32), scale
+
+
 def rope(x_BTNH, positions_BT, cfg: ModelConfig):
   """Rotary embedding: pair i of the H features rotates by pos * rope_theta^(-2i/H). The pairs
   are adjacent features (x[2i], x[2i+1]) with cfg.rope_interleaved (DeepSeek, LongCat), else
   the two halves (x[i], x[i + H/2]) (Qwen, Mixtral). The two are different functions of the
   same weights (logits off by ~1 on a real checkpoint when mixed up)."""
   h = x_BTNH.shape[-1]
-  inv_freq = cfg.rope_theta ** (-jnp.arange(0, h, 2, dtype=jnp.float32) / h)
+  inv_freq, factor = rope_frequencies(h, cfg)
   ang = positions_BT.astype(jnp.float32)[..., None] * inv_freq[None, None, :]  # [B, T, H/2]
-  cos, sin = jnp.cos(ang)[:, :, None, :], jnp.sin(ang)[:, :, None, :]
+  cos, sin = (factor * f(ang)[:, :, None, :] for f in (jnp.cos, jnp.sin))
   x = x_BTNH.astype(jnp.float32)
   if cfg.rope_interleaved:
     x = x.reshape(*x_BTNH.shape[:-1], h // 2, 2)

@@ -20,7 +20,7 @@ from ml_collections import config_flags
 
 from moetrain import lease, runtime, sharding
 from moetrain import setup as setup_lib
-from moetrain.convert import hf_longcat, peft_adapter
+from moetrain.convert import hf, peft_adapter
 from moetrain.convert import safetensors_io as stio
 from moetrain.train_state import graphdef_of, merge_model
 
@@ -76,7 +76,7 @@ def companion_files(setup: setup_lib.Setup, workdir: str) -> dict[str, str]:
     files[SPM_FILE] = src
   if setup.hf_checkpoint:
     files['generation_config.json'] = os.path.join(setup.hf_checkpoint, 'generation_config.json')
-    for name in remote_code_files(hf_longcat.read_config(setup.hf_checkpoint)):
+    for name in remote_code_files(hf.read_config(setup.hf_checkpoint)):
       files[name] = os.path.join(setup.hf_checkpoint, name)
   return {n: p for n, p in files.items() if os.path.isfile(p)}
 
@@ -96,7 +96,7 @@ def base_config(hf_checkpoint: str) -> dict | None:
   are there to copy: a config pointing at code the export lacks does not load."""
   if not hf_checkpoint:
     return None
-  base = hf_longcat.read_config(hf_checkpoint)
+  base = hf.read_config(hf_checkpoint)
   code = remote_code_files(base)
   if 'auto_map' in base and not all(os.path.isfile(os.path.join(hf_checkpoint, n)) for n in code):
     base = {k: v for k, v in base.items() if k != 'auto_map'}
@@ -130,7 +130,7 @@ def export(config, workdir: str, out: str, adapter_only: bool = False, dtype=Non
         peft_adapter.save(model, setup.model, target, base_model=setup.hf_checkpoint)
       else:
         base = base_config(setup.hf_checkpoint)
-        hf_longcat.save_hf(
+        hf.save_hf(
           model, setup.model, target, dtype=dtype, base_config=base, base_dir=setup.hf_checkpoint
         )
         if primary:
@@ -182,7 +182,7 @@ def _replace_contents(staging: str, out: str) -> None:
   old_code = set()
   if os.path.isfile(old_config):
     try:
-      old_code = set(remote_code_files(hf_longcat.read_config(out)))
+      old_code = set(remote_code_files(hf.read_config(out)))
     except ValueError:
       pass
   for name in os.listdir(out):

@@ -184,7 +184,7 @@ def define_flags():
 
 
 def load_hf(path: str):
-  from moetrain.convert.hf_longcat import load_model
+  from moetrain.convert.hf import load_model
   from moetrain.data.tokenizer import load_tokenizer
 
   return load_model(path, dtype=jnp.float32), load_tokenizer(path)

@@ -1,5 +1,6 @@
-"""LongCat-Flash <-> Hugging Face: config, the weight-name table, streaming load/save (PEFT
-adapters: peft_adapter.py)."""
+"""Hugging Face checkpoints of every family <-> moetrain: config.json, the weight-name table
+(the family's: longcat.py, standard.py), streaming load and save (PEFT adapters:
+peft_adapter.py)."""
 
 import dataclasses
 import json
@@ -15,6 +16,7 @@ from flax import nnx
 from jax.sharding import SingleDeviceSharding
 
 from moetrain import train_state
+from moetrain.convert import longcat, standard
 from moetrain.convert import safetensors_io as stio
 from moetrain.convert import stacked_io as sio
 from moetrain.convert.stacked_io import Row
@@ -22,48 +24,19 @@ from moetrain.model.config import ModelConfig
 from moetrain.model.transformer import Transformer
 
 # ---------------------------------------------------------------------------------------------
-# config.json
+# config.json and the weight-name table, per family
 
-# HF key -> ModelConfig field, for keys every LongCat config.json carries.
-_REQUIRED = {
-  'vocab_size': 'vocab_size',
-  'hidden_size': 'hidden_size',
-  'num_layers': 'num_layers',
-  'num_attention_heads': 'num_heads',
-  'q_lora_rank': 'q_lora_rank',
-  'kv_lora_rank': 'kv_lora_rank',
-  'qk_nope_head_dim': 'qk_nope_head_dim',
-  'qk_rope_head_dim': 'qk_rope_head_dim',
-  'v_head_dim': 'v_head_dim',
-  'ffn_hidden_size': 'ffn_hidden_size',
-  'expert_ffn_hidden_size': 'expert_ffn_hidden_size',
-  'n_routed_experts': 'n_routed_experts',
-  'zero_expert_num': 'zero_expert_num',
-  'moe_topk': 'moe_topk',
-}
-# Optional keys: (ModelConfig field, transformers 4.57 default).
-_OPTIONAL = {
-  'routed_scaling_factor': ('routed_scaling_factor', 6.0),
-  'rms_norm_eps': ('rms_norm_eps', 1e-5),
-  'rope_theta': ('rope_theta', 1e7),
-  'initializer_range': ('init_std', 0.02),
-  'max_position_embeddings': ('max_position_embeddings', 131072),
-}
-# Keys whose other values would change the maths; moetrain, like transformers 4.57, implements
-# only these values (the HF default applies when a key is absent).
-_FIXED = {
-  'hidden_act': 'silu',
-  'attention_bias': False,
-  'tie_word_embeddings': False,
-  'rope_scaling': None,
-  'router_bias': False,
-  'norm_topk_prob': False,
-  'zero_expert_type': 'identity',
-  'attention_method': 'MLA',
-  'mla_scale_q_lora': True,
-  'mla_scale_kv_lora': True,
-}
-HF_MLA_NORM_EPS = 1e-6  # q_a_layernorm / kv_a_layernorm are built without eps in HF
+
+def family_of(model_type: str):
+  """The module or object that knows a family's config.json and weight names."""
+  if model_type == longcat.MODEL_TYPE:
+    return longcat
+  if model_type in standard.FAMILIES:
+    return standard.FAMILIES[model_type]
+  raise ValueError(
+    f'config.json model_type={model_type!r} is unsupported: moetrain loads '
+    f'{[longcat.MODEL_TYPE, *standard.FAMILIES]}'
+  )
 
 
 def read_config(path: str) -> dict:
@@ -84,39 +57,9 @@ def read_config(path: str) -> dict:
 
 
 def config_from_hf(config_json: dict, **overrides) -> ModelConfig:
-  """ModelConfig of a LongCat-Flash config.json; `overrides` set engine fields (dtype, lora...)."""
-  c = config_json
-  if c.get('model_type', 'longcat_flash') != 'longcat_flash':
-    raise ValueError(f'config.json model_type={c["model_type"]!r}: only longcat_flash is supported')
-  missing = [k for k in _REQUIRED if c.get(k) is None]
-  if missing:
-    raise ValueError(
-      f'config.json lacks {missing} (q_lora_rank=null, a plain q_proj, is unsupported)'
-    )
-  for key, want in _FIXED.items():
-    if c.get(key, want) != want:
-      raise ValueError(
-        f'config.json {key}={c[key]!r} is unsupported: moetrain implements '
-        f'LongCat-Flash with {key}={want!r}, as transformers 4.57 does'
-      )
-  nope, rope = c['qk_nope_head_dim'], c['qk_rope_head_dim']
-  if c.get('head_dim', 64) != rope:  # HF sizes its rotary table from head_dim
-    raise ValueError(
-      f'config.json head_dim={c.get("head_dim", 64)} must equal qk_rope_head_dim='
-      f'{rope} (transformers builds RoPE from head_dim)'
-    )
-  if c.get('qk_head_dim', nope + rope) != nope + rope:
-    raise ValueError(
-      f'config.json qk_head_dim={c["qk_head_dim"]} != qk_nope_head_dim + '
-      f'qk_rope_head_dim = {nope + rope}'
-    )
-  wrong = {k: c[k] for k in _REQUIRED if type(c[k]) is not int}  # bool too: not a size
-  if wrong:
-    raise ValueError(f'config.json: {wrong} should be integers')
-  kw = {field: c[key] for key, field in _REQUIRED.items()}
-  kw.update({field: float(c.get(key, d)) for key, (field, d) in _OPTIONAL.items()})
-  kw['max_position_embeddings'] = int(kw['max_position_embeddings'])
-  kw['mla_norm_eps'] = HF_MLA_NORM_EPS
+  """ModelConfig of a config.json of any supported family (its model_type; LongCat-Flash when
+  absent); `overrides` set engine fields (dtype, lora...)."""
+  kw = family_of(config_json.get('model_type', longcat.MODEL_TYPE)).config_from_hf(config_json)
   cfg = ModelConfig(**{**kw, **overrides})
   cfg.validate('config_from_hf')
   return cfg
@@ -124,30 +67,10 @@ def config_from_hf(config_json: dict, **overrides) -> ModelConfig:
 
 def config_to_hf(cfg: ModelConfig, dtype: str, base: dict | None = None) -> dict:
   """config.json for transformers; keys of `base` (bos/eos, auto_map...) are kept."""
-  bad = [
-    f
-    for f, ok in (
-      ('mla_scale_q_lora', cfg.mla_scale_q_lora),
-      ('mla_scale_kv_lora', cfg.mla_scale_kv_lora),
-      ('mla_norm_eps', cfg.mla_norm_eps == HF_MLA_NORM_EPS),
-    )
-    if not ok
-  ]
-  if bad:
-    raise ValueError(f'model.{bad[0]}: transformers LongCat-Flash cannot express this setting')
-  out = {'bos_token_id': 1, 'eos_token_id': 2, **(base or {}), **_FIXED}
-  out.update({key: getattr(cfg, field) for key, field in _REQUIRED.items()})
-  out.update({key: getattr(cfg, field) for key, (field, _) in _OPTIONAL.items()})
-  # No num_hidden_layers, as in the release: transformers 4.57 sets it to 2 * num_layers itself,
-  # the release's remote code (auto_map, trust_remote_code=True) defines it as a read-only
-  # property, so a config.json carrying it fails to load there, and vLLM's FlashConfig would take
-  # it for the number of LongCat layers.
+  out = {'bos_token_id': 1, 'eos_token_id': 2, **(base or {})}
+  out.update(family_of(cfg.model_type).config_to_hf(cfg))
   out.update(
-    architectures=['LongcatFlashForCausalLM'],
-    model_type='longcat_flash',
-    num_key_value_heads=cfg.num_heads,
-    head_dim=cfg.qk_rope_head_dim,
-    qk_head_dim=cfg.qk_head_dim,
+    model_type=cfg.model_type,
     attention_dropout=0.0,
     dtype=dtype,
     torch_dtype=dtype,  # the key transformers before 4.56 reads (the release's, kept from base)
@@ -155,54 +78,12 @@ def config_to_hf(cfg: ModelConfig, dtype: str, base: dict | None = None) -> dict
   return out
 
 
-# ---------------------------------------------------------------------------------------------
-# The weight-name table: the only place that knows HF parameter names.
-
-# (HF name, moetrain path, input dims of the kernel). HF stores a Linear as [prod(out), prod(in)],
-# the transposed, flattened moetrain kernel [in..., out...]; None: the same layout on both sides.
-_GLOBAL = (
-  ('model.embed_tokens.weight', 'embed.embedding', None),
-  ('model.norm.weight', 'final_norm.scale', None),
-  ('lm_head.weight', 'lm_head.kernel', 1),
-)
-_SUBLAYER = (  # s = 0, 1, under model.layers.{l}
-  ('input_layernorm.{s}.weight', 'input_norm_{s}.scale', None),
-  ('post_attention_layernorm.{s}.weight', 'post_norm_{s}.scale', None),
-  ('self_attn.{s}.q_a_proj.weight', 'attn_{s}.q_a.kernel', 1),  # [Q, D] <-> [D, Q]
-  ('self_attn.{s}.q_a_layernorm.weight', 'attn_{s}.q_a_norm.scale', None),
-  ('self_attn.{s}.q_b_proj.weight', 'attn_{s}.q_b.kernel', 1),  # [N*(P+R), Q] <-> [Q, N, P+R]
-  ('self_attn.{s}.kv_a_proj_with_mqa.weight', 'attn_{s}.kv_a.kernel', 1),  # [K+R, D]
-  ('self_attn.{s}.kv_a_layernorm.weight', 'attn_{s}.kv_a_norm.scale', None),
-  ('self_attn.{s}.kv_b_proj.weight', 'attn_{s}.kv_b.kernel', 1),  # [N*(P+V), K] <-> [K, N, P+V]
-  ('self_attn.{s}.o_proj.weight', 'attn_{s}.o.kernel', 2),  # [D, N*V] <-> [N, V, D]
-  ('mlps.{s}.gate_proj.weight', 'mlp_{s}.gate.kernel', 1),
-  ('mlps.{s}.up_proj.weight', 'mlp_{s}.up.kernel', 1),
-  ('mlps.{s}.down_proj.weight', 'mlp_{s}.down.kernel', 1),
-)
-_LAYER = (
-  ('mlp.router.classifier.weight', 'moe.router', 1),  # [E+Z, D] <-> [D, E+Z]
-  ('mlp.router.e_score_correction_bias', 'moe.router_bias', None),
-)
-_EXPERT = (  # e < n_routed_experts: zero experts have no weights
-  ('mlp.experts.{e}.gate_proj.weight', 'moe.experts.gate', 1),
-  ('mlp.experts.{e}.up_proj.weight', 'moe.experts.up', 1),
-  ('mlp.experts.{e}.down_proj.weight', 'moe.experts.down', 1),
-)
-PEFT_PREFIX = 'base_model.model.'
-
-
-def table() -> tuple[Row, ...]:
+def table(cfg: ModelConfig) -> tuple[Row, ...]:
   """Every HF tensor of the checkpoint, grouped by the moetrain variable it fills."""
-  layer = 'model.layers.{l}.'
-  rows = [Row(hf, path, n) for hf, path, n in _GLOBAL]
-  for s in (0, 1):
-    rows += [
-      Row(layer + hf.format(s=s), 'layers.' + path.format(s=s), n, True)
-      for hf, path, n in _SUBLAYER
-    ]
-  rows += [Row(layer + hf, 'layers.' + path, n, True) for hf, path, n in _LAYER]
-  rows += [Row(layer + hf, 'layers.' + path, n, True, True) for hf, path, n in _EXPERT]
-  return tuple(rows)
+  return tuple(family_of(cfg.model_type).table(cfg))
+
+
+PEFT_PREFIX = 'base_model.model.'
 
 
 def lora_rows(t: Row) -> tuple[Row, Row] | None:
@@ -213,8 +94,8 @@ def lora_rows(t: Row) -> tuple[Row, Row] | None:
   module = PEFT_PREFIX + t.name_template.removesuffix('.weight')
   base = t.path.removesuffix('.kernel') + '.' if t.path.endswith('.kernel') else t.path + '_'
   return (
-    Row(f'{module}.lora_A.weight', base + 'lora_a', t.n_in, t.stacked, t.experts),
-    Row(f'{module}.lora_B.weight', base + 'lora_b', 1, t.stacked, t.experts),
+    Row(f'{module}.lora_A.weight', base + 'lora_a', t.n_in, t.layers, t.experts),
+    Row(f'{module}.lora_B.weight', base + 'lora_b', 1, t.layers, t.experts),
   )
 
 
@@ -260,7 +141,7 @@ def check_rows(reader, rows, cfg, shapes: dict) -> list[str]:
   expected = set()
   for t in rows:
     want = sio.flat_shape(shapes[t.key][t.lead :], t.n_in)
-    for ix in t.indices(cfg.num_layers, cfg.n_routed_experts):
+    for ix in t.indices(cfg.n_routed_experts):
       name = t.name(ix)
       expected.add(name)
       if name not in reader:
@@ -319,7 +200,7 @@ def load_params(path, cfg: ModelConfig, mesh=None, rules=None, dtype=None, seed=
   abstract = {p: value_of(v) for p, v in variables.items()}
   shardings = _shardings(abstract_state, mesh, rules)
   shapes = _float_shapes(cfg)
-  rows = table()
+  rows = table(cfg)
   skipped = check_rows(reader, rows, cfg, shapes)
   values = {}
   for t in rows:
@@ -371,7 +252,7 @@ def _export(flat: dict, t: Row, ix, cfg: ModelConfig, dtype):
 def _export_items(flat: dict, cfg: ModelConfig, strict: bool) -> list:
   shapes = _float_shapes(cfg)
   items = []
-  for t in table():
+  for t in table(cfg):
     if t.key not in flat and t.key + ('q',) not in flat:
       if strict:
         raise ValueError(
@@ -379,7 +260,7 @@ def _export_items(flat: dict, cfg: ModelConfig, strict: bool) -> list:
         )
       continue
     shape = sio.flat_shape(shapes[t.key][t.lead :], t.n_in)
-    items += [(t, ix, shape) for ix in t.indices(cfg.num_layers, cfg.n_routed_experts)]
+    items += [(t, ix, shape) for ix in t.indices(cfg.n_routed_experts)]
   return items
 
 
@@ -387,11 +268,11 @@ def _export_items(flat: dict, cfg: ModelConfig, strict: bool) -> list:
 # model keeps them (transformers: _keep_in_fp32_modules; vLLM: router_dtype float32). In bfloat16
 # the bias's steps of ~1e-3 against expert scores of ~0.04 would round away and re-route tokens.
 MTP_PREFIX = 'model.mtp.'  # the multi-token-prediction head: skipped on load, copied on export
-FLOAT32_PATHS = ('layers.moe.router', 'layers.moe.router_bias')
+FLOAT32_SUFFIXES = ('.moe.router', '.moe.router_bias')
 
 
 def _export_dtype(t: Row, dtype):
-  return jnp.dtype(jnp.float32) if t.path in FLOAT32_PATHS else jnp.dtype(dtype)
+  return jnp.dtype(jnp.float32) if t.path.endswith(FLOAT32_SUFFIXES) else jnp.dtype(dtype)
 
 
 def hf_tensors(model_or_state, cfg: ModelConfig, dtype='float32'):

@@ -1,0 +1,250 @@
+"""The Hugging Face layouts of the families built from standard pre-norm layers (transformers
+4.57 `deepseek_v3`, `qwen3_moe`, `mixtral`): config.json and the weight-name table. One table
+builder serves all three: attention rows by kind (MLA, GQA), the MoE block's by family."""
+
+from moetrain.convert import family
+from moetrain.convert.stacked_io import Row
+from moetrain.model.config import ModelConfig
+
+_COMMON_REQUIRED = {
+  'vocab_size': 'vocab_size',
+  'hidden_size': 'hidden_size',
+  'num_hidden_layers': 'num_layers',
+  'num_attention_heads': 'num_heads',
+  'num_experts_per_tok': 'moe_topk',
+}
+_COMMON_FIXED = {'hidden_act': 'silu', 'tie_word_embeddings': False, 'attention_bias': False}
+
+
+class Family:
+  """One family's config.json tables (family.read_fields' required / optional / fixed), the
+  ModelConfig parts it implies, and where its MoE block's weights live."""
+
+  def __init__(self, model_type, architecture, required, optional, fixed, parts, moe):
+    self.model_type, self.architecture = model_type, architecture
+    self.required = {**_COMMON_REQUIRED, **required}
+    self.optional, self.fixed, self.parts, self.moe = (
+      optional,
+      {**_COMMON_FIXED, **fixed},
+      parts,
+      moe,
+    )
+
+  def config_from_hf(self, c: dict) -> dict:
+    kw = family.read_fields(c, self.model_type, self.required, self.optional, self.fixed)
+    kw['mlp_only_layers'] = tuple(kw.get('mlp_only_layers', ()))
+    kw.update(self.parts)
+    if self.model_type == 'mixtral':  # no dense MLP: the field only needs a valid value
+      kw['ffn_hidden_size'] = kw['expert_ffn_hidden_size']
+    if self.model_type == 'deepseek_v3':
+      kw.update(_yarn_from_hf(c))
+    return {**kw, 'model_type': self.model_type}
+
+  def config_to_hf(self, cfg: ModelConfig) -> dict:
+    wrong = {k: getattr(cfg, k) for k, v in self.parts.items() if getattr(cfg, k) != v}
+    if wrong:
+      raise ValueError(f'model: {wrong} cannot be expressed by transformers {self.model_type}')
+    out = {**self.fixed, **family.write_fields(cfg, self.required, self.optional)}
+    out['mlp_only_layers'] = list(cfg.mlp_only_layers)
+    out['architectures'] = [self.architecture]
+    if self.model_type == 'deepseek_v3':
+      out.update(
+        _yarn_to_hf(cfg), q_lora_rank=cfg.q_lora_rank or None, head_dim=cfg.qk_rope_head_dim
+      )
+      out['num_key_value_heads'] = cfg.num_heads
+    else:
+      out['head_dim'] = cfg.gqa_head_dim
+    return out
+
+  def table(self, cfg: ModelConfig) -> list[Row]:
+    rows = family.global_rows()
+    for group in cfg.layer_groups():
+      entries = [
+        ('input_layernorm.weight', 'input_norm.scale', None),
+        ('post_attention_layernorm.weight', 'post_norm.scale', None),
+        *attention_entries(cfg),
+      ]
+      if group.kind == 'dense':
+        rows += family.group_rows(group, entries + _mlp_entries('mlp', 'mlp'))
+        continue
+      rows += family.group_rows(group, entries + self.moe_entries(cfg))
+      rows += family.group_rows(group, self.expert_entries(), experts=True)
+    return rows
+
+  def moe_entries(self, cfg: ModelConfig) -> list:
+    block = self.moe['block']
+    out = [(f'{block}.gate.weight', 'moe.router', 1)]  # [E, D] <-> [D, E]
+    if cfg.router_bias:
+      out.append((f'{block}.gate.e_score_correction_bias', 'moe.router_bias', None))
+    if cfg.n_shared_experts:
+      out += _mlp_entries(f'{block}.shared_experts', 'moe.shared')
+    return out
+
+  def expert_entries(self) -> list:
+    block, names = self.moe['block'], self.moe['experts']
+    return [
+      (f'{block}.experts.{{e}}.{hf}.weight', f'moe.experts.{n}', 1)
+      for n, hf in zip(('gate', 'up', 'down'), names)
+    ]
+
+
+def _mlp_entries(hf_prefix: str, path: str) -> list:
+  return [(f'{hf_prefix}.{n}_proj.weight', f'{path}.{n}.kernel', 1) for n in ('gate', 'up', 'down')]
+
+
+def attention_entries(cfg: ModelConfig) -> list:
+  """self_attn.* rows of one layer: GQA's q/k/v/o (+ q/k norms) or MLA's (DeepSeek's names)."""
+  a = 'self_attn'
+  if cfg.attention == 'gqa':
+    out = [(f'{a}.{n}_proj.weight', f'attn.{n}.kernel', 1) for n in 'qkv']
+    out.append((f'{a}.o_proj.weight', 'attn.o.kernel', 2))  # [D, N*H] <-> [N, H, D]
+    if cfg.qk_norm:
+      out += [(f'{a}.{n}_norm.weight', f'attn.{n}_norm.scale', None) for n in 'qk']
+    return out
+  if cfg.q_lora_rank:
+    out = [
+      (f'{a}.q_a_proj.weight', 'attn.q_a.kernel', 1),
+      (f'{a}.q_a_layernorm.weight', 'attn.q_a_norm.scale', None),
+      (f'{a}.q_b_proj.weight', 'attn.q_b.kernel', 1),
+    ]
+  else:
+    out = [(f'{a}.q_proj.weight', 'attn.q.kernel', 1)]
+  return out + [
+    (f'{a}.kv_a_proj_with_mqa.weight', 'attn.kv_a.kernel', 1),
+    (f'{a}.kv_a_layernorm.weight', 'attn.kv_a_norm.scale', None),
+    (f'{a}.kv_b_proj.weight', 'attn.kv_b.kernel', 1),
+    (f'{a}.o_proj.weight', 'attn.o.kernel', 2),
+  ]
+
+
+_YARN = {  # rope_scaling key -> (ModelConfig field, default)
+  'factor': ('yarn_factor', 0.0),
+  'original_max_position_embeddings': ('yarn_original_max_position', 0),
+  'beta_fast': ('yarn_beta_fast', 32.0),
+  'beta_slow': ('yarn_beta_slow', 1.0),
+  'mscale': ('yarn_mscale', 1.0),
+  'mscale_all_dim': ('yarn_mscale_all_dim', 0.0),
+}
+
+
+def _yarn_from_hf(c: dict) -> dict:
+  rs = c.get('rope_scaling')
+  if not rs:
+    return {}
+  kind = rs.get('rope_type', rs.get('type'))
+  if kind != 'yarn' or rs.get('attention_factor') is not None or not rs.get('truncate', True):
+    raise ValueError(
+      f'config.json rope_scaling={rs!r} is unsupported: moetrain implements YaRN (type "yarn", '
+      'attention_factor from mscale / mscale_all_dim, truncated correction range)'
+    )
+  out = {}
+  for key, (field, default) in _YARN.items():
+    out[field] = default if rs.get(key) is None else rs[key]
+  return out
+
+
+def _yarn_to_hf(cfg: ModelConfig) -> dict:
+  if cfg.yarn_factor <= 1:
+    return {'rope_scaling': None}
+  rs = {key: getattr(cfg, field) for key, (field, _) in _YARN.items()}
+  return {'rope_scaling': {'type': 'yarn', 'rope_type': 'yarn', **rs}}
+
+
+_GQA_PARTS = dict(
+  layer_layout='standard',
+  attention='gqa',
+  rope_interleaved=False,
+  router_score='softmax',
+  router_bias=False,
+  zero_expert_num=0,
+  routed_scaling_factor=1.0,
+  n_shared_experts=0,
+  n_group=1,
+  topk_group=1,
+)
+
+QWEN3_MOE = Family(
+  'qwen3_moe',
+  'Qwen3MoeForCausalLM',
+  required={
+    'num_key_value_heads': 'num_kv_heads',
+    'intermediate_size': 'ffn_hidden_size',
+    'moe_intermediate_size': 'expert_ffn_hidden_size',
+    'num_experts': 'n_routed_experts',
+  },
+  optional={
+    'head_dim': ('head_dim', 0),
+    'norm_topk_prob': ('norm_topk_prob', False),
+    'decoder_sparse_step': ('decoder_sparse_step', 1),
+    'mlp_only_layers': ('mlp_only_layers', ()),
+    'rms_norm_eps': ('rms_norm_eps', 1e-6),
+    'rope_theta': ('rope_theta', 10000.0),
+    'initializer_range': ('init_std', 0.02),
+    'max_position_embeddings': ('max_position_embeddings', 32768),
+  },
+  fixed={'use_sliding_window': False, 'rope_scaling': None},
+  parts={**_GQA_PARTS, 'qk_norm': True},
+  moe={'block': 'mlp', 'experts': ('gate_proj', 'up_proj', 'down_proj')},
+)
+
+MIXTRAL = Family(
+  'mixtral',
+  'MixtralForCausalLM',
+  required={
+    'num_key_value_heads': 'num_kv_heads',
+    'intermediate_size': 'expert_ffn_hidden_size',
+    'num_local_experts': 'n_routed_experts',
+  },
+  optional={
+    'head_dim': ('head_dim', 0),
+    'rms_norm_eps': ('rms_norm_eps', 1e-5),
+    'rope_theta': ('rope_theta', 1e6),
+    'initializer_range': ('init_std', 0.02),
+    'max_position_embeddings': ('max_position_embeddings', 131072),
+  },
+  fixed={'sliding_window': None, 'rope_scaling': None},
+  parts={**_GQA_PARTS, 'qk_norm': False, 'norm_topk_prob': True},
+  moe={'block': 'block_sparse_moe', 'experts': ('w1', 'w3', 'w2')},
+)
+
+DEEPSEEK_V3 = Family(
+  'deepseek_v3',
+  'DeepseekV3ForCausalLM',
+  required={
+    'kv_lora_rank': 'kv_lora_rank',
+    'qk_nope_head_dim': 'qk_nope_head_dim',
+    'qk_rope_head_dim': 'qk_rope_head_dim',
+    'v_head_dim': 'v_head_dim',
+    'intermediate_size': 'ffn_hidden_size',
+    'moe_intermediate_size': 'expert_ffn_hidden_size',
+    'n_routed_experts': 'n_routed_experts',
+  },
+  optional={
+    'q_lora_rank': ('q_lora_rank', 0),
+    'n_shared_experts': ('n_shared_experts', 1),
+    'routed_scaling_factor': ('routed_scaling_factor', 2.5),
+    'n_group': ('n_group', 8),
+    'topk_group': ('topk_group', 4),
+    'norm_topk_prob': ('norm_topk_prob', True),
+    'first_k_dense_replace': ('first_k_dense_replace', 3),
+    'rms_norm_eps': ('rms_norm_eps', 1e-6),
+    'rope_theta': ('rope_theta', 10000.0),
+    'initializer_range': ('init_std', 0.02),
+    'max_position_embeddings': ('max_position_embeddings', 4096),
+  },
+  fixed={'rope_interleave': True, 'scoring_func': 'sigmoid', 'topk_method': 'noaux_tc'},
+  parts=dict(
+    layer_layout='standard',
+    attention='mla',
+    rope_interleaved=True,
+    router_score='sigmoid',
+    router_bias=True,
+    zero_expert_num=0,
+    mla_scale_q_lora=False,
+    mla_scale_kv_lora=False,
+    mla_norm_eps=1e-6,
+  ),
+  moe={'block': 'mlp', 'experts': ('gate_proj', 'up_proj', 'down_proj')},
+)
+
+FAMILIES = {f.model_type: f for f in (QWEN3_MOE, MIXTRAL, DEEPSEEK_V3)}

@@ -11,6 +11,9 @@ os.environ['XLA_FLAGS'] = (
 os.environ.setdefault('JAX_PLATFORMS', 'cpu')
 
 import jax  # noqa: E402
+import pytest  # noqa: E402
+
+from moetrain.model import moe as moe_lib  # noqa: E402
 
 jax.config.update('jax_numpy_rank_promotion', 'raise')
 jax.config.update(
@@ -23,3 +26,14 @@ def pytest_collection_modifyitems(items):
   """The end-to-end subprocess tests (minutes each) first, so that under `-n 2` the two workers
   finish together instead of one starting them last."""
   items.sort(key=lambda item: 0 if item.path.name == 'test_preemption.py' else 1)
+
+
+@pytest.fixture
+def with_topk(monkeypatch):
+  """Test-only: aux['moe']['topk_idx'] [L, M, A], the experts the model's router picked."""
+  real = moe_lib.routing_stats
+
+  def stats(logits_MX, probs_MX, idx_MA, *args):
+    return {**real(logits_MX, probs_MX, idx_MA, *args), 'topk_idx': idx_MA}
+
+  monkeypatch.setattr(moe_lib, 'routing_stats', stats)

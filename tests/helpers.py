@@ -7,9 +7,11 @@ import subprocess
 import sys
 
 import jax
+import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
-from moetrain.model.config import LoraConfig, ModelConfig
+from moetrain.model.config import LORA_TARGETS, LoraConfig, ModelConfig
 from moetrain.model.transformer import Transformer
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -46,9 +48,7 @@ TINY = ModelConfig(
   moe_topk=3,
   init_std=0.2,
 )
-ALL_TARGETS = (
-  r'attn_\d\.(q_a|q_b|kv_a|kv_b|o)$|mlp_\d\.(gate|up|down)$|experts\.(gate|up|down)$|lm_head$'
-)
+ALL_TARGETS = LORA_TARGETS  # every projection of every family
 
 
 def tiny(**kw) -> ModelConfig:
@@ -110,3 +110,41 @@ def expert_weights(key, e: int, d: int, f: int, rank: int = 2, scale: float = 0.
     w[f'{name}_lora_a'] = scale * jax.random.normal(next(keys), (e, i, rank))
     w[f'{name}_lora_b'] = scale * jax.random.normal(next(keys), (e, rank, o))
   return w
+
+
+def perturb_lora(model, seed: int, scale: float = 0.01) -> None:
+  """Non-zero adapters (B starts at 0), drawn with numpy so no per-shape kernel is compiled."""
+  rng = np.random.default_rng(seed)
+  noise = lambda x: jnp.asarray(np.asarray(x) + scale * rng.standard_normal(x.shape), x.dtype)
+  nnx.update(model, jax.tree.map(noise, nnx.state(model, nnx.LoRAParam)))
+
+
+def perturb_router(model, seed: int, scale: float = 0.05) -> None:
+  """As training moves them: the expert-bias update the biases, lora.train_router the router."""
+  rng = np.random.default_rng(seed)
+  noise = lambda x: jnp.asarray(np.asarray(x) + scale * rng.standard_normal(x.shape), x.dtype)
+  router = nnx.Any(nnx.PathContains('router'), nnx.PathContains('router_bias'))
+  nnx.update(model, jax.tree.map(noise, nnx.state(model, router)))
+
+
+def hf_loss(logits_BTV, ids_BT):
+  """transformers' causal-LM loss: mean cross entropy over the B*(T-1) shifted tokens."""
+  logp = jax.nn.log_softmax(logits_BTV[:, :-1].astype(jnp.float32), axis=-1)
+  return -jnp.mean(jnp.take_along_axis(logp, ids_BT[:, 1:, None], axis=-1))
+
+
+def hf_loss_f64(logits_BTV, ids_BT) -> float:
+  x = np.asarray(logits_BTV, np.float64)[:, :-1]
+  logp = x - x.max(-1, keepdims=True)
+  logp -= np.log(np.exp(logp).sum(-1, keepdims=True))
+  return float(-np.take_along_axis(logp, np.asarray(ids_BT)[:, 1:, None], -1).mean())
+
+
+def assert_same_topk(topk_LMA, want_LMA):
+  got = np.sort(np.asarray(topk_LMA), axis=-1)  # the fixtures sort each token's set
+  for layer in range(want_LMA.shape[0]):
+    np.testing.assert_array_equal(got[layer], want_LMA[layer], err_msg=f'layer {layer} top-k')
+
+
+def max_err(a, b) -> float:
+  return float(np.max(np.abs(np.asarray(a, np.float64) - np.asarray(b, np.float64))))

@@ -18,11 +18,18 @@ from safetensors.numpy import save_file
 from moetrain import sharding, train_state
 from moetrain.convert import hf, peft_adapter
 from moetrain.convert import safetensors_io as stio
-from moetrain.model import moe as moe_lib
 from moetrain.model import quant
 from moetrain.model.config import LoraConfig
 from moetrain.model.transformer import Transformer
-from tests.helpers import ALL_TARGETS
+from tests.helpers import (
+  ALL_TARGETS,
+  assert_same_topk,
+  hf_loss,
+  hf_loss_f64,
+  max_err,
+  perturb_lora,
+  perturb_router,
+)
 
 FIXTURES = os.path.join(os.path.dirname(__file__), 'fixtures')
 FLOAT = ('two_layer', 'wide_v', 'four_head')
@@ -59,55 +66,6 @@ def build(loaded, cfg):
   return train_state.merge_model(
     train_state.graphdef_of(cfg), copy(loaded.params), copy(loaded.moe_bias), copy(loaded.frozen)
   )
-
-
-def perturb_lora(model, seed: int, scale: float = 0.01) -> None:
-  """Non-zero adapters (B starts at 0), drawn with numpy so no per-shape kernel is compiled."""
-  rng = np.random.default_rng(seed)
-  noise = lambda x: jnp.asarray(np.asarray(x) + scale * rng.standard_normal(x.shape), x.dtype)
-  nnx.update(model, jax.tree.map(noise, nnx.state(model, nnx.LoRAParam)))
-
-
-def perturb_router(model, seed: int, scale: float = 0.05) -> None:
-  """As training moves them: the expert-bias update the biases, lora.train_router the router."""
-  rng = np.random.default_rng(seed)
-  noise = lambda x: jnp.asarray(np.asarray(x) + scale * rng.standard_normal(x.shape), x.dtype)
-  router = nnx.Any(nnx.PathContains('router'), nnx.PathContains('router_bias'))
-  nnx.update(model, jax.tree.map(noise, nnx.state(model, router)))
-
-
-def hf_loss(logits_BTV, ids_BT):
-  """transformers' causal-LM loss: mean cross entropy over the B*(T-1) shifted tokens."""
-  logp = jax.nn.log_softmax(logits_BTV[:, :-1].astype(jnp.float32), axis=-1)
-  return -jnp.mean(jnp.take_along_axis(logp, ids_BT[:, 1:, None], axis=-1))
-
-
-def hf_loss_f64(logits_BTV, ids_BT) -> float:
-  x = np.asarray(logits_BTV, np.float64)[:, :-1]
-  logp = x - x.max(-1, keepdims=True)
-  logp -= np.log(np.exp(logp).sum(-1, keepdims=True))
-  return float(-np.take_along_axis(logp, np.asarray(ids_BT)[:, 1:, None], -1).mean())
-
-
-@pytest.fixture
-def with_topk(monkeypatch):
-  """Test-only: aux['moe']['topk_idx'] [L, M, A], the experts the model's router picked."""
-  real = moe_lib.routing_stats
-
-  def stats(logits_MX, probs_MX, idx_MA, *args):
-    return {**real(logits_MX, probs_MX, idx_MA, *args), 'topk_idx': idx_MA}
-
-  monkeypatch.setattr(moe_lib, 'routing_stats', stats)
-
-
-def assert_same_topk(topk_LMA, want_LMA):
-  got = np.sort(np.asarray(topk_LMA), axis=-1)  # the fixtures sort each token's set
-  for layer in range(want_LMA.shape[0]):
-    np.testing.assert_array_equal(got[layer], want_LMA[layer], err_msg=f'layer {layer} top-k')
-
-
-def max_err(a, b) -> float:
-  return float(np.max(np.abs(np.asarray(a, np.float64) - np.asarray(b, np.float64))))
 
 
 @pytest.mark.parametrize('name', FLOAT)

@@ -34,6 +34,8 @@ class Family:
     kw = family.read_fields(c, self.model_type, self.required, self.optional, self.fixed)
     kw['mlp_only_layers'] = tuple(kw.get('mlp_only_layers', ()))
     kw.update(self.parts)
+    if kw.get('attention') == 'gqa' and not kw['head_dim']:  # HF: hidden_size / heads
+      kw['head_dim'] = kw['hidden_size'] // kw['num_heads']
     if self.model_type == 'mixtral':  # no dense MLP: the field only needs a valid value
       kw['ffn_hidden_size'] = kw['expert_ffn_hidden_size']
     if self.model_type == 'deepseek_v3':

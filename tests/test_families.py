@@ -1,0 +1,225 @@
+"""The other families (Qwen3-MoE, Mixtral, DeepSeek-V3) against transformers 4.57.6: fixtures made
+by tests/fixtures/make_family_fixtures.py are the oracle (float32)."""
+
+import json
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from moetrain import sharding, train_state
+from moetrain.convert import hf, peft_adapter
+from moetrain.model.config import LoraConfig
+from tests.helpers import (
+  ALL_TARGETS,
+  assert_same_topk,
+  hf_loss,
+  hf_loss_f64,
+  max_err,
+  perturb_lora,
+  perturb_router,
+)
+
+FIXTURES = os.path.join(os.path.dirname(__file__), 'fixtures')
+FAMILIES = (
+  'qwen3_moe_three_layer',  # GQA + q/k norm, layers moe / dense / moe
+  'mixtral_two_layer',
+  'deepseek_v3_three_layer',  # MLA, YaRN, dense first, sigmoid + groups + bias, shared expert
+  'deepseek_v3_plain_q',  # MLA without the q low rank, two shared experts
+)
+
+
+def fixture(name: str) -> str:
+  return os.path.join(FIXTURES, name)
+
+
+def reference(name: str) -> dict:
+  return dict(np.load(os.path.join(fixture(name), 'reference.npz')))
+
+
+def f32_config(name: str, **kw):
+  return hf.config_from_hf(
+    hf.read_config(fixture(name)), dtype='float32', param_dtype='float32', remat='none', **kw
+  )
+
+
+def build(name: str, cfg, mesh=None):
+  loaded = hf.load_params(fixture(name), cfg, mesh=mesh)
+  model = train_state.merge_model(
+    train_state.graphdef_of(cfg), loaded.params, loaded.moe_bias, loaded.frozen
+  )
+  return model, loaded
+
+
+def logits_of(model, ids):
+  return np.asarray(jax.jit(lambda m, x: m(x)[0])(model, jnp.asarray(ids)))
+
+
+@pytest.mark.parametrize('name', FAMILIES)
+def test_logits_loss_routing_grads(name, with_topk):
+  ref, cfg = reference(name), f32_config(name)
+  model, loaded = build(name, cfg)
+  assert loaded.skipped == []
+  graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+  ids = jnp.asarray(ref['input_ids'])
+
+  def loss_fn(p):
+    logits, aux = nnx.merge(graphdef, p, rest)(ids)
+    return hf_loss(logits, ids), (logits, aux['moe']['topk_idx'])
+
+  (loss, (logits, topk)), grads = jax.jit(jax.value_and_grad(loss_fn, has_aux=True))(params)
+  err = {
+    'logits': max_err(logits, ref['logits']),
+    'loss': max_err(loss, ref['loss']),
+    'loss64': max_err(hf_loss_f64(logits, ref['input_ids']), ref['loss']),
+  }
+  assert err['logits'] < 1e-5 and err['loss64'] < 1e-6 and err['loss'] < 2e-6, err
+  assert_same_topk(topk, ref['router/topk_idx'])
+  got = dict(hf.hf_tensors(grads, cfg))
+  want = {k.removeprefix('grad/'): v for k, v in ref.items() if k.startswith('grad/')}
+  assert set(got) == set(want)
+  rel = {k: max_err(got[k], want[k]) / max(np.abs(want[k]).max(), 1e-30) for k in want}
+  worst = max(rel, key=rel.get)
+  print(f'{name}: logits {err["logits"]:.2e} loss {err["loss64"]:.2e} grad rel {rel[worst]:.2e}')
+  assert rel[worst] < 1e-4, (worst, rel[worst])
+
+
+def test_gates_match_transformers():
+  """The gates (renormalised, scaled, group-limited, biased choice) of every token and layer."""
+  name = 'deepseek_v3_three_layer'
+  ref, cfg = reference(name), f32_config(name)
+  model, _ = build(name, cfg)
+  from moetrain.model import moe as moe_lib
+
+  layer = nnx.merge(*nnx.split(model.layers))  # 2 MoE layers stacked; route their first
+  x = np.random.default_rng(0).standard_normal((5, cfg.hidden_size)).astype(np.float32)
+  w, b = layer.moe.router[...][0], layer.moe.router_bias[...][0]
+  _, scores, idx, gates = moe_lib.route(jnp.asarray(x), w, b, cfg)
+  # By hand: sigmoid scores, choice over the best 2 of 4 groups of (score + bias).
+  s = 1 / (1 + np.exp(-(x @ np.asarray(w))))
+  choice = s + np.asarray(b)
+  groups = np.sort(choice.reshape(5, 4, 2), -1)[..., -2:].sum(-1)
+  keep = np.argsort(-groups, -1)[:, :2]
+  masked = np.zeros_like(choice)
+  for m in range(5):
+    for g in keep[m]:
+      masked[m, 2 * g : 2 * g + 2] = choice[m, 2 * g : 2 * g + 2]
+  want_idx = np.argsort(-masked, -1)[:, :3]
+  np.testing.assert_array_equal(np.sort(np.asarray(idx), -1), np.sort(want_idx, -1))
+  want = np.take_along_axis(s, want_idx, -1)
+  want = want / want.sum(-1, keepdims=True) * 2.5
+  np.testing.assert_allclose(
+    np.sort(np.asarray(gates), -1), np.sort(want, -1), rtol=1e-5, atol=1e-6
+  )
+  assert ref['router/topk_gates'].shape[-1] == 3
+
+
+@pytest.mark.parametrize('name', ['qwen3_moe_three_layer', 'deepseek_v3_three_layer'])
+def test_expert_parallel_mesh_equals_one_device(name):
+  ref = reference(name)
+  mesh = sharding.make_mesh((1, 2, 2, 2))
+  cfg = f32_config(name, rules=sharding.Rules.preset('fsdp_ep_tp')).laid_out('cpu', mesh)
+  _, loaded = build(name, cfg, mesh=mesh)
+  spec = loaded.params['layers']['moe']['experts']['gate'].get_value().sharding.spec
+  assert spec[1] == 'expert', spec
+  graphdef = train_state.graphdef_of(cfg)
+  with jax.set_mesh(mesh):
+    ids = jax.device_put(np.concatenate([ref['input_ids']] * 2), sharding.batch_sharding(mesh))
+    fwd = jax.jit(lambda p, b, f, x: train_state.merge_model(graphdef, p, b, f)(x)[0])
+    logits = fwd(loaded.params, loaded.moe_bias, loaded.frozen, ids)
+  err = max_err(logits, np.concatenate([ref['logits']] * 2))
+  print(f'{name} on mesh (1,2,2,2): logits {err:.2e}')
+  assert err < 1e-5
+
+
+def lora_model(name: str, seed: int = 0):
+  cfg = f32_config(name, lora=LoraConfig(rank=4, targets=ALL_TARGETS))
+  loaded = hf.load_params(fixture(name), cfg, seed=seed)
+  model = train_state.merge_model(
+    train_state.graphdef_of(cfg), loaded.params, loaded.moe_bias, loaded.frozen
+  )
+  return model, cfg
+
+
+@pytest.mark.parametrize('name', FAMILIES)
+def test_lora_reaches_every_projection_and_starts_at_the_base(name):
+  model, cfg = lora_model(name)
+  adapted = {
+    '.'.join(map(str, p[:-1])) for p, _ in nnx.to_flat_state(nnx.state(model, nnx.LoRAParam))
+  }
+  kinds = {p.split('.')[-1] for p in adapted}
+  attn = {'q', 'k', 'v', 'o'} if cfg.attention == 'gqa' else {'kv_a', 'kv_b', 'o'}
+  assert attn <= kinds, kinds
+  assert {'lm_head', 'layers.moe.experts'} <= adapted, adapted
+  if cfg.n_shared_experts:
+    assert any('.moe.shared.' in p for p in adapted), adapted
+  np.testing.assert_allclose(
+    logits_of(model, reference(name)['input_ids']), reference(name)['logits'], atol=1e-5
+  )
+
+
+@pytest.mark.parametrize('name', FAMILIES)
+def test_merged_export_and_peft_adapter_round_trip(name, tmp_path):
+  """save_hf (LoRA merged) reloads to the adapted model's logits; the PEFT adapter reloads into a
+  fresh model exactly."""
+  ids = reference(name)['input_ids']
+  model, cfg = lora_model(name)
+  perturb_lora(model, 3)
+  if cfg.router_bias:
+    perturb_router(model, 5)
+  want = logits_of(model, ids)
+  assert max_err(want, reference(name)['logits']) > 1e-3
+  hf.save_hf(model, cfg, str(tmp_path / 'merged'), dtype=jnp.float32, max_shard_size=300_000)
+  config = json.loads((tmp_path / 'merged' / 'config.json').read_text())
+  assert config['model_type'] == cfg.model_type
+  assert hf.config_from_hf(config) == hf.config_from_hf(hf.read_config(fixture(name)))
+  got = logits_of(hf.load_model(str(tmp_path / 'merged'), jnp.float32, remat='none'), ids)
+  assert max_err(got, want) < 1e-5
+  peft_adapter.save(model, cfg, str(tmp_path / 'adapter'), base_model=fixture(name))
+  adapter = json.loads((tmp_path / 'adapter' / 'adapter_config.json').read_text())
+  assert adapter['modules_to_save'] == ['gate']
+  fresh, _ = lora_model(name, seed=9)
+  peft_adapter.load(fresh, cfg, str(tmp_path / 'adapter'))
+  for x, y in zip(jax.tree.leaves(nnx.state(fresh)), jax.tree.leaves(nnx.state(model))):
+    np.testing.assert_array_equal(x, y)
+
+
+@pytest.mark.parametrize('name', FAMILIES)
+def test_transformers_loads_the_exports(name, tmp_path):
+  """Needs torch + transformers 4.57 + peft next to jax; skipped in the project venv. Run with
+  the reference venv, the project's packages appended after its own:
+    /work/hfvenv/bin/python -c "import sys; sys.path += ['.venv/lib/python3.11/site-packages'];
+      sys.path.insert(0, '.'); import pytest; pytest.main(['tests/test_families.py', '-k',
+      'transformers'])"
+  """
+  torch = pytest.importorskip('torch')
+  transformers = pytest.importorskip('transformers')
+  peft = pytest.importorskip('peft')
+  ids = reference(name)['input_ids']
+  model, cfg = lora_model(name)
+  perturb_lora(model, 3)
+  if cfg.router_bias:
+    perturb_router(model, 5)
+  want = logits_of(model, ids)
+
+  def hf_logits(m):
+    with torch.no_grad():
+      return m.eval()(input_ids=torch.from_numpy(ids).long()).logits.numpy()
+
+  def auto(directory):
+    return transformers.AutoModelForCausalLM.from_pretrained(
+      directory, dtype=torch.float32, attn_implementation='eager'
+    )
+
+  hf.save_hf(model, cfg, str(tmp_path / 'merged'), dtype=jnp.float32)
+  err = max_err(hf_logits(auto(str(tmp_path / 'merged'))), want)
+  print(f'{name}: transformers on the merged export: logits {err:.2e}')
+  assert err < 1e-5
+  peft_adapter.save(model, cfg, str(tmp_path / 'adapter'), base_model=fixture(name))
+  peft_model = peft.PeftModel.from_pretrained(auto(fixture(name)), str(tmp_path / 'adapter'))
+  err = max_err(hf_logits(peft_model), want)
+  print(f'{name}: peft on the adapter: logits {err:.2e}')
+  assert err < 1e-5

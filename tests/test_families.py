@@ -223,3 +223,24 @@ def test_transformers_loads_the_exports(name, tmp_path):
   err = max_err(hf_logits(peft_model), want)
   print(f'{name}: peft on the adapter: logits {err:.2e}')
   assert err < 1e-5
+
+
+@pytest.mark.parametrize('name', FAMILIES)
+def test_greedy_generation_matches_transformers(name):
+  """The cached decode (MLA latent or GQA keys/values) continues the prompt as transformers'
+  greedy generate did, and its steps equal the full forward's last-position logits."""
+  from moetrain.model import decode
+  from moetrain.tools.generate import generate
+
+  ref = reference(name)
+  model = hf.load_model(fixture(name), jnp.float32)
+  prompt = ref['input_ids'][:, :5]
+  out = generate(model, prompt, 8, eos_id=2)
+  np.testing.assert_array_equal(np.asarray(out)[:1], ref['greedy_ids'])
+  ids = jnp.asarray(ref['input_ids'][:, :7])
+  full = logits_of(model, ids)
+  logits, cache = decode.prefill(model, ids[:, :5], 9)
+  for pos in (5, 6):
+    np.testing.assert_allclose(logits, full[:, pos - 1], atol=1e-5, rtol=1e-5)
+    logits, cache = decode.decode_step(model, cache, ids[:, pos], pos, absorb=False)
+  np.testing.assert_allclose(logits, full[:, 6], atol=1e-5, rtol=1e-5)

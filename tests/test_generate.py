@@ -72,11 +72,13 @@ def test_cache_holds_latents_not_heads(lora_model):
   _, cache = _prefill(*nnx.split(model), ids[:, :3], 9)
   lead = (cfg.num_layers, 2, ids.shape[0], 9)
   assert len(jax.tree.leaves(cache)) == 2
-  assert cache.c.shape == (*lead, cfg.kv_lora_rank)
-  assert cache.k_pe.shape == (*lead, cfg.qk_rope_head_dim)
-  assert cache.c.dtype == jnp.float32
+  assert cache.arrays['c'].shape == (*lead, cfg.kv_lora_rank)
+  assert cache.arrays['k_pe'].shape == (*lead, cfg.qk_rope_head_dim)
+  assert cache.arrays['c'].dtype == jnp.float32
   # Prompt slots are written, the rest still empty.
-  assert np.all(np.abs(cache.c[:, :, :, :3]).sum(-1) > 0) and np.all(cache.c[:, :, :, 3:] == 0)
+  assert np.all(np.abs(cache.arrays['c'][:, :, :, :3]).sum(-1) > 0) and np.all(
+    cache.arrays['c'][:, :, :, 3:] == 0
+  )
   # Positions past the cache are refused by name (the write would clamp onto the last slot).
   from moetrain.model import decode
 

@@ -1,4 +1,5 @@
-"""Incremental decoding against a KV cache that holds MLA's compressed latent, not per-head K/V."""
+"""Incremental decoding against a KV cache: MLA's compressed latent (not per-head K/V), or GQA's
+grouped keys and values."""
 
 import dataclasses
 
@@ -16,23 +17,28 @@ from moetrain.model.transformer import Transformer
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass
 class KVCache:
-  """What MLA needs of every past token, per layer and attention block: slot s of axis 3 holds
-  absolute position s. Per token and block that is K + H numbers instead of the N * (P + R + V)
-  of expanded keys and values (576 vs 20,480 for LongCat-Flash)."""
+  """What attention needs of every past token, per layer and attention block (LongCat's layers
+  have two; slot s of axis 3 holds absolute position s), by name:
+    MLA: c [L, blocks, B, S, K], the latent after kv_a_norm and alpha_kv; k_pe [..., R], the
+      shared rope key after RoPE. Per token and block K + R numbers instead of the N * (P + R +
+      V) of expanded keys and values (576 vs 20,480 for LongCat-Flash).
+    GQA: k, v [L, 1, B, S, N_kv, H], keys (normed, after RoPE) and values of the N_kv heads."""
 
-  c: jax.Array  # [L, 2, B, S, K]: latent after kv_a_norm and the alpha_kv scale
-  k_pe: jax.Array  # [L, 2, B, S, H]: the shared rope key after RoPE
+  arrays: dict
 
   @property
   def max_len(self) -> int:
-    return self.c.shape[3]
+    return next(iter(self.arrays.values())).shape[3]
 
 
 def init_cache(cfg: ModelConfig, batch: int, max_len: int) -> KVCache:
-  dt, lead = jnp.dtype(cfg.dtype), (cfg.num_layers, 2, batch, max_len)
-  return KVCache(
-    jnp.zeros((*lead, cfg.kv_lora_rank), dt), jnp.zeros((*lead, cfg.qk_rope_head_dim), dt)
-  )
+  blocks = 2 if cfg.layer_layout == 'shortcut' else 1
+  dt, lead = jnp.dtype(cfg.dtype), (cfg.num_layers, blocks, batch, max_len)
+  if cfg.attention == 'mla':
+    widths = {'c': (cfg.kv_lora_rank,), 'k_pe': (cfg.qk_rope_head_dim,)}
+  else:
+    widths = {n: (cfg.kv_heads, cfg.gqa_head_dim) for n in ('k', 'v')}
+  return KVCache({n: jnp.zeros((*lead, *w), dt) for n, w in widths.items()})
 
 
 def effective_kernel(linear: Linear) -> jax.Array:
@@ -62,70 +68,83 @@ def attend_absorbed(mla: MLA, q_nope_BTNH, q_pe_BTNH, c_BSK, k_pe_BSH, mask_BTS)
   return mla.o(jnp.einsum('BTNK,KNH->BTNH', o_BTNK, w_v_KNH))
 
 
+def new_entries(attn, x_BTD, positions_BT):
+  """(the queries, {cache name: [B, T, ...] entries of the T tokens})."""
+  if isinstance(attn, MLA):
+    c_BTK, k_pe_BTH = attn.latent(x_BTD, positions_BT)
+    return attn.project_q(x_BTD, positions_BT), {'c': c_BTK, 'k_pe': k_pe_BTH}
+  q_BTNH, k_BTNH, v_BTNH = attn.project(x_BTD, positions_BT)
+  return (q_BTNH,), {'k': k_BTNH, 'v': v_BTNH}
+
+
 def cached_attention(
-  mla: MLA, x_BTD, positions_BT, cache: KVCache, layer, block: int, start, absorb: bool
+  attn, x_BTD, positions_BT, cache: KVCache, layer, block: int, start, absorb: bool
 ):
-  """Writes the T new tokens' latents into cache slots start.. of (layer, block), in place, then
+  """Writes the T new tokens' entries into cache slots start.. of (layer, block), in place, then
   attends over that block's slots. Returns (out_BTD, cache).
 
   A Python-int start (prefill) attends over slots [0, start + T) only, exactly like the training
   forward; a traced start attends over all S slots, where the causal mask (key position <= query
-  position) also hides the slots not written yet."""
-  q_nope, q_pe = mla.project_q(x_BTD, positions_BT)
-  c_BTK, k_pe_BTH = mla.latent(x_BTD, positions_BT)
+  position) also hides the slots not written yet. absorb: MLA in the latent space."""
+  q, new = new_entries(attn, x_BTD, positions_BT)
   b, t = positions_BT.shape
   s = start + t if isinstance(start, int) else cache.max_len
-  at = (layer, block, 0, start, 0)
-  c, k_pe = (
-    jax.lax.dynamic_update_slice(old, new[None, None].astype(old.dtype), at)
-    for old, new in ((cache.c, c_BTK), (cache.k_pe, k_pe_BTH))
-  )
-  c_BSK, k_pe_BSH = (
-    jax.lax.dynamic_slice(x, (layer, block, 0, 0, 0), (1, 1, b, s, x.shape[-1]))[0, 0]
-    for x in (c, k_pe)
-  )
+  arrays, past = {}, {}
+  for name, old in cache.arrays.items():
+    tail = (0,) * (old.ndim - 4)
+    arrays[name] = jax.lax.dynamic_update_slice(
+      old, new[name][None, None].astype(old.dtype), (layer, block, 0, start, *tail)
+    )
+    size = (1, 1, b, s, *old.shape[4:])
+    past[name] = jax.lax.dynamic_slice(arrays[name], (layer, block, 0, 0, *tail), size)[0, 0]
   k_pos_BS = jnp.broadcast_to(jnp.arange(s, dtype=jnp.int32), (b, s))
   ones_BT, ones_BS = jnp.ones((b, t), jnp.int32), jnp.ones((b, s), jnp.int32)
   mask_BTS = attention_mask(positions_BT, ones_BT, k_pos_BS, ones_BS)
-  if absorb:
-    out_BTD = attend_absorbed(mla, q_nope, q_pe, c_BSK, k_pe_BSH, mask_BTS)
-  else:  # from slot 0 (a prefill) the T queries face their own T keys: causal blocks, as training
-    chunk = mla.cfg.attention_chunk if isinstance(start, int) and start == 0 else 0
-    out_BTD = mla.attend(q_nope, q_pe, c_BSK, k_pe_BSH, mask_BTS, causal_chunk=chunk)
-  return out_BTD, KVCache(c, k_pe)
+  # From slot 0 (a prefill) the T queries face their own T keys: causal blocks, as training.
+  chunk = attn.cfg.attention_chunk if isinstance(start, int) and start == 0 else 0
+  if isinstance(attn, MLA):
+    if absorb:
+      out_BTD = attend_absorbed(attn, *q, past['c'], past['k_pe'], mask_BTS)
+    else:
+      out_BTD = attn.attend(*q, past['c'], past['k_pe'], mask_BTS, causal_chunk=chunk)
+  else:
+    out_BTD = attn.attend(*q, past['k'], past['v'], mask_BTS, causal_chunk=chunk)
+  return out_BTD, KVCache(arrays)
 
 
 def forward(model: Transformer, cache: KVCache, ids_BT, start, *, absorb: bool = False):
   """Runs ids_BT at absolute positions start..start+T-1 (the same for every row) through the
-  layers: a scan over the stacked layer state like Transformer.run_layers, whose carry holds the
-  whole cache so that each attention block writes its T new slots in place. Returns float32
-  logits of the last position [B, V] and the updated cache. start + T must not exceed
-  cache.max_len. Routing is per token, so this equals the full forward under dropless dispatch;
-  capacity dispatch drops depend on how many tokens share a call."""
+  layers: per group of layers a scan over their stacked state like Transformer.run_layers, whose
+  carry holds the whole cache so that each attention block writes its T new slots in place.
+  Returns float32 logits of the last position [B, V] and the updated cache. start + T must not
+  exceed cache.max_len. Routing is per token, so this equals the full forward under dropless
+  dispatch; capacity dispatch drops depend on how many tokens share a call."""
   b, t = ids_BT.shape
   _check_room(cache, start, t)
   positions_BT = jnp.broadcast_to(start + jnp.arange(t, dtype=jnp.int32), (b, t))
   valid_BT = jnp.ones((b, t), bool)
-  graphdef, state = nnx.split(model.layers)
+  h_BTD = model.embed(ids_BT)
+  for group in model.cfg.layer_groups():
+    graphdef, state = nnx.split(getattr(model, group.name))
 
-  def body(carry, xs):
-    h_BTD, cache = carry
-    layer_state, layer_index = xs
-    layer = nnx.merge(graphdef, layer_state)
-    box = [cache]  # attend() threads the cache through both blocks
+    def body(carry, xs, graphdef=graphdef):
+      h_BTD, cache = carry
+      layer_state, layer_index = xs
+      layer = nnx.merge(graphdef, layer_state)
+      box = [cache]  # attend() threads the cache through the layer's attention blocks
 
-    def attend(i, x_BTD):
-      mla = (layer.attn_0, layer.attn_1)[i]
-      out_BTD, box[0] = cached_attention(
-        mla, x_BTD, positions_BT, box[0], layer_index, i, start, absorb
-      )
-      return out_BTD
+      def attend(i, x_BTD):
+        attn = layer.attn if hasattr(layer, 'attn') else (layer.attn_0, layer.attn_1)[i]
+        out_BTD, box[0] = cached_attention(
+          attn, x_BTD, positions_BT, box[0], layer_index, i, start, absorb
+        )
+        return out_BTD
 
-    h_BTD, _ = layer.body(h_BTD, attend, valid_BT, [None] * 5)
-    return (h_BTD, box[0]), None
+      h_BTD, _ = layer.body(h_BTD, attend, valid_BT, [None] * 5)
+      return (h_BTD, box[0]), None
 
-  layers_L = jnp.arange(model.cfg.num_layers, dtype=jnp.int32)
-  (h_BTD, cache), _ = jax.lax.scan(body, (model.embed(ids_BT), cache), (state, layers_L))
+    layers_L = jnp.arange(group.start, group.start + group.count, dtype=jnp.int32)
+    (h_BTD, cache), _ = jax.lax.scan(body, (h_BTD, cache), (state, layers_L))
   logits_BTV = model.lm_head(model.final_norm(h_BTD[:, -1:]))
   return logits_BTV[:, 0].astype(jnp.float32), cache
 

@@ -5,7 +5,7 @@ import dataclasses
 from ml_collections import config_dict
 
 from moetrain import sections
-from moetrain.model.config import PRESETS
+from moetrain.model.families import PRESETS
 
 
 def parse_arg(arg: str | None) -> dict:
@@ -13,17 +13,18 @@ def parse_arg(arg: str | None) -> dict:
   return dict(kv.split('=', 1) for kv in (arg or '').split(',') if kv)
 
 
-def variant_of(arg: str | None, path: str) -> str:
-  """The model variant an experiment file's argument names ('tiny' when it names none)."""
+def variant_of(arg: str | None, path: str, default: str = 'tiny') -> str:
+  """The model variant an experiment file's argument names (`default` when it names none)."""
   args = parse_arg(arg)
   unknown = set(args) - {'variant'}
   if unknown:
     raise ValueError(f'{path}: unknown argument(s) {sorted(unknown)}; use variant=')
-  return args.get('variant', 'tiny')
+  return args.get('variant', default)
 
 
 def set_model(config, variant: str) -> None:
-  """config.model's shape fields from the preset `variant` ('tiny', 'medium' or 'flash')."""
+  """config.model's fields from the preset `variant` (moetrain/model/families.py PRESETS:
+  'tiny', 'medium', 'flash', 'qwen3_30b_a3b', ...)."""
   if variant not in PRESETS:
     raise ValueError(f'variant={variant!r} is unknown; choose one of {sorted(PRESETS)}')
   for k, v in dataclasses.asdict(PRESETS[variant]).items():
@@ -31,20 +32,26 @@ def set_model(config, variant: str) -> None:
       config.model[k] = v
 
 
-def set_flash_pod(config, global_batch_size: int, eval_batch_size: int) -> None:
-  """The flash variant on a TPU pod: experts over 16 devices, FSDP over the rest; bf16 weights;
-  8192-token rows; the tokenizer from the checkpoint (or set data.tokenizer). Batch sizes must
-  be multiples of the batch shards (data * fsdp * expert)."""
+def set_pod(config, expert: int, seq_len: int, global_batch_size: int, eval_batch_size: int):
+  """A real model on a TPU slice: experts over `expert` devices, FSDP over the rest; bf16
+  weights; the tokenizer from the checkpoint (or set data.tokenizer). Batch sizes must be
+  multiples of the batch shards (data * fsdp * expert)."""
   config.model.param_dtype = 'bfloat16'
+  config.mesh.shape = (1, -1, expert, 1)
+  config.data.seq_len = seq_len
+  config.data.global_batch_size = global_batch_size
+  config.data.eval_batch_size = eval_batch_size
+  config.data.tokenizer = ''
+
+
+def set_flash_pod(config, global_batch_size: int, eval_batch_size: int) -> None:
+  """The flash variant on a TPU pod: experts over 16 devices, FSDP over the rest; 8192-token
+  rows (set_pod)."""
+  set_pod(config, 16, 8192, global_batch_size, eval_batch_size)
   # A worst-case (ep x) receive buffer per MoE layer does not fit a chip at this batch; twice the
   # local assignments does (moetrain.tools.plan --topology=v5p-128), and overflow is reported
   # as dropped_frac.
   config.model.moe_ep_recv_factor = 2.0
-  config.mesh.shape = (1, -1, 16, 1)
-  config.data.seq_len = 8192
-  config.data.global_batch_size = global_batch_size
-  config.data.eval_batch_size = eval_batch_size
-  config.data.tokenizer = ''
 
 
 def get_config() -> config_dict.ConfigDict:

@@ -38,30 +38,45 @@ def peak_flops(device) -> float | None:
   return None
 
 
-def matmul_params_per_token(cfg: ModelConfig, ffn_experts: float) -> float:
-  """Weights each token multiplies (lm_head included, embedding lookup excluded)."""
+def attention_params(cfg: ModelConfig) -> int:
+  """Weights of one attention block (MLA or GQA)."""
   d, n = cfg.hidden_size, cfg.num_heads
-  attn = (
-    d * cfg.q_lora_rank
-    + cfg.q_lora_rank * n * cfg.qk_head_dim
+  if cfg.attention == 'gqa':
+    h = cfg.gqa_head_dim
+    return d * n * h + 2 * d * cfg.kv_heads * h + n * h * d
+  q_rank, qk = cfg.q_lora_rank, cfg.qk_head_dim
+  q = d * q_rank + q_rank * n * qk if q_rank else d * n * qk
+  return (
+    q
     + d * (cfg.kv_lora_rank + cfg.qk_rope_head_dim)
     + cfg.kv_lora_rank * n * (cfg.qk_nope_head_dim + cfg.v_head_dim)
     + n * cfg.v_head_dim * d
   )
-  mlp = 3 * d * cfg.ffn_hidden_size
+
+
+def matmul_params_per_token(cfg: ModelConfig, ffn_experts: float) -> float:
+  """Weights each token multiplies (lm_head included, embedding lookup excluded), with
+  ffn_experts routed experts per MoE layer."""
+  d = cfg.hidden_size
+  attn, mlp = attention_params(cfg), 3 * d * cfg.ffn_hidden_size
   expert = 3 * d * cfg.expert_ffn_hidden_size
-  router = d * cfg.num_experts_total
-  layer = 2 * attn + 2 * mlp + router + ffn_experts * expert
-  return cfg.num_layers * layer + d * cfg.vocab_size
+  moe = d * cfg.num_experts_total + (ffn_experts + cfg.n_shared_experts) * expert
+  if cfg.layer_layout == 'shortcut':  # 2 attention + 2 dense MLP + 1 MoE
+    layers = cfg.num_layers * (2 * attn + 2 * mlp + moe)
+  else:
+    n_moe = cfg.num_moe_layers
+    layers = cfg.num_layers * attn + n_moe * moe + (cfg.num_layers - n_moe) * mlp
+  return layers + d * cfg.vocab_size
 
 
 def flops_per_token(
   cfg: ModelConfig, seq_len: int, ffn_experts: float, train: bool = True
 ) -> float:
-  """6 * params for forward+backward matmuls, plus causal attention scores and values
-  (2 attention blocks per layer; half the T x T square is computed usefully)."""
+  """6 * params for forward+backward matmuls, plus causal attention scores and values (half the
+  T x T square is computed usefully)."""
   mult = 6 if train else 2
-  attn = 2 * cfg.num_layers * cfg.num_heads * seq_len * (cfg.qk_head_dim + cfg.v_head_dim)
+  attn = 2 * cfg.attention_blocks * cfg.num_heads * seq_len
+  attn *= cfg.qk_head_dim + cfg.value_head_dim
   return mult * (matmul_params_per_token(cfg, ffn_experts) + attn / 2)
 
 

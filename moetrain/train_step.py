@@ -150,17 +150,30 @@ def next_loss_scale(loss_scale, finite):
 
 
 def bias_update(moe_bias, load_LX, step, cfg: StepConfig):
-  """LongCat's proportional controller: b_i += mu * (K_e/(K*N) - T_i/(K*T_all)) on FFN experts;
-  zero-expert biases are never changed."""
+  """The expert-bias controller on FFN experts, per MoE layer: with the load error
+  err_i = K_e/(K*N) - T_i/(K*T_all), b_i += mu * err_i (LongCat's proportional rule) or
+  mu * sign(err_i) (DeepSeek-V3's). Zero-expert biases are never changed. load_LX: the MoE
+  layers' loads in layer order, as the groups of layers hold their biases (a tree of one MoE
+  module's biases, not keyed by group, takes them all)."""
   mc = cfg.model
   e, k = mc.n_routed_experts, mc.moe_topk
   mu = cfg.bias_update_rate
   if cfg.bias_update_decay_steps:
     mu = mu * 0.5 * (1 + jnp.cos(jnp.pi * jnp.minimum(step / cfg.bias_update_decay_steps, 1.0)))
   t_all = jnp.maximum(load_LX.sum(-1, keepdims=True) / k, 1.0)
-  delta = mc.expected_ffn_experts / (k * e) - load_LX[:, :e] / (k * t_all)
-  delta = jnp.pad(mu * delta, ((0, 0), (0, mc.zero_expert_num)))
-  return jax.tree.map(lambda b: b + delta.astype(b.dtype), moe_bias)
+  err = mc.expected_ffn_experts / (k * e) - load_LX[:, :e] / (k * t_all)
+  if mc.bias_rule == 'sign':
+    err = jnp.sign(err)
+  delta_LX = jnp.pad(mu * err, ((0, 0), (0, mc.zero_expert_num)))
+  offsets, at = {}, 0
+  for group in (g for g in mc.layer_groups() if g.kind == 'moe'):
+    offsets[group.name], at = (at, group.count), at + group.count
+
+  def update(path, b):
+    start, count = offsets.get(path[0].key, (0, load_LX.shape[0]))
+    return b + delta_LX[start : start + count].astype(b.dtype)
+
+  return jax.tree_util.tree_map_with_path(update, moe_bias)
 
 
 def train_step(

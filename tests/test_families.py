@@ -1,6 +1,7 @@
 """The other families (Qwen3-MoE, Mixtral, DeepSeek-V3) against transformers 4.57.6: fixtures made
 by tests/fixtures/make_family_fixtures.py are the oracle (float32)."""
 
+import dataclasses
 import json
 import os
 
@@ -12,6 +13,7 @@ from flax import nnx
 
 from moetrain import sharding, train_state
 from moetrain.convert import hf, peft_adapter
+from moetrain.model import moe as moe_lib
 from moetrain.model.config import LoraConfig
 from tests.helpers import (
   ALL_TARGETS,
@@ -92,8 +94,6 @@ def test_gates_match_transformers():
   name = 'deepseek_v3_three_layer'
   ref, cfg = reference(name), f32_config(name)
   model, _ = build(name, cfg)
-  from moetrain.model import moe as moe_lib
-
   layer = nnx.merge(*nnx.split(model.layers))  # 2 MoE layers stacked; route their first
   x = np.random.default_rng(0).standard_normal((5, cfg.hidden_size)).astype(np.float32)
   w, b = layer.moe.router[...][0], layer.moe.router_bias[...][0]
@@ -244,3 +244,60 @@ def test_greedy_generation_matches_transformers(name):
     np.testing.assert_allclose(logits, full[:, pos - 1], atol=1e-5, rtol=1e-5)
     logits, cache = decode.decode_step(model, cache, ids[:, pos], pos, absorb=False)
   np.testing.assert_allclose(logits, full[:, 6], atol=1e-5, rtol=1e-5)
+
+
+def _choices(seed, m=24, x=8, k=2):
+  rng = np.random.default_rng(seed)
+  logits = rng.standard_normal((m, x)).astype(np.float32)
+  probs = np.exp(logits) / np.exp(logits).sum(-1, keepdims=True)
+  idx = np.argsort(-probs, -1)[:, :k]
+  onehot = np.zeros((m, x), np.float32)
+  np.put_along_axis(onehot, idx, 1.0, -1)
+  return probs, onehot
+
+
+def test_switch_and_sequence_balance_losses_by_hand():
+  from moetrain.model.moe import balance_loss
+
+  probs, onehot = _choices(0)
+  valid = np.ones(24, np.float32)
+  valid[-3:] = 0  # padding counts in neither
+  cfg = dataclasses.replace(f32_config('mixtral_two_layer'), n_routed_experts=8, moe_topk=2)
+  assert cfg.balance_loss_kind == 'switch'
+  # transformers' load_balancing_loss_func: E * sum_e (share of tokens choosing e) * mean prob.
+  v = valid.astype(bool)
+  want = 8 * np.sum(onehot[v].mean(0) * probs[v].mean(0))
+  got = balance_loss(jnp.asarray(onehot), jnp.asarray(probs), jnp.asarray(valid), 2, cfg)
+  np.testing.assert_allclose(got, want, rtol=1e-5)
+  # DeepSeek-V3's sequence-wise loss, per row of 12 tokens, averaged over the rows.
+  seq = dataclasses.replace(cfg, moe_balance_loss='sequence')
+  rows = []
+  for r in range(2):
+    sl = slice(12 * r, 12 * r + 12)
+    t = valid[sl].sum()
+    f = 8 / (2 * t) * (onehot[sl] * valid[sl, None]).sum(0)
+    p = (probs[sl] * valid[sl, None]).sum(0) / t
+    rows.append(np.sum(f * p))
+  got = balance_loss(jnp.asarray(onehot), jnp.asarray(probs), jnp.asarray(valid), 2, seq)
+  np.testing.assert_allclose(got, np.mean(rows), rtol=1e-5)
+
+
+def test_sign_bias_rule_moves_each_group_by_its_own_layers():
+  from moetrain.model.transformer import Transformer
+  from moetrain.train_step import StepConfig, bias_update
+
+  cfg = dataclasses.replace(
+    f32_config('deepseek_v3_three_layer'), first_k_dense_replace=0, mlp_only_layers=(1,)
+  )
+  assert [g.name for g in cfg.layer_groups()] == ['layers', 'dense_layers', 'layers_1']
+  assert cfg.bias_rule == 'sign'
+  model = Transformer(cfg, nnx.Rngs(0))
+  _, bias = nnx.split(model, moe_lib.RouterBias, ...)[:2]
+  load = np.zeros((2, 8), np.float32)
+  load[0, 0], load[1, 7] = 24.0, 24.0  # layer 0 overloads expert 0, layer 2 expert 7
+  load += 3.0
+  new = bias_update(bias, jnp.asarray(load), 0, StepConfig(model=cfg, bias_update_rate=0.01))
+  d0 = np.asarray(new['layers']['moe']['router_bias'].get_value())[0]
+  d1 = np.asarray(new['layers_1']['moe']['router_bias'].get_value())[0]
+  np.testing.assert_allclose(d0, [-0.01] + [0.01] * 7)  # sign rule: +-gamma, not in proportion
+  np.testing.assert_allclose(d1, [0.01] * 7 + [-0.01])

@@ -13,7 +13,7 @@ from flax import nnx
 from moetrain import sharding
 from moetrain.kernels import exchange, grouped
 from moetrain.model import dispatch, expert_parallel
-from moetrain.model.moe import MoE, RouterBias, balance_loss, route, routing_stats
+from moetrain.model.moe import MoE, RouterBias, device_balance_loss, route, routing_stats
 from moetrain.train_step import StepConfig, bias_update
 from tests.helpers import expert_weights, jit_call, randomize, tiny, with_lora
 
@@ -142,9 +142,7 @@ def test_capacity_drops_exactly_what_it_reports():
   moe = make_moe(cfg)
   m, d = 64, cfg.hidden_size
   x_MD = jax.random.normal(jax.random.key(3), (m, d))
-  _, _, idx, gates = route(
-    x_MD, moe.router[...], moe.router_bias[...], cfg.moe_topk, cfg.routed_scaling_factor
-  )
+  _, _, idx, gates = route(x_MD, moe.router[...], moe.router_bias[...], cfg)
   y, dropped = dispatch.routed_experts(x_MD, idx, gates, moe.experts.weights(), cfg)
   # Expected drops: beyond the first C assignments (in token order) of each expert.
   c = dispatch.capacity(m, cfg)
@@ -257,9 +255,7 @@ def route_on_ep_mesh(cfg, seed: int, m: int = 64):
   mesh: (x, idx, gates, weights, y, dropped)."""
   moe = make_moe(cfg)
   x = jax.random.normal(jax.random.key(seed), (m, cfg.hidden_size))
-  _, _, idx, gates = route(
-    x, moe.router[...], moe.router_bias[...], cfg.moe_topk, cfg.routed_scaling_factor
-  )
+  _, _, idx, gates = route(x, moe.router[...], moe.router_bias[...], cfg)
   mesh = sharding.make_mesh((1, 2, 4, 1))
   w = moe.experts.weights()
   with jax.set_mesh(mesh):
@@ -382,15 +378,19 @@ def test_balance_loss_by_hand():
   frac = jnp.array([0.1, 0.2, 0.3, 0.1, 0.2, 0.1])
   mean_p = jnp.array([0.3, 0.1, 0.1, 0.1, 0.3, 0.1])
   # Groups: f = (0.3, 0.4, zero 0.3), P = (0.4, 0.2, zero 0.4).
-  np.testing.assert_allclose(balance_loss(frac, mean_p, cfg), 3 * (0.12 + 0.08 + 0.12), rtol=1e-6)
+  np.testing.assert_allclose(
+    device_balance_loss(frac, mean_p, cfg), 3 * (0.12 + 0.08 + 0.12), rtol=1e-6
+  )
   target = jnp.full((6,), 1 / 6)
-  np.testing.assert_allclose(balance_loss(target, target, cfg), 1.0, rtol=1e-6)
+  np.testing.assert_allclose(device_balance_loss(target, target, cfg), 1.0, rtol=1e-6)
   # One group (D = 1) only weighs FFN against zero experts: moving load between FFN experts
   # changes nothing; with D = 2 it does (f = (0.4, 0.3): 3 (0.16 + 0.06 + 0.12)).
   swapped = frac[jnp.array([0, 2, 1, 3, 4, 5])]
   one = dataclasses.replace(cfg, moe_balance_groups=1)
-  np.testing.assert_allclose(balance_loss(frac, mean_p, one), balance_loss(swapped, mean_p, one))
-  np.testing.assert_allclose(balance_loss(swapped, mean_p, cfg), 3 * 0.34, rtol=1e-6)
+  np.testing.assert_allclose(
+    device_balance_loss(frac, mean_p, one), device_balance_loss(swapped, mean_p, one)
+  )
+  np.testing.assert_allclose(device_balance_loss(swapped, mean_p, cfg), 3 * 0.34, rtol=1e-6)
 
 
 def with_cfg(moe, cfg):
@@ -562,9 +562,7 @@ def test_megablox_without_expert_parallelism_runs_on_each_batch_shard():
   cfg = dataclasses.replace(CFG, moe_backend='megablox', **LANES)
   moe = make_moe(cfg)
   x = jax.random.normal(jax.random.key(3), (64, cfg.hidden_size))
-  _, _, idx, gates = route(
-    x, moe.router[...], moe.router_bias[...], cfg.moe_topk, cfg.routed_scaling_factor
-  )
+  _, _, idx, gates = route(x, moe.router[...], moe.router_bias[...], cfg)
   w = moe.experts.weights()
   want, _ = dispatch.routed_experts(x, idx, gates, w, cfg)
   mesh = sharding.make_mesh((1, -1, 1, 1))  # the 8 test devices over fsdp

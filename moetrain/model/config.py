@@ -191,6 +191,14 @@ class ModelConfig:
   # FFN-expert groups of the device-level balance loss; 0 = the expert-parallel shards (the
   # 'expert' mesh axis when model.moe_expert_parallel, else 1).
   moe_balance_groups: int = engine(0, check='non_negative', zero='0 = one group per shard')
+  # Balancing, by the family when 'auto': the balance loss (coefficient loss.balance_loss) is
+  # 'device' (LongCat's device-level loss), 'switch' (Switch/Mixtral/Qwen3-MoE: E * sum_e f_e
+  # P_e over the batch, as transformers' load_balancing_loss_func) or 'sequence' (DeepSeek-V3's
+  # sequence-wise loss, per row); the bias controller (loss.bias_update_rate) moves each bias in
+  # proportion to its expert's load error ('proportional', LongCat) or by its sign ('sign',
+  # DeepSeek-V3's gamma rule).
+  moe_balance_loss: str = engine('auto', choices=('auto', 'device', 'switch', 'sequence'))
+  moe_bias_rule: str = engine('auto', choices=('auto', 'proportional', 'sign'))
   # 'reference' runs every kernel (hand-written backward passes, CPU loops, the ragged exchange;
   # moetrain/kernels) as plain autodiff code of the same function: slower, for checking numerics.
   kernels: str = engine('fast', choices=('fast', 'reference'))
@@ -213,6 +221,18 @@ class ModelConfig:
   def reference_kernels(self) -> bool:
     """model.kernels='reference': every kernel runs its plain-autodiff twin."""
     return self.kernels == 'reference'
+
+  @property
+  def balance_loss_kind(self) -> str:
+    if self.moe_balance_loss != 'auto':
+      return self.moe_balance_loss
+    return {'longcat_flash': 'device', 'deepseek_v3': 'sequence'}.get(self.model_type, 'switch')
+
+  @property
+  def bias_rule(self) -> str:
+    if self.moe_bias_rule != 'auto':
+      return self.moe_bias_rule
+    return 'sign' if self.model_type == 'deepseek_v3' else 'proportional'
 
   @property
   def expert_shards(self) -> int:
@@ -242,6 +262,15 @@ class ModelConfig:
     if self.yarn_factor > 1 and self.yarn_mscale_all_dim:
       scale *= yarn_mscale(self.yarn_factor, self.yarn_mscale_all_dim) ** 2
     return scale
+
+  @property
+  def value_head_dim(self) -> int:
+    return self.gqa_head_dim if self.attention == 'gqa' else self.v_head_dim
+
+  @property
+  def attention_blocks(self) -> int:
+    """Attention sublayers of the whole model (two per LongCat shortcut layer)."""
+    return self.num_layers * (2 if self.layer_layout == 'shortcut' else 1)
 
   @property
   def gqa_head_dim(self) -> int:

@@ -123,22 +123,24 @@ class MoE(nnx.Module):
     probs_MX = scores_MX
     if cfg.router_score == 'sigmoid':  # a distribution, for the entropy and the balance loss
       probs_MX = scores_MX / jnp.sum(scores_MX, axis=-1, keepdims=True)
-    stats = routing_stats(logits_MX, probs_MX, idx_MA, valid_M, dropped, cfg)
+    stats = routing_stats(logits_MX, probs_MX, idx_MA, valid_M, dropped, cfg, rows=b)
     y_BTD = y_MD.reshape(b, t, d).astype(x_BTD.dtype)
     if cfg.n_shared_experts:
       y_BTD = y_BTD + self.shared(x_BTD, rng)
     return y_BTD, stats
 
 
-def routing_stats(logits_MX, probs_MX, idx_MA, valid_M, dropped_MA, cfg: ModelConfig) -> dict:
-  """Per-layer routing statistics and the raw balancing losses (coefficients applied later)."""
-  e, x, k = cfg.n_routed_experts, cfg.num_experts_total, cfg.moe_topk
+def routing_stats(
+  logits_MX, probs_MX, idx_MA, valid_M, dropped_MA, cfg: ModelConfig, rows: int = 1
+) -> dict:
+  """Per-layer routing statistics and the raw balancing loss of cfg.balance_loss_kind
+  (coefficient applied later); the M tokens are `rows` sequences of equal length."""
+  e, x = cfg.n_routed_experts, cfg.num_experts_total
   n_valid = jnp.maximum(valid_M.sum(), 1.0)
   onehot_MX = jnp.sum(jax.nn.one_hot(idx_MA, x, dtype=jnp.float32), axis=1)
   load_X = jnp.sum(onehot_MX * valid_M[:, None], axis=0)
   ffn_M = jnp.sum(onehot_MX[:, :e], axis=-1)
   ent_M = -jnp.sum(probs_MX * jnp.log(probs_MX + 1e-20), axis=-1)
-  mean_p_X = jnp.sum(probs_MX * valid_M[:, None], axis=0) / n_valid
   lse_M = jax.nn.logsumexp(logits_MX, axis=-1)
   stats = {
     'load': load_X,
@@ -147,7 +149,7 @@ def routing_stats(logits_MX, probs_MX, idx_MA, valid_M, dropped_MA, cfg: ModelCo
     'ffn_experts_sq': jnp.sum(ffn_M**2 * valid_M) / n_valid,
     'router_entropy': jnp.sum(ent_M * valid_M) / n_valid,
     'router_z_loss': jnp.sum(lse_M**2 * valid_M) / n_valid,
-    'balance_loss': balance_loss(load_X / (k * n_valid), mean_p_X, cfg),
+    'balance_loss': balance_loss(onehot_MX, probs_MX, valid_M, rows, cfg),
   }
   return finish_routing_stats(stats, cfg)
 
@@ -171,7 +173,31 @@ def finish_routing_stats(stats: dict, cfg: ModelConfig) -> dict:
   }
 
 
-def balance_loss(frac_X, mean_p_X, cfg: ModelConfig):
+def balance_loss(onehot_MX, probs_MX, valid_M, rows: int, cfg: ModelConfig):
+  """The balance loss of cfg.balance_loss_kind from each token's choices (one-hot [M, X]) and
+  router distribution, over the valid tokens."""
+  k, n_valid = cfg.moe_topk, jnp.maximum(valid_M.sum(), 1.0)
+  v_M1 = valid_M[:, None]
+  frac_X = jnp.sum(onehot_MX * v_M1, axis=0) / (k * n_valid)  # share of the assignments
+  mean_p_X = jnp.sum(probs_MX * v_M1, axis=0) / n_valid
+  kind = cfg.balance_loss_kind
+  if kind == 'device':
+    return device_balance_loss(frac_X, mean_p_X, cfg)
+  e = cfg.n_routed_experts
+  if kind == 'switch':  # transformers: E * sum_e (tokens to e / tokens) * mean prob of e
+    return e * k * jnp.sum(frac_X[:e] * mean_p_X[:e])
+  # 'sequence' (DeepSeek-V3 eq. 17-20): per row, f_e = E / (K T) * (tokens to e),
+  # P_e = mean normalised score; sum_e f_e P_e, averaged over the rows with tokens.
+  x = onehot_MX.shape[1]
+  count_BX = jnp.sum((onehot_MX * v_M1).reshape(rows, -1, x), axis=1)
+  p_BX = jnp.sum((probs_MX * v_M1).reshape(rows, -1, x), axis=1)
+  t_B = jnp.sum(valid_M.reshape(rows, -1), axis=1)
+  t_B1 = jnp.maximum(t_B, 1.0)[:, None]
+  per_row = jnp.sum((e / (k * t_B1) * count_BX[:, :e]) * (p_BX[:, :e] / t_B1), axis=-1)
+  return jnp.sum(per_row) / jnp.maximum(jnp.sum(t_B > 0), 1.0)
+
+
+def device_balance_loss(frac_X, mean_p_X, cfg: ModelConfig):
   """Device-level balance loss (LongCat TR 2.1.2): the FFN experts in D groups (the devices that
   hold them: model.moe_balance_groups, by default the expert-parallel shards) plus all zero
   experts as one more group; sum_j F_j * P_j / tau_j, where tau_j is the group's target share of

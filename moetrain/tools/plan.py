@@ -31,7 +31,7 @@ def param_counts(cfg) -> dict:
   adapters = _size(nnx.state(model, nnx.LoRAParam))
   base = _size(nnx.state(model, nnx.Param)) - adapters
   embed = cfg.vocab_size * cfg.hidden_size
-  per_expert = 3 * cfg.hidden_size * cfg.expert_ffn_hidden_size * cfg.num_layers
+  per_expert = 3 * cfg.hidden_size * cfg.expert_ffn_hidden_size * cfg.num_moe_layers
   routed = per_expert * cfg.n_routed_experts
   k_e = balance_target(cfg)
   active = {k: base - embed - routed + k * per_expert for k in (0, k_e, cfg.moe_topk)}

@@ -30,7 +30,7 @@ def model_flops(setup) -> tuple[float, str]:
   k * N_active (k = 6 with weight gradients, 4 for a frozen LoRA base, whose adapters add
   6 * N_adapters), N_active = parameters a token activates with K_e FFN experts (embedding lookup
   excluded, lm head included), plus causal attention 3 * 2 * 2 * heads * (d_qk + d_v) * T/2 per
-  token and attention block (two per LongCat layer). Remat recomputation is not model work."""
+  token and attention block (two per LongCat layer, one per standard layer). Remat recomputation is not model work."""
   from moetrain.tools import plan
 
   cfg = setup.model
@@ -38,8 +38,8 @@ def model_flops(setup) -> tuple[float, str]:
   n_active = counts['active'][plan.balance_target(cfg)]
   lora = cfg.lora.enabled
   t = setup.data.seq_len
-  attn = 3 * 2 * 2 * cfg.num_heads * (cfg.qk_head_dim + cfg.v_head_dim) * t / 2
-  attn *= 2 * cfg.num_layers
+  attn = 3 * 2 * 2 * cfg.num_heads * (cfg.qk_head_dim + cfg.value_head_dim) * t / 2
+  attn *= cfg.attention_blocks
   per_token = (4 if lora else 6) * n_active + 6 * counts['adapters'] * lora + attn
   tokens = setup.data.global_batch_size * t
   formula = (

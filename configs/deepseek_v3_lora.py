@@ -1,0 +1,32 @@
+"""LoRA fine-tuning of DeepSeek-V3-family models (DeepSeek-V3/R1, Moonlight, Kimi-K2's layout),
+routed and shared experts included.
+
+  python -m moetrain.main --config=configs/deepseek_v3_lora.py                # tiny, CPU, demo data
+  python -m moetrain.main --config=configs/deepseek_v3_lora.py:variant=moonlight_16b_a3b \
+    --config.init.hf_checkpoint=/path/to/Moonlight-16B-A3B ...
+
+Changes from base: the DeepSeek-V3 parts (MLA, YaRN where the model has it, dense first layers,
+sigmoid router over expert groups with a correction bias moved by the sign rule, shared experts,
+the sequence-wise balance loss); LoRA rank 8 on every MLA projection, dense MLP, shared and
+routed expert and the head; frozen base and router. Variants: 'deepseek_tiny' (the default),
+'moonlight_16b_a3b', 'deepseek_v3_671b'.
+"""
+
+from configs import base
+
+# variant -> (expert axis, tokens per row, rows per step) on the slice the README names.
+PODS = {'moonlight_16b_a3b': (8, 4096, 32), 'deepseek_v3_671b': (16, 4096, 64)}
+
+
+def get_config(arg: str | None = None):
+  variant = base.variant_of(arg, 'configs/deepseek_v3_lora.py', default='deepseek_tiny')
+  config = base.get_config()
+  base.set_model(config, variant)
+  config.lora.rank = 8
+  config.lora.alpha = 16.0
+  if variant in PODS:
+    expert, seq_len, rows = PODS[variant]
+    base.set_pod(config, expert, seq_len, rows, rows)
+  if variant == 'deepseek_v3_671b':  # as LongCat-Flash: bound the exchange's receive buffer
+    config.model.moe_ep_recv_factor = 2.0
+  return config

@@ -1,0 +1,26 @@
+"""LoRA fine-tuning of Mixtral, routed experts included.
+
+  python -m moetrain.main --config=configs/mixtral_lora.py                    # tiny, CPU, demo data
+  python -m moetrain.main --config=configs/mixtral_lora.py:variant=mixtral_8x7b \
+    --config.init.hf_checkpoint=/path/to/Mixtral-8x7B-v0.1 ...
+
+Changes from base: the Mixtral parts (GQA, softmax top-2 router renormalised, the Switch balance
+loss); LoRA rank 8 on every attention projection, routed expert and the head; frozen base and
+router. Variants: 'mixtral_tiny' (the default), 'mixtral_8x7b'.
+"""
+
+from configs import base
+
+PODS = {'mixtral_8x7b': (8, 4096, 32)}  # variant -> (expert axis, tokens per row, rows per step)
+
+
+def get_config(arg: str | None = None):
+  variant = base.variant_of(arg, 'configs/mixtral_lora.py', default='mixtral_tiny')
+  config = base.get_config()
+  base.set_model(config, variant)
+  config.lora.rank = 8
+  config.lora.alpha = 16.0
+  if variant in PODS:
+    expert, seq_len, rows = PODS[variant]
+    base.set_pod(config, expert, seq_len, rows, rows)
+  return config

@@ -1,0 +1,28 @@
+"""LoRA fine-tuning of Qwen3-MoE, routed experts included.
+
+  python -m moetrain.main --config=configs/qwen3_moe_lora.py                  # tiny, CPU, demo data
+  python -m moetrain.main --config=configs/qwen3_moe_lora.py:variant=qwen3_30b_a3b \
+    --config.init.hf_checkpoint=/path/to/Qwen3-30B-A3B ...
+
+Changes from base: the Qwen3-MoE parts (GQA with q/k norm, softmax top-8 router renormalised,
+the Switch balance loss); LoRA rank 8 on every attention projection, routed expert and the head;
+frozen base and router. Variants: 'qwen3_tiny' (the default), 'qwen3_30b_a3b', 'qwen3_235b_a22b'
+(the published shapes; a run from init.hf_checkpoint takes them from its config.json).
+"""
+
+from configs import base
+
+# variant -> (expert axis, tokens per row, rows per step) on the slice the README names.
+PODS = {'qwen3_30b_a3b': (8, 4096, 32), 'qwen3_235b_a22b': (16, 4096, 64)}
+
+
+def get_config(arg: str | None = None):
+  variant = base.variant_of(arg, 'configs/qwen3_moe_lora.py', default='qwen3_tiny')
+  config = base.get_config()
+  base.set_model(config, variant)
+  config.lora.rank = 8
+  config.lora.alpha = 16.0
+  if variant in PODS:
+    expert, seq_len, rows = PODS[variant]
+    base.set_pod(config, expert, seq_len, rows, rows)
+  return config

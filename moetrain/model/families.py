@@ -1,0 +1,205 @@
+"""The families' parts and the named model presets (configs pick one by `variant=`).
+
+A family is a choice of the decoder's parts (model/config.py ModelConfig): LongCat-Flash's
+shortcut layers with MLA and zero experts; DeepSeek-V3's standard layers with MLA, a sigmoid
+router over expert groups with a correction bias and shared experts; Qwen3-MoE's and Mixtral's
+standard layers with grouped-query attention and a softmax router. The real models' presets copy
+their published config.json; a run from `init.hf_checkpoint` takes the shapes from the
+checkpoint's own config.json instead.
+"""
+
+from moetrain.model.config import PRESETS as LONGCAT_PRESETS
+from moetrain.model.config import ModelConfig
+
+PARTS = {
+  'longcat_flash': {},  # ModelConfig's defaults
+  'deepseek_v3': dict(
+    model_type='deepseek_v3',
+    layer_layout='standard',
+    attention='mla',
+    rope_interleaved=True,
+    router_score='sigmoid',
+    router_bias=True,
+    norm_topk_prob=True,
+    zero_expert_num=0,
+    mla_scale_q_lora=False,
+    mla_scale_kv_lora=False,
+    mla_norm_eps=1e-6,
+    rms_norm_eps=1e-6,
+  ),
+  'qwen3_moe': dict(
+    model_type='qwen3_moe',
+    layer_layout='standard',
+    attention='gqa',
+    qk_norm=True,
+    rope_interleaved=False,
+    router_score='softmax',
+    router_bias=False,
+    norm_topk_prob=True,
+    zero_expert_num=0,
+    routed_scaling_factor=1.0,
+    rms_norm_eps=1e-6,
+  ),
+  'mixtral': dict(
+    model_type='mixtral',
+    layer_layout='standard',
+    attention='gqa',
+    qk_norm=False,
+    rope_interleaved=False,
+    router_score='softmax',
+    router_bias=False,
+    norm_topk_prob=True,
+    zero_expert_num=0,
+    routed_scaling_factor=1.0,
+  ),
+}
+
+
+def family(model_type: str, **shape) -> ModelConfig:
+  return ModelConfig(**{**PARTS[model_type], **shape})
+
+
+_TINY = dict(vocab_size=512, hidden_size=128, num_heads=4, expert_ffn_hidden_size=64)
+
+PRESETS = {
+  **LONGCAT_PRESETS,
+  # Small enough for a 2-core CPU: the demos and tests of each family.
+  'deepseek_tiny': family(
+    'deepseek_v3',
+    **_TINY,
+    num_layers=3,
+    first_k_dense_replace=1,
+    q_lora_rank=64,
+    kv_lora_rank=32,
+    qk_nope_head_dim=32,
+    qk_rope_head_dim=16,
+    v_head_dim=32,
+    ffn_hidden_size=256,
+    n_routed_experts=8,
+    n_shared_experts=1,
+    moe_topk=2,
+    n_group=4,
+    topk_group=2,
+    routed_scaling_factor=2.5,
+    rope_theta=1e4,
+  ),
+  'qwen3_tiny': family(
+    'qwen3_moe',
+    **_TINY,
+    num_layers=2,
+    num_kv_heads=2,
+    head_dim=32,
+    ffn_hidden_size=256,
+    n_routed_experts=8,
+    moe_topk=2,
+    rope_theta=1e6,
+  ),
+  'mixtral_tiny': family(
+    'mixtral',
+    **_TINY,
+    num_layers=2,
+    num_kv_heads=2,
+    ffn_hidden_size=64,
+    n_routed_experts=8,
+    moe_topk=2,
+    rope_theta=1e6,
+  ),
+  # moonshotai/Moonlight-16B-A3B (DeepSeek-V3 layout, q without low rank, no RoPE scaling).
+  'moonlight_16b_a3b': family(
+    'deepseek_v3',
+    vocab_size=163840,
+    hidden_size=2048,
+    num_layers=27,
+    num_heads=16,
+    q_lora_rank=0,
+    kv_lora_rank=512,
+    qk_nope_head_dim=128,
+    qk_rope_head_dim=64,
+    v_head_dim=128,
+    ffn_hidden_size=11264,
+    expert_ffn_hidden_size=1408,
+    n_routed_experts=64,
+    n_shared_experts=2,
+    moe_topk=6,
+    first_k_dense_replace=1,
+    routed_scaling_factor=2.446,
+    rope_theta=50000.0,
+    rms_norm_eps=1e-5,
+    max_position_embeddings=8192,
+  ),
+  # deepseek-ai/DeepSeek-V3 (and R1): 671B, 37B active.
+  'deepseek_v3_671b': family(
+    'deepseek_v3',
+    vocab_size=129280,
+    hidden_size=7168,
+    num_layers=61,
+    num_heads=128,
+    q_lora_rank=1536,
+    kv_lora_rank=512,
+    qk_nope_head_dim=128,
+    qk_rope_head_dim=64,
+    v_head_dim=128,
+    ffn_hidden_size=18432,
+    expert_ffn_hidden_size=2048,
+    n_routed_experts=256,
+    n_shared_experts=1,
+    moe_topk=8,
+    n_group=8,
+    topk_group=4,
+    first_k_dense_replace=3,
+    routed_scaling_factor=2.5,
+    rope_theta=10000.0,
+    max_position_embeddings=163840,
+    yarn_factor=40.0,
+    yarn_original_max_position=4096,
+    yarn_mscale=1.0,
+    yarn_mscale_all_dim=1.0,
+  ),
+  # Qwen/Qwen3-30B-A3B (and Qwen3-Coder-30B-A3B's shapes).
+  'qwen3_30b_a3b': family(
+    'qwen3_moe',
+    vocab_size=151936,
+    hidden_size=2048,
+    num_layers=48,
+    num_heads=32,
+    num_kv_heads=4,
+    head_dim=128,
+    ffn_hidden_size=6144,
+    expert_ffn_hidden_size=768,
+    n_routed_experts=128,
+    moe_topk=8,
+    rope_theta=1e6,
+    max_position_embeddings=40960,
+  ),
+  # Qwen/Qwen3-235B-A22B.
+  'qwen3_235b_a22b': family(
+    'qwen3_moe',
+    vocab_size=151936,
+    hidden_size=4096,
+    num_layers=94,
+    num_heads=64,
+    num_kv_heads=4,
+    head_dim=128,
+    ffn_hidden_size=12288,
+    expert_ffn_hidden_size=1536,
+    n_routed_experts=128,
+    moe_topk=8,
+    rope_theta=1e6,
+    max_position_embeddings=40960,
+  ),
+  # mistralai/Mixtral-8x7B-v0.1 (and Instruct).
+  'mixtral_8x7b': family(
+    'mixtral',
+    vocab_size=32000,
+    hidden_size=4096,
+    num_layers=32,
+    num_heads=32,
+    num_kv_heads=8,
+    ffn_hidden_size=14336,
+    expert_ffn_hidden_size=14336,
+    n_routed_experts=8,
+    moe_topk=2,
+    rope_theta=1e6,
+    max_position_embeddings=32768,
+  ),
+}

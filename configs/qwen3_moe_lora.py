@@ -13,7 +13,7 @@ frozen base and router. Variants: 'qwen3_tiny' (the default), 'qwen3_30b_a3b', '
 from configs import base
 
 # variant -> (expert axis, tokens per row, rows per step) on the slice the README names.
-PODS = {'qwen3_30b_a3b': (8, 4096, 32), 'qwen3_235b_a22b': (16, 4096, 64)}
+PODS = {'qwen3_30b_a3b': (4, 4096, 32), 'qwen3_235b_a22b': (16, 4096, 64)}
 
 
 def get_config(arg: str | None = None):

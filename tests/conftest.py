@@ -33,7 +33,7 @@ def with_topk(monkeypatch):
   """Test-only: aux['moe']['topk_idx'] [L, M, A], the experts the model's router picked."""
   real = moe_lib.routing_stats
 
-  def stats(logits_MX, probs_MX, idx_MA, *args):
-    return {**real(logits_MX, probs_MX, idx_MA, *args), 'topk_idx': idx_MA}
+  def stats(logits_MX, probs_MX, idx_MA, *args, **kw):
+    return {**real(logits_MX, probs_MX, idx_MA, *args, **kw), 'topk_idx': idx_MA}
 
   monkeypatch.setattr(moe_lib, 'routing_stats', stats)

@@ -44,6 +44,20 @@ def set_pod(config, expert: int, seq_len: int, global_batch_size: int, eval_batc
   config.data.tokenizer = ''
 
 
+def family_lora(arg, path: str, default: str, pods: dict):
+  """A family's LoRA config: the `variant` preset (default `default`), LoRA rank 8 (alpha 16)
+  on the default targets, and for a variant in `pods` ({variant: (expert axis, tokens per row,
+  rows per step)}) its TPU slice's mesh and batch (set_pod)."""
+  variant = variant_of(arg, path, default=default)
+  config = get_config()
+  set_model(config, variant)
+  config.lora.rank = 8
+  config.lora.alpha = 16.0
+  if variant in pods:
+    set_pod(config, *pods[variant], pods[variant][2])
+  return config, variant
+
+
 def set_flash_pod(config, global_batch_size: int, eval_batch_size: int) -> None:
   """The flash variant on a TPU pod: experts over 16 devices, FSDP over the rest; 8192-token
   rows (set_pod)."""

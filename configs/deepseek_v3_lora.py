@@ -19,14 +19,7 @@ PODS = {'moonlight_16b_a3b': (8, 4096, 32), 'deepseek_v3_671b': (16, 4096, 64)}
 
 
 def get_config(arg: str | None = None):
-  variant = base.variant_of(arg, 'configs/deepseek_v3_lora.py', default='deepseek_tiny')
-  config = base.get_config()
-  base.set_model(config, variant)
-  config.lora.rank = 8
-  config.lora.alpha = 16.0
-  if variant in PODS:
-    expert, seq_len, rows = PODS[variant]
-    base.set_pod(config, expert, seq_len, rows, rows)
+  config, variant = base.family_lora(arg, 'configs/deepseek_v3_lora.py', 'deepseek_tiny', PODS)
   if variant == 'deepseek_v3_671b':  # as LongCat-Flash: bound the exchange's receive buffer
     config.model.moe_ep_recv_factor = 2.0
   return config

@@ -15,12 +15,4 @@ PODS = {'mixtral_8x7b': (8, 4096, 32)}  # variant -> (expert axis, tokens per ro
 
 
 def get_config(arg: str | None = None):
-  variant = base.variant_of(arg, 'configs/mixtral_lora.py', default='mixtral_tiny')
-  config = base.get_config()
-  base.set_model(config, variant)
-  config.lora.rank = 8
-  config.lora.alpha = 16.0
-  if variant in PODS:
-    expert, seq_len, rows = PODS[variant]
-    base.set_pod(config, expert, seq_len, rows, rows)
-  return config
+  return base.family_lora(arg, 'configs/mixtral_lora.py', 'mixtral_tiny', PODS)[0]

@@ -17,12 +17,4 @@ PODS = {'qwen3_30b_a3b': (4, 4096, 32), 'qwen3_235b_a22b': (16, 4096, 64)}
 
 
 def get_config(arg: str | None = None):
-  variant = base.variant_of(arg, 'configs/qwen3_moe_lora.py', default='qwen3_tiny')
-  config = base.get_config()
-  base.set_model(config, variant)
-  config.lora.rank = 8
-  config.lora.alpha = 16.0
-  if variant in PODS:
-    expert, seq_len, rows = PODS[variant]
-    base.set_pod(config, expert, seq_len, rows, rows)
-  return config
+  return base.family_lora(arg, 'configs/qwen3_moe_lora.py', 'qwen3_tiny', PODS)[0]

@@ -148,3 +148,38 @@ def assert_same_topk(topk_LMA, want_LMA):
 
 def max_err(a, b) -> float:
   return float(np.max(np.abs(np.asarray(a, np.float64) - np.asarray(b, np.float64))))
+
+
+def assert_matches_hf(model, cfg, ref: dict, name: str) -> None:
+  """Logits, loss, routing choices and every gradient of `model` against a transformers
+  fixture's reference.npz (needs the with_topk fixture)."""
+  from moetrain.convert import hf
+
+  graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+  ids = jnp.asarray(ref['input_ids'])
+
+  def loss_fn(p):
+    logits, aux = nnx.merge(graphdef, p, rest)(ids)
+    return hf_loss(logits, ids), (logits, aux['moe']['topk_idx'])
+
+  (loss, (logits, topk)), grads = jax.jit(jax.value_and_grad(loss_fn, has_aux=True))(params)
+  # The float32 loss (the one differentiated) carries 1-2 ulp (4.8e-7 each) of summation-order
+  # noise, as HF's own does; recomputed in float64 from our logits it measures the model alone.
+  err = {
+    'logits': max_err(logits, ref['logits']),
+    'loss': max_err(loss, ref['loss']),
+    'loss64': max_err(hf_loss_f64(logits, ref['input_ids']), ref['loss']),
+  }
+  assert err['logits'] < 1e-5 and err['loss64'] < 1e-6 and err['loss'] < 2e-6, err
+  assert_same_topk(topk, ref['router/topk_idx'])
+  # Gradient error relative to the largest |grad| of each HF tensor.
+  got = dict(hf.hf_tensors(grads, cfg))
+  want = {k.removeprefix('grad/'): v for k, v in ref.items() if k.startswith('grad/')}
+  assert set(got) == set(want)
+  rel = {k: max_err(got[k], want[k]) / max(np.abs(want[k]).max(), 1e-30) for k in want}
+  worst = max(rel, key=rel.get)
+  print(
+    f'{name}: logits {err["logits"]:.2e} loss {err["loss"]:.2e} (f64 {err["loss64"]:.2e}) '
+    f'grad rel {rel[worst]:.2e} ({worst})'
+  )
+  assert rel[worst] < 1e-4, (worst, rel[worst])

@@ -17,9 +17,7 @@ from moetrain.model import moe as moe_lib
 from moetrain.model.config import LoraConfig
 from tests.helpers import (
   ALL_TARGETS,
-  assert_same_topk,
-  hf_loss,
-  hf_loss_f64,
+  assert_matches_hf,
   max_err,
   perturb_lora,
   perturb_router,
@@ -65,28 +63,7 @@ def test_logits_loss_routing_grads(name, with_topk):
   ref, cfg = reference(name), f32_config(name)
   model, loaded = build(name, cfg)
   assert loaded.skipped == []
-  graphdef, params, rest = nnx.split(model, nnx.Param, ...)
-  ids = jnp.asarray(ref['input_ids'])
-
-  def loss_fn(p):
-    logits, aux = nnx.merge(graphdef, p, rest)(ids)
-    return hf_loss(logits, ids), (logits, aux['moe']['topk_idx'])
-
-  (loss, (logits, topk)), grads = jax.jit(jax.value_and_grad(loss_fn, has_aux=True))(params)
-  err = {
-    'logits': max_err(logits, ref['logits']),
-    'loss': max_err(loss, ref['loss']),
-    'loss64': max_err(hf_loss_f64(logits, ref['input_ids']), ref['loss']),
-  }
-  assert err['logits'] < 1e-5 and err['loss64'] < 1e-6 and err['loss'] < 2e-6, err
-  assert_same_topk(topk, ref['router/topk_idx'])
-  got = dict(hf.hf_tensors(grads, cfg))
-  want = {k.removeprefix('grad/'): v for k, v in ref.items() if k.startswith('grad/')}
-  assert set(got) == set(want)
-  rel = {k: max_err(got[k], want[k]) / max(np.abs(want[k]).max(), 1e-30) for k in want}
-  worst = max(rel, key=rel.get)
-  print(f'{name}: logits {err["logits"]:.2e} loss {err["loss64"]:.2e} grad rel {rel[worst]:.2e}')
-  assert rel[worst] < 1e-4, (worst, rel[worst])
+  assert_matches_hf(model, cfg, ref, name)
 
 
 def test_gates_match_transformers():

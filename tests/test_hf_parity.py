@@ -23,9 +23,8 @@ from moetrain.model.config import LoraConfig
 from moetrain.model.transformer import Transformer
 from tests.helpers import (
   ALL_TARGETS,
+  assert_matches_hf,
   assert_same_topk,
-  hf_loss,
-  hf_loss_f64,
   max_err,
   perturb_lora,
   perturb_router,
@@ -74,34 +73,7 @@ def test_float32_logits_loss_routing_grads(name, with_topk):
   cfg = f32_config(path)
   loaded = load(name, cfg)
   assert loaded.skipped == []
-  graphdef, params, rest = nnx.split(build(loaded, cfg), nnx.Param, ...)
-  ids = jnp.asarray(ref['input_ids'])
-
-  def loss_fn(p):
-    logits, aux = nnx.merge(graphdef, p, rest)(ids)
-    return hf_loss(logits, ids), (logits, aux['moe']['topk_idx'])
-
-  (loss, (logits, topk)), grads = jax.jit(jax.value_and_grad(loss_fn, has_aux=True))(params)
-  # The float32 loss (the one differentiated) carries 1-2 ulp (4.8e-7 each) of summation-order
-  # noise, as HF's own does; recomputed in float64 from our logits it measures the model alone.
-  err = {
-    'logits': max_err(logits, ref['logits']),
-    'loss': max_err(loss, ref['loss']),
-    'loss64': max_err(hf_loss_f64(logits, ref['input_ids']), ref['loss']),
-  }
-  assert err['logits'] < 1e-5 and err['loss64'] < 1e-6 and err['loss'] < 2e-6, err
-  assert_same_topk(topk, ref['router/topk_idx'])
-  # Gradient error relative to the largest |grad| of each HF tensor.
-  got = dict(hf.hf_tensors(grads, cfg))
-  want = {k.removeprefix('grad/'): v for k, v in ref.items() if k.startswith('grad/')}
-  assert set(got) == set(want)
-  rel = {k: max_err(got[k], want[k]) / max(np.abs(want[k]).max(), 1e-30) for k in want}
-  worst = max(rel, key=rel.get)
-  print(
-    f'{name}: logits {err["logits"]:.2e} loss {err["loss"]:.2e} (f64 {err["loss64"]:.2e}) '
-    f'grad rel {rel[worst]:.2e} ({worst})'
-  )
-  assert rel[worst] < 1e-4, (worst, rel[worst])
+  assert_matches_hf(build(loaded, cfg), cfg, ref, name)
 
 
 # wide_v adds nothing the other two do not cover on the mesh (and each case costs a compile).

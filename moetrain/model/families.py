@@ -11,6 +11,18 @@ checkpoint's own config.json instead.
 from moetrain.model.config import PRESETS as LONGCAT_PRESETS
 from moetrain.model.config import ModelConfig
 
+# Qwen3-MoE and Mixtral: standard layers, GQA, half-split RoPE, softmax top-k renormalised.
+_GQA = dict(
+  layer_layout='standard',
+  attention='gqa',
+  qk_norm=False,
+  rope_interleaved=False,
+  router_score='softmax',
+  router_bias=False,
+  norm_topk_prob=True,
+  zero_expert_num=0,
+  routed_scaling_factor=1.0,
+)
 PARTS = {
   'longcat_flash': {},  # ModelConfig's defaults
   'deepseek_v3': dict(
@@ -27,31 +39,8 @@ PARTS = {
     mla_norm_eps=1e-6,
     rms_norm_eps=1e-6,
   ),
-  'qwen3_moe': dict(
-    model_type='qwen3_moe',
-    layer_layout='standard',
-    attention='gqa',
-    qk_norm=True,
-    rope_interleaved=False,
-    router_score='softmax',
-    router_bias=False,
-    norm_topk_prob=True,
-    zero_expert_num=0,
-    routed_scaling_factor=1.0,
-    rms_norm_eps=1e-6,
-  ),
-  'mixtral': dict(
-    model_type='mixtral',
-    layer_layout='standard',
-    attention='gqa',
-    qk_norm=False,
-    rope_interleaved=False,
-    router_score='softmax',
-    router_bias=False,
-    norm_topk_prob=True,
-    zero_expert_num=0,
-    routed_scaling_factor=1.0,
-  ),
+  'qwen3_moe': dict(_GQA, model_type='qwen3_moe', qk_norm=True, rms_norm_eps=1e-6),
+  'mixtral': dict(_GQA, model_type='mixtral'),
 }
 
 

@@ -75,9 +75,16 @@ def flops_per_token(
   """6 * params for forward+backward matmuls, plus causal attention scores and values (half the
   T x T square is computed usefully)."""
   mult = 6 if train else 2
-  attn = 2 * cfg.attention_blocks * cfg.num_heads * seq_len
-  attn *= cfg.qk_head_dim + cfg.value_head_dim
-  return mult * (matmul_params_per_token(cfg, ffn_experts) + attn / 2)
+  return mult * (
+    matmul_params_per_token(cfg, ffn_experts) + attention_params_equivalent(cfg, seq_len)
+  )
+
+
+def attention_params_equivalent(cfg: ModelConfig, seq_len: int) -> float:
+  """Causal attention's scores and values per token, as a count of weights with the same FLOPs
+  (2 per multiply-add): each head of each attention block multiplies its (d_qk + d_v) features
+  with T/2 keys on average."""
+  return cfg.attention_blocks * cfg.num_heads * seq_len * (cfg.qk_head_dim + cfg.value_head_dim) / 2
 
 
 ROUTING_STATS = (

@@ -10,6 +10,7 @@ import types
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 from tensorboardX.proto import event_pb2
 
 from moetrain import metrics, sharding, train_log
@@ -267,3 +268,17 @@ def test_nonfinite_streak_counts_skipped_steps_in_a_row():
   assert [int(x) for x in streak.counts] == [1, 1]  # the longest starts over
   step()
   assert [int(x) for x in streak.take()] == [0, 1]
+
+
+@pytest.mark.parametrize('preset', ['flash', 'qwen3_30b_a3b', 'deepseek_v3_671b'])
+def test_flops_per_token_counts_each_attention_block_once(preset):
+  """6 x the matmul weights plus causal attention: per attention block (two per LongCat layer,
+  one per standard layer) and head, (d_qk + d_v) x T / 2 multiply-adds, x 6 for training."""
+  from moetrain.model.families import PRESETS
+
+  cfg, t = PRESETS[preset], 4096
+  blocks = cfg.num_layers * (2 if cfg.layer_layout == 'shortcut' else 1)
+  d_v = cfg.gqa_head_dim if cfg.attention == 'gqa' else cfg.v_head_dim
+  attn = blocks * cfg.num_heads * (cfg.qk_head_dim + d_v) * t / 2
+  want = 6 * (metrics.matmul_params_per_token(cfg, 8) + attn)
+  np.testing.assert_allclose(metrics.flops_per_token(cfg, t, 8), want, rtol=1e-12)

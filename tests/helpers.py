@@ -183,3 +183,22 @@ def assert_matches_hf(model, cfg, ref: dict, name: str) -> None:
     f'grad rel {rel[worst]:.2e} ({worst})'
   )
   assert rel[worst] < 1e-4, (worst, rel[worst])
+
+
+def sharded_forward(path: str, make_config, ids):
+  """Logits of the HF checkpoint at `path` loaded onto a (1, 2, 2, 2) mesh (routed experts
+  placed over 'expert' by the rules, checked) for ids doubled to 4 rows; make_config(**kw): the
+  test's ModelConfig with kw."""
+  from moetrain import sharding, train_state
+  from moetrain.convert import hf
+
+  mesh = sharding.make_mesh((1, 2, 2, 2))
+  cfg = make_config(rules=sharding.Rules.preset('fsdp_ep_tp')).laid_out('cpu', mesh)
+  loaded = hf.load_params(path, cfg, mesh=mesh)
+  spec = loaded.params['layers']['moe']['experts']['gate'].get_value().sharding.spec
+  assert spec[1] == 'expert', spec  # placed by the rules, not replicated
+  graphdef = train_state.graphdef_of(cfg)
+  with jax.set_mesh(mesh):
+    ids = jax.device_put(np.concatenate([ids] * 2), sharding.batch_sharding(mesh))
+    fwd = jax.jit(lambda p, b, f, x: train_state.merge_model(graphdef, p, b, f)(x)[0])
+    return fwd(loaded.params, loaded.moe_bias, loaded.frozen, ids)

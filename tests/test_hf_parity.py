@@ -28,6 +28,7 @@ from tests.helpers import (
   max_err,
   perturb_lora,
   perturb_router,
+  sharded_forward,
 )
 
 FIXTURES = os.path.join(os.path.dirname(__file__), 'fixtures')
@@ -80,17 +81,7 @@ def test_float32_logits_loss_routing_grads(name, with_topk):
 @pytest.mark.parametrize('name', ['two_layer', 'four_head'])
 def test_sharded_mesh_logits(name):
   path, ref = fixture(name), reference(name)
-  mesh = sharding.make_mesh((1, 2, 2, 2))
-  cfg = f32_config(path, rules=sharding.Rules.preset('fsdp_ep_tp')).laid_out('cpu', mesh)
-  loaded = hf.load_params(path, cfg, mesh=mesh)
-  spec = loaded.params['layers']['moe']['experts']['gate'].get_value().sharding.spec
-  assert spec[1] == 'expert', spec  # placed by the rules, not replicated
-  graphdef = train_state.graphdef_of(cfg)
-  with jax.set_mesh(mesh):
-    ids = np.concatenate([ref['input_ids']] * 2)  # batch 4 splits over fsdp x expert
-    ids = jax.device_put(ids, sharding.batch_sharding(mesh))
-    fwd = jax.jit(lambda p, b, f, x: train_state.merge_model(graphdef, p, b, f)(x)[0])
-    logits = fwd(loaded.params, loaded.moe_bias, loaded.frozen, ids)
+  logits = sharded_forward(path, lambda **kw: f32_config(path, **kw), ref['input_ids'])
   err = max_err(logits, np.concatenate([ref['logits']] * 2))
   print(f'{name} sharded (1,2,2,2): logits {err:.2e}')
   assert err < 1e-5

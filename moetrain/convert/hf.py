@@ -268,11 +268,11 @@ def _export_items(flat: dict, cfg: ModelConfig, strict: bool) -> list:
 # model keeps them (transformers: _keep_in_fp32_modules; vLLM: router_dtype float32). In bfloat16
 # the bias's steps of ~1e-3 against expert scores of ~0.04 would round away and re-route tokens.
 MTP_PREFIX = 'model.mtp.'  # the multi-token-prediction head: skipped on load, copied on export
-FLOAT32_SUFFIXES = ('.moe.router', '.moe.router_bias')
+ROUTER_SUFFIXES = ('.moe.router', '.moe.router_bias')  # paths of every group's router
 
 
 def _export_dtype(t: Row, dtype):
-  return jnp.dtype(jnp.float32) if t.path.endswith(FLOAT32_SUFFIXES) else jnp.dtype(dtype)
+  return jnp.dtype(jnp.float32) if t.path.endswith(ROUTER_SUFFIXES) else jnp.dtype(dtype)
 
 
 def hf_tensors(model_or_state, cfg: ModelConfig, dtype='float32'):

@@ -6,6 +6,7 @@ from moetrain.convert.stacked_io import Row
 from moetrain.model.config import ModelConfig
 
 MODEL_TYPE = 'longcat_flash'
+ROUTER_MODULE = 'router'  # mlp.router: classifier.weight, e_score_correction_bias
 # HF key -> ModelConfig field, for keys every LongCat config.json carries.
 _REQUIRED = {
   'vocab_size': 'vocab_size',

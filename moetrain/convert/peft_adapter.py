@@ -13,7 +13,9 @@ from moetrain.convert import safetensors_io as stio
 from moetrain.convert import stacked_io as sio
 from moetrain.convert.hf import (
   PEFT_PREFIX,
+  ROUTER_SUFFIXES,
   check_rows,
+  family_of,
   flat_values,
   lora_rows,
   table,
@@ -25,10 +27,9 @@ from moetrain.model.config import ModelConfig
 ADAPTER_FILE = 'adapter_model.safetensors'
 ADAPTER_CONFIG = 'adapter_config.json'
 # Training moves every layer's e_score_correction_bias (the expert-bias update) and, with
-# lora.train_router, the router classifier: an adapter holds the whole router module as PEFT's
-# modules_to_save (LongCat: model.layers.{l}.mlp.router, classifier.weight +
-# e_score_correction_bias; the others: mlp.gate or block_sparse_moe.gate).
-ROUTER_PATHS = ('.moe.router', '.moe.router_bias')
+# lora.train_router, the router classifier: an adapter holds the whole router module (the
+# family's ROUTER_MODULE: LongCat's mlp.router, the others' mlp.gate or block_sparse_moe.gate)
+# as PEFT's modules_to_save.
 
 
 def _adapted(flat: dict, cfg: ModelConfig) -> list[Row]:
@@ -40,18 +41,13 @@ def _router_rows(cfg: ModelConfig) -> list[Row]:
   return [
     dataclasses.replace(t, name_template=PEFT_PREFIX + t.name_template)
     for t in table(cfg)
-    if t.path.endswith(ROUTER_PATHS)
+    if t.path.endswith(ROUTER_SUFFIXES)
   ]
 
 
 def router_module(cfg: ModelConfig) -> str:
   """The name (last component) of the HF router module: 'router' (LongCat) or 'gate'."""
-  rows = {
-    t.path.rsplit('.', 1)[1]: t.name_template for t in table(cfg) if t.path.endswith(ROUTER_PATHS)
-  }
-  if 'router_bias' in rows:  # <module>.e_score_correction_bias
-    return rows['router_bias'].rsplit('.', 2)[1]
-  return rows['router'].rsplit('.', 2)[1]  # <module>.weight
+  return family_of(cfg.model_type).ROUTER_MODULE
 
 
 def _target_modules(rows: list[Row]) -> str:

@@ -5,6 +5,7 @@ builder serves all three: attention rows by kind (MLA, GQA), the MoE block's by 
 from moetrain.convert import family
 from moetrain.convert.stacked_io import Row
 from moetrain.model.config import ModelConfig
+from moetrain.model.families import PARTS
 
 _COMMON_REQUIRED = {
   'vocab_size': 'vocab_size',
@@ -17,46 +18,32 @@ _COMMON_FIXED = {'hidden_act': 'silu', 'tie_word_embeddings': False, 'attention_
 
 
 class Family:
-  """One family's config.json tables (family.read_fields' required / optional / fixed), the
-  ModelConfig parts it implies, and where its MoE block's weights live."""
+  """One family's config.json tables (family.read_fields' required / optional / fixed), its
+  parts (model/families.py PARTS: what its config.json does not say), where its MoE block's
+  weights live (`block`, the expert projections' names for gate / up / down), and what its
+  config.json holds beyond the tables (`read(c) -> fields`, `write(cfg) -> keys`)."""
 
-  def __init__(self, model_type, architecture, required, optional, fixed, parts, moe):
+  ROUTER_MODULE = 'gate'  # <block>.gate: the router (weight, e_score_correction_bias)
+
+  def __init__(
+    self, model_type, architecture, required, optional, fixed, block, experts, read, write
+  ):
     self.model_type, self.architecture = model_type, architecture
     self.required = {**_COMMON_REQUIRED, **required}
-    self.optional, self.fixed, self.parts, self.moe = (
-      optional,
-      {**_COMMON_FIXED, **fixed},
-      parts,
-      moe,
-    )
+    self.optional, self.fixed = optional, {**_COMMON_FIXED, **fixed}
+    self.parts = PARTS[model_type]
+    self.block, self.experts, self.read, self.write = block, experts, read, write
 
   def config_from_hf(self, c: dict) -> dict:
     kw = family.read_fields(c, self.model_type, self.required, self.optional, self.fixed)
-    kw['mlp_only_layers'] = tuple(kw.get('mlp_only_layers', ()))
-    kw.update(self.parts)
-    if kw.get('attention') == 'gqa' and not kw['head_dim']:  # HF: hidden_size / heads
-      kw['head_dim'] = kw['hidden_size'] // kw['num_heads']
-    if self.model_type == 'mixtral':  # no dense MLP: the field only needs a valid value
-      kw['ffn_hidden_size'] = kw['expert_ffn_hidden_size']
-    if self.model_type == 'deepseek_v3':
-      kw.update(_yarn_from_hf(c))
-    return {**kw, 'model_type': self.model_type}
+    return {**kw, **self.parts, **self.read(c, kw)}
 
   def config_to_hf(self, cfg: ModelConfig) -> dict:
     wrong = {k: getattr(cfg, k) for k, v in self.parts.items() if getattr(cfg, k) != v}
     if wrong:
       raise ValueError(f'model: {wrong} cannot be expressed by transformers {self.model_type}')
     out = {**self.fixed, **family.write_fields(cfg, self.required, self.optional)}
-    out['mlp_only_layers'] = list(cfg.mlp_only_layers)
-    out['architectures'] = [self.architecture]
-    if self.model_type == 'deepseek_v3':
-      out.update(
-        _yarn_to_hf(cfg), q_lora_rank=cfg.q_lora_rank or None, head_dim=cfg.qk_rope_head_dim
-      )
-      out['num_key_value_heads'] = cfg.num_heads
-    else:
-      out['head_dim'] = cfg.gqa_head_dim
-    return out
+    return {**out, 'architectures': [self.architecture], **self.write(cfg)}
 
   def table(self, cfg: ModelConfig) -> list[Row]:
     rows = family.global_rows()
@@ -74,19 +61,18 @@ class Family:
     return rows
 
   def moe_entries(self, cfg: ModelConfig) -> list:
-    block = self.moe['block']
-    out = [(f'{block}.gate.weight', 'moe.router', 1)]  # [E, D] <-> [D, E]
+    router = f'{self.block}.{self.ROUTER_MODULE}'
+    out = [(f'{router}.weight', 'moe.router', 1)]  # [E, D] <-> [D, E]
     if cfg.router_bias:
-      out.append((f'{block}.gate.e_score_correction_bias', 'moe.router_bias', None))
+      out.append((f'{router}.e_score_correction_bias', 'moe.router_bias', None))
     if cfg.n_shared_experts:
-      out += _mlp_entries(f'{block}.shared_experts', 'moe.shared')
+      out += _mlp_entries(f'{self.block}.shared_experts', 'moe.shared')
     return out
 
   def expert_entries(self) -> list:
-    block, names = self.moe['block'], self.moe['experts']
     return [
-      (f'{block}.experts.{{e}}.{hf}.weight', f'moe.experts.{n}', 1)
-      for n, hf in zip(('gate', 'up', 'down'), names)
+      (f'{self.block}.experts.{{e}}.{hf}.weight', f'moe.experts.{n}', 1)
+      for n, hf in zip(('gate', 'up', 'down'), self.experts)
     ]
 
 
@@ -152,18 +138,36 @@ def _yarn_to_hf(cfg: ModelConfig) -> dict:
   return {'rope_scaling': {'type': 'yarn', 'rope_type': 'yarn', **rs}}
 
 
-_GQA_PARTS = dict(
-  layer_layout='standard',
-  attention='gqa',
-  rope_interleaved=False,
-  router_score='softmax',
-  router_bias=False,
-  zero_expert_num=0,
-  routed_scaling_factor=1.0,
-  n_shared_experts=0,
-  n_group=1,
-  topk_group=1,
-)
+def _gqa_read(c: dict, kw: dict) -> dict:
+  """head_dim absent or null means hidden_size / heads (as transformers reads it)."""
+  return {'head_dim': kw['head_dim'] or kw['hidden_size'] // kw['num_heads']}
+
+
+def _gqa_write(cfg: ModelConfig) -> dict:
+  return {'head_dim': cfg.gqa_head_dim}
+
+
+def _qwen3_read(c: dict, kw: dict) -> dict:
+  return {**_gqa_read(c, kw), 'mlp_only_layers': tuple(kw['mlp_only_layers'])}
+
+
+def _qwen3_write(cfg: ModelConfig) -> dict:
+  return {**_gqa_write(cfg), 'mlp_only_layers': list(cfg.mlp_only_layers)}
+
+
+def _mixtral_read(c: dict, kw: dict) -> dict:
+  # No dense MLP: ffn_hidden_size only needs a valid value.
+  return {**_gqa_read(c, kw), 'ffn_hidden_size': kw['expert_ffn_hidden_size']}
+
+
+def _deepseek_write(cfg: ModelConfig) -> dict:
+  return {
+    **_yarn_to_hf(cfg),
+    'q_lora_rank': cfg.q_lora_rank or None,
+    'head_dim': cfg.qk_rope_head_dim,  # transformers sizes the rotary table from it
+    'num_key_value_heads': cfg.num_heads,
+  }
+
 
 QWEN3_MOE = Family(
   'qwen3_moe',
@@ -185,8 +189,10 @@ QWEN3_MOE = Family(
     'max_position_embeddings': ('max_position_embeddings', 32768),
   },
   fixed={'use_sliding_window': False, 'rope_scaling': None},
-  parts={**_GQA_PARTS, 'qk_norm': True},
-  moe={'block': 'mlp', 'experts': ('gate_proj', 'up_proj', 'down_proj')},
+  block='mlp',
+  experts=('gate_proj', 'up_proj', 'down_proj'),
+  read=_qwen3_read,
+  write=_qwen3_write,
 )
 
 MIXTRAL = Family(
@@ -205,8 +211,10 @@ MIXTRAL = Family(
     'max_position_embeddings': ('max_position_embeddings', 131072),
   },
   fixed={'sliding_window': None, 'rope_scaling': None},
-  parts={**_GQA_PARTS, 'qk_norm': False, 'norm_topk_prob': True},
-  moe={'block': 'block_sparse_moe', 'experts': ('w1', 'w3', 'w2')},
+  block='block_sparse_moe',
+  experts=('w1', 'w3', 'w2'),
+  read=_mixtral_read,
+  write=_gqa_write,
 )
 
 DEEPSEEK_V3 = Family(
@@ -235,18 +243,10 @@ DEEPSEEK_V3 = Family(
     'max_position_embeddings': ('max_position_embeddings', 4096),
   },
   fixed={'rope_interleave': True, 'scoring_func': 'sigmoid', 'topk_method': 'noaux_tc'},
-  parts=dict(
-    layer_layout='standard',
-    attention='mla',
-    rope_interleaved=True,
-    router_score='sigmoid',
-    router_bias=True,
-    zero_expert_num=0,
-    mla_scale_q_lora=False,
-    mla_scale_kv_lora=False,
-    mla_norm_eps=1e-6,
-  ),
-  moe={'block': 'mlp', 'experts': ('gate_proj', 'up_proj', 'down_proj')},
+  block='mlp',
+  experts=('gate_proj', 'up_proj', 'down_proj'),
+  read=lambda c, kw: _yarn_from_hf(c),
+  write=_deepseek_write,
 )
 
 FAMILIES = {f.model_type: f for f in (QWEN3_MOE, MIXTRAL, DEEPSEEK_V3)}

@@ -11,17 +11,20 @@ checkpoint's own config.json instead.
 from moetrain.model.config import PRESETS as LONGCAT_PRESETS
 from moetrain.model.config import ModelConfig
 
-# Qwen3-MoE and Mixtral: standard layers, GQA, half-split RoPE, softmax top-k renormalised.
+# The parts each family's config.json implies without saying (convert/standard.py reads the rest
+# from it and refuses to export a config whose parts differ).
+# Qwen3-MoE and Mixtral: standard layers, GQA, half-split RoPE, softmax top-k.
 _GQA = dict(
   layer_layout='standard',
   attention='gqa',
-  qk_norm=False,
   rope_interleaved=False,
   router_score='softmax',
   router_bias=False,
-  norm_topk_prob=True,
   zero_expert_num=0,
   routed_scaling_factor=1.0,
+  n_shared_experts=0,
+  n_group=1,
+  topk_group=1,
 )
 PARTS = {
   'longcat_flash': {},  # ModelConfig's defaults
@@ -32,20 +35,24 @@ PARTS = {
     rope_interleaved=True,
     router_score='sigmoid',
     router_bias=True,
-    norm_topk_prob=True,
     zero_expert_num=0,
     mla_scale_q_lora=False,
     mla_scale_kv_lora=False,
     mla_norm_eps=1e-6,
-    rms_norm_eps=1e-6,
   ),
-  'qwen3_moe': dict(_GQA, model_type='qwen3_moe', qk_norm=True, rms_norm_eps=1e-6),
-  'mixtral': dict(_GQA, model_type='mixtral'),
+  'qwen3_moe': dict(_GQA, model_type='qwen3_moe', qk_norm=True),
+  'mixtral': dict(_GQA, model_type='mixtral', qk_norm=False, norm_topk_prob=True),
+}
+# What the presets of a family share beyond its parts (values its config.json carries).
+_SHAPE = {
+  'deepseek_v3': dict(norm_topk_prob=True, rms_norm_eps=1e-6),
+  'qwen3_moe': dict(norm_topk_prob=True, rms_norm_eps=1e-6),
+  'mixtral': {},
 }
 
 
 def family(model_type: str, **shape) -> ModelConfig:
-  return ModelConfig(**{**PARTS[model_type], **shape})
+  return ModelConfig(**{**PARTS[model_type], **_SHAPE[model_type], **shape})
 
 
 _TINY = dict(vocab_size=512, hidden_size=128, num_heads=4, expert_ffn_hidden_size=64)

@@ -151,8 +151,9 @@ def rope_frequencies(h: int, cfg: ModelConfig):
   ramp = np.clip((np.arange(h // 2, dtype=np.float32) - low) / max(high - low, 1e-3), 0, 1)
   extrapolate = 1 - ramp
   inv_freq = (1.0 / (factor * pos_freqs)) * ramp + (1.0 / pos_freqs) * extrapolate
-  scale = yarn_mscale(factor, cfg.yarn_mscale) / yarn_mscale(factor, cfg.yarn_mscale_all_dim)
-  if not (cfg.yarn_mscale and cfg.yarn_mscale_all_dim):
+  if cfg.yarn_mscale and cfg.yarn_mscale_all_dim:
+    scale = yarn_mscale(factor, cfg.yarn_mscale) / yarn_mscale(factor, cfg.yarn_mscale_all_dim)
+  else:
     scale = yarn_mscale(factor)
   return jnp.asarray(inv_freq, jnp.float32), scale
 

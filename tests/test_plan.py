@@ -161,6 +161,22 @@ def test_loop_trip_counts_are_counted():
   assert cost.flops_once <= compiled.xla_flops < cost.flops
 
 
+@pytest.mark.parametrize('variant', ['', 'variant=flash'])
+def test_model_flops_are_the_training_logs(variant):
+  """The planner's MFU numerator is the training log's: 6 x the active weights plus causal
+  attention counted once per block (session 20's planner counted attention twice: 10% of the
+  tiny model's FLOPs, 13% of flash's at 8192 tokens)."""
+  from moetrain import metrics
+  from moetrain.setup import build
+
+  setup = build(longcat_pretrain.get_config(variant), num_devices=16, process_count=1)
+  cfg, t = setup.model, setup.data.seq_len
+  flops, _ = tpu_plan.model_flops(setup)
+  want = metrics.flops_per_token(cfg, t, cfg.expected_ffn_experts)
+  # The planner also counts the norms' scales as active weights (a few K per layer).
+  np.testing.assert_allclose(flops / (setup.data.global_batch_size * t), want, rtol=2e-3)
+
+
 @pytest.mark.slow
 def test_search_and_smallest_compile_for_real(tmp_path, capsys):
   """--search and --smallest on the tiny model with real TPU compiles in two spawned worker

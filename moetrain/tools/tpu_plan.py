@@ -29,8 +29,12 @@ def model_flops(setup) -> tuple[float, str]:
   """Model FLOPs of one training step (all devices), and the formula: matmul FLOPs per token
   k * N_active (k = 6 with weight gradients, 4 for a frozen LoRA base, whose adapters add
   6 * N_adapters), N_active = parameters a token activates with K_e FFN experts (embedding lookup
-  excluded, lm head included), plus causal attention 3 * 2 * 2 * heads * (d_qk + d_v) * T/2 per
-  token and attention block (two per LongCat layer, one per standard layer). Remat recomputation is not model work."""
+  excluded, lm head included), plus causal attention 6 * heads * (d_qk + d_v) * T/2 per token and
+  attention block (two per LongCat layer, one per standard layer; forward 2 FLOPs per
+  multiply-add, backward twice that, frozen base or not: attention has no weights to skip):
+  metrics.attention_params_equivalent, as the training log's MFU. Remat recomputation is not
+  model work."""
+  from moetrain import metrics
   from moetrain.tools import plan
 
   cfg = setup.model
@@ -38,8 +42,7 @@ def model_flops(setup) -> tuple[float, str]:
   n_active = counts['active'][plan.balance_target(cfg)]
   lora = cfg.lora.enabled
   t = setup.data.seq_len
-  attn = 3 * 2 * 2 * cfg.num_heads * (cfg.qk_head_dim + cfg.value_head_dim) * t / 2
-  attn *= cfg.attention_blocks
+  attn = 6 * metrics.attention_params_equivalent(cfg, t)
   per_token = (4 if lora else 6) * n_active + 6 * counts['adapters'] * lora + attn
   tokens = setup.data.global_batch_size * t
   formula = (

@@ -1,40 +1,52 @@
-"""The README's flash commands compiled for the slices they are planned for (minutes each, on any
-host with libtpu): python -m bench.tpu_plans [--only NAME,...] [--json DIR]. Prints the README table's
-rows; bench/RESULTS.md "TPU plans" holds the results."""
+"""The README's TPU commands compiled for the slices they are planned for (minutes each, on any
+host with libtpu): python -m bench.tpu_plans [--only NAME,...] [--json DIR]. Prints the README
+table's rows; bench/RESULTS.md "TPU plans" holds the results."""
 
 import argparse
 import json
 import os
 
-from configs import longcat_lora, longcat_pretrain
+from configs import deepseek_v3_lora, longcat_lora, longcat_pretrain, mixtral_lora, qwen3_moe_lora
 from moetrain.tools import tpu_plan
 
+INT8 = {'model.quant': 'int8'}
+INT4 = {'model.quant': 'int4'}
+
+
+def flash(module, topology: str, overrides: dict) -> tuple:
+  return ('LongCat-Flash', module, 'variant=flash', topology, overrides)
+
+
 PLANS = {
-  # name: (config module, topology, overrides): every flash command of the README, each on the
-  # slice it names. QLoRA takes fewer chips for the same 64 rows of 8192 tokens, in micro-batches
-  # of one row per chip.
-  'lora': (longcat_lora, 'v5p-128', {}),
-  'qlora-int8': (longcat_lora, 'v5p-64', {'model.quant': 'int8', 'optim.grad_accum_steps': 2}),
-  'qlora-int4': (longcat_lora, 'v5p-32', {'model.quant': 'int4', 'optim.grad_accum_steps': 4}),
+  # name: (model, config module, config argument, topology, overrides): every TPU command of the
+  # README, each on the slice it names. QLoRA takes fewer chips for the same 64 rows of 8192
+  # tokens, in micro-batches of one row per chip.
+  'lora': flash(longcat_lora, 'v5p-128', {}),
+  'qlora-int8': flash(longcat_lora, 'v5p-64', {**INT8, 'optim.grad_accum_steps': 2}),
+  'qlora-int4': flash(longcat_lora, 'v5p-32', {**INT4, 'optim.grad_accum_steps': 4}),
   # Pretraining: 1024 rows on 256 chips, four micro-batches.
-  'pretrain': (longcat_pretrain, 'v5p-512', {'optim.grad_accum_steps': 4}),
+  'pretrain': flash(longcat_pretrain, 'v5p-512', {'optim.grad_accum_steps': 4}),
   # Full fine-tuning of the LoRA command's model, batch and slice: expected not to fit.
-  'full-same-slice': (
-    longcat_pretrain,
-    'v5p-128',
-    {'data.global_batch_size': 64, 'data.eval_batch_size': 64},
+  'full-same-slice': flash(
+    longcat_pretrain, 'v5p-128', {'data.global_batch_size': 64, 'data.eval_batch_size': 64}
   ),
+  # The other families' real shapes (configs/*_lora.py PODS: expert axis, 4096-token rows).
+  'qwen3-30b': ('Qwen3-30B-A3B', qwen3_moe_lora, 'variant=qwen3_30b_a3b', 'v5p-8', {}),
+  'qwen3-235b': ('Qwen3-235B-A22B', qwen3_moe_lora, 'variant=qwen3_235b_a22b', 'v5p-32', {}),
+  'mixtral-8x7b': ('Mixtral-8x7B', mixtral_lora, 'variant=mixtral_8x7b', 'v5p-16', {}),
+  'moonlight': ('Moonlight-16B-A3B', deepseek_v3_lora, 'variant=moonlight_16b_a3b', 'v5p-16', {}),
+  'deepseek-v3': ('DeepSeek-V3', deepseek_v3_lora, 'variant=deepseek_v3_671b', 'v5p-128', {}),
 }
 
 
-def row(name: str, r: dict) -> str:
+def row(model: str, name: str, r: dict) -> str:
   if 'error' in r:
     need = (r.get('per_chip_bytes') or {}).get('total')
     need = f'temporaries alone {need / 2**30:.1f}' if need else 'refused'
-    return f'| LongCat-Flash | {name} | {r["topology"]} | does not fit ({need}) | - | - | - |'
+    return f'| {model} | {name} | {r["topology"]} | does not fit ({need}) | - | - | - |'
   m = r['per_chip_bytes']['total'] / 2**30
   return (
-    f'| LongCat-Flash | {name} | {r["topology"]} | {m:.1f} ({r["hbm_bytes"] / 2**30:.1f}) | '
+    f'| {model} | {name} | {r["topology"]} | {m:.1f} ({r["hbm_bytes"] / 2**30:.1f}) | '
     f'{r["est_step_seconds"]:.1f} s | {r["est_tokens_per_sec"]:,.0f} | '
     f'{100 * r["est_mfu"]:.0f}% |'
   )
@@ -45,12 +57,12 @@ def main():
   p.add_argument('--only', default='', help='comma-separated names of PLANS')
   p.add_argument('--json', default='')
   args = p.parse_args()
-  for name, (module, topo, over) in PLANS.items():
+  for name, (model, module, arg, topo, over) in PLANS.items():
     if args.only and name not in args.only.split(','):
       continue
-    r = tpu_plan.plan(module.get_config('variant=flash'), topo, over)
+    r = tpu_plan.plan(module.get_config(arg), topo, over)
     tpu_plan.print_plan(r)
-    print(row(name, r), flush=True)
+    print(row(model, name, r), flush=True)
     if args.json:
       os.makedirs(args.json, exist_ok=True)
       with open(os.path.join(args.json, f'{name}.json'), 'w') as f:

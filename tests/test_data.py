@@ -285,6 +285,69 @@ def test_text_source_splits_paragraphs(tmp_path):
     sources.expand_paths(str(tmp_path / 'nothing-{split}.txt'), 'eval')
 
 
+def test_cuts_fall_before_spaces_or_on_character_boundaries():
+  words = ' '.join(f'w{i}' for i in range(400)).encode()
+  parts = sources.text_parts(words, 64)
+  assert b''.join(words[lo:hi] for lo, hi in parts) == words
+  assert all(0 < hi - lo <= 64 for lo, hi in parts)
+  assert all(words[lo : lo + 1] == b' ' for lo, _ in parts[1:])  # each cut is before a space
+  # No spaces or line breaks (CJK): the cut is at a character boundary, never inside one.
+  cjk = ('漢字かな' * 100).encode()
+  parts = sources.text_parts(cjk, 64)
+  assert ''.join(cjk[lo:hi].decode() for lo, hi in parts) == '漢字かな' * 100
+  assert all(hi - lo <= 64 for lo, hi in parts)
+  assert sources.text_parts(b'short', 64) == [(0, 5)]
+
+
+def test_long_texts_are_read_as_parts(tmp_path):
+  """A paragraph (or a JSONL text) over max_text_bytes becomes parts marked first / middle /
+  last whose texts join back into it; other examples and chat records stay whole."""
+  long = ' '.join(f'word{i}' for i in range(100))  # 589 bytes
+  (tmp_path / 'a.txt').write_text(f'short one\n\n{long}\n\nlast one\n')
+  src = sources.TextSource([str(tmp_path / 'a.txt')], max_text_bytes=100)
+  got = [src[i] for i in range(len(src))]
+  assert got[0] == {'text': 'short one'} and got[-1] == {'text': 'last one'}
+  parts = got[1:-1]
+  assert [p[sources.PART_KEY] for p in parts] == ['first'] + ['middle'] * (len(parts) - 2) + [
+    'last'
+  ]
+  assert ''.join(p['text'] for p in parts) == long and len(parts) >= 6
+  write_jsonl(
+    tmp_path / 'a.jsonl',
+    [{'text': long}, {'prompt': long, 'completion': 'x'}, {'text': 'tiny'}],
+  )
+  src = sources.JsonlSource([str(tmp_path / 'a.jsonl')], max_text_bytes=100)
+  got = [src[i] for i in range(len(src))]
+  assert ''.join(e['text'] for e in got[: len(parts)]) == long
+  assert [e.get(sources.PART_KEY) for e in got[: len(parts)]] == [
+    p[sources.PART_KEY] for p in parts
+  ]
+  assert got[len(parts) :] == [{'prompt': long, 'completion': 'x'}, {'text': 'tiny'}]
+
+
+def test_parts_of_a_text_get_one_bos_and_one_eos():
+  tok = CharTokenizer()
+  parts = [
+    {'text': t, sources.PART_KEY: k} for t, k in (('ab', 'first'), ('cd', 'middle'), ('ef', 'last'))
+  ]
+  tokens = [packing._tokens(p, tok, False)[0] for p in parts]
+  assert tokens == [[1, 97, 98], [99, 100], [101, 102, 2]]
+  # Cut rather than split (data.split_long_texts=False): only the first part gives tokens.
+  cut = [len(packing.tokenize(p, tok, max_len=8)['tokens']) for p in parts]
+  assert cut == [3, 0, 0]
+
+
+def test_a_training_file_changed_after_indexing_is_named(tmp_path):
+  """Rewritten mid-run, a file would be read at stale offsets and its errors would name wrong
+  lines: the read says the file changed instead."""
+  path = write_jsonl(tmp_path / 'train.jsonl', numbered_records(3))
+  src = sources.JsonlSource([str(path)])
+  assert src[1] == numbered_records(3)[1]
+  write_jsonl(path, [{'text': 'other'}] + numbered_records(3))
+  with pytest.raises(ValueError, match=r'train.jsonl changed after the run indexed it'):
+    src[1]
+
+
 def test_paths_recurse_and_splits_do_not_share_files(tmp_path):
   """'**' reaches every depth; a pattern that gives the eval split training files is refused."""
   for sub in ('train', 'train/sub', 'train/sub/deep', 'eval'):

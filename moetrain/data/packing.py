@@ -9,6 +9,7 @@ from collections.abc import Sequence
 import grain
 import numpy as np
 
+from moetrain.data import sources
 from moetrain.data.sources import Example
 from moetrain.data.tokenizer import Tokenizer
 
@@ -18,9 +19,11 @@ TRUNCATED_KEY = 'num_truncated'
 
 
 def _tokens(example: Example, tokenizer: Tokenizer, loss_on_prompt: bool) -> tuple[list, list]:
-  """An example's whole token list (bos, prompt, completion or text, eos) and is_target."""
-  bos = [] if tokenizer.bos_id is None else [tokenizer.bos_id]
-  eos = [] if tokenizer.eos_id is None else [tokenizer.eos_id]
+  """An example's whole token list (bos, prompt, completion or text, eos) and is_target. A part
+  of a long text (sources.PART_KEY) has bos only if it is the first, eos only if the last."""
+  part = example.get(sources.PART_KEY, '')
+  bos = [] if tokenizer.bos_id is None or part in ('middle', 'last') else [tokenizer.bos_id]
+  eos = [] if tokenizer.eos_id is None or part in ('first', 'middle') else [tokenizer.eos_id]
   if 'text' in example:
     prompt, completion = [], tokenizer.encode(example['text'])
   else:
@@ -45,8 +48,11 @@ def tokenize(
 
   is_target[i] says whether token i is trained on when it appears as a prediction target: never
   for bos, for prompt tokens only with loss_on_prompt, always for completion/text tokens and eos.
-  Examples longer than max_len keep their first max_len tokens (losing eos).
+  Examples longer than max_len keep their first max_len tokens (losing eos); so a long text's
+  parts after the first (sources.PART_KEY) give no tokens.
   """
+  if example.get(sources.PART_KEY) in ('middle', 'last'):
+    return _piece([], [], False)
   tokens, is_target = _tokens(example, tokenizer, loss_on_prompt)
   return _piece(tokens[:max_len], is_target[:max_len], len(tokens) > max_len)
 

@@ -175,14 +175,21 @@ def validate(cfg: DataConfig, process_count: int = 1) -> None:
   _validate_source(cfg)
 
 
+def max_text_bytes(cfg: DataConfig) -> int:
+  """The part size of long texts (sources.MAX_TEXT_BYTES), at least 4 bytes per token of a row:
+  a token covers at least one byte, so a truncated text's first part holds its first row."""
+  return max(sources.MAX_TEXT_BYTES, 4 * (cfg.seq_len + 1))
+
+
 def open_source(cfg: DataConfig, split: str):
   """The random-access record source for one split; an empty split is an error naming it."""
   if cfg.source == 'demo':
     source = sources.demo_source(split)
   elif cfg.source == 'jsonl':
-    source = sources.JsonlSource(sources.expand_paths(cfg.path, split), cfg.fields)
+    paths = sources.expand_paths(cfg.path, split)
+    source = sources.JsonlSource(paths, cfg.fields, max_text_bytes(cfg))
   elif cfg.source == 'text':
-    source = sources.TextSource(sources.expand_paths(cfg.path, split))
+    source = sources.TextSource(sources.expand_paths(cfg.path, split), max_text_bytes(cfg))
   elif cfg.source == 'tfds':
     source = sources.TfdsSource(cfg.tfds_name, split, cfg.tfds_data_dir, cfg.fields)
   else:

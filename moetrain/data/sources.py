@@ -4,6 +4,12 @@ Every source has `len()` and `[i]`, so grain can shuffle, shard and checkpoint b
 is either {'prompt': str, 'completion': str} (loss on the completion) or {'text': str} (loss on
 all of it). Local files are indexed and validated when the source is built, so bad input fails
 before training starts, with the file and line number in the message.
+
+A plain text longer than `max_text_bytes` (a paragraph of a text file, a JSONL record's text) is
+read as several examples, its parts, cut before a space where there is one: memory stays bounded
+by the part, not the document (one 50 MB line would otherwise be tokenized whole, by every
+read-ahead thread). A part carries PART_KEY ('first', 'middle' or 'last'); only the first gets
+the beginning-of-text token and only the last the end-of-text token (packing._tokens).
 """
 
 from __future__ import annotations
@@ -28,6 +34,9 @@ Example = dict[str, str]
 CHAT_TURN = '<|{role}|>\n{content}\n'
 CHAT_REPLY = '<|assistant|>\n'
 UTF8_BOM = b'\xef\xbb\xbf'  # editors on Windows start text files with it
+MAX_TEXT_BYTES = 1 << 20  # the default part size of long texts (see the module docstring)
+PART_KEY = 'part'
+PART_KINDS = ('', 'first', 'middle', 'last')  # '' = a whole text (index 0)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -121,51 +130,110 @@ def expand_paths(pattern: str, split: str) -> list[str]:
   return paths
 
 
+def cut(window: bytes, limit: int) -> int:
+  """Where to end a part that starts at window[0] (window: the next limit + 1 bytes or more of
+  UTF-8): before the last space, or after the last line break, in the second half of the first
+  `limit` bytes, else at the last character boundary (a text with no spaces: CJK, base64)."""
+  for sep, after in ((b' ', 0), (b'\n', 1)):
+    at = window.rfind(sep, limit // 2, limit + 1 - after)
+    if at > 0:
+      return at + after
+  at = limit
+  while at > 0 and window[at] & 0xC0 == 0x80:  # a UTF-8 continuation byte
+    at -= 1
+  return at
+
+
+def text_parts(data: bytes, limit: int) -> list[tuple[int, int]]:
+  """Byte ranges [lo, hi) cutting UTF-8 `data` into parts of at most `limit` bytes (`cut`)."""
+  parts, lo = [], 0
+  while len(data) - lo > limit:
+    hi = lo + cut(data[lo : lo + limit + 1], limit)
+    parts.append((lo, hi))
+    lo = hi
+  return parts + [(lo, len(data))]
+
+
+def part_kinds(n: int) -> list[int]:
+  """PART_KINDS indices of a text's n parts."""
+  return [0] if n == 1 else [1] + [2] * (n - 2) + [3]
+
+
+def with_part(example: Example, kind: int) -> Example:
+  return {**example, PART_KEY: PART_KINDS[kind]} if kind else example
+
+
 class _FileRecords:
-  """Where each record lives (file, byte offset, byte length, line number): an index, not the data,
-  so large files are never held in memory and reads are safe from any thread or process."""
+  """Where each record lives (file, byte offset, byte length, line number, and for a part of a
+  long text its kind and byte range in the text): an index, not the data, so large files are
+  never held in memory and reads are safe from any thread or process. Each file's size and
+  modification time are kept: a file changed after indexing is an error naming it, not a record
+  read at a stale offset under a wrong line number."""
 
   def __init__(self, paths: Sequence[str]):
     self.paths = list(paths)
-    self._file = np.zeros(0, np.int32)
-    self._span = np.zeros((0, 2), np.int64)
-    self._line = np.zeros(0, np.int64)
+    self._stat = [self._stamp(os.stat(p)) for p in self.paths]
+    self._file, self._span, self._line, self._part = [], [], [], []
 
-  def set_index(self, file: list[int], span: list[tuple[int, int]], line: list[int]) -> None:
-    self._file = np.asarray(file, np.int32)
-    self._span = np.asarray(span, np.int64).reshape(-1, 2)
-    self._line = np.asarray(line, np.int64)
+  @staticmethod
+  def _stamp(st: os.stat_result) -> tuple[int, int]:
+    return st.st_size, st.st_mtime_ns
+
+  def add(self, file: int, start: int, length: int, line: int, part=(0, 0, -1)) -> None:
+    """One record; `part` = (kind, lo, hi) of a long text's part (a JSONL record's)."""
+    self._file.append(file)
+    self._span.append((start, length))
+    self._line.append(line)
+    self._part.append(part)
+
+  def freeze(self) -> None:
+    self._file = np.asarray(self._file, np.int32)
+    self._span = np.asarray(self._span, np.int64).reshape(-1, 2)
+    self._line = np.asarray(self._line, np.int64)
+    self._part = np.asarray(self._part, np.int64).reshape(-1, 3)
 
   def __len__(self) -> int:
     return len(self._file)
+
+  def part(self, i: int) -> tuple[int, int, int]:
+    return tuple(int(x) for x in self._part[i])
 
   def read(self, i: int) -> tuple[bytes, str]:
     """The raw bytes of record i and its 'file:line' for messages."""
     path = self.paths[self._file[i]]
     start, length = (int(x) for x in self._span[i])
     with open(path, 'rb') as f:
+      if self._stamp(os.fstat(f.fileno())) != self._stat[self._file[i]]:
+        raise ValueError(
+          f'{path} changed after the run indexed it at start-up: training data must not change '
+          'while a run reads it (write new data to a new file; a restarted run resumes from its '
+          'last checkpoint and indexes the file again)'
+        )
       f.seek(start)
       return f.read(length), f'{path}:{self._line[i]}'
 
 
 class JsonlSource:
-  """JSON Lines files, one record per non-blank line."""
+  """JSON Lines files, one record per non-blank line (a long text: several parts)."""
 
-  def __init__(self, paths: Sequence[str], fields: Fields = Fields()):
+  def __init__(
+    self, paths: Sequence[str], fields: Fields = Fields(), max_text_bytes: int = MAX_TEXT_BYTES
+  ):
     self.fields = fields
     self._records = _FileRecords(paths)
-    file, span, line = [], [], []
     for f_idx, path in enumerate(self._records.paths):
       offset = 0
       with open(path, 'rb') as f:
         for line_no, raw in enumerate(f, start=1):
           if raw.strip():
-            self._parse(raw, f'{path}:{line_no}')  # validate now, fail before training
-            file.append(f_idx)
-            span.append((offset, len(raw)))
-            line.append(line_no)
+            # Validated now, to fail before training.
+            example = self._parse(raw, f'{path}:{line_no}')
+            text = example.get('text', '').encode('utf-8')
+            parts = text_parts(text, max_text_bytes) if len(text) > max_text_bytes else [(0, -1)]
+            for kind, (lo, hi) in zip(part_kinds(len(parts)), parts):
+              self._records.add(f_idx, offset, len(raw), line_no, (kind, lo, hi))
           offset += len(raw)
-    self._records.set_index(file, span, line)
+    self._records.freeze()
 
   def _parse(self, raw: bytes, where: str) -> Example:
     try:
@@ -182,22 +250,36 @@ class JsonlSource:
     return len(self._records)
 
   def __getitem__(self, i: int) -> Example:
-    return self._parse(*self._records.read(i))
+    example = self._parse(*self._records.read(i))
+    kind, lo, hi = self._records.part(i)
+    if not kind:
+      return example
+    text = example['text'].encode('utf-8')[lo:hi].decode('utf-8')
+    return with_part({'text': text}, kind)
 
 
 class TextSource:
   """UTF-8 text files; a document is a paragraph, i.e. lines up to the next blank line, so
-  documents may span several lines (a file with no blank lines is one document)."""
+  documents may span several lines (a file with no blank lines is one document; a paragraph
+  longer than max_text_bytes is read as parts)."""
 
-  def __init__(self, paths: Sequence[str]):
+  def __init__(self, paths: Sequence[str], max_text_bytes: int = MAX_TEXT_BYTES):
     self._records = _FileRecords(paths)
-    file, span, line = [], [], []
     for f_idx, path in enumerate(self._records.paths):
-      for start, end, line_no in self._paragraphs(path):
-        file.append(f_idx)
-        span.append((start, end - start))
-        line.append(line_no)
-    self._records.set_index(file, span, line)
+      with open(path, 'rb') as f:
+        for start, end, line_no in self._paragraphs(path):
+          parts = [(start, end)]
+          if end - start > max_text_bytes:  # cut in windows: the paragraph is never read whole
+            parts, lo = [], start
+            while end - lo > max_text_bytes:
+              f.seek(lo)
+              hi = lo + cut(f.read(max_text_bytes + 1), max_text_bytes)
+              parts.append((lo, hi))
+              lo = hi
+            parts.append((lo, end))
+          for kind, (lo, hi) in zip(part_kinds(len(parts)), parts):
+            self._records.add(f_idx, lo, hi - lo, line_no, (kind, 0, -1))
+    self._records.freeze()
 
   @staticmethod
   def _paragraphs(path: str):
@@ -227,7 +309,8 @@ class TextSource:
   def __getitem__(self, i: int) -> Example:
     raw, _ = self._records.read(i)
     # The line breaks around the paragraph go, its first line's indentation stays (code, verse).
-    return {'text': raw.decode('utf-8').strip('\r\n')}
+    example = {'text': raw.decode('utf-8').strip('\r\n')}
+    return with_part(example, self._records.part(i)[0])
 
 
 class TfdsSource:

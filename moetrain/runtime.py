@@ -196,7 +196,8 @@ _STOP = threading.Event()
 def handle_stop_signals() -> None:
   """For a training command's main: SIGTERM (a preemption notice) and a first Ctrl-C ask the
   training loop to save at its next step and stop (`stop_requested`); a second Ctrl-C aborts.
-  One process only: on several, JAX's preemption service owns SIGTERM and agrees on the step.
+  On several processes JAX's preemption service owns SIGTERM and all hosts agree on the step to
+  stop at: a first Ctrl-C on any of them is passed to it as a SIGTERM to the process itself.
   Library code installs no handler: train.run called from a notebook stops as the notebook
   stops it."""
   import jax
@@ -215,11 +216,14 @@ def handle_stop_signals() -> None:
       flush=True,
     )
     signal.signal(signal.SIGINT, signal.default_int_handler)
-    _STOP.set()
+    if jax.process_count() == 1:
+      _STOP.set()
+    else:  # a stop of this host alone would leave the others waiting in the step's collectives
+      os.kill(os.getpid(), signal.SIGTERM)  # to the preemption service's handler
 
   if jax.process_count() == 1:
     signal.signal(signal.SIGTERM, on_sigterm)
-    signal.signal(signal.SIGINT, on_sigint)
+  signal.signal(signal.SIGINT, on_sigint)
 
 
 def stop_requested() -> bool:

@@ -146,9 +146,9 @@ def records(workdir) -> list[dict]:
     return [json.loads(line) for line in f if line.endswith('\n')]
 
 
-def preempt(workdir, *overrides, target: int, processes: int, after: int = 1) -> int:
-  """Runs until process 0 has logged `after` steps, SIGTERMs process `target`; returns the saved
-  step."""
+def preempt(workdir, *overrides, target, processes: int, after: int = 1, sig=signal.SIGTERM) -> int:
+  """Runs until process 0 has logged `after` steps, sends `sig` to process `target` (an int, or
+  a tuple of them); returns the saved step."""
   job = Job(workdir, *overrides, processes=processes)
   deadline = time.monotonic() + TIMEOUT
   while len(train_losses(workdir)) < after:
@@ -156,10 +156,12 @@ def preempt(workdir, *overrides, target: int, processes: int, after: int = 1) ->
       job.kill()
       pytest.fail(f'training never logged a step:\n{job.log(0)[-3000:]}')
     time.sleep(0.2)
-  job.procs[target].send_signal(signal.SIGTERM)
+  for t in target if isinstance(target, tuple) else (target,):
+    job.procs[t].send_signal(sig)
   logs = job.wait()
   saved = max(int(d) for d in os.listdir(os.path.join(workdir, 'checkpoints')) if d.isdigit())
   assert f'Preempted: saved step {saved};' in logs[0]
+  assert not any('Traceback' in log for log in logs), logs
   assert max(train_losses(workdir)) == saved  # it stopped at the step it saved
   return saved
 
@@ -456,6 +458,15 @@ def test_data_positions_per_process():
   with pytest.raises(ValueError, match='data positions of 2 processes, this run has 1'):
     checkpoint.process_data_state({'processes': [{}, {}]})
   assert checkpoint.process_data_state({'processes': [{}, {}]}, reslice=True) is None
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize('target', [1, (0, 1)], ids=['one_host', 'both_hosts'])
+def test_ctrl_c_stops_a_job_of_two_processes_saved(tmp_path, target):
+  """Ctrl-C (SIGINT) to one host of a two-process job, or to both (a terminal's Ctrl-C reaches
+  every process it started): all hosts stop at one step, saved, without a traceback; a stop of
+  the signalled host alone would leave the other waiting in the step's collectives."""
+  preempt(str(tmp_path / 'run'), target=target, processes=2, sig=signal.SIGINT)
 
 
 @pytest.mark.slow

@@ -284,10 +284,19 @@ def save_at_data_end(job: Job, done: int, start_step: int, saved: bool, state, p
   return Stop(note, data_ended=True)
 
 
+@jax.jit
+def is_finite(tree) -> jax.Array:
+  """Whether every floating-point number in `tree` is finite (one device scalar)."""
+  leaves = [x for x in jax.tree.leaves(tree) if jax.numpy.issubdtype(x.dtype, jax.numpy.inexact)]
+  return jax.numpy.all(jax.numpy.stack([jax.numpy.isfinite(x).all() for x in leaves]))
+
+
 def save_if_finite(ckpt, log, step: int, state, position: dict) -> bool:
   """Saves `step` unless the update of that step (and of those just before it) was skipped for
   a non-finite loss or gradient: checkpoints of a diverged run would rotate the newest one before
-  it out (train.keep_checkpoints)."""
+  it out (train.keep_checkpoints). What is saved is checked too (one pass over it per save): an
+  update computed from finite gradients that still left a weight or an optimizer moment
+  non-finite (an overflow) stops the run unsaved, as a non-finite streak does."""
   if streak := log.nonfinite_streak(step):
     newest = ckpt.latest_step()
     logging.warning(
@@ -298,6 +307,12 @@ def save_if_finite(ckpt, log, step: int, state, position: dict) -> bool:
       'none' if newest is None else f'step {newest}',
     )
     return False
+  if not is_finite(state.saved()):
+    raise train_log.NonFiniteStreak(
+      f'Step {step} not saved: its update left weights or optimizer state non-finite (an '
+      'overflow; lower optim.learning_rate, or resume from the checkpoint before it with '
+      'train.resume_step).'
+    )
   return ckpt.save(step, state, position, {'step': step})
 
 

@@ -1,11 +1,14 @@
 """End to end: a few steps of configs/longcat_lora.py (tiny) on 8 devices, with save/restore."""
 
+import dataclasses
 import json
 import os
 import re
 import shutil
 import sys
 
+import jax
+import jax.numpy as jnp
 import pytest
 
 from moetrain import checkpoint, integrity, rundir, train, train_log
@@ -257,6 +260,36 @@ def test_a_nonfinite_streak_stops_the_run_and_keeps_the_last_finite_checkpoint(t
     skipped = {r['step']: r['skipped'] for r in map(json.loads, f) if r['kind'] == 'train'}
   assert skipped == {1: 0, 2: 1, 3: 2, 4: 3}
   assert os.listdir(tmp_path / 'checkpoints') == ['1']
+
+
+def test_an_update_that_overflows_is_never_saved(tmp_path, monkeypatch):
+  """Finite gradients can still give an update that overflows a weight or an Adam moment; the
+  step's skip guard (a non-finite loss or gradient) does not see it. The state is checked at the
+  save: the run stops there, unsaved, naming the newest (finite) checkpoint. The overflow is
+  injected after step 4's update (a real one needs a learning rate near float32's maximum)."""
+  from moetrain import aot
+
+  real = aot.precompile_train_step
+
+  def overflowing(*args, **kwargs):
+    compiled = real(*args, **kwargs)
+    step_fn = compiled.executable
+
+    def run(state, batch):
+      state, metrics = step_fn(state, batch)
+      if int(state.step) == 4:
+        poison = lambda x: x * jnp.inf if jnp.issubdtype(x.dtype, jnp.floating) else x
+        opt_state = jax.jit(lambda t: jax.tree.map(poison, t))(state.opt_state)
+        state = dataclasses.replace(state, opt_state=opt_state)
+      return state, metrics
+
+    return dataclasses.replace(compiled, executable=run)
+
+  monkeypatch.setattr(aot, 'precompile_train_step', overflowing)
+  config = small_config(steps=8, checkpoint_every=2, keep_checkpoints=1)
+  with pytest.raises(train_log.NonFiniteStreak, match=r'Step 4 not saved: .*overflow.*step 2\.'):
+    train.run(config, str(tmp_path))
+  assert os.listdir(tmp_path / 'checkpoints') == ['2']
 
 
 def test_a_damaged_checkpoint_is_not_buried_under_closed_loop_callbacks(tmp_path, monkeypatch):

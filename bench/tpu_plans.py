@@ -34,8 +34,17 @@ PLANS = {
   'qwen3-30b': ('Qwen3-30B-A3B', qwen3_moe_lora, 'variant=qwen3_30b_a3b', 'v5p-8', {}),
   'qwen3-235b': ('Qwen3-235B-A22B', qwen3_moe_lora, 'variant=qwen3_235b_a22b', 'v5p-32', {}),
   'mixtral-8x7b': ('Mixtral-8x7B', mixtral_lora, 'variant=mixtral_8x7b', 'v5p-16', {}),
-  'moonlight': ('Moonlight-16B-A3B', deepseek_v3_lora, 'variant=moonlight_16b_a3b', 'v5p-16', {}),
-  'deepseek-v3': ('DeepSeek-V3', deepseek_v3_lora, 'variant=deepseek_v3_671b', 'v5p-128', {}),
+  'moonlight': ('Moonlight-16B-A3B', deepseek_v3_lora, 'variant=moonlight_16b_a3b', 'v5p-8', {}),
+  'deepseek-v3': ('DeepSeek-V3', deepseek_v3_lora, 'variant=deepseek_v3_671b', 'v5p-64', {}),
+  # QLoRA int4 of the families' smaller models on a Kaggle-sized slice (v5e-8: 8 chips of 16 GB),
+  # one row per chip.
+  'qwen3-30b-int4-v5e': (
+    'Qwen3-30B-A3B',
+    qwen3_moe_lora,
+    'variant=qwen3_30b_a3b',
+    'v5litepod-8',
+    {**INT4, 'mesh.shape': (1, -1, 8, 1), 'data.global_batch_size': 8, 'data.eval_batch_size': 8},
+  ),
 }
 
 

@@ -47,14 +47,17 @@ def set_pod(config, expert: int, seq_len: int, global_batch_size: int, eval_batc
 def family_lora(arg, path: str, default: str, pods: dict):
   """A family's LoRA config: the `variant` preset (default `default`), LoRA rank 8 (alpha 16)
   on the default targets, and for a variant in `pods` ({variant: (expert axis, tokens per row,
-  rows per step)}) its TPU slice's mesh and batch (set_pod)."""
+  rows per step, receive bound)}) its TPU slice's mesh and batch (set_pod) and
+  model.moe_ep_recv_factor (0: dropless's worst case, which fits where the expert axis is short)."""
   variant = variant_of(arg, path, default=default)
   config = get_config()
   set_model(config, variant)
   config.lora.rank = 8
   config.lora.alpha = 16.0
   if variant in pods:
-    set_pod(config, *pods[variant], pods[variant][2])
+    expert, seq_len, rows, recv = pods[variant]
+    set_pod(config, expert, seq_len, rows, rows)
+    config.model.moe_ep_recv_factor = float(recv)
   return config, variant
 
 

@@ -14,12 +14,13 @@ routed expert and the head; frozen base and router. Variants: 'deepseek_tiny' (t
 
 from configs import base
 
-# variant -> (expert axis, tokens per row, rows per step) on the slice the README names.
-PODS = {'moonlight_16b_a3b': (8, 4096, 32), 'deepseek_v3_671b': (16, 4096, 64)}
+# variant -> (expert axis, tokens per row, rows per step, receive bound) on its TPU slice
+# (planned: README "Model families", bench/tpu_plans.py).
+PODS = {
+  'moonlight_16b_a3b': (4, 4096, 32, 0),  # v5p-8
+  'deepseek_v3_671b': (16, 4096, 64, 2),  # v5p-64
+}
 
 
 def get_config(arg: str | None = None):
-  config, variant = base.family_lora(arg, 'configs/deepseek_v3_lora.py', 'deepseek_tiny', PODS)
-  if variant == 'deepseek_v3_671b':  # as LongCat-Flash: bound the exchange's receive buffer
-    config.model.moe_ep_recv_factor = 2.0
-  return config
+  return base.family_lora(arg, 'configs/deepseek_v3_lora.py', 'deepseek_tiny', PODS)[0]

@@ -11,7 +11,9 @@ router. Variants: 'mixtral_tiny' (the default), 'mixtral_8x7b'.
 
 from configs import base
 
-PODS = {'mixtral_8x7b': (8, 4096, 32)}  # variant -> (expert axis, tokens per row, rows per step)
+# variant -> (expert axis, tokens per row, rows per step, receive bound) on its TPU slice
+# (planned: README "Model families", bench/tpu_plans.py).
+PODS = {'mixtral_8x7b': (8, 4096, 32, 2)}  # v5p-16
 
 
 def get_config(arg: str | None = None):

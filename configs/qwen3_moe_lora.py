@@ -12,8 +12,12 @@ frozen base and router. Variants: 'qwen3_tiny' (the default), 'qwen3_30b_a3b', '
 
 from configs import base
 
-# variant -> (expert axis, tokens per row, rows per step) on the slice the README names.
-PODS = {'qwen3_30b_a3b': (4, 4096, 32), 'qwen3_235b_a22b': (16, 4096, 64)}
+# variant -> (expert axis, tokens per row, rows per step, receive bound) on its TPU slice
+# (planned: README "Model families", bench/tpu_plans.py).
+PODS = {
+  'qwen3_30b_a3b': (4, 4096, 32, 0),  # v5p-8
+  'qwen3_235b_a22b': (16, 4096, 64, 2),  # v5p-32
+}
 
 
 def get_config(arg: str | None = None):

@@ -108,8 +108,9 @@ def load_imbalance(load, n_routed: int, expert_shards: int) -> dict:
 
 
 def routing_summary(moe: dict, cfg: ModelConfig, expert_shards: int) -> dict:
-  """Host-side scalars from the per-layer stats (arrays [L, ...]): each statistic per layer
-  (moe/layer{l}/...) and its mean over layers (moe/...). The load imbalance comes with the stats
+  """Host-side scalars from the per-layer stats (arrays [L, ...] over the MoE layers): each
+  statistic per layer (moe/layer{l}/..., l the decoder layer's index: DeepSeek-V3's first MoE
+  layer is layer3) and its mean over layers (moe/...). The load imbalance comes with the stats
   when a Window averaged it over steps; otherwise it is taken from these loads. The load
   histogram itself is written separately (Writer.write's load)."""
   load = np.asarray(moe['load'], np.float64)  # [L, E+Z]
@@ -118,7 +119,7 @@ def routing_summary(moe: dict, cfg: ModelConfig, expert_shards: int) -> dict:
     per_layer[k] = np.asarray(moe.get(k, v), np.float64).reshape(-1)
   out = {f'moe/{k}': float(np.mean(v)) for k, v in per_layer.items()}
   for k, v in per_layer.items():
-    out.update({f'moe/layer{layer}/{k}': float(x) for layer, x in enumerate(v)})
+    out.update({f'moe/layer{layer}/{k}': float(x) for layer, x in zip(cfg.moe_layer_indices, v)})
   return out
 
 
@@ -199,14 +200,22 @@ def _window_mean(acc: dict, last: dict) -> dict:
 class Writer:
   """Progress lines, <workdir>/metrics.jsonl and TensorBoard events (tensorboardX, no TF)."""
 
-  def __init__(self, workdir: str, enabled: bool = True, resume_step: int | None = None):
-    """resume_step: the checkpoint step a resumed run goes on from. Steps after it that an
+  def __init__(
+    self,
+    workdir: str,
+    enabled: bool = True,
+    resume_step: int | None = None,
+    moe_layers: tuple[int, ...] | None = None,
+  ):
+    """moe_layers: the decoder index of each row of the expert loads (ModelConfig.
+    moe_layer_indices; default 0, 1, ...), which names their histograms.
+    resume_step: the checkpoint step a resumed run goes on from. Steps after it that an
     interrupted run logged are redone: TensorBoard hides its events past that step (purge_step),
     and metrics.jsonl, which keeps them, gets a {'kind': 'resume', 'step': S} record that marks
     where the records start over. A rerun of a run killed before its first checkpoint starts
     over from step 0: it is marked the same way."""
     self.enabled = enabled and jax.process_index() == 0
-    self.workdir = workdir
+    self.workdir, self.moe_layers = workdir, moe_layers
     self._jsonl = self._tb = None
     if self.enabled:
       os.makedirs(workdir, exist_ok=True)
@@ -242,7 +251,8 @@ class Writer:
       if isinstance(v, (int, float)) and math.isfinite(v):  # (the JSONL record keeps the rest)
         self._tb.add_scalar(prefix + k, v, step)
     if load is not None:
-      for layer, row in enumerate(np.asarray(load, np.float64)):
+      rows = np.asarray(load, np.float64)
+      for layer, row in zip(self.moe_layers or range(len(rows)), rows):
         self._add_counts(f'moe/load_layer{layer}', row, step)
 
   def _add_counts(self, tag: str, counts, step: int) -> None:

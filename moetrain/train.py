@@ -133,7 +133,9 @@ def start(config, workdir: str, setup: Setup, mesh, ckpt: Checkpointer) -> tuple
     )
     said['note'] = f' ({len(eval_batches)} batches)'
 
-  writer = metrics_lib.Writer(workdir, resume_step=ckpt.latest_step())
+  writer = metrics_lib.Writer(
+    workdir, resume_step=ckpt.latest_step(), moe_layers=setup.model.moe_layer_indices
+  )
   writer.save_config(rundir.config_json(config, setup))
   batch_sharding = sharding.batch_sharding(mesh)
   sharding.check_hosts_own_rows(batch_sharding, setup.data.global_batch_size)

@@ -21,8 +21,9 @@ def test_evaluate_reproduces_the_final_eval(uninterrupted):  # noqa: F811
 
 def test_expert_load_heatmap(uninterrupted, tmp_path):  # noqa: F811
   workdir, _ = uninterrupted
-  steps, loads, start = expert_load.read_loads(workdir)
+  steps, loads, start, layers = expert_load.read_loads(workdir)
   assert list(steps) == [1, 2, 3, 4, 5, 6] and loads.shape[1:] == (2, 12) and start == 0
+  assert layers == [0, 1]
   np.testing.assert_array_equal(expert_load.cell_edges(steps, start), np.arange(7))
   out = expert_load.plot(steps, loads, str(tmp_path / 'load.png'), n_routed=8)
   with open(out, 'rb') as f:
@@ -48,8 +49,8 @@ def test_expert_load_after_a_resume(tmp_path):
       rec(10, 5),
     ):
       f.write(json.dumps(r) + '\n')
-  steps, loads, start = expert_load.read_loads(str(tmp_path))
-  assert list(steps) == [1, 2, 3, 4, 10] and start == 0
+  steps, loads, start, layers = expert_load.read_loads(str(tmp_path))
+  assert list(steps) == [1, 2, 3, 4, 10] and start == 0 and layers == [0]
   np.testing.assert_array_equal(loads[:, 0, 0], [1, 2, 30, 40, 5])
   np.testing.assert_array_equal(expert_load.cell_edges(steps, start), [0, 1, 2, 3, 4, 10])
   out = expert_load.plot(steps, loads, str(tmp_path / 'load.png'))
@@ -58,10 +59,30 @@ def test_expert_load_after_a_resume(tmp_path):
   with open(tmp_path / 'metrics.jsonl', 'w') as f:
     for r in ({'step': 50, 'kind': 'resume'}, rec(60, 1), rec(70, 2)):
       f.write(json.dumps(r) + '\n')
-  steps, loads, start = expert_load.read_loads(str(tmp_path))
+  steps, loads, start, _ = expert_load.read_loads(str(tmp_path))
   np.testing.assert_array_equal(expert_load.cell_edges(steps, start), [50, 60, 70])
   out = expert_load.plot(steps, loads, str(tmp_path / 'load.png'), start=start)
   assert os.path.getsize(out) > 1000
+
+
+def test_routing_statistics_and_the_heatmap_name_the_decoder_layers(tmp_path):
+  """With dense layers first (DeepSeek-V3: first_k_dense_replace), the MoE layers' statistics
+  are named by their decoder index, as the checkpoint names them, and so are the heatmap's rows."""
+  from moetrain import metrics
+  from moetrain.model.families import PRESETS
+
+  cfg = PRESETS['deepseek_tiny']
+  moe_layers = cfg.moe_layer_indices
+  assert moe_layers[0] == cfg.first_k_dense_replace > 0
+  n, e = len(moe_layers), cfg.num_experts_total
+  stats = {k: np.full(n, 0.5) for k in metrics.ROUTING_STATS} | {'load': np.ones((n, e))}
+  summary = metrics.routing_summary(stats, cfg, expert_shards=1)
+  assert {f'moe/layer{i}/router_entropy' for i in moe_layers} <= set(summary)
+  assert 'moe/layer0/router_entropy' not in summary
+  record = {'step': 1, 'kind': 'train', 'moe/load': stats['load'].tolist(), **summary}
+  (tmp_path / 'metrics.jsonl').write_text(json.dumps(record) + '\n')
+  *_, layers = expert_load.read_loads(str(tmp_path))
+  assert layers == list(moe_layers)
 
 
 def test_tools_read_the_runs_own_config(uninterrupted, tmp_path):  # noqa: F811

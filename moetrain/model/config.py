@@ -293,6 +293,12 @@ class ModelConfig:
       for i in range(self.num_layers)
     )
 
+  @property
+  def moe_layer_indices(self) -> tuple[int, ...]:
+    """The decoder layers that hold an MoE, in order: the rows of per-layer routing statistics
+    and expert loads, which are named by these indices (as the checkpoint's layers are)."""
+    return tuple(i for i, kind in enumerate(self.layer_kinds()) if kind == 'moe')
+
   def layer_groups(self) -> tuple[LayerGroup, ...]:
     """The layers as runs of one kind, each stacked and scanned as one module: 'layers' holds
     the (first run of) MoE layers, 'dense_layers' the dense ones; further runs of a kind (layers

@@ -170,9 +170,32 @@ def start_command(preemption: bool = True, resume_step: int | None = None) -> No
   """First thing in a command's main: huge-page malloc (re-executing once), quiet library logs
   and closed-loop noise, then the multi-process job, if any (see initialize_distributed)."""
   reexec_with_hugepages()
+  cpu_without_accelerators()
   quiet_library_logs()
   quiet_closed_loop_errors()
   initialize_distributed(preemption, resume_step)
+
+
+def cpu_without_accelerators() -> None:
+  """Where libtpu is installed (the `tpu` and `test` extras; the planner needs it) on a host
+  with neither a TPU chip nor an NVIDIA GPU, JAX would still start libtpu's plugin at its first
+  device query, and libtpu prints six lines of warnings about the missing TPU on every command:
+  such a host runs on the CPU. (The planner compiles for TPU topologies all the same.) A
+  JAX_PLATFORMS setting is left alone."""
+  if os.environ.get('JAX_PLATFORMS'):
+    return
+  try:  # JAX's own probe (private): TPU chips on the PCI bus, NVIDIA device files
+    from jax._src import hardware_utils
+
+    if hardware_utils.num_available_tpu_chips_and_device_id()[0]:
+      return
+    if hardware_utils.has_visible_nvidia_gpu():
+      return
+  except Exception:  # a JAX without it: leave the platforms to JAX
+    return
+  import jax
+
+  jax.config.update('jax_platforms', 'cpu')
 
 
 def quiet_closed_loop_errors() -> None:

@@ -73,6 +73,32 @@ def test_gradients_reach_only_adapters():
   assert all(changed)
 
 
+@pytest.mark.parametrize('mode', ['none', 'int4'])
+def test_adapters_and_their_moments_are_float32_over_a_bfloat16_base(mode, tmp_path):
+  """lora.param_dtype (float32 by default) stores the adapters, so their Adam moments are
+  float32 too, whatever the frozen base's storage; a PEFT export keeps the base's dtype."""
+  from moetrain.convert import peft_adapter
+
+  cfg = with_lora(tiny(param_dtype='bfloat16', quant=mode, quant_group_size=8))
+  state = init_state(cfg, optax.adamw(1e-2), 0)
+  assert {x.dtype for x in jax.tree.leaves(state.params)} == {jnp.dtype('float32')}
+  assert {x.dtype for x in jax.tree.leaves(state.opt_state) if x.ndim} == {jnp.dtype('float32')}
+  assert jnp.dtype('bfloat16') in {x.dtype for x in jax.tree.leaves(state.frozen)}
+  step = jit_train_step(StepConfig(model=cfg), optax.adamw(1e-2), lambda s: 1e-2, donate=False)
+  new, _ = step(state, batch())
+  assert {x.dtype for x in jax.tree.leaves(new.params)} == {jnp.dtype('float32')}
+  bf16 = dataclasses.replace(cfg, lora=dataclasses.replace(cfg.lora, param_dtype='bfloat16'))
+  assert {x.dtype for x in jax.tree.leaves(init_state(bf16, optax.adamw(1e-2), 0).params)} == {
+    jnp.dtype('bfloat16')
+  }
+  if mode == 'none':
+    from safetensors.numpy import load_file
+
+    peft_adapter.save(Transformer(cfg, nnx.Rngs(0)), cfg, str(tmp_path))
+    saved = load_file(str(tmp_path / peft_adapter.ADAPTER_FILE))
+    assert {str(x.dtype) for x in saved.values()} == {'bfloat16'}
+
+
 def test_train_router_option_adds_only_the_router():
   cfg = with_lora(tiny(), train_router=True)
   _, params, _, _ = split_model(Transformer(cfg, nnx.Rngs(0)), cfg)

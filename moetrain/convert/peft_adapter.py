@@ -7,6 +7,8 @@ import json
 import os
 
 import jax
+import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 from moetrain.convert import safetensors_io as stio
@@ -69,9 +71,9 @@ def save(model, cfg: ModelConfig, out_dir: str, base_model: str = '') -> None:
     raise ValueError('the model has no LoRA adapters (cfg.lora.rank is 0 or targets match none)')
   saved = rows + _router_rows(cfg)
   items = [(r, ix) for r in saved for ix in r.indices(cfg.n_routed_experts)]
+  dtype = np.dtype(jnp.dtype(cfg.param_dtype))  # the base's dtype, as the merged export
   specs = [
-    (r.name(ix), sio.flat_shape(flat[r.key].shape[r.lead :], r.n_in), flat[r.key].dtype)
-    for r, ix in items
+    (r.name(ix), sio.flat_shape(flat[r.key].shape[r.lead :], r.n_in), dtype) for r, ix in items
   ]
   writable = jax.process_index() == 0
   if writable:
@@ -79,7 +81,7 @@ def save(model, cfg: ModelConfig, out_dir: str, base_model: str = '') -> None:
 
   def produce(i):
     r, ix = items[i]
-    return sio.to_flat(sio.to_host(flat[r.key][ix]), r.n_in)
+    return sio.to_flat(sio.to_host(flat[r.key][ix]), r.n_in).astype(dtype)
 
   stio.write_file(os.path.join(out_dir, ADAPTER_FILE), specs, produce, writable)
   lo = cfg.lora

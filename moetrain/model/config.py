@@ -38,6 +38,9 @@ class LoraConfig:
   # 'lm_head'.
   targets: str = LORA_TARGETS
   train_router: bool = False  # also train the router classifier
+  # Storage of the adapters (and so of their optimizer moments), whatever the frozen base's
+  # (model.param_dtype, model.quant): bfloat16 adapters and Adam moments lose small updates.
+  param_dtype: str = field('float32', choices=('bfloat16', 'float32'))
 
   @property
   def enabled(self) -> bool:

@@ -63,8 +63,9 @@ class Linear(nnx.Module):
     if self.has_lora:
       in_shape, out_shape = shape[:n_in], shape[n_in:]
       r = cfg.lora.rank
-      a = normal(rngs, (*in_shape, r), math.prod(in_shape) ** -0.5, dtype_of(cfg.param_dtype))
-      b = jnp.zeros((r, *out_shape), dtype_of(cfg.param_dtype))
+      ldt = dtype_of(cfg.lora.param_dtype)
+      a = normal(rngs, (*in_shape, r), math.prod(in_shape) ** -0.5, ldt)
+      b = jnp.zeros((r, *out_shape), ldt)
       self.lora_a = nnx.LoRAParam(a, axes=(*names[:n_in], *axes.names('J')))
       self.lora_b = nnx.LoRAParam(b, axes=(*axes.names('J'), *names[n_in:]))
 

@@ -35,13 +35,13 @@ class Experts(nnx.Module):
       setattr(
         self, n, quant.make_param(normal(rngs, shapes[n], cfg.init_std, pdt), names[n], cfg, 1)
       )
-    r = cfg.lora.rank
+    r, ldt = cfg.lora.rank, dtype_of(cfg.lora.param_dtype)
     for n in self.lora_names:
       _, din, dout = shapes[n]
-      a = normal(rngs, (e, din, r), din**-0.5, pdt)
+      a = normal(rngs, (e, din, r), din**-0.5, ldt)
       a_axes = axes.names(self.LETTERS[n][:2] + 'J', **f_name)
       setattr(self, f'{n}_lora_a', nnx.LoRAParam(a, axes=a_axes))
-      b = jnp.zeros((e, r, dout), pdt)
+      b = jnp.zeros((e, r, dout), ldt)
       b_axes = axes.names(self.LETTERS[n][0] + 'J' + self.LETTERS[n][2], **f_name)
       setattr(self, f'{n}_lora_b', nnx.LoRAParam(b, axes=b_axes))
 

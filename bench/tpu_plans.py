@@ -30,12 +30,17 @@ PLANS = {
   'full-same-slice': flash(
     longcat_pretrain, 'v5p-128', {'data.global_batch_size': 64, 'data.eval_batch_size': 64}
   ),
-  # The other families' real shapes (configs/*_lora.py PODS: expert axis, 4096-token rows).
-  'qwen3-30b': ('Qwen3-30B-A3B', qwen3_moe_lora, 'variant=qwen3_30b_a3b', 'v5p-8', {}),
-  'qwen3-235b': ('Qwen3-235B-A22B', qwen3_moe_lora, 'variant=qwen3_235b_a22b', 'v5p-32', {}),
-  'mixtral-8x7b': ('Mixtral-8x7B', mixtral_lora, 'variant=mixtral_8x7b', 'v5p-16', {}),
-  'moonlight': ('Moonlight-16B-A3B', deepseek_v3_lora, 'variant=moonlight_16b_a3b', 'v5p-8', {}),
-  'deepseek-v3': ('DeepSeek-V3', deepseek_v3_lora, 'variant=deepseek_v3_671b', 'v5p-64', {}),
+  # The other families' real shapes, each on the slice its config's PODS names.
+  **{
+    name: (model, module, f'variant={variant}', module.PODS[variant].slice, {})
+    for name, model, module, variant in (
+      ('qwen3-30b', 'Qwen3-30B-A3B', qwen3_moe_lora, 'qwen3_30b_a3b'),
+      ('qwen3-235b', 'Qwen3-235B-A22B', qwen3_moe_lora, 'qwen3_235b_a22b'),
+      ('mixtral-8x7b', 'Mixtral-8x7B', mixtral_lora, 'mixtral_8x7b'),
+      ('moonlight', 'Moonlight-16B-A3B', deepseek_v3_lora, 'moonlight_16b_a3b'),
+      ('deepseek-v3', 'DeepSeek-V3', deepseek_v3_lora, 'deepseek_v3_671b'),
+    )
+  },
   # QLoRA int4 of the families' smaller models on a Kaggle-sized slice (v5e-8: 8 chips of 16 GB),
   # one row per chip.
   'qwen3-30b-int4-v5e': (

@@ -1,6 +1,7 @@
 """The base config (every key at its default) and the helpers experiment files build on."""
 
 import dataclasses
+from typing import NamedTuple
 
 from ml_collections import config_dict
 
@@ -44,20 +45,31 @@ def set_pod(config, expert: int, seq_len: int, global_batch_size: int, eval_batc
   config.data.tokenizer = ''
 
 
+class Pod(NamedTuple):
+  """A real model's settings on the TPU slice it is planned for (bench/tpu_plans.py)."""
+
+  slice: str  # the slice it was planned on (documentation: the mesh takes its devices)
+  expert: int  # expert axis; FSDP over the rest
+  seq_len: int
+  rows: int  # rows per step (and per eval batch)
+  recv_factor: float = 0.0  # model.moe_ep_recv_factor (0: dropless's worst case)
+  micro_batches: int = 1  # optim.grad_accum_steps
+
+
 def family_lora(arg, path: str, default: str, pods: dict):
   """A family's LoRA config: the `variant` preset (default `default`), LoRA rank 8 (alpha 16)
-  on the default targets, and for a variant in `pods` ({variant: (expert axis, tokens per row,
-  rows per step, receive bound)}) its TPU slice's mesh and batch (set_pod) and
-  model.moe_ep_recv_factor (0: dropless's worst case, which fits where the expert axis is short)."""
+  on the default targets, and for a variant in `pods` ({variant: Pod}) its TPU slice's mesh,
+  batch and exchange."""
   variant = variant_of(arg, path, default=default)
   config = get_config()
   set_model(config, variant)
   config.lora.rank = 8
   config.lora.alpha = 16.0
   if variant in pods:
-    expert, seq_len, rows, recv = pods[variant]
-    set_pod(config, expert, seq_len, rows, rows)
-    config.model.moe_ep_recv_factor = float(recv)
+    pod = pods[variant]
+    set_pod(config, pod.expert, pod.seq_len, pod.rows, pod.rows)
+    config.model.moe_ep_recv_factor = float(pod.recv_factor)
+    config.optim.grad_accum_steps = pod.micro_batches
   return config, variant
 
 

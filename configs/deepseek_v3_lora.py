@@ -14,11 +14,10 @@ routed expert and the head; frozen base and router. Variants: 'deepseek_tiny' (t
 
 from configs import base
 
-# variant -> (expert axis, tokens per row, rows per step, receive bound) on its TPU slice
-# (planned: README "Model families", bench/tpu_plans.py).
+# The real models on the TPU slices they are planned for (README "Model families").
 PODS = {
-  'moonlight_16b_a3b': (4, 4096, 32, 0),  # v5p-8
-  'deepseek_v3_671b': (16, 4096, 64, 2),  # v5p-64
+  'moonlight_16b_a3b': base.Pod('v5p-8', expert=4, seq_len=4096, rows=32),
+  'deepseek_v3_671b': base.Pod('v5p-64', 16, 4096, 64, recv_factor=2),
 }
 
 

@@ -11,9 +11,8 @@ router. Variants: 'mixtral_tiny' (the default), 'mixtral_8x7b'.
 
 from configs import base
 
-# variant -> (expert axis, tokens per row, rows per step, receive bound) on its TPU slice
-# (planned: README "Model families", bench/tpu_plans.py).
-PODS = {'mixtral_8x7b': (8, 4096, 32, 2)}  # v5p-16
+# The real model on the TPU slice it is planned for (README "Model families").
+PODS = {'mixtral_8x7b': base.Pod('v5p-16', expert=8, seq_len=4096, rows=32, recv_factor=2)}
 
 
 def get_config(arg: str | None = None):

@@ -12,11 +12,10 @@ frozen base and router. Variants: 'qwen3_tiny' (the default), 'qwen3_30b_a3b', '
 
 from configs import base
 
-# variant -> (expert axis, tokens per row, rows per step, receive bound) on its TPU slice
-# (planned: README "Model families", bench/tpu_plans.py).
+# The real models on the TPU slices they are planned for (README "Model families").
 PODS = {
-  'qwen3_30b_a3b': (4, 4096, 32, 0),  # v5p-8
-  'qwen3_235b_a22b': (16, 4096, 64, 2),  # v5p-32
+  'qwen3_30b_a3b': base.Pod('v5p-8', expert=4, seq_len=4096, rows=32),
+  'qwen3_235b_a22b': base.Pod('v5p-32', 16, 4096, 64, recv_factor=2, micro_batches=2),
 }
 
 

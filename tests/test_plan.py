@@ -177,6 +177,18 @@ def test_model_flops_are_the_training_logs(variant):
   np.testing.assert_allclose(flops / (setup.data.global_batch_size * t), want, rtol=2e-3)
 
 
+def test_every_planned_command_builds_on_its_slice():
+  """bench/tpu_plans.py's commands (the README's TPU rows): each config with its overrides makes
+  a valid run on its slice's devices (mesh, batch shards, micro-batches), without compiling."""
+  from bench import tpu_plans
+  from moetrain.setup import build
+
+  for name, (_, module, arg, topo, over) in tpu_plans.PLANS.items():
+    config = tpu_plan.with_overrides(module.get_config(arg), over)
+    devices = topology.parse(topo).num_devices
+    build(config, num_devices=devices, process_count=1, platform='tpu')
+
+
 @pytest.mark.slow
 def test_search_and_smallest_compile_for_real(tmp_path, capsys):
   """--search and --smallest on the tiny model with real TPU compiles in two spawned worker

@@ -48,7 +48,13 @@ PLANS = {
     qwen3_moe_lora,
     'variant=qwen3_30b_a3b',
     'v5litepod-8',
-    {**INT4, 'mesh.shape': (1, -1, 8, 1), 'data.global_batch_size': 8, 'data.eval_batch_size': 8},
+    {
+      **INT4,
+      'mesh.shape': (1, -1, 8, 1),
+      'model.moe_ep_recv_factor': 2.0,
+      'data.global_batch_size': 8,
+      'data.eval_batch_size': 8,
+    },
   ),
 }
 

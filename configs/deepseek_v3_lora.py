@@ -17,7 +17,7 @@ from configs import base
 # The real models on the TPU slices they are planned for (README "Model families").
 PODS = {
   'moonlight_16b_a3b': base.Pod('v5p-8', expert=4, seq_len=4096, rows=32),
-  'deepseek_v3_671b': base.Pod('v5p-64', 16, 4096, 64, recv_factor=2),
+  'deepseek_v3_671b': base.Pod('v5p-64', 16, 4096, 64, recv_factor=2, micro_batches=2),
 }
 
 

@@ -109,3 +109,26 @@ def test_a_flag_error_is_a_usage_line_not_a_traceback():
     assert out.returncode == 1
     assert f'FATAL Flags parsing error: {message}' in out.stderr, out.stderr
     assert 'Traceback' not in out.stderr
+
+
+def test_a_command_without_accelerators_does_not_start_libtpu():
+  """libtpu comes with the test extra (the planner needs it). On a host with no TPU chip and no
+  NVIDIA GPU a command runs on the CPU without starting libtpu's plugin, whose missing-TPU
+  warnings would otherwise open every command's output."""
+  from jax._src import hardware_utils
+
+  if hardware_utils.num_available_tpu_chips_and_device_id()[0]:
+    pytest.skip('this host has TPU chips')
+  env = {k: v for k, v in os.environ.items() if k != 'JAX_PLATFORMS'}
+  root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  args = ['-m', 'moetrain.main', '--config=configs/longcat_lora.py', '--dry_run']
+  done = subprocess.run(
+    [sys.executable, *args],
+    cwd=root,
+    capture_output=True,
+    text=True,
+    env={**env, 'MOETRAIN_NO_REEXEC': '1', 'PYTHONPATH': root},
+  )
+  assert done.returncode == 0, done.stderr[-2000:]
+  assert 'parameters' in done.stdout.lower()
+  assert 'TPU' not in done.stderr and 'libtpu' not in done.stderr, done.stderr[-2000:]

@@ -180,6 +180,7 @@ def test_peak_flops_by_device_kind():
 
 class _Cfg:
   n_routed_experts = 4
+  moe_layer_indices = (0,)
 
 
 def _stats() -> dict:

@@ -67,7 +67,8 @@ def test_gradient_accumulation_equals_full_batch():
 
 
 def test_gradient_accumulation_sums_bfloat16_gradients_in_float32():
-  cfg = dataclasses.replace(CFG, param_dtype='bfloat16')
+  lora = dataclasses.replace(CFG.lora, param_dtype='bfloat16')  # (float32 by default)
+  cfg = dataclasses.replace(CFG, param_dtype='bfloat16', lora=lora)
   state = init_state(cfg, optax.sgd(1.0), 0)
   sc = StepConfig(model=cfg, grad_accum_steps=4)
   fn = lambda s, b, r: grads_and_stats(s, graphdef_of(cfg), b, r, sc)

@@ -183,7 +183,7 @@ def test_every_planned_command_builds_on_its_slice():
   from bench import tpu_plans
   from moetrain.setup import build
 
-  for name, (_, module, arg, topo, over) in tpu_plans.PLANS.items():
+  for _, module, arg, topo, over in tpu_plans.PLANS.values():
     config = tpu_plan.with_overrides(module.get_config(arg), over)
     devices = topology.parse(topo).num_devices
     build(config, num_devices=devices, process_count=1, platform='tpu')

@@ -173,30 +173,35 @@ class _FileRecords:
   def __init__(self, paths: Sequence[str]):
     self.paths = list(paths)
     self._stat = [self._stamp(os.stat(p)) for p in self.paths]
-    self._file, self._span, self._line, self._part = [], [], [], []
+    self._file, self._span, self._line, self._kind = [], [], [], []
+    self._range = {}  # record -> (lo, hi) for the parts of a JSONL record's text only
 
   @staticmethod
   def _stamp(st: os.stat_result) -> tuple[int, int]:
     return st.st_size, st.st_mtime_ns
 
-  def add(self, file: int, start: int, length: int, line: int, part=(0, 0, -1)) -> None:
-    """One record; `part` = (kind, lo, hi) of a long text's part (a JSONL record's)."""
+  def add(self, file: int, start: int, length: int, line: int, kind: int = 0, text_range=None):
+    """One record: a whole text or record (kind 0), or a part of a long text (PART_KINDS),
+    with its byte range in the record's text (`text_range`, JSONL) or in the file (text)."""
+    if text_range is not None:
+      self._range[len(self._file)] = text_range
     self._file.append(file)
     self._span.append((start, length))
     self._line.append(line)
-    self._part.append(part)
+    self._kind.append(kind)
 
   def freeze(self) -> None:
     self._file = np.asarray(self._file, np.int32)
     self._span = np.asarray(self._span, np.int64).reshape(-1, 2)
     self._line = np.asarray(self._line, np.int64)
-    self._part = np.asarray(self._part, np.int64).reshape(-1, 3)
+    self._kind = np.asarray(self._kind, np.int8)
 
   def __len__(self) -> int:
     return len(self._file)
 
-  def part(self, i: int) -> tuple[int, int, int]:
-    return tuple(int(x) for x in self._part[i])
+  def part(self, i: int) -> tuple[int, tuple[int, int] | None]:
+    """Record i's PART_KINDS index, and its byte range in the record's text (JSONL parts)."""
+    return int(self._kind[i]), self._range.get(i)
 
   def read(self, i: int) -> tuple[bytes, str]:
     """The raw bytes of record i and its 'file:line' for messages."""
@@ -229,9 +234,12 @@ class JsonlSource:
             # Validated now, to fail before training.
             example = self._parse(raw, f'{path}:{line_no}')
             text = example.get('text', '').encode('utf-8')
-            parts = text_parts(text, max_text_bytes) if len(text) > max_text_bytes else [(0, -1)]
-            for kind, (lo, hi) in zip(part_kinds(len(parts)), parts):
-              self._records.add(f_idx, offset, len(raw), line_no, (kind, lo, hi))
+            if len(text) <= max_text_bytes:
+              self._records.add(f_idx, offset, len(raw), line_no)
+            else:
+              parts = text_parts(text, max_text_bytes)
+              for kind, part in zip(part_kinds(len(parts)), parts):
+                self._records.add(f_idx, offset, len(raw), line_no, kind, part)
           offset += len(raw)
     self._records.freeze()
 
@@ -251,9 +259,10 @@ class JsonlSource:
 
   def __getitem__(self, i: int) -> Example:
     example = self._parse(*self._records.read(i))
-    kind, lo, hi = self._records.part(i)
+    kind, text_range = self._records.part(i)
     if not kind:
       return example
+    lo, hi = text_range
     text = example['text'].encode('utf-8')[lo:hi].decode('utf-8')
     return with_part({'text': text}, kind)
 
@@ -278,7 +287,7 @@ class TextSource:
               lo = hi
             parts.append((lo, end))
           for kind, (lo, hi) in zip(part_kinds(len(parts)), parts):
-            self._records.add(f_idx, lo, hi - lo, line_no, (kind, 0, -1))
+            self._records.add(f_idx, lo, hi - lo, line_no, kind)
     self._records.freeze()
 
   @staticmethod

@@ -14,7 +14,7 @@ from configs import base
 
 # The real models on the TPU slices they are planned for (README "Model families").
 PODS = {
-  'qwen3_30b_a3b': base.Pod('v5p-8', expert=4, seq_len=4096, rows=32),
+  'qwen3_30b_a3b': base.Pod('v5p-8', expert=4, seq_len=4096, rows=32, recv_factor=2),
   'qwen3_235b_a22b': base.Pod('v5p-32', 16, 4096, 64, recv_factor=2, micro_batches=2),
 }
 

@@ -113,6 +113,16 @@ def lora_model(name: str, seed: int = 0):
   return model, cfg
 
 
+def trained_lora_model(name: str):
+  """lora_model with adapters (and a router bias, where the family has one) away from their
+  initial values, as after training."""
+  model, cfg = lora_model(name)
+  perturb_lora(model, 3)
+  if cfg.router_bias:
+    perturb_router(model, 5)
+  return model, cfg
+
+
 @pytest.mark.parametrize('name', FAMILIES)
 def test_lora_reaches_every_projection_and_starts_at_the_base(name):
   model, cfg = lora_model(name)
@@ -135,10 +145,7 @@ def test_merged_export_and_peft_adapter_round_trip(name, tmp_path):
   """save_hf (LoRA merged) reloads to the adapted model's logits; the PEFT adapter reloads into a
   fresh model exactly."""
   ids = reference(name)['input_ids']
-  model, cfg = lora_model(name)
-  perturb_lora(model, 3)
-  if cfg.router_bias:
-    perturb_router(model, 5)
+  model, cfg = trained_lora_model(name)
   want = logits_of(model, ids)
   assert max_err(want, reference(name)['logits']) > 1e-3
   hf.save_hf(model, cfg, str(tmp_path / 'merged'), dtype=jnp.float32, max_shard_size=300_000)
@@ -168,10 +175,7 @@ def test_transformers_loads_the_exports(name, tmp_path):
   transformers = pytest.importorskip('transformers')
   peft = pytest.importorskip('peft')
   ids = reference(name)['input_ids']
-  model, cfg = lora_model(name)
-  perturb_lora(model, 3)
-  if cfg.router_bias:
-    perturb_router(model, 5)
+  model, cfg = trained_lora_model(name)
   want = logits_of(model, ids)
 
   def hf_logits(m):

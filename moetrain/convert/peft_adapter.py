@@ -8,7 +8,6 @@ import os
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from flax import nnx
 
 from moetrain.convert import safetensors_io as stio
@@ -71,7 +70,7 @@ def save(model, cfg: ModelConfig, out_dir: str, base_model: str = '') -> None:
     raise ValueError('the model has no LoRA adapters (cfg.lora.rank is 0 or targets match none)')
   saved = rows + _router_rows(cfg)
   items = [(r, ix) for r in saved for ix in r.indices(cfg.n_routed_experts)]
-  dtype = np.dtype(jnp.dtype(cfg.param_dtype))  # the base's dtype, as the merged export
+  dtype = jnp.dtype(cfg.param_dtype)  # the base's dtype, as the merged export
   specs = [
     (r.name(ix), sio.flat_shape(flat[r.key].shape[r.lead :], r.n_in), dtype) for r, ix in items
   ]

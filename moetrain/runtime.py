@@ -239,12 +239,13 @@ def handle_stop_signals() -> None:
       flush=True,
     )
     signal.signal(signal.SIGINT, signal.default_int_handler)
-    if jax.process_count() == 1:
-      _STOP.set()
-    else:  # a stop of this host alone would leave the others waiting in the step's collectives
+    if several:  # a stop of this host alone would leave the others waiting in the collectives
       os.kill(os.getpid(), signal.SIGTERM)  # to the preemption service's handler
+    else:
+      _STOP.set()
 
-  if jax.process_count() == 1:
+  several = jax.process_count() > 1
+  if not several:
     signal.signal(signal.SIGTERM, on_sigterm)
   signal.signal(signal.SIGINT, on_sigint)
 

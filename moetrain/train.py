@@ -5,6 +5,7 @@ import dataclasses
 from collections.abc import Callable
 
 import jax
+import jax.numpy as jnp
 from absl import logging
 
 from moetrain import aot, lease, multihost, optim, rundir, runtime, sharding, train_log
@@ -289,8 +290,8 @@ def save_at_data_end(job: Job, done: int, start_step: int, saved: bool, state, p
 @jax.jit
 def is_finite(tree) -> jax.Array:
   """Whether every floating-point number in `tree` is finite (one device scalar)."""
-  leaves = [x for x in jax.tree.leaves(tree) if jax.numpy.issubdtype(x.dtype, jax.numpy.inexact)]
-  return jax.numpy.all(jax.numpy.stack([jax.numpy.isfinite(x).all() for x in leaves]))
+  floats = [x for x in jax.tree.leaves(tree) if jnp.issubdtype(x.dtype, jnp.inexact)]
+  return jnp.all(jnp.stack([jnp.isfinite(x).all() for x in floats]))
 
 
 def save_if_finite(ckpt, log, step: int, state, position: dict) -> bool:

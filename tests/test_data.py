@@ -8,6 +8,7 @@ import pickle
 import numpy as np
 import pytest
 
+from moetrain.data import chat as chat_lib
 from moetrain.data import demo_task, packing, pipeline, sources
 from moetrain.data import tokenizer as tokenizer_lib
 
@@ -224,10 +225,11 @@ def test_jsonl_source_reads_all_record_kinds(tmp_path):
   assert len(src) == 3  # the blank line is skipped
   assert src[0] == {'prompt': 'a', 'completion': 'b'}
   assert src[1] == {'text': 'plain'}
-  assert src[2] == {
-    'prompt': '<|system|>\nBe brief.\n<|user|>\nHi\n<|assistant|>\n',
-    'completion': 'Hello',
-  }
+  assert src[2] == {'messages': chat, 'where': f'{path}:4'}
+  # Rendered with the built-in template (a trained tokenizer has no chat template of its own).
+  text, spans = chat_lib.ChatFormat().apply(src[2])
+  assert text == '<|system|>\nBe brief.\n<|user|>\nHi\n<|assistant|>\nHello'
+  assert [text[lo:hi] for lo, hi in spans] == ['Hello']
 
 
 def test_chat_in_tfds_columns():
@@ -238,9 +240,9 @@ def test_chat_in_tfds_columns():
   }
   rows = [{'role': 'system', 'content': 'Be brief.'}, {'role': 'user', 'content': 'Hi'}]
   rows.append({'role': 'assistant', 'content': 'Hello'})
-  assert sources.render_chat(columns, 'r') == sources.render_chat(rows, 'r')
+  assert sources.chat_example(columns, None, 'r') == sources.chat_example(rows, None, 'r')
   with pytest.raises(ValueError, match='r: messages have 3 roles but 2 contents'):
-    sources.render_chat({**columns, 'content': columns['content'][:2]}, 'r')
+    sources.chat_example({**columns, 'content': columns['content'][:2]}, None, 'r')
 
 
 @pytest.mark.parametrize(
@@ -252,7 +254,7 @@ def test_chat_in_tfds_columns():
     ('[1, 2]', 'expected a JSON object'),
     (
       '{"messages": [{"role": "user", "content": "hi"}]}',
-      'the last message should be from the assistant',
+      'the conversation has no assistant message to train on',
     ),
     ('{"text": 3}', "field 'text' should be a string"),
     ('{"text": "cut \\ud83d emoji"}', "field 'text' is not valid Unicode"),
@@ -469,14 +471,12 @@ def test_completion_tokens_are_those_of_the_text(spm_tokenizer):
   """A SentencePiece model starts every text it encodes with a space: the completion is split
   from the tokens of prompt + completion, so the model trains on the text as written."""
   tok = spm_tokenizer
-  chat = sources.render_chat(
-    [{'role': 'user', 'content': 'red fox'}, {'role': 'assistant', 'content': 'fox red'}], 'x'
-  )
-  for ex in (chat, demo_task.generate()['eval'][0]):
+  prompt = '<|user|>\nred fox\n<|assistant|>\n'
+  for ex in ({'prompt': prompt, 'completion': 'fox red'}, demo_task.generate()['eval'][0]):
     head, tail = packing.split_encode(tok, ex['prompt'], ex['completion'])
     assert head == tok.encode(ex['prompt'])
     assert tok.decode(head + tail) == ex['prompt'] + ex['completion']
-  assert tok.decode(tok.encode(chat['prompt']) + tok.encode('fox red')).endswith('\n fox red')
+  assert tok.decode(tok.encode(prompt) + tok.encode('fox red')).endswith('\n fox red')
   # A token across the boundary ('fox'): each part is encoded by itself, the completion without
   # the space SentencePiece starts a text with.
   head, tail = packing.split_encode(tok, 'reverse: red fo', 'x cup =')

@@ -9,7 +9,7 @@ from collections.abc import Sequence
 import grain
 import numpy as np
 
-from moetrain.data import sources
+from moetrain.data import chat, sources
 from moetrain.data.sources import Example
 from moetrain.data.tokenizer import Tokenizer
 
@@ -18,12 +18,27 @@ ROW_KEYS = ('inputs', 'targets', 'segment_ids', 'positions', 'loss_mask')
 TRUNCATED_KEY = 'num_truncated'
 
 
-def _tokens(example: Example, tokenizer: Tokenizer, loss_on_prompt: bool) -> tuple[list, list]:
+def _tokens(
+  example: Example,
+  tokenizer: Tokenizer,
+  loss_on_prompt: bool,
+  chat_format: chat.ChatFormat | None = None,
+) -> tuple[list, list]:
   """An example's whole token list (bos, prompt, completion or text, eos) and is_target. A part
-  of a long text (sources.PART_KEY) has bos only if it is the first, eos only if the last."""
+  of a long text (sources.PART_KEY) has bos only if it is the first, eos only if the last. A
+  chat is its rendered text's tokens, framed with bos/eos only under the built-in template (a
+  model's template writes its own special tokens), trained on its assistant turns (chat.py)."""
   part = example.get(sources.PART_KEY, '')
   bos = [] if tokenizer.bos_id is None or part in ('middle', 'last') else [tokenizer.bos_id]
   eos = [] if tokenizer.eos_id is None or part in ('first', 'middle') else [tokenizer.eos_id]
+  if 'messages' in example:
+    chat_format = chat_format or chat.ChatFormat()
+    text, spans = chat_format.apply(example)
+    ids, offsets = tokenizer.encode_offsets(text)
+    trained = [1.0] * len(ids) if loss_on_prompt else chat.trained_tokens(offsets, spans)
+    if not chat_format.builtin:
+      return ids, trained
+    return bos + ids + eos, [0.0] * len(bos) + trained + [1.0] * len(eos)
   if 'text' in example:
     prompt, completion = [], tokenizer.encode(example['text'])
   else:
@@ -42,7 +57,12 @@ def _piece(tokens: list, is_target: list, truncated: bool) -> dict[str, np.ndarr
 
 
 def tokenize(
-  example: Example, tokenizer: Tokenizer, *, max_len: int, loss_on_prompt: bool = False
+  example: Example,
+  tokenizer: Tokenizer,
+  *,
+  max_len: int,
+  loss_on_prompt: bool = False,
+  chat_format: chat.ChatFormat | None = None,
 ) -> dict[str, np.ndarray | int]:
   """Returns `tokens` [n <= max_len] int32, `is_target` [n] float32 and `truncated` (0 or 1).
 
@@ -53,12 +73,17 @@ def tokenize(
   """
   if example.get(sources.PART_KEY) in ('middle', 'last'):
     return _piece([], [], False)
-  tokens, is_target = _tokens(example, tokenizer, loss_on_prompt)
+  tokens, is_target = _tokens(example, tokenizer, loss_on_prompt, chat_format)
   return _piece(tokens[:max_len], is_target[:max_len], len(tokens) > max_len)
 
 
 def tokenize_split(
-  example: Example, tokenizer: Tokenizer, *, max_len: int, loss_on_prompt: bool = False
+  example: Example,
+  tokenizer: Tokenizer,
+  *,
+  max_len: int,
+  loss_on_prompt: bool = False,
+  chat_format: chat.ChatFormat | None = None,
 ) -> list[dict[str, np.ndarray | int]]:
   """`tokenize`, except that a plain-text example longer than max_len becomes several pieces
   (data.split_long_texts) instead of losing its tail: piece k holds tokens
@@ -67,7 +92,7 @@ def tokenize_split(
   examples of their own (positions restart, no attention across them), as in concatenate-and-
   chunk pretraining. Prompt/completion and chat examples are truncated as before: their
   completion makes sense only after its prompt."""
-  tokens, is_target = _tokens(example, tokenizer, loss_on_prompt)
+  tokens, is_target = _tokens(example, tokenizer, loss_on_prompt, chat_format)
   if 'text' not in example or len(tokens) <= max_len:
     return [_piece(tokens[:max_len], is_target[:max_len], len(tokens) > max_len)]
   stride = max_len - 1
@@ -144,11 +169,14 @@ def tokenized(
   loss_on_prompt: bool = False,
   split_long_texts: bool = False,
   read_options: grain.ReadOptions | None = None,
+  chat_format: chat.ChatFormat | None = None,
 ) -> grain.IterDataset:
   """Examples -> tokenized examples (`tokenize`, or `tokenize_split`'s pieces with
   split_long_texts), read ahead with read_options. Both resume exactly (grain's flat map saves
   its parent's position and the index in the current example's pieces)."""
-  kw = dict(tokenizer=tokenizer, max_len=max_len, loss_on_prompt=loss_on_prompt)
+  kw = dict(
+    tokenizer=tokenizer, max_len=max_len, loss_on_prompt=loss_on_prompt, chat_format=chat_format
+  )
   fn = tokenize_split if split_long_texts else tokenize
   out = ds.map(functools.partial(fn, **kw)).to_iter_dataset(read_options or grain.ReadOptions())
   return grain.experimental.FlatMapIterDataset(out, _Pieces()) if split_long_texts else out
@@ -162,6 +190,7 @@ def pack_examples(
   num_bins: int = 8,
   loss_on_prompt: bool = False,
   split_long_texts: bool = False,
+  chat_format: chat.ChatFormat | None = None,
 ) -> list[dict[str, np.ndarray]]:
   """Tokenizes and packs a small in-memory list of examples (tools and tests)."""
   ds = tokenized(
@@ -170,5 +199,6 @@ def pack_examples(
     max_len=seq_len + 1,
     loss_on_prompt=loss_on_prompt,
     split_long_texts=split_long_texts,
+    chat_format=chat_format,
   )
   return list(pack(ds, seq_len=seq_len, num_bins=num_bins, pad_id=tokenizer.pad_id))

@@ -12,7 +12,7 @@ import grain
 import numpy as np
 from absl import logging
 
-from moetrain.data import packing, sources
+from moetrain.data import chat, packing, sources
 from moetrain.data import tokenizer as tokenizer_lib
 from moetrain.data.tokenizer import Tokenizer, get_or_train_tokenizer
 from moetrain.fields import check, field
@@ -42,6 +42,11 @@ class DataConfig:
   prompt_key: str = stream('prompt')  # field holding a prompt (loss off unless loss_on_prompt)
   completion_key: str = stream('completion')  # field holding the completion
   messages_key: str = stream('messages')  # field holding chat messages [{role, content}]
+  tools_key: str = stream('tools')  # field holding a chat's tool schemas (for its template)
+  # How chats are rendered: '' = the tokenizer's own chat template (tokenizer_config.json or
+  # chat_template.jinja; the built-in <|role|> one if it has none), 'builtin', or a .jinja file.
+  chat_template: str = stream('', role=('stream', 'path'))
+  chat_loss: str = field('all', choices=chat.LOSSES)  # which assistant turns of a chat train
   # A sentencepiece .model, a tokenizer.json or a directory with one; '' = a sentencepiece model
   # trained into the run directory on first use (of vocab_size pieces).
   tokenizer: str = stream('', role=('stream', 'path'))
@@ -60,7 +65,9 @@ class DataConfig:
 
   @property
   def fields(self) -> sources.Fields:
-    return sources.Fields(self.text_key, self.prompt_key, self.completion_key, self.messages_key)
+    return sources.Fields(
+      self.text_key, self.prompt_key, self.completion_key, self.messages_key, self.tools_key
+    )
 
 
 def _validate_sizes(cfg: DataConfig, process_count: int) -> None:
@@ -92,6 +99,11 @@ def _validate_tokenizer(cfg: DataConfig) -> None:
       f'data.tokenizer={cfg.tokenizer!r} holds neither {tokenizer_lib.HF_FILE} nor '
       f'{tokenizer_lib.SPM_FILE}: point data.tokenizer at the one the weights go with (left '
       "empty, it is init.hf_checkpoint's)"
+    )
+  if cfg.chat_template not in ('', 'builtin') and not os.path.isfile(cfg.chat_template):
+    raise ValueError(
+      f'data.chat_template={cfg.chat_template!r} is not a file: give a Jinja chat template '
+      "(.jinja), 'builtin' for the built-in <|role|> template, or '' for the tokenizer's own"
     )
   if not cfg.tokenizer and cfg.vocab_size < MIN_SPM_VOCAB:
     raise ValueError(
@@ -272,14 +284,34 @@ class DataIterator(Iterator[dict[str, np.ndarray]]):
       close()
 
 
-def _tokenized(cfg: DataConfig, tokenizer: Tokenizer, ds: grain.MapDataset) -> grain.IterDataset:
+def chat_format(cfg: DataConfig, tokenizer: Tokenizer) -> chat.ChatFormat:
+  """How this run renders chats (data.chat_template, data.chat_loss; chat.py)."""
+  if cfg.chat_template == 'builtin':
+    template, name = None, 'the built-in chat template'
+  elif cfg.chat_template:
+    with open(cfg.chat_template, encoding='utf-8') as f:
+      template, name = f.read(), f'data.chat_template={cfg.chat_template!r}'
+  else:
+    template = getattr(tokenizer, 'chat_template', None)
+    name = f'the chat template of {getattr(tokenizer, "name", "the tokenizer")}'
+  if template is None:
+    return chat.ChatFormat(loss=cfg.chat_loss)
+  variables = tuple(sorted(getattr(tokenizer, 'template_variables', {}).items()))
+  return chat.ChatFormat(template, variables, cfg.chat_loss, builtin=False, name=name)
+
+
+def tokenized(
+  cfg: DataConfig, tokenizer: Tokenizer, ds: grain.MapDataset, read_options=READ_OPTIONS
+) -> grain.IterDataset:
+  """Examples -> tokenized examples as training reads them, before packing (packing.tokenized)."""
   return packing.tokenized(
     ds,
     tokenizer,
     max_len=cfg.seq_len + 1,
     loss_on_prompt=cfg.loss_on_prompt,
     split_long_texts=cfg.split_long_texts,
-    read_options=READ_OPTIONS,
+    read_options=read_options,
+    chat_format=chat_format(cfg, tokenizer),
   )
 
 
@@ -303,12 +335,12 @@ def make_train_iterator(
       f'{process_index} of {process_count}'
     )
   examples = len(ds)
-  check_completions(ds, cfg)
+  check_examples(ds, cfg, chat_format(cfg, tokenizer))
   if cfg.shuffle:
     ds = ds.shuffle(seed=cfg.seed)
   ds = ds.repeat(cfg.num_epochs)
   rows = packing.pack(
-    _tokenized(cfg, tokenizer, ds),
+    tokenized(cfg, tokenizer, ds),
     seq_len=cfg.seq_len,
     num_bins=local_batch,
     pad_id=tokenizer.pad_id,
@@ -321,13 +353,20 @@ def make_train_iterator(
   return DataIterator(batches, examples=examples)
 
 
-def check_completions(ds: grain.MapDataset, cfg: DataConfig, sample: int = 256) -> None:
-  """Prompt/completion (and chat) examples train on their completion and its end-of-text token:
-  where the first `sample` examples' completions are all empty, only end-of-text would train,
-  which is refused; some empty ones are a warning."""
+def check_examples(
+  ds: grain.MapDataset, cfg: DataConfig, chat_format: chat.ChatFormat, sample: int = 256
+) -> None:
+  """Checks the first `sample` examples before training: chats must render with the chat
+  template and give their assistant turns text to train on (an error names the record);
+  prompt/completion examples train on their completion and its end-of-text token, so where the
+  completions are all empty, only end-of-text would train, which is refused (some empty ones
+  are a warning)."""
+  seen = [ds[i] for i in range(min(sample, len(ds)))]
+  for example in seen:
+    if 'messages' in example:
+      chat_format.apply(example)
   if cfg.loss_on_prompt:
     return
-  seen = [ds[i] for i in range(min(sample, len(ds)))]
   paired = [ex for ex in seen if 'completion' in ex]
   empty = sum(not ex['completion'].strip() for ex in paired)
   where = f'data.train_split={cfg.train_split!r}'
@@ -335,7 +374,7 @@ def check_completions(ds: grain.MapDataset, cfg: DataConfig, sample: int = 256) 
     raise ValueError(
       f'{where}: the completion of each of the first {len(paired)} examples is empty, so only '
       f'the end-of-text token would be trained. Check data.completion_key='
-      f'{cfg.completion_key!r} (or data.messages_key), or set data.loss_on_prompt=True'
+      f'{cfg.completion_key!r}, or set data.loss_on_prompt=True'
     )
   if empty:
     logging.warning(
@@ -376,7 +415,7 @@ def make_eval_batches(
   if not cfg.eval_split:
     return []
   local = cfg.eval_batch_size // process_count
-  ds = _tokenized(cfg, tokenizer, grain.MapDataset.source(open_source(cfg, cfg.eval_split)))
+  ds = tokenized(cfg, tokenizer, grain.MapDataset.source(open_source(cfg, cfg.eval_split)))
   rows = packing.pack(
     ds, seq_len=cfg.seq_len, num_bins=cfg.eval_batch_size, pad_id=tokenizer.pad_id
   )

@@ -1,8 +1,9 @@
 """Random-access record sources (JSONL, plain text, TFDS, the demo task) yielding example dicts.
 
 Every source has `len()` and `[i]`, so grain can shuffle, shard and checkpoint by index. An example
-is either {'prompt': str, 'completion': str} (loss on the completion) or {'text': str} (loss on
-all of it). Local files are indexed and validated when the source is built, so bad input fails
+is {'prompt': str, 'completion': str} (loss on the completion), {'text': str} (loss on all of
+it) or a chat, {'messages': [...], 'tools': [...] (if the record has them), 'where': 'file:line'},
+which the packer renders with the model's chat template (chat.py). Local files are indexed and validated when the source is built, so bad input fails
 before training starts, with the file and line number in the message.
 
 A plain text longer than `max_text_bytes` (a paragraph of a text file, a JSONL record's text) is
@@ -23,16 +24,10 @@ from typing import Any
 
 import numpy as np
 
-from moetrain.data import demo_task
+from moetrain.data import chat, demo_task
 
-Example = dict[str, str]
+Example = dict[str, Any]
 
-# Chat records are rendered with this fixed template, not a model's own chat template:
-#   <|system|>\n{content}\n<|user|>\n{content}\n<|assistant|>\n   -> prompt
-#   {content of the final message, which must come from the assistant}   -> completion
-# Earlier assistant turns are context only: the loss is on the final turn.
-CHAT_TURN = '<|{role}|>\n{content}\n'
-CHAT_REPLY = '<|assistant|>\n'
 UTF8_BOM = b'\xef\xbb\xbf'  # editors on Windows start text files with it
 MAX_TEXT_BYTES = 1 << 20  # the default part size of long texts (see the module docstring)
 PART_KEY = 'part'
@@ -48,6 +43,7 @@ class Fields:
   prompt: str = 'prompt'
   completion: str = 'completion'
   messages: str = 'messages'
+  tools: str = 'tools'
 
 
 def _as_str(value: Any, where: str, key: str) -> str:
@@ -67,11 +63,25 @@ def _as_str(value: Any, where: str, key: str) -> str:
   return value
 
 
-def render_chat(messages: Any, where: str) -> Example:
-  """Renders [{role, content}, ...] with CHAT_TURN into a prompt and the final assistant reply.
+def _plain(value: Any, where: str, key: str) -> Any:
+  """A message's field as plain JSON-like Python (TFDS gives bytes and numpy arrays)."""
+  if isinstance(value, (bytes, str)):
+    return _as_str(value, where, key)
+  if isinstance(value, np.ndarray):
+    value = value.tolist()
+  if isinstance(value, Mapping):
+    return {str(k): _plain(v, where, f'{key}.{k}') for k, v in value.items()}
+  if isinstance(value, (list, tuple)):
+    return [_plain(v, where, key) for v in value]
+  return value.item() if isinstance(value, np.generic) else value
+
+
+def chat_example(messages: Any, tools: Any, where: str) -> dict[str, Any]:
+  """A chat record's messages [{role, content, ...}, ...] (and tools) as a chat example; the
+  template renders whatever else a message holds (tool_calls, content parts, reasoning).
 
   TFDS stores such a list (a Sequence of {role, content} features) as parallel columns,
-  {'role': [...], 'content': [...]}; that form is accepted too."""
+  {'role': [...], 'content': [...]}; that form is accepted too. Tools may be a JSON string."""
   if isinstance(messages, Mapping) and 'role' in messages and 'content' in messages:
     roles, contents = list(messages['role']), list(messages['content'])
     if len(roles) != len(contents):
@@ -81,24 +91,29 @@ def render_chat(messages: Any, where: str) -> Example:
     messages = list(messages)
   if not isinstance(messages, list) or not messages:
     raise ValueError(f'{where}: messages should be a non-empty list of {{role, content}} objects')
-  turns = []
   for i, m in enumerate(messages):
-    if not isinstance(m, Mapping) or 'role' not in m or 'content' not in m:
-      raise ValueError(f'{where}: message {i} should be an object with "role" and "content"')
-    turns.append((_as_str(m['role'], where, 'role'), _as_str(m['content'], where, 'content')))
-  if turns[-1][0] != 'assistant':
-    raise ValueError(
-      f'{where}: the last message should be from the assistant (the loss target), '
-      f'got role {turns[-1][0]!r}'
-    )
-  prompt = ''.join(CHAT_TURN.format(role=r, content=c) for r, c in turns[:-1]) + CHAT_REPLY
-  return {'prompt': prompt, 'completion': turns[-1][1]}
+    if not isinstance(m, Mapping) or not isinstance(m.get('role'), (str, bytes)):
+      raise ValueError(f'{where}: message {i} should be an object with a "role" string')
+  example = {'messages': _plain(messages, where, 'messages'), 'where': where}
+  if not any(m['role'] == 'assistant' for m in example['messages']):
+    raise ValueError(f'{where}: the conversation has no assistant message to train on')
+  if isinstance(tools, (str, bytes)) and tools:
+    try:
+      tools = json.loads(tools)
+    except json.JSONDecodeError as e:
+      raise ValueError(f'{where}: field tools is not valid JSON: {e}') from e
+  if tools is not None and len(tools):
+    if not all(isinstance(t, Mapping) for t in tools):
+      raise ValueError(f'{where}: tools should be a list of JSON schemas (objects)')
+    example['tools'] = _plain(tools, where, 'tools')
+  return example
 
 
 def to_example(record: Mapping[str, Any], fields: Fields, where: str) -> Example:
   """Normalises one record into an example dict; `where` prefixes error messages."""
   if fields.messages and fields.messages in record:
-    return render_chat(record[fields.messages], where)
+    tools = record.get(fields.tools) if fields.tools else None
+    return chat_example(record[fields.messages], tools, where)
   if (
     fields.prompt and fields.completion and fields.prompt in record and fields.completion in record
   ):
@@ -116,7 +131,10 @@ def to_example(record: Mapping[str, Any], fields: Fields, where: str) -> Example
 
 
 def example_texts(example: Example) -> list[str]:
-  """The strings that get tokenized for an example (what a tokenizer should be trained on)."""
+  """The strings that get tokenized for an example (what a tokenizer should be trained on; a
+  trained tokenizer has no chat template of its own, so chats are rendered with the built-in)."""
+  if 'messages' in example:
+    return [chat.ChatFormat().apply(example)[0]]
   return [example['text']] if 'text' in example else [example['prompt'] + example['completion']]
 
 

@@ -10,13 +10,17 @@ from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import Protocol, runtime_checkable
 
+import numpy as np
 import sentencepiece as spm
 import tokenizers
 from absl import logging
 
+from moetrain.data import chat
+
 SPM_FILE = 'tokenizer.model'
 HF_FILE = 'tokenizer.json'
 HF_CONFIG_FILE = 'tokenizer_config.json'
+SPECIAL_TOKENS_FILE = 'special_tokens_map.json'
 
 # Ids fixed by train_sentencepiece; bos=1 and eos=2 match LongCat-Flash's config.
 PAD_ID, BOS_ID, EOS_ID, UNK_ID = 0, 1, 2, 3
@@ -50,6 +54,10 @@ class Tokenizer(Protocol):
   pad_id: int
 
   def encode(self, text: str) -> list[int]: ...
+
+  def encode_offsets(self, text: str) -> tuple[list[int], list[tuple[int, int]]]:
+    """`encode`, with each token's character range [start, end) in `text`."""
+    ...
 
   def decode(self, ids: Sequence[int]) -> str: ...
 
@@ -89,6 +97,8 @@ class SentencePieceTokenizer:
     name: str = '<sentencepiece proto>',
   ):
     self._state = dict(model_proto=model_proto, bos=bos, eos=eos, pad=pad, name=name)
+    self.name = name
+    self.chat_template = None  # a .model file has none: chats use chat.BUILTIN
     try:
       self._sp = spm.SentencePieceProcessor(model_proto=model_proto)
     except RuntimeError as e:
@@ -107,6 +117,8 @@ class SentencePieceTokenizer:
     self.bos_id = _resolve(bos, own(self._sp.bos_id()), what='bos', **common)
     self.eos_id = _resolve(eos, own(self._sp.eos_id()), what='eos', **common)
     self.pad_id = _resolve(pad, own(self._sp.pad_id()), what='pad', **common) or 0
+    ids = dict(bos_token=self.bos_id, eos_token=self.eos_id, pad_token=self.pad_id)
+    self.template_variables = {k: self._sp.id_to_piece(v) for k, v in ids.items() if v is not None}
 
   @classmethod
   def from_file(cls, path: str | os.PathLike, **overrides: Special) -> SentencePieceTokenizer:
@@ -114,6 +126,15 @@ class SentencePieceTokenizer:
 
   def encode(self, text: str) -> list[int]:
     return self._sp.encode(text, out_type=int)
+
+  def encode_offsets(self, text: str) -> tuple[list[int], list[tuple[int, int]]]:
+    pieces = self._sp.encode(text, return_type='proto').pieces
+    # Byte offsets; a character written as byte pieces has all its bytes on the last piece.
+    spans = [(p.begin, p.end) for p in pieces]
+    for i in range(len(spans) - 2, -1, -1):
+      if spans[i][0] == spans[i][1] and pieces[i].piece.startswith('<0x'):
+        spans[i] = spans[i + 1]
+    return [p.id for p in pieces], _chars(text, spans)
 
   def encode_continuation(self, text: str) -> list[int]:
     """The tokens of `text` continuing an earlier text: without the space that the model's
@@ -167,11 +188,22 @@ class HFTokenizer:
     eos: Special = None,
     pad: Special = None,
     name: str = '<tokenizer.json>',
+    chat_template: str | dict[str, str] | None = None,
   ):
     config = config or {}
     self._state = dict(
-      tokenizer_json=tokenizer_json, config=config, bos=bos, eos=eos, pad=pad, name=name
+      tokenizer_json=tokenizer_json,
+      config=config,
+      bos=bos,
+      eos=eos,
+      pad=pad,
+      name=name,
+      chat_template=chat_template,
     )
+    self.name = name
+    # The model's chat template (chat.py), and the special-token variables it may read.
+    self.chat_template = chat_template
+    self.template_variables = chat.token_variables(config)
     try:
       self._tok = tokenizers.Tokenizer.from_str(tokenizer_json)
     except Exception as e:  # the library raises a bare Exception
@@ -206,19 +238,30 @@ class HFTokenizer:
   @classmethod
   def from_file(cls, path: str | os.PathLike, **overrides: Special) -> HFTokenizer:
     path = Path(path)
-    config_path = path.with_name(HF_CONFIG_FILE)
     config = {}
-    if config_path.is_file():
-      try:
-        config = json.loads(config_path.read_text(encoding='utf-8'))
-      except json.JSONDecodeError as e:
-        raise ValueError(f'{config_path} is not valid JSON: {e}') from None
-    return cls(path.read_text(encoding='utf-8'), config, name=str(path), **overrides)
+    for file in (HF_CONFIG_FILE, SPECIAL_TOKENS_FILE):  # the second fills what the first lacks
+      if path.with_name(file).is_file():
+        try:
+          config = json.loads(path.with_name(file).read_text(encoding='utf-8')) | config
+        except json.JSONDecodeError as e:
+          raise ValueError(f'{path.with_name(file)} is not valid JSON: {e}') from None
+    template = chat.template_from_config(config, path.parent)
+    return cls(
+      path.read_text(encoding='utf-8'),
+      config,
+      name=str(path),
+      chat_template=template,
+      **overrides,
+    )
 
   def encode(self, text: str) -> list[int]:
     # Special tokens written in the text ('<|im_start|>' in data rendered with a model's chat
     # template) are read as those tokens, as transformers' tokenizers do by default.
     return self._tok.encode(text, add_special_tokens=False).ids
+
+  def encode_offsets(self, text: str) -> tuple[list[int], list[tuple[int, int]]]:
+    encoding = self._tok.encode(text, add_special_tokens=False)
+    return encoding.ids, encoding.offsets
 
   def encode_continuation(self, text: str) -> list[int]:
     """The tokens of `text` continuing an earlier text: without the word-start marker that a
@@ -233,11 +276,22 @@ class HFTokenizer:
   def decode(self, ids: Sequence[int]) -> str:
     return self._tok.decode([int(i) for i in ids], skip_special_tokens=True)
 
+  def decode_with_special(self, ids: Sequence[int]) -> str:
+    """`decode`, keeping special tokens (<|im_start|>): what a chat template wrote."""
+    return self._tok.decode([int(i) for i in ids], skip_special_tokens=False)
+
   def __getstate__(self) -> dict:
     return self._state
 
   def __setstate__(self, state: dict) -> None:
     self.__init__(**state)
+
+
+def _chars(text: str, byte_spans: Sequence[tuple[int, int]]) -> list[tuple[int, int]]:
+  """UTF-8 byte offsets in `text` -> character offsets (a byte inside a character maps to it)."""
+  starts = np.cumsum([0] + [len(c.encode('utf-8')) for c in text])  # byte start of character i
+  flat = np.searchsorted(starts, np.asarray(byte_spans, np.int64).reshape(-1), side='right') - 1
+  return [(int(a), int(b)) for a, b in flat.reshape(-1, 2)]
 
 
 def _drop_prepend(node) -> bool:

@@ -27,7 +27,12 @@ from moetrain.train_state import graphdef_of, merge_model
 DTYPES = ('float32', 'bfloat16', 'float16')
 # What a merged export takes along from the run's tokenizer (and the base checkpoint), so that it
 # loads on its own (transformers, `generate --hf_checkpoint`).
-TOKENIZER_FILES = ('tokenizer.json', 'tokenizer_config.json', 'special_tokens_map.json')
+TOKENIZER_FILES = (
+  'tokenizer.json',
+  'tokenizer_config.json',
+  'special_tokens_map.json',
+  'chat_template.jinja',
+)
 SPM_FILE = 'tokenizer.model'
 
 

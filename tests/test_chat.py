@@ -1,0 +1,184 @@
+"""Chat records rendered with the model's own chat template, compared with transformers'
+apply_chat_template (tests/fixtures/make_chat_fixtures.py wrote what it returns)."""
+
+import concurrent.futures
+import json
+import os
+import shutil
+
+import pytest
+
+from moetrain.data import chat, packing, pipeline, sources
+from moetrain.data import tokenizer as tokenizer_lib
+from tests.helpers import ROOT, run_command
+
+FIXTURES = os.path.join(ROOT, 'tests', 'fixtures', 'chat')
+TOKENIZER = os.path.join(FIXTURES, 'tokenizer')
+EXPECTED = json.load(open(os.path.join(FIXTURES, 'expected.json')))
+
+
+def template_path(name: str) -> str:
+  return os.path.join(FIXTURES, 'templates', f'{name}.jinja')
+
+
+def data_config(**kw) -> pipeline.DataConfig:
+  """The fixture conversations as a JSONL 'conversations' split, read with the fixture tokenizer."""
+  return pipeline.DataConfig(
+    source='jsonl',
+    path=os.path.join(FIXTURES, '{split}.jsonl'),
+    train_split='conversations',
+    eval_split='',
+    tokenizer=TOKENIZER,
+    seq_len=4096,
+    **kw,
+  )
+
+
+@pytest.fixture(scope='module')
+def conversations():
+  cfg = data_config()
+  return [pipeline.open_source(cfg, 'conversations')[i] for i in range(5)]
+
+
+@pytest.fixture(scope='module')
+def tok():
+  return tokenizer_lib.load_tokenizer(TOKENIZER)
+
+
+def tokenized(example, tok, **data):
+  cfg = data_config(**data)
+  fmt = pipeline.chat_format(cfg, tok)
+  piece = packing.tokenize(example, tok, max_len=cfg.seq_len + 1, chat_format=fmt)
+  return [int(i) for i in piece['tokens']], [int(m) for m in piece['is_target']]
+
+
+def last_run(mask):
+  """The mask's last run of ones alone (the final assistant turn)."""
+  end = max(i for i, m in enumerate(mask) if m) + 1
+  start = end
+  while start > 0 and mask[start - 1]:
+    start -= 1
+  return [int(start <= i < end) for i in range(len(mask))]
+
+
+@pytest.mark.parametrize('name', ['chatml_tools', 'llama3', 'inst'])
+def test_ids_and_trained_tokens_are_transformers(name, conversations, tok):
+  """Ids equal apply_chat_template(tokenize=True); the trained tokens, found from the template
+  alone, equal the assistant mask transformers reads from a twin template whose {% generation %}
+  blocks mark each reply; the twin itself gives the same. Templates that raise (roles must
+  alternate) raise here too, naming the record."""
+  for example, expected in zip(conversations, EXPECTED[name], strict=True):
+    for template in (name, f'{name}_generation'):
+      if 'error' in expected:
+        with pytest.raises(ValueError, match=rf'conversations\.jsonl:\d+: .*{expected["error"]}'):
+          tokenized(example, tok, chat_template=template_path(template))
+        continue
+      ids, mask = tokenized(example, tok, chat_template=template_path(template))
+      assert ids == expected['ids'], template
+      assert mask == expected['assistant_masks'], template
+
+
+def test_the_tokenizers_own_template_is_used(conversations, tok):
+  """tokenizer_config.json's chat_template (chatml_tools) with data.chat_template=''; a
+  chat_template.jinja beside tokenizer.json wins, as in transformers."""
+  assert tok.chat_template == open(template_path('chatml_tools')).read()
+  for example, expected in zip(conversations, EXPECTED['chatml_tools']):
+    assert tokenized(example, tok) == (expected['ids'], expected['assistant_masks'])
+  # 'last': the final assistant turn alone; a conversation ending with the user is an error.
+  ids, mask = tokenized(conversations[2], tok, chat_loss='last')
+  assert mask == last_run(EXPECTED['chatml_tools'][2]['assistant_masks'])
+  with pytest.raises(ValueError, match=r'conversations\.jsonl:4: the last message should be'):
+    tokenized(conversations[3], tok, chat_loss='last')
+
+
+def test_a_chat_template_file_wins_over_the_config(tmp_path, conversations):
+  shutil.copytree(TOKENIZER, tmp_path / 'tok')
+  shutil.copy(template_path('llama3'), tmp_path / 'tok' / chat.TEMPLATE_FILE)
+  tok = tokenizer_lib.load_tokenizer(tmp_path / 'tok')
+  assert tok.chat_template == open(template_path('llama3')).read()
+  assert tok.template_variables['bos_token'] == '<s>'  # the template's {{ bos_token }}
+  ids, _ = tokenized(conversations[0], tok)
+  assert ids == EXPECTED['llama3'][0]['ids']
+
+
+def test_a_template_that_rewrites_earlier_turns(conversations, tok):
+  """The thinking template drops the reasoning of turns before the last user message: those
+  turns cannot be found from the template alone ('all' is an error saying what to do), the last
+  can ('last'), and {% generation %} blocks mark them all."""
+  thinking, marked = template_path('thinking'), template_path('thinking_generation')
+  for example, expected in zip(conversations, EXPECTED['thinking']):
+    ids, mask = tokenized(example, tok, chat_template=marked)
+    assert (ids, mask) == (expected['ids'], expected['assistant_masks'])
+  example, expected = conversations[4], EXPECTED['thinking'][4]
+  with pytest.raises(ValueError, match=r"renders message 1 .* data.chat_loss='last'"):
+    tokenized(example, tok, chat_template=thinking)
+  ids, mask = tokenized(example, tok, chat_template=thinking, chat_loss='last')
+  assert (ids, mask) == (expected['ids'], last_run(expected['assistant_masks']))
+  # Without reasoning in the conversation, the turns are found.
+  assert (
+    tokenized(conversations[1], tok, chat_template=thinking)[1]
+    == (EXPECTED['thinking'][1]['assistant_masks'])
+  )
+
+
+def test_generation_spans_are_tracked_per_thread(conversations):
+  """grain's read-ahead threads render with one compiled template at once."""
+  fmt = chat.ChatFormat(open(template_path('chatml_tools_generation')).read(), builtin=False)
+  want = [fmt.apply(example) for example in conversations]
+  with concurrent.futures.ThreadPoolExecutor(4) as pool:
+    got = list(pool.map(fmt.apply, conversations * 50))
+  assert got == want * 50
+
+
+def test_the_builtin_template_trains_every_assistant_turn(tmp_path):
+  """A tokenizer without a template (a trained SentencePiece model): <|role|> turns, bos/eos
+  around the text, the loss on each reply (or the last), eos trained after the last."""
+  example = sources.chat_example(
+    [
+      {'role': 'user', 'content': 'red fox'},
+      {'role': 'assistant', 'content': 'fox red'},
+      {'role': 'user', 'content': 'blue cat'},
+      {'role': 'assistant', 'content': 'cat blue'},
+    ],
+    None,
+    'x:1',
+  )
+  text, spans = chat.ChatFormat().apply(example)
+  assert (
+    text == '<|user|>\nred fox\n<|assistant|>\nfox red\n<|user|>\nblue cat\n<|assistant|>\ncat blue'
+  )
+  assert [text[a:b] for a, b in spans] == ['fox red', 'cat blue']
+  assert [text[a:b] for a, b in chat.ChatFormat(loss='last').apply(example)[1]] == ['cat blue']
+  tok = tokenizer_lib.train_sentencepiece([text] * 20, 300, tmp_path / 'tokenizer.model')
+  tokens, is_target = packing._tokens(example, tok, False, chat.ChatFormat())
+  assert tokens[0] == tok.bos_id and tokens[-1] == tok.eos_id and is_target[-1] == 1.0
+  trained = [t for t, m in zip(tokens[1:-1], is_target[1:-1]) if m]
+  assert tok.decode(trained) == 'fox redcat blue'
+  # Tool calls have no string content: the built-in template says what to do.
+  calls = dict(example, messages=[*example['messages'][:3], {'role': 'assistant', 'content': None}])
+  with pytest.raises(ValueError, match='x:1: message 3 has no string content'):
+    chat.ChatFormat().apply(calls)
+
+
+def test_preview_data_prints_the_trainers_tokens():
+  """`preview_data --json` prints transformers' ids and assistant masks for the fixture chats;
+  the text form marks the trained text."""
+  args = [
+    '--config=configs/longcat_lora.py',
+    '--config.data.source=jsonl',
+    f'--config.data.path={FIXTURES}/{{split}}.jsonl',
+    '--config.data.train_split=conversations',
+    '--config.data.eval_split=',
+    f'--config.data.tokenizer={TOKENIZER}',
+    '--config.data.seq_len=4096',
+    '--num=5',
+  ]
+  out = run_command('moetrain.tools.preview_data', *args, '--json')
+  assert out.returncode == 0, out.stderr
+  rows = [json.loads(line) for line in out.stdout.splitlines()]
+  assert rows == [
+    {'ids': e['ids'], 'loss_mask': e['assistant_masks']} for e in EXPECTED['chatml_tools']
+  ]
+  out = run_command('moetrain.tools.preview_data', *args, '--num=1')
+  assert out.returncode == 0, out.stderr
+  assert '<|im_start|>assistant\n[[fox red<|im_end|>]]\n' in out.stdout

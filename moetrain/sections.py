@@ -71,6 +71,9 @@ class MeshConfig:
   """The `config.mesh` section: the device mesh, axes (data, fsdp, expert, tensor)."""
 
   shape: tuple = (1, -1, 1, 1)  # one entry may be -1 (the remaining devices)
+  # Multislice: how many slices each axis spans (over the data-center network), e.g. (2, 1, 1, 1)
+  # puts data parallelism across 2 slices; () or all ones = one slice. Divides `shape`.
+  dcn_shape: tuple = ()
   rules: str = field('fsdp_ep_tp', choices=tuple(sharding.PRESETS))  # logical-axis rule preset
 
 

@@ -44,6 +44,10 @@ class Setup:
   train: LoopConfig
   hf_checkpoint: str = ''
   peft_adapter: str = ''
+  mesh_dcn: tuple[int, ...] = ()  # mesh.dcn_shape: slices per mesh axis (multislice)
+
+  def make_mesh(self, devices=None):
+    return sharding.make_mesh(self.mesh_shape, devices, dcn=self.mesh_dcn)
 
 
 # loss.bias_update_decay_steps = -1: decay over train.steps (the value, not a reference to the
@@ -77,6 +81,7 @@ def build(
   num_devices = num_devices or jax.device_count()
   process_count = process_count or jax.process_count()
   mesh_shape = sharding.resolve_mesh_shape(config.mesh.shape, num_devices)
+  mesh_dcn = sharding.check_dcn_shape(config.mesh.get('dcn_shape', ()), mesh_shape)
   model = model_config(config)  # (checks mesh.rules)
   model = model.laid_out(platform or jax.default_backend(), mesh_shape)
   sharding.check_axes_used(mesh_shape, config.mesh.rules)
@@ -103,7 +108,16 @@ def build(
     raise ValueError('init.peft_adapter needs lora.rank > 0 (the rank of the adapter)')
   init = InitConfig(**config.init.to_dict())
   return Setup(
-    model, data, opt, step, mesh_shape, config.seed, train, init.hf_checkpoint, init.peft_adapter
+    model,
+    data,
+    opt,
+    step,
+    mesh_shape,
+    config.seed,
+    train,
+    init.hf_checkpoint,
+    init.peft_adapter,
+    mesh_dcn,
   )
 
 

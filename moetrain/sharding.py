@@ -1,6 +1,7 @@
 """Mesh construction, logical-axis rule presets and the shardings of state and batches."""
 
 import dataclasses
+import math
 from collections.abc import Sequence
 
 import jax
@@ -101,11 +102,27 @@ def check_axes_used(mesh_shape: Sequence[int], rules_name: str) -> None:
     )
 
 
-def make_mesh(shape: Sequence[int], devices=None) -> jax.sharding.Mesh:
-  """Mesh over MESH_AXES; one entry of `shape` may be -1 (the remaining devices)."""
+def make_mesh(shape: Sequence[int], devices=None, dcn: Sequence[int] = ()) -> jax.sharding.Mesh:
+  """Mesh over MESH_AXES; one entry of `shape` may be -1 (the remaining devices). `dcn`
+  (mesh.dcn_shape) splits axes over slices: axis i spans dcn[i] slices of shape[i] / dcn[i]
+  devices each, so its collectives cross the data-center network only between slices."""
   devices = list(devices if devices is not None else jax.devices())
   shape = resolve_mesh_shape(shape, len(devices))
   types = (AxisType.Auto,) * len(MESH_AXES)
+  dcn = check_dcn_shape(dcn, shape)
+  if math.prod(dcn) > 1:
+    from jax.experimental import mesh_utils
+
+    slices = {getattr(d, 'slice_index', None) for d in devices}
+    if len(slices) != math.prod(dcn):
+      raise ValueError(
+        f'mesh.dcn_shape={tuple(dcn)} asks for {math.prod(dcn)} slices, but the '
+        f'{len(devices)} devices are of {len(slices)} (a multislice TPU job: '
+        'tpu_scripts/create.sh with NUM_SLICES)'
+      )
+    ici = [s // d for s, d in zip(shape, dcn)]
+    grid = mesh_utils.create_hybrid_device_mesh(ici, dcn, devices, allow_split_physical_axes=True)
+    return jax.sharding.Mesh(grid, MESH_AXES, axis_types=types)
   try:
     return jax.make_mesh(shape, MESH_AXES, axis_types=types, devices=devices)
   except NotImplementedError:
@@ -115,6 +132,21 @@ def make_mesh(shape: Sequence[int], devices=None) -> jax.sharding.Mesh:
 
     grid = mesh_utils.create_device_mesh(shape, devices, allow_split_physical_axes=True)
     return jax.sharding.Mesh(grid, MESH_AXES, axis_types=types)
+
+
+def check_dcn_shape(dcn: Sequence[int], shape: Sequence[int]) -> tuple[int, ...]:
+  """mesh.dcn_shape, all ones when empty; each entry must divide its axis of mesh.shape."""
+  dcn = tuple(int(d) for d in dcn) or (1,) * len(MESH_AXES)
+  if len(dcn) != len(MESH_AXES) or any(d < 1 for d in dcn):
+    raise ValueError(
+      f'mesh.dcn_shape={dcn}: give {len(MESH_AXES)} slice counts >= 1 {MESH_AXES}, or () for one'
+    )
+  if any(s % d for s, d in zip(shape, dcn)):
+    raise ValueError(
+      f'mesh.dcn_shape={dcn} must divide mesh.shape={tuple(shape)} axis by axis (an axis of '
+      'size s over d slices has s / d devices in each)'
+    )
+  return dcn
 
 
 def resolve_mesh_shape(shape: Sequence[int], num_devices: int) -> tuple[int, ...]:

@@ -45,10 +45,11 @@ CORES_PER_CHIP_IN_NAME = {'v4': 2, 'v5p': 2}
 
 @dataclasses.dataclass(frozen=True)
 class Topology:
-  name: str  # as asked: 'v5p-128' or 'v5p:4x4x4'
-  topology_name: str  # libtpu's: 'v5p:4x4x4'
+  name: str  # as asked: 'v5p-128' or 'v5p:4x4x4' (or '2xv5p-128': two slices)
+  topology_name: str  # libtpu's, of one slice: 'v5p:4x4x4'
   chip: Chip
-  chips: int
+  chips: int  # over all slices
+  slices: int = 1  # multislice: slices joined over the data-center network
 
   @property
   def num_devices(self) -> int:
@@ -57,10 +58,11 @@ class Topology:
   @property
   def cloud_name(self) -> str:
     g = self.chip.generation
-    return f'{g}-{self.chips * CORES_PER_CHIP_IN_NAME.get(g, 1)}'
+    one = f'{g}-{self.chips // self.slices * CORES_PER_CHIP_IN_NAME.get(g, 1)}'
+    return one if self.slices == 1 else f'{self.slices}x{one}'
 
   def devices(self):
-    return topology_devices(self.topology_name)
+    return topology_devices(self.topology_name, self.slices)
 
 
 def _torus(chips: int, dims: int) -> str:
@@ -77,8 +79,16 @@ def _torus(chips: int, dims: int) -> str:
 
 def parse(name: str) -> Topology:
   """'v5p-128' (Cloud accelerator type), 'v5litepod-16', or libtpu's 'v5p:4x4x4' /
-  'v6e:16x16'. Generations this table does not know are refused with the ones it does."""
+  'v6e:16x16'; 'Nx' before either names N slices of it (multislice: '2xv5p-128').
+  Generations this table does not know are refused with the ones it does."""
   name = name.strip()
+  multi = re.fullmatch(r'(\d+)x([a-z].*)', name)
+  if multi:
+    one = parse(multi.group(2))
+    n = int(multi.group(1))
+    if n < 1:
+      raise ValueError(f'--topology={name!r}: the slice count must be >= 1')
+    return dataclasses.replace(one, name=name, chips=one.chips * n, slices=n)
   m = re.fullmatch(r'([a-z0-9]+?)(?:-(\d+)|:(\d+(?:x\d+)*))', name)
   gen = m and ALIASES.get(m.group(1), m.group(1))
   if not m or gen not in CHIPS:
@@ -107,8 +117,8 @@ def parse(name: str) -> Topology:
   return Topology(name, f'{gen}:{shape}', chip, chips)
 
 
-def topology_devices(topology_name: str):
-  """Compile-only TPU devices of a slice, from libtpu; no TPU needed."""
+def topology_devices(topology_name: str, slices: int = 1):
+  """Compile-only TPU devices of `slices` slices of a topology, from libtpu; no TPU needed."""
   # libtpu takes a lock file per process unless told otherwise; the planner's worker processes
   # each load it.
   os.environ.setdefault('ALLOW_MULTIPLE_LIBTPU_LOAD', '1')
@@ -121,7 +131,7 @@ def topology_devices(topology_name: str):
     ) from None
   from jax.experimental import topologies
 
-  kwargs = {}
+  kwargs = {'num_slices': slices} if slices > 1 else {}
   if math.prod(int(s) for s in topology_name.split(':')[1].split('x')) < 4:
     kwargs['chips_per_host_bounds'] = (1, 1, 1)  # single-chip hosts (v5e-1, v6e-1)
   return topologies.get_topology_desc(platform='tpu', topology_name=topology_name, **kwargs).devices

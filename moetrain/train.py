@@ -53,7 +53,7 @@ def run(config, workdir: str) -> dict:
   enable_compilation_cache(
     compilation_cache_dir(setup.train.compilation_cache, rundir.run_dir(workdir))
   )
-  mesh = sharding.make_mesh(setup.mesh_shape)
+  mesh = setup.make_mesh()
   rundir.check_resumable(config, workdir)
   # One run per directory: nothing below writes into it before the lease is held (by process
   # 0 for the job; the others learn whether it got it and stop with it when it did not).

@@ -222,6 +222,27 @@ def test_a_mesh_whose_axes_split_the_torus_sides():
   assert sorted(d.id for d in mesh.devices.flat) == sorted(d.id for d in devices)
 
 
+def test_multislice_puts_the_dcn_axis_across_slices():
+  """'2xv5e-4' is two v5e-4 slices: mesh.dcn_shape=(2, 1, 1, 1) puts each half of the data axis
+  in one slice (only its gradients cross the data-center network), and the step compiles; a
+  dcn_shape that asks for slices the devices are not of is an error saying how to get them."""
+  from moetrain import sharding
+
+  topo = topology.parse('2xv5e-4')
+  assert (topo.chips, topo.num_devices, topo.cloud_name, topo.slices) == (8, 8, '2xv5e-4', 2)
+  devices = topo.devices()
+  mesh = sharding.make_mesh((2, 2, 2, 1), devices, dcn=(2, 1, 1, 1))
+  for half in range(2):
+    assert {d.slice_index for d in mesh.devices[half].flat} == {half}
+  over = {'mesh.shape': (2, 2, 2, 1), 'mesh.dcn_shape': (2, 1, 1, 1)}
+  r = tpu_plan.plan(longcat_lora.get_config(), '2xv5e-4', over)
+  assert r['fits'] and r['chips'] == 8
+  with pytest.raises(ValueError, match=r'asks for 2 slices, but the 4 devices are of 1'):
+    sharding.make_mesh((2, 2, 1, 1), topology.parse('v5e-4').devices(), dcn=(2, 1, 1, 1))
+  with pytest.raises(ValueError, match=r'mesh.dcn_shape=\(4, 1, 1, 1\) must divide'):
+    sharding.make_mesh((2, 2, 2, 1), devices, dcn=(4, 1, 1, 1))
+
+
 def test_auto_picks_megablox_where_tpu_expert_weights_train():
   from moetrain.model import dispatch
   from moetrain.model.config import LoraConfig, ModelConfig

@@ -1,21 +1,22 @@
 #!/usr/bin/env bash
-# Run the same training command on every worker (JAX forms one multi-host job).
+# Run the same command on every worker of every slice: JAX forms one job across them.
 #   TPU_NAME=moe ZONE=us-east5-a WORKDIR=/mnt/shared/runs/lora tpu_scripts/launch.sh \
 #     --config=configs/longcat_lora.py:variant=flash --config.init.hf_checkpoint=/mnt/longcat
-# MODULE runs a tool the same way, e.g. MODULE=moetrain.tools.export ... --out=/mnt/shared/merged
+# WORKDIR  the run directory, shared by every worker (required for training)
+# MODULE   a tool instead of training, e.g. MODULE=moetrain.tools.export ... --out=DIR
+# Logs go to ~/<module>.log on each worker (tpu_scripts/status.sh tails them).
 set -euo pipefail
+# shellcheck source=common.sh
+source "$(dirname "$0")/common.sh"
+require TPU_NAME ZONE
 MODULE="${MODULE:-moetrain.main}"
-: "${TPU_NAME:?set TPU_NAME}" "${ZONE:?set ZONE}"
-if [[ "$MODULE" == moetrain.main ]]; then
-  : "${WORKDIR:?set WORKDIR (a filesystem path every worker shares)}"
-fi
-# A tool may go without a run (evaluate or generate a base checkpoint: --config ... --config.init.hf_checkpoint=DIR).
-ARGS=$(printf ' %q' "$@")
-if [[ -n "${WORKDIR:-}" ]]; then
-  ARGS=" --workdir=$(printf %q "$WORKDIR")$ARGS"
-fi
+if [[ "$MODULE" == moetrain.main ]]; then require WORKDIR; fi
+cmd=(.venv/bin/python -m "$MODULE")
+if [[ -n "${WORKDIR:-}" ]]; then cmd+=(--workdir="$WORKDIR"); fi
+cmd+=("${ARGS[@]}")
+printf -v line '%q ' "${cmd[@]}"
 LOG="${MODULE##*.}.log"  # main.log for training, export.log for moetrain.tools.export, ...
-gcloud compute tpus tpu-vm ssh "$TPU_NAME" --zone="$ZONE" --worker=all --command="
-  cd ~/moetrain && MOETRAIN_DISTRIBUTED=1 nohup .venv/bin/python -m $(printf %q "$MODULE") \
-    $ARGS > ~/$LOG 2>&1 &"
-echo "Launched on all workers; logs: gcloud compute tpus tpu-vm ssh $TPU_NAME --zone=$ZONE --worker=0 --command='tail -f ~/$LOG'"
+on_all_workers "cd ~/moetrain && MOETRAIN_DISTRIBUTED=1 nohup ${line% } > ~/$LOG 2>&1 &"
+if (( ! DRY_RUN )); then
+  echo "Launched on all workers; follow it: tpu_scripts/status.sh (LOG=$LOG)"
+fi

@@ -39,7 +39,7 @@ def evaluate_checkpoint(
   setup = setup_lib.tool_setup(config, workdir)
   if split:
     setup = dataclasses.replace(setup, data=dataclasses.replace(setup.data, eval_split=split))
-  mesh = sharding.make_mesh(setup.mesh_shape)
+  mesh = setup.make_mesh()
   tokenizer = pipeline.make_tokenizer(setup.data, workdir)
   setup_lib.check_tokenizer_fits(tokenizer, setup)
   batches = pipeline.make_eval_batches(

@@ -18,7 +18,7 @@ import jax
 from absl import app, flags
 from ml_collections import config_flags
 
-from moetrain import lease, runtime, sharding
+from moetrain import lease, runtime
 from moetrain import setup as setup_lib
 from moetrain.convert import hf, peft_adapter
 from moetrain.convert import safetensors_io as stio
@@ -117,7 +117,7 @@ def export(config, workdir: str, out: str, adapter_only: bool = False, dtype=Non
   check_out(out, workdir, setup)
   if adapter_only and not setup.model.lora.enabled:
     raise ValueError('--adapter_only needs a LoRA run (lora.rank > 0)')
-  mesh = sharding.make_mesh(setup.mesh_shape)
+  mesh = setup.make_mesh()
   primary = jax.process_index() == 0
   # Written beside --out (same filesystem, so the final moves are renames).
   parent = os.path.dirname(os.path.abspath(out))

@@ -195,14 +195,13 @@ def load_run(config, workdir: str | None):
   init.hf_checkpoint, else random) when there is none; the frozen base of a LoRA run is rebuilt
   from its source, as training does. Returns (model, tokenizer, step)."""
   from moetrain import setup as setup_lib
-  from moetrain import sharding
   from moetrain.data import pipeline
   from moetrain.train_state import graphdef_of, merge_model
 
   setup = setup_lib.tool_setup(config, workdir)
   tokenizer = pipeline.make_tokenizer(setup.data, workdir)
   setup_lib.check_tokenizer_fits(tokenizer, setup)  # before the (slow) load
-  mesh = sharding.make_mesh(setup.mesh_shape)
+  mesh = setup.make_mesh()
   with jax.set_mesh(mesh):
     state = setup_lib.load_latest(setup, workdir, mesh)
   model = merge_model(graphdef_of(setup.model), state.params, state.moe_bias, state.frozen)

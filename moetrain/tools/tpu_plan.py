@@ -63,7 +63,7 @@ def plan(config, topology: str, overrides: dict | None = None) -> dict:
   config = with_overrides(config, overrides or {})
   devices = topo.devices()
   setup = build(config, num_devices=len(devices), process_count=1, platform='tpu')
-  mesh = sharding.make_mesh(setup.mesh_shape, devices)
+  mesh = setup.make_mesh(devices)
   chip = topo.chip
   report = {
     'topology': topo.cloud_name,

@@ -196,8 +196,9 @@ def loop(job: Job, state: TrainState) -> tuple[TrainState, dict]:
   meter = metrics_lib.Throughput(start_step, t.steps)
   log = train_log.TrainLog.create(job.setup, meter, job.writer)
   evals = Evals(job, meter)
+  baseline = None
   if start_step == 0 and job.eval_batches:  # the baseline that fine-tuning is measured against
-    evals(state, 0, recurring=False)
+    baseline = evals(state, 0, recurring=False)
   finite = jax.process_count() > 1 and job.setup.data.num_epochs is not None
   data_ended = multihost.Exchange('data_ended') if finite else None
   stop, saved = Stop(), False
@@ -218,6 +219,12 @@ def loop(job: Job, state: TrainState) -> tuple[TrainState, dict]:
   if (int(state.step) == t.steps or stop.data_ended) and job.eval_batches:
     ev = evals.at(state, int(state.step))  # (this step's already, when it was an eval step)
     last = {**last, **{f'eval_{k}': v for k, v in ev.items()}}
+    if baseline is not None:
+      job.writer.progress(
+        f'eval accuracy {baseline["accuracy"]:.4f} before training -> {ev["accuracy"]:.4f} at '
+        f'step {int(state.step)} (perplexity {baseline["perplexity"]:.2f} -> '
+        f'{ev["perplexity"]:.2f})'
+      )
   return state, {**last, 'data_ended': True} if stop.data_ended else last
 
 

@@ -4,6 +4,7 @@ import glob
 import importlib.util
 import os
 
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -17,8 +18,8 @@ CONFIGS = sorted(
   if not os.path.basename(p).startswith('__')
 )
 VARIANTS = {
-  name: ['variant=tiny', 'variant=medium', 'variant=flash']
-  for name in ('longcat_lora.py', 'longcat_pretrain.py')
+  'longcat_lora.py': ['variant=demo', 'variant=tiny', 'variant=medium', 'variant=flash'],
+  'longcat_pretrain.py': ['variant=tiny', 'variant=medium', 'variant=flash'],
 }
 
 
@@ -289,3 +290,30 @@ def test_colab_notebook_commands_build():
         source = f.read()
       for name in args:
         assert re.search(rf"DEFINE_\w+\(\s*'{name}'", source), f'{module} has no --{name}'
+
+
+def test_the_demo_starts_from_a_shipped_base_that_copies_but_does_not_reverse():
+  """configs/longcat_lora.py's default variant fine-tunes moetrain/data/demo/base (made by
+  moetrain/data/demo_base.py): the tiny shapes, and a model that copies word lists, so the
+  reversal the adapters learn is a new skill, not a first language."""
+  from moetrain.convert import hf
+  from moetrain.data import demo_base, tokenizer
+  from moetrain.model.families import PRESETS
+  from moetrain.tools import generate
+
+  config = load(os.path.join(ROOT, 'configs', 'longcat_lora.py'))
+  assert config.init.hf_checkpoint == str(demo_base.DIR)
+  setup = setup_lib.build(config, num_devices=8, process_count=1)
+  for name in ('hidden_size', 'num_layers', 'n_routed_experts', 'zero_expert_num', 'vocab_size'):
+    assert getattr(setup.model, name) == getattr(PRESETS['tiny'], name), name
+  assert setup.data.tokenizer == str(demo_base.DIR)
+  tok = tokenizer.load_tokenizer(demo_base.DIR)
+  model = hf.load_model(str(demo_base.DIR))
+
+  def complete(prompt: str) -> str:
+    ids = [tok.bos_id, *tok.encode(prompt)]
+    out = generate.generate(model, jnp.asarray([ids]), 8, eos_id=tok.eos_id)
+    return generate.continuation(tok, ids, generate.new_tokens(out, len(ids), tok.eos_id))
+
+  assert complete('copy: red fox cup =') == ' red fox cup'
+  assert complete('reverse: red fox cup =') != ' cup fox red'

@@ -73,7 +73,7 @@ class Job:
       args.append(f'--hf_checkpoint={hf}')
     else:
       args += [
-        '--config=configs/longcat_lora.py',
+        '--config=configs/longcat_lora.py:variant=tiny',
         f'--workdir={workdir}',
         *(f'--config.{k}={v}' for k, v in SETTINGS.items()),
         f'--config.train.compilation_cache={os.path.join(ROOT, ".jax_cache")}',

@@ -21,6 +21,11 @@ WORDS = tuple(
 MIN_WORDS, MAX_WORDS = 3, 6
 
 
+def make_copy_example(words: list[str]) -> dict[str, str]:
+  """The demo base's pretraining task (demo_base.py): the same words in the same order."""
+  return {'prompt': f'copy: {" ".join(words)} =', 'completion': ' ' + ' '.join(words)}
+
+
 def make_example(words: list[str]) -> dict[str, str]:
   # The trailing '=' marks where the prompt ends: without it the model cannot tell whether
   # another input word follows. The example's text is prompt + completion, so the completion
@@ -28,8 +33,12 @@ def make_example(words: list[str]) -> dict[str, str]:
   return {'prompt': f'reverse: {" ".join(words)} =', 'completion': ' ' + ' '.join(reversed(words))}
 
 
-def generate(splits: dict[str, int] = SPLITS, seed: int = SEED) -> dict[str, list[dict[str, str]]]:
-  """Draws distinct word lists; no list appears in two splits, so eval measures generalisation."""
+def generate(
+  splits: dict[str, int] = SPLITS, seed: int = SEED, make=None
+) -> dict[str, list[dict[str, str]]]:
+  """Draws distinct word lists; no list appears in two splits, so eval measures generalisation.
+  `make` turns a list into an example (default make_example: reversal)."""
+  make = make or make_example
   rng = random.Random(seed)
   seen = set()
   out = {}
@@ -39,7 +48,7 @@ def generate(splits: dict[str, int] = SPLITS, seed: int = SEED) -> dict[str, lis
       words = tuple(rng.sample(WORDS, rng.randint(MIN_WORDS, MAX_WORDS)))
       if words not in seen:
         seen.add(words)
-        examples.append(make_example(list(words)))
+        examples.append(make(list(words)))
     out[split] = examples
   return out
 

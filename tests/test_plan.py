@@ -64,7 +64,7 @@ TINY_EP = {'mesh.shape': (1, 2, 2, 1)}
 def test_plan_compiles_the_train_and_eval_steps_for_a_slice(tmp_path, capsys):
   """Tiny LoRA on a v5e-4 with experts over 2 chips: the TPU engine is chosen (not this host's),
   both steps compile, and the report has every per-chip figure and a labelled estimate."""
-  r = tpu_plan.plan(longcat_lora.get_config(), 'v5e-4', TINY_EP)
+  r = tpu_plan.plan(longcat_lora.get_config('variant=tiny'), 'v5e-4', TINY_EP)
   assert r['engine']['moe_backend'] == 'ragged_dot' and r['engine']['moe_ep_comm'] == 'ragged'
   assert r['fits'] and 0.9 < r['headroom'] < 1
   m = r['per_chip_bytes']
@@ -96,7 +96,7 @@ def test_a_batch_that_fits_and_one_that_does_not():
     'model.loss_chunk': 0,
     'data.eval_split': '',
   }
-  config = longcat_lora.get_config()
+  config = longcat_lora.get_config('variant=tiny')
   hbm = topology.CHIPS['v5e'].hbm_bytes
   fits = tpu_plan.plan(config, 'v5e-1', over | {'data.global_batch_size': 8})
   assert fits['fits'] and fits['per_chip_bytes']['total'] < hbm
@@ -113,7 +113,7 @@ def test_tpu_only_paths_compile():
   from moetrain.setup import build
 
   config = tpu_plan.with_overrides(
-    longcat_lora.get_config(),
+    longcat_lora.get_config('variant=tiny'),
     TINY_EP
     | {
       'model.moe_backend': 'megablox',
@@ -143,7 +143,9 @@ def test_megablox_without_expert_parallelism_compiles_for_tpu():
 @pytest.mark.slow
 @pytest.mark.parametrize('remat', ['none', 'full', 'save_dots', 'save_moe', 'offload'])
 def test_remat_policies_compile_and_trade_memory(remat):
-  r = tpu_plan.plan(longcat_lora.get_config(), 'v5e-4', TINY_EP | {'model.remat': remat})
+  r = tpu_plan.plan(
+    longcat_lora.get_config('variant=tiny'), 'v5e-4', TINY_EP | {'model.remat': remat}
+  )
   assert r['fits'], r
 
 
@@ -195,7 +197,7 @@ def test_search_and_smallest_compile_for_real(tmp_path, capsys):
   processes: the search ends on a plan with headroom and the flags it prints; each method's
   smallest v5e slice fits and the one below it does not."""
   cache = str(tmp_path / 'plans.json')
-  config = longcat_lora.get_config()
+  config = longcat_lora.get_config('variant=tiny')
   best = tpu_plan.search(config, 'v5e-4', workers=2, rounds=1, cache=cache)
   assert tpu_plan._ok(best)
   rows = tpu_plan.smallest(config, ['v5e'], workers=2, max_chips=16, cache=cache)
@@ -235,7 +237,7 @@ def test_multislice_puts_the_dcn_axis_across_slices():
   for half in range(2):
     assert {d.slice_index for d in mesh.devices[half].flat} == {half}
   over = {'mesh.shape': (2, 2, 2, 1), 'mesh.dcn_shape': (2, 1, 1, 1)}
-  r = tpu_plan.plan(longcat_lora.get_config(), '2xv5e-4', over)
+  r = tpu_plan.plan(longcat_lora.get_config('variant=tiny'), '2xv5e-4', over)
   assert r['fits'] and r['chips'] == 8
   with pytest.raises(ValueError, match=r'asks for 2 slices, but the 4 devices are of 1'):
     sharding.make_mesh((2, 2, 1, 1), topology.parse('v5e-4').devices(), dcn=(2, 1, 1, 1))

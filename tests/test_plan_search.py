@@ -64,7 +64,7 @@ def test_search_keeps_the_fastest_plan_with_headroom_and_caches(fake, tmp_path, 
   # fastest; a quantised base then leaves room to recompute nothing (remat none).
   planner = fake(44)
   cache = str(tmp_path / 'plans.json')
-  config = longcat_lora.get_config()
+  config = longcat_lora.get_config('variant=tiny')
   assert not tpu_plan._ok(planner(config, 'v5e-4'))  # as configured
   best = tpu_plan.search(config, 'v5e-4', workers=1, cache=cache)
   assert best['fits'] and best['headroom'] >= tpu_plan.HEADROOM
@@ -83,7 +83,7 @@ def test_search_keeps_the_fastest_plan_with_headroom_and_caches(fake, tmp_path, 
 
 
 def test_neighbours_leave_out_what_is_already_set():
-  config = longcat_lora.get_config()
+  config = longcat_lora.get_config('variant=tiny')
   for n in tpu_plan.neighbours(config, 4, {}):
     c = tpu_plan.with_overrides(config, n)
     assert any(
@@ -101,7 +101,7 @@ def test_smallest_bisects_each_method_to_its_smallest_slice(fake, tmp_path):
   # 1000 GiB of weights on v5p (95.74 GiB per chip, 10% kept free) plus 1 GiB for the one row per
   # device of each micro-batch: LoRA 16 chips, int8 8, int4 4, full (x3) 64.
   fake(1000)
-  config = longcat_lora.get_config()
+  config = longcat_lora.get_config('variant=tiny')
   rows = tpu_plan.smallest(config, ['v5p'], workers=1, cache=str(tmp_path / 'p.json'))
   chips = {r['method']: r['plan']['chips'] for r in rows}
   usable = topology.CHIPS['v5p'].hbm_bytes * (1 - tpu_plan.HEADROOM) / GIB - 1

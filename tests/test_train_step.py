@@ -141,7 +141,7 @@ def test_dry_run_sizes_buffers_for_a_micro_batch():
   the exchange and loss-block reports are for that micro-batch, not the whole batch."""
   from configs import longcat_lora
 
-  c = longcat_lora.get_config()
+  c = longcat_lora.get_config('variant=tiny')
   c.mesh.shape, c.data.global_batch_size = (1, 2, 4, 1), 32
   reports = {}
   for n in (1, 4):

@@ -181,10 +181,10 @@ class ChatFormat:
       )
     return self.template[key]
 
-  def apply(self, example: Mapping, where: str = '') -> tuple[str, list[tuple[int, int]]]:
+  def apply(self, example: Mapping) -> tuple[str, list[tuple[int, int]]]:
     """Renders a chat example: (text, character spans of the trained turns)."""
     messages, tools = example['messages'], example.get('tools')
-    where = example.get('where', where)
+    where = example.get('where', '')
     if self.builtin:
       for i, m in enumerate(messages):
         if not isinstance(m.get('content'), str):

@@ -43,8 +43,8 @@ class DataConfig:
   completion_key: str = stream('completion')  # field holding the completion
   messages_key: str = stream('messages')  # field holding chat messages [{role, content}]
   tools_key: str = stream('tools')  # field holding a chat's tool schemas (for its template)
-  # How chats are rendered: '' = the tokenizer's own chat template (tokenizer_config.json or
-  # chat_template.jinja; the built-in <|role|> one if it has none), 'builtin', or a .jinja file.
+  # A Jinja chat template file for chats; '' = the tokenizer's own (tokenizer_config.json or
+  # chat_template.jinja), or the built-in <|role|> template for a tokenizer that has none.
   chat_template: str = stream('', role=('stream', 'path'))
   chat_loss: str = field('all', choices=chat.LOSSES)  # which assistant turns of a chat train
   # A sentencepiece .model, a tokenizer.json or a directory with one; '' = a sentencepiece model
@@ -100,10 +100,10 @@ def _validate_tokenizer(cfg: DataConfig) -> None:
       f'{tokenizer_lib.SPM_FILE}: point data.tokenizer at the one the weights go with (left '
       "empty, it is init.hf_checkpoint's)"
     )
-  if cfg.chat_template not in ('', 'builtin') and not os.path.isfile(cfg.chat_template):
+  if cfg.chat_template and not os.path.isfile(cfg.chat_template):
     raise ValueError(
       f'data.chat_template={cfg.chat_template!r} is not a file: give a Jinja chat template '
-      "(.jinja), 'builtin' for the built-in <|role|> template, or '' for the tokenizer's own"
+      "(.jinja), or '' for the tokenizer's own"
     )
   if not cfg.tokenizer and cfg.vocab_size < MIN_SPM_VOCAB:
     raise ValueError(
@@ -286,9 +286,7 @@ class DataIterator(Iterator[dict[str, np.ndarray]]):
 
 def chat_format(cfg: DataConfig, tokenizer: Tokenizer) -> chat.ChatFormat:
   """How this run renders chats (data.chat_template, data.chat_loss; chat.py)."""
-  if cfg.chat_template == 'builtin':
-    template, name = None, 'the built-in chat template'
-  elif cfg.chat_template:
+  if cfg.chat_template:
     with open(cfg.chat_template, encoding='utf-8') as f:
       template, name = f.read(), f'data.chat_template={cfg.chat_template!r}'
   else:

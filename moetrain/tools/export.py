@@ -22,6 +22,7 @@ from moetrain import lease, runtime
 from moetrain import setup as setup_lib
 from moetrain.convert import hf, peft_adapter
 from moetrain.convert import safetensors_io as stio
+from moetrain.data import chat
 from moetrain.train_state import graphdef_of, merge_model
 
 DTYPES = ('float32', 'bfloat16', 'float16')
@@ -31,7 +32,7 @@ TOKENIZER_FILES = (
   'tokenizer.json',
   'tokenizer_config.json',
   'special_tokens_map.json',
-  'chat_template.jinja',
+  chat.TEMPLATE_FILE,
 )
 SPM_FILE = 'tokenizer.model'
 

@@ -40,10 +40,10 @@ def define_flags():
 
 def preview(cfg: pipeline.DataConfig, workdir: str | None, split: str, num: int):
   """The tokenizer, and the tokenized pieces of the split's first `num` examples (an example
-  gives several when data.split_long_texts splits it, none for a dropped part of a long text)."""
+  gives several when data.split_long_texts splits it, none for a dropped part of a long text).
+  `cfg` is validated already (setup.tool_setup)."""
   if num <= 0:
     raise ValueError(f'--num={num} must be positive')
-  pipeline.validate(cfg)
   tokenizer = pipeline.make_tokenizer(cfg, workdir)
   source = pipeline.open_source(cfg, split)
   ds = grain.MapDataset.source([source[i] for i in range(min(num, len(source)))])

@@ -6,13 +6,12 @@ of its files (integrity.MANIFEST), checked before it is restored.
 """
 
 import contextlib
-import os
 
 import jax
 import orbax.checkpoint as ocp
 from absl import logging
 
-from moetrain import integrity, multihost, rundir, runtime
+from moetrain import integrity, multihost, rundir, runtime, storage
 
 
 def _key(path) -> str:
@@ -84,7 +83,7 @@ class Checkpointer:
   ):
     """verify (train.verify_checkpoints): write each checkpoint's checksums and check them before
     a restore; without, neither (a checkpoint without checksums is restored unchecked)."""
-    self.directory = os.path.join(rundir.run_dir(workdir), 'checkpoints')
+    self.directory = storage.join(rundir.run_dir(workdir), 'checkpoints')
     # Orbax's default policy also saves the first step a manager sees (InitialSavePolicy): for a
     # large model that is an unrequested full save at step 1 of every run and every resume.
     policy = ocp.checkpoint_managers.AnySavePolicy(
@@ -146,7 +145,7 @@ class Checkpointer:
       data=ocp.args.JsonSave({'processes': self._positions.json(data_state, step)}),
       meta=ocp.args.JsonSave(meta),
     )
-    os.makedirs(self.directory, exist_ok=True)
+    storage.makedirs(self.directory)
     self.manager.wait_until_finished()  # (the manager would): the callback of the previous
     self._saving = step  # save reads `_saving`, so it must have run
     saved = self.manager.save(step, args=args, force=True)  # the loop asked `due`
@@ -157,11 +156,11 @@ class Checkpointer:
   def _write_manifest(self) -> None:
     """Orbax's post-finalization callback: the step's files are complete, in the temporary
     directory (on filesystems where Orbax renames; else in place, committed by a file after)."""
-    tmp = os.path.join(self.directory, f'{self._saving}{ocp.path.atomicity_types.TMP_DIR_SUFFIX}')
-    integrity.write_manifest(tmp if os.path.isdir(tmp) else self.step_dir(self._saving))
+    tmp = storage.join(self.directory, f'{self._saving}{ocp.path.atomicity_types.TMP_DIR_SUFFIX}')
+    integrity.write_manifest(tmp if storage.isdir(tmp) else self.step_dir(self._saving))
 
   def step_dir(self, step: int) -> str:
-    return os.path.join(self.directory, str(step))
+    return storage.join(self.directory, str(step))
 
   def restore_data(self, step: int) -> dict:
     """The data item alone (cheap: no arrays are read), after the checksums are checked."""
@@ -212,7 +211,7 @@ class Checkpointer:
 
   @property
   def set_aside_dir(self) -> str:
-    return os.path.join(os.path.dirname(self.directory), SET_ASIDE)
+    return storage.join(storage.dirname(self.directory), SET_ASIDE)
 
   def resume_from(self, step: int) -> None:
     """train.resume_step: the checkpoints after `step` are moved into set_aside_dir (nothing is
@@ -225,12 +224,12 @@ class Checkpointer:
       )
     newer = [s for s in steps if s > step]
     if newer and jax.process_index() == 0:
-      os.makedirs(self.set_aside_dir, exist_ok=True)
+      storage.makedirs(self.set_aside_dir)
       for s in newer:
-        to, n = os.path.join(self.set_aside_dir, str(s)), 0
-        while os.path.exists(to + (f'.{n}' if n else '')):  # set aside before
+        to, n = storage.join(self.set_aside_dir, str(s)), 0
+        while storage.exists(to + (f'.{n}' if n else '')):  # set aside before
           n += 1
-        os.rename(self.step_dir(s), to + (f'.{n}' if n else ''))
+        storage.move(self.step_dir(s), to + (f'.{n}' if n else ''))
     multihost.Exchange('resume_step')('', step)  # the others wait for process 0's moves
     self.manager.reload()
     if newer:

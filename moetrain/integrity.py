@@ -2,8 +2,9 @@
 
 import concurrent.futures
 import json
-import os
 import zlib
+
+from moetrain import storage
 
 MANIFEST = 'moetrain_manifest.json'
 CHUNK = 4 << 20
@@ -15,7 +16,7 @@ def checksum(path: str) -> tuple[int, str]:
   """(size, CRC-32 as 8 hex digits) of a file, read in chunks. CRC-32 finds the damage of copies
   and storage (zeroed, cut or flipped bytes); nobody forges a checkpoint."""
   crc, size = 0, 0
-  with open(path, 'rb') as f:
+  with storage.open(path, 'rb') as f:
     while chunk := f.read(CHUNK):
       crc, size = zlib.crc32(chunk, crc), size + len(chunk)
   return size, f'{crc:08x}'
@@ -26,18 +27,16 @@ def item_files(step_dir: str) -> list[str]:
   Files at its top are left out: Orbax writes them (commit_success.txt) or rewrites them (the
   commit time in _CHECKPOINT_METADATA) after the manifest."""
   out = []
-  for item in sorted(os.listdir(step_dir)):
-    top = os.path.join(step_dir, item)
-    if not os.path.isdir(top):
-      continue
-    for root, _, files in os.walk(top):
-      out += [os.path.relpath(os.path.join(root, f), step_dir) for f in files]
+  for item in storage.listdir(step_dir):
+    top = storage.join(step_dir, item)
+    if storage.isdir(top):
+      out += [f'{item}/{f}' for f in storage.walk_files(top)]
   return sorted(out)
 
 
 def _checksums(step_dir: str, files: list[str]) -> list[tuple[int, str]]:
   with concurrent.futures.ThreadPoolExecutor(THREADS) as pool:
-    return list(pool.map(lambda f: checksum(os.path.join(step_dir, f)), files))
+    return list(pool.map(lambda f: checksum(storage.join(step_dir, f)), files))
 
 
 def write_manifest(step_dir: str) -> None:
@@ -46,21 +45,17 @@ def write_manifest(step_dir: str) -> None:
   files = item_files(step_dir)
   sums = _checksums(step_dir, files)
   manifest = {'files': {f: {'size': n, 'crc32': c} for f, (n, c) in zip(files, sums)}}
-  path = os.path.join(step_dir, MANIFEST)
-  with open(path + '.tmp', 'w') as f:
-    json.dump(manifest, f, indent=0)
-  os.replace(path + '.tmp', path)
+  storage.write_atomic(storage.join(step_dir, MANIFEST), json.dumps(manifest, indent=0))
 
 
 def read_manifest(step_dir: str) -> dict | None:
   """{file: {'size', 'crc32'}} of a checkpoint, or None when it has none (written before moetrain
   wrote manifests, or with train.verify_checkpoints off). ValueError if it cannot be read."""
-  path = os.path.join(step_dir, MANIFEST)
-  if not os.path.exists(path):
+  path = storage.join(step_dir, MANIFEST)
+  if not storage.exists(path):
     return None
   try:
-    with open(path) as f:
-      return dict(json.load(f)['files'])
+    return dict(json.loads(storage.read_text(path))['files'])
   except (ValueError, KeyError, TypeError) as e:  # (JSONDecodeError is a ValueError)
     raise ValueError(f'{MANIFEST}: unreadable ({type(e).__name__})') from e
 
@@ -70,10 +65,10 @@ def problems(step_dir: str, manifest: dict, part: int = 0, parts: int = 1) -> li
   `parts`-th file from the `part`-th, so that several processes share the reading."""
   out, present = [], []
   for f in sorted(manifest)[part::parts]:
-    path = os.path.join(step_dir, f)
-    if not os.path.isfile(path):
+    path = storage.join(step_dir, f)
+    if not storage.isfile(path):
       out.append(f'{f}: missing')
-    elif (size := os.path.getsize(path)) != manifest[f]['size']:
+    elif (size := storage.getsize(path)) != manifest[f]['size']:
       out.append(f'{f}: {size} bytes, {manifest[f]["size"]} were written')
     else:
       present.append(f)

@@ -8,7 +8,7 @@ import socket
 import threading
 import time
 
-from moetrain import runtime
+from moetrain import runtime, storage
 
 LEASE = 'lease.json'
 HEARTBEAT = 30.0  # seconds between renewals
@@ -31,12 +31,11 @@ def pid_alive(pid: int) -> bool:
 
 def _read(path: str) -> dict | None:
   try:
-    with open(path) as f:
-      return json.load(f)
+    return json.loads(storage.read_text(path))
   except FileNotFoundError:
     return None
   except ValueError:  # half-written by a holder killed while creating it: its mtime tells
-    return {'host': '?', 'pid': -1, 'start': 0, 'heartbeat': os.path.getmtime(path)}
+    return {'host': '?', 'pid': -1, 'start': 0, 'heartbeat': storage.getmtime(path)}
 
 
 def _describe(holder: dict) -> str:
@@ -55,13 +54,13 @@ class Lease:
   """Held from acquire() to release(); a daemon thread renews the heartbeat meanwhile."""
 
   def __init__(self, run_dir: str):
-    self.path = os.path.join(run_dir, LEASE)
+    self.path = storage.join(run_dir, LEASE)
     self.me = {'host': socket.gethostname(), 'pid': os.getpid(), 'start': time.time()}
     self._stop = threading.Event()
     self._thread = None
 
   def acquire(self) -> 'Lease':
-    os.makedirs(os.path.dirname(self.path), exist_ok=True)
+    storage.makedirs(storage.dirname(self.path))
     for _ in range(3):
       if self._create():
         self._thread = threading.Thread(target=self._renew, daemon=True, name='run-lease')
@@ -74,37 +73,28 @@ class Lease:
         return self  # this process holds it already (train.run called twice)
       if not stale(holder):
         raise LeaseHeld(
-          f'{os.path.dirname(self.path)} is in use by another run ({_describe(holder)}; '
+          f'{storage.dirname(self.path)} is in use by another run ({_describe(holder)}; '
           f'{self.path}). Wait for it to finish, stop it, or give this run its own --workdir. '
           f'If that run is dead on another host, its lease frees itself {STALE:.0f} s after '
           'its last heartbeat.'
         )
       aside = f'{self.path}.stale.{os.getpid()}'
       try:
-        os.rename(self.path, aside)  # one taker wins; the others find the new lease
+        storage.move(self.path, aside)  # one taker wins; the others find the new lease
       except FileNotFoundError:
         continue
-      os.remove(aside)
+      storage.remove(aside)
     raise LeaseHeld(f'could not take the lease {self.path}: other runs keep taking it')
 
   def _create(self) -> bool:
-    try:
-      fd = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
-    except FileExistsError:
-      return False
-    with os.fdopen(fd, 'w') as f:
-      json.dump(self.me | {'heartbeat': time.time()}, f)
-    return True
+    return storage.create_exclusive(self.path, json.dumps(self.me | {'heartbeat': time.time()}))
 
   def _renew(self) -> None:
     while not self._stop.wait(HEARTBEAT):
       holder = _read(self.path)
       if not holder or holder.get('pid') != self.me['pid'] or holder.get('host') != self.me['host']:
         return  # taken over (we were presumed dead): never write over the new holder's lease
-      tmp = f'{self.path}.{os.getpid()}.tmp'
-      with open(tmp, 'w') as f:
-        json.dump(self.me | {'heartbeat': time.time()}, f)
-      os.replace(tmp, self.path)
+      storage.write_atomic(self.path, json.dumps(self.me | {'heartbeat': time.time()}))
 
   def release(self) -> None:
     self._stop.set()
@@ -113,7 +103,7 @@ class Lease:
       self._thread = None
       holder = _read(self.path)
       if holder and holder.get('pid') == self.me['pid'] and holder.get('host') == self.me['host']:
-        os.remove(self.path)
+        storage.remove(self.path)
 
   def __enter__(self) -> 'Lease':
     return self.acquire()

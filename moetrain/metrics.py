@@ -4,13 +4,13 @@ import contextlib
 import functools
 import json
 import math
-import os
 import time
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from moetrain import storage
 from moetrain.model.config import ModelConfig
 
 # Dense bf16 peak FLOP/s per device, by jax device_kind prefix.
@@ -218,15 +218,15 @@ class Writer:
     self.workdir, self.moe_layers = workdir, moe_layers
     self._jsonl = self._tb = None
     if self.enabled:
-      os.makedirs(workdir, exist_ok=True)
-      path = os.path.join(workdir, 'metrics.jsonl')
-      if resume_step is None and os.path.isfile(path) and os.path.getsize(path):
+      storage.makedirs(workdir)
+      path = storage.join(workdir, 'metrics.jsonl')
+      if resume_step is None and storage.isfile(path) and storage.getsize(path):
         resume_step = 0
-      self._jsonl = open(path, 'a')
+      self._jsonl = storage.AppendLog(path)
       from tensorboardX import SummaryWriter
 
       purge = None if resume_step is None else resume_step + 1
-      self._tb = SummaryWriter(os.path.join(workdir, 'tb'), purge_step=purge)
+      self._tb = SummaryWriter(storage.join(workdir, 'tb'), purge_step=purge)
       if resume_step is not None:
         self._record({'step': resume_step, 'kind': 'resume', 'time': time.time()})
 
@@ -277,10 +277,14 @@ class Writer:
   def save_config(self, text: str) -> None:
     """<workdir>/config.json, replaced atomically (other hosts may be reading the old one)."""
     if self.enabled:
-      path = os.path.join(self.workdir, 'config.json')
-      with open(path + '.tmp', 'w') as f:
-        f.write(text)
-      os.replace(path + '.tmp', path)
+      storage.write_atomic(storage.join(self.workdir, 'config.json'), text)
+
+  def flush(self) -> None:
+    """Persists the records so far: metrics.jsonl in a bucket is otherwise rewritten at most
+    every 30 s (storage.AppendLog), TensorBoard's events every 2 minutes."""
+    if self.enabled:
+      self._jsonl.flush(force=True)
+      self._tb.flush()
 
   def progress(self, line: str) -> None:
     """A progress line on stdout (once: not also through absl, which writes to stderr)."""

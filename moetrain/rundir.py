@@ -3,11 +3,10 @@ with), the marker of data that ran out, the steps saved in it and what a run say
 
 import functools
 import json
-import os
 
 from absl import logging
 
-from moetrain import runtime
+from moetrain import storage
 
 # (JAX, the model and the data pipeline are imported where used: `python -m moetrain.main` reads
 # the saved steps before it re-executes itself, runtime.start_command.)
@@ -34,9 +33,7 @@ def stream_fields() -> tuple[str, ...]:
 
 def absolute(path):
   """A local path made absolute; '' and URLs (gs://...) unchanged."""
-  if not isinstance(path, str) or not path or '://' in path:
-    return path
-  return os.path.abspath(os.path.expanduser(path))
+  return storage.absolute(path) if isinstance(path, str) else path
 
 
 def with_absolute_paths(config):
@@ -61,7 +58,7 @@ def tool_config(config, workdir: str | None):
   read the initial weights."""
   if workdir and not saved_steps(workdir):
     raise ValueError(
-      f'--workdir={workdir!r} holds no checkpoints ({os.path.join(workdir, "checkpoints")}); '
+      f'--workdir={workdir!r} holds no checkpoints ({storage.join(workdir, "checkpoints")}); '
       'leave --workdir out to use the initial weights of --config'
     )
   if config is not None:
@@ -74,10 +71,10 @@ def tool_config(config, workdir: str | None):
     raise ValueError('pass --config, or --workdir of a run (its config.json is then used)')
   import ml_collections
 
-  path = os.path.join(workdir, 'config.json')
-  if not os.path.isfile(path):
+  path = storage.join(run_dir(workdir), 'config.json')
+  if not storage.isfile(path):
     raise FileNotFoundError(f"{path} does not exist: pass the run's --config")
-  with open(path) as f:  # (an older run's lacks newer keys: they were at their defaults)
+  with storage.open(path) as f:  # (an older run's lacks newer keys: they were at their defaults)
     return ml_collections.ConfigDict(_with_defaults(json.load(f)))
 
 
@@ -90,10 +87,10 @@ def check_resumable(
   Changed stream_fields() are allowed, with a warning naming them: the resume is not exact.
   A `tool` (evaluate, export, generate) reads the weights only: other data is its own choice,
   but not another tokenizer."""
-  path = os.path.join(workdir, 'config.json')
-  if not os.path.exists(path) or not saved_steps(workdir):
+  path = storage.join(run_dir(workdir), 'config.json')
+  if not storage.exists(path) or not saved_steps(workdir):
     return
-  with open(path) as f:  # (an older run's lacks newer keys: they were at their defaults)
+  with storage.open(path) as f:  # (an older run's lacks newer keys: they were at their defaults)
     saved = with_absolute_paths(_with_defaults(json.load(f)))
   now = with_absolute_paths(json.loads(config.to_json_best_effort()))
   diffs = _state_diffs(saved, now) + _base_diffs(saved, now)
@@ -162,7 +159,7 @@ def _tokenizer_diffs(saved: dict, now: dict, workdir: str) -> list[str]:
   def tokenizer(c):  # the file it reads: data.tokenizer, the checkpoint's or the run's own
     path = c['data']['tokenizer'] or c['init']['hf_checkpoint']
     if not path:
-      return os.path.join(absolute(workdir), tokenizer_lib.SPM_FILE)
+      return storage.join(run_dir(workdir), tokenizer_lib.SPM_FILE)
     return str(tokenizer_lib.tokenizer_file(absolute(path)) or absolute(path))
 
   why = 'the weights were trained on its token ids'
@@ -185,20 +182,27 @@ def _warn_data_changes(saved: dict, now: dict, workdir: str) -> None:
 
 
 def run_dir(workdir: str) -> str:
-  """The absolute path of a run directory. It must be a filesystem path: the run appends to its
-  metrics.jsonl, which object stores cannot do (gcsfs, for one, silently overwrites instead). On
-  several hosts it must be one directory they all share, as Orbax's checkpoints are written by
-  every host."""
-  return runtime.local_path(workdir, '--workdir', 'run directories')
+  """A run directory: a local path made absolute, or an object-store URL (gs://bucket/run, see
+  moetrain/storage.py). On several hosts it must be one place they all reach (a bucket, or a
+  shared filesystem), as Orbax's checkpoints are written by every host."""
+  if storage.is_url(workdir):
+    storage.check_url(workdir, f'--workdir={workdir}')
+    return workdir.rstrip('/')
+  return storage.absolute(workdir)
+
+
+# Orbax commits a checkpoint on an object store by this file, written last into the step's
+# directory (elsewhere by renaming a temporary directory to the step's name).
+COMMITTED = 'commit_success.txt'
 
 
 def saved_steps(workdir: str) -> list[int]:
-  """The steps of <workdir>/checkpoints that were written completely (Orbax names a checkpoint's
-  directory by its step once it is whole), in order; no JAX needed."""
-  directory = os.path.join(run_dir(workdir), 'checkpoints')
-  if not os.path.isdir(directory):
-    return []
-  return sorted(int(d) for d in os.listdir(directory) if d.isdigit())
+  """The steps of <workdir>/checkpoints that were written completely, in order; no JAX needed."""
+  directory = storage.join(run_dir(workdir), 'checkpoints')
+  steps = [int(d) for d in storage.listdir(directory) if d.isdigit()]
+  if storage.is_url(directory):
+    steps = [s for s in steps if storage.exists(storage.join(directory, str(s), COMMITTED))]
+  return sorted(steps)
 
 
 def config_json(config, setup) -> str:
@@ -224,20 +228,17 @@ def _data_stream(data) -> dict:
 def mark_data_ended(workdir: str, step: int, data) -> None:
   """Records in the run directory that the training data ran out at `step` (saved and evaluated
   by then), with the data settings it ran out under."""
-  path = os.path.join(run_dir(workdir), DATA_ENDED)
-  with open(path + '.tmp', 'w') as f:
-    json.dump({'step': step, 'data': _data_stream(data)}, f, indent=1)
-  os.replace(path + '.tmp', path)
+  marked = {'step': step, 'data': _data_stream(data)}
+  storage.write_atomic(storage.join(run_dir(workdir), DATA_ENDED), json.dumps(marked, indent=1))
 
 
 def data_ended_at(workdir: str, data) -> int | None:
   """The step at which this run's training data ran out, when the data settings are still the
   ones it ran out under (a resume with more data.num_epochs, say, goes on)."""
-  path = os.path.join(run_dir(workdir), DATA_ENDED)
-  if not os.path.exists(path):
+  path = storage.join(run_dir(workdir), DATA_ENDED)
+  if not storage.exists(path):
     return None
-  with open(path) as f:
-    marked = json.load(f)
+  marked = json.loads(storage.read_text(path))
   return marked['step'] if marked['data'] == _data_stream(data) else None
 
 

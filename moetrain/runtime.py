@@ -66,9 +66,10 @@ class _QuietBelowWarning(logging.Filter):
     return record.levelno >= logging.WARNING or self.marker not in record.pathname
 
 
-def quiet_library_logs(packages=('orbax', 'jax')) -> None:
+def quiet_library_logs(packages=('orbax', 'jax', 'gcsfs')) -> None:
   """Drops the INFO lines of chatty libraries (Orbax: ~250 per demo run, a dozen per checkpoint;
-  JAX: "Unable to initialize backend 'tpu'" on every machine without one) from absl's log
+  JAX: "Unable to initialize backend 'tpu'" on every machine without one; gcsfs: one per file
+  read from gs://) from absl's log
   output; their warnings and errors still show. `--verbosity=1` keeps them."""
   from absl import flags
   from absl import logging as absl_logging
@@ -281,18 +282,6 @@ def short_errors(main):
       sys.exit(f'Error: {e}')
 
   return wrapped
-
-
-def local_path(path: str, flag: str, what: str) -> str:
-  """The absolute path of a directory that `flag` names, refusing object-store URLs by name: os.path
-  would turn 'gs://b/x' into a local './gs:/b/x' that vanishes with the VM."""
-  if '://' in path:
-    raise ValueError(
-      f'{flag}={path!r}: object-store URLs are not supported as {what}; use a filesystem path '
-      '(on several hosts one they all share: an NFS or Filestore mount, or the bucket mounted '
-      'with gcsfuse)'
-    )
-  return os.path.abspath(path)
 
 
 def is_primary() -> bool:

@@ -12,7 +12,7 @@ import jax
 from absl import logging
 from flax import nnx
 
-from moetrain import axes, fields, optim, rundir, runtime, sharding
+from moetrain import axes, fields, optim, rundir, runtime, sharding, storage
 from moetrain.checkpoint import Checkpointer, data_positions, process_data_state
 from moetrain.data import pipeline
 from moetrain.model.config import LoraConfig, ModelConfig
@@ -217,7 +217,7 @@ def check_tokenizer_fits(tokenizer, setup: Setup, cached_in: str | None = None) 
   if setup.data.tokenizer:
     hint = f' to a tokenizer of that size instead of data.tokenizer={setup.data.tokenizer!r}'
   elif cached_in:  # a trained tokenizer is cached in the run directory and reused
-    hint = f' and delete {os.path.join(cached_in, "tokenizer.model")}'
+    hint = f' and delete {storage.join(cached_in, "tokenizer.model")}'
   else:
     hint = ''
   raise ValueError(
@@ -235,7 +235,7 @@ def compilation_cache_dir(setting: str, workdir: str) -> str:
   find them only in a directory they all share, and the run directory is one."""
   if setting != 'auto':
     return setting
-  return HOST_CACHE if jax.process_count() == 1 else os.path.join(workdir, 'jax_cache')
+  return HOST_CACHE if jax.process_count() == 1 else storage.join(workdir, 'jax_cache')
 
 
 def enable_compilation_cache(path: str) -> None:

@@ -266,6 +266,8 @@ def log_eval_save(job: Job, state, step: int, log, evals: Evals, meter) -> tuple
   if eval_due and not preempted:
     evals(state, step)
   with meter.excluded(when=due, recurring=True):
+    if due:  # the records up to the step, persisted with its checkpoint (a bucket's at least)
+      job.writer.flush()
     saved = due and save_if_finite(ckpt, log, step, state, job.train_iter.get_state())
   if not preempted:
     return saved, Stop()
@@ -285,6 +287,7 @@ def save_at_data_end(job: Job, done: int, start_step: int, saved: bool, state, p
       log.mark(done, job.train_iter.num_truncated)
     if not saved:
       log.flush()  # (as at a save step)
+      job.writer.flush()
       save_if_finite(job.ckpt, log, done, state, position or job.train_iter.get_state())
   what = 'saved, evaluating' if done > start_step else 'no step to save; evaluating'
   note = (

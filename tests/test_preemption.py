@@ -67,7 +67,9 @@ class Job:
     devices: int = 4,
     module='moetrain.main',
     hf: str | None = None,
+    log_prefix: str | None = None,
   ):
+    """log_prefix: where the processes' logs go (default beside `workdir`; a URL's need one)."""
     args = [sys.executable, '-m', module]
     if hf:  # a tool reading a Hugging Face directory instead of a run (logs go next to workdir)
       args.append(f'--hf_checkpoint={hf}')
@@ -89,7 +91,7 @@ class Job:
         f'--process_id={i}',
         f'--coordinator_address=localhost:{port}',
       ]
-      self.logs.append(f'{workdir}.job{len(JOBS)}.process{i}.log')  # one file per launch
+      self.logs.append(f'{log_prefix or workdir}.job{len(JOBS)}.process{i}.log')  # one per launch
       with open(self.logs[-1], 'w') as err:
         self.procs.append(
           subprocess.Popen(

@@ -60,17 +60,16 @@ def test_library_info_lines_are_dropped_but_not_their_warnings():
   assert quiet.filter(record(logging.INFO, os.path.join('', 'moetrain', 'train.py')))
 
 
-def test_object_store_workdirs_are_refused_by_name(tmp_path):
-  """gs:// would otherwise become a local './gs:/...' directory that vanishes with the VM."""
-  for url in ('gs://bucket/runs/lora', 's3://bucket/run'):
-    with pytest.raises(ValueError, match=f"--workdir='{url}': object-store URLs"):
-      rundir.saved_steps(url)
-  from moetrain.checkpoint import Checkpointer
-
-  with pytest.raises(ValueError, match='mounted with gcsfuse'):
-    Checkpointer('gs://bucket/run', every=1, keep=1)
+def test_run_directories_are_paths_or_reachable_urls(tmp_path):
+  """A local run directory is made absolute; gs:// is kept as it is (moetrain/storage.py, tested
+  against an emulator in tests/test_gcs.py); a URL this installation cannot reach is refused by
+  name before anything starts, not turned into a local './s3:/...' directory."""
   assert rundir.run_dir(str(tmp_path / 'run')) == str(tmp_path / 'run')
   assert rundir.saved_steps(str(tmp_path / 'run')) == []
+  assert rundir.run_dir('gs://bucket/runs/lora/') == 'gs://bucket/runs/lora'
+  for url, message in (('s3://bucket/run', 'Install s3fs'), ('nope://b/run', 'Protocol not known')):
+    with pytest.raises(runtime.UserError, match=f'--workdir={url}: {url}: .*{message}'):
+      rundir.saved_steps(url)
 
 
 def test_process_flags_without_num_processes_are_refused():

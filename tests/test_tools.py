@@ -115,12 +115,8 @@ def test_tools_read_the_runs_own_config(uninterrupted, tmp_path):  # noqa: F811
 
 def test_export_guards_its_output(uninterrupted, tmp_path, monkeypatch):  # noqa: F811
   workdir, _ = uninterrupted
-  for out, message in (
-    ('gs://bucket/x', 'object-store'),
-    (os.path.join(workdir, 'exported'), 'overlaps --workdir'),
-  ):
-    with pytest.raises(ValueError, match=message):
-      export.export(None, workdir, out)
+  with pytest.raises(ValueError, match='overlaps --workdir'):
+    export.export(None, workdir, os.path.join(workdir, 'exported'))
   with pytest.raises(ValueError, match=r"--dtype='int8'"):
     export.export(None, workdir, str(tmp_path / 'x'), dtype='int8')
   # The merged export takes the run's tokenizer along: it loads on its own.

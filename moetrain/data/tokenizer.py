@@ -5,16 +5,16 @@ from __future__ import annotations
 import io
 import json
 import os
-import tempfile
 from collections.abc import Callable, Iterable, Sequence
-from pathlib import Path
 from typing import Protocol, runtime_checkable
 
 import numpy as np
 import sentencepiece as spm
 import tokenizers
 from absl import logging
+from etils.epath import Path  # (pathlib's, and gs:// URLs: moetrain/storage.py)
 
+from moetrain import storage
 from moetrain.data import chat
 
 SPM_FILE = 'tokenizer.model'
@@ -352,16 +352,8 @@ def load_tokenizer(
 
 
 def _write_atomically(path: Path, data: bytes) -> None:
-  """Writes via a temporary file + rename so a concurrent reader never sees a partial model."""
-  path.parent.mkdir(parents=True, exist_ok=True)
-  fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f'.{path.name}.')
-  try:
-    with os.fdopen(fd, 'wb') as f:
-      f.write(data)
-    os.replace(tmp, path)
-  except BaseException:
-    os.unlink(tmp)
-    raise
+  """A concurrent reader never sees a partial model (storage.write_atomic)."""
+  storage.write_atomic(os.fspath(path), data)
 
 
 def train_sentencepiece(

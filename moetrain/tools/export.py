@@ -9,6 +9,7 @@ files are written next to --out and moved into it only once all are complete: a 
 export leaves an earlier export in --out as it was.
 """
 
+import json
 import os
 import shutil
 import socket
@@ -18,7 +19,7 @@ import jax
 from absl import app, flags
 from ml_collections import config_flags
 
-from moetrain import lease, runtime
+from moetrain import lease, rundir, runtime, storage
 from moetrain import setup as setup_lib
 from moetrain.convert import hf, peft_adapter
 from moetrain.convert import safetensors_io as stio
@@ -49,13 +50,15 @@ def define_flags():
 
 
 def _inside(path: str, directory: str) -> bool:
+  if storage.is_url(path) or storage.is_url(directory):
+    return f'{path.rstrip("/")}/'.startswith(f'{directory.rstrip("/")}/')
   path, directory = os.path.realpath(path), os.path.realpath(directory)
   return os.path.commonpath([path, directory]) == directory
 
 
 def check_out(out: str, workdir: str, setup: setup_lib.Setup) -> None:
-  """--out must be a local (or mounted) directory apart from what the export reads."""
-  runtime.local_path(out, '--out', 'export directories')
+  """--out (a directory, or a gs:// URL) must lie apart from what the export reads."""
+  storage.check_url(out, f'--out={out}')
   for flag, source in (
     ('--workdir', workdir),
     ('init.hf_checkpoint', setup.hf_checkpoint),
@@ -69,22 +72,22 @@ def companion_files(setup: setup_lib.Setup, workdir: str) -> dict[str, str]:
   """{name in the export: source} for the run's tokenizer (data.tokenizer: a .model or
   tokenizer.json file, or a checkpoint directory; else the one the run trained,
   <workdir>/tokenizer.model) and the base checkpoint's generation_config.json."""
-  src = setup.data.tokenizer
+  src, j = setup.data.tokenizer, storage.join
   files = {}
   if not src:
-    files[SPM_FILE] = os.path.join(workdir, SPM_FILE)
-  elif os.path.isdir(src):
-    files = {n: os.path.join(src, n) for n in (*TOKENIZER_FILES, SPM_FILE)}
+    files[SPM_FILE] = j(rundir.run_dir(workdir), SPM_FILE)
+  elif storage.isdir(src):
+    files = {n: j(src, n) for n in (*TOKENIZER_FILES, SPM_FILE)}
   elif src.endswith('.json'):
-    files = {n: os.path.join(os.path.dirname(src), n) for n in TOKENIZER_FILES[1:]}
+    files = {n: j(storage.dirname(src), n) for n in TOKENIZER_FILES[1:]}
     files['tokenizer.json'] = src
   else:
     files[SPM_FILE] = src
   if setup.hf_checkpoint:
-    files['generation_config.json'] = os.path.join(setup.hf_checkpoint, 'generation_config.json')
+    files['generation_config.json'] = j(setup.hf_checkpoint, 'generation_config.json')
     for name in remote_code_files(hf.read_config(setup.hf_checkpoint)):
-      files[name] = os.path.join(setup.hf_checkpoint, name)
-  return {n: p for n, p in files.items() if os.path.isfile(p)}
+      files[name] = j(setup.hf_checkpoint, name)
+  return {n: p for n, p in files.items() if storage.isfile(p)}
 
 
 def remote_code_files(config: dict) -> list[str]:
@@ -104,7 +107,7 @@ def base_config(hf_checkpoint: str) -> dict | None:
     return None
   base = hf.read_config(hf_checkpoint)
   code = remote_code_files(base)
-  if 'auto_map' in base and not all(os.path.isfile(os.path.join(hf_checkpoint, n)) for n in code):
+  if 'auto_map' in base and not all(storage.isfile(storage.join(hf_checkpoint, n)) for n in code):
     base = {k: v for k, v in base.items() if k != 'auto_map'}
   return base
 
@@ -120,10 +123,13 @@ def export(config, workdir: str, out: str, adapter_only: bool = False, dtype=Non
     raise ValueError('--adapter_only needs a LoRA run (lora.rank > 0)')
   mesh = setup.make_mesh()
   primary = jax.process_index() == 0
-  # Written beside --out (same filesystem, so the final moves are renames).
-  parent = os.path.dirname(os.path.abspath(out))
+  # Written beside --out (same filesystem, so the final moves are renames); for a gs:// --out
+  # in a local temporary directory, then uploaded.
   staging = None
-  if primary:
+  if primary and storage.is_url(out):
+    staging = tempfile.mkdtemp(prefix='moetrain-export.')
+  elif primary:
+    parent = os.path.dirname(os.path.abspath(out))
     os.makedirs(parent, exist_ok=True)
     remove_dead_staging(out)
     staging = tempfile.mkdtemp(prefix=f'{_staging_prefix(out)}{os.getpid()}.', dir=parent)
@@ -141,7 +147,7 @@ def export(config, workdir: str, out: str, adapter_only: bool = False, dtype=Non
         )
         if primary:
           for name, source in companion_files(setup, workdir).items():
-            shutil.copyfile(source, os.path.join(staging, name))
+            storage.copy(source, os.path.join(staging, name))
     if primary:
       _replace_contents(staging, out)
   finally:
@@ -182,21 +188,21 @@ EXPORT_FILES = (
 def _replace_contents(staging: str, out: str) -> None:
   """Moves the finished files into `out`, first removing what an earlier export there wrote
   that this one did not (EXPORT_FILES, model files, remote code). Other files are left alone."""
-  os.makedirs(out, exist_ok=True)
+  storage.makedirs(out)
   new = set(os.listdir(staging))
-  old_config = os.path.join(out, 'config.json')
+  old_config = storage.join(out, 'config.json')
   old_code = set()
-  if os.path.isfile(old_config):
+  if storage.isfile(old_config):
     try:
-      old_code = set(remote_code_files(hf.read_config(out)))
+      old_code = set(remote_code_files(json.loads(storage.read_text(old_config))))
     except ValueError:
       pass
-  for name in os.listdir(out):
+  for name in storage.listdir(out):
     stale = stio.is_model_file(name) or name in EXPORT_FILES or name in old_code
     if stale and name not in new:
-      os.remove(os.path.join(out, name))
+      storage.remove(storage.join(out, name))
   for name in sorted(new, key=lambda n: n == 'config.json' or n == 'adapter_config.json'):
-    os.replace(os.path.join(staging, name), os.path.join(out, name))
+    storage.move(os.path.join(staging, name), storage.join(out, name))
 
 
 def main(argv):

@@ -1,0 +1,147 @@
+"""Run directories on Cloud Storage (--workdir=gs://...), against a local emulator selected by
+STORAGE_EMULATOR_HOST (tests/gcs_emulator.py): training, a stop signal that saves, a kill, exact
+resumes, evaluate and export; and the storage layer's pieces (moetrain/storage.py) on their own."""
+
+import json
+import os
+import signal
+import time
+
+import pytest
+
+from tests.test_preemption import TIMEOUT, Job, train_losses
+
+pytest.importorskip('gcp_storage_emulator')
+
+
+@pytest.fixture(scope='module')
+def gcs():
+  """The emulator's URL, with a bucket 'runs'; this process and the commands it starts use it."""
+  from tests import gcs_emulator
+
+  server, url = gcs_emulator.serve(buckets=['runs'])
+  before = {k: os.environ.get(k) for k in (gcs_emulator.EMULATOR, 'TENSORSTORE_GCS_HTTP_URL')}
+  os.environ[gcs_emulator.EMULATOR] = url
+  os.environ.pop('TENSORSTORE_GCS_HTTP_URL', None)
+  from moetrain import storage
+
+  storage.use_emulator()
+  yield url
+  server.stop()
+  for k, v in before.items():
+    if v is None:
+      os.environ.pop(k, None)
+    else:
+      os.environ[k] = v
+
+
+def test_storage_on_the_emulator(gcs):
+  """Whole-object writes, listing, the append log (an object rewritten whole, keeping what it
+  held), exclusive creation and moves."""
+  from moetrain import lease, storage
+
+  d = 'gs://runs/pieces'
+  storage.makedirs(d)
+  storage.write_atomic(storage.join(d, 'a.json'), '{"x": 1}')
+  storage.write_atomic(storage.join(d, 'a.json'), '{"x": 2}')
+  assert json.loads(storage.read_text(f'{d}/a.json')) == {'x': 2}
+  assert storage.listdir(d) == ['a.json'] and storage.listdir(f'{d}/none') == []
+  log = storage.AppendLog(f'{d}/log.jsonl', every=3600)
+  log.write('1\n')
+  log.flush()  # the first flush writes
+  log.write('2\n')
+  log.flush()  # throttled
+  assert storage.read_text(f'{d}/log.jsonl') == '1\n'
+  log.close()
+  again = storage.AppendLog(f'{d}/log.jsonl')
+  again.write('3\n')
+  again.close()
+  assert storage.read_text(f'{d}/log.jsonl') == '1\n2\n3\n'
+  assert storage.create_exclusive(f'{d}/x', 'mine') and not storage.create_exclusive(f'{d}/x', '')
+  storage.move(f'{d}/x', f'{d}/sub/y')
+  assert storage.walk_files(d) == ['a.json', 'log.jsonl', 'sub/y']
+  # The run lease: a live holder on another host keeps it.
+  held = lease.Lease(d).acquire()
+  other = lease.Lease(d)
+  other.me = {**other.me, 'host': 'another-host'}
+  with pytest.raises(lease.LeaseHeld, match='in use by another run'):
+    other.acquire()
+  held.release()
+  assert not storage.exists(f'{d}/{lease.LEASE}')
+
+
+def _wait_for_step(job: Job, step: int) -> None:
+  """Until process 0's progress lines reach `step` (metrics.jsonl on a bucket is written every
+  30 s, so its log is what says how far a run got)."""
+  deadline = time.monotonic() + TIMEOUT
+  while f'step {step} ' not in job.log(0):
+    if job.procs[0].poll() is not None or time.monotonic() > deadline:
+      job.kill()
+      pytest.fail(f'training never reached step {step}:\n{job.log(0)[-3000:]}')
+    time.sleep(0.2)
+
+
+def _records(workdir: str) -> list[dict]:
+  from moetrain import storage
+
+  path = storage.join(workdir, 'metrics.jsonl')
+  return [json.loads(line) for line in storage.read_text(path).splitlines()]
+
+
+def test_a_run_in_a_bucket_stops_resumes_exactly_evaluates_and_exports(gcs, tmp_path):
+  """SIGTERM saves and stops a gs:// run; SIGKILL later loses only what was not yet saved; the
+  resumed run's losses equal those of an uninterrupted local run step for step. The tools then
+  read the run from the bucket and export into it."""
+  from moetrain import rundir, storage
+
+  workdir, local = 'gs://runs/lora', str(tmp_path / 'local')
+  stop = '--config.train.stop_at_step=8'
+  Job(local, stop).wait()
+  want = train_losses(local)
+  assert sorted(want) == list(range(1, 9))
+
+  logs = str(tmp_path / 'gs')
+  job = Job(workdir, log_prefix=logs)
+  _wait_for_step(job, 2)
+  job.procs[0].send_signal(signal.SIGTERM)
+  (log,) = job.wait()
+  (saved,) = rundir.saved_steps(workdir)
+  assert f'Preempted: saved step {saved};' in log and saved >= 2
+  assert storage.exists(f'{workdir}/checkpoints/{saved}/moetrain_manifest.json')
+
+  # A kill with checkpoints written every step: the rerun goes on from a complete one.
+  job = Job(workdir, '--config.train.checkpoint_every=1', log_prefix=logs)
+  deadline = time.monotonic() + TIMEOUT
+  while max(rundir.saved_steps(workdir)) <= saved:  # a newer one committed (and more in flight)
+    assert job.procs[0].poll() is None and time.monotonic() < deadline, job.log(0)[-3000:]
+    time.sleep(0.05)
+  job.kill()
+  job.procs[0].wait()
+  complete = max(rundir.saved_steps(workdir))
+  assert complete > saved
+  Job(workdir, stop, log_prefix=logs).wait()
+  got = {}
+  for r in _records(workdir):  # the last record of each step: resumes redo steps
+    if r['kind'] == 'train':
+      got[r['step']] = r['loss']
+  assert sorted(got) == list(range(1, 9))
+  for step in range(1, 9):
+    assert got[step] == pytest.approx(want[step], rel=1e-5, abs=1e-6), step
+  resumes = [r['step'] for r in _records(workdir) if r['kind'] == 'resume']
+  assert resumes[0] == saved and resumes[-1] == complete
+
+  # The tools, reading the run from the bucket; the export written into it.
+  from tests.helpers import run_command
+
+  env = {'STORAGE_EMULATOR_HOST': gcs, 'JAX_PLATFORMS': 'cpu'}
+  ev = ('--max_batches=1', '--split=eval')
+  out = run_command('moetrain.tools.evaluate', f'--workdir={workdir}', *ev, **env)
+  assert out.returncode == 0, out.stderr[-3000:]
+  local_eval = run_command('moetrain.tools.evaluate', f'--workdir={local}', *ev)
+  assert out.stdout.splitlines()[-1] == local_eval.stdout.splitlines()[-1]  # same step, numbers
+  export = f'{workdir}-export'
+  out = run_command(
+    'moetrain.tools.export', f'--workdir={workdir}', f'--out={export}', '--adapter_only', **env
+  )
+  assert out.returncode == 0, out.stderr[-3000:]
+  assert {'adapter_config.json', 'adapter_model.safetensors'} <= set(storage.listdir(export))

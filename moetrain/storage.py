@@ -11,6 +11,7 @@ then a delete (used only to set checkpoints aside, never to commit one).
 A local emulator of Google Cloud Storage is used when STORAGE_EMULATOR_HOST names it (the
 variable Google's clients read): `use_emulator` points TensorStore there too."""
 
+import builtins
 import math
 import os
 import posixpath
@@ -149,8 +150,6 @@ def open(path: str, mode: str = 'r'):  # noqa: A001 (the module's open, as os.pa
   if is_url(path):
     fs, p = _fs(path)
     return fs.open(p, mode)
-  import builtins
-
   return builtins.open(path, mode)
 
 
@@ -231,6 +230,51 @@ def move(src: str, dst: str) -> None:
     remove(src)
   else:
     os.rename(src, dst)
+
+
+def glob(pattern: str) -> list[str]:
+  """The files a pattern matches ('**' any number of directories), sorted; URLs keep their
+  scheme."""
+  if is_url(pattern):
+    fs, p = _fs(pattern)
+    scheme = pattern.split('://')[0]
+    return sorted(f'{scheme}://{q}' for q in fs.glob(p) if fs.isfile(q))
+  import glob as glob_lib
+
+  return sorted(p for p in glob_lib.glob(pattern, recursive=True) if os.path.isfile(p))
+
+
+CACHE = '~/.cache/moetrain/objects'
+
+
+def local_copy(url: str, cache: str = CACHE) -> str:
+  """A local copy of the object at `url`, downloaded once into `cache` and again only when the
+  object changes (its size or generation); a local path is returned as it is. For files read
+  record by record (training data), which would otherwise cost a request per record."""
+  if not is_url(url):
+    return url
+  import hashlib
+  import json
+
+  fs, p = _fs(url)
+  info = fs.info(p)
+  stamp = {'url': url, 'size': int(info['size'])}
+  stamp['version'] = str(info.get('generation') or info.get('mtime') or info.get('etag') or '')
+  directory = os.path.join(os.path.expanduser(cache), hashlib.sha256(url.encode()).hexdigest()[:16])
+  path, record = (os.path.join(directory, posixpath.basename(p)) + x for x in ('', '.source'))
+  try:
+    with builtins.open(record) as f:
+      if json.load(f) == stamp and os.path.getsize(path) == stamp['size']:
+        return path
+  except (OSError, ValueError):
+    pass
+  os.makedirs(directory, exist_ok=True)
+  fd, tmp = tempfile.mkstemp(dir=directory)
+  with os.fdopen(fd, 'wb') as f, fs.open(p, 'rb') as g:
+    shutil.copyfileobj(g, f, 16 << 20)
+  os.replace(tmp, path)
+  write_atomic(record, json.dumps(stamp))
+  return path
 
 
 class AppendLog:

@@ -12,7 +12,10 @@ STORAGE_EMULATOR_HOST=http://localhost:9023 python -m moetrain.main ... --workdi
 (buckets are created on first use)."""
 
 import argparse
+import http.server
+import sys
 import time
+import types
 
 EMULATOR = 'STORAGE_EMULATOR_HOST'
 
@@ -30,9 +33,19 @@ def _with_generation(download):
   return handler
 
 
+class _QuietHTTPServer(http.server.HTTPServer):
+  def handle_error(self, request, client_address):
+    """A client that hung up early (fsspec closing a read-ahead) is not an error worth a
+    traceback on stderr; others are."""
+    if not isinstance(sys.exc_info()[1], ConnectionError):
+      super().handle_error(request, client_address)
+
+
 def _patch_downloads() -> None:
   from gcp_storage_emulator import server
   from gcp_storage_emulator.handlers import objects
+
+  server.server = types.SimpleNamespace(HTTPServer=_QuietHTTPServer)  # (what its thread makes)
 
   if getattr(objects.download, 'with_generation', False):
     return

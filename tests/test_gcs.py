@@ -145,3 +145,47 @@ def test_a_run_in_a_bucket_stops_resumes_exactly_evaluates_and_exports(gcs, tmp_
   )
   assert out.returncode == 0, out.stderr[-3000:]
   assert {'adapter_config.json', 'adapter_model.safetensors'} <= set(storage.listdir(export))
+
+
+def test_inputs_from_a_bucket(gcs, tmp_path):
+  """A Hugging Face checkpoint read in place from gs:// (by byte ranges: a row slice reads those
+  rows), its tokenizer, and data files (copied once into a local cache, again when changed)."""
+  import numpy as np
+
+  from moetrain import storage
+  from moetrain.convert import hf
+  from moetrain.convert import safetensors_io as stio
+  from moetrain.data import sources
+  from moetrain.data import tokenizer as tokenizer_lib
+  from moetrain.data.demo_task import DEMO_DIR
+
+  base = str(DEMO_DIR / 'base')
+  for name in os.listdir(base):
+    storage.copy(os.path.join(base, name), f'gs://runs/base/{name}')
+  assert hf.read_config('gs://runs/base') == hf.read_config(base)
+  local, remote = stio.Reader(base), stio.Reader('gs://runs/base')
+  assert remote.keys() == local.keys()
+  for name in local.keys():
+    assert remote.shape(name) == local.shape(name) and remote.dtype(name) == local.dtype(name)
+    np.testing.assert_array_equal(remote.read(name), local.read(name))
+    if len(local.shape(name)) > 1 and local.shape(name)[0] > 2:
+      rows = (slice(1, 3), slice(None, 2))
+      np.testing.assert_array_equal(remote.read(name, rows), local.read(name, rows))
+  text = 'reverse: red fox cup ='
+  want = tokenizer_lib.load_tokenizer(base).encode(text)
+  assert tokenizer_lib.load_tokenizer('gs://runs/base').encode(text) == want
+
+  cache = str(tmp_path / 'cache')
+  storage.copy(str(DEMO_DIR / 'eval.jsonl'), 'gs://runs/data/eval.jsonl')
+  (path,) = [storage.local_copy(p, cache) for p in storage.glob('gs://runs/data/*.jsonl')]
+  with open(path, 'rb') as f, open(DEMO_DIR / 'eval.jsonl', 'rb') as g:
+    assert f.read() == g.read()
+  assert sources.expand_paths('gs://runs/data/{split}.jsonl', 'eval')[0].startswith(
+    os.path.expanduser(storage.CACHE)
+  )
+  mtime = os.path.getmtime(path)
+  assert storage.local_copy('gs://runs/data/eval.jsonl', cache) == path
+  assert os.path.getmtime(path) == mtime  # not downloaded again
+  storage.write_atomic('gs://runs/data/eval.jsonl', '{"text": "changed"}\n')
+  with open(storage.local_copy('gs://runs/data/eval.jsonl', cache)) as f:
+    assert f.read() == '{"text": "changed"}\n'

@@ -15,7 +15,7 @@ from absl import logging
 from flax import nnx
 from jax.sharding import SingleDeviceSharding
 
-from moetrain import train_state
+from moetrain import storage, train_state
 from moetrain.convert import longcat, standard
 from moetrain.convert import safetensors_io as stio
 from moetrain.convert import stacked_io as sio
@@ -41,17 +41,16 @@ def family_of(model_type: str):
 
 def read_config(path: str) -> dict:
   """<path>/config.json of a Hugging Face checkpoint directory; errors name what is missing."""
-  if not os.path.isdir(path):
+  if not storage.isdir(path):
     raise FileNotFoundError(
       f'checkpoint directory {path!r} does not exist (init.hf_checkpoint / --hf_checkpoint take '
-      'a Hugging Face directory with config.json and *.safetensors)'
+      'a Hugging Face directory with config.json and *.safetensors, or a gs:// one)'
     )
-  file = os.path.join(path, 'config.json')
-  if not os.path.isfile(file):
+  file = storage.join(path, 'config.json')
+  if not storage.isfile(file):
     raise FileNotFoundError(f'{file} does not exist: {path!r} is not a Hugging Face checkpoint')
   try:
-    with open(file) as f:
-      return json.load(f)
+    return json.loads(storage.read_text(file))
   except json.JSONDecodeError as e:
     raise ValueError(f'{file}: malformed JSON: {e}') from e
 

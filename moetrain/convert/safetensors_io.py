@@ -10,6 +10,8 @@ import ml_dtypes
 import numpy as np
 from safetensors import safe_open
 
+from moetrain import storage
+
 SINGLE = 'model.safetensors'
 INDEX = 'model.safetensors.index.json'
 # Importing ml_dtypes registers bfloat16 with numpy, which lets safe_open(framework='numpy')
@@ -28,14 +30,13 @@ class Reader:
 
   def __init__(self, directory: str, single: str = SINGLE, index: str | None = INDEX):
     self.directory, self.index = directory, index
-    index_path = os.path.join(directory, index) if index else None
-    if os.path.exists(os.path.join(directory, single)):
+    index_path = storage.join(directory, index) if index else None
+    if storage.exists(storage.join(directory, single)):
       files = [single]
       self.files = None
-    elif index_path and os.path.exists(index_path):
+    elif index_path and storage.exists(index_path):
       try:
-        with open(index_path) as f:
-          weight_map = json.load(f)['weight_map']
+        weight_map = json.loads(storage.read_text(index_path))['weight_map']
         self.files = dict(weight_map)
       except (ValueError, KeyError, TypeError) as e:  # JSONDecodeError is a ValueError
         raise ValueError(
@@ -45,7 +46,7 @@ class Reader:
       files = sorted(set(weight_map.values()))
     else:
       raise FileNotFoundError(f'{directory} holds neither {single} nor {index}')
-    self._handles = {name: _open(os.path.join(directory, name)) for name in files}
+    self._handles = {name: _open(storage.join(directory, name)) for name in files}
     if self.files is None:
       self.files = {k: single for k in self._handles[single].keys()}
 
@@ -90,12 +91,67 @@ def is_model_file(name: str) -> bool:
 
 
 def _open(path: str):
-  if not os.path.isfile(path):
+  if not storage.isfile(path):
     raise FileNotFoundError(f'{path} does not exist (listed in the safetensors index)')
   try:
-    return safe_open(path, framework='numpy')
+    return RemoteFile(path) if storage.is_url(path) else safe_open(path, framework='numpy')
   except Exception as e:  # SafetensorError: truncated, not safetensors, a Git LFS pointer
     raise ValueError(f'{path} is not a readable safetensors file: {e}') from e
+
+
+class RemoteFile:
+  """A safetensors file in a bucket, read as safe_open reads a local one (keys, get_slice) but
+  by byte ranges: the header once, then for each read the rows of the first dimension it selects
+  (the rest is selected on the host). A 5 GB shard is never downloaded whole."""
+
+  def __init__(self, path: str):
+    self.path = path
+    with storage.open(path, 'rb') as f:
+      (n,) = struct.unpack('<Q', f.read(8))
+      if n > 100 << 20:
+        raise ValueError(f'header of {n} bytes')
+      self._header = json.loads(f.read(n))
+    self._header.pop('__metadata__', None)
+    self._start = 8 + n
+
+  def keys(self) -> list[str]:
+    return sorted(self._header)  # (as safe_open lists them)
+
+  def get_slice(self, name: str) -> '_RemoteSlice':
+    if name not in self._header:
+      raise KeyError(f'{self.path} holds no tensor {name!r}')
+    return _RemoteSlice(self, self._header[name])
+
+  def read_bytes(self, start: int, end: int) -> bytes:
+    with storage.open(self.path, 'rb') as f:
+      f.seek(self._start + start)
+      return f.read(end - start)
+
+
+class _RemoteSlice:
+  def __init__(self, file: RemoteFile, info: dict):
+    self.file, self.info = file, info
+
+  def get_shape(self) -> list[int]:
+    return list(self.info['shape'])
+
+  def get_dtype(self) -> str:
+    return self.info['dtype']
+
+  def __getitem__(self, index) -> np.ndarray:
+    shape, dtype = tuple(self.info['shape']), np.dtype(DTYPES[self.info['dtype']])
+    index = index if isinstance(index, tuple) else (index,)
+    start, end = self.info['data_offsets']
+    first = index[0] if index else slice(None)
+    rows = range(shape[0])[first] if shape and isinstance(first, slice) else None
+    if rows is not None and rows.step == 1:  # only the rows asked for
+      row = math.prod(shape[1:]) * dtype.itemsize
+      lo, n = rows.start, len(rows)
+      raw = self.file.read_bytes(start + lo * row, start + (lo + n) * row)
+      arr = np.frombuffer(raw, dtype).reshape((n, *shape[1:]))
+      return arr[(slice(None), *index[1:])]
+    arr = np.frombuffer(self.file.read_bytes(start, end), dtype).reshape(shape)
+    return arr[index]
 
 
 def plan_shards(sizes: list[int], max_bytes: int) -> list[list[int]]:

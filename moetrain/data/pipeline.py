@@ -12,6 +12,7 @@ import grain
 import numpy as np
 from absl import logging
 
+from moetrain import storage
 from moetrain.data import chat, packing, sources
 from moetrain.data import tokenizer as tokenizer_lib
 from moetrain.data.tokenizer import Tokenizer, get_or_train_tokenizer
@@ -89,7 +90,7 @@ def _validate_sizes(cfg: DataConfig, process_count: int) -> None:
 
 
 def _validate_tokenizer(cfg: DataConfig) -> None:
-  if cfg.tokenizer and not os.path.exists(cfg.tokenizer):
+  if cfg.tokenizer and not storage.exists(cfg.tokenizer):
     raise ValueError(
       f'data.tokenizer={cfg.tokenizer!r} does not exist: give a .model file, a tokenizer.json or a '
       "checkpoint directory, or '' to train a SentencePiece model into the workdir"
@@ -100,7 +101,7 @@ def _validate_tokenizer(cfg: DataConfig) -> None:
       f'{tokenizer_lib.SPM_FILE}: point data.tokenizer at the one the weights go with (left '
       "empty, it is init.hf_checkpoint's)"
     )
-  if cfg.chat_template and not os.path.isfile(cfg.chat_template):
+  if cfg.chat_template and not storage.isfile(cfg.chat_template):
     raise ValueError(
       f'data.chat_template={cfg.chat_template!r} is not a file: give a Jinja chat template '
       "(.jinja), or '' for the tokenizer's own"
@@ -287,8 +288,8 @@ class DataIterator(Iterator[dict[str, np.ndarray]]):
 def chat_format(cfg: DataConfig, tokenizer: Tokenizer) -> chat.ChatFormat:
   """How this run renders chats (data.chat_template, data.chat_loss; chat.py)."""
   if cfg.chat_template:
-    with open(cfg.chat_template, encoding='utf-8') as f:
-      template, name = f.read(), f'data.chat_template={cfg.chat_template!r}'
+    template = storage.read_text(cfg.chat_template)
+    name = f'data.chat_template={cfg.chat_template!r}'
   else:
     template = getattr(tokenizer, 'chat_template', None)
     name = f'the chat template of {getattr(tokenizer, "name", "the tokenizer")}'

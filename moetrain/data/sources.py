@@ -16,7 +16,6 @@ the beginning-of-text token and only the last the end-of-text token (packing._to
 from __future__ import annotations
 
 import dataclasses
-import glob
 import json
 import os
 from collections.abc import Mapping, Sequence
@@ -24,6 +23,7 @@ from typing import Any
 
 import numpy as np
 
+from moetrain import storage
 from moetrain.data import chat, demo_task
 
 Example = dict[str, Any]
@@ -142,10 +142,10 @@ def expand_paths(pattern: str, split: str) -> list[str]:
   """Files for `split`: '{split}' in the pattern is replaced by the split name, then globbed
   ('**' matches any number of directories)."""
   pattern = pattern.replace('{split}', split)
-  paths = sorted(p for p in glob.glob(pattern, recursive=True) if os.path.isfile(p))
+  paths = storage.glob(pattern)
   if not paths:
     raise FileNotFoundError(f'no file matches {pattern!r} (data.path, split {split!r})')
-  return paths
+  return [storage.local_copy(p) for p in paths]  # (gs:// files: copied once, then read here)
 
 
 def cut(window: bytes, limit: int) -> int:

@@ -4,11 +4,12 @@ python -m moetrain.tools.expert_load --workdir=runs/longcat_lora [--out=expert_l
 """
 
 import json
-import os
 import re
 
 import numpy as np
 from absl import app, flags
+
+from moetrain import storage
 
 
 def define_flags():
@@ -27,11 +28,11 @@ def read_loads(workdir: str):
   step s averages the steps since the record before it. A run that resumed from a checkpoint
   older than its last log appends steps again: a step at or below the last one read drops the
   abandoned records from that step on."""
-  path = os.path.join(workdir, 'metrics.jsonl')
-  if not os.path.exists(path):
+  path = storage.join(workdir, 'metrics.jsonl')
+  if not storage.exists(path):
     raise FileNotFoundError(f'{path} not found: is {workdir!r} a moetrain run directory?')
   steps, loads, start, layers = [], [], 0, []
-  with open(path) as f:
+  with storage.open(path) as f:
     for n, line in enumerate(f, 1):
       try:
         rec = json.loads(line)
@@ -84,7 +85,8 @@ def plot(steps, loads, out: str, n_routed: int | None = None, start: int = 0, la
   note = '; above the dashed line: zero experts' if zero else ''
   fig.suptitle(f'Expert load per MoE layer (share of top-k assignments{note})')
   fig.tight_layout()
-  fig.savefig(out, dpi=100)
+  with storage.open(out, 'wb') as f:
+    fig.savefig(f, format='png', dpi=100)
   plt.close(fig)
   return out
 
@@ -94,11 +96,10 @@ def main(argv):
   workdir = flags.FLAGS.workdir
   steps, loads, start, layers = read_loads(workdir)
   n_routed = None
-  cfg_path = os.path.join(workdir, 'config.json')
-  if os.path.exists(cfg_path):
-    with open(cfg_path) as f:
-      n_routed = json.load(f).get('model', {}).get('n_routed_experts')
-  out = flags.FLAGS.out or os.path.join(workdir, 'expert_load.png')
+  cfg_path = storage.join(workdir, 'config.json')
+  if storage.exists(cfg_path):
+    n_routed = json.loads(storage.read_text(cfg_path)).get('model', {}).get('n_routed_experts')
+  out = flags.FLAGS.out or storage.join(workdir, 'expert_load.png')
   plot(steps, loads, out, n_routed, start, layers)
   print(f'wrote {out} ({len(steps)} steps, {loads.shape[1]} MoE layers, {loads.shape[2]} experts)')
 

@@ -4,6 +4,8 @@ import contextlib
 import functools
 import json
 import math
+import os
+import secrets
 import time
 
 import jax
@@ -206,6 +208,7 @@ class Writer:
     enabled: bool = True,
     resume_step: int | None = None,
     moe_layers: tuple[int, ...] | None = None,
+    wandb: dict | None = None,
   ):
     """moe_layers: the decoder index of each row of the expert loads (ModelConfig.
     moe_layer_indices; default 0, 1, ...), which names their histograms.
@@ -213,10 +216,12 @@ class Writer:
     interrupted run logged are redone: TensorBoard hides its events past that step (purge_step),
     and metrics.jsonl, which keeps them, gets a {'kind': 'resume', 'step': S} record that marks
     where the records start over. A rerun of a run killed before its first checkpoint starts
-    over from step 0: it is marked the same way."""
+    over from step 0: it is marked the same way.
+    wandb: {'project', 'entity', 'config'} to send the scalars to Weights & Biases as well
+    (WandbRun)."""
     self.enabled = enabled and jax.process_index() == 0
     self.workdir, self.moe_layers = workdir, moe_layers
-    self._jsonl = self._tb = None
+    self._jsonl = self._tb = self._wandb = None
     if self.enabled:
       storage.makedirs(workdir)
       path = storage.join(workdir, 'metrics.jsonl')
@@ -229,6 +234,8 @@ class Writer:
       self._tb = SummaryWriter(storage.join(workdir, 'tb'), purge_step=purge)
       if resume_step is not None:
         self._record({'step': resume_step, 'kind': 'resume', 'time': time.time()})
+      if wandb and wandb.get('project'):
+        self._wandb = WandbRun(workdir, **wandb)
 
   def _record(self, record: dict) -> None:
     # Standard JSON has no NaN or infinity: a non-finite value (a skipped step's loss, the rate
@@ -247,9 +254,15 @@ class Writer:
       record['moe/load'] = np.asarray(load).round(3).tolist()
     self._record(record)
     prefix = '' if kind == 'train' else f'{kind}/'
-    for k, v in scalars.items():
-      if isinstance(v, (int, float)) and math.isfinite(v):  # (the JSONL record keeps the rest)
-        self._tb.add_scalar(prefix + k, v, step)
+    finite = {
+      prefix + k: v
+      for k, v in scalars.items()
+      if isinstance(v, (int, float)) and math.isfinite(v)  # (the JSONL record keeps the rest)
+    }
+    for k, v in finite.items():
+      self._tb.add_scalar(k, v, step)
+    if self._wandb is not None:
+      self._wandb.log(finite, step)
     if load is not None:
       rows = np.asarray(load, np.float64)
       for layer, row in zip(self.moe_layers or range(len(rows)), rows):
@@ -295,6 +308,45 @@ class Writer:
     if self.enabled:
       self._jsonl.close()
       self._tb.close()
+      if self._wandb is not None:
+        self._wandb.close()
+
+
+class WandbRun:
+  """The run's scalars in Weights & Biases, one W&B run per run directory: its id is kept in
+  <workdir>/wandb_run_id, so a resumed run goes on logging into the same W&B run. (W&B keeps a
+  step's first values: steps a resumed run redoes after an interrupted one logged them are
+  dropped there, with its warning; metrics.jsonl keeps both.) W&B's own files go into the run
+  directory, or ~/.cache/moetrain/wandb for a gs:// one."""
+
+  ID_FILE = 'wandb_run_id'
+
+  def __init__(self, workdir: str, project: str, entity: str = '', config: dict | None = None):
+    import wandb
+
+    id_path = storage.join(workdir, self.ID_FILE)
+    run_id = storage.read_text(id_path).strip() if storage.exists(id_path) else None
+    run_id = run_id or secrets.token_hex(6)
+    local = storage.absolute(workdir)
+    if storage.is_url(workdir):
+      local = os.path.expanduser('~/.cache/moetrain/wandb')
+    os.makedirs(local, exist_ok=True)
+    self.run = wandb.init(
+      project=project,
+      entity=entity or None,
+      id=run_id,
+      resume='allow',
+      name=workdir.rstrip('/').rsplit('/', 1)[-1],
+      dir=local,
+      config=config,
+    )
+    storage.write_atomic(id_path, run_id)
+
+  def log(self, scalars: dict, step: int) -> None:
+    self.run.log(scalars, step=step)
+
+  def close(self) -> None:
+    self.run.finish()
 
 
 class Throughput:

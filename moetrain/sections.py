@@ -4,6 +4,7 @@ of configs/base.py, the resume checks and the tools' path handling are derived f
 
 import dataclasses
 import functools
+import importlib.util
 
 from ml_collections import config_dict
 
@@ -41,6 +42,11 @@ class LoopConfig:
   # Persistent XLA cache: a directory, '' = off, or 'auto': ~/.cache/moetrain/jax on one
   # process, <workdir>/jax_cache on several (only process 0 writes it: it must be shared).
   compilation_cache: str = 'auto'
+  # Weights & Biases: the project the run's records also go to ('' = none; needs the wandb
+  # package, `pip install -e '.[wandb]'`; WANDB_MODE=offline keeps them on this machine), and
+  # the entity (user or team) that owns it ('' = your default).
+  wandb_project: str = ''
+  wandb_entity: str = ''
 
   @property
   def last_step(self) -> int:
@@ -54,6 +60,11 @@ class LoopConfig:
         "set data.eval_split=''"
       )
     fields.check(self, 'train')
+    if self.wandb_project and importlib.util.find_spec('wandb') is None:
+      raise ValueError(
+        f'train.wandb_project={self.wandb_project!r} needs the wandb package: '
+        "pip install -e '.[wandb]' (or leave the project empty)"
+      )
 
 
 @dataclasses.dataclass(frozen=True)

@@ -2,6 +2,7 @@
 compiled before any weight is read, the state) and runs `loop`: step, log, evaluate, save."""
 
 import dataclasses
+import json
 from collections.abc import Callable
 
 import jax
@@ -134,10 +135,12 @@ def start(config, workdir: str, setup: Setup, mesh, ckpt: Checkpointer) -> tuple
     )
     said['note'] = f' ({len(eval_batches)} batches)'
 
+  saved_config = rundir.config_json(config, setup)
+  wandb = {'project': t.wandb_project, 'entity': t.wandb_entity, 'config': json.loads(saved_config)}
   writer = metrics_lib.Writer(
-    workdir, resume_step=ckpt.latest_step(), moe_layers=setup.model.moe_layer_indices
+    workdir, resume_step=ckpt.latest_step(), moe_layers=setup.model.moe_layer_indices, wandb=wandb
   )
-  writer.save_config(rundir.config_json(config, setup))
+  writer.save_config(saved_config)
   batch_sharding = sharding.batch_sharding(mesh)
   sharding.check_hosts_own_rows(batch_sharding, setup.data.global_batch_size)
   abstract, shardings = aot.abstract_state(setup, mesh)

@@ -5,6 +5,7 @@ import glob
 import json
 import math
 import struct
+import time
 import types
 
 import jax
@@ -56,6 +57,64 @@ def test_a_resume_marks_where_records_start_over(tmp_path):
   # The resumed run's scalars are all there.
   values = [(e.step, v.simple_value) for e in events(tmp_path / 'tb') for v in e.summary.value]
   assert values[-2:] == [(3, 30.0), (4, 40.0)]
+
+
+def wandb_history(run_dir) -> tuple[list[str], list[dict]]:
+  """(the W&B run ids, the logged rows) of the offline runs under run_dir/wandb: their .wandb
+  files are LevelDB-style logs (a 7-byte header, then 32 KiB blocks of records: CRC, length,
+  type; FULL or FIRST..LAST pieces) of wandb_internal_pb2.Record messages."""
+  from wandb.proto import wandb_internal_pb2 as pb
+
+  ids, rows = [], []
+  for path in sorted(glob.glob(f'{run_dir}/wandb/offline-run-*/run-*.wandb')):
+    with open(path, 'rb') as f:
+      data = f.read()
+    assert data[:4] == b':W&B'
+    at, piece = 7, b''
+    while at + 7 <= len(data):
+      if 32768 - at % 32768 < 7:  # a block's padding
+        at += 32768 - at % 32768
+        continue
+      _, n, kind = struct.unpack('<IHB', data[at : at + 7])
+      piece, at = piece + data[at + 7 : at + 7 + n], at + 7 + n
+      if kind == 0:
+        break
+      if kind in (1, 4):  # FULL, LAST
+        record = pb.Record.FromString(piece)
+        piece = b''
+        if record.HasField('run'):
+          ids.append(record.run.run_id)
+        if record.HasField('history'):
+          rows.append(
+            {i.key or '/'.join(i.nested_key): json.loads(i.value_json) for i in record.history.item}
+          )
+  return ids, rows
+
+
+def test_weights_and_biases_in_offline_mode(tmp_path, monkeypatch):
+  """train.wandb_project sends the scalars (eval ones under eval/) to W&B as well; a resumed
+  run logs into the same W&B run (its id kept in the run directory)."""
+  pytest.importorskip('wandb')
+  monkeypatch.setenv('WANDB_MODE', 'offline')
+  monkeypatch.setenv('WANDB_SILENT', 'true')
+  wandb = {'project': 'moetrain-test', 'config': {'train': {'steps': 4}}}
+  w = metrics.Writer(str(tmp_path), wandb=wandb)
+  w.write(1, {'loss': 2.5, 'skipped': 0.0, 'learning_rate': 1e-3})
+  w.write(2, {'loss': float('nan')})  # (non-finite: in metrics.jsonl as null, not sent)
+  w.write(2, {'loss': 2.0, 'accuracy': 0.5}, kind='eval')
+  w.close()
+  time.sleep(1.1)  # (W&B names an offline run's directory by the second it started in)
+  w = metrics.Writer(str(tmp_path), resume_step=2, wandb=wandb)
+  w.write(3, {'loss': 1.5})
+  w.close()
+  ids, rows = wandb_history(tmp_path)
+  assert len(ids) == 2 and ids[0] == ids[1] == (tmp_path / 'wandb_run_id').read_text()
+  got = [{k: v for k, v in r.items() if not k.startswith('_')} | {'step': r['_step']} for r in rows]
+  assert sorted(got, key=lambda r: r['step']) == [  # (the two runs' files: in either order)
+    {'step': 1, 'loss': 2.5, 'skipped': 0.0, 'learning_rate': 1e-3},
+    {'step': 2, 'eval/loss': 2.0, 'eval/accuracy': 0.5},
+    {'step': 3, 'loss': 1.5},
+  ]
 
 
 def test_a_rerun_without_a_checkpoint_marks_that_it_starts_over(tmp_path):

@@ -75,6 +75,11 @@ class InitConfig:
   hf_checkpoint: str = field('', role='path')
   # PEFT adapter directory (tools.export --adapter_only) to start from.
   peft_adapter: str = field('', role='path')
+  # A directory (or gs:// URL), e.g. one beside the checkpoint, where the first start saves the
+  # converted (for QLoRA quantised) base of hf_checkpoint as an Orbax checkpoint; later starts,
+  # resumes and tools restore it onto any mesh instead of converting the safetensors again.
+  # '' = convert on every start. (moetrain/base_cache.py)
+  base_cache: str = field('', role='path')
 
 
 @dataclasses.dataclass(frozen=True)

@@ -12,7 +12,7 @@ import jax
 from absl import logging
 from flax import nnx
 
-from moetrain import axes, fields, optim, rundir, runtime, sharding, storage
+from moetrain import axes, base_cache, fields, optim, rundir, runtime, sharding, storage
 from moetrain.checkpoint import Checkpointer, data_positions, process_data_state
 from moetrain.data import pipeline
 from moetrain.model.config import LoraConfig, ModelConfig
@@ -45,6 +45,7 @@ class Setup:
   hf_checkpoint: str = ''
   peft_adapter: str = ''
   mesh_dcn: tuple[int, ...] = ()  # mesh.dcn_shape: slices per mesh axis (multislice)
+  base_cache: str = ''  # init.base_cache
 
   def make_mesh(self, devices=None):
     return sharding.make_mesh(self.mesh_shape, devices, dcn=self.mesh_dcn)
@@ -118,6 +119,7 @@ def build(
     init.hf_checkpoint,
     init.peft_adapter,
     mesh_dcn,
+    init.base_cache if init.hf_checkpoint else '',
   )
 
 
@@ -254,8 +256,14 @@ def initial_state(setup: Setup, optimizer, mesh) -> TrainState:
   from moetrain.convert import hf, peft_adapter
 
   if setup.hf_checkpoint:
-    w = hf.load_params(setup.hf_checkpoint, setup.model, mesh=mesh, rules=rules, seed=setup.seed)
-    params, moe_bias, frozen = w.params, w.moe_bias, w.frozen
+    cached = base_cache.restore(setup, mesh) if setup.base_cache else None
+    if cached is not None:
+      params, moe_bias, frozen = cached
+    else:
+      w = hf.load_params(setup.hf_checkpoint, setup.model, mesh=mesh, rules=rules, seed=setup.seed)
+      params, moe_bias, frozen = w.params, w.moe_bias, w.frozen
+      if setup.base_cache:
+        base_cache.save(setup, params, moe_bias, frozen)
   else:
     state = create_sharded(setup.model, optimizer, setup.seed, mesh, rules)
     params, moe_bias, frozen = state.params, state.moe_bias, state.frozen
@@ -273,6 +281,8 @@ def restore_or_init(setup: Setup, ckpt: Checkpointer, optimizer, mesh, train_ite
   initial state."""
   step = ckpt.latest_step()
   base = f'Importing {setup.hf_checkpoint}' if setup.hf_checkpoint else 'Initialising the model'
+  if setup.base_cache:
+    base += f' (converted once into init.base_cache={setup.base_cache})'
   with runtime.phase(base):
     state = initial_state(setup, optimizer, mesh)
   if step is None:

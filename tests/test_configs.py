@@ -249,49 +249,6 @@ def test_a_tool_refuses_another_tokenizer_than_the_runs(tmp_path):
   rundir.check_resumable(own, str(run), tool=True)
 
 
-def notebook_commands(path: str) -> list[list[str]]:
-  """The shell commands (`!python -m ...`, continuations joined) of a notebook's code cells."""
-  import json
-  import shlex
-
-  with open(path) as f:
-    cells = [c for c in json.load(f)['cells'] if c['cell_type'] == 'code']
-  text = '\n'.join(''.join(c['source']) for c in cells).replace('\\\n', ' ')
-  return [shlex.split(line[1:]) for line in text.splitlines() if line.startswith('!python -m ')]
-
-
-def test_colab_notebook_commands_build():
-  """tpu_scripts/colab.ipynb's training commands build (config, overrides, 8-device mesh), and
-  its tools define the flags it passes."""
-  import ast
-  import re
-
-  commands = notebook_commands(os.path.join(ROOT, 'tpu_scripts', 'colab.ipynb'))
-  assert len(commands) >= 5
-  for argv in commands:
-    module = argv[2]
-    args = dict(a.removeprefix('--').partition('=')[::2] for a in argv[3:])
-    if module == 'moetrain.main':
-      path, _, arg = args.pop('config').partition(':')
-      config = load(os.path.join(ROOT, path), arg or None)
-      for key, value in args.items():
-        if key.startswith('config.'):
-          _, section, name = key.split('.')
-          try:
-            value = ast.literal_eval(value)
-          except (ValueError, SyntaxError):
-            pass
-          config[section][name] = value
-      setup_lib.build(config, num_devices=8, process_count=1)
-    else:
-      spec = importlib.util.find_spec(module)
-      assert spec is not None, module
-      with open(spec.origin) as f:
-        source = f.read()
-      for name in args:
-        assert re.search(rf"DEFINE_\w+\(\s*'{name}'", source), f'{module} has no --{name}'
-
-
 def test_the_demo_starts_from_a_shipped_base_that_copies_but_does_not_reverse():
   """configs/longcat_lora.py's default variant fine-tunes moetrain/data/demo/base (made by
   moetrain/data/demo_base.py): the tiny shapes, and a model that copies word lists, so the

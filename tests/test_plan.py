@@ -141,12 +141,21 @@ def test_megablox_without_expert_parallelism_compiles_for_tpu():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize('remat', ['none', 'full', 'save_dots', 'save_moe', 'offload'])
-def test_remat_policies_compile_and_trade_memory(remat):
-  r = tpu_plan.plan(
-    longcat_lora.get_config('variant=tiny'), 'v5e-4', TINY_EP | {'model.remat': remat}
-  )
-  assert r['fits'], r
+def test_remat_table_compiles_every_policy(tmp_path, capsys):
+  """`--remat`: each policy compiled for the slice; full remat keeps less than none and pays
+  for it in recomputed FLOPs; the table prints a row per policy."""
+  config = tpu_plan.with_overrides(longcat_lora.get_config('variant=tiny'), TINY_EP)
+  config.data.global_batch_size, config.data.seq_len = 8, 512
+  rows = tpu_plan.remat_table(config, 'v5e-4', workers=1, cache=str(tmp_path / 'plans.json'))
+  by = {r['remat']: r for r in rows}
+  assert set(by) == {'none', 'full', 'save_dots', 'save_moe', 'offload'}
+  assert all(r['plan']['fits'] for r in rows), rows
+  full, none = by['full']['plan'], by['none']['plan']
+  assert full['per_chip_bytes']['temporaries'] < none['per_chip_bytes']['temporaries']
+  assert by['full']['flops_vs_none'] > 1.1 and by['none']['flops_vs_none'] == 1
+  tpu_plan.print_remat_table(rows, 'full')
+  out = capsys.readouterr().out
+  assert all(f' {p} ' in out for p in by) and '* full' in out
 
 
 def test_loop_trip_counts_are_counted():

@@ -198,11 +198,11 @@ def main(argv):
   runtime.quiet_library_logs()
   f = flags.FLAGS
   if not f.topology:
-    if f.search or f.smallest or f.json:
-      raise app.UsageError('--search, --smallest and --json need --topology')
+    if f.search or f.smallest or f.json or f.remat:
+      raise app.UsageError('--search, --smallest, --remat and --json need --topology')
     dry_run(f.config)
     return
-  tpu_plan.main(f.config, f.topology, f.search, f.smallest, f.json, f.workers)
+  tpu_plan.main(f.config, f.topology, f.search, f.smallest, f.json, f.workers, f.remat)
 
 
 if __name__ == '__main__':
@@ -215,6 +215,7 @@ if __name__ == '__main__':
   flags.DEFINE_string('topology', '', 'Compile for this TPU slice: v5p-128, v6e-64, v5p:4x4x4...')
   flags.DEFINE_bool('search', False, 'Try settings that change memory and speed; print the best.')
   flags.DEFINE_bool('smallest', False, "Each generation's smallest slice per training method.")
+  flags.DEFINE_bool('remat', False, 'Compile every remat policy: what each keeps and recomputes.')
   flags.DEFINE_string('json', '', 'Also write the plan as JSON to this path.')
   flags.DEFINE_integer('workers', 2, 'Compile processes for --search and --smallest.')
   flags.mark_flags_as_required(['config'])

@@ -404,7 +404,60 @@ def generations(names: str) -> list[str]:
   return out
 
 
-def main(config, topology: str, do_search: bool, do_smallest: bool, json_path: str, workers):
+def remat_table(config, topology: str, workers: int, cache: str = CACHE) -> list[dict]:
+  """The step compiled under every remat policy: what each keeps per device and what it
+  recomputes, against `none` (nothing recomputed, every activation kept) and the configured one.
+  One row per policy: the plan, and for those that compiled their bytes and FLOPs as ratios."""
+  from moetrain.model.config import REMAT_POLICIES
+
+  plans = plan_many(
+    config, [(topology, {'model.remat': p}) for p in REMAT_POLICIES], workers, cache
+  )
+  by = dict(zip(REMAT_POLICIES, plans))
+  ref = by['none'] if 'hlo_flops_per_chip' in by['none'] else None
+  rows = []
+  for policy, r in by.items():
+    row = {'remat': policy, 'plan': r}
+    if 'hlo_flops_per_chip' in r and ref:
+      row['flops_vs_none'] = r['hlo_flops_per_chip'] / ref['hlo_flops_per_chip']
+    need = r.get('per_chip_bytes', {}).get('total')
+    if need and ref:
+      row['bytes_vs_none'] = need / ref['per_chip_bytes']['total']
+    rows.append(row)
+  return rows
+
+
+def print_remat_table(rows: list[dict], configured: str) -> None:
+  hbm = next(r['plan']['hbm_bytes'] for r in rows)
+  print(f'remat policies ({_gib(hbm)} HBM per device; compiled FLOPs include the recomputation):')
+  print(
+    f'  {"remat":<10}{"per device":>12}{"temporaries":>13}{"host offload":>14}'
+    f'{"vs none":>9}{"FLOPs vs none":>15}{"est. s/step":>13}  fits'
+  )
+  for row in rows:
+    r, mark = row['plan'], '*' if row['remat'] == configured else ' '
+    m = r.get('per_chip_bytes', {})
+    if 'hlo_flops_per_chip' not in r:
+      need = f'needs {_gib(m["total"])}' if m.get('total') else r.get('error', '?')[:60]
+      print(f'{mark} {row["remat"]:<10}{need}')
+      continue
+    vs = {k: f'{row[k]:.2f}x' if k in row else '-' for k in ('bytes_vs_none', 'flops_vs_none')}
+    print(
+      f'{mark} {row["remat"]:<10}{_gib(m["total"]):>12}{_gib(m["temporaries"]):>13}'
+      f'{_gib(m["host"]):>14}{vs["bytes_vs_none"]:>9}{vs["flops_vs_none"]:>15}'
+      f'{r["est_step_seconds"]:>13.3g}  {"yes" if r["fits"] else "NO"}'
+    )
+  print('  (* the configured policy; est. = roofline estimate, not a measurement)')
+
+
+def main(
+  config, topology: str, do_search: bool, do_smallest: bool, json_path: str, workers, remat=False
+):
+  if remat:
+    rows = remat_table(config, topology, workers)
+    print_remat_table(rows, config.model.remat)
+    _write(json_path, rows)
+    return
   if do_smallest:
     rows = smallest(config, generations(topology), workers)
     for row in rows:

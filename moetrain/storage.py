@@ -60,12 +60,20 @@ def _fs(url: str):
 
 
 def check_url(path: str, flag: str) -> None:
-  """Fails early, naming `flag`, when `path` is a URL this installation cannot reach."""
-  if is_url(path):
-    try:
-      _fs(path)
-    except runtime.UserError as e:
-      raise runtime.UserError(f'{flag}: {e}') from None
+  """Fails early, naming `flag`, when `path` is a URL of a scheme this installation has no
+  filesystem for (without connecting: credentials are looked for on first use)."""
+  if not is_url(path):
+    return
+  import fsspec
+
+  try:
+    fsspec.get_filesystem_class(path.split('://')[0])
+  except ImportError as e:  # ('Install s3fs to access S3')
+    hint = "pip install -e '.[gcs]'" if path.startswith('gs://') else str(e)
+    msg = f'{flag}: {path}: this installation cannot reach it ({e}): {hint}'
+    raise runtime.UserError(msg) from None
+  except ValueError as e:  # 'Protocol not known: x'
+    raise runtime.UserError(f'{flag}: {path}: {e}') from None
 
 
 def absolute(path: str) -> str:

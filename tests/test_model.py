@@ -141,6 +141,26 @@ def test_attention_core_in_bfloat16():
     np.testing.assert_allclose(got.astype(jnp.float32), want, atol=3e-2 * scale, rtol=0)
 
 
+@pytest.mark.parametrize('remat', ['save_moe', 'save_dots'])
+def test_remat_policies_change_no_gradient(remat):
+  """A policy only chooses what the backward recomputes: save_moe (which keeps the experts'
+  input rows and gate/up projections, named in kernels/experts.swiglu; the ragged_dot engine
+  goes through it) gives the loss and LoRA gradients of no remat."""
+  cfg = with_lora(tiny(remat='none', moe_backend='ragged_dot'))
+  model, ids = model_and_ids(cfg)
+  randomize(model, 6, nnx.LoRAParam)
+  other = nnx.merge(
+    nnx.graphdef(Transformer(dataclasses.replace(cfg, remat=remat), nnx.Rngs(0))),
+    nnx.state(model),
+  )
+  pos, seg = jnp.broadcast_to(jnp.arange(ids.shape[1]), ids.shape), jnp.ones_like(ids)
+  ref_loss, ref_grads = jit_call(_loss_and_lora_grads, model, ids, pos, seg)
+  loss, grads = jit_call(_loss_and_lora_grads, other, ids, pos, seg)
+  np.testing.assert_allclose(loss, ref_loss, rtol=1e-6)
+  for g, r in zip(jax.tree.leaves(grads), jax.tree.leaves(ref_grads), strict=True):
+    np.testing.assert_allclose(g, r, atol=1e-6, rtol=1e-5)
+
+
 @pytest.mark.parametrize('remat', ['none', 'full'])
 def test_unrolled_layers_equal_the_scan(remat):
   """scan_layers=False runs the same stacked layer state layer by layer: same logits, routing

@@ -6,15 +6,23 @@ blocks of one expert each). The grouped CPU engine is grouped.py."""
 
 import jax
 import jax.numpy as jnp
+from jax.ad_checkpoint import checkpoint_name
 
 from moetrain.kernels.lora import with_lora
 from moetrain.kernels.rows import take_experts
 from moetrain.model import quant
 from moetrain.model.config import ModelConfig
 
+# Names for the remat policies (model/transformer.py remat_policy): what the experts' backward
+# reads. Saving them spares the backward the forward's routing, exchange and expert matmuls.
+EXPERT_INPUT, EXPERT_GATE, EXPERT_UP = 'moe_expert_in', 'moe_expert_gate', 'moe_expert_up'
+
 
 def swiglu(x, mm, dtype):
-  h = jax.nn.silu(mm(x, 'gate').astype(jnp.float32)) * mm(x, 'up').astype(jnp.float32)
+  x = checkpoint_name(x, EXPERT_INPUT)  # rows in expert order, after any exchange
+  g = checkpoint_name(mm(x, 'gate'), EXPERT_GATE)
+  u = checkpoint_name(mm(x, 'up'), EXPERT_UP)
+  h = jax.nn.silu(g.astype(jnp.float32)) * u.astype(jnp.float32)
   return mm(h.astype(dtype), 'down')
 
 

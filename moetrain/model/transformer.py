@@ -8,6 +8,7 @@ from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
 from moetrain import axes
+from moetrain.kernels import experts as experts_lib
 from moetrain.model.attention import MLA, make_attention
 from moetrain.model.config import LayerGroup, ModelConfig
 from moetrain.model.layers import MLP, Embed, Linear, RMSNorm
@@ -122,15 +123,23 @@ def make_stack(cfg: ModelConfig, group: LayerGroup, rngs: nnx.Rngs):
   return stack
 
 
+# What save_moe keeps (offload: moves to host memory) of a layer's forward for its backward: the
+# routed experts' input rows and their gate and up projections (kernels/experts.py), which the
+# experts' backward reads; and the MoE output, which the layer's own backward reads. Saving only
+# the output (as save_moe once did) saved nothing: the experts' backward still needed their
+# internals, so the whole MoE was recomputed anyway and the compiled program equalled `full`'s.
+MOE_SAVED = ('moe_out', experts_lib.EXPERT_INPUT, experts_lib.EXPERT_GATE, experts_lib.EXPERT_UP)
+
+
 def remat_policy(name: str):
   cp = jax.checkpoint_policies
   return {
     'full': cp.nothing_saveable,
     'save_dots': cp.dots_with_no_batch_dims_saveable,
-    'save_moe': cp.save_only_these_names('moe_out'),
+    'save_moe': cp.save_only_these_names(*MOE_SAVED),
     'offload': cp.save_and_offload_only_these_names(
       names_which_can_be_saved=[],
-      names_which_can_be_offloaded=['moe_out'],
+      names_which_can_be_offloaded=list(MOE_SAVED),
       offload_src='device',
       offload_dst='pinned_host',
     ),

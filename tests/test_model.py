@@ -141,6 +141,20 @@ def test_attention_core_in_bfloat16():
     np.testing.assert_allclose(got.astype(jnp.float32), want, atol=3e-2 * scale, rtol=0)
 
 
+def same_model_as(model, cfg):
+  """`model`'s state under another config of the same shapes (another layer loop or remat)."""
+  return nnx.merge(nnx.graphdef(Transformer(cfg, nnx.Rngs(0))), nnx.state(model))
+
+
+def assert_same_loss_and_grads(model, ref, ids, atol, rtol):
+  pos, seg = jnp.broadcast_to(jnp.arange(ids.shape[1]), ids.shape), jnp.ones_like(ids)
+  ref_loss, ref_grads = jit_call(_loss_and_lora_grads, ref, ids, pos, seg)
+  loss, grads = jit_call(_loss_and_lora_grads, model, ids, pos, seg)
+  np.testing.assert_allclose(loss, ref_loss, rtol=1e-6)
+  for g, r in zip(jax.tree.leaves(grads), jax.tree.leaves(ref_grads), strict=True):
+    np.testing.assert_allclose(g, r, atol=atol, rtol=rtol)
+
+
 @pytest.mark.parametrize('remat', ['save_moe', 'save_dots'])
 def test_remat_policies_change_no_gradient(remat):
   """A policy only chooses what the backward recomputes: save_moe (which keeps the experts'
@@ -149,16 +163,8 @@ def test_remat_policies_change_no_gradient(remat):
   cfg = with_lora(tiny(remat='none', moe_backend='ragged_dot'))
   model, ids = model_and_ids(cfg)
   randomize(model, 6, nnx.LoRAParam)
-  other = nnx.merge(
-    nnx.graphdef(Transformer(dataclasses.replace(cfg, remat=remat), nnx.Rngs(0))),
-    nnx.state(model),
-  )
-  pos, seg = jnp.broadcast_to(jnp.arange(ids.shape[1]), ids.shape), jnp.ones_like(ids)
-  ref_loss, ref_grads = jit_call(_loss_and_lora_grads, model, ids, pos, seg)
-  loss, grads = jit_call(_loss_and_lora_grads, other, ids, pos, seg)
-  np.testing.assert_allclose(loss, ref_loss, rtol=1e-6)
-  for g, r in zip(jax.tree.leaves(grads), jax.tree.leaves(ref_grads), strict=True):
-    np.testing.assert_allclose(g, r, atol=1e-6, rtol=1e-5)
+  other = same_model_as(model, dataclasses.replace(cfg, remat=remat))
+  assert_same_loss_and_grads(other, model, ids, atol=1e-6, rtol=1e-5)
 
 
 @pytest.mark.parametrize('remat', ['none', 'full'])
@@ -168,21 +174,13 @@ def test_unrolled_layers_equal_the_scan(remat):
   cfg = with_lora(tiny(remat=remat))
   model, ids = model_and_ids(cfg)
   randomize(model, 6, nnx.LoRAParam)
-  unrolled = nnx.merge(
-    nnx.graphdef(Transformer(dataclasses.replace(cfg, scan_layers=False), nnx.Rngs(0))),
-    nnx.state(model),
-  )
+  unrolled = same_model_as(model, dataclasses.replace(cfg, scan_layers=False))
   (ref_logits, ref_aux), (logits, aux) = forward(model, ids), forward(unrolled, ids)
   np.testing.assert_allclose(logits, ref_logits, atol=1e-5, rtol=1e-5)
   for a, r in zip(jax.tree.leaves(aux), jax.tree.leaves(ref_aux), strict=True):
     assert a.shape == r.shape
     np.testing.assert_allclose(a, r, atol=1e-5, rtol=1e-5)
-  pos, seg = jnp.broadcast_to(jnp.arange(ids.shape[1]), ids.shape), jnp.ones_like(ids)
-  ref_loss, ref_grads = jit_call(_loss_and_lora_grads, model, ids, pos, seg)
-  loss, grads = jit_call(_loss_and_lora_grads, unrolled, ids, pos, seg)
-  np.testing.assert_allclose(loss, ref_loss, rtol=1e-6)
-  for g, r in zip(jax.tree.leaves(grads), jax.tree.leaves(ref_grads), strict=True):
-    np.testing.assert_allclose(g, r, atol=1e-5, rtol=1e-4)
+  assert_same_loss_and_grads(unrolled, model, ids, atol=1e-5, rtol=1e-4)
 
 
 def test_lora_with_zero_b_equals_base():

@@ -57,10 +57,10 @@ def entry(setup) -> tuple[str, dict]:
   return storage.join(setup.base_cache, digest), k
 
 
-def restore(setup, mesh):
-  """(params, moe_bias, frozen) from the cache onto `mesh`, or None when it has no whole entry
-  for this base."""
-  directory, k = entry(setup)
+def restore(setup, mesh, where: tuple[str, dict]):
+  """(params, moe_bias, frozen) from the cache entry `where` (entry(setup)) onto `mesh`, or None
+  when it is not whole."""
+  directory, k = where
   marker = storage.join(directory, KEY_FILE)
   if not storage.exists(marker) or json.loads(storage.read_text(marker)) != k:
     return None
@@ -82,10 +82,10 @@ def restore(setup, mesh):
   return tuple(checkpoint.unflatten_like(parts[n], flat[n]) for n in parts)
 
 
-def save(setup, params, moe_bias, frozen) -> str | None:
-  """Saves the converted weights as a cache entry (every process takes part); its directory, or
-  None when another run has just saved it."""
-  directory, k = entry(setup)
+def save(where: tuple[str, dict], params, moe_bias, frozen) -> str | None:
+  """Saves the converted weights as the cache entry `where` (every process takes part); its
+  directory, or None when another run has just saved it."""
+  directory, k = where
   tree = {
     'params': checkpoint.flatten(params),
     'moe_bias': checkpoint.flatten(moe_bias),

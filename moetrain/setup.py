@@ -256,14 +256,15 @@ def initial_state(setup: Setup, optimizer, mesh) -> TrainState:
   from moetrain.convert import hf, peft_adapter
 
   if setup.hf_checkpoint:
-    cached = base_cache.restore(setup, mesh) if setup.base_cache else None
+    where = base_cache.entry(setup) if setup.base_cache else None
+    cached = base_cache.restore(setup, mesh, where) if where else None
     if cached is not None:
       params, moe_bias, frozen = cached
     else:
       w = hf.load_params(setup.hf_checkpoint, setup.model, mesh=mesh, rules=rules, seed=setup.seed)
       params, moe_bias, frozen = w.params, w.moe_bias, w.frozen
-      if setup.base_cache:
-        base_cache.save(setup, params, moe_bias, frozen)
+      if where:
+        base_cache.save(where, params, moe_bias, frozen)
   else:
     state = create_sharded(setup.model, optimizer, setup.seed, mesh, rules)
     params, moe_bias, frozen = state.params, state.moe_bias, state.frozen

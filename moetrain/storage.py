@@ -45,18 +45,25 @@ def use_emulator(environ=os.environ) -> None:
 use_emulator()
 
 
+def _unreachable(url: str, e: Exception) -> str:
+  """What to say of a URL whose scheme this installation has no filesystem for: fsspec's
+  ImportError names the package ('Install s3fs to access S3'), its ValueError the scheme
+  ('Protocol not known: x')."""
+  if isinstance(e, ImportError):
+    hint = "pip install -e '.[gcs]'" if url.startswith('gs://') else str(e)
+    return f'{url}: this installation cannot reach it ({e}): {hint}'
+  return f'{url}: {e}'
+
+
 def _fs(url: str):
   """(fsspec filesystem, path inside it) of a URL; a clear error without the package."""
-  try:
-    import fsspec
+  import fsspec
 
+  try:
     # No cached listings: other hosts and Orbax's writes land behind this process's back.
     return fsspec.core.url_to_fs(url, use_listings_cache=False)
-  except ImportError as e:  # (fsspec names the missing package: 'Install s3fs to access S3')
-    hint = "pip install -e '.[gcs]'" if url.startswith('gs://') else str(e)
-    raise runtime.UserError(f'{url}: this installation cannot reach it ({e}): {hint}') from e
-  except ValueError as e:  # 'Protocol not known: x'
-    raise runtime.UserError(f'{url}: {e}') from e
+  except (ImportError, ValueError) as e:
+    raise runtime.UserError(_unreachable(url, e)) from e
 
 
 def check_url(path: str, flag: str) -> None:
@@ -68,12 +75,8 @@ def check_url(path: str, flag: str) -> None:
 
   try:
     fsspec.get_filesystem_class(path.split('://')[0])
-  except ImportError as e:  # ('Install s3fs to access S3')
-    hint = "pip install -e '.[gcs]'" if path.startswith('gs://') else str(e)
-    msg = f'{flag}: {path}: this installation cannot reach it ({e}): {hint}'
-    raise runtime.UserError(msg) from None
-  except ValueError as e:  # 'Protocol not known: x'
-    raise runtime.UserError(f'{flag}: {path}: {e}') from None
+  except (ImportError, ValueError) as e:
+    raise runtime.UserError(f'{flag}: {_unreachable(path, e)}') from None
 
 
 def absolute(path: str) -> str:
@@ -164,6 +167,17 @@ def open(path: str, mode: str = 'r'):  # noqa: A001 (the module's open, as os.pa
 def read_text(path: str) -> str:
   with open(path) as f:
     return f.read()
+
+
+def read_range(path: str, start: int, end: int) -> bytes:
+  """Bytes [start, end) of a file: one ranged request for an object (an fsspec file would read
+  ahead a whole block)."""
+  if is_url(path):
+    fs, p = _fs(path)
+    return fs.cat_file(p, start, end)
+  with builtins.open(path, 'rb') as f:
+    f.seek(start)
+    return f.read(end - start)
 
 
 def write_atomic(path: str, data: str | bytes) -> None:
@@ -292,9 +306,9 @@ class AppendLog:
 
   def __init__(self, path: str, every: float = 30.0):
     self.path, self.every = path, every
-    if is_url(path):
-      self._text = read_text(path) if exists(path) else ''
-      self._file, self._written, self._last = None, len(self._text), -math.inf
+    if is_url(path):  # what the object holds, then the lines since (joined at each rewrite)
+      self._parts = [read_text(path)] if exists(path) else []
+      self._file, self._dirty, self._last = None, False, -math.inf
     else:
       self._file = open(path, 'a')
 
@@ -302,16 +316,18 @@ class AppendLog:
     if self._file is not None:
       self._file.write(text)
     else:
-      self._text += text
+      self._parts.append(text)
+      self._dirty = True
 
   def flush(self, force: bool = False) -> None:
     if self._file is not None:
       self._file.flush()
       return
     now = time.monotonic()
-    if len(self._text) != self._written and (force or now - self._last >= self.every):
-      write_atomic(self.path, self._text)
-      self._written, self._last = len(self._text), now
+    if self._dirty and (force or now - self._last >= self.every):
+      self._parts = [''.join(self._parts)]
+      write_atomic(self.path, self._parts[0])
+      self._dirty, self._last = False, now
 
   def close(self) -> None:
     if self._file is not None:

@@ -106,11 +106,10 @@ class RemoteFile:
 
   def __init__(self, path: str):
     self.path = path
-    with storage.open(path, 'rb') as f:
-      (n,) = struct.unpack('<Q', f.read(8))
-      if n > 100 << 20:
-        raise ValueError(f'header of {n} bytes')
-      self._header = json.loads(f.read(n))
+    (n,) = struct.unpack('<Q', storage.read_range(path, 0, 8))
+    if n > 100 << 20:
+      raise ValueError(f'header of {n} bytes')
+    self._header = json.loads(storage.read_range(path, 8, 8 + n))
     self._header.pop('__metadata__', None)
     self._start = 8 + n
 
@@ -123,9 +122,7 @@ class RemoteFile:
     return _RemoteSlice(self, self._header[name])
 
   def read_bytes(self, start: int, end: int) -> bytes:
-    with storage.open(self.path, 'rb') as f:
-      f.seek(self._start + start)
-      return f.read(end - start)
+    return storage.read_range(self.path, self._start + start, self._start + end)
 
 
 class _RemoteSlice:

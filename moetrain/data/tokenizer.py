@@ -351,11 +351,6 @@ def load_tokenizer(
   raise ValueError(f'tokenizer {path}: expected a SentencePiece .model or a tokenizer.json file')
 
 
-def _write_atomically(path: Path, data: bytes) -> None:
-  """A concurrent reader never sees a partial model (storage.write_atomic)."""
-  storage.write_atomic(os.fspath(path), data)
-
-
 def train_sentencepiece(
   texts: Iterable[str], vocab_size: int, model_path: str | os.PathLike, *, model_type: str = 'bpe'
 ) -> SentencePieceTokenizer:
@@ -397,7 +392,7 @@ def train_sentencepiece(
     )
   except RuntimeError as e:
     raise ValueError(f'training a SentencePiece model for {model_path} failed: {e}') from e
-  _write_atomically(Path(model_path), model.getvalue())
+  storage.write_atomic(os.fspath(model_path), model.getvalue())  # (hosts racing here: whole)
   return SentencePieceTokenizer(model.getvalue(), name=str(model_path))
 
 

@@ -16,7 +16,7 @@ import pytest
 from flax import nnx
 
 from moetrain import kernels, sharding
-from moetrain.kernels import attention, cross_entropy, exchange, grouped, lora, rows
+from moetrain.kernels import attention, cross_entropy, exchange, grouped, lora, megablox, rows
 from moetrain.model import dispatch, expert_parallel
 from moetrain.model.attention import attention_mask
 from moetrain.model.layers import Linear
@@ -50,7 +50,7 @@ def test_every_custom_vjp_is_the_fast_path_of_a_kernel():
   sites = _custom_vjp_sites()
   assert all(s.startswith('moetrain/kernels/') for s in sites), sites
   fast = [k for k in _kernels() if isinstance(k.fast, jax.custom_vjp)]
-  assert len(fast) == len(sites) == 8, (sorted(k.name for k in fast), sites)
+  assert len(fast) == len(sites) == 9, (sorted(k.name for k in fast), sites)
   assert all(k.reference is not k.fast for k in _kernels())
 
 
@@ -156,7 +156,25 @@ def _expert_ffn(adapters_only):
   return case
 
 
+def _grouped_matmul(k, n, sizes, m, transposed=False):
+  """The Pallas grouped matmul (interpreted on CPU) on an adapter's thin shapes: [D, rank] (the
+  rank a whole-dimension block) and [rank, F]; m rows padded to the row tile (16 rows, or 128
+  from 128 rows on: groups then span tiles), the rows past the groups zero, one group empty."""
+
+  def case():
+    sizes_E = jnp.array(sizes, jnp.int32)
+    x = jax.random.normal(jax.random.key(8), (m, k))
+    w = jax.random.normal(jax.random.key(9), (4, n, k) if transposed else (4, k, n))
+    args = (x, w, sizes_E, transposed, True)
+    return _plain(megablox.grouped_matmul, args, (0, 1)), (x, w)
+
+  return case
+
+
 CASES = {
+  'grouped_matmul_lora_a': _grouped_matmul(128, 8, [3, 0, 21, 8], 37),
+  'grouped_matmul_lora_a_transposed': _grouped_matmul(256, 8, [3, 0, 150, 40], 200, True),
+  'grouped_matmul_lora_b': _grouped_matmul(8, 256, [3, 0, 150, 40], 200),
   'gather_rows': _gather_rows,
   'dispatch_tokens': _dispatch_tokens,
   'take_experts': _take_experts,

@@ -8,6 +8,7 @@ import jax
 import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
+from moetrain.kernels import megablox
 from moetrain.kernels.lora import with_lora
 from moetrain.kernels.rows import take_experts
 from moetrain.model import quant
@@ -27,19 +28,16 @@ def swiglu(x, mm, dtype):
 
 
 def ragged_ffn(x_RD, sizes_E, weights, cfg: ModelConfig, rng):
+  """XLA's ragged_dot for the expert weights. On TPU the LoRA adapters' thin products take the
+  megablox kernel: XLA lowers the gradient of a ragged_dot's weights as a dense product over
+  every local expert (kernels/megablox.py)."""
   dt = jnp.dtype(cfg.dtype)
 
   def mm(x, w):
     return jax.lax.ragged_dot(x, quant.dequant(w, dt), sizes_E, preferred_element_type=dt)
 
-  return swiglu(x_RD, with_lora(mm, weights, cfg, rng), dt)
-
-
-def _gmm_tile(k: int, n: int) -> int | None:
-  """One megablox tile for both the K and N dimensions: its VJP reuses the forward's tiling for
-  the transposed products, so the tile must suit both (TPU lanes: a multiple of 128 dividing
-  each). None where there is none (small LoRA ranks)."""
-  return next((t for t in (512, 256, 128) if k % t == 0 and n % t == 0), None)
+  adapter_mm = _megablox_mm(sizes_E, cfg) if cfg.platform == 'tpu' else None
+  return swiglu(x_RD, with_lora(mm, weights, cfg, rng, adapter_mm), dt)
 
 
 def megablox_interpret(cfg: ModelConfig) -> bool:
@@ -47,34 +45,31 @@ def megablox_interpret(cfg: ModelConfig) -> bool:
   return cfg.platform != 'tpu'
 
 
-def megablox_ffn(x_RD, sizes_E, weights, cfg: ModelConfig, rng):
-  """The Pallas TPU grouped matmul (jax.experimental.pallas.ops.tpu.megablox) for the expert
-  weights; the LoRA adapters' thin products (rank < 128) go through ragged_dot. Off TPU the
-  kernel runs in Pallas' interpret mode: slow, but it checks this path on CPU. Rows are padded
-  to a multiple of the row tile, and the kernel leaves rows past the groups (zero-expert
-  assignments, padding) unwritten, so they are masked to zeros, which also keeps their garbage
-  out of the gradients."""
-  from jax.experimental.pallas.ops.tpu.megablox import ops as megablox
-
+def _megablox_mm(sizes_E, cfg: ModelConfig):
+  """mm(x, w): each expert's rows times its w [D_in, D_out]. A LoRA A factor ([E, D, rank]:
+  its rank is the last, narrow dimension) runs transposed, so that its copies and gradients keep
+  the rank off the TPU's 128 lanes (kernels/megablox.py)."""
   dt = jnp.dtype(cfg.dtype)
-  r = x_RD.shape[0]
-  tm = 128 if r >= 128 else -(-r // 16) * 16
-  rows = -(-r // tm) * tm
-  inside = (jnp.arange(rows) < jnp.sum(sizes_E))[:, None]
-  interpret = megablox_interpret(cfg)
+  interpret, ref = megablox_interpret(cfg), cfg.reference_kernels
 
   def mm(x, w):
-    w = quant.dequant(w, dt)
-    t = _gmm_tile(*w.shape[1:])
-    if t is None:  # the thin LoRA products: XLA's ragged_dot
-      y = jax.lax.ragged_dot(x.astype(dt), w, sizes_E, preferred_element_type=dt)
-    else:
-      y = megablox.gmm(x.astype(dt), w, sizes_E, dt, (tm, t, t), None, None, False, interpret)
-    return jnp.where(inside, y, 0)
+    x, w = x.astype(dt), quant.dequant(w, dt).astype(dt)
+    thin = w.shape[2] < 128 and w.shape[1] >= 128
+    w = jnp.swapaxes(w, 1, 2) if thin else w
+    return megablox.grouped_matmul(x, w, sizes_E, thin, interpret, reference=ref)
 
-  x_PD = jnp.where(inside, jnp.pad(x_RD, ((0, rows - r), (0, 0))), 0)
-  mm = with_lora(mm, weights, cfg, rng)
-  return swiglu(x_PD, mm, dt)[:r]
+  return mm
+
+
+def megablox_ffn(x_RD, sizes_E, weights, cfg: ModelConfig, rng):
+  """The Pallas TPU grouped matmul (kernels/megablox.py) for every product, the adapters'
+  included. Off TPU the kernel runs in Pallas' interpret mode: slow, but it checks this path on
+  CPU. Rows are padded once to a multiple of the row tile (the kernel masks rows past the
+  groups: zero-expert assignments, padding)."""
+  r = x_RD.shape[0]
+  x_PD = jnp.pad(x_RD, ((0, -r % megablox.row_tile(r)), (0, 0)))
+  mm = _megablox_mm(sizes_E, cfg)
+  return swiglu(x_PD, with_lora(mm, weights, cfg, rng), jnp.dtype(cfg.dtype))[:r]
 
 
 def dense_ffn(x_RD, expert_R, weights, cfg: ModelConfig, rng):

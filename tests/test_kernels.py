@@ -16,7 +16,16 @@ import pytest
 from flax import nnx
 
 from moetrain import kernels, sharding
-from moetrain.kernels import attention, cross_entropy, exchange, grouped, lora, megablox, rows
+from moetrain.kernels import (
+  attention,
+  cross_entropy,
+  exchange,
+  grouped,
+  lora,
+  megablox,
+  rounds,
+  rows,
+)
 from moetrain.model import dispatch, expert_parallel
 from moetrain.model.attention import attention_mask
 from moetrain.model.layers import Linear
@@ -50,7 +59,7 @@ def test_every_custom_vjp_is_the_fast_path_of_a_kernel():
   sites = _custom_vjp_sites()
   assert all(s.startswith('moetrain/kernels/') for s in sites), sites
   fast = [k for k in _kernels() if isinstance(k.fast, jax.custom_vjp)]
-  assert len(fast) == len(sites) == 9, (sorted(k.name for k in fast), sites)
+  assert len(fast) == len(sites) == 10, (sorted(k.name for k in fast), sites)
   assert all(k.reference is not k.fast for k in _kernels())
 
 
@@ -171,7 +180,30 @@ def _grouped_matmul(k, n, sizes, m, transposed=False):
   return case
 
 
+def _round_sum():
+  """Rounds 1 .. n-1 of a round function nonlinear in its arrays and in k, n (traced) below the
+  static bound; an integer array among the non-differentiated inputs."""
+  x, w = (
+    jax.random.normal(jax.random.key(10), (5, 3)),
+    jax.random.normal(jax.random.key(11), (3, 3)),
+  )
+  offset = jnp.array([1, 0, 2, 1, 0], jnp.int32)
+
+  def fn(k, diff, static):
+    x, w = diff
+    (off,) = static
+    return jnp.tanh((x @ w) * k + (off * k)[:, None])
+
+  def make(reference):
+    return lambda x, w: rounds.round_sum(
+      fn, 6, jnp.int32(4), (x, w), (offset,), reference=reference
+    )
+
+  return make, (x, w)
+
+
 CASES = {
+  'round_sum': _round_sum,
   'grouped_matmul_lora_a': _grouped_matmul(128, 8, [3, 0, 21, 8], 37),
   'grouped_matmul_lora_a_transposed': _grouped_matmul(256, 8, [3, 0, 150, 40], 200, True),
   'grouped_matmul_lora_b': _grouped_matmul(8, 256, [3, 0, 150, 40], 200),

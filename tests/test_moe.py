@@ -221,11 +221,14 @@ def test_emulated_ragged_all_to_all_follows_the_jax_docs():
 def test_ragged_plan_is_consistent_across_shards():
   """Every shard's plan agrees with its peers' (what s sends to d is what d expects from s, at
   the same offsets), receive regions are disjoint, expert-sorted and inside the buffer, and a
-  small buffer keeps groups in (expert, source) order until full."""
+  small buffer keeps groups in (expert, source) order until full; its later rounds (windows
+  further along that order) send every remaining row once, each from where the last stopped."""
   ep, e_loc = 4, 3
   counts = np.random.default_rng(0).integers(0, 7, size=(ep, ep * e_loc))
-  for buf in (int(counts.sum()), 20):
-    plans = [expert_parallel.ragged_plan(jnp.array(counts), s, e_loc, buf) for s in range(ep)]
+  for buf, start in ((int(counts.sum()), 0), (20, 0), (20, 20), (20, 40)):
+    plans = [
+      expert_parallel.ragged_plan(jnp.array(counts), s, e_loc, buf, 0, start) for s in range(ep)
+    ]
     for s in range(ep):
       ex_s, kept_s, _ = plans[s]
       np.testing.assert_array_equal(ex_s.send, kept_s)
@@ -248,6 +251,20 @@ def test_ragged_plan_is_consistent_across_shards():
       np.testing.assert_array_equal(kept, counts)
     else:
       assert kept.sum() < counts.sum() and (kept <= counts).all()
+  # Rounds: every row of every group sent exactly once, a group's rows in order.
+  rounds = [
+    [expert_parallel.ragged_plan(jnp.array(counts), s, e_loc, 20, 0, k * 20) for k in range(9)]
+    for s in range(ep)
+  ]
+  for s in range(ep):
+    sent = np.stack([np.asarray(r[1]) for r in rounds[s]])
+    np.testing.assert_array_equal(sent.sum(0), counts[s])
+    group_start = np.cumsum(counts[s]) - counts[s]
+    first = group_start + np.cumsum(sent, axis=0) - sent  # where each round's slice must start
+    for k, r in enumerate(rounds[s]):
+      np.testing.assert_array_equal(
+        np.where(sent[k] > 0, r[0].in_off, 0), np.where(sent[k] > 0, first[k], 0)
+      )
 
 
 def route_on_ep_mesh(cfg, seed: int, m: int = 64):
@@ -267,12 +284,16 @@ def route_on_ep_mesh(cfg, seed: int, m: int = 64):
 
 
 @pytest.mark.parametrize(
-  'bound', [dict(moe_ep_recv_factor=0.5), dict(moe_dispatch='capacity', moe_capacity_factor=0.5)]
+  'bound',
+  [
+    dict(moe_ep_recv_factor=0.5, moe_ep_overflow='drop'),
+    dict(moe_dispatch='capacity', moe_capacity_factor=0.5),
+  ],
 )
 def test_ragged_expert_parallel_drops_exactly_what_it_reports(bound):
-  """A receive buffer smaller than the worst case (bounded for dropless, or sized by the
-  capacity factor) drops overflow; the output is then the single-device dropless output with
-  exactly the reported assignments' gates zeroed."""
+  """A receive buffer smaller than the worst case (bounded for dropless with overflow 'drop', or
+  sized by the capacity factor) drops overflow; the output is then the single-device dropless
+  output with exactly the reported assignments' gates zeroed."""
   cfg = dataclasses.replace(
     CFG, rules=sharding.Rules.preset('fsdp_ep_tp'), moe_ep_comm='ragged', **bound
   )
@@ -281,6 +302,36 @@ def test_ragged_expert_parallel_drops_exactly_what_it_reports(bound):
   single = dataclasses.replace(cfg, moe_expert_parallel=False, moe_dispatch='dropless')
   y_ref, _ = dispatch.routed_experts(x, idx, jnp.where(dropped > 0, 0.0, gates), w, single)
   np.testing.assert_allclose(y, y_ref, atol=1e-5)
+
+
+def test_ragged_expert_parallel_overflow_rounds_are_dropless():
+  """A receive buffer of 0.3x the local assignments (the default overflow 'rounds'; the fullest
+  shard needs several rounds, and 'drop' drops on the same routing): nothing dropped, and the
+  output and its gradients (tokens, gates, expert weights and adapters) are one device's
+  dropless engine's."""
+  cfg = dataclasses.replace(
+    CFG, rules=sharding.Rules.preset('fsdp_ep_tp'), moe_ep_comm='ragged', moe_ep_recv_factor=0.3
+  )
+  assert expert_parallel.ep_rounds(64 * cfg.moe_topk, cfg, 4) == 14
+  x, idx, gates, w, y, dropped = route_on_ep_mesh(cfg, seed=7)
+  assert float(dropped.sum()) == 0
+  single = dataclasses.replace(cfg, moe_expert_parallel=False)
+  y_ref, _ = dispatch.routed_experts(x, idx, gates, w, single)
+  np.testing.assert_allclose(y, y_ref, atol=1e-6)
+  dropping = dataclasses.replace(cfg, moe_ep_overflow='drop')
+  assert float(route_on_ep_mesh(dropping, seed=7)[-1].sum()) > 0
+
+  cot = jax.random.normal(jax.random.key(3), y.shape)
+  mesh = sharding.make_mesh((1, 2, 4, 1))
+  spec = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(('fsdp', 'expert')))
+
+  def grads(c, *args):
+    loss = lambda x, g, w: jnp.sum(expert_parallel.routed_experts(x, idx, g, w, c)[0] * cot)
+    return jax.jit(jax.grad(loss, argnums=(0, 1, 2)))(*args)
+
+  with jax.set_mesh(mesh):
+    got = grads(cfg.laid_out('cpu', mesh), *(jax.device_put(a, spec) for a in (x, gates)), w)
+  chex.assert_trees_all_close(got, grads(single, x, gates, w), atol=1e-5, rtol=1e-5)
 
 
 @pytest.mark.parametrize('comm', ['fixed', 'ragged'])

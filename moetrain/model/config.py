@@ -186,9 +186,14 @@ class ModelConfig:
   # 'auto' = ragged where the platform has it.
   moe_ep_comm: str = engine('auto', choices=MOE_EP_COMM)
   # Receive buffer of the ragged exchange (dropless) in local assignments; 0 = ep times them, the
-  # worst case, so nothing can drop. A smaller buffer bounds memory at large ep and drops (and
-  # reports) what overflows it.
+  # worst case, one exchange. A smaller buffer bounds memory at large ep; what overflows it is
+  # handled by model.moe_ep_overflow.
   moe_ep_recv_factor: float = engine(0.0, check='non_negative', zero='0 = worst case')
+  # Rows that overflow a bounded receive buffer: 'rounds' exchanges them in further rounds of
+  # the same buffer, run only when some shard's rows overflow (dropless stays dropless: each
+  # extra round recomputes its forward in the backward); 'drop' drops and reports them
+  # (moe/dropped_frac).
+  moe_ep_overflow: str = engine('rounds', choices=('rounds', 'drop'))
   # K_e, the FFN experts per token that balancing aims at; 0 = uniform, top_k * E / (E + Z).
   moe_expected_ffn_experts: float = engine(0.0, check='non_negative', zero='0 = uniform routing')
   # FFN-expert groups of the device-level balance loss; 0 = the expert-parallel shards (the

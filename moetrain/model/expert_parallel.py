@@ -11,6 +11,7 @@ import jax
 import jax.numpy as jnp
 
 from moetrain.kernels.exchange import Exchange, ragged_exchange
+from moetrain.kernels.rounds import round_sum
 from moetrain.kernels.rows import dispatch_tokens, gather_rows
 from moetrain.model import dispatch
 from moetrain.model.config import ModelConfig
@@ -157,69 +158,105 @@ def ep_expert_capacity(rows: int, cfg: ModelConfig, ep: int) -> int:
   return dispatch.capacity(ep * rows // cfg.moe_topk, cfg)
 
 
-def ragged_plan(counts_GE, me, e_loc: int, buf: int, cap: int = 0):
+def ep_rounds(rows: int, cfg: ModelConfig, ep: int) -> int:
+  """Exchange rounds a dropless ragged exchange may need for `rows` local assignments per shard:
+  1 with the worst-case buffer; with a bounded one (model.moe_ep_overflow='rounds') as many as
+  the worst case fills (each round runs only where some shard's rows still overflow)."""
+  if cfg.moe_dispatch != 'dropless' or cfg.moe_ep_overflow != 'rounds':
+    return 1
+  return -(-ep * rows // ep_recv_rows(rows, cfg, ep))
+
+
+def ragged_plan(counts_GE, me, e_loc: int, buf: int, cap: int = 0, start=0):
   """The exchange of expert groups for every shard's group sizes counts_GE [ep, E] (all shards
   compute the same plan). Receive buffers are sorted by local expert, then by source shard, so
   the received rows are already grouped for the grouped matmul. With cap > 0 each expert keeps
   its first cap rows in source-shard order, i.e. in global token order, as one device's capacity
-  dispatch does. A buffer of `buf` rows keeps groups in that order until full (what does not fit
-  is dropped). Returns the exchange, this shard's kept rows per expert [E] and its local
-  experts' received group sizes [e_loc]."""
+  dispatch does. A buffer of `buf` rows takes rows [start, start + buf) of that order (a round
+  of the exchange; rows outside it are sent in another round or dropped). Returns the exchange,
+  this shard's rows per expert sent in it [E] and its local experts' received group sizes
+  [e_loc]."""
   ep, e = counts_GE.shape
   before_GE = jnp.cumsum(counts_GE, axis=0) - counts_GE  # the expert's rows on earlier shards
   sent_GE = jnp.clip(cap - before_GE, 0, counts_GE) if cap else counts_GE
   total_GE = sent_GE.sum(0).reshape(ep, e_loc)
   start_E = (jnp.cumsum(total_GE, axis=1) - total_GE).reshape(e)
   off_GE = start_E[None] + jnp.cumsum(sent_GE, axis=0) - sent_GE
-  kept_GE = jnp.clip(buf - off_GE, 0, sent_GE)
-  off_GE = jnp.minimum(off_GE, buf)  # groups that do not fit: empty slices at the end
-  group_start_GE = jnp.cumsum(counts_GE, axis=1) - counts_GE
+  # Each group's rows before the round's window, and before its end.
+  lo_GE = jnp.clip(start - off_GE, 0, sent_GE)
+  kept_GE = jnp.clip(start + buf - off_GE, 0, sent_GE) - lo_GE
+  out_GE = jnp.clip(off_GE + lo_GE - start, 0, buf)  # outside the window: empty slices at an end
+  in_GE = jnp.cumsum(counts_GE, axis=1) - counts_GE + lo_GE
   # What I receive, source-major: [ep sources, my e_loc experts] flattened.
   mine = lambda a_GE: jax.lax.dynamic_slice_in_dim(a_GE, me * e_loc, e_loc, axis=1).reshape(e)
   ex = Exchange(
-    in_off=group_start_GE[me],
+    in_off=in_GE[me],
     send=kept_GE[me],
-    out_off=off_GE[me],
+    out_off=out_GE[me],
     recv=mine(kept_GE),
-    recv_off=mine(off_GE),
-    src_off=mine(group_start_GE),
+    recv_off=mine(out_GE),
+    src_off=mine(in_GE),
   )
   return ex, kept_GE[me], mine(kept_GE).reshape(ep, e_loc).sum(0)
 
 
 def _ep_ragged_shard(x_MD, idx_MA, gates_MA, weights, cfg: ModelConfig, ep: int, rng):
   """One shard's side of the ragged exchange: sort by expert, send each group to its expert's
-  shard, run the local experts on the (already expert-sorted) rows received, send them back."""
+  shard, run the local experts on the (already expert-sorted) rows received, send them back.
+  A bounded receive buffer either drops what overflows it or takes it in further rounds."""
   ref = cfg.reference_kernels
   e = cfg.n_routed_experts
   e_loc = e // ep
   order_R, expert_sorted_R, sizes_E = dispatch.sort_assignments(idx_MA.reshape(-1), e)
   r = expert_sorted_R.shape[0]
   buf = ep_recv_rows(r, cfg, ep)
+  rounds = ep_rounds(r, cfg, ep)
   cap = ep_expert_capacity(r, cfg, ep) if cfg.moe_dispatch == 'capacity' else 0
   counts_GE = jax.lax.all_gather(sizes_E, 'expert')
-  ex, kept_E, local_sizes = ragged_plan(counts_GE, jax.lax.axis_index('expert'), e_loc, buf, cap)
-  # Send buffer: the expert-sorted rows; each group sends its first kept_E[e] rows.
-  ex_R = jnp.minimum(expert_sorted_R, e - 1)
-  sent_R = (expert_sorted_R < e) & (jnp.arange(r) - ex.in_off[ex_R] < kept_E[ex_R])
+  me = jax.lax.axis_index('expert')
+  ex, kept_E, local_sizes = ragged_plan(counts_GE, me, e_loc, buf, cap)
+  # Send buffer: the expert-sorted rows; each group sends its first kept_E[e] rows (all of them,
+  # over the rounds).
+  sent_R = expert_sorted_R < e
+  if rounds == 1:
+    ex_R = jnp.minimum(expert_sorted_R, e - 1)
+    sent_R &= jnp.arange(r) - ex.in_off[ex_R] < kept_E[ex_R]
   asg_P, slot_R, kept_R = dispatch.place(dispatch.identity_layout(sent_R), order_R)
   send_x = dispatch_tokens(x_MD.astype(cfg.dtype), asg_P, slot_R, reference=ref)
   emulate = cfg.platform == 'cpu'
-  recv_x = ragged_exchange(send_x, ex, buf, 'expert', emulate, reference=ref)
-  # Received rows are sorted by local expert; rows past the groups are empty (id e_loc).
-  expert_P = jnp.searchsorted(jnp.cumsum(local_sizes), jnp.arange(buf), side='right')
-  local = dispatch.make_layout(
-    expert_P, local_sizes, cfg, 'dropless', dispatch.expected_group(cfg, ep * idx_MA.size)
-  )
-  if dispatch.resolve_backend(cfg, buf) in dispatch.SORTED_ROW_BACKENDS:
-    # The received rows are the layout: no copy in and out of it (each a [buf, D] buffer in
-    # both passes). Rows past the groups are zeros (the exchange's fill) and are never sent
-    # back.
-    y_recv = local.run(recv_x, weights, rng)
-  else:
-    y_buf = local.run(gather_rows(recv_x, local.src_P, local.dest_R, reference=ref), weights, rng)
-    y_recv = gather_rows(y_buf, local.dest_R, local.src_P, reference=ref)
-  y_sorted = ragged_exchange(y_recv, ex.reverse(), r, 'expert', emulate, reference=ref)
+  expect = dispatch.expected_group(cfg, ep * idx_MA.size)
+
+  def exchange(ex: Exchange, local_sizes, send_x, weights, key):
+    """send_x's rows of `ex` to their experts' shards, through the local experts, and back (in
+    send order; rows not in `ex` come back zero)."""
+    recv_x = ragged_exchange(send_x, ex, buf, 'expert', emulate, reference=ref)
+    # Received rows are sorted by local expert; rows past the groups are empty (id e_loc).
+    expert_P = jnp.searchsorted(jnp.cumsum(local_sizes), jnp.arange(buf), side='right')
+    local = dispatch.make_layout(expert_P, local_sizes, cfg, 'dropless', expect)
+    if dispatch.resolve_backend(cfg, buf) in dispatch.SORTED_ROW_BACKENDS:
+      # The received rows are the layout: no copy in and out of it (each a [buf, D] buffer in
+      # both passes). Rows past the groups are zeros (the exchange's fill) and are never sent
+      # back.
+      y_recv = local.run(recv_x, weights, key)
+    else:
+      y_buf = local.run(gather_rows(recv_x, local.src_P, local.dest_R, reference=ref), weights, key)
+      y_recv = gather_rows(y_buf, local.dest_R, local.src_P, reference=ref)
+    return ragged_exchange(y_recv, ex.reverse(), r, 'expert', emulate, reference=ref)
+
+  y_sorted = exchange(ex, local_sizes, send_x, weights, rng)
+  if rounds > 1:
+    # Rows [k * buf, (k + 1) * buf) of every receiver's stream in round k, while the fullest
+    # receiver (the same on every shard: from the all-gathered counts) has rows there.
+    most = jnp.max(counts_GE.sum(0).reshape(ep, e_loc).sum(1))
+
+    def overflow(k, diff, static):
+      counts_GE, me, key = static
+      ex, _, local_sizes = ragged_plan(counts_GE, me, e_loc, buf, 0, k * buf)
+      return exchange(ex, local_sizes, *diff, None if key is None else jax.random.fold_in(key, k))
+
+    n = (most + buf - 1) // buf
+    static = (counts_GE, me, rng)
+    y_sorted += round_sum(overflow, rounds, n, (send_x, weights), static, reference=ref)
   return dispatch.combine(
     gather_rows(y_sorted, slot_R, asg_P, reference=ref), kept_R, idx_MA, gates_MA, cfg
   )

@@ -49,7 +49,8 @@ def ep_exchange(cfg, mesh_shape, seq_len: int, batch_size: int) -> dict:
   """Per MoE layer and shard, the expert-parallel exchange's receive buffer (rows, and bytes in
   the compute dtype) for each exchange `model.moe_ep_comm` may use, for `batch_size` rows per
   forward pass (a micro-batch under gradient accumulation); {} without expert parallelism.
-  Dropless buffers are sized for the worst case: at scale, bound them."""
+  Dropless buffers are sized for the worst case unless bounded (model.moe_ep_recv_factor; then
+  `rounds` is the most rounds of that buffer the exchange may take, model.moe_ep_overflow)."""
   sizes = dict(zip(sharding.MESH_AXES, mesh_shape))
   ep = sizes.get('expert', 1)
   if ep <= 1 or not cfg.moe_expert_parallel:
@@ -68,6 +69,7 @@ def ep_exchange(cfg, mesh_shape, seq_len: int, batch_size: int) -> dict:
       'recv_rows': recv[c],
       'recv_bytes': recv[c] * cfg.hidden_size * itemsize,
       'worst_case': recv[c] == ep * rows,
+      'rounds': expert_parallel.ep_rounds(rows, cfg, ep) if c == 'ragged' else 1,
     }
     for c in comms
   }
@@ -97,7 +99,9 @@ def step_buffers(cfg, mesh_shape, seq_len: int, batch_size: int) -> dict:
   one MoE layer, which holds, each once: the rows the experts run on (received rows, [R, D]),
   their gate/up products [R, 2F] and SwiGLU [R, F], the same three as gradients plus the
   gradient arriving at the outputs [R, D]; the shard's own assignment rows (sent, returned and
-  their two gradients, [r, D] each); its experts' weights gathered over fsdp. Beside it: the
+  their two gradients, [r, D] each); its experts' weights, a buffer of their own whether
+  gathered over fsdp or sliced out of the scanned stack (the grouped-matmul kernels cannot read
+  a slice in place), dequantised for QLoRA. Beside it: the
   layer inputs the scan keeps (one [b, T, D] per layer), one attention block's float32 scores and
   their gradient, one loss block's float32 logits and their gradient. R is the exchange's
   receive buffer (model.moe_ep_recv_factor) or, without expert parallelism, the local rows."""
@@ -113,7 +117,7 @@ def step_buffers(cfg, mesh_shape, seq_len: int, batch_size: int) -> dict:
   ep = sizes['expert'] if ex else 1
   quant_item = {'none': jnp.dtype(cfg.param_dtype).itemsize, 'int8': 1, 'int4': 0.5}[cfg.quant]
   gathered = cfg.n_routed_experts // ep * 3 * d * f
-  gathered *= (item if cfg.quant != 'none' else 0) + (quant_item if sizes['fsdp'] > 1 else 0)
+  gathered *= (item if cfg.quant != 'none' else 0) + quant_item
   chunk = cfg.attention_chunk if 0 < cfg.attention_chunk < seq_len else seq_len
   heads = (
     cfg.num_heads // sizes['tensor'] if cfg.num_heads % sizes['tensor'] == 0 else cfg.num_heads
@@ -122,7 +126,7 @@ def step_buffers(cfg, mesh_shape, seq_len: int, batch_size: int) -> dict:
     'received rows [R, D] and their gradient, gradient at the outputs': 3 * recv * d * item,
     'gate/up [R, 2F], SwiGLU [R, F] and their gradients': 6 * recv * f * item,
     'assignment rows [r, D]: sent, returned, two gradients': 4 * local * d * item,
-    'expert weights gathered over fsdp (dequantised)': gathered,
+    "the layer's expert weights (gathered over fsdp or sliced; dequantised)": gathered,
   }
   out = {
     'moe_layer': moe,
@@ -174,6 +178,7 @@ def dry_run(config) -> dict:
       f'expert-parallel exchange {comm!r} (model.moe_ep_comm), per MoE layer and shard: '
       f'{e["local_rows"]} local assignments, receive buffer {e["recv_rows"]} rows = '
       f'{_bytes(e["recv_bytes"])}'
+      + (f', up to {e["rounds"]} rounds where it overflows' if e['rounds'] > 1 else '')
     )
   lb = loss_block(setup.model, setup.mesh_shape, setup.data.seq_len, micro)
   print(
@@ -183,7 +188,8 @@ def dry_run(config) -> dict:
   if any(e['worst_case'] for e in ex.values()):
     print(
       'worst-case (dropless) receive buffers: bound them with model.moe_ep_recv_factor '
-      "(ragged) or model.moe_dispatch='capacity'"
+      '(ragged: what overflows goes in further rounds, still dropless) or '
+      "model.moe_dispatch='capacity'"
     )
   return {**counts, 'ep_exchange': ex, 'loss_block': lb}
 

@@ -78,8 +78,8 @@ def set_flash_pod(config, global_batch_size: int, eval_batch_size: int) -> None:
   rows (set_pod)."""
   set_pod(config, 16, 8192, global_batch_size, eval_batch_size)
   # A worst-case (ep x) receive buffer per MoE layer does not fit a chip at this batch; twice the
-  # local assignments does (moetrain.tools.plan --topology=v5p-128), and overflow is reported
-  # as dropped_frac.
+  # local assignments does (moetrain.tools.plan --topology=v5p-128), and what overflows it goes
+  # in further rounds of the exchange (model.moe_ep_overflow): still dropless.
   config.model.moe_ep_recv_factor = 2.0
 
 

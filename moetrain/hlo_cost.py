@@ -117,10 +117,15 @@ def _trip_count(cond: list, comps: dict) -> int | None:
   return None
 
 
+# The named scope of kernels/rounds.round_sum's loops (data-dependent trip counts).
+OVERFLOW_SCOPE = 'overflow_rounds'
+
+
 def _multiplicities(comps: dict, entry: str) -> tuple[dict, dict, list]:
   """How often each computation runs per call of the entry; the fused ones (bodies of fusion
   instructions, whose data movement is the fusion's own); while loops whose trip count was not
-  recognised (counted once)."""
+  recognised (counted once). The overflow rounds of a bounded expert exchange count zero times:
+  the estimate is of a step whose routing fits the buffer."""
   mult, fused, unknown = {entry: 1}, set(), []
   order = [entry]
   for comp in order:  # breadth-first over the call graph
@@ -129,7 +134,9 @@ def _multiplicities(comps: dict, entry: str) -> tuple[dict, dict, list]:
       for k, lst in _REF_LISTS.findall(instr.attrs):
         refs += [(k, v.strip().lstrip('%')) for v in lst.split(',') if v.strip()]
       trips = 1
-      if instr.op == 'while':
+      if instr.op == 'while' and OVERFLOW_SCOPE in instr.attrs:
+        trips = 0  # expert parallelism's overflow rounds: a balanced step runs none
+      elif instr.op == 'while':
         cond = dict(refs).get('condition')
         trips = _trip_count(comps.get(cond, []), comps)
         if trips is None:

@@ -182,7 +182,8 @@ def _grouped_matmul(k, n, sizes, m, transposed=False):
 
 def _round_sum():
   """Rounds 1 .. n-1 of a round function nonlinear in its arrays and in k, n (traced) below the
-  static bound; an integer array among the non-differentiated inputs."""
+  static bound; integer arrays among the inputs, not differentiated and differentiated (a
+  QLoRA base's codes travel with the weights)."""
   x, w = (
     jax.random.normal(jax.random.key(10), (5, 3)),
     jax.random.normal(jax.random.key(11), (3, 3)),

@@ -132,7 +132,8 @@ def test_flags_paste_back_as_the_same_settings():
 def test_step_buffer_arithmetic_of_the_flash_lora_step():
   """The planner's buffer arithmetic for the README's flash LoRA step on v5p-128 (mesh 1x4x16x1,
   one row of 8192 tokens per device): 98304 local assignments, a receive buffer of twice that
-  (model.moe_ep_recv_factor=2), 6144 x 2048 experts, 32 of them per shard gathered over fsdp."""
+  (model.moe_ep_recv_factor=2; overflow in rounds), 6144 x 2048 experts, 32 of them per shard
+  gathered over fsdp."""
   from moetrain.setup import build
   from moetrain.tools import plan
 
@@ -142,4 +143,6 @@ def test_step_buffer_arithmetic_of_the_flash_lora_step():
   moe = list(b['moe_layer'].values())
   assert moe[0] == 3 * 196608 * 6144 * 2 and moe[1] == 6 * 196608 * 2048 * 2
   assert moe[2] == 4 * 98304 * 6144 * 2 and moe[3] == 32 * 3 * 6144 * 2048 * 2
+  # Dropless with the bounded buffer: an overflow round's rows beside the first round's.
+  assert moe[4] == moe[0] + moe[1]
   assert b['layer_inputs_bytes'] == 28 * 8192 * 6144 * 2

@@ -36,15 +36,25 @@ def _fwd(fn, rounds, n, diff, static):
 
 
 def _bwd(fn, rounds, res, g):
+  """Cotangents of diff's floating leaves, added up over the rounds; None (zero) for the rest
+  (a QLoRA base's integer codes)."""
   del rounds
   n, diff, static = res
+  leaves, tree = jax.tree.flatten(diff)
+  inexact = [jnp.issubdtype(x.dtype, jnp.inexact) for x in leaves]
+  floats = [x for x, f in zip(leaves, inexact) if f]
+
+  def round_fn(k, floats):
+    it = iter(floats)
+    d = tree.unflatten([next(it) if f else x for x, f in zip(leaves, inexact)])
+    return fn(k, d, static)
 
   def add(k, acc):
-    _, pull = jax.vjp(lambda d: fn(k, d, static), diff)
-    return jax.tree.map(jnp.add, acc, pull(g)[0])
+    _, pull = jax.vjp(lambda fl: round_fn(k, fl), floats)
+    return [a + c for a, c in zip(acc, pull(g)[0])]
 
-  d_diff = _loop(n, add, jax.tree.map(jnp.zeros_like, diff))
-  return None, d_diff, None
+  sums = iter(_loop(n, add, [jnp.zeros_like(x) for x in floats]))
+  return None, tree.unflatten([next(sums) if f else None for f in inexact]), None
 
 
 _round_sum.defvjp(_fwd, _bwd)

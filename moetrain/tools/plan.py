@@ -104,7 +104,8 @@ def step_buffers(cfg, mesh_shape, seq_len: int, batch_size: int) -> dict:
   a slice in place), dequantised for QLoRA. Beside it: the
   layer inputs the scan keeps (one [b, T, D] per layer), one attention block's float32 scores and
   their gradient, one loss block's float32 logits and their gradient. R is the exchange's
-  receive buffer (model.moe_ep_recv_factor) or, without expert parallelism, the local rows."""
+  receive buffer (model.moe_ep_recv_factor) or, without expert parallelism, the local rows; a
+  bounded buffer that takes overflow in rounds holds one more round's rows in the backward."""
   sizes = dict(zip(sharding.MESH_AXES, mesh_shape))
   shards = sizes['data'] * sizes['fsdp'] * sizes['expert']
   b = max(batch_size // shards, 1)  # rows per device
@@ -128,6 +129,12 @@ def step_buffers(cfg, mesh_shape, seq_len: int, batch_size: int) -> dict:
     'assignment rows [r, D]: sent, returned, two gradients': 4 * local * d * item,
     "the layer's expert weights (gathered over fsdp or sliced; dequantised)": gathered,
   }
+  if ex and ex[comm]['rounds'] > 1:
+    # Overflow rounds (model.moe_ep_overflow): one round recomputed with its gradient while the
+    # first round's buffers are kept for its own backward.
+    moe['an overflow round: its received rows, gate/up, SwiGLU and gradients'] = (
+      3 * recv * d + 6 * recv * f
+    ) * item
   out = {
     'moe_layer': moe,
     'moe_layer_bytes': sum(moe.values()),

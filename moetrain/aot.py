@@ -117,7 +117,7 @@ def compile_fn(name: str, fn, args, analyse: bool = True, cache: bool = True) ->
   seconds = time.perf_counter() - t
   ca = compiled.cost_analysis() or {}
   ca = ca[0] if isinstance(ca, list) else ca
-  cost = hlo_cost.analyse(compiled.as_text()) if analyse else None
+  cost = hlo_cost.analyse(compiled.as_text(), unknown_trips=0) if analyse else None
   return Compiled(name, memory_of(compiled), seconds, cost, ca.get('flops', 0.0), compiled)
 
 

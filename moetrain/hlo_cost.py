@@ -117,15 +117,10 @@ def _trip_count(cond: list, comps: dict) -> int | None:
   return None
 
 
-# The named scope of kernels/rounds.round_sum's loops (data-dependent trip counts).
-OVERFLOW_SCOPE = 'overflow_rounds'
-
-
-def _multiplicities(comps: dict, entry: str) -> tuple[dict, dict, list]:
+def _multiplicities(comps: dict, entry: str, unknown_trips: int = 1) -> tuple[dict, dict, list]:
   """How often each computation runs per call of the entry; the fused ones (bodies of fusion
   instructions, whose data movement is the fusion's own); while loops whose trip count was not
-  recognised (counted once). The overflow rounds of a bounded expert exchange count zero times:
-  the estimate is of a step whose routing fits the buffer."""
+  recognised (counted unknown_trips times)."""
   mult, fused, unknown = {entry: 1}, set(), []
   order = [entry]
   for comp in order:  # breadth-first over the call graph
@@ -134,14 +129,12 @@ def _multiplicities(comps: dict, entry: str) -> tuple[dict, dict, list]:
       for k, lst in _REF_LISTS.findall(instr.attrs):
         refs += [(k, v.strip().lstrip('%')) for v in lst.split(',') if v.strip()]
       trips = 1
-      if instr.op == 'while' and OVERFLOW_SCOPE in instr.attrs:
-        trips = 0  # expert parallelism's overflow rounds: a balanced step runs none
-      elif instr.op == 'while':
+      if instr.op == 'while':
         cond = dict(refs).get('condition')
         trips = _trip_count(comps.get(cond, []), comps)
         if trips is None:
           unknown.append(instr.name)
-          trips = 1
+          trips = unknown_trips
       for kind, callee in refs:
         if callee not in comps:
           continue
@@ -248,9 +241,12 @@ def top_matmuls(text: str, n: int = 20) -> list[MatmulSite]:
   return sorted(sites, key=lambda s: -s.flops)[:n]
 
 
-def analyse(text: str) -> Cost:
+def analyse(text: str, unknown_trips: int = 1) -> Cost:
+  """unknown_trips: how often to count a loop whose trip count depends on the data. In moetrain's
+  steps those are the overflow rounds of a bounded expert exchange (kernels/rounds.py), which the
+  planner counts zero times: its estimate is of a step whose routing fits the buffer."""
   comps, entry = parse_module(text)
-  mult, fused, unknown = _multiplicities(comps, entry)
+  mult, fused, unknown = _multiplicities(comps, entry, unknown_trips)
   sites = list(_matmul_sites(comps, mult))
   flops, once = sum(s.flops for s in sites), sum(s.flops / s.runs for s in sites)
   hbm = coll = 0.0

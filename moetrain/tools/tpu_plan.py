@@ -102,7 +102,9 @@ def plan(config, topology: str, overrides: dict | None = None) -> dict:
     'model_flops_formula': formula,
     'hlo_flops_per_chip': train_c.cost.flops,
     'xla_cost_analysis_flops_per_chip': train_c.xla_flops,
-    'loops': sorted(set(train_c.cost.loops.values()), reverse=True),
+    'loops': sorted({n for n in train_c.cost.loops.values() if n}, reverse=True),
+    # Overflow rounds of a bounded expert exchange: counted zero times in the estimate.
+    'data_dependent_loops': len(train_c.cost.unknown_loops),
     'buffers': buffers,
     **est,
   }
@@ -186,6 +188,12 @@ def print_plan(r: dict) -> None:
     f'model FLOPs {r["model_flops_per_step"]:.3e} per step ({r["model_flops_formula"]}); '
     f'compiled FLOPs per device {r["hlo_flops_per_chip"]:.3e} with loop trip counts '
     f'{r["loops"]} (XLA cost_analysis, loop bodies once: {r["xla_cost_analysis_flops_per_chip"]:.3e})'
+    + (
+      f"; {r['data_dependent_loops']} loops of data-dependent trip count (the exchange's overflow "
+      'rounds) counted zero times: the estimate is of a step whose routing fits the buffer'
+      if r.get('data_dependent_loops')
+      else ''
+    )
   )
 
 
@@ -307,9 +315,11 @@ def neighbours(config, devices: int, base: dict) -> list[dict]:
 
 def drops_tokens(overrides: dict, config) -> bool:
   """Whether these settings bound the tokens an expert receives (overflow is dropped and
-  reported as moe/dropped_frac): capacity dispatch, or a bounded receive buffer."""
+  reported as moe/dropped_frac): capacity dispatch, or a bounded receive buffer that drops its
+  overflow (model.moe_ep_overflow='drop'; 'rounds' exchanges it in further rounds)."""
   m = with_overrides(config, overrides).model
-  return m.moe_dispatch == 'capacity' or m.moe_ep_recv_factor > 0
+  bounded = m.moe_ep_recv_factor > 0 and m.moe_ep_overflow == 'drop'
+  return m.moe_dispatch == 'capacity' or bounded
 
 
 def _ok(r: dict) -> bool:

@@ -21,8 +21,8 @@ EXPERT_INPUT, EXPERT_GATE, EXPERT_UP = 'moe_expert_in', 'moe_expert_gate', 'moe_
 
 def swiglu(x, mm, dtype):
   x = checkpoint_name(x, EXPERT_INPUT)  # rows in expert order, after any exchange
-  g, u = mm(x, ('gate', 'up'))
-  g, u = checkpoint_name(g, EXPERT_GATE), checkpoint_name(u, EXPERT_UP)
+  g = checkpoint_name(mm(x, 'gate'), EXPERT_GATE)
+  u = checkpoint_name(mm(x, 'up'), EXPERT_UP)
   h = jax.nn.silu(g.astype(jnp.float32)) * u.astype(jnp.float32)
   return mm(h.astype(dtype), 'down')
 

@@ -5,7 +5,6 @@ import zlib
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from moetrain.kernels import Kernel
 
@@ -50,24 +49,16 @@ def lora_dropout(x, rate: float, rng):
 
 
 def with_lora(base_mm, weights, cfg, rng, adapter_mm=None):
-  """mm(x, name): base_mm(x, weights[name]) plus, where `weights` holds name_lora_a / _lora_b,
-  the adapters' two small matmuls on the same rows (cfg: the ModelConfig, for the LoRA scale,
-  dropout and kernels). Where they are one expert's 2-D factors (the grouped and blocked tiles),
-  lora_product runs them; per-expert factors run through adapter_mm (default base_mm).
-  mm(x, (name, ...)) runs several projections of the same rows, their per-expert A factors as one
-  product (concatenated ranks, without dropout): one pass over x, and in the backward one input
-  gradient for all of them instead of one each (an [R, D] buffer apiece)."""
+  """base_mm(x, weights[name]) plus, where `weights` holds name_lora_a / _lora_b, the adapters'
+  two small matmuls on the same rows (cfg: the ModelConfig, for the LoRA scale, dropout and
+  kernels). Where they are one expert's 2-D factors (the grouped and blocked tiles),
+  lora_product runs them; per-expert factors run through adapter_mm (default base_mm)."""
   reference = cfg.reference_kernels
   adapter_mm = adapter_mm or base_mm
-  scale = cfg.lora.scale
 
-  def has_lora(name, ndim=None):
-    a = weights.get(f'{name}_lora_a')
-    return a is not None and (ndim is None or a.ndim == ndim)
-
-  def one(x, name):
+  def mm(x, name):
     y = base_mm(x, weights[name])
-    if has_lora(name):
+    if f'{name}_lora_a' in weights:
       key = None if rng is None else jax.random.fold_in(rng, zlib.crc32(name.encode()))
       xa = lora_dropout(x, cfg.lora.dropout, key)
       a, b = weights[f'{name}_lora_a'], weights[f'{name}_lora_b']
@@ -75,25 +66,7 @@ def with_lora(base_mm, weights, cfg, rng, adapter_mm=None):
         ab = lora_product(xa, a.astype(xa.dtype), b.astype(xa.dtype), reference=reference)
       else:
         ab = adapter_mm(adapter_mm(xa, a), b)
-      y = y + scale * ab
+      y = y + cfg.lora.scale * ab
     return y
-
-  def mm(x, names):
-    if isinstance(names, str):
-      return one(x, names)
-    joint = [n for n in names if has_lora(n, 3)]
-    if len(joint) < 2 or (cfg.lora.dropout and rng is not None):
-      return tuple(one(x, n) for n in names)
-    a = [weights[f'{n}_lora_a'] for n in joint]
-    h = adapter_mm(x, jnp.concatenate([f.astype(a[0].dtype) for f in a], axis=-1))
-    ends = np.cumsum([f.shape[-1] for f in a])
-    h = dict(zip(joint, jnp.split(h, ends[:-1], axis=-1)))
-    out = []
-    for n in names:
-      if n not in h:
-        out.append(one(x, n))
-        continue
-      out.append(base_mm(x, weights[n]) + scale * adapter_mm(h[n], weights[f'{n}_lora_b']))
-    return tuple(out)
 
   return mm

@@ -53,10 +53,6 @@ def _product(x_MK, w, sizes_G, transposed: bool, interpret: bool):
   return jnp.where(_inside(sizes_G, x.shape[0]), y, 0)[:m]
 
 
-def _gmm(x_MK, w, sizes_G, transposed, interpret):
-  return _product(x_MK, w, sizes_G, transposed, interpret)
-
-
 def _gmm_fwd(x_MK, w, sizes_G, transposed, interpret):
   xv, wv, sizes = vjp.values((x_MK, w, sizes_G))
   y = _product(xv, wv, sizes, transposed, interpret)
@@ -78,7 +74,7 @@ def _gmm_bwd(transposed, interpret, res, g_MN):
   return dx, dw, None
 
 
-_gmm_vjp = jax.custom_vjp(_gmm, nondiff_argnums=(3, 4))
+_gmm_vjp = jax.custom_vjp(_product, nondiff_argnums=(3, 4))
 _gmm_vjp.defvjp(_gmm_fwd, _gmm_bwd, symbolic_zeros=True)
 
 

@@ -189,15 +189,16 @@ def _round_sum():
     jax.random.normal(jax.random.key(11), (3, 3)),
   )
   offset = jnp.array([1, 0, 2, 1, 0], jnp.int32)
+  codes = jnp.array([3, -1, 2], jnp.int8)
 
   def fn(k, diff, static):
-    x, w = diff
+    x, (w, c) = diff
     (off,) = static
-    return jnp.tanh((x @ w) * k + (off * k)[:, None])
+    return jnp.tanh((x @ (w * c[None, :])) * k + (off * k)[:, None])
 
   def make(reference):
     return lambda x, w: rounds.round_sum(
-      fn, 6, jnp.int32(4), (x, w), (offset,), reference=reference
+      fn, 6, jnp.int32(4), (x, (w, codes)), (offset,), reference=reference
     )
 
   return make, (x, w)

@@ -53,7 +53,7 @@ def _megablox_mm(sizes_E, cfg: ModelConfig):
   interpret, ref = megablox_interpret(cfg), cfg.reference_kernels
 
   def mm(x, w):
-    x, w = x.astype(dt), quant.dequant(w, dt).astype(dt)
+    x, w = x.astype(dt), quant.dequant(w, dt)
     thin = w.shape[2] < 128 and w.shape[1] >= 128
     w = jnp.swapaxes(w, 1, 2) if thin else w
     return megablox.grouped_matmul(x, w, sizes_E, thin, interpret, reference=ref)

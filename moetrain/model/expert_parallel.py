@@ -250,7 +250,7 @@ def _ep_ragged_shard(x_MD, idx_MA, gates_MA, weights, cfg: ModelConfig, ep: int,
     most = jnp.max(counts_GE.sum(0).reshape(ep, e_loc).sum(1))
 
     def overflow(k, diff, static):
-      counts_GE, me, key = static
+      counts_GE, me, key = static  # arrays come in as arguments: round_sum's VJP reruns this
       ex, _, local_sizes = ragged_plan(counts_GE, me, e_loc, buf, 0, k * buf)
       return exchange(ex, local_sizes, *diff, None if key is None else jax.random.fold_in(key, k))
 

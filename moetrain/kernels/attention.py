@@ -67,6 +67,12 @@ def _core_bwd(scale, blocks, recompute, res, g_BNTH):
   q_BNTH, k_BNSH, v_BNSH, out_BNTH, kept, mask_BTS = res
   f32, s = jnp.float32, k_BNSH.shape[2]
   g_BNTH = g_BNTH.astype(v_BNSH.dtype)
+  if recompute:
+    # The recomputed scores are the forward's expression over the same operands: XLA would
+    # merge the two (CSE) and keep every block's forward scores alive until here, the O(T * S)
+    # this mode exists to avoid (on TPU: 8.25 GiB of the flash LoRA step's temporaries). Tying
+    # q and k to the incoming gradient makes them values of the backward pass.
+    q_BNTH, k_BNSH, g_BNTH = jax.lax.optimization_barrier((q_BNTH, k_BNSH, g_BNTH))
   # d softmax: ds = p * (dp - sum_s p dp), and sum_s p dp = sum_h g o.
   delta_BNT = jnp.sum(g_BNTH.astype(f32) * out_BNTH.astype(f32), axis=-1)
   b, n, hk, hv = *q_BNTH.shape[:2], q_BNTH.shape[3], g_BNTH.shape[3]

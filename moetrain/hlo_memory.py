@@ -1,0 +1,289 @@
+"""Where a compiled program's temporaries go: a liveness walk over its scheduled, optimized HLO
+(`compiled.as_text()`), which lists the buffers alive at the peak, each with the JAX operation
+that made it.
+
+XLA reports one number for a program's temporaries (`memory_analysis().temp_size_in_bytes`);
+its buffer assignment is not exported. This module rebuilds an approximation of it from the
+schedule: a buffer lives from the instruction that defines it to its last use through any alias
+(tuples, get-tuple-element, bitcasts, while loops and async pairs alias; the roots of loop bodies
+and branches write into their caller's buffers). A loop or branch adds its own peak at the
+instruction that runs it. Sizes are the physical ones of the layouts (TPU tiles pad the minor
+dimensions; `T(8,128)` pads the last two to multiples of 8 and 128), and only device memory (no
+`S(n)` memory space: on-chip VMEM, semaphores, host) counts. An elementwise fusion whose operand
+dies there may write into that operand's buffer, as XLA's buffer assignment does. What it does
+not model: buffers XLA shares between values whose lifetimes do not overlap is implied by the
+walk; its heap packing and fragmentation are not, so the peak here is a lower estimate of the
+reported temporaries (tests compare the two).
+"""
+
+import dataclasses
+import math
+import re
+
+from moetrain import hlo_cost
+
+_ARRAY = re.compile(r'\b([a-z]+\d*(?:e\d+m\d+(?:fn)?)?)\[([\d,]*)\](?:\{([\d,]*)([^}]*)\})?')
+_TILE = re.compile(r'T\(([\d,]+)\)')
+_SPACE = re.compile(r'S\((\d+)\)')
+_OP_NAME = re.compile(r'op_name="([^"]*)"')
+_CALLED = re.compile(r'\b(?:body|condition|to_apply|calls)=%([\w.\-]+)')
+_BRANCHES = re.compile(
+  r'\bbranch_computations=\{([^}]*)\}|\b(?:true|false)_computation=(%[\w.\-]+)'
+)
+# Ops whose output is a view of, or the same buffer as, their operands.
+_ALIASING = {'bitcast', 'get-tuple-element', 'tuple', 'while', 'opt-barrier', 'add-dependency'}
+_NO_BUFFER = {'parameter', 'constant', 'after-all', 'partition-id', 'replica-id'}
+
+
+def _array_bytes(dtype: str, dims: str, layout: str | None, extra: str) -> int:
+  """Physical bytes of one array in device memory (0 in another memory space)."""
+  space = _SPACE.search(extra or '')
+  if space and space.group(1) != '0':
+    return 0
+  shape = [int(d) for d in dims.split(',') if d]
+  item = hlo_cost._DTYPE_BYTES.get(dtype, 4)
+  if not shape:
+    return math.ceil(item)
+  order = [int(x) for x in layout.split(',')] if layout else list(range(len(shape)))[::-1]
+  phys = [shape[d] for d in reversed(order)]  # major to minor
+  tile = _TILE.search(extra or '')
+  if tile:
+    t = [int(x) for x in tile.group(1).split(',')]
+    for k, size in enumerate(reversed(t)):
+      if k < len(phys):
+        phys[-1 - k] = -(-phys[-1 - k] // size) * size
+  return math.ceil(item * math.prod(phys))
+
+
+def _elements(type_str: str) -> list[int]:
+  """Bytes of each top-level element of an HLO type (one element for an array)."""
+  if not type_str.startswith('('):
+    return [sum(_array_bytes(*a) for a in _ARRAY.findall(type_str))]
+  out, depth, start = [], 0, 1
+  for i, c in enumerate(type_str):
+    if c in '({[':
+      depth += 1
+    elif c in ')}]':
+      depth -= 1
+    if (c == ',' and depth == 1) or (depth == 0 and c == ')'):
+      part = type_str[start:i]
+      out.append(sum(_array_bytes(*a) for a in _ARRAY.findall(part)))
+      start = i + 1
+      if depth == 0:
+        break
+  return out
+
+
+@dataclasses.dataclass
+class _Instr:
+  name: str
+  op: str
+  elements: list  # bytes of each top-level output element
+  operands: list
+  attrs: str
+  root: bool
+
+  @property
+  def label(self) -> str:
+    m = _OP_NAME.search(self.attrs)
+    return m.group(1) if m else ''
+
+
+def _parse(text: str) -> tuple[dict, str]:
+  comps, entry, current = {}, None, None
+  for line in text.splitlines():
+    h = hlo_cost._HEADER.match(line)
+    if h:
+      current = comps.setdefault(h.group(1), [])
+      entry = h.group(1) if line.startswith('ENTRY') else entry
+      continue
+    if line.startswith('}'):
+      current = None
+      continue
+    m = hlo_cost._INSTR.match(line) if current is not None else None
+    if not m:
+      continue
+    type_str, rest = hlo_cost._split_type(line[m.end() :])
+    op = rest[: rest.index('(')]
+    depth, end = 0, len(rest)
+    for i in range(len(op), len(rest)):
+      depth += {'(': 1, ')': -1}.get(rest[i], 0)
+      if depth == 0:
+        end = i
+        break
+    operands = re.findall(r'%([\w.\-]+)', rest[len(op) + 1 : end])
+    root = line.lstrip().startswith('ROOT ')
+    current.append(_Instr(m.group(1), op, _elements(type_str), operands, rest[end + 1 :], root))
+  return comps, entry
+
+
+@dataclasses.dataclass
+class Live:
+  """One entry of the live set at a peak: a buffer, or a loop's or branch's own peak."""
+
+  bytes: int
+  name: str
+  op: str
+  label: str  # the JAX operation (HLO metadata op_name)
+  inner: 'Peak | None' = None
+
+
+@dataclasses.dataclass
+class Peak:
+  computation: str
+  bytes: int
+  at: str  # the instruction at the peak
+  live: list  # [Live], largest first
+
+
+def _buffer_name(instr: _Instr, element: int) -> str:
+  return f'{instr.name}{{{element}}}' if len(instr.elements) > 1 else instr.name
+
+
+def _callees(instr: _Instr) -> list[str]:
+  names = _CALLED.findall(instr.attrs) if instr.op in ('while', 'call', 'conditional') else []
+  if instr.op == 'conditional':
+    for group in _BRANCHES.findall(instr.attrs):
+      names += re.findall(r'%([\w.\-]+)', ' '.join(group))
+  return names
+
+
+class _Walker:
+  def __init__(self, comps: dict):
+    self.comps = comps
+    self.memo = {}
+
+  def peak(self, comp: str, writes_into_caller: bool = True) -> Peak:
+    """writes_into_caller: the root's buffers are the caller's, alive already (a loop body's
+    state, the program's outputs); a branch's or a call's root is born inside it."""
+    key = (comp, writes_into_caller)
+    if key in self.memo:
+      return self.memo[key]
+    instrs = self.comps[comp]
+    value = {}  # name -> [set of buffer ids] per element
+    size, owner = {}, {}  # buffer id -> bytes, defining instruction
+    last = {}  # buffer id -> index of its last use
+    root_bufs = set()
+    for i, ins in enumerate(instrs):
+      ops = [value.get(o, [set()]) for o in ins.operands]
+      for elems in ops:
+        for e in elems:
+          for b in e:
+            last[b] = i
+      if ins.op in _NO_BUFFER:
+        value[ins.name] = [set() for _ in ins.elements]
+      elif ins.op == 'get-tuple-element':
+        idx = int(re.search(r'index=(\d+)', ins.attrs).group(1))
+        src = ops[0]
+        value[ins.name] = [src[idx] if idx < len(src) else set().union(*src)]
+      elif ins.op == 'tuple':
+        value[ins.name] = [set().union(*e) for e in ops]
+      elif ins.op in _ALIASING or ins.op.endswith('-done'):
+        src = ops[0] if ops else [set()]
+        if ins.op.endswith('-done') and len(src) > 1:
+          # copy-start is (destination, source, context); the others ((operands), result, ...)
+          src = [src[0] if ins.op == 'copy-done' else src[1]]
+        value[ins.name] = src if len(src) == len(ins.elements) else [set().union(*src)]
+      elif self._in_place(ins):
+        value[ins.name] = ops[0] if ops else [set()]
+      else:
+        everything = set().union(*[set().union(*e) for e in ops]) if ops else set()
+        aliased = {}
+        if ins.op.endswith('-start') and len(ins.elements) > 1:
+          aliased = {1: everything} if ins.op == 'copy-start' else {0: everything}
+          aliased.update({k: set() for k in range(2, len(ins.elements))})
+        elems = []
+        for k, nbytes in enumerate(ins.elements):
+          if k in aliased:
+            elems.append(aliased[k])
+            continue
+          reuse = self._reusable(ins, ops, nbytes, size, last, i) if nbytes else None
+          if reuse is not None:
+            elems.append({reuse})
+            continue
+          b = (ins.name, k)
+          size[b], owner[b], last[b] = nbytes, ins, i
+          elems.append({b})
+        value[ins.name] = elems
+      if ins.root:
+        root_bufs = set().union(*value[ins.name])
+    for b in root_bufs if writes_into_caller else ():
+      size[b] = 0
+    best = Peak(comp, 0, '', [])
+    births = {}
+    for b in size:
+      # A branch's or call's result is counted inside it until it returns.
+      later = owner[b].op in ('conditional', 'call')
+      births.setdefault(instrs.index(owner[b]) + later, []).append(b)
+    live = set()
+    for i, ins in enumerate(instrs):
+      live |= set(births.get(i, ()))
+      inner = [self.peak(c, ins.op == 'while') for c in _callees(ins) if c in self.comps]
+      inner_peak = max(inner, key=lambda p: p.bytes, default=None)
+      total = sum(size[b] for b in live) + (inner_peak.bytes if inner_peak else 0)
+      if total > best.bytes:
+        entries = [
+          Live(size[b], _buffer_name(owner[b], b[1]), owner[b].op, owner[b].label)
+          for b in live
+          if size[b]
+        ]
+        if inner_peak and inner_peak.bytes:
+          entries.append(Live(inner_peak.bytes, ins.name, ins.op, ins.label, inner_peak))
+        entries.sort(key=lambda e: -e.bytes)
+        best = Peak(comp, total, ins.name, entries)
+      live -= {b for b in live if last[b] <= i}
+    self.memo[key] = best
+    return best
+
+  def _in_place(self, ins) -> bool:
+    """An update of its first operand's buffer: dynamic-update-slice and scatter, alone or as
+    a fusion's root."""
+    if ins.op in ('dynamic-update-slice', 'scatter'):
+      return True
+    if ins.op != 'fusion':
+      return False
+    called = _CALLED.search(ins.attrs)
+    body = self.comps.get(called.group(1), []) if called else []
+    return any(j.root and j.op in ('dynamic-update-slice', 'scatter') for j in body)
+
+  @staticmethod
+  def _reusable(ins, ops, nbytes, size, last, i):
+    """An operand buffer of the same size that dies here, which an elementwise fusion may
+    write its output into."""
+    if not (ins.op == 'fusion' and 'kind=kLoop' in ins.attrs):
+      return None
+    for elems in ops:
+      for e in elems:
+        for b in e:
+          if size.get(b) == nbytes and last.get(b) == i:
+            return b
+    return None
+
+
+def peak(text: str) -> Peak:
+  """The entry computation's peak of temporaries and what is alive there."""
+  comps, entry = _parse(text)
+  return _Walker(comps).peak(entry)
+
+
+def summary(p: Peak, top: int = 8, min_bytes: int = 2**20) -> list[dict]:
+  """The largest live buffers at the peak, descending into the loop or branch that holds it:
+  [{bytes, depth, op, name, label}], JSON-friendly."""
+  out = []
+
+  def walk(p: Peak, depth: int) -> None:
+    for e in p.live[:top]:
+      if e.bytes < min_bytes:
+        break
+      out.append({'bytes': e.bytes, 'depth': depth, 'op': e.op, 'name': e.name, 'label': e.label})
+      if e.inner is not None:
+        walk(e.inner, depth + 1)
+
+  walk(p, 0)
+  return out
+
+
+def short_label(label: str, width: int = 100) -> str:
+  """A JAX op_name without the jit(...)/ prefix, cut to its last `width` characters."""
+  label = re.sub(r'^jit\([^)]*\)/', '', label)
+  return label if len(label) <= width else '...' + label[-width + 3 :]

@@ -82,15 +82,11 @@ class _Instr:
   operands: list
   attrs: str
   root: bool
-
-  @property
-  def label(self) -> str:
-    m = _OP_NAME.search(self.attrs)
-    return m.group(1) if m else ''
+  label: str = ''  # the JAX operation (metadata op_name; a copy's is its operand's)
 
 
 def _parse(text: str) -> tuple[dict, str]:
-  comps, entry, current = {}, None, None
+  comps, entry, current, labels = {}, None, None, {}
   for line in text.splitlines():
     h = hlo_cost._HEADER.match(line)
     if h:
@@ -113,7 +109,13 @@ def _parse(text: str) -> tuple[dict, str]:
         break
     operands = re.findall(r'%([\w.\-]+)', rest[len(op) + 1 : end])
     root = line.lstrip().startswith('ROOT ')
-    current.append(_Instr(m.group(1), op, _elements(type_str), operands, rest[end + 1 :], root))
+    attrs = rest[end + 1 :]
+    label = _OP_NAME.search(attrs)
+    label = label.group(1) if label else ''
+    if not label and operands and op.split('-')[0] in ('copy', 'bitcast', 'get'):
+      label = labels.get(operands[0], '')
+    labels[m.group(1)] = label
+    current.append(_Instr(m.group(1), op, _elements(type_str), operands, attrs, root, label))
   return comps, entry
 
 

@@ -78,11 +78,16 @@ def test_plan_compiles_the_train_and_eval_steps_for_a_slice(tmp_path, capsys):
   tpu_plan._write(str(path), r)
   saved = json.loads(path.read_text())
   for key in ('topology', 'chips', 'mesh', 'per_chip_bytes', 'hbm_bytes', 'fits',
-              'compile_seconds', 'est_step_seconds', 'est_mfu', 'overrides', 'buffers'):  # fmt: skip
+              'compile_seconds', 'est_step_seconds', 'est_mfu', 'overrides', 'buffers',
+              'peak_buffers'):  # fmt: skip
     assert key in saved
+  # What is alive at the peak: at most the reported temporaries, the layer loop's share first.
+  peak = saved['peak_buffers']
+  assert 0 < peak['bytes'] <= m['temporaries'] and peak['live'][0]['op'] == 'while'
   tpu_plan.print_plan(r)
   out = capsys.readouterr().out
   assert 'ESTIMATE' in out and 'fits' in out and "the compiler's temporaries are" in out
+  assert 'alive at the peak' in out and 'transpose(jvp())/while' in out
 
 
 def test_a_batch_that_fits_and_one_that_does_not():

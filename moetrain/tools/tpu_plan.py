@@ -106,8 +106,19 @@ def plan(config, topology: str, overrides: dict | None = None) -> dict:
     # Overflow rounds of a bounded expert exchange: counted zero times in the estimate.
     'data_dependent_loops': len(train_c.cost.unknown_loops),
     'buffers': buffers,
+    'peak_buffers': peak_buffers(train_c),
     **est,
   }
+
+
+def peak_buffers(compiled, top: int = 6) -> dict:
+  """What is alive at the train step's peak, by a liveness walk over its scheduled HLO
+  (moetrain.hlo_memory: a lower estimate of the compiler's temporaries)."""
+  from moetrain import hlo_memory
+
+  p = hlo_memory.peak(compiled.executable.as_text())
+  floor = max(2**20, compiled.memory['temporaries'] // 100)
+  return {'bytes': p.bytes, 'live': hlo_memory.summary(p, top, floor)}
 
 
 def engine_of(cfg) -> dict:
@@ -171,6 +182,17 @@ def print_plan(r: dict) -> None:
       f"loss block {_gib(b['loss_block_bytes'])}: {_gib(b['total_bytes'])}, the compiler's "
       f'temporaries are {m["temporaries"] / b["total_bytes"]:.2f}x that'
     )
+  if r.get('peak_buffers'):
+    from moetrain import hlo_memory
+
+    pb = r['peak_buffers']
+    print(
+      f"alive at the peak (a liveness walk over the scheduled HLO finds {_gib(pb['bytes'])} of "
+      f"the {_gib(m['temporaries'])} reported; moetrain.hlo_memory):"
+    )
+    for e in pb['live']:
+      label = hlo_memory.short_label(e['label'], 90) or e['name']
+      print(f'  {"  " * e["depth"]}{_gib(e["bytes"]):>10} {e["op"]}: {label}')
   if r.get('eval_per_chip_bytes'):
     print(f'eval step per device: total {_gib(r["eval_per_chip_bytes"]["total"])}')
   verdict = 'fits' if r['fits'] else 'DOES NOT FIT'

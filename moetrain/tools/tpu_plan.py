@@ -187,8 +187,8 @@ def print_plan(r: dict) -> None:
 
     pb = r['peak_buffers']
     print(
-      f"alive at the peak (a liveness walk over the scheduled HLO finds {_gib(pb['bytes'])} of "
-      f"the {_gib(m['temporaries'])} reported; moetrain.hlo_memory):"
+      f'alive at the peak (a liveness walk over the scheduled HLO finds {_gib(pb["bytes"])} of '
+      f'the {_gib(m["temporaries"])} reported; moetrain.hlo_memory):'
     )
     for e in pb['live']:
       label = hlo_memory.short_label(e['label'], 90) or e['name']

@@ -5,15 +5,13 @@ that made it.
 XLA reports one number for a program's temporaries (`memory_analysis().temp_size_in_bytes`);
 its buffer assignment is not exported. This module rebuilds an approximation of it from the
 schedule: a buffer lives from the instruction that defines it to its last use through any alias
-(tuples, get-tuple-element, bitcasts, while loops and async pairs alias; the roots of loop bodies
-and branches write into their caller's buffers). A loop or branch adds its own peak at the
+(tuples, get-tuple-element, bitcasts, while loops, async pairs and in-place updates alias; a
+loop body's root writes into the loop's state). A loop or branch adds its own peak at the
 instruction that runs it. Sizes are the physical ones of the layouts (TPU tiles pad the minor
 dimensions; `T(8,128)` pads the last two to multiples of 8 and 128), and only device memory (no
-`S(n)` memory space: on-chip VMEM, semaphores, host) counts. An elementwise fusion whose operand
-dies there may write into that operand's buffer, as XLA's buffer assignment does. What it does
-not model: buffers XLA shares between values whose lifetimes do not overlap is implied by the
-walk; its heap packing and fragmentation are not, so the peak here is a lower estimate of the
-reported temporaries (tests compare the two).
+`S(n)` memory space: on-chip VMEM, semaphores, host) counts. XLA's heap packing is not
+modelled, nor what the TPU backend adds beyond its buffer assignment, so the peak here is a lower
+estimate of the reported temporaries (docs/design.md).
 """
 
 import dataclasses
@@ -159,65 +157,22 @@ class _Walker:
     """writes_into_caller: the root's buffers are the caller's, alive already (a loop body's
     state, the program's outputs); a branch's or a call's root is born inside it."""
     key = (comp, writes_into_caller)
-    if key in self.memo:
-      return self.memo[key]
+    if key not in self.memo:
+      self.memo[key] = self._sweep(comp, writes_into_caller)
+    return self.memo[key]
+
+  def _sweep(self, comp: str, writes_into_caller: bool) -> Peak:
+    """The live set after each instruction, in schedule order; the largest one."""
     instrs = self.comps[comp]
-    value = {}  # name -> [set of buffer ids] per element
-    size, owner = {}, {}  # buffer id -> bytes, defining instruction
-    last = {}  # buffer id -> index of its last use
-    root_bufs = set()
-    for i, ins in enumerate(instrs):
-      ops = [value.get(o, [set()]) for o in ins.operands]
-      for elems in ops:
-        for e in elems:
-          for b in e:
-            last[b] = i
-      if ins.op in _NO_BUFFER:
-        value[ins.name] = [set() for _ in ins.elements]
-      elif ins.op == 'get-tuple-element':
-        idx = int(re.search(r'index=(\d+)', ins.attrs).group(1))
-        src = ops[0]
-        value[ins.name] = [src[idx] if idx < len(src) else set().union(*src)]
-      elif ins.op == 'tuple':
-        value[ins.name] = [set().union(*e) for e in ops]
-      elif ins.op in _ALIASING or ins.op.endswith('-done'):
-        src = ops[0] if ops else [set()]
-        if ins.op.endswith('-done') and len(src) > 1:
-          # copy-start is (destination, source, context); the others ((operands), result, ...)
-          src = [src[0] if ins.op == 'copy-done' else src[1]]
-        value[ins.name] = src if len(src) == len(ins.elements) else [set().union(*src)]
-      elif self._in_place(ins):
-        value[ins.name] = ops[0] if ops else [set()]
-      else:
-        everything = set().union(*[set().union(*e) for e in ops]) if ops else set()
-        aliased = {}
-        if ins.op.endswith('-start') and len(ins.elements) > 1:
-          aliased = {1: everything} if ins.op == 'copy-start' else {0: everything}
-          aliased.update({k: set() for k in range(2, len(ins.elements))})
-        elems = []
-        for k, nbytes in enumerate(ins.elements):
-          if k in aliased:
-            elems.append(aliased[k])
-            continue
-          reuse = self._reusable(ins, ops, nbytes, size, last, i) if nbytes else None
-          if reuse is not None:
-            elems.append({reuse})
-            continue
-          b = (ins.name, k)
-          size[b], owner[b], last[b] = nbytes, ins, i
-          elems.append({b})
-        value[ins.name] = elems
-      if ins.root:
-        root_bufs = set().union(*value[ins.name])
-    for b in root_bufs if writes_into_caller else ():
+    size, owner, last, root = self._buffers(instrs)
+    for b in root if writes_into_caller else ():
       size[b] = 0
-    best = Peak(comp, 0, '', [])
     births = {}
     for b in size:
       # A branch's or call's result is counted inside it until it returns.
       later = owner[b].op in ('conditional', 'call')
       births.setdefault(instrs.index(owner[b]) + later, []).append(b)
-    live = set()
+    best, live = Peak(comp, 0, '', []), set()
     for i, ins in enumerate(instrs):
       live |= set(births.get(i, ()))
       inner = [self.peak(c, ins.op == 'while') for c in _callees(ins) if c in self.comps]
@@ -231,11 +186,49 @@ class _Walker:
         ]
         if inner_peak and inner_peak.bytes:
           entries.append(Live(inner_peak.bytes, ins.name, ins.op, ins.label, inner_peak))
-        entries.sort(key=lambda e: -e.bytes)
-        best = Peak(comp, total, ins.name, entries)
+        best = Peak(comp, total, ins.name, sorted(entries, key=lambda e: -e.bytes))
       live -= {b for b in live if last[b] <= i}
-    self.memo[key] = best
     return best
+
+  def _buffers(self, instrs: list) -> tuple[dict, dict, dict, set]:
+    """The buffers one computation allocates: {id: bytes}, {id: defining instruction},
+    {id: index of its last use through any alias}, and the ids its root returns."""
+    value = {}  # name -> [set of buffer ids] per output element
+    size, owner, last, root = {}, {}, {}, set()
+    for i, ins in enumerate(instrs):
+      ops = [value.get(o, [set()]) for o in ins.operands]
+      everything = set().union(*[set().union(*e) for e in ops]) if ops else set()
+      for b in everything:
+        last[b] = i
+      if ins.op in _NO_BUFFER:
+        value[ins.name] = [set() for _ in ins.elements]
+      elif ins.op == 'get-tuple-element':
+        idx = int(re.search(r'index=(\d+)', ins.attrs).group(1))
+        value[ins.name] = [ops[0][idx] if idx < len(ops[0]) else everything]
+      elif ins.op == 'tuple':
+        value[ins.name] = [set().union(*e) for e in ops]
+      elif ins.op in _ALIASING or ins.op.endswith('-done'):
+        src = ops[0] if ops else [set()]
+        if ins.op.endswith('-done') and len(src) > 1:
+          # copy-start is (destination, source, context); the others ((operands), result, ...)
+          src = [src[0] if ins.op == 'copy-done' else src[1]]
+        value[ins.name] = src if len(src) == len(ins.elements) else [set().union(*src)]
+      elif self._in_place(ins):
+        value[ins.name] = ops[0] if ops else [set()]
+      else:
+        aliased = {}
+        if ins.op.endswith('-start') and len(ins.elements) > 1:
+          aliased = {1: everything} if ins.op == 'copy-start' else {0: everything}
+          aliased.update({k: set() for k in range(2, len(ins.elements))})
+        elems = []
+        for k, nbytes in enumerate(ins.elements):
+          if k not in aliased:
+            size[ins.name, k], owner[ins.name, k], last[ins.name, k] = nbytes, ins, i
+          elems.append(aliased.get(k, {(ins.name, k)}))
+        value[ins.name] = elems
+      if ins.root:
+        root = set().union(*value[ins.name])
+    return size, owner, last, root
 
   def _in_place(self, ins) -> bool:
     """An update of its first operand's buffer: dynamic-update-slice and scatter, alone or as
@@ -247,19 +240,6 @@ class _Walker:
     called = _CALLED.search(ins.attrs)
     body = self.comps.get(called.group(1), []) if called else []
     return any(j.root and j.op in ('dynamic-update-slice', 'scatter') for j in body)
-
-  @staticmethod
-  def _reusable(ins, ops, nbytes, size, last, i):
-    """An operand buffer of the same size that dies here, which an elementwise fusion may
-    write its output into."""
-    if not (ins.op == 'fusion' and 'kind=kLoop' in ins.attrs):
-      return None
-    for elems in ops:
-      for e in elems:
-        for b in e:
-          if size.get(b) == nbytes and last.get(b) == i:
-            return b
-    return None
 
 
 def peak(text: str) -> Peak:

@@ -183,16 +183,7 @@ def print_plan(r: dict) -> None:
       f'temporaries are {m["temporaries"] / b["total_bytes"]:.2f}x that'
     )
   if r.get('peak_buffers'):
-    from moetrain import hlo_memory
-
-    pb = r['peak_buffers']
-    print(
-      f'alive at the peak (a liveness walk over the scheduled HLO finds {_gib(pb["bytes"])} of '
-      f'the {_gib(m["temporaries"])} reported; moetrain.hlo_memory):'
-    )
-    for e in pb['live']:
-      label = hlo_memory.short_label(e['label'], 90) or e['name']
-      print(f'  {"  " * e["depth"]}{_gib(e["bytes"]):>10} {e["op"]}: {label}')
+    _print_peak(r['peak_buffers'], m['temporaries'])
   if r.get('eval_per_chip_bytes'):
     print(f'eval step per device: total {_gib(r["eval_per_chip_bytes"]["total"])}')
   verdict = 'fits' if r['fits'] else 'DOES NOT FIT'
@@ -217,6 +208,18 @@ def print_plan(r: dict) -> None:
       else ''
     )
   )
+
+
+def _print_peak(pb: dict, temporaries: int) -> None:
+  from moetrain import hlo_memory
+
+  print(
+    f'alive at the peak (a liveness walk over the scheduled HLO finds {_gib(pb["bytes"])} of '
+    f'the {_gib(temporaries)} reported; moetrain.hlo_memory):'
+  )
+  for e in pb['live']:
+    label = hlo_memory.short_label(e['label'], 90) or e['name']
+    print(f'  {"  " * e["depth"]}{_gib(e["bytes"]):>10} {e["op"]}: {label}')
 
 
 def _arg(v) -> str:

@@ -59,7 +59,9 @@ def _shapes(type_str: str) -> list:
   return [(t, [int(x) for x in d.split(',') if x]) for t, d in _ARRAY.findall(type_str)]
 
 
-def _parse_instr(line: str) -> Instr | None:
+def split_instr(line: str) -> tuple[str, str, str, str, str] | None:
+  """'%name = TYPE op(operands), attrs' -> (name, TYPE, op, operands, attrs); None for a line
+  that is no instruction."""
   m = _INSTR.match(line)
   if not m:
     return None
@@ -71,12 +73,18 @@ def _parse_instr(line: str) -> Instr | None:
     if depth == 0:
       end = i
       break
-  inner = rest[len(op) + 1 : end]
+  return m.group(1), type_str, op, rest[len(op) + 1 : end], rest[end + 1 :]
+
+
+def _parse_instr(line: str) -> Instr | None:
+  parts = split_instr(line)
+  if parts is None:
+    return None
+  name, type_str, op, inner, attrs = parts
   operands = re.findall(r'%([\w.\-]+)', inner)
-  attrs = rest[end + 1 :]
   if op == 'constant':
     attrs = f'value={inner} {attrs}'
-  return Instr(m.group(1), op, _shapes(type_str), operands, attrs)
+  return Instr(name, op, _shapes(type_str), operands, attrs)
 
 
 def parse_module(text: str) -> tuple[dict, str]:

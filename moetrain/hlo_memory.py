@@ -94,26 +94,18 @@ def _parse(text: str) -> tuple[dict, str]:
     if line.startswith('}'):
       current = None
       continue
-    m = hlo_cost._INSTR.match(line) if current is not None else None
-    if not m:
+    parts = hlo_cost.split_instr(line) if current is not None else None
+    if parts is None:
       continue
-    type_str, rest = hlo_cost._split_type(line[m.end() :])
-    op = rest[: rest.index('(')]
-    depth, end = 0, len(rest)
-    for i in range(len(op), len(rest)):
-      depth += {'(': 1, ')': -1}.get(rest[i], 0)
-      if depth == 0:
-        end = i
-        break
-    operands = re.findall(r'%([\w.\-]+)', rest[len(op) + 1 : end])
+    name, type_str, op, inner, attrs = parts
+    operands = re.findall(r'%([\w.\-]+)', inner)
     root = line.lstrip().startswith('ROOT ')
-    attrs = rest[end + 1 :]
     label = _OP_NAME.search(attrs)
     label = label.group(1) if label else ''
     if not label and operands and op.split('-')[0] in ('copy', 'bitcast', 'get'):
       label = labels.get(operands[0], '')
-    labels[m.group(1)] = label
-    current.append(_Instr(m.group(1), op, _elements(type_str), operands, attrs, root, label))
+    labels[name] = label
+    current.append(_Instr(name, op, _elements(type_str), operands, attrs, root, label))
   return comps, entry
 
 

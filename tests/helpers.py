@@ -55,6 +55,24 @@ def tiny(**kw) -> ModelConfig:
   return dataclasses.replace(TINY, **kw)
 
 
+def tpu_proxy(layers: int) -> dict:
+  """Config overrides for TPU compiles of a small LongCat on one v5e chip: the tiny variant with
+  32 experts of 512 x 512 over a 512-wide model, bfloat16 weights, one row of 1024 tokens."""
+  return {
+    'model.hidden_size': 512,
+    'model.expert_ffn_hidden_size': 512,
+    'model.n_routed_experts': 32,
+    'model.zero_expert_num': 0,
+    'model.moe_topk': 4,
+    'model.num_layers': layers,
+    'model.param_dtype': 'bfloat16',
+    'data.seq_len': 1024,
+    'data.global_batch_size': 1,
+    'data.eval_batch_size': 1,
+    'mesh.shape': (1, 1, 1, 1),
+  }
+
+
 def with_lora(cfg: ModelConfig, rank=4, targets=ALL_TARGETS, **kw) -> ModelConfig:
   return dataclasses.replace(cfg, lora=LoraConfig(rank=rank, targets=targets, **kw))
 

@@ -9,6 +9,7 @@ from configs import longcat_lora
 from moetrain import aot, hlo_memory, sharding, topology
 from moetrain.setup import build
 from moetrain.tools import tpu_plan
+from tests.helpers import tpu_proxy
 
 pytest.importorskip('libtpu', reason="TPU compiles need libtpu: pip install -e '.[tpu]'")
 MIB = 2**20
@@ -59,19 +60,7 @@ def test_attention_backward_recomputes_its_scores_in_the_tpu_step():
   8.25 GiB of the flash LoRA step (bench/RESULTS.md, session 25). The training step of a small
   LongCat (4 heads, 1024 tokens in query blocks of 128, one layer, remat=full) on a v5e-1, with
   and without keeping the probabilities: recomputing must save most of their bytes."""
-  over = {
-    'model.hidden_size': 512,
-    'model.expert_ffn_hidden_size': 512,
-    'model.n_routed_experts': 32,
-    'model.zero_expert_num': 0,
-    'model.moe_topk': 4,
-    'model.num_layers': 1,
-    'model.param_dtype': 'bfloat16',
-    'data.seq_len': 1024,
-    'data.global_batch_size': 1,
-    'data.eval_batch_size': 1,
-    'mesh.shape': (1, 1, 1, 1),
-  }
+  over = tpu_proxy(1)
   config = longcat_lora.get_config('variant=tiny')
   m = config.model
   t, chunk = over['data.seq_len'], m.attention_chunk

@@ -13,6 +13,7 @@ import pytest
 from configs import longcat_lora, longcat_pretrain
 from moetrain import aot, topology
 from moetrain.tools import tpu_plan
+from tests.helpers import tpu_proxy
 
 pytest.importorskip('libtpu', reason="the planner needs libtpu: pip install -e '.[tpu]'")
 
@@ -301,19 +302,7 @@ def test_expert_adapters_add_little_to_the_tpu_step():
   1.41e12 compiled FLOPs against 1.09e12 without the adapters, and 2.00 GiB of temporaries
   against 0.72 (bench/RESULTS.md, session 24). Here 32 experts of 512 x 512, 4 layers, v5e-1:
   169 MiB of temporaries against 105 without them (the code before: 388)."""
-  over = {
-    'model.hidden_size': 512,
-    'model.expert_ffn_hidden_size': 512,
-    'model.n_routed_experts': 32,
-    'model.zero_expert_num': 0,
-    'model.moe_topk': 4,
-    'model.num_layers': 4,
-    'model.param_dtype': 'bfloat16',
-    'data.seq_len': 1024,
-    'data.global_batch_size': 1,
-    'data.eval_batch_size': 1,
-    'mesh.shape': (1, 1, 1, 1),
-  }
+  over = tpu_proxy(4)
   config = longcat_lora.get_config('variant=tiny')
   no_experts = config.lora.targets.replace(r'|experts\.(gate|up|down)$', '')
   assert no_experts != config.lora.targets

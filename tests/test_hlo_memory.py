@@ -12,7 +12,6 @@ from moetrain.tools import tpu_plan
 from tests.helpers import tpu_proxy
 
 pytest.importorskip('libtpu', reason="TPU compiles need libtpu: pip install -e '.[tpu]'")
-MIB = 2**20
 
 
 def _compile_for_tpu(fn, *shapes):

@@ -14,7 +14,9 @@ _DTYPE_BYTES = {
 _ARRAY = re.compile(r'\b([a-z]+\d*(?:e\d+m\d+(?:fn)?)?)\[([\d,]*)\]')
 _HEADER = re.compile(r'^(?:ENTRY )?%(\S+) .*\{$')
 _INSTR = re.compile(r'^\s+(?:ROOT )?%(\S+) = ')
-_REFS = re.compile(r'\b(calls|to_apply|body|condition)=%([\w.\-]+)')
+_REFS = re.compile(
+  r'\b(calls|to_apply|body|condition|true_computation|false_computation)=%([\w.\-]+)'
+)
 _REF_LISTS = re.compile(r'\b(branch_computations|called_computations)=\{([^}]*)\}')
 # Ops that move no data of their own (views, control flow, bookkeeping).
 _FREE = {
@@ -125,6 +127,15 @@ def _trip_count(cond: list, comps: dict) -> int | None:
   return None
 
 
+def callees(instr) -> list[tuple[str, str]]:
+  """[(kind, computation)] an instruction calls: a loop's body and condition, a branch, a
+  fusion's or reduction's computation."""
+  refs = _REFS.findall(instr.attrs)
+  for k, lst in _REF_LISTS.findall(instr.attrs):
+    refs += [(k, v.strip().lstrip('%')) for v in lst.split(',') if v.strip()]
+  return refs
+
+
 def _multiplicities(comps: dict, entry: str, unknown_trips: int = 1) -> tuple[dict, dict, list]:
   """How often each computation runs per call of the entry; the fused ones (bodies of fusion
   instructions, whose data movement is the fusion's own); while loops whose trip count was not
@@ -133,9 +144,7 @@ def _multiplicities(comps: dict, entry: str, unknown_trips: int = 1) -> tuple[di
   order = [entry]
   for comp in order:  # breadth-first over the call graph
     for instr in comps.get(comp, []):
-      refs = [(k, v) for k, v in _REFS.findall(instr.attrs)]
-      for k, lst in _REF_LISTS.findall(instr.attrs):
-        refs += [(k, v.strip().lstrip('%')) for v in lst.split(',') if v.strip()]
+      refs = callees(instr)
       trips = 1
       if instr.op == 'while':
         cond = dict(refs).get('condition')

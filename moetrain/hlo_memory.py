@@ -24,10 +24,6 @@ _ARRAY = re.compile(r'\b([a-z]+\d*(?:e\d+m\d+(?:fn)?)?)\[([\d,]*)\](?:\{([\d,]*)
 _TILE = re.compile(r'T\(([\d,]+)\)')
 _SPACE = re.compile(r'S\((\d+)\)')
 _OP_NAME = re.compile(r'op_name="([^"]*)"')
-_CALLED = re.compile(r'\b(?:body|condition|to_apply|calls)=%([\w.\-]+)')
-_BRANCHES = re.compile(
-  r'\bbranch_computations=\{([^}]*)\}|\b(?:true|false)_computation=(%[\w.\-]+)'
-)
 # Ops whose output is a view of, or the same buffer as, their operands.
 _ALIASING = {'bitcast', 'get-tuple-element', 'tuple', 'while', 'opt-barrier', 'add-dependency'}
 _NO_BUFFER = {'parameter', 'constant', 'after-all', 'partition-id', 'replica-id'}
@@ -133,11 +129,10 @@ def _buffer_name(instr: _Instr, element: int) -> str:
 
 
 def _callees(instr: _Instr) -> list[str]:
-  names = _CALLED.findall(instr.attrs) if instr.op in ('while', 'call', 'conditional') else []
-  if instr.op == 'conditional':
-    for group in _BRANCHES.findall(instr.attrs):
-      names += re.findall(r'%([\w.\-]+)', ' '.join(group))
-  return names
+  """The computations a loop, call or branch runs (their peaks add to the caller's)."""
+  if instr.op not in ('while', 'call', 'conditional'):
+    return []
+  return [name for _, name in hlo_cost.callees(instr)]
 
 
 class _Walker:
@@ -156,14 +151,13 @@ class _Walker:
   def _sweep(self, comp: str, writes_into_caller: bool) -> Peak:
     """The live set after each instruction, in schedule order; the largest one."""
     instrs = self.comps[comp]
-    size, owner, last, root = self._buffers(instrs)
+    size, born, last, root = self._buffers(instrs)
     for b in root if writes_into_caller else ():
       size[b] = 0
     births = {}
-    for b in size:
+    for b, i in born.items():
       # A branch's or call's result is counted inside it until it returns.
-      later = owner[b].op in ('conditional', 'call')
-      births.setdefault(instrs.index(owner[b]) + later, []).append(b)
+      births.setdefault(i + (instrs[i].op in ('conditional', 'call')), []).append(b)
     best, live = Peak(comp, 0, '', []), set()
     for i, ins in enumerate(instrs):
       live |= set(births.get(i, ()))
@@ -171,11 +165,8 @@ class _Walker:
       inner_peak = max(inner, key=lambda p: p.bytes, default=None)
       total = sum(size[b] for b in live) + (inner_peak.bytes if inner_peak else 0)
       if total > best.bytes:
-        entries = [
-          Live(size[b], _buffer_name(owner[b], b[1]), owner[b].op, owner[b].label)
-          for b in live
-          if size[b]
-        ]
+        owners = ((b, instrs[born[b]]) for b in live if size[b])
+        entries = [Live(size[b], _buffer_name(o, b[1]), o.op, o.label) for b, o in owners]
         if inner_peak and inner_peak.bytes:
           entries.append(Live(inner_peak.bytes, ins.name, ins.op, ins.label, inner_peak))
         best = Peak(comp, total, ins.name, sorted(entries, key=lambda e: -e.bytes))
@@ -183,10 +174,10 @@ class _Walker:
     return best
 
   def _buffers(self, instrs: list) -> tuple[dict, dict, dict, set]:
-    """The buffers one computation allocates: {id: bytes}, {id: defining instruction},
-    {id: index of its last use through any alias}, and the ids its root returns."""
+    """The buffers one computation allocates: {id: bytes}, {id: index of the instruction that
+    defines it}, {id: index of its last use through any alias}, and the ids its root returns."""
     value = {}  # name -> [set of buffer ids] per output element
-    size, owner, last, root = {}, {}, {}, set()
+    size, born, last, root = {}, {}, {}, set()
     for i, ins in enumerate(instrs):
       ops = [value.get(o, [set()]) for o in ins.operands]
       everything = set().union(*[set().union(*e) for e in ops]) if ops else set()
@@ -215,12 +206,12 @@ class _Walker:
         elems = []
         for k, nbytes in enumerate(ins.elements):
           if k not in aliased:
-            size[ins.name, k], owner[ins.name, k], last[ins.name, k] = nbytes, ins, i
+            size[ins.name, k], born[ins.name, k], last[ins.name, k] = nbytes, i, i
           elems.append(aliased.get(k, {(ins.name, k)}))
         value[ins.name] = elems
       if ins.root:
         root = set().union(*value[ins.name])
-    return size, owner, last, root
+    return size, born, last, root
 
   def _in_place(self, ins) -> bool:
     """An update of its first operand's buffer: dynamic-update-slice and scatter, alone or as
@@ -229,8 +220,9 @@ class _Walker:
       return True
     if ins.op != 'fusion':
       return False
-    called = _CALLED.search(ins.attrs)
-    body = self.comps.get(called.group(1), []) if called else []
+    body = [
+      j for kind, c in hlo_cost.callees(ins) if kind == 'calls' for j in self.comps.get(c, [])
+    ]
     return any(j.root and j.op in ('dynamic-update-slice', 'scatter') for j in body)
 
 

@@ -9,6 +9,7 @@ import time
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.experimental.layout import Format, Layout
 
 from moetrain import hlo_cost, optim, sharding
 from moetrain.train_state import graphdef_of, init_state, state_shardings
@@ -43,14 +44,50 @@ def abstract_batch(rows: int, seq_len: int, mesh) -> dict:
 
 
 def train_step_fn(setup, mesh, shardings):
-  """The jitted train step the loop runs (moetrain.train.run) and the planner compiles."""
+  """The jitted train step the loop runs (moetrain.train.run) and the planner compiles. Where
+  model.compiler_layouts, the frozen base's layouts are Layout.AUTO: XLA picks them (with the
+  defaults, XLA:TPU relayouts the quantised experts into its micro-batch loop's layout inside
+  every step), the compiled step's input_formats say which (state_formats), and the run moves
+  the base there once (place_frozen). Its outputs keep them, so the donated base stays put."""
+  if setup.model.compiler_layouts:
+    auto = jax.tree.map(lambda s: Format(Layout.AUTO, s), shardings.frozen)
+    shardings = dataclasses.replace(shardings, frozen=auto)
   optimizer = optim.make_optimizer(setup.optim, setup.train.steps)
   lr_fn = optim.schedule(setup.optim, setup.train.steps)
   return jit_train_step(setup.step, optimizer, lr_fn, shardings, sharding.batch_sharding(mesh))
 
 
-def eval_step_fn(setup):
-  return jax.jit(functools.partial(eval_step, graphdef=graphdef_of(setup.model)))
+def state_formats(executable):
+  """The layouts and shardings of the train state that a compiled train step takes."""
+  return executable.input_formats[0][0]
+
+
+def place_frozen(state, formats):
+  """`state` with its frozen base in `formats` (state_formats'). Each leaf whose layout the
+  compiler chose otherwise is copied and its old buffer freed before the next leaf moves, so
+  the move needs at most one leaf's bytes more (before the first step: the step's temporaries
+  are not allocated yet). Nothing moves where the formats are the arrays' own."""
+  leaves, tree = jax.tree.flatten(state.frozen)
+  wanted = jax.tree.leaves(formats.frozen)
+  if all(a.format == f for a, f in zip(leaves, wanted, strict=True)):
+    return state
+  placed = []
+  for a, f in zip(leaves, wanted, strict=True):
+    if a.format != f:
+      b = jax.device_put(a, f).block_until_ready()
+      a.delete()
+      a = b
+    placed.append(a)
+  return dataclasses.replace(state, frozen=jax.tree.unflatten(tree, placed))
+
+
+def eval_step_fn(setup, mesh=None, formats=None):
+  """The jitted eval step; with `formats` (the train step's state_formats) it takes the state
+  as the train step leaves it, the frozen base in the layouts the compiler chose for training."""
+  fn = functools.partial(eval_step, graphdef=graphdef_of(setup.model))
+  if formats is None:
+    return jax.jit(fn)
+  return jax.jit(fn, in_shardings=(formats, sharding.batch_sharding(mesh)))
 
 
 @dataclasses.dataclass
@@ -137,7 +174,8 @@ def compile_steps(setup, mesh, evaluate: bool = True) -> dict:
     )
     if evaluate and d.eval_split:
       batch = abstract_batch(d.eval_batch_size, d.seq_len, mesh)
-      out['eval'] = compile_fn('eval step', eval_step_fn(setup), (state, batch), cache=False)
+      fn = eval_step_fn(setup, mesh, state_formats(out['train'].executable))
+      out['eval'] = compile_fn('eval step', fn, (state, batch), cache=False)
   return out
 
 

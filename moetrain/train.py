@@ -149,7 +149,9 @@ def start(config, workdir: str, setup: Setup, mesh, ckpt: Checkpointer) -> tuple
   step_fn = aot.precompile_train_step(setup, mesh, jitted, abstract, writer.progress).executable
   optimizer = optim.make_optimizer(setup.optim, t.steps)
   state = restore_or_init(setup, ckpt, optimizer, mesh, train_iter)
-  eval_fn = aot.eval_step_fn(setup)
+  formats = aot.state_formats(step_fn)  # (the frozen base's layouts: model.frozen_layout)
+  state = aot.place_frozen(state, formats)
+  eval_fn = aot.eval_step_fn(setup, mesh, formats)
   job = Job(setup, step_fn, eval_fn, train_iter, eval_batches, ckpt, writer, batch_sharding)
   return job, state
 

@@ -129,6 +129,7 @@ def engine_of(cfg) -> dict:
     'moe_ep_comm': expert_parallel.resolve_ep_comm(cfg),
     'moe_dispatch': cfg.moe_dispatch,
     'remat': cfg.remat,
+    'frozen_layout': 'compiler' if cfg.compiler_layouts else 'default',
   }
 
 

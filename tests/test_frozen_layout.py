@@ -45,21 +45,13 @@ def test_the_tpu_compiler_keeps_quantised_experts_in_its_own_layout():
   ins = aot.state_formats(chosen).frozen
   assert jax.tree.leaves(ins) == jax.tree.leaves(chosen.output_formats[0].frozen)
   default = aot.state_formats(steps['default'].executable).frozen
-  experts = ins['layers']['moe']['experts']
-  codes = [experts[w]['q'] for w in ('gate', 'up', 'down')]
-  assert all(
-    f.layout != d.layout
-    for f, d in zip(
-      codes, (default['layers']['moe']['experts'][w]['q'] for w in ('gate', 'up', 'down'))
-    )
-  )
-  abstract = aot.abstract_state(setup, setup.make_mesh(devices))[0].frozen['layers']['moe'][
-    'experts'
-  ]
-  packed = sum(  # int4: two codes a byte
-    np.prod(f.sharding.shard_shape(abstract[w]['q'].shape)) / 2
-    for w, f in zip(('gate', 'up', 'down'), codes)
-  )
+  mesh = setup.make_mesh(devices)
+  abstract = aot.abstract_state(setup, mesh)[0].frozen['layers']['moe']['experts']
+  packed = 0  # bytes of the expert codes per chip, two int4 codes a byte
+  for w in ('gate', 'up', 'down'):
+    chosen_codes = ins['layers']['moe']['experts'][w]['q']
+    assert chosen_codes.layout != default['layers']['moe']['experts'][w]['q'].layout, w
+    packed += np.prod(chosen_codes.sharding.shard_shape(abstract[w]['q'].shape)) / 2
   saved = steps['default'].memory['temporaries'] - steps['auto'].memory['temporaries']
   assert saved >= packed, (saved, packed)
 

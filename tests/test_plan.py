@@ -67,6 +67,8 @@ def test_plan_compiles_the_train_and_eval_steps_for_a_slice(tmp_path, capsys):
   both steps compile, and the report has every per-chip figure and a labelled estimate."""
   r = tpu_plan.plan(longcat_lora.get_config('variant=tiny'), 'v5e-4', TINY_EP)
   assert r['engine']['moe_backend'] == 'ragged_dot' and r['engine']['moe_ep_comm'] == 'ragged'
+  # The frozen base in the layouts XLA chooses (the eval step compiled for the same ones).
+  assert r['engine']['frozen_layout'] == 'compiler'
   assert r['fits'] and 0.9 < r['headroom'] < 1
   m = r['per_chip_bytes']
   assert m['total'] == m['arguments'] + m['outputs'] - m['aliased'] + m['temporaries'] + m['code']

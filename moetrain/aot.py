@@ -58,8 +58,16 @@ def train_step_fn(setup, mesh, shardings):
 
 
 def state_formats(executable):
-  """The layouts and shardings of the train state that a compiled train step takes."""
-  return executable.input_formats[0][0]
+  """The layouts and shardings of the train state that a compiled train step takes. The frozen
+  base must come back in the layouts it went in (the next step takes it as it is)."""
+  formats = executable.input_formats[0][0]
+  given = executable.output_formats[0].frozen
+  if jax.tree.leaves(given) != jax.tree.leaves(formats.frozen):
+    raise ValueError(
+      'the compiled train step returns the frozen base in other layouts than it takes, so the '
+      "next step could not take it: set model.frozen_layout='default'"
+    )
+  return formats
 
 
 def place_frozen(state, formats):
@@ -100,6 +108,7 @@ class Compiled:
   cost: hlo_cost.Cost | None
   xla_flops: float  # cost_analysis' flops (loop bodies once)
   executable: object = None
+  formats: object = None  # a train step's: the state's layouts and shardings (state_formats)
 
 
 def memory_of(compiled) -> dict:
@@ -172,9 +181,11 @@ def compile_steps(setup, mesh, evaluate: bool = True) -> dict:
       (state, abstract_batch(d.global_batch_size, d.seq_len, mesh)),
       cache=False,
     )
+    train_c = out['train']
+    train_c.formats = state_formats(train_c.executable)
     if evaluate and d.eval_split:
       batch = abstract_batch(d.eval_batch_size, d.seq_len, mesh)
-      fn = eval_step_fn(setup, mesh, state_formats(out['train'].executable))
+      fn = eval_step_fn(setup, mesh, train_c.formats)
       out['eval'] = compile_fn('eval step', fn, (state, batch), cache=False)
   return out
 
@@ -208,6 +219,7 @@ def precompile_train_step(setup, mesh, step_fn, state, progress=print) -> Compil
       f'the train step does not fit the devices: {e.message} Plan a setting that fits without '
       'the devices: python -m moetrain.tools.plan --config=... --topology=<slice> --search'
     ) from None
+  c.formats = state_formats(c.executable)
   limit = device_memory_limit(mesh.devices.flat[0])
   of = f' of {limit / 2**30:.2f} GiB' if limit else ''
   progress(f'Compiled in {c.seconds:.0f} s: {c.memory["total"] / 2**30:.2f} GiB per device{of}.')

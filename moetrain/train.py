@@ -146,12 +146,13 @@ def start(config, workdir: str, setup: Setup, mesh, ckpt: Checkpointer) -> tuple
   abstract, shardings = aot.abstract_state(setup, mesh)
   jitted = aot.train_step_fn(setup, mesh, shardings)
   # The loop runs this executable (no second compile).
-  step_fn = aot.precompile_train_step(setup, mesh, jitted, abstract, writer.progress).executable
+  compiled = aot.precompile_train_step(setup, mesh, jitted, abstract, writer.progress)
   optimizer = optim.make_optimizer(setup.optim, t.steps)
   state = restore_or_init(setup, ckpt, optimizer, mesh, train_iter)
-  formats = aot.state_formats(step_fn)  # (the frozen base's layouts: model.frozen_layout)
-  state = aot.place_frozen(state, formats)
-  eval_fn = aot.eval_step_fn(setup, mesh, formats)
+  # The frozen base into the layouts the step takes (model.frozen_layout), once.
+  state = aot.place_frozen(state, compiled.formats)
+  eval_fn = aot.eval_step_fn(setup, mesh, compiled.formats)
+  step_fn = compiled.executable
   job = Job(setup, step_fn, eval_fn, train_iter, eval_batches, ckpt, writer, batch_sharding)
   return job, state
 

@@ -3,6 +3,7 @@ QLoRA step with micro-batches, and the run's path on CPU (the base moved into th
 step's layouts, the eval step compiled for them, the same numbers)."""
 
 import dataclasses
+import types
 
 import jax
 import numpy as np
@@ -117,3 +118,16 @@ def test_a_run_with_compiler_layouts_trains_as_one_without(tmp_path):
     out = train.run(config, workdir)
     runs[layout] = (losses(workdir), out['eval_loss'], out['eval_accuracy'])
   assert runs['compiler'] == runs['default'], runs
+
+
+def test_a_step_that_would_move_the_base_between_steps_is_refused():
+  """The compiled step must give the frozen base back in the layouts it takes it in; a step
+  that does not is refused at compile time, naming the setting that avoids it."""
+  sharding_ = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+  row, col = (Format(Layout(order, ()), sharding_) for order in ((0, 1), (1, 0)))
+  state = lambda f: types.SimpleNamespace(frozen={'w': f})
+  same = types.SimpleNamespace(input_formats=((state(row),), {}), output_formats=(state(row),))
+  assert aot.state_formats(same).frozen == {'w': row}
+  moved = types.SimpleNamespace(input_formats=((state(row),), {}), output_formats=(state(col),))
+  with pytest.raises(ValueError, match="model.frozen_layout='default'"):
+    aot.state_formats(moved)

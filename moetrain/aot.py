@@ -43,13 +43,21 @@ def abstract_batch(rows: int, seq_len: int, mesh) -> dict:
   return {k: jax.ShapeDtypeStruct((rows, seq_len), dtype(k), sharding=s) for k in BATCH_FIELDS}
 
 
+def compiler_layouts(setup) -> bool:
+  """Whether the train step takes the frozen base in layouts the compiler chooses
+  (model.frozen_layout; 'auto': on TPU, with micro-batches)."""
+  m = setup.model
+  auto = m.platform == 'tpu' and setup.optim.grad_accum_steps > 1
+  return m.frozen_layout == 'compiler' or (m.frozen_layout == 'auto' and auto)
+
+
 def train_step_fn(setup, mesh, shardings):
   """The jitted train step the loop runs (moetrain.train.run) and the planner compiles. Where
-  model.compiler_layouts, the frozen base's layouts are Layout.AUTO: XLA picks them (with the
-  defaults, XLA:TPU relayouts the quantised experts into its micro-batch loop's layout inside
-  every step), the compiled step's input_formats say which (state_formats), and the run moves
-  the base there once (place_frozen). Its outputs keep them, so the donated base stays put."""
-  if setup.model.compiler_layouts:
+  compiler_layouts, the frozen base's layouts are Layout.AUTO: XLA picks them (with the
+  defaults, XLA:TPU relayouts the frozen base into its micro-batch loop's layout inside every
+  step), the compiled step's input_formats say which (state_formats), and the run moves the
+  base there once (place_frozen). Its outputs keep them, so the donated base stays put."""
+  if compiler_layouts(setup):
     auto = jax.tree.map(lambda s: Format(Layout.AUTO, s), shardings.frozen)
     shardings = dataclasses.replace(shardings, frozen=auto)
   optimizer = optim.make_optimizer(setup.optim, setup.train.steps)

@@ -131,3 +131,20 @@ def test_a_step_that_would_move_the_base_between_steps_is_refused():
   moved = types.SimpleNamespace(input_formats=((state(row),), {}), output_formats=(state(col),))
   with pytest.raises(ValueError, match="model.frozen_layout='default'"):
     aot.state_formats(moved)
+
+
+@pytest.mark.parametrize(
+  'layout,platform,accum,want',
+  [
+    ('auto', 'tpu', 2, True),  # micro-batches on TPU: the copies this avoids
+    ('auto', 'tpu', 1, False),  # none: the defaults cost as much or less (RESULTS, session 26)
+    ('auto', 'cpu', 2, False),
+    ('compiler', 'cpu', 1, True),
+    ('default', 'tpu', 2, False),
+  ],
+)
+def test_when_the_compiler_chooses_the_layouts(layout, platform, accum, want):
+  over = {'model.frozen_layout': layout, 'optim.grad_accum_steps': accum}
+  config = tpu_plan.with_overrides(small_config(), over | {'mesh.shape': (1, 1, 1, 1)})
+  setup = build(config, num_devices=1, process_count=1, platform=platform)
+  assert aot.compiler_layouts(setup) is want

@@ -215,9 +215,10 @@ class ModelConfig:
   quant_group_size: int = engine(64)
   # Device layouts of the frozen base (LoRA/QLoRA) in the train step: 'compiler' lets XLA choose
   # them (the run moves the base into the compiled step's choice once, at its start), 'default'
-  # keeps the standard ones, 'auto' = compiler on TPU, default elsewhere. With the defaults
-  # XLA:TPU copies the quantised experts into its loop's layout inside every step of a QLoRA
-  # run with micro-batches (bench/RESULTS.md, sessions 25-26).
+  # keeps the standard ones, 'auto' = compiler on TPU with micro-batches (optim.grad_accum_steps
+  # > 1), default otherwise. With the defaults XLA:TPU copies the base into its micro-batch
+  # loop's layout inside every step (flash QLoRA int4: 82.0 -> 63.2 GiB per chip with compiler
+  # layouts); without micro-batches they cost as much or more (bench/RESULTS.md, session 26).
   frozen_layout: str = engine('auto', choices=('auto', 'compiler', 'default'))
   # Derived: set from the `lora` and `mesh` sections and the compile target.
   lora: LoraConfig = field(LoraConfig(), role='derived')
@@ -230,13 +231,6 @@ class ModelConfig:
 
   def __post_init__(self):  # configs and config.json give lists; the config must stay hashable
     object.__setattr__(self, 'mlp_only_layers', tuple(self.mlp_only_layers))
-
-  @property
-  def compiler_layouts(self) -> bool:
-    """Whether the train step takes the frozen base in layouts the compiler chose."""
-    return self.frozen_layout == 'compiler' or (
-      self.frozen_layout == 'auto' and self.platform == 'tpu'
-    )
 
   @property
   def reference_kernels(self) -> bool:

@@ -9,18 +9,15 @@ chooses the dataset (data.eval_split, or --split).
 """
 
 import dataclasses
-import functools
 
 import jax
 from absl import app, flags
 from ml_collections import config_flags
 
-from moetrain import runtime, sharding
+from moetrain import aot, runtime, sharding
 from moetrain import setup as setup_lib
 from moetrain.data import pipeline
 from moetrain.evaluation import evaluate
-from moetrain.train_state import graphdef_of
-from moetrain.train_step import eval_step
 
 
 def define_flags():
@@ -53,7 +50,7 @@ def evaluate_checkpoint(
     raise ValueError('no eval data: set data.eval_split (or --split)')
   with jax.set_mesh(mesh):
     state = setup_lib.load_latest(setup, workdir, mesh)
-    eval_fn = jax.jit(functools.partial(eval_step, graphdef=graphdef_of(setup.model)))
+    eval_fn = aot.eval_step_fn(setup)
     out = evaluate(state, batches, eval_fn, sharding.batch_sharding(mesh))
   return {'step': int(state.step), **out}
 

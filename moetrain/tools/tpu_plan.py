@@ -72,7 +72,8 @@ def plan(config, topology: str, overrides: dict | None = None) -> dict:
     'devices': len(devices),
     'mesh': dict(zip(sharding.MESH_AXES, setup.mesh_shape)),
     'overrides': dict(overrides or {}),
-    'engine': engine_of(setup.model),
+    'engine': engine_of(setup.model)
+    | {'frozen_layout': 'compiler' if aot.compiler_layouts(setup) else 'default'},
     'hbm_bytes': chip.hbm_bytes,
   }
   try:
@@ -129,7 +130,6 @@ def engine_of(cfg) -> dict:
     'moe_ep_comm': expert_parallel.resolve_ep_comm(cfg),
     'moe_dispatch': cfg.moe_dispatch,
     'remat': cfg.remat,
-    'frozen_layout': 'compiler' if cfg.compiler_layouts else 'default',
   }
 
 

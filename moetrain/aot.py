@@ -98,9 +98,11 @@ def place_frozen(state, formats):
 
 
 def eval_step_fn(setup, mesh=None, formats=None):
-  """The jitted eval step; with `formats` (the train step's state_formats) it takes the state
-  as the train step leaves it, the frozen base in the layouts the compiler chose for training."""
-  fn = functools.partial(eval_step, graphdef=graphdef_of(setup.model))
+  """The jitted eval step, in forward passes of the train step's micro-batch rows; with
+  `formats` (the train step's state_formats) it takes the state as the train step leaves it,
+  the frozen base in the layouts the compiler chose for training."""
+  micro = setup.data.global_batch_size // setup.optim.grad_accum_steps
+  fn = functools.partial(eval_step, graphdef=graphdef_of(setup.model), micro_rows=micro)
   if formats is None:
     return jax.jit(fn)
   return jax.jit(fn, in_shardings=(formats, sharding.batch_sharding(mesh)))

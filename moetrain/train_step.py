@@ -247,7 +247,22 @@ def jit_train_step(
   return jax.jit(fn, donate_argnums=0 if donate else (), **placed)
 
 
-def eval_step(state: TrainState, batch, *, graphdef):
-  nll, correct, _ = forward_loss(state.params, state.moe_bias, state.frozen, graphdef, batch)
+def eval_step(state: TrainState, batch, *, graphdef, micro_rows: int = 0):
+  """Sums of the NLL, correct predictions and scored tokens of `batch`, in forward passes of
+  `micro_rows` rows (the train step's micro-batch, so that evaluating needs no more activation
+  memory than training) where they divide the batch; 0 = the whole batch at once."""
+  forward = lambda b: forward_loss(state.params, state.moe_bias, state.frozen, graphdef, b)[:2]
+  rows = batch['inputs'].shape[0]
+  if micro_rows and rows > micro_rows and rows % micro_rows == 0:
+
+    def micro(carry, b):
+      return jax.tree.map(jnp.add, carry, forward(b)), None
+
+    parts = _microbatches(batch, rows // micro_rows)
+    shapes = jax.eval_shape(forward, jax.tree.map(lambda x: x[0], parts))
+    zero = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)
+    (nll, correct), _ = jax.lax.scan(micro, zero, parts)
+  else:
+    nll, correct = forward(batch)
   mask = batch['loss_mask'].astype(jnp.float32)
   return {'nll_sum': nll, 'correct': correct, 'tokens': mask.sum()}

@@ -72,7 +72,9 @@ def test_plan_compiles_the_train_and_eval_steps_for_a_slice(tmp_path, capsys):
   assert r['fits'] and 0.9 < r['headroom'] < 1
   m = r['per_chip_bytes']
   assert m['total'] == m['arguments'] + m['outputs'] - m['aliased'] + m['temporaries'] + m['code']
-  assert r['eval_per_chip_bytes']['total'] > 0
+  ev = r['eval_per_chip_bytes']['total']
+  assert ev > 0 and r['need_bytes'] == max(m['total'], ev)  # what must fit: the larger step
+  assert r['need_step'] == ('train step' if m['total'] >= ev else 'eval step')
   assert r['hbm_bytes'] == topology.CHIPS['v5e'].hbm_bytes
   # Two layers under scan: the compiled FLOPs count them twice, XLA's cost analysis once.
   assert 2 in r['loops'] and r['hlo_flops_per_chip'] > 1.5 * r['xla_cost_analysis_flops_per_chip']
@@ -90,6 +92,7 @@ def test_plan_compiles_the_train_and_eval_steps_for_a_slice(tmp_path, capsys):
   tpu_plan.print_plan(r)
   out = capsys.readouterr().out
   assert 'ESTIMATE' in out and 'fits' in out and "the compiler's temporaries are" in out
+  assert f'needs {tpu_plan._gib(r["need_bytes"])} ({r["need_step"]}, the larger)' in out
   assert 'alive at the peak' in out and 'transpose(jvp())/while' in out
 
 

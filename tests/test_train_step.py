@@ -12,7 +12,7 @@ from moetrain.model.config import PRESETS
 from moetrain.sharding import Rules
 from moetrain.tools.plan import dry_run, ep_exchange, loss_block, param_counts
 from moetrain.train_state import graphdef_of, init_state
-from moetrain.train_step import StepConfig, grads_and_stats, jit_train_step
+from moetrain.train_step import StepConfig, eval_step, grads_and_stats, jit_train_step
 from tests.helpers import tiny, with_lora
 from tests.test_sharding import batch
 
@@ -64,6 +64,24 @@ def test_gradient_accumulation_equals_full_batch():
   # The routing statistics too, those that are not token means included (std, dropped share).
   for key in ('load', 'ffn_experts_mean', 'ffn_experts_std', 'router_entropy', 'dropped_frac'):
     np.testing.assert_allclose(m2['moe'][key], m1['moe'][key], rtol=1e-5, atol=1e-7, err_msg=key)
+
+
+@pytest.mark.parametrize('micro_rows', [2, 3])  # 3 does not divide 8 rows: one pass
+def test_evaluation_in_micro_batches_equals_the_whole_batch(micro_rows):
+  """The eval step runs the train step's micro-batches one forward pass at a time (the eval
+  batch needs no more activation memory than training): the same sums as one pass."""
+  state = init_state(CFG, optax.sgd(1.0), 0)
+  graphdef = graphdef_of(CFG)
+  whole = jax.jit(lambda s, b: eval_step(s, b, graphdef=graphdef))(state, batch())
+  fn = lambda s, b: eval_step(s, b, graphdef=graphdef, micro_rows=micro_rows)
+  # The micro-batch loop: the only scan at the top (the layers' scan runs inside it).
+  top = [
+    e.params['length'] for e in jax.make_jaxpr(fn)(state, batch()).eqns if 'length' in e.params
+  ]
+  assert top == ([4] if micro_rows == 2 else [CFG.num_layers])
+  parts = jax.jit(fn)(state, batch())
+  for k in whole:
+    np.testing.assert_allclose(parts[k], whole[k], rtol=1e-5)
 
 
 def test_gradient_accumulation_sums_bfloat16_gradients_in_float32():

@@ -68,7 +68,7 @@ def row(model: str, name: str, r: dict) -> str:
     need = (r.get('per_chip_bytes') or {}).get('total')
     need = f'temporaries alone {need / 2**30:.1f}' if need else 'refused'
     return f'| {model} | {name} | {r["topology"]} | does not fit ({need}) | - | - | - |'
-  m = r.get('need_bytes', r['per_chip_bytes']['total']) / 2**30  # the larger of train and eval
+  m = r['need_bytes'] / 2**30  # the larger of the train and the eval step
   return (
     f'| {model} | {name} | {r["topology"]} | {m:.1f} ({r["hbm_bytes"] / 2**30:.1f}) | '
     f'{r["est_step_seconds"]:.1f} s | {r["est_tokens_per_sec"]:,.0f} | '

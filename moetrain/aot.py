@@ -84,17 +84,13 @@ def place_frozen(state, formats):
   the move needs at most one leaf's bytes more (before the first step: the step's temporaries
   are not allocated yet). Nothing moves where the formats are the arrays' own."""
   leaves, tree = jax.tree.flatten(state.frozen)
-  wanted = jax.tree.leaves(formats.frozen)
-  if all(a.format == f for a, f in zip(leaves, wanted, strict=True)):
-    return state
-  placed = []
-  for a, f in zip(leaves, wanted, strict=True):
-    if a.format != f:
-      b = jax.device_put(a, f).block_until_ready()
-      a.delete()
-      a = b
-    placed.append(a)
-  return dataclasses.replace(state, frozen=jax.tree.unflatten(tree, placed))
+  moved = False
+  for i, f in enumerate(jax.tree.leaves(formats.frozen)):
+    if leaves[i].format != f:
+      old, leaves[i] = leaves[i], jax.device_put(leaves[i], f).block_until_ready()
+      old.delete()
+      moved = True
+  return dataclasses.replace(state, frozen=jax.tree.unflatten(tree, leaves)) if moved else state
 
 
 def eval_step_fn(setup, mesh=None, formats=None):

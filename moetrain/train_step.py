@@ -254,14 +254,8 @@ def eval_step(state: TrainState, batch, *, graphdef, micro_rows: int = 0):
   forward = lambda b: forward_loss(state.params, state.moe_bias, state.frozen, graphdef, b)[:2]
   rows = batch['inputs'].shape[0]
   if micro_rows and rows > micro_rows and rows % micro_rows == 0:
-
-    def micro(carry, b):
-      return jax.tree.map(jnp.add, carry, forward(b)), None
-
-    parts = _microbatches(batch, rows // micro_rows)
-    shapes = jax.eval_shape(forward, jax.tree.map(lambda x: x[0], parts))
-    zero = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)
-    (nll, correct), _ = jax.lax.scan(micro, zero, parts)
+    sums = jax.lax.map(forward, _microbatches(batch, rows // micro_rows))
+    nll, correct = (x.sum() for x in sums)
   else:
     nll, correct = forward(batch)
   mask = batch['loss_mask'].astype(jnp.float32)

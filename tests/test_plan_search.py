@@ -43,6 +43,8 @@ class FakePlanner:
       'fits': True,
       'headroom': 1 - need / t.chip.hbm_bytes,
       'per_chip_bytes': {'total': need},
+      'need_bytes': need,
+      'need_step': 'train step',
       'est_step_seconds': step,
       'est_mfu': 0.1,
     }

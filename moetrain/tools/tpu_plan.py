@@ -96,7 +96,7 @@ def plan(config, topology: str, overrides: dict | None = None) -> dict:
   return report | {
     'fits': total <= chip.hbm_bytes,
     'headroom': 1 - total / chip.hbm_bytes,
-    # What must fit: the larger of the two steps (the eval step takes its batch at once).
+    # What must fit: the larger of the two steps.
     'need_bytes': total,
     'need_step': worst.name,
     'per_chip_bytes': train_c.memory,
@@ -191,9 +191,8 @@ def print_plan(r: dict) -> None:
   if r.get('eval_per_chip_bytes'):
     print(f'eval step per device: total {_gib(r["eval_per_chip_bytes"]["total"])}')
   verdict = 'fits' if r['fits'] else 'DOES NOT FIT'
-  need = r.get('need_bytes', m['total'])
   print(
-    f'needs {_gib(need)} ({r.get("need_step", "train step")}, the larger) of '
+    f'needs {_gib(r["need_bytes"])} ({r["need_step"]}, the larger) of '
     f'{_gib(r["hbm_bytes"])} HBM: {verdict}, headroom {100 * r["headroom"]:.1f}% '
     f'(compile {r["compile_seconds"]:.0f} s)'
   )
@@ -308,7 +307,7 @@ def plan_many(config, jobs: list[tuple[str, dict]], workers: int, cache: str = C
 def _verdict(r: dict) -> str:
   if r.get('fits'):
     return (
-      f'{_gib(r.get("need_bytes", r["per_chip_bytes"]["total"]))} per device, '
+      f'{_gib(r["need_bytes"])} per device, '
       f'{100 * r["headroom"]:.0f}% free, '
       f'est. {r["est_step_seconds"]:.3g} s/step'
     )

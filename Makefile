@@ -1,5 +1,7 @@
 # moetrain developer commands. `make train` and `make test` install what they need first.
-PY ?= python3
+# Python >= 3.12 (jax >= 0.11 needs it): the first of python3.12, python3.13 or a pyenv 3.12+ that runs.
+PY ?= $(shell for p in python3.12 python3.13 $${PYENV_ROOT:-$$HOME/.pyenv}/versions/3.1[2-9]*/bin/python3; do \
+  $$p -c 'import sys; sys.exit(sys.version_info < (3, 12))' 2>/dev/null && { echo $$p; break; }; done)
 VENV ?= .venv
 BIN := $(VENV)/bin
 CONFIG ?= configs/longcat_lora.py
@@ -10,15 +12,17 @@ export GLIBC_TUNABLES ?= glibc.malloc.hugetlb=1
 
 .PHONY: install train test test-slow lint format bench clean
 
-$(BIN)/python:
-	$(PY) -m venv $(VENV)
-	$(BIN)/pip install -q --upgrade pip
+# The stamp names the interpreter line, so a venv made by an older Python is made anew.
+STAMP := $(VENV)/.installed-py312
 
-$(VENV)/.installed: pyproject.toml | $(BIN)/python
+$(STAMP): pyproject.toml
+	@test -n "$(PY)" || { echo 'make: no Python >= 3.12 found (set PY=/path/to/python3.12)'; exit 1; }
+	@$(VENV)/bin/python -c 'import sys; sys.exit(sys.version_info < (3, 12))' 2>/dev/null || \
+	  { rm -rf $(VENV); $(PY) -m venv $(VENV) && $(BIN)/pip install -q --upgrade pip; }
 	$(BIN)/pip install -q -e '.[test]'
 	touch $@
 
-install: $(VENV)/.installed
+install: $(STAMP)
 
 train: install
 	$(BIN)/python -m moetrain.main --config=$(CONFIG) $(ARGS)

@@ -89,17 +89,36 @@ def _parse_instr(line: str) -> Instr | None:
   return Instr(name, op, _shapes(type_str), operands, attrs)
 
 
+def lines(text: str):
+  """The HLO text's lines with every instruction on one line. jax 0.12 writes a Pallas kernel's
+  metadata over several lines, the last beginning '}}, metadata=': read line by line, that
+  would close the computation early and lose the rest of it (the kernels' FLOPs with it)."""
+  pending = None
+  for line in text.splitlines():
+    starts = _INSTR.match(line) or _HEADER.match(line) or line.rstrip() == '}' or not line.strip()
+    if pending is not None and not starts:
+      pending += line.strip()
+      continue
+    if pending is not None:
+      yield pending
+    pending = line if _INSTR.match(line) else None
+    if pending is None:
+      yield line
+  if pending is not None:
+    yield pending
+
+
 def parse_module(text: str) -> tuple[dict, str]:
   """{computation: [Instr]} and the entry computation's name."""
   comps, entry, current = {}, None, None
-  for line in text.splitlines():
+  for line in lines(text):
     h = _HEADER.match(line)
     if h:
       current = comps.setdefault(h.group(1), [])
       if line.startswith('ENTRY'):
         entry = h.group(1)
       continue
-    if line.startswith('}'):
+    if line.rstrip() == '}':
       current = None
     elif current is not None:
       instr = _parse_instr(line)
@@ -173,9 +192,35 @@ def _matmul_flops(instr: Instr, table: dict) -> float:
     return 2.0 * math.prod(out) * k
   if instr.op == 'convolution' and len(ops) >= 2:
     return 2.0 * math.prod(out) * _taps(instr, ops[0][1], ops[1][1])
+  if instr.op == 'custom-call' and (kind := _SPLASH.search(instr.name + instr.attrs)):
+    return _splash_flops(kind.group(1), ops)
   if instr.op == 'custom-call' and ('ragged-dot' in instr.name or 'gmm' in instr.attrs):
     return _grouped_flops(instr)
   return 0.0
+
+
+_SPLASH = re.compile(r'splash_m[hq]a_(fwd|dq|dkv)')
+# A splash kernel's matmuls per visited block, as (q/k-width products, v-width products): the
+# forward's q k^T and p v; dq recomputes q k^T, forms dO v^T and ds k; dkv recomputes q k^T,
+# forms dO v^T, p^T dO and ds^T q.
+_SPLASH_PRODUCTS = {'fwd': (1, 1), 'dq': (2, 1), 'dkv': (2, 2)}
+
+
+def _splash_flops(kind: str, operands: list) -> float:
+  """A splash attention kernel (JAX's Pallas TPU kernel; moetrain's and MaxText's): its operands
+  are the block tables (int8 [heads, q blocks, kv blocks]) and then q [..., T, H_qk],
+  k [..., S, H_qk], v [..., S, H_v]. Priced as causal (both sides train causal LMs): of an
+  n x n block grid, n (n + 1) / 2 blocks are visited."""
+  floats = [d for t, d in operands if t in ('bf16', 'f32', 'f16') and len(d) >= 2]
+  tables = [d for t, d in operands if t == 's8' and len(d) == 3]
+  if len(floats) < 3:
+    return 0.0
+  q, k, v = floats[:3]
+  n = max(tables[0][1:]) if tables else 1
+  visited = (n + 1) / (2 * n)
+  rows = math.prod(q[:-1])  # batch x heads x T
+  qk, pv = _SPLASH_PRODUCTS[kind]
+  return 2.0 * rows * k[-2] * (qk * q[-1] + pv * v[-1]) * visited
 
 
 def _taps(instr: Instr, lhs: list, kernel: list) -> int:

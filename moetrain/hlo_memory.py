@@ -81,13 +81,13 @@ class _Instr:
 
 def _parse(text: str) -> tuple[dict, str]:
   comps, entry, current, labels = {}, None, None, {}
-  for line in text.splitlines():
+  for line in hlo_cost.lines(text):
     h = hlo_cost._HEADER.match(line)
     if h:
       current = comps.setdefault(h.group(1), [])
       entry = h.group(1) if line.startswith('ENTRY') else entry
       continue
-    if line.startswith('}'):
+    if line.rstrip() == '}':
       current = None
       continue
     parts = hlo_cost.split_instr(line) if current is not None else None

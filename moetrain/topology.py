@@ -32,10 +32,10 @@ def _gib(x: float) -> int:
 CHIPS = {
   'v4': Chip('v4', 'TPU v4', _gib(15.25), 275e12 / 2, 1.2e12 / 2, 2.7e11 / 2, 3, 2),
   'v5e': Chip('v5e', 'TPU v5 lite', _gib(15.75), 197e12, 8.19e11, 2e11, 2),
-  'v5p': Chip('v5p', 'TPU v5', _gib(95.74), 459e12, 2.765e12, 6e11, 3),
-  'v6e': Chip('v6e', 'TPU v6 lite', _gib(31.25), 918e12, 1.64e12, 4.5e11, 2),
+  'v5p': Chip('v5p', 'TPU v5', _gib(95.73), 459e12, 2.765e12, 6e11, 3),
+  'v6e': Chip('v6e', 'TPU v6 lite', _gib(31.24), 918e12, 1.64e12, 4.5e11, 2),
   # Ironwood: two devices per chip; named in libtpu's form only ('tpu7x:2x2x1').
-  'tpu7x': Chip('tpu7x', 'TPU7x', _gib(94.75), 2307e12 / 2, 7.37e12 / 2, 6e11 / 2, 3, 2),
+  'tpu7x': Chip('tpu7x', 'TPU7x', _gib(94.74), 2307e12 / 2, 7.37e12 / 2, 6e11 / 2, 3, 2),
 }
 # Cloud accelerator-type prefixes that name the same generations.
 ALIASES = {'v5litepod': 'v5e', 'v6litepod': 'v6e'}

@@ -1,5 +1,7 @@
 """FLOPs counted from optimized HLO with loop trip counts (moetrain/hlo_cost.py)."""
 
+import os
+
 import jax
 import jax.numpy as jnp
 import pytest
@@ -51,3 +53,30 @@ ENTRY %main (p0: bf16[8192,512,1], p1: bf16[64,256,512]) -> bf16[8192,64,256] {
 
 def test_a_batched_matmul_written_as_a_padded_convolution_counts_once_per_batch():
   assert hlo_cost.analyse(PADDED_BATCH_CONV).flops == 2 * 8192 * 64 * 256 * 512
+
+
+SPLASH_HLO = os.path.join(os.path.dirname(__file__), 'fixtures', 'hlo', 'splash_grad_v5e.txt')
+
+
+def test_a_jax_0_12_dump_with_pallas_kernels_is_read_whole():
+  """jax 0.12 writes a Pallas call's metadata over several lines, one beginning '}}, metadata=';
+  read line by line it closed its computation early and the kernels after it were lost."""
+  text = open(SPLASH_HLO).read()
+  assert '\n}}, metadata=' in text  # the fixture has the multi-line form
+  comps, entry = hlo_cost.parse_module(text)
+  written = sum(1 for line in text.splitlines() if hlo_cost._INSTR.match(line))
+  assert sum(len(v) for v in comps.values()) == written
+  names = [i.name for i in comps[entry]]
+  assert any(n.startswith('splash_mha_dkv') for n in names), names
+
+
+def test_splash_kernels_are_priced_as_causal_attention():
+  """The fixture: one row, 4 heads, T = S = 1024 in blocks of 512 (3 of 4 visited), q/k width
+  192 and v 128: the forward's 2 products, dq's 3 and dkv's 4."""
+  sites = {
+    s.name.split('_segmented')[0]: s.flops for s in hlo_cost.top_matmuls(open(SPLASH_HLO).read())
+  }
+  one = lambda h: 2 * 4 * 1024 * 1024 * h * 0.75
+  assert sites['splash_mha_fwd'] == one(192) + one(128)
+  assert sites['splash_mha_dq'] == 2 * one(192) + one(128)
+  assert sites['splash_mha_dkv'] == 2 * one(192) + 2 * one(128)

@@ -100,7 +100,7 @@ def test_neighbours_leave_out_what_is_already_set():
 
 
 def test_smallest_bisects_each_method_to_its_smallest_slice(fake, tmp_path):
-  # 1000 GiB of weights on v5p (95.74 GiB per chip, 10% kept free) plus 1 GiB for the one row per
+  # 1000 GiB of weights on v5p (95.73 GiB per chip, 10% kept free) plus 1 GiB for the one row per
   # device of each micro-batch: LoRA 16 chips, int8 8, int4 4, full (x3) 64.
   fake(1000)
   config = longcat_lora.get_config('variant=tiny')

@@ -92,7 +92,9 @@ def test_gradient_accumulation_sums_bfloat16_gradients_in_float32():
   fn = lambda s, b, r: grads_and_stats(s, graphdef_of(cfg), b, r, sc)
   jaxpr = jax.make_jaxpr(fn)(state, batch(), jax.random.key(0))
   (scan,) = [e for e in jaxpr.eqns if e.primitive.name == 'scan']
-  carry = scan.params['jaxpr'].out_avals[: scan.params['num_carry']]
+  # The carry: the outputs shaped as the body's (a stacked output has the extra scan dim).
+  body = scan.params['jaxpr'].out_avals
+  carry = [v.aval for v, b in zip(scan.outvars, body) if v.aval.shape == b.shape]
   assert carry and not any(a.dtype == jnp.bfloat16 for a in carry)
   _, _, grads = jax.eval_shape(fn, state, batch(), jax.random.key(0))
   assert {g.dtype for g in jax.tree.leaves(grads)} == {jnp.dtype(jnp.bfloat16)}

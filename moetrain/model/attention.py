@@ -8,6 +8,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from moetrain import axes
+from moetrain.kernels import splash
 from moetrain.kernels.attention import attention_core, masked_scores
 from moetrain.model.config import ModelConfig
 from moetrain.model.layers import Linear, RMSNorm, rope
@@ -60,6 +61,28 @@ def multi_head(q_BTNH, k_BSNH, v_BSNH, mask_BTS, cfg: ModelConfig, causal_chunk:
   return constrain(out_BNTH.transpose(0, 2, 1, 3), axes.names('BTN') + (None,), cfg.rules)
 
 
+def causal_self_attention(q_BTNH, k_BTNH, v_BTNH, positions_BT, segment_ids_BT, cfg: ModelConfig):
+  """Attention of a packed row over itself (k/v with N_kv heads dividing N): the splash kernel
+  where cfg.splash_attention says so, else self_mask and the chunked XLA path. Both are causal in
+  index order within each segment (packing restarts positions per example, so that is causal
+  by position too)."""
+  if cfg.splash_attention(q_BTNH.shape[1]):
+    heads = dict(cfg.rules.activations).get('heads')
+    out_BNTH = splash.splash_attention(
+      *(x.transpose(0, 2, 1, 3) for x in (q_BTNH, k_BTNH, v_BTNH)),
+      segment_ids_BT,
+      cfg.attention_scale,
+      interpret=cfg.platform != 'tpu',
+      mesh_shape=cfg.mesh_shape,
+      head_axis=heads if isinstance(heads, str) else None,
+    )
+    return constrain(out_BNTH.transpose(0, 2, 1, 3), axes.names('BTN') + (None,), cfg.rules)
+  groups = cfg.num_heads // k_BTNH.shape[2]
+  k_BTNH, v_BTNH = (jnp.repeat(x, groups, axis=2) for x in (k_BTNH, v_BTNH))
+  mask = self_mask(positions_BT, segment_ids_BT)
+  return multi_head(q_BTNH, k_BTNH, v_BTNH, mask, cfg, cfg.attention_chunk)
+
+
 class MLA(nnx.Module):
   """Low-rank q, compressed kv latent c (K) plus one rope key shared by all heads."""
 
@@ -100,24 +123,29 @@ class MLA(nnx.Module):
 
   def attend(self, q_nope, q_pe, c_BSK, k_pe_BSH, mask_BTS, rng=None, causal_chunk: int = 0):
     """Attention of the T queries over the S keys of the latent c (multi_head's causal_chunk)."""
+    q_BTNH, k_BSNH, v_BSNH = self.heads(q_nope, q_pe, c_BSK, k_pe_BSH, rng)
+    out_BTNH = multi_head(q_BTNH, k_BSNH, v_BSNH, mask_BTS, self.cfg, causal_chunk)
+    return self.o(out_BTNH, rng)
+
+  def heads(self, q_nope, q_pe, c_BSK, k_pe_BSH, rng=None):
+    """Per-head queries and keys over [nope | rope] features and values from the latent c: one
+    score product, the rope key (shared by all heads) broadcast to each (its gradient sums
+    over them)."""
     kv_BSNH = self.kv_b(c_BSK, rng)
     nope = self.cfg.qk_nope_head_dim
     k_nope, v_BSNH = kv_BSNH[..., :nope], kv_BSNH[..., nope:]
-    # One score product over [nope | rope] features: the rope key, shared by all heads, is
-    # broadcast to each (its gradient sums over them).
     k_pe_BSNH = jnp.broadcast_to(
       k_pe_BSH[:, :, None].astype(k_nope.dtype), (*k_nope.shape[:3], k_pe_BSH.shape[-1])
     )
     q_BTNH = jnp.concatenate([q_nope, q_pe.astype(q_nope.dtype)], -1)
-    k_BSNH = jnp.concatenate([k_nope, k_pe_BSNH], -1)
-    out_BTNH = multi_head(q_BTNH, k_BSNH, v_BSNH, mask_BTS, self.cfg, causal_chunk)
-    return self.o(out_BTNH, rng)
+    return q_BTNH, jnp.concatenate([k_nope, k_pe_BSNH], -1), v_BSNH
 
   def __call__(self, x_BTD, positions_BT, segment_ids_BT, rng=None):
     q_nope, q_pe = self.project_q(x_BTD, positions_BT, rng)
     c_BTK, k_pe = self.latent(x_BTD, positions_BT, rng)
-    mask = self_mask(positions_BT, segment_ids_BT)
-    return self.attend(q_nope, q_pe, c_BTK, k_pe, mask, rng, self.cfg.attention_chunk)
+    q_BTNH, k_BTNH, v_BTNH = self.heads(q_nope, q_pe, c_BTK, k_pe, rng)
+    out_BTNH = causal_self_attention(q_BTNH, k_BTNH, v_BTNH, positions_BT, segment_ids_BT, self.cfg)
+    return self.o(out_BTNH, rng)
 
 
 class GQA(nnx.Module):
@@ -153,8 +181,8 @@ class GQA(nnx.Module):
 
   def __call__(self, x_BTD, positions_BT, segment_ids_BT, rng=None):
     q_BTNH, k_BTNH, v_BTNH = self.project(x_BTD, positions_BT, rng)
-    mask = self_mask(positions_BT, segment_ids_BT)
-    return self.attend(q_BTNH, k_BTNH, v_BTNH, mask, rng, self.cfg.attention_chunk)
+    out_BTNH = causal_self_attention(q_BTNH, k_BTNH, v_BTNH, positions_BT, segment_ids_BT, self.cfg)
+    return self.o(out_BTNH, rng)
 
 
 def make_attention(cfg: ModelConfig, path: str, rngs: nnx.Rngs):

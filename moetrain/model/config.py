@@ -166,6 +166,11 @@ class ModelConfig:
   # Query block of causal self-attention: each block of queries scores only the keys up to its
   # last position, skipping the upper triangle block by block; 0 = one block (the full square).
   attention_chunk: int = engine(128, check='non_negative', zero='0 = no chunking')
+  # Causal self-attention's kernel: 'splash' = JAX's fused Pallas TPU kernel (segment ids, GQA,
+  # MLA widths; the scores never reach HBM), 'xla' = the chunked XLA path below (any platform;
+  # decoding always uses it), 'auto' = splash when compiling for TPU and the sequence is a
+  # multiple of 128, else xla. Off TPU, 'splash' runs in Pallas' interpreter (slow; for tests).
+  attention_kernel: str = engine('auto', choices=('auto', 'splash', 'xla'))
   # What attention keeps for its backward pass: True = each query's softmax max and sum, the
   # scores recomputed in the backward (flash-attention style: O(T) instead of O(T * S) memory per
   # head; as fast as keeping them on this CPU, bench/RESULTS.md); False = the float32 probabilities.
@@ -269,6 +274,14 @@ class ModelConfig:
     if self.attention == 'gqa':
       return self.gqa_head_dim
     return self.qk_nope_head_dim + self.qk_rope_head_dim
+
+  def splash_attention(self, seq_len: int) -> bool:
+    """Whether causal self-attention over seq_len positions runs the splash kernel."""
+    from moetrain.kernels import splash
+
+    if self.attention_kernel == 'auto':
+      return self.platform == 'tpu' and splash.supports(seq_len)
+    return self.attention_kernel == 'splash'
 
   @property
   def attention_scale(self) -> float:

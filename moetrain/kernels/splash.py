@@ -1,0 +1,138 @@
+"""Causal self-attention of packed rows on JAX's Pallas TPU splash kernel, sharded by hand.
+
+The kernel (jax.experimental.pallas.ops.tpu.splash_attention) runs one sequence: queries
+[N, T, H_qk], keys [N_kv, T, H_qk], values [N_kv, T, H_v], with a static causal block mask (blocks
+above the diagonal are never loaded) and segment ids (a packed row's examples see only
+themselves). Its backward pass recomputes each block's scores from the saved log-sum-exp, so
+what it keeps is O(T) per head, like attention_core's recompute mode, and the [T, S] scores never
+reach HBM: on TPU that is most of the chunked XLA attention's traffic (bench/RESULTS.md,
+"Peer comparison").
+
+GQA passes N_kv key/value heads as they are (the kernel maps query head n to kv head
+n // (N / N_kv)); MLA's query/key width 192 and value width 128 differ, which the kernel allows.
+A Pallas call is opaque to XLA's sharding propagation, so it runs in a shard_map: rows over the
+batch axes, heads over 'tensor' where the rules shard heads, each device on its own rows."""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import PartitionSpec as P
+
+from moetrain.sharding import BATCH_AXES, MESH_AXES
+
+
+def _modules():
+  """(kernel, mask) modules, imported on first use: they load Pallas' TPU support."""
+  from jax.experimental.pallas.ops.tpu.splash_attention import (
+    splash_attention_kernel,
+    splash_attention_mask,
+  )
+
+  return splash_attention_kernel, splash_attention_mask
+
+
+def block_size(t: int) -> int:
+  """The query/key block: the largest of 512/256/128 dividing T (MaxText's default is 512)."""
+  return next(b for b in (512, 256, 128) if t % b == 0)
+
+
+def supports(t: int) -> bool:
+  """Whether a sequence of T positions fits the kernel's blocks (T a multiple of 128)."""
+  return t >= 128 and t % 128 == 0
+
+
+@functools.lru_cache(maxsize=32)
+def _kernel(heads: int, t: int, interpret: bool):
+  """The splash kernel for `heads` query heads over a causal T x T mask, built as
+  make_splash_mha builds it but with its block tables left as NumPy arrays: they become
+  constants of the program. (make_splash_mha makes them jax Arrays, which fails while tracing
+  for an abstract TPU mesh, and which jax 0.12 would pass to the step as extra arguments.)"""
+  kernel, mask = _modules()
+  from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask_info as info
+
+  b = block_size(t)
+  causal = mask.MultiHeadMask([mask.CausalMask((t, t)) for _ in range(heads)])
+  shards = dict(downcast_smem_data=True, head_shards=1, q_seq_shards=1)
+  fwd, mask_fn = info.process_mask(causal, (b, b), **shards)
+  dq, _ = info.process_mask(causal, (b, b), **shards)
+  dkv, _ = info.process_mask_dkv(causal, (b, b), shrink_grid=True, **shards)
+  sizes = kernel.BlockSizes(
+    block_q=b,
+    block_kv=b,
+    block_kv_compute=b,
+    block_q_dkv=b,
+    block_kv_dkv=b,
+    block_kv_dkv_compute=b,
+    block_q_dq=b,
+    block_kv_dq=b,
+  )
+  return kernel.SplashAttentionKernel(
+    fwd,
+    dq,
+    dkv,
+    block_sizes=sizes,
+    is_mqa=False,
+    save_residuals=False,
+    mask_value=kernel.DEFAULT_MASK_VALUE,
+    attn_logits_soft_cap=None,
+    residual_checkpoint_name=None,
+    mask_function=mask_fn,
+    interpret=interpret,
+  )
+
+
+def _local(q_BNTH, k_BNTH, v_BNTH, seg_BT, *, scale: float, interpret: bool):
+  kernel_mod, _ = _modules()
+  n, t = q_BNTH.shape[1], q_BNTH.shape[2]
+  run = _kernel(n, t, interpret)
+
+  def one(q_NTH, k_NTH, v_NTH, seg_T):
+    return run(q_NTH, k_NTH, v_NTH, segment_ids=kernel_mod.SegmentIds(q=seg_T, kv=seg_T))
+
+  # The kernel takes unscaled scores; scaling q first is the same product (in q's dtype, as
+  # the XLA path's bf16 q k^T rounds).
+  q_BNTH = (q_BNTH.astype(jnp.float32) * scale).astype(q_BNTH.dtype)
+  return jax.vmap(one)(q_BNTH, k_BNTH, v_BNTH, seg_BT.astype(jnp.int32))
+
+
+def splash_attention(
+  q_BNTH,
+  k_BNTH,
+  v_BNTH,
+  segment_ids_BT,
+  scale: float,
+  *,
+  interpret: bool,
+  mesh_shape=(),
+  head_axis=None,
+):
+  """softmax(scale * q k^T) v over keys at or before each query in its own segment (segment 0,
+  padding, attends among itself as the XLA path's self_mask does). k/v carry N_kv heads.
+  interpret: run the kernel in Pallas' interpreter (any platform; what the CPU tests check);
+  mesh_shape: the sizes of MESH_AXES of the mesh in context (jax.set_mesh; () = no mesh), over
+  which the kernel runs in a shard_map; head_axis: the mesh axis
+  the rules shard heads over, or None."""
+  local = functools.partial(_local, scale=scale, interpret=interpret)
+  if not mesh_shape:
+    return local(q_BNTH, k_BNTH, v_BNTH, segment_ids_BT)
+  sizes = dict(zip(MESH_AXES, mesh_shape))
+  batch = tuple(a for a in BATCH_AXES if sizes.get(a, 1) > 1) or None
+  heads = head_axis if head_axis and sizes.get(head_axis, 1) > 1 else None
+  qkv = P(batch, heads, None, None)
+  return jax.shard_map(
+    local, in_specs=(qkv, qkv, qkv, P(batch, None)), out_specs=qkv, check_vma=False
+  )(q_BNTH, k_BNTH, v_BNTH, segment_ids_BT)
+
+
+def reference(q_BNTH, k_BNTH, v_BNTH, segment_ids_BT, scale: float):
+  """The same function in plain jnp (every score materialised): for tests."""
+  groups = q_BNTH.shape[1] // k_BNTH.shape[1]
+  k_BNTH, v_BNTH = (jnp.repeat(x, groups, axis=1) for x in (k_BNTH, v_BNTH))
+  s = jnp.einsum('bnth,bnsh->bnts', q_BNTH, k_BNTH, preferred_element_type=jnp.float32) * scale
+  t = q_BNTH.shape[2]
+  causal = np.tril(np.ones((t, t), bool))
+  mask = (segment_ids_BT[:, :, None] == segment_ids_BT[:, None, :]) & causal
+  p = jax.nn.softmax(jnp.where(mask[:, None], s, jnp.finfo(jnp.float32).min), axis=-1)
+  return jnp.einsum('bnts,bnsh->bnth', p.astype(v_BNTH.dtype), v_BNTH)

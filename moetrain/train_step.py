@@ -194,17 +194,17 @@ def train_step(
   # skipped (non-finite) step applies none.
   applied = state.step - state.skipped
 
-  def update(state):
-    updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
-    moe_bias = state.moe_bias
-    if cfg.bias_update_rate:
-      moe_bias = bias_update(moe_bias, stats['moe']['load'], applied, cfg)
-    return optax.apply_updates(state.params, updates), opt_state, moe_bias
-
-  # A non-finite loss or gradient skips the update (a branch, not a select over every weight).
-  params, opt_state, moe_bias = jax.lax.cond(
-    finite, update, lambda s: (s.params, s.opt_state, s.moe_bias), state
-  )
+  updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
+  moe_bias = state.moe_bias
+  if cfg.bias_update_rate:
+    moe_bias = bias_update(moe_bias, stats['moe']['load'], applied, cfg)
+  # A non-finite loss or gradient skips the update: each new value is selected against the old
+  # one, element by element. XLA fuses the select into the update's own loop over each weight,
+  # in place in the donated state. (A lax.cond between the two states kept the whole state
+  # twice at the peak on TPU: bench/RESULTS.md, "Peer comparison".)
+  new = (optax.apply_updates(state.params, updates), opt_state, moe_bias)
+  old = (state.params, state.opt_state, state.moe_bias)
+  params, opt_state, moe_bias = jax.tree.map(lambda n, o: jnp.where(finite, n, o), new, old)
   new_state = dataclasses.replace(
     state,
     step=state.step + 1,

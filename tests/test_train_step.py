@@ -100,6 +100,16 @@ def test_gradient_accumulation_sums_bfloat16_gradients_in_float32():
   assert {g.dtype for g in jax.tree.leaves(grads)} == {jnp.dtype(jnp.bfloat16)}
 
 
+def test_the_non_finite_guard_holds_no_second_state():
+  """The skip is a select per element, fused into the update, not a branch between two whole
+  states (which XLA:TPU kept alive together at the peak: a copy of the state)."""
+  opt = optax.adam(1e-2)
+  state = init_state(CFG, opt, 0)
+  (call,) = jax.make_jaxpr(step_fn(CFG, 1, opt))(state, batch()).eqns
+  step = call.params['jaxpr'].jaxpr
+  assert 'cond' not in {e.primitive.name for e in step.eqns}
+
+
 def test_non_finite_update_is_skipped_and_counted():
   opt = optax.adam(1e-2)
   state = init_state(CFG, opt, 0)

@@ -127,23 +127,60 @@ def parse_module(text: str) -> tuple[dict, str]:
   return comps, entry
 
 
-def _trip_count(cond: list, comps: dict) -> int | None:
-  """A scan's condition is `counter < N` (the compare alone, or wrapped in a fusion): N, when
-  it is a constant."""
-  consts = {}
-  for i in cond:
-    if i.op == 'constant':
-      m = re.match(r'value=(-?\d+) ', i.attrs)
-      consts[i.name] = int(m.group(1)) if m else None
+def _constant(name: str, table: dict, depth: int = 4) -> int | None:
+  """The integer value of `name` when it is a constant, or a copy of one."""
+  instr = table.get(name)
+  for _ in range(depth):
+    if instr is None or instr.op != 'copy' or not instr.operands:
+      break
+    instr = table.get(instr.operands[0])
+  if instr is None or instr.op != 'constant':
+    return None
+  m = re.match(r'value=(-?\d+) ', instr.attrs)
+  return int(m.group(1)) if m else None
+
+
+def _tuple_index(instr) -> int | None:
+  m = re.search(r'\bindex=(\d+)', instr.attrs) if instr.op == 'get-tuple-element' else None
+  return int(m.group(1)) if m else None
+
+
+def _trip_count(loop: Instr, table: dict, comps: dict) -> int | None:
+  """A counted loop's condition is `counter < N` (the compare alone, or wrapped in a fusion),
+  its body adds a constant step to the counter, and the loop starts it from a constant:
+  ceil((N - start) / step), when N is a constant. (Scans step by 1 from 0; XLA's windowed
+  einsum loops step by 2, one chunk from each direction per trip.)"""
+  refs = dict(callees(loop))
+  cond, body = comps.get(refs.get('condition'), []), comps.get(refs.get('body'), [])
+  cond_table = {i.name: i for i in cond}
+  bound = counter = None
   for i in cond:
     callee = re.search(r'calls=%([\w.\-]+)', i.attrs) if i.op == 'fusion' else None
-    body = comps.get(callee.group(1), []) if callee else []
-    is_lt = 'direction=LT' in i.attrs or any('direction=LT' in j.attrs for j in body)
+    fused = comps.get(callee.group(1), []) if callee else []
+    is_lt = 'direction=LT' in i.attrs or any('direction=LT' in j.attrs for j in fused)
     if i.op in ('compare', 'fusion') and is_lt:
-      vals = [consts[o] for o in i.operands if consts.get(o) is not None]
-      if vals:
-        return vals[0]
-  return None
+      for o in i.operands:
+        value = _constant(o, cond_table)
+        if value is not None and bound is None:
+          bound = value
+        elif o in cond_table and _tuple_index(cond_table[o]) is not None:
+          counter = _tuple_index(cond_table[o])
+      if bound is not None:
+        break
+  if bound is None:
+    return None
+  step, start = 1, 0
+  if counter is not None:
+    body_table = {i.name: i for i in body}
+    root = next((i for i in reversed(body) if i.op == 'tuple'), None)
+    nxt = body_table.get(root.operands[counter]) if root and counter < len(root.operands) else None
+    if nxt is not None and nxt.op == 'add':
+      steps = [v for o in nxt.operands if (v := _constant(o, body_table)) is not None]
+      step = steps[0] if steps and steps[0] > 0 else 1
+    init = table.get(loop.operands[0]) if loop.operands else None
+    if init is not None and init.op == 'tuple' and counter < len(init.operands):
+      start = _constant(init.operands[counter], table) or 0
+  return max(0, -(-(bound - start) // step))
 
 
 def callees(instr) -> list[tuple[str, str]]:
@@ -161,13 +198,13 @@ def _multiplicities(comps: dict, entry: str, unknown_trips: int = 1) -> tuple[di
   recognised (counted unknown_trips times)."""
   mult, fused, unknown = {entry: 1}, set(), []
   order = [entry]
+  tables = {c: {i.name: i for i in instrs} for c, instrs in comps.items()}
   for comp in order:  # breadth-first over the call graph
     for instr in comps.get(comp, []):
       refs = callees(instr)
       trips = 1
       if instr.op == 'while':
-        cond = dict(refs).get('condition')
-        trips = _trip_count(comps.get(cond, []), comps)
+        trips = _trip_count(instr, tables[comp], comps)
         if trips is None:
           unknown.append(instr.name)
           trips = unknown_trips

@@ -80,3 +80,23 @@ def test_splash_kernels_are_priced_as_causal_attention():
   assert sites['splash_mha_fwd'] == one(192) + one(128)
   assert sites['splash_mha_dq'] == 2 * one(192) + one(128)
   assert sites['splash_mha_dkv'] == 2 * one(192) + 2 * one(128)
+
+
+def test_a_windowed_einsum_loop_counts_its_stride():
+  """XLA:TPU gathers an FSDP-sharded weight chunk by chunk inside a loop that takes two chunks
+  per trip (one from each direction around the ring): the counter steps by 2. Read as a step of
+  1, the loop ran twice and the matmul's FLOPs doubled."""
+  pytest.importorskip('libtpu')
+  from jax.sharding import NamedSharding
+  from jax.sharding import PartitionSpec as P
+
+  from moetrain import aot, topology
+
+  mesh = jax.sharding.Mesh(topology.parse('v5p-32').devices(), ('fsdp',))
+  shard = NamedSharding(mesh, P('fsdp'))
+  x = jax.ShapeDtypeStruct((32, 4096, 4096), jnp.bfloat16, sharding=shard)
+  w = jax.ShapeDtypeStruct((4096, 32, 128), jnp.bfloat16, sharding=shard)
+  f = jax.jit(lambda x, w: jnp.einsum('btd,dnh->btnh', x, w), out_shardings=shard)
+  text = aot.compile_fn('f', f, [x, w], analyse=False, cache=False).executable.as_text()
+  assert 'windowed_dot_general' in text
+  assert hlo_cost.analyse(text).flops == 2 * 2 * 4096 * 4096 * 4096  # 2 rows per chip

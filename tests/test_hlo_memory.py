@@ -59,7 +59,8 @@ def test_attention_backward_recomputes_its_scores_in_the_tpu_step():
   recomputes the scores. XLA merged that recomputation with the forward's identical scores
   (CSE) and kept every block's float32 scores alive between the passes, O(T * S) after all:
   8.25 GiB of the flash LoRA step (bench/RESULTS.md, session 25). The training step of a small
-  LongCat (4 heads, 1024 tokens in query blocks of 128, one layer, remat=full) on a v5e-1, with
+  LongCat (4 heads, 1024 tokens in query blocks of 128, one layer, remat=full, the XLA attention
+  rather than the TPU default, splash) on a v5e-1, with
   and without keeping the probabilities: recomputing must save most of their bytes."""
   over = tpu_proxy(1)
   config = longcat_lora.get_config('variant=tiny')
@@ -69,7 +70,8 @@ def test_attention_backward_recomputes_its_scores_in_the_tpu_step():
   devices = topology.parse('v5e-1').devices()
   temps = []
   for recompute in (False, True):
-    c = tpu_plan.with_overrides(config, over | {'model.attention_recompute': recompute})
+    xla = {'model.attention_kernel': 'xla', 'model.attention_recompute': recompute}
+    c = tpu_plan.with_overrides(config, over | xla)
     setup = build(c, num_devices=1, process_count=1, platform='tpu')
     mesh = sharding.make_mesh(setup.mesh_shape, devices)
     temps.append(aot.compile_steps(setup, mesh, evaluate=False)['train'].memory['temporaries'])

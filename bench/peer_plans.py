@@ -1,0 +1,277 @@
+"""moetrain's training step beside MaxText's on the same work, compiled for a TPU slice on this
+host (libtpu, no TPU), both read by one estimator.
+
+  python -m bench.peer_plans [--points mixtral_8x7b,qwen3_30b_a3b] [--write]
+
+Each point is full training (float32 weights and Adam moments, bfloat16 compute, remat full,
+dropless experts, scanned layers) of one model with the same batch, mesh and slice on both
+sides. The peer, maxtext[tpu]==0.2.5, is installed on first use into .peer/maxtext (its own
+Python 3.12 venv: about 235 packages), and compiled there by bench/peer_maxtext_compile.py. Both
+optimized HLO modules go through moetrain.hlo_cost (FLOPs with loop trip counts, splash and
+grouped-matmul kernels priced, HBM and collective bytes) and the planner's roofline with the
+chip's peak rates; MFU divides the same model FLOPs (moetrain's formula for the model) on both.
+--write replaces the table in bench/RESULTS.md ("Peer comparison: MaxText on the same TPU
+step")."""
+
+import argparse
+import dataclasses
+import json
+import os
+import subprocess
+import sys
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+PEER = os.path.join(ROOT, '.peer', 'maxtext')
+PEER_PACKAGE = 'maxtext[tpu]==0.2.5'
+OUT = os.path.join(ROOT, '.peer', 'plans')
+
+
+@dataclasses.dataclass(frozen=True)
+class Point:
+  """One piece of work, as each side spells it."""
+
+  topology: str
+  config: str  # moetrain's config file and variant
+  overrides: dict  # moetrain config overrides
+  maxtext: tuple  # MaxText key=value overrides
+  note: str  # where the two sides' settings differ, in words
+
+
+_FULL_TRAINING = {
+  'lora.rank': 0,
+  'model.param_dtype': 'float32',
+  'model.remat': 'full',
+  'model.moe_dispatch': 'dropless',
+  'mesh.shape': (1, -1, 1, 1),
+}
+_MAXTEXT_COMMON = (
+  'compile_topology_num_slices=1',
+  'remat_policy=full',
+  'weight_dtype=float32',
+  'dtype=bfloat16',
+  'ici_fsdp_parallelism=-1',
+  'dataset_type=synthetic',
+  'enable_checkpointing=false',
+  'base_output_directory=/tmp/maxtext_peer',
+  'run_name=peer',
+)
+POINTS = {
+  'mixtral_8x7b': Point(
+    'v5p-32',
+    'configs/mixtral_lora.py:variant=mixtral_8x7b',
+    _FULL_TRAINING | {'data.global_batch_size': 32, 'data.seq_len': 4096},
+    (
+      'compile_topology=v5p-32',
+      'model_name=mixtral-8x7b',
+      'per_device_batch_size=2',
+      'max_target_length=4096',
+      *_MAXTEXT_COMMON,
+    ),
+    'MaxText defaults kept: splash attention (block 512), megablox, capacity_factor=-1 '
+    '(dropless), AdamW with weight decay 0.1 and clipping 1.0.',
+  ),
+  'qwen3_30b_a3b': Point(
+    'v5p-32',
+    'configs/qwen3_moe_lora.py:variant=qwen3_30b_a3b',
+    _FULL_TRAINING | {'data.global_batch_size': 32, 'data.seq_len': 4096},
+    (
+      'compile_topology=v5p-32',
+      'model_name=qwen3-30b-a3b',
+      'per_device_batch_size=2',
+      'max_target_length=4096',
+      *_MAXTEXT_COMMON,
+    ),
+    'As Mixtral; Qwen3-30B-A3B: 48 layers, 128 experts top-8, GQA 32/4 heads with qk-norm.',
+  ),
+}
+
+
+def ensure_peer() -> str:
+  """The peer venv's Python, installing maxtext[tpu] there first if it is not yet."""
+  python = os.path.join(PEER, 'bin', 'python')
+  probe = [python, '-c', 'import maxtext.trainers.pre_train.train_compile']
+  if os.path.exists(python) and subprocess.run(probe, capture_output=True).returncode == 0:
+    return python
+  print(f'installing {PEER_PACKAGE} into {PEER} (several minutes)...', flush=True)
+  base = next(
+    p
+    for p in (sys.executable, 'python3.12', 'python3.13')
+    if subprocess.run([p, '-c', 'import sys; sys.exit(sys.version_info < (3, 12))']).returncode == 0
+  )
+  subprocess.run([base, '-m', 'venv', PEER], check=True)
+  subprocess.run([python, '-m', 'pip', 'install', '-q', PEER_PACKAGE], check=True)
+  return python
+
+
+def compile_peer(name: str, point: Point, python: str) -> dict:
+  """MaxText's step for the point: its memory and optimized HLO text, via the peer venv."""
+  out = os.path.join(OUT, name, 'maxtext')
+  env = {k: v for k, v in os.environ.items() if k not in ('PYTHONPATH', 'XLA_FLAGS')}
+  start = time.time()
+  run = subprocess.run(
+    [python, os.path.join(ROOT, 'bench', 'peer_maxtext_compile.py'), out, *point.maxtext],
+    capture_output=True,
+    text=True,
+    env=env | {'JAX_PLATFORMS': 'cpu', 'TPU_SKIP_MDS_QUERY': '1'},
+  )
+  if run.returncode:
+    tail = '\n'.join((run.stdout + run.stderr).splitlines()[-20:])
+    raise RuntimeError(f'MaxText compile for {name} failed:\n{tail}')
+  with open(os.path.join(out, 'memory.json')) as f:
+    memory = json.load(f)['memory']
+  with open(os.path.join(out, 'train_step.hlo.txt')) as f:
+    text = f.read()
+  return {'memory': memory, 'hlo': text, 'seconds': time.time() - start}
+
+
+def compile_ours(name: str, point: Point) -> dict:
+  """moetrain's step for the point, as the planner compiles it: memory and HLO text (also
+  written beside MaxText's), plus the setup (for the model FLOPs, the chip and the batch)."""
+  import importlib
+
+  from moetrain import aot, topology
+  from moetrain.setup import build
+  from moetrain.tools import tpu_plan
+
+  path, arg = point.config.split(':')
+  module = importlib.import_module(path.removesuffix('.py').replace('/', '.'))
+  topo = topology.parse(point.topology)
+  config = tpu_plan.with_overrides(module.get_config(arg), point.overrides)
+  devices = topo.devices()
+  setup = build(config, num_devices=len(devices), process_count=1, platform='tpu')
+  start = time.time()
+  steps = aot.compile_steps(setup, setup.make_mesh(devices), evaluate=False)
+  train = steps['train']
+  out = os.path.join(OUT, name, 'moetrain')
+  os.makedirs(out, exist_ok=True)
+  with open(os.path.join(out, 'train_step.hlo.txt'), 'w') as f:
+    f.write(train.executable.as_text())
+  return {
+    'memory': train.memory,
+    'hlo': train.executable.as_text(),
+    'seconds': time.time() - start,
+    'setup': setup,
+    'chip': topo.chip,
+    'engine': tpu_plan.engine_of(setup.model),
+  }
+
+
+def read(side: dict, setup, chip) -> dict:
+  """One estimator over a side's optimized HLO: hlo_cost's counts and the planner's roofline."""
+  from moetrain import hlo_cost
+  from moetrain.tools import tpu_plan
+
+  m = side['memory']
+  total = m['arguments'] + m['outputs'] - m['aliased'] + m['temporaries'] + m['code']
+  cost = hlo_cost.analyse(side['hlo'])
+  grouped = sum(
+    s.flops
+    for s in hlo_cost.top_matmuls(side['hlo'], 10**6)
+    if s.op == 'custom-call' and not hlo_cost._SPLASH.search(s.name)
+  )
+  flops, _ = tpu_plan.model_flops(setup)
+  est = tpu_plan.estimate(cost, chip, flops / chip_count(setup), setup.data)
+  return {
+    'arguments': m['arguments'],
+    'temporaries': m['temporaries'],
+    'total': total,
+    'flops': cost.flops,
+    'grouped_flops': grouped,
+    'hbm_bytes': cost.hbm_bytes,
+    'collective_bytes': cost.collective_bytes,
+    'step': est['est_step_seconds'],
+    'bound': est['est_bound_by'],
+    'parts': est['est_seconds_by_part'],
+    'mfu': est['est_mfu'],
+    'compile_seconds': side['seconds'],
+  }
+
+
+def chip_count(setup) -> int:
+  import math
+
+  return math.prod(setup.mesh_shape)
+
+
+def table(name: str, point: Point, ours: dict, peer: dict, hbm: int) -> str:
+  gib = lambda b: f'{b / 2**30:.2f}'
+  rows = [
+    ('arguments / temporaries GiB', lambda r: f'{gib(r["arguments"])} / {gib(r["temporaries"])}'),
+    ('total GiB (of ' + gib(hbm) + ')', lambda r: gib(r['total'])),
+    ('compiled FLOPs', lambda r: f'{r["flops"]:.4g}'),
+    ('grouped expert-matmul FLOPs', lambda r: f'{r["grouped_flops"]:.4g}'),
+    ('counted HBM bytes', lambda r: f'{r["hbm_bytes"]:.3g}'),
+    ('collective bytes', lambda r: f'{r["collective_bytes"]:.3g}'),
+    (
+      'est. step (compute / HBM / ICI)',
+      lambda r: (
+        f'**{r["step"]:.2f} s** ({r["bound"]}; '
+        + ' / '.join(f'{v:.2f}' for v in r['parts'].values())
+        + ')'
+      ),
+    ),
+    ('est. MFU', lambda r: f'{100 * r["mfu"]:.1f}%'),
+    ('compile s', lambda r: f'{r["compile_seconds"]:.0f}'),
+  ]
+  lines = [
+    f'**{name}** on {point.topology}: moetrain `{point.config}` '
+    + ' '.join(f'--config.{k}={v}' for k, v in point.overrides.items()),
+    f'against MaxText `{" ".join(point.maxtext)}`. {point.note}',
+    '',
+    '| per chip | moetrain | MaxText 0.2.5 |',
+    '|---|---|---|',
+    *[f'| {label} | {fn(ours)} | {fn(peer)} |' for label, fn in rows],
+  ]
+  return '\n'.join(lines)
+
+
+def versions() -> str:
+  import importlib.metadata as md
+
+  pkgs = ('jax', 'jaxlib', 'libtpu', 'flax')
+  return ', '.join(f'{p} {md.version(p)}' for p in pkgs)
+
+
+MARK = ('<!-- peer_plans:begin -->', '<!-- peer_plans:end -->')
+
+
+def write_results(text: str) -> None:
+  path = os.path.join(ROOT, 'bench', 'RESULTS.md')
+  with open(path) as f:
+    doc = f.read()
+  start, end = doc.index(MARK[0]) + len(MARK[0]), doc.index(MARK[1])
+  with open(path, 'w') as f:
+    f.write(doc[:start] + '\n' + text + '\n' + doc[end:])
+
+
+def main() -> None:
+  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser.add_argument('--points', default=','.join(POINTS))
+  parser.add_argument('--write', action='store_true', help='update bench/RESULTS.md')
+  args = parser.parse_args()
+  python = ensure_peer()
+  sections = []
+  for name in args.points.split(','):
+    point = POINTS[name]
+    print(f'{name}: compiling MaxText...', flush=True)
+    peer = compile_peer(name, point, python)
+    print(f'{name}: compiling moetrain...', flush=True)
+    ours = compile_ours(name, point)
+    setup, chip = ours['setup'], ours['chip']
+    rows = table(name, point, read(ours, setup, chip), read(peer, setup, chip), chip.hbm_bytes)
+    print(rows, flush=True)
+    sections.append(rows)
+  text = '\n\n'.join(
+    [
+      f'{time.strftime("%Y-%m-%d")}, this 2-core CPU host compiling for the slice with libtpu '
+      f'(no TPU); both sides on {versions()}.',
+      *sections,
+    ]
+  )
+  if args.write:
+    write_results(text)
+
+
+if __name__ == '__main__':
+  main()

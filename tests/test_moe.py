@@ -608,20 +608,30 @@ def test_choose_tile_follows_the_group_sizes():
 
 def test_megablox_without_expert_parallelism_runs_on_each_batch_shard():
   """XLA cannot partition a Mosaic kernel: on a mesh without an expert axis the megablox engine
-  runs in a shard_map over the batch shards (weights gathered whole), with the single-device
-  result. (Its TPU compile: tests/test_plan.py.)"""
+  runs in a shard_map over the batch shards, the weights entering as FSDP stores them (D over
+  'fsdp') and gathered inside, their gradients leaving by reduce-scatter: the single-device
+  result and gradients. (Its TPU compile: tests/test_plan.py.)"""
   cfg = dataclasses.replace(CFG, moe_backend='megablox', **LANES)
   moe = make_moe(cfg)
   x = jax.random.normal(jax.random.key(3), (64, cfg.hidden_size))
   _, _, idx, gates = route(x, moe.router[...], moe.router_bias[...], cfg)
   w = moe.experts.weights()
-  want, _ = dispatch.routed_experts(x, idx, gates, w, cfg)
+  loss = lambda y: jnp.sum(jnp.sin(y))
+  want, want_g = jax.value_and_grad(
+    lambda w: loss(dispatch.routed_experts(x, idx, gates, w, cfg)[0])
+  )(w)
   mesh = sharding.make_mesh((1, -1, 1, 1))  # the 8 test devices over fsdp
-  laid_out = cfg.laid_out('cpu', mesh)
-  fn = lambda *a: expert_parallel.routed_experts(*a, w, laid_out)
+  laid_out = dataclasses.replace(cfg, rules=sharding.Rules.preset('fsdp')).laid_out('cpu', mesh)
+  specs = expert_parallel.stored_specs(w, laid_out)
+  assert specs['gate'] == jax.sharding.PartitionSpec(None, 'fsdp', None), specs
+  fn = lambda w, *a: loss(expert_parallel.routed_experts(*a, w, laid_out)[0])
   with jax.set_mesh(mesh):
     spec = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec('fsdp'))
     args = [jax.device_put(a, spec) for a in (x, idx, gates)]
-    assert 'shard_map' in str(jax.make_jaxpr(fn)(*args))
-    y, _ = jax.jit(fn)(*args)
-  np.testing.assert_allclose(y, want, atol=1e-5, rtol=1e-5)
+    w = {k: jax.device_put(v, jax.sharding.NamedSharding(mesh, specs[k])) for k, v in w.items()}
+    jaxpr = str(jax.make_jaxpr(jax.grad(fn))(w, *args))
+    assert 'shard_map' in jaxpr and 'reduce_scatter' in jaxpr
+    y, g = jax.jit(jax.value_and_grad(fn))(w, *args)
+  np.testing.assert_allclose(y, want, atol=1e-4, rtol=1e-5)
+  for k in want_g:
+    np.testing.assert_allclose(g[k], want_g[k], atol=1e-5, rtol=1e-4, err_msg=k)

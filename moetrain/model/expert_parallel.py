@@ -10,12 +10,13 @@ import math
 import jax
 import jax.numpy as jnp
 
+from moetrain import axes
 from moetrain.kernels.exchange import Exchange, ragged_exchange
 from moetrain.kernels.rounds import round_sum
 from moetrain.kernels.rows import dispatch_tokens, gather_rows
 from moetrain.model import dispatch
 from moetrain.model.config import ModelConfig
-from moetrain.sharding import MESH_AXES
+from moetrain.sharding import MESH_AXES, logical_to_spec
 
 
 def routed_experts(x_MD, idx_MA, gates_MA, weights, cfg: ModelConfig, rng=None):
@@ -32,7 +33,8 @@ def routed_experts(x_MD, idx_MA, gates_MA, weights, cfg: ModelConfig, rng=None):
 
 def _sharded(shard, x_MD, idx_MA, gates_MA, weights, cfg: ModelConfig, w_spec, rng):
   """shard(x, idx, gates, w, key) in a shard_map over the mesh in context: tokens sharded over
-  the batch axes, the weights by w_spec, each shard's dropout key folded with its index."""
+  the batch axes, the weights by w_spec (one spec for every leaf, or a tree of them like
+  weights'), each shard's dropout key folded with its index."""
   sizes = dict(zip(MESH_AXES, cfg.mesh_shape))
   batch = tuple(a for a in ('data', 'fsdp', 'expert') if sizes.get(a, 1) > 1)
   tok = jax.sharding.PartitionSpec(batch)
@@ -48,22 +50,61 @@ def _sharded(shard, x_MD, idx_MA, gates_MA, weights, cfg: ModelConfig, w_spec, r
 
   fn = jax.shard_map(
     local,
-    in_specs=(tok, tok, tok, jax.tree.map(lambda _: w_spec, weights), jax.sharding.PartitionSpec()),
+    in_specs=(tok, tok, tok, w_spec, jax.sharding.PartitionSpec()),
     out_specs=(tok, tok),
     check_vma=False,
   )
   return fn(x_MD, idx_MA, gates_MA, weights, rng_data)
 
 
+# Logical letters of the routed experts' stacked weights (model/moe.py Experts).
+EXPERT_LETTERS = {'gate': 'EDF', 'up': 'EDF', 'down': 'EFD'}
+
+
+def stored_specs(weights, cfg: ModelConfig) -> dict:
+  """Each expert weight's PartitionSpec as the rules store it (plain base arrays), P() for the
+  rest (LoRA adapters, a quantised base: small, or codes the engine decodes whole)."""
+  sizes = dict(zip(MESH_AXES, cfg.mesh_shape))
+  whole = jax.sharding.PartitionSpec()
+
+  def spec(name, w):
+    if name not in EXPERT_LETTERS or not isinstance(w, jax.Array | jax.ShapeDtypeStruct):
+      return jax.tree.map(lambda _: whole, w)
+    names = axes.names(EXPERT_LETTERS[name], F=axes.EXPERT_MLP)
+    return logical_to_spec(names, w.shape, cfg.rules.weights, sizes)
+
+  return {name: spec(name, w) for name, w in weights.items()}
+
+
+def gathered(w, spec, dtype):
+  """w (a shard inside a shard_map whose in_spec for it was `spec`) cast to `dtype` and gathered
+  whole along every dimension the spec shards. Autodiff sums its gradient over the shards as a
+  reduce-scatter in `dtype` (XLA:TPU: an all-reduce and a slice), as GSPMD sums every other
+  weight's gradient in the step. Taken replicated (in_specs P()) and cast inside instead, the
+  weight's gradient was summed whole in float32: 1.75 GiB per layer and chip alive at the
+  Mixtral-8x7B step's peak (bench/RESULTS.md, "Peer comparison")."""
+  w = w.astype(dtype)
+  for dim, mesh_axes in enumerate(spec):
+    if mesh_axes is not None:
+      w = jax.lax.all_gather(w, mesh_axes, axis=dim, tiled=True)
+  return w
+
+
 def per_batch_shard(x_MD, idx_MA, gates_MA, weights, cfg: ModelConfig, rng):
-  """The single-device engine on each batch shard's tokens, the experts' weights gathered whole
-  onto every shard (as FSDP gathers any weight): for megablox, whose Mosaic kernel XLA cannot
-  partition ("Mosaic kernels cannot be automatically partitioned")."""
+  """The single-device engine on each batch shard's tokens: for megablox, whose Mosaic kernel
+  XLA cannot partition ("Mosaic kernels cannot be automatically partitioned"). The experts'
+  weights enter as the rules store them and are gathered whole in the compute dtype inside
+  (gathered), so their gradients leave by reduce-scatter."""
+  specs = stored_specs(weights, cfg)
+  dtype = jnp.dtype(cfg.dtype)
 
   def shard(x, idx, gates, w, key):
+    w = {
+      k: gathered(v, specs[k], dtype) if k in EXPERT_LETTERS else v for k, v in w.items()
+    }
     return dispatch.routed_experts(x, idx, gates, w, cfg, key)
 
-  return _sharded(shard, x_MD, idx_MA, gates_MA, weights, cfg, jax.sharding.PartitionSpec(), rng)
+  return _sharded(shard, x_MD, idx_MA, gates_MA, weights, cfg, specs, rng)
 
 
 def resolve_ep_comm(cfg: ModelConfig) -> str:
@@ -93,7 +134,9 @@ def expert_parallel(x_MD, idx_MA, gates_MA, weights, cfg: ModelConfig, rng):
     return run(x, idx, gates, w, cfg, ep, key)
 
   w_spec = jax.sharding.PartitionSpec('expert')
-  return _sharded(shard, x_MD, idx_MA, gates_MA, weights, cfg, w_spec, rng)
+  return _sharded(
+    shard, x_MD, idx_MA, gates_MA, weights, cfg, jax.tree.map(lambda _: w_spec, weights), rng
+  )
 
 
 def ep_capacity(rows: int, cfg: ModelConfig, ep: int) -> int:

@@ -21,7 +21,7 @@ class Experts(nnx.Module):
   """Stacked routed-expert SwiGLU weights [E, D, F] / [E, F, D] and their per-expert LoRA."""
 
   NAMES = ('gate', 'up', 'down')
-  LETTERS = {'gate': 'EDF', 'up': 'EDF', 'down': 'EFD'}
+  LETTERS = expert_parallel.EXPERT_LETTERS
 
   def __init__(self, cfg: ModelConfig, path: str, rngs: nnx.Rngs):
     e, d, f = cfg.n_routed_experts, cfg.hidden_size, cfg.expert_ffn_hidden_size

@@ -86,6 +86,8 @@ def _parse_instr(line: str) -> Instr | None:
   operands = re.findall(r'%([\w.\-]+)', inner)
   if op == 'constant':
     attrs = f'value={inner} {attrs}'
+  elif op == 'parameter':
+    attrs = f'number={inner} {attrs}'
   return Instr(name, op, _shapes(type_str), operands, attrs)
 
 
@@ -369,12 +371,57 @@ def analyse(text: str, unknown_trips: int = 1) -> Cost:
           size = instr.bytes if base != 'reduce-scatter' else _operand_bytes(instr, table)
           coll += n * factor * size
         continue
-      hbm += n * (instr.bytes + _operand_bytes(instr, table))
+      hbm += n * _traffic(instr, table, comps)
   return Cost(flops, hbm, coll, once, loops, unknown)
 
 
 def _operand_bytes(instr: Instr, table: dict) -> float:
   return sum(table[o].bytes for o in instr.operands if o in table)
+
+
+_SLICES = ('dynamic-slice', 'slice')
+
+
+def _traffic(instr: Instr, table: dict, comps: dict) -> float:
+  """HBM bytes an unfused instruction or fusion reads and writes: its operands and outputs,
+  except where it touches part of an array. A slice reads only what it takes; an operand that a
+  fusion only slices (one layer of a scan's stacked buffer) counts the slices; a dynamic update
+  in place (a scan writing one layer's slot, as the root of a fusion or alone) reads and writes
+  only the update. Counted whole, a fusion over a [L, ...] stack weighed L times its real
+  traffic in an L-trip loop."""
+  if instr.op in _SLICES:
+    return 2.0 * instr.bytes
+  if instr.op == 'dynamic-update-slice' and len(instr.operands) > 1:
+    update = table.get(instr.operands[1])
+    return 2.0 * (update.bytes if update else instr.bytes)
+  if instr.op != 'fusion':
+    return instr.bytes + _operand_bytes(instr, table)
+  callee = dict(callees(instr)).get('calls')
+  body = comps.get(callee, [])
+  params = {
+    i.name: int(i.attrs.split()[0].removeprefix('number=')) for i in body if i.op == 'parameter'
+  }
+  users = {}
+  for i in body:
+    for o in i.operands:
+      users.setdefault(o, []).append(i)
+  root = body[-1] if body else None
+  out = instr.bytes
+  in_place = None
+  if root is not None and root.op == 'dynamic-update-slice' and len(root.operands) > 1:
+    update = next((i for i in body if i.name == root.operands[1]), None)
+    if root.operands[0] in params and update is not None:
+      in_place, out = root.operands[0], update.bytes
+  total = out
+  for name, index in params.items():
+    if index >= len(instr.operands) or instr.operands[index] not in table or name == in_place:
+      continue
+    used = users.get(name, [])
+    if used and all(u.op in _SLICES and u.operands[0] == name for u in used):
+      total += sum(u.bytes for u in used)
+    else:
+      total += table[instr.operands[index]].bytes
+  return total
 
 
 def main(argv=None) -> None:

@@ -199,6 +199,20 @@ def constrain(x: jax.Array, names: tuple[str | None, ...], rules: Rules) -> jax.
   return jax.lax.with_sharding_constraint(x, spec)
 
 
+def gather_weight(w: jax.Array, names: tuple[str | None, ...], rules: Rules) -> jax.Array:
+  """A weight as its layer uses it: whole over the batch axes (FSDP's gather), still split over
+  the others ('tensor', 'expert'); a no-op outside a mesh context."""
+  mesh = jax.sharding.get_abstract_mesh()
+  if mesh.empty or not rules.weights:
+    return w
+  table = {
+    k: tuple(a for a in ((v,) if isinstance(v, str) else v or ()) if a not in BATCH_AXES)
+    for k, v in rules.weights
+  }
+  spec = logical_to_spec(names, w.shape, tuple(table.items()), dict(mesh.shape))
+  return jax.lax.with_sharding_constraint(w, spec)
+
+
 def tree_shardings(axes_tree, abstract_tree, mesh, rules: Rules):
   """NamedShardings for a tree of arrays whose logical names are given by `axes_tree`."""
   sizes = dict(mesh.shape)

@@ -100,3 +100,26 @@ def test_a_windowed_einsum_loop_counts_its_stride():
   text = aot.compile_fn('f', f, [x, w], analyse=False, cache=False).executable.as_text()
   assert 'windowed_dot_general' in text
   assert hlo_cost.analyse(text).flops == 2 * 2 * 4096 * 4096 * 4096  # 2 rows per chip
+
+
+def test_a_scan_over_stacked_weights_reads_one_layer_per_trip():
+  """Each trip of a layer scan slices one layer out of the [L, ...] stack: that reads the
+  layer, not the stack (counted whole, the stack weighed L times its size per trip)."""
+  n, layers = 256, 16
+
+  def f(x, ws):
+    return jax.lax.scan(lambda h, w: (jnp.tanh(h @ w), h.sum()), x, ws)
+
+  text = jax.jit(f).lower(jnp.ones((n, n)), jnp.ones((layers, n, n))).compile().as_text()
+  comps, _ = hlo_cost.parse_module(text)
+  layer = n * n * 4
+  slices = []
+  for instrs in comps.values():
+    table = {i.name: i for i in instrs}
+    for i in instrs:
+      reads_stack = any(
+        table[o].shapes == [('f32', [layers, n, n])] for o in i.operands if o in table
+      )
+      if reads_stack and i.op in ('fusion', 'dynamic-slice'):
+        slices.append(hlo_cost._traffic(i, table, comps))
+  assert slices and all(t <= 2 * layer + 64 for t in slices), (slices, layer)

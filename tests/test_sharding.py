@@ -120,3 +120,30 @@ def test_int4_codes_shard_where_groups_do_not_divide_the_mesh():
   assert placed.q.sharding.spec == jax.sharding.PartitionSpec(None, 'fsdp', None)
   want = quant.dequant(t, np.float32)
   np.testing.assert_array_equal(jax.jit(quant.dequant, static_argnums=1)(placed, np.float32), want)
+
+
+def test_projections_take_their_weights_gathered_over_the_batch_axes():
+  """model.gather_weights: a projection's FSDP-sharded weight is constrained whole over the
+  batch axes before its matmul (one all-gather rather than XLA:TPU's loop over the shards),
+  still split over 'tensor'; the lm head is left to XLA."""
+  from flax import nnx
+
+  from moetrain.model.layers import Linear
+  from tests.helpers import tiny
+
+  mesh = sharding.make_mesh((1, 4, 1, 2))
+  rules = sharding.Rules.preset('fsdp_ep_tp')
+  specs = {}
+  for gather in (True, False):
+    cfg = tiny(hidden_size=64, rules=rules, gather_weights=gather).laid_out('cpu', mesh)
+    q = Linear('BTD,DNH->BTNH', (64, 4, 16), cfg, 'q', nnx.Rngs(0))
+    with jax.set_mesh(mesh):
+      jaxpr = jax.make_jaxpr(lambda x: q(x))(np.ones((8, 4, 64), np.float32))
+    specs[gather] = [
+      str(e.params['sharding'].spec)
+      for e in jaxpr.eqns
+      if e.primitive.name == 'sharding_constraint'
+    ]
+  # embed (D) is on fsdp in storage; gathered, only heads (N) stay split, over tensor.
+  assert specs[True] == [str(jax.P(None, 'tensor', None))], specs
+  assert specs[False] == [], specs

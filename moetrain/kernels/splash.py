@@ -83,7 +83,7 @@ def _kernel(heads: int, t: int, interpret: bool):
   )
 
 
-def _local(q_BNTH, k_BNTH, v_BNTH, seg_BT, *, scale: float, interpret: bool):
+def _local(q_BNTH, k_BNTH, v_BNTH, seg_BT, *, interpret: bool):
   kernel_mod, _ = _modules()
   n, t = q_BNTH.shape[1], q_BNTH.shape[2]
   run = _kernel(n, t, interpret)
@@ -91,9 +91,6 @@ def _local(q_BNTH, k_BNTH, v_BNTH, seg_BT, *, scale: float, interpret: bool):
   def one(q_NTH, k_NTH, v_NTH, seg_T):
     return run(q_NTH, k_NTH, v_NTH, segment_ids=kernel_mod.SegmentIds(q=seg_T, kv=seg_T))
 
-  # The kernel takes unscaled scores; scaling q first is the same product (in q's dtype, as
-  # the XLA path's bf16 q k^T rounds).
-  q_BNTH = (q_BNTH.astype(jnp.float32) * scale).astype(q_BNTH.dtype)
   return jax.vmap(one)(q_BNTH, k_BNTH, v_BNTH, seg_BT.astype(jnp.int32))
 
 
@@ -114,7 +111,10 @@ def splash_attention(
   mesh_shape: the sizes of MESH_AXES of the mesh in context (jax.set_mesh; () = no mesh), over
   which the kernel runs in a shard_map; head_axis: the mesh axis
   the rules shard heads over, or None."""
-  local = functools.partial(_local, scale=scale, interpret=interpret)
+  # The kernel takes unscaled scores; q scaled first is the same product. Scaled here, outside
+  # the shard_map, XLA fuses it into q's producer; inside, it was one more copy of q.
+  q_BNTH = (q_BNTH.astype(jnp.float32) * scale).astype(q_BNTH.dtype)
+  local = functools.partial(_local, interpret=interpret)
   if not mesh_shape:
     return local(q_BNTH, k_BNTH, v_BNTH, segment_ids_BT)
   sizes = dict(zip(MESH_AXES, mesh_shape))

@@ -171,6 +171,12 @@ class ModelConfig:
   # decoding always uses it), 'auto' = splash when compiling for TPU and the sequence is a
   # multiple of 128, else xla. Off TPU, 'splash' runs in Pallas' interpreter (slow; for tests).
   attention_kernel: str = engine('auto', choices=('auto', 'splash', 'xla'))
+  # Projections (attention, dense MLP) take their FSDP-sharded weights gathered whole: one
+  # all-gather, then one matmul. Left to XLA:TPU, it loops over the weight's shards (a windowed
+  # einsum) and reads and writes the activations once per trip: Qwen3-30B-A3B full training on
+  # a v5p-32 counted 2.94e12 HBM bytes per chip and step that way, 2.33e12 gathered
+  # (bench/RESULTS.md, "Peer comparison"). The lm head is not gathered.
+  gather_weights: bool = engine(True)
   # What attention keeps for its backward pass: True = each query's softmax max and sum, the
   # scores recomputed in the backward (flash-attention style: O(T) instead of O(T * S) memory per
   # head; as fast as keeping them on this CPU, bench/RESULTS.md); False = the float32 probabilities.

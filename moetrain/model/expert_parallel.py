@@ -99,9 +99,7 @@ def per_batch_shard(x_MD, idx_MA, gates_MA, weights, cfg: ModelConfig, rng):
   dtype = jnp.dtype(cfg.dtype)
 
   def shard(x, idx, gates, w, key):
-    w = {
-      k: gathered(v, specs[k], dtype) if k in EXPERT_LETTERS else v for k, v in w.items()
-    }
+    w = {k: gathered(v, specs[k], dtype) if k in EXPERT_LETTERS else v for k, v in w.items()}
     return dispatch.routed_experts(x, idx, gates, w, cfg, key)
 
   return _sharded(shard, x_MD, idx_MA, gates_MA, weights, cfg, specs, rng)

@@ -12,7 +12,7 @@ from moetrain import axes
 from moetrain.kernels.lora import lora_dropout, lora_product
 from moetrain.model import quant
 from moetrain.model.config import ModelConfig, yarn_mscale
-from moetrain.sharding import constrain
+from moetrain.sharding import constrain, gather_weight
 
 
 def dtype_of(name: str):
@@ -49,10 +49,14 @@ class Linear(nnx.Module):
   apart, the weight-gradient contractions (over both) made XLA:CPU transpose the activation
   gradients through slow strided fusions, 3x the time of the LoRA MLP (bench/RESULTS.md)."""
 
-  def __init__(self, eqn, shape, cfg: ModelConfig, path: str, rngs: nnx.Rngs, std=None):
+  def __init__(
+    self, eqn, shape, cfg: ModelConfig, path: str, rngs: nnx.Rngs, std=None, gather: bool = True
+  ):
     self.eqn, self.path = eqn, path
     names = axes.names(eqn.split('->')[0].split(',')[1])
     self.compute_dtype = dtype_of(cfg.dtype)
+    self.names, self.rules = names, cfg.rules
+    self.gather = gather and cfg.gather_weights
     std = cfg.init_std if std is None else std
     n_in = self.n_in = matmul_dims(eqn)
     kernel = normal(rngs, shape, std, dtype_of(cfg.param_dtype))
@@ -74,6 +78,8 @@ class Linear(nnx.Module):
     lead, n_in = x.shape[: x.ndim - self.n_in], self.n_in
     x_MI = x.astype(dt).reshape(math.prod(lead), -1)
     w = quant.value(self.kernel, dt)
+    if self.gather:
+      w = gather_weight(w, self.names, self.rules)
     out_shape = w.shape[n_in:]
     y_MO = x_MI @ w.reshape(x_MI.shape[1], -1)
     if self.has_lora:

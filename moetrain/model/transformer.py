@@ -163,7 +163,9 @@ class Transformer(nnx.Module):
     for group in cfg.layer_groups():
       setattr(self, group.name, make_stack(cfg, group, rngs))
     self.final_norm = RMSNorm(cfg.hidden_size, 'D', cfg.rms_norm_eps, cfg)
-    self.lm_head = Linear('BTD,DV->BTV', (cfg.hidden_size, cfg.vocab_size), cfg, 'lm_head', rngs)
+    # Not gathered (model.gather_weights): the chunked loss would hold the whole head through it.
+    shape = (cfg.hidden_size, cfg.vocab_size)
+    self.lm_head = Linear('BTD,DV->BTV', shape, cfg, 'lm_head', rngs, gather=False)
 
   def __call__(self, ids_BT, positions_BT=None, segment_ids_BT=None, rng=None):
     """Returns float32 logits [B, T, V] and the aux of `features`."""

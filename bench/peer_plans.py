@@ -36,6 +36,8 @@ class Point:
   overrides: dict  # moetrain config overrides
   maxtext: tuple  # MaxText key=value overrides
   note: str  # where the two sides' settings differ, in words
+  # moetrain compiled again with these overrides too, a column each: {label: overrides}
+  variants: dict = dataclasses.field(default_factory=dict)
 
 
 _FULL_TRAINING = {
@@ -70,6 +72,7 @@ POINTS = {
     ),
     'MaxText defaults kept: splash attention (block 512), megablox, capacity_factor=-1 '
     '(dropless), AdamW with weight decay 0.1 and clipping 1.0.',
+    {'gather_weights=False': {'model.gather_weights': False}},
   ),
   'qwen3_30b_a3b': Point(
     'v5p-32',
@@ -194,7 +197,8 @@ def chip_count(setup) -> int:
   return math.prod(setup.mesh_shape)
 
 
-def table(name: str, point: Point, ours: dict, peer: dict, hbm: int) -> str:
+def table(name: str, point: Point, columns: dict, hbm: int) -> str:
+  """The side-by-side table: columns {heading: read(...)}, moetrain's first."""
   gib = lambda b: f'{b / 2**30:.2f}'
   rows = [
     ('arguments / temporaries GiB', lambda r: f'{gib(r["arguments"])} / {gib(r["temporaries"])}'),
@@ -219,9 +223,9 @@ def table(name: str, point: Point, ours: dict, peer: dict, hbm: int) -> str:
     + ' '.join(f'--config.{k}={v}' for k, v in point.overrides.items()),
     f'against MaxText `{" ".join(point.maxtext)}`. {point.note}',
     '',
-    '| per chip | moetrain | MaxText 0.2.5 |',
-    '|---|---|---|',
-    *[f'| {label} | {fn(ours)} | {fn(peer)} |' for label, fn in rows],
+    '| per chip | ' + ' | '.join(columns) + ' |',
+    '|---' * (len(columns) + 1) + '|',
+    *['| ' + ' | '.join([label, *(fn(c) for c in columns.values())]) + ' |' for label, fn in rows],
   ]
   return '\n'.join(lines)
 
@@ -259,7 +263,12 @@ def main() -> None:
     print(f'{name}: compiling moetrain...', flush=True)
     ours = compile_ours(name, point)
     setup, chip = ours['setup'], ours['chip']
-    rows = table(name, point, read(ours, setup, chip), read(peer, setup, chip), chip.hbm_bytes)
+    columns = {'moetrain': read(ours, setup, chip)}
+    for label, over in point.variants.items():
+      variant = dataclasses.replace(point, overrides=point.overrides | over)
+      columns[f'moetrain, {label}'] = read(compile_ours(name, variant), setup, chip)
+    columns['MaxText 0.2.5'] = read(peer, setup, chip)
+    rows = table(name, point, columns, chip.hbm_bytes)
     print(rows, flush=True)
     sections.append(rows)
   text = '\n\n'.join(

@@ -11,6 +11,7 @@ import time
 import jax
 import jax.numpy as jnp
 import numpy as np
+from absl import logging
 
 from moetrain import storage
 from moetrain.model.config import ModelConfig
@@ -199,6 +200,37 @@ def _window_mean(acc: dict, last: dict) -> dict:
   return {**out, **{k: last[k].astype(jnp.float32) for k in LAST_VALUE if k in last}}
 
 
+def _parses(line: bytes) -> bool:
+  try:
+    json.loads(line)
+    return True
+  except ValueError:
+    return False
+
+
+def repair_jsonl(path: str) -> int:
+  """Mends what a kill left of metrics.jsonl's end, so that a resumed run's records start on a
+  line of their own: a last record that lost only its newline gets it back; one cut short (or
+  bytes that are no JSON) is dropped. Returns the bytes dropped. Records are written and
+  flushed a line at a time, so only the end can be cut."""
+  if not storage.isfile(path):
+    return 0
+  with storage.open(path, 'rb') as f:
+    data = f.read()
+  fixed = data
+  if fixed and not fixed.endswith(b'\n'):
+    start = fixed.rfind(b'\n') + 1
+    fixed = fixed + b'\n' if _parses(fixed[start:]) else fixed[:start]
+  while fixed and not _parses(fixed[fixed.rfind(b'\n', 0, len(fixed) - 1) + 1 :]):
+    fixed = fixed[: fixed.rfind(b'\n', 0, len(fixed) - 1) + 1]
+  if fixed == data:
+    return 0
+  dropped = max(len(data) - len(fixed), 0)
+  logging.warning('%s: mended its cut end (%d bytes dropped) before resuming', path, dropped)
+  storage.write_atomic(path, fixed)
+  return dropped
+
+
 class Writer:
   """Progress lines, <workdir>/metrics.jsonl and TensorBoard events (tensorboardX, no TF)."""
 
@@ -227,6 +259,8 @@ class Writer:
       path = storage.join(workdir, 'metrics.jsonl')
       if resume_step is None and storage.isfile(path) and storage.getsize(path):
         resume_step = 0
+      if resume_step is not None:
+        repair_jsonl(path)
       self._jsonl = storage.AppendLog(path)
       from tensorboardX import SummaryWriter
 

@@ -91,6 +91,33 @@ def wandb_history(run_dir) -> tuple[list[str], list[dict]]:
   return ids, rows
 
 
+@pytest.mark.parametrize('cut', [2, 40, 'whole_last_line', 'garbage'])
+def test_a_resume_after_a_cut_record_drops_it_first(tmp_path, cut):
+  """A kill can leave metrics.jsonl's last record cut short (or, after a crash, bytes that are
+  no JSON): the resume drops it before its marker, so every line parses and the resumed
+  records follow on lines of their own."""
+  w = metrics.Writer(str(tmp_path))
+  for s in (1, 2, 3):
+    w.write(s, {'loss': float(s), 'moe/layer0/entropy': 0.5})
+  w.close()
+  path = tmp_path / 'metrics.jsonl'
+  data = path.read_bytes()
+  if cut == 'garbage':
+    data += b'\x00\x00\x00\n'
+  elif cut == 'whole_last_line':
+    data = data[:-1]  # only the newline lost: the record is whole, and kept
+  else:
+    data = data[:-cut]
+  path.write_bytes(data)
+  w = metrics.Writer(str(tmp_path), resume_step=2)
+  w.write(3, {'loss': 30.0})
+  w.close()
+  records = [json.loads(line) for line in path.read_text().splitlines()]
+  steps = [(r['kind'], r['step']) for r in records]
+  kept = 2 if cut in (2, 40) else 3
+  assert steps == [*(('train', s) for s in range(1, kept + 1)), ('resume', 2), ('train', 3)]
+
+
 def test_weights_and_biases_in_offline_mode(tmp_path, monkeypatch):
   """train.wandb_project sends the scalars (eval ones under eval/) to W&B as well; a resumed
   run logs into the same W&B run (its id kept in the run directory)."""

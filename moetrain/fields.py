@@ -3,6 +3,7 @@ field of it with its default, its checks and its role. configs/base.py, the resu
 the validation all read these declarations (moetrain.setup.SECTIONS lists the sections)."""
 
 import dataclasses
+import math
 
 # What a key is to the rest of the system:
 #   engine: how the model computes (may change on a resume; with init.hf_checkpoint it comes from
@@ -51,6 +52,8 @@ def check(obj, section: str) -> None:
   names the key as `section.key`."""
   for f in dataclasses.fields(obj):
     value, what = getattr(obj, f.name), _meta(f, 'check')
+    if what and isinstance(value, float) and not math.isfinite(value):
+      raise ValueError(f'{section}.{f.name}={value!r}: must be a finite number')
     if what == 'positive' and not value > 0:
       raise ValueError(f'{section}.{f.name}={value!r}: must be positive')
     if what == 'non_negative' and not value >= 0:

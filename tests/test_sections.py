@@ -2,6 +2,7 @@
 dataclasses a run builds and the derived key lists cannot disagree."""
 
 import dataclasses
+import math
 
 import pytest
 
@@ -54,6 +55,13 @@ def test_declared_checks_name_the_key():
     dataclasses.replace(ModelConfig(), loss_chunk=-1).validate()
   with pytest.raises(ValueError, match='role='):
     fields.field(0, role='shapes')
+  from moetrain.optim import OptimConfig
+
+  for bad in (math.inf, math.nan):
+    with pytest.raises(
+      ValueError, match=r'optim\.learning_rate=(inf|nan): must be a finite number'
+    ):
+      OptimConfig(learning_rate=bad).validate(10)
 
 
 def test_an_older_runs_config_json_gets_the_keys_it_lacks_at_their_defaults():

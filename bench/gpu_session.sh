@@ -4,7 +4,7 @@
 # with the JAX installed there (it installs nothing). Results go to $OUT (default
 # /tmp/moetrain_gpu), one log per step; copy the JSON records into bench/RESULTS.md.
 #   bash bench/gpu_session.sh
-# Session 25 measured the default (dropless through jax.lax.ragged_dot) and capacity dispatch on
+# The first H100 run measured the default (dropless through jax.lax.ragged_dot) and capacity dispatch on
 # an H100 (bench/RESULTS.md): XLA:GPU runs ragged_dot as a dense product over every expert. This
 # script now measures the dropless alternative first, the grouped engine (a loop over each
 # expert's row tiles: its work follows the routed rows), beside those two.

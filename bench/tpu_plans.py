@@ -24,9 +24,9 @@ PLANS = {
   'lora': flash(longcat_lora, 'v5p-128', {}),
   'qlora-int8': flash(longcat_lora, 'v5p-64', {**INT8, 'optim.grad_accum_steps': 2}),
   # Four micro-batches of 16 rows are one row per batch shard already. Float32 adapters leave
-  # 14.3% of the HBM free (9.1% before session 25's attention fix, when it kept bfloat16 ones).
+  # 14.3% of the HBM free (9.1% before the attention backward's fix, when it kept bfloat16 ones).
   'qlora-int4': flash(longcat_lora, 'v5p-32', {**INT4, 'optim.grad_accum_steps': 4}),
-  # Since session 26 (the frozen base in compiler-chosen layouts) int8 fits the int4 slice too.
+  # With the frozen base in compiler-chosen layouts int8 fits the int4 slice too.
   'qlora-int8-v5p-32': flash(longcat_lora, 'v5p-32', {**INT8, 'optim.grad_accum_steps': 4}),
   # Pretraining: 1024 rows on 256 chips, four micro-batches.
   'pretrain': flash(longcat_pretrain, 'v5p-512', {'optim.grad_accum_steps': 4}),

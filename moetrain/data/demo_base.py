@@ -11,7 +11,7 @@ rebuilt by this module:
 which writes the copy task (4000 train, 200 eval examples of the same 32 words, seed
 COPY_SEED), trains a SentencePiece tokenizer on the copy and reversal texts (text only), trains
 every weight with configs/longcat_pretrain.py (tiny) for STEPS steps, and exports it. The
-shipped base (bench/RESULTS.md, session 22): copy accuracy 0.957 at step 600; on the reversal
+shipped base (bench/RESULTS.md, "The demo's pretrained base"): copy accuracy 0.957 at step 600; on the reversal
 task it scores 0.20 and its LoRA adapters 0.84 after 200 steps (a random base's: ~0.2).
 """
 

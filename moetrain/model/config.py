@@ -229,7 +229,7 @@ class ModelConfig:
   # keeps the standard ones, 'auto' = compiler on TPU with micro-batches (optim.grad_accum_steps
   # > 1), default otherwise. With the defaults XLA:TPU copies the base into its micro-batch
   # loop's layout inside every step (flash QLoRA int4: 82.0 -> 63.2 GiB per chip with compiler
-  # layouts); without micro-batches they cost as much or more (bench/RESULTS.md, session 26).
+  # layouts); without micro-batches they cost as much or more (bench/RESULTS.md, "The frozen base in layouts the compiler chooses").
   frozen_layout: str = engine('auto', choices=('auto', 'compiler', 'default'))
   # Derived: set from the `lora` and `mesh` sections and the compile target.
   lora: LoraConfig = field(LoraConfig(), role='derived')

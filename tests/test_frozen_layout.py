@@ -137,7 +137,12 @@ def test_a_step_that_would_move_the_base_between_steps_is_refused():
   'layout,platform,accum,want',
   [
     ('auto', 'tpu', 2, True),  # micro-batches on TPU: the copies this avoids
-    ('auto', 'tpu', 1, False),  # none: the defaults cost as much or less (RESULTS.md, "The frozen base in layouts...")
+    (
+      'auto',
+      'tpu',
+      1,
+      False,
+    ),  # none: the defaults cost as much or less (RESULTS.md, "The frozen base in layouts...")
     ('auto', 'cpu', 2, False),
     ('compiler', 'cpu', 1, True),
     ('default', 'tpu', 2, False),

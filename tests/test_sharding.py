@@ -138,7 +138,7 @@ def test_projections_take_their_weights_gathered_over_the_batch_axes():
     cfg = tiny(hidden_size=64, rules=rules, gather_weights=gather).laid_out('cpu', mesh)
     q = Linear('BTD,DNH->BTNH', (64, 4, 16), cfg, 'q', nnx.Rngs(0))
     with jax.set_mesh(mesh):
-      jaxpr = jax.make_jaxpr(lambda x: q(x))(np.ones((8, 4, 64), np.float32))
+      jaxpr = jax.make_jaxpr(q)(np.ones((8, 4, 64), np.float32))
     specs[gather] = [
       str(e.params['sharding'].spec)
       for e in jaxpr.eqns

@@ -84,7 +84,7 @@ def main():
   for name, (model, module, arg, topo, over) in PLANS.items():
     if args.only and name not in args.only.split(','):
       continue
-    r = tpu_plan.plan(module.get_config(arg), topo, over)
+    r = tpu_plan.plan(module.get_config(arg), topo, over, progress=print)
     tpu_plan.print_plan(r)
     print(row(model, name, r), flush=True)
     if args.json:

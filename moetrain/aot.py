@@ -173,26 +173,35 @@ def compile_fn(name: str, fn, args, analyse: bool = True, cache: bool = True) ->
   return Compiled(name, memory_of(compiled), seconds, cost, ca.get('flops', 0.0), compiled)
 
 
-def compile_steps(setup, mesh, evaluate: bool = True) -> dict:
+def compile_steps(setup, mesh, evaluate: bool = True, progress=None) -> dict:
   """{'train': Compiled, 'eval': Compiled}: the steps the training loop runs, for `mesh`'s
-  devices (the engine chosen for setup.model.platform). Raises OutOfMemory."""
+  devices (the engine chosen for setup.model.platform). Raises OutOfMemory. progress: called
+  with a line before each compile and after it (None: silent)."""
+  say = progress or (lambda line: None)
   state, shardings = abstract_state(setup, mesh)
   d = setup.data
   out = {}
+  where = f'{mesh.devices.size} {mesh.devices.flat[0].device_kind} devices'
   with jax.set_mesh(mesh):
     train = train_step_fn(setup, mesh, shardings)
+    say(f'compiling the train step for {where} (minutes at full scale)...')
+    start = time.time()
     out['train'] = compile_fn(
       'train step',
       train,
       (state, abstract_batch(d.global_batch_size, d.seq_len, mesh)),
       cache=False,
     )
+    say(f'compiled the train step in {time.time() - start:.0f} s')
     train_c = out['train']
     train_c.formats = state_formats(train_c.executable)
     if evaluate and d.eval_split:
       batch = abstract_batch(d.eval_batch_size, d.seq_len, mesh)
       fn = eval_step_fn(setup, mesh, train_c.formats)
+      say('compiling the eval step...')
+      start = time.time()
       out['eval'] = compile_fn('eval step', fn, (state, batch), cache=False)
+      say(f'compiled the eval step in {time.time() - start:.0f} s')
   return out
 
 

@@ -66,7 +66,13 @@ def test_plan_compiles_the_train_and_eval_steps_for_a_slice(tmp_path, capsys):
   """Tiny LoRA on a v5e-4 with experts over 2 chips: the TPU engine is chosen (not this host's),
   both steps compile, and the report has every per-chip figure and a labelled estimate."""
   compiler = {'model.frozen_layout': 'compiler'}  # (the eval step compiled for XLA's choice)
-  r = tpu_plan.plan(longcat_lora.get_config('variant=tiny'), 'v5e-4', TINY_EP | compiler)
+  said = []
+  r = tpu_plan.plan(
+    longcat_lora.get_config('variant=tiny'), 'v5e-4', TINY_EP | compiler, said.append
+  )
+  # The planner talks while it compiles (a full-scale compile takes minutes).
+  assert said[0].startswith('compiling the train step for 4 TPU v5 lite devices'), said
+  assert said[-1].startswith('compiled the eval step in '), said
   assert r['engine']['moe_backend'] == 'ragged_dot' and r['engine']['moe_ep_comm'] == 'ragged'
   assert r['engine']['frozen_layout'] == 'compiler'
   assert r['fits'] and 0.9 < r['headroom'] < 1

@@ -53,8 +53,9 @@ def model_flops(setup) -> tuple[float, str]:
   return per_token * tokens, formula
 
 
-def plan(config, topology: str, overrides: dict | None = None) -> dict:
-  """Compile `config` (with `overrides`) for `topology`; the per-device report."""
+def plan(config, topology: str, overrides: dict | None = None, progress=None) -> dict:
+  """Compile `config` (with `overrides`) for `topology`; the per-device report. progress:
+  called with a line before and after each compile (print, for a command)."""
   from moetrain import aot, sharding
   from moetrain.setup import build
   from moetrain.tools import plan as plan_lib
@@ -77,7 +78,7 @@ def plan(config, topology: str, overrides: dict | None = None) -> dict:
     'hbm_bytes': chip.hbm_bytes,
   }
   try:
-    steps = aot.compile_steps(setup, mesh)
+    steps = aot.compile_steps(setup, mesh, progress=progress)
   except aot.OutOfMemory as e:
     need = e.required_bytes
     return report | {
@@ -525,7 +526,8 @@ def main(
       print(f'no setting tried leaves {HEADROOM:.0%} of the HBM free; the smallest is above')
     _write(json_path, best)
     return
-  r = plan(config, topology)
+  say = lambda line: print(f'[{topology}] {line}', flush=True)
+  r = plan(config, topology, progress=say)
   print_plan(r)
   _write(json_path, r)
 

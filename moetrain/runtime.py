@@ -197,6 +197,13 @@ def cpu_without_accelerators() -> None:
   import jax
 
   jax.config.update('jax_platforms', 'cpu')
+  # The planner still starts libtpu for its compile-only topologies, and libtpu then looks for
+  # the TPU VM it runs on and prints what it cannot find ("Failed to find host bounds", an
+  # E0000 line about worker hostnames) as if the plan had failed. Naming a one-host slice
+  # answers both questions; the topology compiled for is the one the planner names.
+  os.environ.setdefault('TPU_SKIP_MDS_QUERY', '1')
+  os.environ.setdefault('TPU_WORKER_HOSTNAMES', 'localhost')
+  os.environ.setdefault('TPU_ACCELERATOR_TYPE', 'v5p-8')
 
 
 def quiet_closed_loop_errors() -> None:

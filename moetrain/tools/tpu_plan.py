@@ -54,8 +54,7 @@ def model_flops(setup) -> tuple[float, str]:
 
 
 def plan(config, topology: str, overrides: dict | None = None, progress=None) -> dict:
-  """Compile `config` (with `overrides`) for `topology`; the per-device report. progress:
-  called with a line before and after each compile (print, for a command)."""
+  """Compile `config` (with `overrides`) for `topology`; the per-device report. progress(line)."""
   from moetrain import aot, sharding
   from moetrain.setup import build
   from moetrain.tools import plan as plan_lib

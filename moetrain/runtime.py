@@ -197,13 +197,25 @@ def cpu_without_accelerators() -> None:
   import jax
 
   jax.config.update('jax_platforms', 'cpu')
-  # The planner still starts libtpu for its compile-only topologies, and libtpu then looks for
-  # the TPU VM it runs on and prints what it cannot find ("Failed to find host bounds", an
-  # E0000 line about worker hostnames) as if the plan had failed. Naming a one-host slice
-  # answers both questions; the topology compiled for is the one the planner names.
-  os.environ.setdefault('TPU_SKIP_MDS_QUERY', '1')
-  os.environ.setdefault('TPU_WORKER_HOSTNAMES', 'localhost')
-  os.environ.setdefault('TPU_ACCELERATOR_TYPE', 'v5p-8')
+
+
+def quiet_tpu_discovery() -> None:
+  """For a command that compiles for TPU topologies on a host without TPUs (the planner):
+  libtpu looks for the TPU VM it runs on and prints what it cannot find ("Failed to find host
+  bounds", an E0000 line about worker hostnames) as if the plan had failed. Naming a one-host
+  slice answers it; the topology compiled for is still the one the planner names. (Not for the
+  training commands: JAX's cluster detection would read these as a TPU job's.)"""
+  cpu_without_accelerators()
+  if jax_platforms_is_cpu():
+    os.environ.setdefault('TPU_SKIP_MDS_QUERY', '1')
+    os.environ.setdefault('TPU_WORKER_HOSTNAMES', 'localhost')
+    os.environ.setdefault('TPU_ACCELERATOR_TYPE', 'v5p-8')
+
+
+def jax_platforms_is_cpu() -> bool:
+  import jax
+
+  return (jax.config.jax_platforms or os.environ.get('JAX_PLATFORMS', '')) == 'cpu'
 
 
 def quiet_closed_loop_errors() -> None:

@@ -131,3 +131,21 @@ def test_a_command_without_accelerators_does_not_start_libtpu():
   assert done.returncode == 0, done.stderr[-2000:]
   assert 'parameters' in done.stdout.lower()
   assert 'TPU' not in done.stderr and 'libtpu' not in done.stderr, done.stderr[-2000:]
+
+
+def test_the_planner_compiles_for_a_tpu_without_libtpu_noise():
+  """On a host without TPUs the planner keeps libtpu's host discovery quiet (its E0000 lines
+  read like a failed plan) and says what it compiles as it goes."""
+  pytest.importorskip('libtpu')
+  from tests.helpers import run_command
+
+  done = run_command(
+    'moetrain.tools.plan',
+    '--config=configs/longcat_lora.py:variant=tiny',
+    '--topology=v5e-1',
+    '--config.data.eval_split=',
+  )
+  assert done.returncode == 0, done.stderr[-2000:]
+  assert done.stdout.startswith('[v5e-1] compiling the train step for 1 TPU v5 lite devices')
+  assert 'needs' in done.stdout and 'fits' in done.stdout
+  assert 'E0000' not in done.stderr and 'host bounds' not in done.stderr, done.stderr[-2000:]

@@ -209,7 +209,7 @@ def main(argv):
   from moetrain.tools import tpu_plan
 
   runtime.quiet_library_logs()
-  runtime.cpu_without_accelerators()  # (and libtpu's host discovery kept quiet)
+  runtime.quiet_tpu_discovery()
   f = flags.FLAGS
   if not f.topology:
     if f.search or f.smallest or f.json or f.remat:

@@ -54,6 +54,8 @@ def test_the_layout_padding_and_memory_spaces_are_counted():
   assert hlo_memory._elements(vmem) == [32 * 512 * 512 * 2, 0]
 
 
+# Slow (two TPU compiles, ~40 s): the XLA attention is no longer the TPU default (splash is).
+@pytest.mark.slow
 def test_attention_backward_recomputes_its_scores_in_the_tpu_step():
   """With model.attention_recompute the backward keeps each query's softmax max and sum and
   recomputes the scores. XLA merged that recomputation with the forward's identical scores

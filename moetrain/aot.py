@@ -152,10 +152,15 @@ class OutOfMemory(Exception):
 def compile_fn(name: str, fn, args, analyse: bool = True, cache: bool = True) -> Compiled:
   """cache=False keeps the persistent compilation cache out of it: compile-only (topology)
   executables cannot be read back from it, and one read back lacks its HLO's loops."""
+  from jax.experimental.compilation_cache import compilation_cache
+
   t = time.perf_counter()
   enabled = jax.config.jax_enable_compilation_cache
+  toggled = enabled and not cache
   try:
-    jax.config.update('jax_enable_compilation_cache', enabled and cache)
+    if toggled:  # jax 0.12 decides once whether the cache is used: make it decide again
+      jax.config.update('jax_enable_compilation_cache', False)
+      compilation_cache.reset_cache()
     compiled = fn.lower(*args).compile()
   except jax.errors.JaxRuntimeError as e:
     if 'RESOURCE_EXHAUSTED' not in str(e):
@@ -165,7 +170,9 @@ def compile_fn(name: str, fn, args, analyse: bool = True, cache: bool = True) ->
       name, msg.split('RESOURCE_EXHAUSTED: ')[-1], time.perf_counter() - t
     ) from None
   finally:
-    jax.config.update('jax_enable_compilation_cache', enabled)
+    if toggled:
+      jax.config.update('jax_enable_compilation_cache', enabled)
+      compilation_cache.reset_cache()
   seconds = time.perf_counter() - t
   ca = compiled.cost_analysis() or {}
   ca = ca[0] if isinstance(ca, list) else ca

@@ -205,17 +205,13 @@ def quiet_tpu_discovery() -> None:
   bounds", an E0000 line about worker hostnames) as if the plan had failed. Naming a one-host
   slice answers it; the topology compiled for is still the one the planner names. (Not for the
   training commands: JAX's cluster detection would read these as a TPU job's.)"""
+  import jax
+
   cpu_without_accelerators()
-  if jax_platforms_is_cpu():
+  if (jax.config.jax_platforms or os.environ.get('JAX_PLATFORMS', '')) == 'cpu':
     os.environ.setdefault('TPU_SKIP_MDS_QUERY', '1')
     os.environ.setdefault('TPU_WORKER_HOSTNAMES', 'localhost')
     os.environ.setdefault('TPU_ACCELERATOR_TYPE', 'v5p-8')
-
-
-def jax_platforms_is_cpu() -> bool:
-  import jax
-
-  return (jax.config.jax_platforms or os.environ.get('JAX_PLATFORMS', '')) == 'cpu'
 
 
 def quiet_closed_loop_errors() -> None:

@@ -17,7 +17,6 @@ import functools
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax.sharding import PartitionSpec as P
 
 from moetrain.sharding import BATCH_AXES, MESH_AXES
@@ -55,8 +54,8 @@ def _kernel(heads: int, t: int, interpret: bool):
   b = block_size(t)
   causal = mask.MultiHeadMask([mask.CausalMask((t, t)) for _ in range(heads)])
   shards = dict(downcast_smem_data=True, head_shards=1, q_seq_shards=1)
+  # dq's blocks are the forward's (the same sizes), so it shares the forward's tables.
   fwd, mask_fn = info.process_mask(causal, (b, b), **shards)
-  dq, _ = info.process_mask(causal, (b, b), **shards)
   dkv, _ = info.process_mask_dkv(causal, (b, b), shrink_grid=True, **shards)
   sizes = kernel.BlockSizes(
     block_q=b,
@@ -70,7 +69,7 @@ def _kernel(heads: int, t: int, interpret: bool):
   )
   return kernel.SplashAttentionKernel(
     fwd,
-    dq,
+    fwd,
     dkv,
     block_sizes=sizes,
     is_mqa=False,
@@ -124,15 +123,3 @@ def splash_attention(
   return jax.shard_map(
     local, in_specs=(qkv, qkv, qkv, P(batch, None)), out_specs=qkv, check_vma=False
   )(q_BNTH, k_BNTH, v_BNTH, segment_ids_BT)
-
-
-def reference(q_BNTH, k_BNTH, v_BNTH, segment_ids_BT, scale: float):
-  """The same function in plain jnp (every score materialised): for tests."""
-  groups = q_BNTH.shape[1] // k_BNTH.shape[1]
-  k_BNTH, v_BNTH = (jnp.repeat(x, groups, axis=1) for x in (k_BNTH, v_BNTH))
-  s = jnp.einsum('bnth,bnsh->bnts', q_BNTH, k_BNTH, preferred_element_type=jnp.float32) * scale
-  t = q_BNTH.shape[2]
-  causal = np.tril(np.ones((t, t), bool))
-  mask = (segment_ids_BT[:, :, None] == segment_ids_BT[:, None, :]) & causal
-  p = jax.nn.softmax(jnp.where(mask[:, None], s, jnp.finfo(jnp.float32).min), axis=-1)
-  return jnp.einsum('bnts,bnsh->bnth', p.astype(v_BNTH.dtype), v_BNTH)

@@ -15,7 +15,7 @@ from configs import base
 # The real models on the TPU slices they are planned for (README "Model families").
 PODS = {
   # 1.5x: with 2x, the overflow round's buffers beside the first round's left 9.4% of the HBM
-  # free (bench/RESULTS.md, "TPU: a lean engine for LoRA").
+  # free (bench/RESULTS.md, "Dropless under a bounded receive buffer").
   'qwen3_30b_a3b': base.Pod('v5p-8', expert=4, seq_len=4096, rows=32, recv_factor=1.5),
   'qwen3_235b_a22b': base.Pod('v5p-32', 16, 4096, 64, recv_factor=2, micro_batches=2),
 }

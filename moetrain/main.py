@@ -28,10 +28,10 @@ def main(argv):
   # (train.resume_step: the run goes back to that checkpoint)
   runtime.start_command(resume_step=config.train.resume_step or (steps[-1] if steps else None))
   from moetrain import train
-  from moetrain.tools import plan
+  from moetrain.tools import sizes
 
   if _DRY_RUN.value:
-    plan.dry_run(config)
+    sizes.dry_run(config)
     return
   runtime.handle_stop_signals()  # SIGTERM and Ctrl-C: save at the next step and stop
   train.run(config, workdir)  # (user errors: one line, runtime.short_errors)

@@ -29,7 +29,7 @@ SMALL_QLORA = tpu_proxy(2) | {
 @pytest.mark.slow  # (~75 s: two compiles of the step)
 def test_the_tpu_compiler_keeps_quantised_experts_in_its_own_layout():
   """With the frozen base in the default layouts, XLA:TPU copies the int4 expert codes into its
-  micro-batch loop's layout inside the step (bench/RESULTS.md, "TPU: the attention backward held every score block"). Choosing the inputs'
+  micro-batch loop's layout inside the step (bench/RESULTS.md, "The frozen base in layouts the compiler chooses"). Choosing the inputs'
   layouts itself, it takes them in a layout other than the default, gives them back in the same
   one (the donated base stays in place from step to step), and the copies are gone: at least
   the codes' bytes fewer temporaries. (Every plan's eval step compiles for the chosen layouts:

@@ -60,7 +60,7 @@ def test_attention_backward_recomputes_its_scores_in_the_tpu_step():
   """With model.attention_recompute the backward keeps each query's softmax max and sum and
   recomputes the scores. XLA merged that recomputation with the forward's identical scores
   (CSE) and kept every block's float32 scores alive between the passes, O(T * S) after all:
-  8.25 GiB of the flash LoRA step (bench/RESULTS.md, "TPU: the attention backward held every score block"). The training step of a small
+  8.25 GiB of the flash LoRA step (bench/RESULTS.md, "Recomputed attention scores on TPU"). The training step of a small
   LongCat (4 heads, 1024 tokens in query blocks of 128, one layer, remat=full, the XLA attention
   rather than the TPU default, splash) on a v5e-1, with
   and without keeping the probabilities: recomputing must save most of their bytes."""

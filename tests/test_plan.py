@@ -311,7 +311,7 @@ def test_expert_adapters_add_little_to_the_tpu_step():
   rank off the 128 lanes. Through XLA's ragged_dot that gradient was a dense product over every
   local expert, and the rank-minor layouts padded 16x: on 4 layers of 64 experts of 1024 x 1024,
   1.41e12 compiled FLOPs against 1.09e12 without the adapters, and 2.00 GiB of temporaries
-  against 0.72 (bench/RESULTS.md, "TPU: a lean engine for LoRA"). Here 32 experts of 512 x 512, 4 layers, v5e-1:
+  against 0.72 (bench/RESULTS.md, "Expert LoRA adapters on TPU"). Here 32 experts of 512 x 512, 4 layers, v5e-1:
   169 MiB of temporaries against 105 without them (the code before: 388)."""
   over = tpu_proxy(4)
   config = longcat_lora.get_config('variant=tiny')

@@ -137,10 +137,10 @@ def test_step_buffer_arithmetic_of_the_flash_lora_step():
   (model.moe_ep_recv_factor=2; overflow in rounds), 6144 x 2048 experts, 32 of them per shard
   gathered over fsdp."""
   from moetrain.setup import build
-  from moetrain.tools import plan
+  from moetrain.tools import sizes
 
   setup = build(longcat_lora.get_config('variant=flash'), num_devices=64, platform='tpu')
-  b = plan.step_buffers(setup.model, setup.mesh_shape, 8192, 64)
+  b = sizes.step_buffers(setup.model, setup.mesh_shape, 8192, 64)
   assert (b['local_rows'], b['recv_rows']) == (98304, 196608)
   moe = list(b['moe_layer'].values())
   assert moe[0] == 3 * 196608 * 6144 * 2 and moe[1] == 6 * 196608 * 2048 * 2

@@ -10,7 +10,7 @@ import pytest
 
 from moetrain.model.config import PRESETS
 from moetrain.sharding import Rules
-from moetrain.tools.plan import dry_run, ep_exchange, loss_block, param_counts
+from moetrain.tools.sizes import dry_run, ep_exchange, loss_block, param_counts
 from moetrain.train_state import graphdef_of, init_state
 from moetrain.train_step import StepConfig, eval_step, grads_and_stats, jit_train_step
 from tests.helpers import tiny, with_lora

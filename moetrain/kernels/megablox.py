@@ -6,7 +6,7 @@ suit both K and N: the thin products of the experts' LoRA adapters (rank 8: [D, 
 per expert) have none, and went through XLA's ragged_dot, whose weight gradient (a grouped
 product over a ragged *contracting* dimension) XLA's TPU compiler lowers as a dense product over
 every expert under a mask: the activations broadcast to all local experts, per adapter
-(bench/RESULTS.md, "TPU: a lean engine for LoRA"). Here the rank is a whole-dimension block, and the gradient of
+(bench/RESULTS.md, "Expert LoRA adapters on TPU"). Here the rank is a whole-dimension block, and the gradient of
 the weights is the transposed kernel (tgmm), per expert over its own rows."""
 
 import jax

@@ -35,19 +35,19 @@ def model_flops(setup) -> tuple[float, str]:
   metrics.attention_params_equivalent, as the training log's MFU. Remat recomputation is not
   model work."""
   from moetrain import metrics
-  from moetrain.tools import plan
+  from moetrain.tools import sizes
 
   cfg = setup.model
-  counts = plan.param_counts(cfg)
-  n_active = counts['active'][plan.balance_target(cfg)]
+  counts = sizes.param_counts(cfg)
+  n_active = counts['active'][sizes.balance_target(cfg)]
   lora = cfg.lora.enabled
   t = setup.data.seq_len
   attn = 6 * metrics.attention_params_equivalent(cfg, t)
   per_token = (4 if lora else 6) * n_active + 6 * counts['adapters'] * lora + attn
   tokens = setup.data.global_batch_size * t
   formula = (
-    f'{"4" if lora else "6"} x {plan._count(n_active)} active'
-    + (f' + 6 x {plan._count(counts["adapters"])} adapters' if lora else '')
+    f'{"4" if lora else "6"} x {sizes.count_text(n_active)} active'
+    + (f' + 6 x {sizes.count_text(counts["adapters"])} adapters' if lora else '')
     + f' + attention {attn:.3g} FLOP, per token, x {tokens} tokens'
   )
   return per_token * tokens, formula
@@ -57,7 +57,7 @@ def plan(config, topology: str, overrides: dict | None = None, progress=None) ->
   """Compile `config` (with `overrides`) for `topology`; the per-device report. progress(line)."""
   from moetrain import aot, sharding
   from moetrain.setup import build
-  from moetrain.tools import plan as plan_lib
+  from moetrain.tools import sizes
 
   topo = topology_lib.parse(topology)
   config = with_overrides(config, overrides or {})
@@ -88,7 +88,7 @@ def plan(config, topology: str, overrides: dict | None = None, progress=None) ->
     }
   train_c = steps['train']
   micro = setup.data.global_batch_size // setup.optim.grad_accum_steps
-  buffers = plan_lib.step_buffers(setup.model, setup.mesh_shape, setup.data.seq_len, micro)
+  buffers = sizes.step_buffers(setup.model, setup.mesh_shape, setup.data.seq_len, micro)
   worst = max(steps.values(), key=lambda c: c.memory['total'])
   total = worst.memory['total']
   flops, formula = model_flops(setup)
@@ -155,9 +155,9 @@ def estimate(cost, chip, model_flops_per_chip: float, data) -> dict:
 
 
 def _gib(n) -> str:
-  from moetrain.tools.plan import _bytes
+  from moetrain.tools.sizes import bytes_text
 
-  return _bytes(n) if n is not None else '?'
+  return bytes_text(n) if n is not None else '?'
 
 
 def print_plan(r: dict) -> None:

@@ -62,14 +62,21 @@ def test_hbm_table_is_the_compilers_limit(gen):
 TINY_EP = {'mesh.shape': (1, 2, 2, 1)}
 
 
-def test_plan_compiles_the_train_and_eval_steps_for_a_slice(tmp_path, capsys):
-  """Tiny LoRA on a v5e-4 with experts over 2 chips: the TPU engine is chosen (not this host's),
-  both steps compile, and the report has every per-chip figure and a labelled estimate."""
+@pytest.fixture(scope='module')
+def tiny_plan():
+  """Tiny LoRA planned for a v5e-4 with experts over 2 chips, and what the planner said."""
   compiler = {'model.frozen_layout': 'compiler'}  # (the eval step compiled for XLA's choice)
   said = []
   r = tpu_plan.plan(
     longcat_lora.get_config('variant=tiny'), 'v5e-4', TINY_EP | compiler, said.append
   )
+  return r, said
+
+
+def test_plan_compiles_the_train_and_eval_steps_for_a_slice(tiny_plan, tmp_path, capsys):
+  """The TPU engine is chosen (not this host's), both steps compile, and the report has every
+  per-chip figure and a labelled estimate."""
+  r, said = tiny_plan
   # The planner talks while it compiles (a full-scale compile takes minutes).
   assert said[0].startswith('compiling the train step for 4 TPU v5 lite devices'), said
   assert said[-1].startswith('compiled the eval step in '), said
@@ -100,6 +107,27 @@ def test_plan_compiles_the_train_and_eval_steps_for_a_slice(tmp_path, capsys):
   assert 'ESTIMATE' in out and 'fits' in out and "the compiler's temporaries are" in out
   assert f'needs {tpu_plan._gib(r["need_bytes"])} ({r["need_step"]}, the larger)' in out
   assert 'alive at the peak' in out and 'transpose(jvp())/while' in out
+
+
+def test_a_second_identical_plan_is_answered_from_the_cache(
+  tiny_plan, tmp_path, capsys, monkeypatch
+):
+  """A plain plan is cached by its inputs (the key that --search's plans use): the same
+  command again compiles nothing and prints the same plan; other settings miss the cache."""
+  compiled = []
+  monkeypatch.setattr(tpu_plan, 'plan', lambda *a, **k: compiled.append(a[2:]) or tiny_plan[0])
+  config = tpu_plan.with_overrides(longcat_lora.get_config('variant=tiny'), TINY_EP)
+  cache = str(tmp_path / 'plans.json')
+  run = lambda c: tpu_plan.main(c, 'v5e-4', False, False, '', 1, cache=cache)
+  run(config)
+  first = capsys.readouterr().out
+  run(config)
+  second = capsys.readouterr().out
+  assert len(compiled) == 1 and 'answered from the plan cache' in second
+  strip = lambda out: [ln for ln in out.splitlines() if not ln.startswith('[v5e-4]')]
+  assert strip(first) == strip(second) and 'ESTIMATE' in first
+  run(tpu_plan.with_overrides(config, {'data.seq_len': 64}))
+  assert len(compiled) == 2
 
 
 def test_a_batch_that_fits_and_one_that_does_not():

@@ -233,7 +233,8 @@ def _arg(v) -> str:
 
 
 # ---------------------------------------------------------------------------------------------
-# --search and --smallest: many compiles, cached, in worker processes.
+# The plan cache (every plan, keyed by its inputs); --search and --smallest: many compiles in
+# worker processes.
 
 
 def _cache_key(config, topology: str, overrides: dict) -> str:
@@ -492,15 +493,23 @@ def print_remat_table(rows: list[dict], configured: str) -> None:
 
 
 def main(
-  config, topology: str, do_search: bool, do_smallest: bool, json_path: str, workers, remat=False
+  config,
+  topology: str,
+  do_search: bool,
+  do_smallest: bool,
+  json_path: str,
+  workers,
+  remat=False,
+  cache: str = CACHE,
 ):
+  """The planner's CLI behind tools/plan.py. Every plan is cached by its inputs in `cache`."""
   if remat:
-    rows = remat_table(config, topology, workers)
+    rows = remat_table(config, topology, workers, cache)
     print_remat_table(rows, config.model.remat)
     _write(json_path, rows)
     return
   if do_smallest:
-    rows = smallest(config, generations(topology), workers)
+    rows = smallest(config, generations(topology), workers, cache=cache)
     for row in rows:
       r = row['plan']
       where = (
@@ -514,7 +523,7 @@ def main(
     _write(json_path, rows)
     return
   if do_search:
-    best = search(config, topology, workers)
+    best = search(config, topology, workers, cache=cache)
     print_plan(best)
     if _ok(best):
       print(f'fastest plan that leaves {HEADROOM:.0%} of the HBM free, as flags to paste:')
@@ -526,7 +535,13 @@ def main(
     _write(json_path, best)
     return
   say = lambda line: print(f'[{topology}] {line}', flush=True)
-  r = plan(config, topology, progress=say)
+  key = _cache_key(config, topology, {})
+  r = _load_cache(cache).get(key)
+  if r is None:
+    r = plan(config, topology, progress=say)
+    _save_cache(_load_cache(cache) | {key: r}, cache)
+  else:
+    say(f'answered from the plan cache ({cache}: same config, code and jax version)')
   print_plan(r)
   _write(json_path, r)
 

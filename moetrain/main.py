@@ -23,6 +23,8 @@ def default_workdir(config_path: str) -> str:
 def main(argv):
   del argv
   workdir = _WORKDIR.value or default_workdir(flags.FLAGS['config'].config_filename)
+  if os.path.exists(workdir) and not os.path.isdir(workdir):
+    raise runtime.UserError(f'--workdir={workdir} is a file, not a run directory')
   config = _CONFIG.value
   steps = [] if _DRY_RUN.value else rundir.saved_steps(workdir)
   # (train.resume_step: the run goes back to that checkpoint)

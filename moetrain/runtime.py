@@ -92,8 +92,12 @@ def parse_flags(argv: list[str]) -> list[str]:
   print absl's one-line usage error, as app.run's own parser does, not a traceback."""
   from absl import app
 
+  _import_config_packages(argv)
   try:
     return app.parse_flags_with_usage(argv)
+  except ImportError as e:  # a config file whose imports fail
+    path = next((a.split('=', 1)[1] for a in argv[1:] if a.startswith('--config=')), '?')
+    raise SystemExit(f'Error: --config={path}: {e}') from None
   except (AttributeError, KeyError) as e:
     # ml_collections raises AttributeError(KeyError("'name'\nDid you mean ...?")): the first
     # line names the key, the rest (if any) suggests one.
@@ -106,9 +110,22 @@ def parse_flags(argv: list[str]) -> list[str]:
     key = next((k for k in keys if name in k.split('.')), f'--config.…{name}')
     hint = f' {hint.strip()}' if hint.strip() else ''
     raise SystemExit(
-      f'{key}: no such config key ({name!r} is not in its section).{hint} docs/config.md '
+      f'Error: {key}: no such config key ({name!r} is not in its section).{hint} docs/config.md '
       'lists every key with its default'
     ) from None
+
+
+def _import_config_packages(argv: list[str]) -> None:
+  """Config files import their neighbours as a package (configs/longcat_lora.py: `from configs
+  import base`): the directory above that package goes on sys.path, so a command run from
+  outside the repository finds them too."""
+  for a in argv[1:]:
+    if a.startswith('--config='):
+      folder = os.path.dirname(os.path.abspath(a.split('=', 1)[1].split(':')[0]))
+      if os.path.exists(os.path.join(folder, '__init__.py')):
+        root = os.path.dirname(folder)
+        if root not in sys.path:
+          sys.path.insert(0, root)
 
 
 def define_process_flags() -> None:

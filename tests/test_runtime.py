@@ -7,7 +7,7 @@ import sys
 import pytest
 
 from moetrain import rundir, runtime
-from tests.helpers import run_command
+from tests.helpers import ROOT, run_command
 
 
 @pytest.fixture
@@ -91,10 +91,47 @@ def test_an_unknown_config_key_is_named():
     config = '--config=configs/longcat_lora.py'
     out = run_command('moetrain.main', config, f'--config.{bad}=3', '--dry_run')
     assert out.returncode != 0
-    assert f"--config.{bad}: no such config key ('{name}'" in out.stderr
+    assert f"Error: --config.{bad}: no such config key ('{name}'" in out.stderr
     assert 'Traceback' not in out.stderr
     assert '\\' not in out.stderr  # the key as written, not ml_collections' escaped message
   assert 'Did you mean "rank" instead of "rnak"?' in out.stderr
+
+
+def test_user_errors_are_one_line_naming_the_flag_or_path(tmp_path):
+  """A --workdir that is a file, a tool pointed at a directory with no run, and a config file
+  whose imports fail: one `Error:` line naming the flag or path, nothing written."""
+  afile = tmp_path / 'afile'
+  afile.write_text('')
+  bad_config = tmp_path / 'bad.py'
+  bad_config.write_text('from nowhere import get_config\n')
+  cases = (
+    (('moetrain.main', '--config=configs/longcat_lora.py', f'--workdir={afile}'),
+     f'Error: --workdir={afile} is a file, not a run directory'),
+    (('moetrain.tools.expert_load', f'--workdir={tmp_path}'),
+     f"Error: {tmp_path}/metrics.jsonl not found: is '{tmp_path}' a moetrain run directory?"),
+    (('moetrain.main', f'--config={bad_config}', '--dry_run'),
+     f"Error: --config={bad_config}: No module named 'nowhere'"),
+  )  # fmt: skip
+  for args, line in cases:
+    out = run_command(*args)
+    assert out.returncode != 0 and out.stderr.strip().splitlines()[-1] == line, out.stderr
+    assert 'Traceback' not in out.stderr
+  assert sorted(p.name for p in tmp_path.iterdir()) == ['afile', 'bad.py']
+
+
+def test_a_config_file_finds_its_package_from_any_directory(tmp_path):
+  """configs/*.py import `configs.base`: a command run outside the repository still reads them."""
+  config = os.path.join(ROOT, 'configs', 'longcat_lora.py')
+  env = {k: v for k, v in os.environ.items() if k != 'PYTHONPATH'}  # moetrain installed only
+  done = subprocess.run(
+    [sys.executable, '-m', 'moetrain.main', f'--config={config}', '--dry_run'],
+    cwd=tmp_path,
+    capture_output=True,
+    text=True,
+    env={**env, 'MOETRAIN_NO_REEXEC': '1'},
+  )
+  assert done.returncode == 0, done.stderr
+  assert 'parameters: total' in done.stdout
 
 
 def test_a_flag_error_is_a_usage_line_not_a_traceback():
@@ -133,7 +170,7 @@ def test_a_command_without_accelerators_does_not_start_libtpu():
   assert 'TPU' not in done.stderr and 'libtpu' not in done.stderr, done.stderr[-2000:]
 
 
-def test_the_planner_compiles_for_a_tpu_without_libtpu_noise():
+def test_the_planner_compiles_for_a_tpu_without_libtpu_noise(tmp_path):
   """On a host without TPUs the planner keeps libtpu's host discovery quiet (its E0000 lines
   read like a failed plan) and says what it compiles as it goes."""
   pytest.importorskip('libtpu')
@@ -144,6 +181,7 @@ def test_the_planner_compiles_for_a_tpu_without_libtpu_noise():
     '--config=configs/longcat_lora.py:variant=tiny',
     '--topology=v5e-1',
     '--config.data.eval_split=',
+    MOETRAIN_PLAN_CACHE=str(tmp_path / 'plans.json'),
   )
   assert done.returncode == 0, done.stderr[-2000:]
   assert done.stdout.startswith('[v5e-1] compiling the train step for 1 TPU v5 lite devices')

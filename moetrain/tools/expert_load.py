@@ -9,7 +9,7 @@ import re
 import numpy as np
 from absl import app, flags
 
-from moetrain import storage
+from moetrain import runtime, storage
 
 
 def define_flags():
@@ -107,4 +107,4 @@ def main(argv):
 if __name__ == '__main__':
   define_flags()
   flags.mark_flags_as_required(['workdir'])
-  app.run(main)
+  app.run(runtime.short_errors(main), flags_parser=runtime.parse_flags)

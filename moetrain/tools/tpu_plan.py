@@ -11,7 +11,8 @@ import pathlib
 from moetrain import topology as topology_lib
 
 HEADROOM = 0.10  # --search and --smallest keep plans that leave this much of the HBM free
-CACHE = '~/.cache/moetrain/plans.json'
+# Where plans are cached (MOETRAIN_PLAN_CACHE moves it).
+CACHE = os.environ.get('MOETRAIN_PLAN_CACHE', '~/.cache/moetrain/plans.json')
 
 
 def with_overrides(config, overrides: dict):

@@ -3,6 +3,7 @@ with), the marker of data that ran out, the steps saved in it and what a run say
 
 import functools
 import json
+import os
 
 from absl import logging
 
@@ -103,6 +104,9 @@ def check_resumable(
     )
   if not tool:
     _warn_data_changes(saved, now, workdir)
+    _warn_schedule_changes(
+      saved, now, workdir, config.train.resume_step or saved_steps(workdir)[-1]
+    )
 
 
 def _was(what: str, saved, now, why: str = '') -> str:
@@ -179,6 +183,38 @@ def _warn_data_changes(saved: dict, now: dict, workdir: str) -> None:
       workdir,
       '\n  '.join(changed),
     )
+
+
+SCHEDULE_FIELDS = (
+  'train.steps',
+  'optim.learning_rate',
+  'optim.warmup_steps',
+  'optim.schedule',
+  'optim.min_lr_ratio',
+)
+
+
+def _warn_schedule_changes(saved: dict, now: dict, workdir: str, step: int) -> None:
+  """The learning-rate schedule is a function of these settings: a resume that changes one
+  (a longer train.steps stretches the cosine) moves the rate from the resumed step on."""
+  from moetrain import optim
+
+  get = lambda d, key: d[key.split('.')[0]][key.split('.')[1]]
+  changed = [
+    _was(k, get(saved, k), get(now, k)) for k in SCHEDULE_FIELDS if get(saved, k) != get(now, k)
+  ]
+  if not changed:
+    return
+  rate = lambda d: float(optim.schedule(optim.OptimConfig(**d['optim']), d['train']['steps'])(step))
+  logging.warning(
+    'Resuming %s at step %d with another learning-rate schedule:\n  %s\nThe rate there moves '
+    'from %.3g to %.3g. Resume with the saved settings for an exact continuation.',
+    workdir,
+    step,
+    '\n  '.join(changed),
+    rate(saved),
+    rate(now),
+  )
 
 
 def run_dir(workdir: str) -> str:
@@ -258,3 +294,118 @@ def nothing_to_do(workdir: str, step: int, t, data_ended_epochs=None) -> str:
     f'Run in {workdir} is at step {step}, already past train.stop_at_step={t.stop_at_step}; '
     f'nothing to do. Raise it (or set 0 to run to train.steps={t.steps}).'
   )
+
+
+INPUTS = 'inputs.json'  # content fingerprints of the run's tokenizer and data files
+
+
+def tokenizer_path(data, workdir: str) -> str:
+  """The tokenizer a run reads: data.tokenizer (build() sets the checkpoint's for
+  init.hf_checkpoint), else the one trained into the run directory."""
+  from moetrain.data import tokenizer as tokenizer_lib
+
+  return data.tokenizer or storage.join(run_dir(workdir), tokenizer_lib.SPM_FILE)
+
+
+def data_files(data) -> list[str]:
+  """The files the run's data is read from: its splits' files (jsonl, text; local copies of
+  gs:// ones) and data.chat_template."""
+  files = [data.chat_template] if data.chat_template else []
+  if data.source in ('jsonl', 'text'):
+    from moetrain.data import sources
+
+    splits = [s for s in (data.train_split, data.eval_split) if s]
+    files += [p for s in splits for p in sources.expand_paths(data.path, s)]
+  return sorted(set(files))
+
+
+def _recorded(workdir: str) -> dict:
+  path = storage.join(run_dir(workdir), INPUTS)
+  if not storage.exists(path):
+    return {}
+  try:
+    return json.loads(storage.read_text(path))
+  except ValueError:  # (cut short by a kill: written anew below)
+    return {}
+
+
+def _changed_tokenizer(was: dict, now: dict) -> str:
+  """The first tokenizer file whose content differs from the recorded one of its name ('' when
+  none): another path with the same bytes is the same tokenizer."""
+  by_name = {os.path.basename(p): e['sha256'] for p, e in was.items()}
+  for path, entry in now.items():
+    if by_name.get(os.path.basename(path), entry['sha256']) != entry['sha256']:
+      return path
+  names = {os.path.basename(p) for p in now}
+  return next((p for p in was if os.path.basename(p) not in names), '')
+
+
+def _fingerprinted(workdir: str, data, resuming: bool) -> dict:
+  """The run's input record (INPUTS), checked against the recorded one when `resuming`."""
+  from moetrain import integrity
+  from moetrain.data import tokenizer as tokenizer_lib
+
+  was = _recorded(workdir) if resuming else {}
+  tokenizer_now = tokenizer_lib.tokenizer_files(tokenizer_path(data, workdir))
+  now = {
+    'tokenizer': integrity.fingerprints(tokenizer_now, was.get('tokenizer')),
+    'data': integrity.fingerprints(data_files(data), was.get('data')),
+  }
+  if was.get('tokenizer') and (changed := _changed_tokenizer(was['tokenizer'], now['tokenizer'])):
+    raise ValueError(
+      f'{changed}: the tokenizer is not the one the checkpointed run in {workdir} trained with '
+      '(its content differs, and the weights were trained on its token ids); restore it, or '
+      'use a new --workdir'
+    )
+  old = was.get('data', {})
+  changed = [p for p, e in now['data'].items() if p in old and old[p]['sha256'] != e['sha256']]
+  new, gone = sorted(set(now['data']) - set(old)), sorted(set(old) - set(now['data']))
+  if old and (changed or new or gone):
+    said = [f'{p} (content changed)' for p in changed]
+    said += [f'{p} (not read before)' for p in new] + [f'{p} (no longer read)' for p in gone]
+    logging.warning(
+      'Resuming %s on other data files than the checkpointed run read:\n  %s\nThe saved data '
+      'position is applied to them: examples around it may be skipped or read twice. Restore '
+      'the files for an exact continuation.',
+      workdir,
+      '\n  '.join(said),
+    )
+  return now
+
+
+def check_inputs(workdir: str, data, resuming: bool) -> dict | None:
+  """Fingerprints the run's tokenizer and data files (process 0; files unchanged since the
+  record are not read again, integrity.fingerprints). On a resume a tokenizer whose content
+  changed stops the run naming the file, and changed data files are warned of by name. Returns
+  the record for `record_inputs` (None on the other processes, which stop with process 0)."""
+  from moetrain import multihost, runtime
+
+  record, problem = None, ''
+  if runtime.is_primary():
+    try:
+      record = _fingerprinted(workdir, data, resuming)
+    except (OSError, ValueError) as e:
+      problem = str(e)
+  if problem := multihost.Exchange('run_inputs')(problem, 0)[0]:
+    raise ValueError(problem)
+  return record
+
+
+def record_inputs(workdir: str, record: dict | None) -> None:
+  if record is not None:
+    storage.write_atomic(storage.join(run_dir(workdir), INPUTS), json.dumps(record, indent=1))
+
+
+def check_tokenizer_content(workdir: str, data) -> None:
+  """For a tool reading a run's weights: its tokenizer must still be the one the run recorded."""
+  from moetrain import integrity
+  from moetrain.data import tokenizer as tokenizer_lib
+
+  was = _recorded(workdir).get('tokenizer')
+  if was:
+    files = tokenizer_lib.tokenizer_files(tokenizer_path(data, workdir))
+    if changed := _changed_tokenizer(was, integrity.fingerprints(files, was)):
+      raise ValueError(
+        f'{changed}: the tokenizer is not the one the run in {workdir} trained with (its '
+        'content differs, and the weights were trained on its token ids); restore it'
+      )

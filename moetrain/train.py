@@ -9,7 +9,7 @@ import jax
 import jax.numpy as jnp
 from absl import logging
 
-from moetrain import aot, lease, multihost, optim, rundir, runtime, sharding, train_log
+from moetrain import aot, lease, multihost, optim, rundir, runtime, sharding, storage, train_log
 from moetrain import metrics as metrics_lib
 from moetrain.checkpoint import Checkpointer, process_data_state
 from moetrain.data import pipeline
@@ -134,6 +134,7 @@ def start(config, workdir: str, setup: Setup, mesh, ckpt: Checkpointer) -> tuple
       setup.data, tokenizer, max_batches=t.eval_batches, **hosts
     )
     said['note'] = f' ({len(eval_batches)} batches)'
+  inputs = rundir.check_inputs(workdir, setup.data, resuming=ckpt.latest_step() is not None)
 
   saved_config = rundir.config_json(config, setup)
   wandb = {'project': t.wandb_project, 'entity': t.wandb_entity, 'config': json.loads(saved_config)}
@@ -141,6 +142,7 @@ def start(config, workdir: str, setup: Setup, mesh, ckpt: Checkpointer) -> tuple
     workdir, resume_step=ckpt.latest_step(), moe_layers=setup.model.moe_layer_indices, wandb=wandb
   )
   writer.save_config(saved_config)
+  rundir.record_inputs(workdir, inputs)
   batch_sharding = sharding.batch_sharding(mesh)
   sharding.check_hosts_own_rows(batch_sharding, setup.data.global_batch_size)
   abstract, shardings = aot.abstract_state(setup, mesh)
@@ -205,6 +207,8 @@ def loop(job: Job, state: TrainState) -> tuple[TrainState, dict]:
   baseline = None
   if start_step == 0 and job.eval_batches:  # the baseline that fine-tuning is measured against
     baseline = evals(state, 0, recurring=False)
+  elif job.eval_batches:  # a resumed run: the baseline its first start logged
+    baseline = logged_baseline(job.writer)
   finite = jax.process_count() > 1 and job.setup.data.num_epochs is not None
   data_ended = multihost.Exchange('data_ended') if finite else None
   stop, saved = Stop(), False
@@ -232,6 +236,23 @@ def loop(job: Job, state: TrainState) -> tuple[TrainState, dict]:
         f'{ev["perplexity"]:.2f})'
       )
   return state, {**last, 'data_ended': True} if stop.data_ended else last
+
+
+def logged_baseline(writer: metrics_lib.Writer) -> dict | None:
+  """The step-0 evaluation in <workdir>/metrics.jsonl (None where there is none, or on the
+  processes that print nothing)."""
+  path = storage.join(writer.workdir, 'metrics.jsonl')
+  if not writer.enabled or not storage.isfile(path):
+    return None
+  with storage.open(path) as f:
+    for line in f:
+      try:
+        r = json.loads(line)
+      except ValueError:
+        continue
+      if r.get('kind') == 'eval' and r.get('step') == 0 and r.get('perplexity') is not None:
+        return r
+  return None
 
 
 def train_one(job: Job, state, batch: dict, first: bool, meter, log) -> TrainState:

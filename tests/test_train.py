@@ -102,6 +102,10 @@ def test_resume_continues_bit_for_bit(uninterrupted, tmp_path, capsys):
   train.run(small_config(), workdir)
   want, got = losses(full), losses(workdir)
   assert [got[s] for s in range(1, 7)] == [want[s] for s in range(1, 7)]
+  # The resumed run ends as a fresh one does: measured against the first start's baseline.
+  assert re.search(
+    r'eval accuracy [\d.]+ before training -> [\d.]+ at step 6', capsys.readouterr().out
+  )
 
 
 @pytest.mark.parametrize(
@@ -335,6 +339,46 @@ def test_resume_with_other_data_settings_warns_by_name(uninterrupted, caplog):
   rundir.check_resumable(config, workdir)
   assert 'data.seq_len: 64 in the checkpointed run, now 32' in caplog.text
   assert 'data.seed: 0 in the checkpointed run, now 7' in caplog.text
+
+
+def test_resume_with_another_schedule_warns_by_name(uninterrupted, caplog):
+  """A longer train.steps (or another peak rate or warmup) changes the learning rate from the
+  resumed step on: the resume names the settings and the rate before and after."""
+  workdir, _ = uninterrupted
+  config = small_config(steps=12)
+  config.optim.learning_rate = 1e-3
+  rundir.check_resumable(config, workdir)
+  assert 'train.steps: 6 in the checkpointed run, now 12' in caplog.text
+  assert 'optim.learning_rate: 0.003 in the checkpointed run, now 0.001' in caplog.text
+  assert re.search(r'at step 6 with .*rate there moves from 0\.0003 to 0\.00055', caplog.text, re.S)
+
+
+def test_a_changed_or_empty_tokenizer_stops_a_resume_and_the_tools(uninterrupted, tmp_path):
+  """The run directory records its tokenizer's content: another valid tokenizer.model copied
+  in stops a resume and the tools naming it, with nothing changed; an empty one is named as
+  such, and an export refuses to take it along."""
+  from moetrain.data import tokenizer as tokenizer_lib
+  from moetrain.tools import export
+
+  workdir = _copy(uninterrupted[0], tmp_path)
+  path = workdir / 'tokenizer.model'
+  texts = [f'other words {i} here' for i in range(200)]
+  tokenizer_lib.train_sentencepiece(texts, 300, tmp_path / 'other.model')
+  os.replace(tmp_path / 'other.model', path)
+  before = _files(workdir)
+  changed = rf'^{re.escape(str(path))}: the tokenizer is not the one the (checkpointed )?run'
+  with pytest.raises(ValueError, match=changed):
+    train.run(small_config(steps=7), str(workdir))
+  assert _files(workdir) == before
+  with pytest.raises(ValueError, match=changed):
+    export.export(None, str(workdir), str(tmp_path / 'out'))
+  path.write_bytes(b'')
+  with pytest.raises(ValueError, match=rf'^{re.escape(str(path))} is empty'):
+    train.run(small_config(steps=7), str(workdir))
+  (workdir / rundir.INPUTS).unlink()  # (a run from before the record: the export's own check)
+  with pytest.raises(ValueError, match=rf'^{re.escape(str(path))} is empty'):
+    export.export(None, str(workdir), str(tmp_path / 'out'))
+  assert not (tmp_path / 'out').exists()
 
 
 def test_data_running_out_saves_evaluates_and_stops(tmp_path):

@@ -127,6 +127,7 @@ def start(config, workdir: str, setup: Setup, mesh, ckpt: Checkpointer) -> tuple
     tokenizer = pipeline.make_tokenizer(setup.data, workdir)
     said['note'] = f' (a vocabulary of {tokenizer.vocab_size})'
   check_tokenizer_fits(tokenizer, setup, workdir)
+  pipeline.warn_if_tokenizer_is_foreign(setup.data, tokenizer)
   hosts = {'process_index': jax.process_index(), 'process_count': jax.process_count()}
   train_iter = pipeline.make_train_iterator(setup.data, tokenizer, **hosts)
   with runtime.phase('Evaluation data') as said:

@@ -385,6 +385,47 @@ def check_examples(
     )
 
 
+# Past this many tokens per whitespace-separated word, a tokenizer was made for other text (a
+# tokenizer made for the text it encodes takes ~1.2-1.6 tokens per English word).
+MAX_TOKENS_PER_WORD = 3.0
+
+
+def tokens_per_word(cfg: DataConfig, tokenizer: Tokenizer, sample: int = 64) -> float:
+  """Tokens per word of the first `sample` training examples' text under `tokenizer`."""
+  source = open_source(cfg, cfg.train_split)
+
+  def texts_of(example):  # a chat's messages without its template's markup
+    if 'messages' in example:
+      return [m.get('content') or '' for m in example['messages'] if isinstance(m, dict)]
+    return sources.example_texts(example)
+
+  texts = [t for i in range(min(sample, len(source))) for t in texts_of(source[i])]
+  texts = [t for t in texts if isinstance(t, str)]
+  words = sum(len(t.split()) for t in texts)
+  return sum(len(tokenizer.encode(t)) for t in texts) / max(words, 1)
+
+
+def warn_if_tokenizer_is_foreign(cfg: DataConfig, tokenizer: Tokenizer) -> float:
+  """A warning, with the fix, when the training text takes many tokens per word: the tokenizer
+  came from elsewhere (the demo's small one, or one trained on other data) and the model would
+  learn spelling instead of the task. Returns the ratio."""
+  if cfg.source == 'demo':
+    return 0.0
+  ratio = tokens_per_word(cfg, tokenizer)
+  if ratio > MAX_TOKENS_PER_WORD:
+    origin = f'data.tokenizer={cfg.tokenizer!r}' if cfg.tokenizer else "the run's own tokenizer"
+    logging.warning(
+      '%s encodes the training text (%s) at %.1f tokens per word: it was made for other text '
+      "(a demo base's small vocabulary reads real words a few letters at a time). Train on a "
+      "base checkpoint's own tokenizer (init.hf_checkpoint, or data.tokenizer pointing at it), "
+      "or let the run train one on this data: data.tokenizer='' with a fresh --workdir.",
+      origin,
+      cfg.path or cfg.tfds_name,
+      ratio,
+    )
+  return ratio
+
+
 def _padding_rows(batch: dict[str, np.ndarray], rows: int, pad_id: int) -> dict[str, np.ndarray]:
   """Appends all-padding rows (segment id 0, zero loss) to reach `rows` rows."""
   missing = rows - len(batch['inputs'])

@@ -182,3 +182,44 @@ def test_preview_data_prints_the_trainers_tokens():
   out = run_command('moetrain.tools.preview_data', *args, '--num=1')
   assert out.returncode == 0, out.stderr
   assert '<|im_start|>assistant\n[[fox red<|im_end|>]]\n' in out.stdout
+
+
+@pytest.mark.parametrize('template', ['', 'llama3', 'inst'])
+def test_a_chat_prompt_is_what_training_renders_before_the_reply(template, conversations, tok):
+  """generate --chat asks as training taught: the prompt of a conversation's first turns is
+  the training text up to where the trained reply starts (the template's generation prompt
+  included), for the tokenizer's own template and others."""
+  cfg = data_config(chat_template=template_path(template) if template else '')
+  fmt = pipeline.chat_format(cfg, tok)
+  checked = 0
+  for example in conversations:
+    messages = example['messages']
+    ends = [i for i, m in enumerate(messages) if m['role'] == 'assistant']
+    try:
+      text, spans = fmt.apply(example)
+    except ValueError:  # (a conversation this template refuses: tested above)
+      continue
+    prompt = fmt.prompt(messages[: ends[0]], example.get('tools'))
+    assert text.startswith(prompt) and spans[0][0] >= len(prompt) > 0
+    checked += 1
+  assert checked >= 2
+  replied = [{'role': 'user', 'content': 'a'}, {'role': 'assistant', 'content': 'b'}]
+  with pytest.raises(ValueError, match='ends with a message for the assistant to answer'):
+    fmt.prompt(replied)
+
+
+def test_generate_reads_chats_from_the_command_line_or_a_jsonl(tmp_path):
+  from absl import app
+
+  from moetrain.tools.generate import chat_inputs
+
+  assert chat_inputs('Hi', '', '') == [[{'role': 'user', 'content': 'Hi'}]]
+  assert chat_inputs('Hi', 'Be brief.', '')[0][0] == {'role': 'system', 'content': 'Be brief.'}
+  with pytest.raises(app.UsageError, match='--chat needs --prompt'):
+    chat_inputs('', '', '')
+  path = tmp_path / 'chats.jsonl'
+  path.write_text(json.dumps({'messages': [{'role': 'user', 'content': 'a'}]}) + '\n\n{"x": 1}\n')
+  with pytest.raises(ValueError, match=r'--messages=.*chats\.jsonl, line 3: not a'):
+    chat_inputs('', '', str(path))
+  path.write_text(json.dumps({'messages': [{'role': 'user', 'content': 'a'}]}) + '\n')
+  assert chat_inputs('ignored', '', str(path)) == [[{'role': 'user', 'content': 'a'}]]

@@ -219,6 +219,17 @@ class ChatFormat:
       raise ValueError(f'{where}: {self.name} gives the assistant turns no text to train on')
     return text, spans
 
+  def prompt(self, messages: Sequence[Mapping], tools=None) -> str:
+    """The text a reply continues: the conversation so far rendered as training renders it,
+    then the template's generation prompt (the assistant's turn opened)."""
+    if not messages or messages[-1].get('role') == 'assistant':
+      raise ValueError('a chat prompt ends with a message for the assistant to answer')
+    kw = dict(tools=tools, variables=dict(self.variables))
+    try:
+      return render(self.source(tools), messages, add_generation_prompt=True, **kw)[0]
+    except jinja2.TemplateError as e:
+      raise ValueError(f'{self.name}: {type(e).__name__}: {e}') from e
+
   def _turn(self, source, messages, i, text, kw, where) -> tuple[int, int]:
     """Assistant turn i's span: what rendering messages[:i + 1] adds to messages[:i] with the
     generation prompt, when both are prefixes of the whole conversation's text."""

@@ -4,13 +4,18 @@
   python -m moetrain.tools.generate --workdir=runs/longcat_lora \
       --prompt='Hello' --temperature=0.8 --top_p=0.9 --seed=1
   python -m moetrain.tools.generate --config=configs/longcat_lora.py --prompt='Hello'
+  python -m moetrain.tools.generate --hf_checkpoint=DIR --chat --prompt='What is MoE?'
+  python -m moetrain.tools.generate --workdir=runs/chat --messages=conversations.jsonl
 
 --workdir's latest checkpoint is loaded with the run's own config.json (or --config, which must
 match the run); --config alone loads its initial weights (e.g. --config.init.hf_checkpoint=DIR).
-Prints the text and prefill + decode tokens/s.
+Prints the text and prefill + decode tokens/s. --chat (or --messages) renders conversations with
+the chat template the run trained with (data.chat_template, else the tokenizer's own, else the
+built-in one) and its generation prompt, so a chat fine-tune is asked as it was taught.
 """
 
 import functools
+import json
 import time
 
 import jax
@@ -19,8 +24,9 @@ from absl import app, flags
 from flax import nnx
 from ml_collections import config_flags
 
-from moetrain import runtime
+from moetrain import runtime, storage
 from moetrain.convert.stacked_io import to_host
+from moetrain.data import pipeline
 from moetrain.model.decode import decode_step, prefill
 
 
@@ -180,6 +186,16 @@ def define_flags():
   flags.DEFINE_float('top_p', 1.0, 'Nucleus mass when sampling.')
   flags.DEFINE_integer('seed', 0, 'Sampling seed.')
   flags.DEFINE_bool('add_bos', True, "Prepend the tokenizer's bos token, if it has one.")
+  flags.DEFINE_bool(
+    'chat', False, "--prompt is a user message, rendered with the model's chat template."
+  )
+  flags.DEFINE_string('system', '', 'With --chat: a system message before the user message.')
+  flags.DEFINE_string(
+    'messages',
+    '',
+    'A JSONL file of conversations ({"messages": [...]} a line, ending with a '
+    'user turn): each is rendered with the chat template and answered (implies --chat).',
+  )
   runtime.define_process_flags()
 
 
@@ -190,12 +206,12 @@ def load_hf(path: str):
   return load_model(path, dtype=jnp.float32), load_tokenizer(path)
 
 
-def load_run(config, workdir: str | None):
+def load_run(config, workdir: str | None, with_data: bool = False):
   """The model of --workdir's latest checkpoint, or the config's initial weights (its
   init.hf_checkpoint, else random) when there is none; the frozen base of a LoRA run is rebuilt
-  from its source, as training does. Returns (model, tokenizer, step)."""
+  from its source, as training does. Returns (model, tokenizer, step), and the run's data
+  settings (its chat template) after them if with_data."""
   from moetrain import setup as setup_lib
-  from moetrain.data import pipeline
   from moetrain.train_state import graphdef_of, merge_model
 
   setup = setup_lib.tool_setup(config, workdir)
@@ -205,7 +221,7 @@ def load_run(config, workdir: str | None):
   with jax.set_mesh(mesh):
     state = setup_lib.load_latest(setup, workdir, mesh)
   model = merge_model(graphdef_of(setup.model), state.params, state.moe_bias, state.frozen)
-  return model, tokenizer, int(state.step)
+  return (model, tokenizer, int(state.step)) + ((setup.data,) if with_data else ())
 
 
 def main(argv):
@@ -218,13 +234,51 @@ def main(argv):
   if f.max_new_tokens < 1:
     raise app.UsageError(f'--max_new_tokens={f.max_new_tokens} must be at least 1')
   check_sampling(f.temperature, f.top_p)
+  conversations = chat_inputs(f.prompt, f.system, f.messages) if f.chat or f.messages else None
   if f.hf_checkpoint:
-    model, tok = load_hf(f.hf_checkpoint)
+    (model, tok), data = load_hf(f.hf_checkpoint), pipeline.DataConfig()
     source = f.hf_checkpoint
   else:
-    model, tok, step = load_run(f.config, f.workdir)
+    model, tok, step, data = load_run(f.config, f.workdir, with_data=True)
     source = f'{f.workdir or "initial weights"} at step {step}'
-  ids = prompt_ids(tok, f.prompt, f.add_bos)
+  if conversations is None:
+    prompts = [(f.prompt, prompt_ids(tok, f.prompt, f.add_bos))]
+  else:
+    fmt = pipeline.chat_format(data, tok)
+    texts = [fmt.prompt(c) for c in conversations]  # the builtin template's bos: the packer's
+    prompts = [(t, prompt_ids(tok, t, f.add_bos and fmt.builtin)) for t in texts]
+  if runtime.is_primary():
+    print(f'# {source}')
+  for text, ids in prompts:
+    answer(model, tok, text, ids, f)
+
+
+def chat_inputs(prompt: str, system: str, path: str) -> list[list[dict]]:
+  """The conversations to answer: --messages' JSONL lines, or --prompt as a user message (after
+  --system's)."""
+  if not path:
+    if not prompt:
+      raise app.UsageError('--chat needs --prompt (the user message) or --messages=FILE.jsonl')
+    return [
+      [{'role': 'system', 'content': system}] * bool(system) + [{'role': 'user', 'content': prompt}]
+    ]
+  out = []
+  for i, line in enumerate(storage.read_text(path).splitlines(), 1):
+    if line.strip():
+      try:
+        messages = json.loads(line)['messages']
+      except (ValueError, KeyError, TypeError) as e:
+        raise ValueError(
+          f'--messages={path}, line {i}: not a {{"messages": [...]}} record ({e})'
+        ) from None
+      out.append(messages)
+  if not out:
+    raise ValueError(f'--messages={path} holds no conversation')
+  return out
+
+
+def answer(model, tok, text: str, ids: list[int], f) -> None:
+  """Generates from one prompt and prints it with its continuation (on process 0)."""
   out, stats = timed_generate(
     model,
     [ids],
@@ -238,8 +292,7 @@ def main(argv):
   new = new_tokens(to_host(out), len(ids), tok.eos_id)  # to_host on every process: a collective
   if not runtime.is_primary():
     return
-  print(f'# {source}')
-  print(f.prompt + continuation(tok, ids, new))
+  print(text + continuation(tok, ids, new))
   ended = ' and eos' if stats['new_tokens'] > len(new) else ''  # the rate counts eos too
   print(
     f'# {len(new)} new tokens{ended}; compile {stats["compile_s"]:.1f} s; prefill + decode '

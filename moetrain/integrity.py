@@ -1,6 +1,8 @@
-"""Checksums of a checkpoint's files, written with it and verified before it is restored."""
+"""Checksums of a checkpoint's files, written with it and verified before it is restored; content
+fingerprints of a run's inputs."""
 
 import concurrent.futures
+import hashlib
 import json
 import zlib
 
@@ -76,3 +78,34 @@ def problems(step_dir: str, manifest: dict, part: int = 0, parts: int = 1) -> li
     if crc != manifest[f]['crc32']:
       out.append(f'{f}: checksum {crc}, {manifest[f]["crc32"]} was written')
   return out
+
+
+# Content fingerprints of a run's inputs (its tokenizer and data files), recorded in the run
+# directory and compared on a resume (rundir.check_inputs). SHA-256 in 8 MiB reads: about 1.9
+# GB/s on one core here (hashlib releases the GIL, so files hash in parallel), faster than
+# BLAKE2b (1.3 GB/s) where the CPU has SHA extensions.
+HASH_CHUNK = 8 << 20
+
+
+def content_hash(path: str) -> str:
+  """SHA-256 of a file's bytes, as hex."""
+  h = hashlib.sha256()
+  with storage.open(path, 'rb') as f:
+    while chunk := f.read(HASH_CHUNK):
+      h.update(chunk)
+  return h.hexdigest()
+
+
+def fingerprints(paths: list[str], known: dict | None = None) -> dict:
+  """{path: {'stamp': storage.stamp, 'sha256': content_hash}} of `paths`. A file whose stamp
+  equals its entry in `known` keeps that entry (it is not read again): the stamp changes with
+  every write (storage.stamp), so only files written since are hashed. The stamp is taken
+  before the read: a file written during it is hashed again next time."""
+  known = known or {}
+  stamps = {p: storage.stamp(p) for p in paths}
+  out = {p: known[p] for p in paths if known.get(p, {}).get('stamp') == stamps[p]}
+  todo = [p for p in paths if p not in out]
+  with concurrent.futures.ThreadPoolExecutor(THREADS) as pool:
+    for p, digest in zip(todo, pool.map(content_hash, todo)):
+      out[p] = {'stamp': stamps[p], 'sha256': digest}
+  return {p: out[p] for p in paths}

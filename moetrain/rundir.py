@@ -67,6 +67,7 @@ def tool_config(config, workdir: str | None):
     if workdir:
       advice = "pass the run's settings, or leave --config out"
       check_resumable(config, workdir, advice, tool=True)
+      check_tokenizer_content(workdir, config.data.tokenizer or config.init.hf_checkpoint)
     return config
   if not workdir:
     raise ValueError('pass --config, or --workdir of a run (its config.json is then used)')
@@ -76,7 +77,9 @@ def tool_config(config, workdir: str | None):
   if not storage.isfile(path):
     raise FileNotFoundError(f"{path} does not exist: pass the run's --config")
   with storage.open(path) as f:  # (an older run's lacks newer keys: they were at their defaults)
-    return ml_collections.ConfigDict(_with_defaults(json.load(f)))
+    config = ml_collections.ConfigDict(_with_defaults(json.load(f)))
+  check_tokenizer_content(workdir, config.data.tokenizer or config.init.hf_checkpoint)
+  return config
 
 
 def check_resumable(
@@ -396,14 +399,16 @@ def record_inputs(workdir: str, record: dict | None) -> None:
     storage.write_atomic(storage.join(run_dir(workdir), INPUTS), json.dumps(record, indent=1))
 
 
-def check_tokenizer_content(workdir: str, data) -> None:
-  """For a tool reading a run's weights: its tokenizer must still be the one the run recorded."""
+def check_tokenizer_content(workdir: str, tokenizer: str) -> None:
+  """For a tool reading a run's weights: its tokenizer (data.tokenizer, else init.hf_checkpoint's,
+  else the run's own: `tokenizer`='') must still be the one the run recorded."""
   from moetrain import integrity
   from moetrain.data import tokenizer as tokenizer_lib
 
   was = _recorded(workdir).get('tokenizer')
   if was:
-    files = tokenizer_lib.tokenizer_files(tokenizer_path(data, workdir))
+    path = absolute(tokenizer) or storage.join(run_dir(workdir), tokenizer_lib.SPM_FILE)
+    files = tokenizer_lib.tokenizer_files(path)
     if changed := _changed_tokenizer(was, integrity.fingerprints(files, was)):
       raise ValueError(
         f'{changed}: the tokenizer is not the one the run in {workdir} trained with (its '

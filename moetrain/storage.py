@@ -151,6 +151,20 @@ def getmtime(path: str) -> float:
   return os.path.getmtime(path)
 
 
+def stamp(path: str) -> list:
+  """What changes whenever a file is written: a local file's size, mtime, ctime and inode (the
+  kernel sets ctime on every write and no call sets it back, so a rewrite that restores the
+  size and the mtime still changes it; a copy or rename of another file changes the inode); an
+  object's size and generation (every upload makes a new one)."""
+  if is_url(path):
+    fs, p = _fs(path)
+    info = fs.info(p)
+    version = info.get('generation') or info.get('etag') or info.get('mtime') or ''
+    return [int(info['size']), str(version)]
+  st = os.stat(path)
+  return [st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino]
+
+
 def makedirs(path: str) -> None:
   """A directory and its parents (nothing to do on an object store: names are prefixes)."""
   if not is_url(path):

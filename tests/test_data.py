@@ -201,6 +201,9 @@ def test_load_tokenizer_errors_name_the_path(tmp_path):
   (tmp_path / 'tokenizer.model').write_text('version https://git-lfs.github.com/spec/v1\n')
   with pytest.raises(ValueError, match=r'tokenizer\.model is not a readable SentencePiece'):
     tokenizer_lib.load_tokenizer(tmp_path / 'tokenizer.model')
+  (tmp_path / 'tokenizer.model').write_bytes(b'')  # (SentencePiece would take it: no pieces)
+  with pytest.raises(ValueError, match=r'tokenizer\.model is empty: not a SentencePiece model'):
+    tokenizer_lib.load_tokenizer(tmp_path / 'tokenizer.model')
 
 
 # Sources.

@@ -99,11 +99,16 @@ class SentencePieceTokenizer:
     self._state = dict(model_proto=model_proto, bos=bos, eos=eos, pad=pad, name=name)
     self.name = name
     self.chat_template = None  # a .model file has none: chats use chat.BUILTIN
+    if not model_proto:  # (SentencePiece takes an empty proto for a model of no pieces)
+      raise ValueError(f'{name} is empty: not a SentencePiece model')
     try:
       self._sp = spm.SentencePieceProcessor(model_proto=model_proto)
     except RuntimeError as e:
-      raise ValueError(f'{name} is not a readable SentencePiece model: {e}') from e
+      first = (str(e).strip().splitlines() or [''])[0]
+      raise ValueError(f'{name} is not a readable SentencePiece model ({first})') from e
     self.vocab_size = self._sp.vocab_size()
+    if not self.vocab_size:
+      raise ValueError(f'{name} is not a readable SentencePiece model (it holds no pieces)')
     self._continuation = None
 
     def lookup(piece: str) -> int | None:
@@ -330,6 +335,18 @@ def tokenizer_file(path: str | os.PathLike) -> Path | None:
   if not path.is_dir():
     return path
   return next((c for c in (path / HF_FILE, path / SPM_FILE) if c.is_file()), None)
+
+
+def tokenizer_files(path: str | os.PathLike) -> list[str]:
+  """The files a tokenizer path reads (tokenizer_file; beside a tokenizer.json, the special-token
+  and chat-template files present too): what a run's fingerprint of its tokenizer covers."""
+  file = tokenizer_file(path)
+  if file is None or not file.is_file():
+    return []
+  beside = (
+    (HF_CONFIG_FILE, SPECIAL_TOKENS_FILE, chat.TEMPLATE_FILE) if file.suffix == '.json' else ()
+  )
+  return [str(f) for f in (file, *(file.with_name(n) for n in beside)) if f.is_file()]
 
 
 def load_tokenizer(

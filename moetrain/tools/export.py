@@ -5,14 +5,17 @@ alone (PEFT layout).
       [--adapter_only] [--dtype=bfloat16] [--config=configs/longcat_lora.py]
 
 The run's own config.json is used unless --config is given (it must then match the run). The
-files are written next to --out and moved into it only once all are complete: a failed or killed
-export leaves an earlier export in --out as it was.
+export is written into a directory beside --out, which then takes the place of --out in one
+rename (`publish`): a failed or killed export leaves an earlier export in --out as it was.
 """
 
+import ctypes
+import errno
 import json
 import os
 import shutil
 import socket
+import stat
 import tempfile
 
 import jax
@@ -24,6 +27,7 @@ from moetrain import setup as setup_lib
 from moetrain.convert import hf, peft_adapter
 from moetrain.convert import safetensors_io as stio
 from moetrain.data import chat
+from moetrain.data import tokenizer as tokenizer_lib
 from moetrain.train_state import graphdef_of, merge_model
 
 DTYPES = ('float32', 'bfloat16', 'float16')
@@ -121,18 +125,11 @@ def export(config, workdir: str, out: str, adapter_only: bool = False, dtype=Non
   check_out(out, workdir, setup)
   if adapter_only and not setup.model.lora.enabled:
     raise ValueError('--adapter_only needs a LoRA run (lora.rank > 0)')
+  companions = {} if adapter_only else companion_files(setup, workdir)
+  check_tokenizer(companions)
   mesh = setup.make_mesh()
   primary = jax.process_index() == 0
-  # Written beside --out (same filesystem, so the final moves are renames); for a gs:// --out
-  # in a local temporary directory, then uploaded.
-  staging = None
-  if primary and storage.is_url(out):
-    staging = tempfile.mkdtemp(prefix='moetrain-export.')
-  elif primary:
-    parent = os.path.dirname(os.path.abspath(out))
-    os.makedirs(parent, exist_ok=True)
-    remove_dead_staging(out)
-    staging = tempfile.mkdtemp(prefix=f'{_staging_prefix(out)}{os.getpid()}.', dir=parent)
+  staging = _staging(out) if primary else None
   try:
     with jax.set_mesh(mesh):
       state = setup_lib.load_latest(setup, workdir, mesh)
@@ -146,14 +143,37 @@ def export(config, workdir: str, out: str, adapter_only: bool = False, dtype=Non
           model, setup.model, target, dtype=dtype, base_config=base, base_dir=setup.hf_checkpoint
         )
         if primary:
-          for name, source in companion_files(setup, workdir).items():
+          for name, source in companions.items():
             storage.copy(source, os.path.join(staging, name))
-    if primary:
-      _replace_contents(staging, out)
+    if primary and storage.is_url(out):
+      publish_url(staging, out)
+    elif primary:
+      staging = publish(staging, out)  # (what is left to remove: the earlier export)
   finally:
     if staging:
       shutil.rmtree(staging, ignore_errors=True)
   return out
+
+
+def check_tokenizer(files: dict[str, str]) -> None:
+  """The tokenizer an export takes along must load: an empty or corrupt one is refused, naming
+  it, rather than copied into an export that then cannot be read."""
+  for name in ('tokenizer.json', SPM_FILE):
+    if name in files:
+      tokenizer_lib.load_tokenizer(files[name])
+
+
+def _staging(out: str) -> str:
+  """A fresh directory for the export's files: for a local --out beside the directory it names
+  (same filesystem: publishing it is a rename), for a gs:// one a local temporary directory."""
+  if storage.is_url(out):
+    return tempfile.mkdtemp(prefix='moetrain-export.')
+  real = os.path.realpath(out)  # (--out may be a symbolic link: the directory it names)
+  os.makedirs(os.path.dirname(real), exist_ok=True)
+  remove_dead_staging(real)
+  return tempfile.mkdtemp(
+    prefix=f'{_staging_prefix(real)}{os.getpid()}.', dir=os.path.dirname(real)
+  )
 
 
 def _staging_prefix(out: str) -> str:
@@ -161,19 +181,29 @@ def _staging_prefix(out: str) -> str:
   return f'.{os.path.basename(os.path.abspath(out))}.{socket.gethostname()}.'
 
 
+# The earlier export, moved aside where the directories cannot be exchanged in one step: if the
+# export is killed before the new one takes its place, the next export puts it back.
+PREVIOUS = '.previous'
+
+
 def remove_dead_staging(out: str) -> None:
   """Removes the staging directories that killed exports to `out` from this host left behind
-  (their process is gone); another host's, or a live export's, are left alone."""
+  (their process is gone); another host's, or a live export's, are left alone. An earlier export
+  moved aside (PREVIOUS) goes back to `out` when nothing took its place."""
   parent, mine = os.path.dirname(os.path.abspath(out)), _staging_prefix(out)
   for name in os.listdir(parent):
     pid = name.removeprefix(mine).split('.')[0]
     if name.startswith(mine) and pid.isdigit() and not lease.pid_alive(int(pid)):
-      shutil.rmtree(os.path.join(parent, name), ignore_errors=True)
+      path = os.path.join(parent, name)
+      if name.endswith(PREVIOUS) and not os.path.lexists(out):
+        os.rename(path, out)
+      else:
+        shutil.rmtree(path, ignore_errors=True)
 
 
-# Files an export may write (with the model files, stio.is_model_file). An earlier export's that
-# the new one does not write are removed: a stale model.safetensors shadows a new sharded index,
-# a stale adapter_config.json makes transformers read a merged export as an adapter, a stale
+# Files an export may write (with the model files, stio.is_model_file). An earlier export's are
+# not carried over into the new one: a stale model.safetensors shadows a new sharded index, a
+# stale adapter_config.json makes transformers read a merged export as an adapter, a stale
 # tokenizer.json wins over a new tokenizer.model.
 EXPORT_FILES = (
   peft_adapter.ADAPTER_FILE,
@@ -183,26 +213,103 @@ EXPORT_FILES = (
   SPM_FILE,
   *TOKENIZER_FILES,
 )
+CONFIGS = ('config.json', peft_adapter.ADAPTER_CONFIG)  # what makes a directory loadable
 
 
-def _replace_contents(staging: str, out: str) -> None:
-  """Moves the finished files into `out`, first removing what an earlier export there wrote
-  that this one did not (EXPORT_FILES, model files, remote code). Other files are left alone."""
-  storage.makedirs(out)
-  new = set(os.listdir(staging))
-  old_config = storage.join(out, 'config.json')
-  old_code = set()
-  if storage.isfile(old_config):
+def _exported_by(out: str) -> set[str]:
+  """The names in `out` that an export wrote: EXPORT_FILES, model files, and the remote code
+  its config.json names."""
+  code = set()
+  if storage.isfile(config := storage.join(out, 'config.json')):
     try:
-      old_code = set(remote_code_files(json.loads(storage.read_text(old_config))))
+      code = set(remote_code_files(json.loads(storage.read_text(config))))
     except ValueError:
       pass
-  for name in storage.listdir(out):
-    stale = stio.is_model_file(name) or name in EXPORT_FILES or name in old_code
-    if stale and name not in new:
-      storage.remove(storage.join(out, name))
-  for name in sorted(new, key=lambda n: n == 'config.json' or n == 'adapter_config.json'):
-    storage.move(os.path.join(staging, name), storage.join(out, name))
+  names = storage.listdir(out)
+  return {n for n in names if stio.is_model_file(n) or n in EXPORT_FILES or n in code}
+
+
+def _exchange(a: str, b: str) -> None:
+  """Swaps two paths in one step (Linux renameat2 RENAME_EXCHANGE: ext4, xfs, btrfs, tmpfs)."""
+  libc = ctypes.CDLL(None, use_errno=True)
+  if libc.renameat2(AT_FDCWD, os.fsencode(a), AT_FDCWD, os.fsencode(b), RENAME_EXCHANGE):
+    e = ctypes.get_errno()
+    raise OSError(e, os.strerror(e), b)
+
+
+AT_FDCWD, RENAME_EXCHANGE = -100, 2
+
+
+def publish(staging: str, out: str) -> str:
+  """Makes the finished export in `staging` the directory `out` in one rename, so that a kill
+  at any instant leaves `out` the earlier export or the new one. Files in `out` that no export
+  wrote (notes, a README) are carried over (hard links). Returns the path now holding what
+  `out` held, for the caller to remove."""
+  out = os.path.realpath(out)
+  if not os.path.lexists(out):
+    os.chmod(staging, 0o777 & ~_umask())
+    os.rename(staging, out)
+    return ''
+  if not os.path.isdir(out):
+    raise NotADirectoryError(f'--out={out} is a file, not a directory')
+  for name in sorted(set(os.listdir(out)) - _exported_by(out) - set(os.listdir(staging))):
+    _link_tree(os.path.join(out, name), os.path.join(staging, name))
+  os.chmod(staging, stat.S_IMODE(os.stat(out).st_mode))
+  try:
+    _exchange(staging, out)
+    return staging
+  except OSError as e:
+    if e.errno not in (errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP):
+      raise
+  aside = staging + PREVIOUS  # (no exchange here, NFS say: two renames)
+  os.rename(out, aside)
+  try:
+    os.rename(staging, out)
+  except BaseException:
+    os.rename(aside, out)
+    raise
+  return aside
+
+
+def _umask() -> int:
+  mask = os.umask(0)
+  os.umask(mask)
+  return mask
+
+
+def _link_tree(src: str, dst: str) -> None:
+  """A hard-linked copy of a file or directory (a copy where links are refused)."""
+  if os.path.isdir(src) and not os.path.islink(src):
+    shutil.copytree(src, dst, symlinks=True, copy_function=_link_or_copy)
+  else:
+    _link_or_copy(src, dst)
+
+
+def _link_or_copy(src: str, dst: str) -> None:
+  try:
+    os.link(src, dst, follow_symlinks=False)
+  except OSError:
+    shutil.copy2(src, dst, follow_symlinks=False)
+
+
+def publish_url(staging: str, out: str) -> None:
+  """Uploads the finished export in `staging` to a gs:// `out`. A bucket has no rename and no
+  way to replace several objects at once; each object is replaced whole. So the earlier export's
+  config.json (or adapter_config.json) goes first, then the new files come, the earlier export's
+  leftovers go, and the new configs come last: a kill leaves the earlier export, a prefix that
+  no loader takes for a model (no config), or the new export; never new weights read with an
+  old config."""
+  new = sorted(os.listdir(staging))
+  stale = _exported_by(out) - set(new) - set(CONFIGS)
+  first = [n for n in CONFIGS if storage.isfile(storage.join(out, n))]
+  for name in first:
+    storage.remove(storage.join(out, name))
+  for name in (n for n in new if n not in CONFIGS):
+    storage.copy(os.path.join(staging, name), storage.join(out, name))
+  for name in sorted(stale):
+    storage.remove(storage.join(out, name))
+  for name in (n for n in new if n in CONFIGS):
+    storage.copy(os.path.join(staging, name), storage.join(out, name))
 
 
 def main(argv):

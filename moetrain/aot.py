@@ -12,7 +12,7 @@ from flax import nnx
 from jax.experimental.layout import Format, Layout
 
 from moetrain import hlo_cost, optim, sharding
-from moetrain.train_state import graphdef_of, init_state, state_shardings
+from moetrain.train_state import abstract_teacher, graphdef_of, init_state, state_shardings
 from moetrain.train_step import eval_step, jit_train_step
 
 BATCH_FIELDS = ('inputs', 'targets', 'positions', 'segment_ids', 'loss_mask')
@@ -26,6 +26,8 @@ def abstract_state(setup, mesh):
   """(the train state as ShapeDtypeStructs carrying their shardings, the shardings)."""
   optimizer = optim.make_optimizer(setup.optim, setup.train.steps)
   abstract = jax.eval_shape(lambda: init_state(setup.model, optimizer, setup.seed))
+  if setup.step.teacher is not None:  # online distillation: the teacher's weights come along
+    abstract = dataclasses.replace(abstract, teacher=abstract_teacher(setup.step.teacher))
   shardings = state_shardings(abstract, mesh, setup.model.rules)
 
   def sds(a, s):
@@ -36,11 +38,23 @@ def abstract_state(setup, mesh):
   return jax.tree.map(sds, abstract, shardings, is_leaf=_is_var), shardings
 
 
-def abstract_batch(rows: int, seq_len: int, mesh) -> dict:
-  """The packed batch moetrain.data.packing makes: int32 rows and a float32 loss mask."""
+def abstract_batch(rows: int, seq_len: int, mesh, top_k: int = 0) -> dict:
+  """The packed batch moetrain.data.packing makes: int32 rows and a float32 loss mask; with
+  top_k (distillation from cached logits) the teacher's top-k ids and log-probabilities."""
   s = sharding.batch_sharding(mesh)
   dtype = lambda k: jnp.float32 if k == 'loss_mask' else jnp.int32
-  return {k: jax.ShapeDtypeStruct((rows, seq_len), dtype(k), sharding=s) for k in BATCH_FIELDS}
+  out = {k: jax.ShapeDtypeStruct((rows, seq_len), dtype(k), sharding=s) for k in BATCH_FIELDS}
+  if top_k:
+    shape = (rows, seq_len, top_k)
+    out['teacher_ids'] = jax.ShapeDtypeStruct(shape, jnp.int32, sharding=s)
+    out['teacher_logprobs'] = jax.ShapeDtypeStruct(shape, jnp.float32, sharding=s)
+  return out
+
+
+def cached_top_k(setup) -> int:
+  """The k of the teacher's cached logits the train step's batch carries (0: none)."""
+  d = setup.step.distill
+  return d.top_k if d is not None and setup.step.teacher is None else 0
 
 
 def compiler_layouts(setup) -> bool:
@@ -196,7 +210,7 @@ def compile_steps(setup, mesh, evaluate: bool = True, progress=None) -> dict:
     out['train'] = compile_fn(
       'train step',
       train,
-      (state, abstract_batch(d.global_batch_size, d.seq_len, mesh)),
+      (state, abstract_batch(d.global_batch_size, d.seq_len, mesh, cached_top_k(setup))),
       cache=False,
     )
     say(f'compiled the train step in {time.time() - start:.0f} s')
@@ -233,7 +247,7 @@ def precompile_train_step(setup, mesh, step_fn, state, progress=print) -> Compil
     c = compile_fn(
       'train step',
       step_fn,
-      (state, abstract_batch(d.global_batch_size, d.seq_len, mesh)),
+      (state, abstract_batch(d.global_batch_size, d.seq_len, mesh, cached_top_k(setup))),
       analyse=False,
     )
   except OutOfMemory as e:

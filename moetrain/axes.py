@@ -39,6 +39,7 @@ LETTERS = {
   'T': Letter('query (sequence) positions', 'seq'),
   'U': Letter('blocks: of buffer rows (blocked/gathered engines) or of positions (chunked loss)'),
   'V': Letter('vocabulary', 'vocab'),
+  'W': Letter("the teacher's k best tokens at a position (distillation's top-k)"),
   'X': Letter('router outputs: E routed + Z zero experts', 'router'),
   'Z': Letter('zero-computation (identity) experts'),
 }

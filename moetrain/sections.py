@@ -10,6 +10,7 @@ from ml_collections import config_dict
 
 from moetrain import fields, optim, sharding
 from moetrain.data import pipeline
+from moetrain.distill.config import DistillConfig
 from moetrain.fields import field
 from moetrain.model.config import LoraConfig, ModelConfig
 from moetrain.train_step import LossConfig
@@ -71,7 +72,8 @@ class LoopConfig:
 class InitConfig:
   """The `config.init` section: the initial weights."""
 
-  # Hugging Face LongCat-Flash directory: shapes, weights and tokenizer.
+  # A Hugging Face checkpoint directory of any supported family (config.json's model_type):
+  # shapes, weights and tokenizer.
   hf_checkpoint: str = field('', role='path')
   # PEFT adapter directory (tools.export --adapter_only) to start from.
   peft_adapter: str = field('', role='path')
@@ -104,6 +106,7 @@ SECTIONS = {
   'optim': optim.OptimConfig,
   'loss': LossConfig,
   'train': LoopConfig,
+  'distill': DistillConfig,
 }
 SEED = 0
 

@@ -15,17 +15,21 @@ from flax import nnx
 from moetrain import axes, base_cache, fields, optim, rundir, runtime, sharding, storage
 from moetrain.checkpoint import Checkpointer, data_positions, process_data_state
 from moetrain.data import pipeline
+from moetrain.distill import teacher as teacher_lib
+from moetrain.distill.config import DistillConfig
 from moetrain.model.config import LoraConfig, ModelConfig
 from moetrain.model.transformer import Transformer
 from moetrain.sections import InitConfig, LoopConfig
 from moetrain.train_state import (
   TrainState,
+  abstract_teacher,
   create_sharded,
   graphdef_of,
   initial_loss_scale,
   merge_model,
   split_model,
   state_from_weights,
+  state_shardings,
   trainable_filter,
 )
 from moetrain.train_step import StepConfig
@@ -46,6 +50,7 @@ class Setup:
   peft_adapter: str = ''
   mesh_dcn: tuple[int, ...] = ()  # mesh.dcn_shape: slices per mesh axis (multislice)
   base_cache: str = ''  # init.base_cache
+  distill: DistillConfig = DistillConfig()
 
   def make_mesh(self, devices=None):
     return sharding.make_mesh(self.mesh_shape, devices, dcn=self.mesh_dcn)
@@ -90,6 +95,7 @@ def build(
   data = pipeline.DataConfig(**config.data.to_dict())
   if config.init.hf_checkpoint and not data.tokenizer:  # the checkpoint's own tokenizer
     data = dataclasses.replace(data, tokenizer=config.init.hf_checkpoint)
+  distill, data, teacher = distill_setup(config, model, data, training)
   pipeline.validate(data, process_count)
   if training:
     pipeline.check_training_data(data)
@@ -101,7 +107,7 @@ def build(
   loss = config.loss.to_dict()
   if loss.get('bias_update_decay_steps') == FOLLOW_STEPS:  # over the whole run
     loss['bias_update_decay_steps'] = config.train.steps
-  step = StepConfig(model=model, grad_accum_steps=opt.grad_accum_steps, **loss)
+  step = StepConfig(model=model, grad_accum_steps=opt.grad_accum_steps, **loss, **teacher)
   step.validate()
   check_regexes(model, opt)
   check_lora_rank(model)
@@ -120,7 +126,26 @@ def build(
     init.peft_adapter,
     mesh_dcn,
     init.base_cache if init.hf_checkpoint else '',
+    distill,
   )
+
+
+def distill_setup(config, model: ModelConfig, data, training: bool):
+  """(the distill section, the data section with the teacher's tokenizer when it names none,
+  StepConfig's distillation fields). The teacher's config and vocabulary are checked for
+  training only: a tool reads the student alone."""
+  distill = DistillConfig(**config.distill.to_dict())
+  distill.validate()
+  if not distill.enabled:
+    return distill, data, {}
+  if not data.tokenizer:  # the teacher's own
+    data = dataclasses.replace(data, tokenizer=teacher_lib.tokenizer_path(distill.teacher))
+  if not training:
+    return distill, data, {}
+  teacher = teacher_lib.model_config(distill, model)
+  teacher_lib.check_vocabulary(distill, teacher, model, data.tokenizer)
+  step = {'distill': distill.divergence(), 'teacher': teacher if distill.online else None}
+  return distill, data, step
 
 
 def check_mesh_fits(model, data, opt, mesh_shape, per_host: int) -> None:
@@ -286,6 +311,7 @@ def restore_or_init(setup: Setup, ckpt: Checkpointer, optimizer, mesh, train_ite
     base += f' (converted once into init.base_cache={setup.base_cache})'
   with runtime.phase(base):
     state = initial_state(setup, optimizer, mesh)
+  state = from_teacher(setup, state, mesh, fresh=step is None)
   if step is None:
     return state
   with runtime.phase(f'Restoring step {step}'):
@@ -307,6 +333,25 @@ def restore_or_init(setup: Setup, ckpt: Checkpointer, optimizer, mesh, train_ite
     if jax.process_index() == 0:  # the run's count of truncated examples goes on
       train_iter.num_truncated = sum(p['num_truncated'] for p in positions)
   return dataclasses.replace(state, **saved)
+
+
+def from_teacher(setup: Setup, state: TrainState, mesh, fresh: bool) -> TrainState:
+  """Distillation: the state with the online teacher's weights, and a fresh student (or a LoRA
+  student's frozen base, rebuilt on every start) initialised from the teacher when
+  distill.init_from_teacher asks."""
+  d = setup.distill
+  init = d.init_from_teacher and (fresh or setup.model.lora.enabled)
+  if not d.enabled or not (setup.step.teacher or init):
+    return state
+  cfg = setup.step.teacher or teacher_lib.model_config(d, setup.model)
+  with runtime.phase(f'Loading the teacher {d.teacher}'):
+    shardings = state_shardings(abstract_teacher(cfg), mesh, cfg.rules)
+    weights = teacher_lib.load(d, cfg, mesh, shardings)
+  if init:
+    from moetrain.distill import student
+
+    state = student.init_from_teacher(setup, state, cfg, weights, mesh)
+  return dataclasses.replace(state, teacher=weights) if setup.step.teacher else state
 
 
 def tool_setup(config, workdir: str | None) -> Setup:

@@ -1,6 +1,7 @@
 """TrainState: the pytree a step consumes and returns, and its sharded creation."""
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -25,14 +26,18 @@ class TrainState:
   skipped: jax.Array  # updates skipped because gradients were not finite
   # float16 compute only: [the dynamic loss scale, finite steps since it last changed].
   loss_scale: jax.Array | None = None
+  # Online distillation only: the teacher's weights (every variable of it), read by the step,
+  # never differentiated, updated or saved (moetrain/distill).
+  teacher: nnx.State | None = None
 
   def saved(self) -> dict:
-    """What a checkpoint holds: everything except the frozen base (and an unused loss scale)."""
+    """What a checkpoint holds: everything except the frozen base and the teacher (and an unused
+    loss scale)."""
     # Not dataclasses.asdict: it deep-copies leaves and strips nnx Variables of their metadata.
     return {
       f.name: getattr(self, f.name)
       for f in dataclasses.fields(self)
-      if f.name != 'frozen' and getattr(self, f.name) is not None
+      if f.name not in ('frozen', 'teacher') and getattr(self, f.name) is not None
     }
 
 
@@ -82,6 +87,20 @@ def init_state(cfg: ModelConfig, optimizer, seed: int, base: nnx.State | None = 
 
 def graphdef_of(cfg: ModelConfig):
   return split_model(nnx.eval_shape(lambda: Transformer(cfg, nnx.Rngs(0))), cfg)[0]
+
+
+@functools.lru_cache(maxsize=4)
+def teacher_graphdef(cfg: ModelConfig):
+  """The graph of a teacher whose weights are one State (TrainState.teacher)."""
+  return nnx.split(nnx.eval_shape(lambda: Transformer(cfg, nnx.Rngs(0))))[0]
+
+
+def abstract_teacher(cfg: ModelConfig) -> nnx.State:
+  return nnx.state(nnx.eval_shape(lambda: Transformer(cfg, nnx.Rngs(0))))
+
+
+def merge_teacher(cfg: ModelConfig, teacher: nnx.State) -> Transformer:
+  return nnx.merge(teacher_graphdef(cfg), teacher)
 
 
 def _is_var(x) -> bool:

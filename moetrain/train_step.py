@@ -11,9 +11,10 @@ import optax
 
 from moetrain.fields import check, field
 from moetrain.kernels.cross_entropy import head_cross_entropy
+from moetrain.kernels.distill import Divergence, head_distillation
 from moetrain.model.config import ModelConfig
 from moetrain.model.moe import ROUTING_COUNTS, finish_routing_stats
-from moetrain.train_state import TrainState, graphdef_of, merge_model
+from moetrain.train_state import TrainState, graphdef_of, merge_model, merge_teacher
 
 off = functools.partial(field, check='non_negative', zero='0 = off')
 
@@ -39,14 +40,20 @@ class StepConfig(LossConfig):
 
   model: ModelConfig
   grad_accum_steps: int = 1
+  distill: Divergence | None = None  # distillation's loss (None: cross entropy alone)
+  teacher: ModelConfig | None = None  # the online teacher (None: cached logits in the batch)
 
 
-def forward_loss(params, moe_bias, frozen, graphdef, batch, rng=None):
+def forward_loss(params, moe_bias, frozen, graphdef, batch, rng=None, head_loss=None):
   """(masked NLL sum, correct count, aux) of the model on a batch, the loss chunked along the
-  sequence by model.loss_chunk so that the [B, T, V] logits never exist whole."""
+  sequence by model.loss_chunk so that the [B, T, V] logits never exist whole. head_loss
+  (distillation: distill_head's) adds aux['objective'] and aux['divergence'] (sums)."""
   model = merge_model(graphdef, params, moe_bias, frozen)
   h_BTD, aux = model.features(batch['inputs'], batch['positions'], batch['segment_ids'], rng)
   with jax.named_scope('lm_head'):
+    if head_loss is not None:
+      objective, nll, divergence, correct = head_loss(model, h_BTD, batch, rng)
+      return nll, correct, {**aux, 'objective': objective, 'divergence': divergence}
     nll, correct = head_cross_entropy(
       model.lm_head,
       h_BTD,
@@ -60,6 +67,35 @@ def forward_loss(params, moe_bias, frozen, graphdef, batch, rng=None):
   return nll, correct, aux
 
 
+def distill_head(cfg: StepConfig, teacher_state):
+  """The head loss of distillation: the divergence from the teacher (its head on the hidden
+  states with_teacher put in the batch, or the batch's cached top-k) beside the NLL, per block
+  of the chunked loss."""
+
+  def head_loss(model, h_BTD, batch, rng):
+    if cfg.teacher is None:
+      teacher = ('offline', batch['teacher_ids'], batch['teacher_logprobs'])
+    else:
+      head = merge_teacher(cfg.teacher, teacher_state).lm_head
+      teacher = ('online', head, batch['teacher_h'])
+    m = model.cfg
+    args = (batch['targets'], batch['loss_mask'], teacher, cfg.distill, m.loss_chunk, rng)
+    return head_distillation(model.lm_head, h_BTD, *args, m.rules, m.reference_kernels)
+
+  return head_loss
+
+
+def with_teacher(state: TrainState, batch, cfg: StepConfig):
+  """The batch with the online teacher's final hidden states: its forward pass runs outside the
+  differentiated function, so none of its activations is kept for the backward pass."""
+  if cfg.distill is None or cfg.teacher is None:
+    return batch
+  teacher = merge_teacher(cfg.teacher, jax.lax.stop_gradient(state.teacher))
+  with jax.named_scope('teacher'):
+    h_BTD, _ = teacher.features(batch['inputs'], batch['positions'], batch['segment_ids'])
+  return {**batch, 'teacher_h': jax.lax.stop_gradient(h_BTD)}
+
+
 def token_counts(batch):
   """(loss tokens, routed tokens) of a batch: the denominators of the loss and the MoE terms."""
   n_loss = jnp.maximum(batch['loss_mask'].astype(jnp.float32).sum(), 1.0)
@@ -67,11 +103,13 @@ def token_counts(batch):
   return n_loss, n_routed
 
 
-def loss_fn(params, moe_bias, frozen, graphdef, batch, rng, totals, cfg: StepConfig):
-  """Token-mean cross entropy over the whole (global) batch plus the weighted aux losses.
-  `totals` are the full batch's token counts, so micro-batch losses add up to the full-batch loss."""
+def loss_fn(params, moe_bias, frozen, graphdef, batch, rng, totals, cfg: StepConfig, teacher=None):
+  """Token-mean cross entropy (with distillation: alpha T^2 divergence + (1 - alpha) cross
+  entropy) over the whole (global) batch plus the weighted aux losses. `totals` are the full
+  batch's token counts, so micro-batch losses add up to the full-batch loss."""
   n_tokens, n_routed = totals
-  nll, correct, aux = forward_loss(params, moe_bias, frozen, graphdef, batch, rng)
+  head_loss = None if cfg.distill is None else distill_head(cfg, teacher)
+  nll, correct, aux = forward_loss(params, moe_bias, frozen, graphdef, batch, rng, head_loss)
   mask = batch['loss_mask'].astype(jnp.float32)
   moe = aux['moe']
   # This micro-batch's share of the routed tokens, so per-micro-batch MoE means average correctly.
@@ -84,9 +122,10 @@ def loss_fn(params, moe_bias, frozen, graphdef, batch, rng, totals, cfg: StepCon
     + cfg.balance_loss * moe['balance_loss'].mean() * frac
     + cfg.hidden_z_loss * hidden_z
   )
-  loss = nll / n_tokens + aux_loss
+  loss = aux.get('objective', nll) / n_tokens + aux_loss
   stats = {
     'nll_sum': nll,
+    'divergence_sum': aux.get('divergence', jnp.zeros(())),
     'correct': correct,
     'tokens': mask.sum(),
     'hidden_z': hidden_z,
@@ -106,7 +145,8 @@ def grads_and_stats(state: TrainState, graphdef, batch, rng, cfg: StepConfig, sc
   totals = token_counts(batch)
 
   def objective(p, b, r):
-    loss, stats = loss_fn(p, state.moe_bias, state.frozen, graphdef, b, r, totals, cfg)
+    args = (state.moe_bias, state.frozen, graphdef, b, r, totals, cfg, state.teacher)
+    loss, stats = loss_fn(p, *args)
     return (loss if scale is None else loss * scale), stats
 
   grad_fn = jax.value_and_grad(objective, has_aux=True)
@@ -115,7 +155,7 @@ def grads_and_stats(state: TrainState, graphdef, batch, rng, cfg: StepConfig, sc
   unscale = lambda t: t if scale is None else jax.tree.map(lambda x: (x / scale).astype(x.dtype), t)
   n = cfg.grad_accum_steps
   if n == 1:
-    (loss, stats), grads = grad_fn(state.params, batch, rng)
+    (loss, stats), grads = grad_fn(state.params, with_teacher(state, batch, cfg), rng)
     return unscale(loss), stats, unscale(grads)
 
   # The sums run in float32 at least (bfloat16 gradients of param_dtype bfloat16 would lose
@@ -124,11 +164,12 @@ def grads_and_stats(state: TrainState, graphdef, batch, rng, cfg: StepConfig, sc
 
   def micro(carry, xs):
     mb, i = xs
-    new = grad_fn(state.params, mb, jax.random.fold_in(rng, i))
+    new = grad_fn(state.params, with_teacher(state, mb, cfg), jax.random.fold_in(rng, i))
     return jax.tree.map(lambda a, b: a + b.astype(a.dtype), carry, new), None
 
   micro_batches = _microbatches(batch, n)
-  shapes = jax.eval_shape(grad_fn, state.params, jax.tree.map(lambda x: x[0], micro_batches), rng)
+  first = jax.tree.map(lambda x: x[0], micro_batches)
+  shapes = jax.eval_shape(lambda b: grad_fn(state.params, with_teacher(state, b, cfg), rng), first)
   zero = jax.tree.map(lambda s: jnp.zeros(s.shape, wide(s.dtype)), shapes)
   ((loss, stats), grads), _ = jax.lax.scan(micro, zero, (micro_batches, jnp.arange(n)))
   grads = jax.tree.map(lambda g, s: g.astype(s.dtype), unscale(grads), shapes[1])
@@ -223,6 +264,7 @@ def train_step(
     'grad_norm': grad_norm,
     'learning_rate': lr_fn(applied),  # the rate this step's update used
     'tokens': stats['tokens'],
+    **({'divergence': stats['divergence_sum'] / tokens} if cfg.distill else {}),
     'hidden_z_loss': stats['hidden_z'],
     'skipped': new_state.skipped,
     'moe': stats['moe'],

@@ -19,6 +19,7 @@ from moetrain import kernels, sharding
 from moetrain.kernels import (
   attention,
   cross_entropy,
+  distill,
   exchange,
   grouped,
   lora,
@@ -59,7 +60,7 @@ def test_every_custom_vjp_is_the_fast_path_of_a_kernel():
   sites = _custom_vjp_sites()
   assert all(s.startswith('moetrain/kernels/') for s in sites), sites
   fast = [k for k in _kernels() if isinstance(k.fast, jax.custom_vjp)]
-  assert len(fast) == len(sites) == 10, (sorted(k.name for k in fast), sites)
+  assert len(fast) == len(sites) == 11, (sorted(k.name for k in fast), sites)
   assert all(k.reference is not k.fast for k in _kernels())
 
 
@@ -141,6 +142,37 @@ def _head_ce():
   return make, (adapters, h)
 
 
+def _head_distill(kind, top_k):
+  """The distillation loss with LoRA on the student's head, against an online teacher head."""
+
+  def case():
+    cfg = with_lora(tiny(), targets=r'lm_head$')
+    head = Linear('BTD,DV->BTV', (32, 64), cfg, 'lm_head', nnx.Rngs(0))
+    randomize(head, 1, nnx.LoRAParam)
+    graphdef, adapters, base = nnx.split(head, nnx.LoRAParam, ...)
+    t_head = Linear('BTD,DV->BTV', (16, 64), tiny(), 'lm_head', nnx.Rngs(3))
+    k = jax.random.split(jax.random.key(6), 4)
+    t_h = jax.random.normal(k[0], (2, 10, 16)) * 3
+    h = jax.random.normal(k[3], (2, 10, 32))
+    targets = jax.random.randint(k[1], (2, 10), 0, 64)
+    mask = (jax.random.uniform(k[2], (2, 10)) < 0.8).astype(jnp.float32)
+    d = distill.Divergence(kind, 0.7, 2.0, 0.3, top_k)
+
+    def make(reference):
+      def fn(adapters, h):
+        m = nnx.merge(graphdef, adapters, base)
+        teacher = ('online', t_head, t_h)
+        return distill.head_distillation(m, h, targets, mask, teacher, d, 3, None, None, reference)[
+          0
+        ]
+
+      return fn
+
+    return make, (adapters, h)
+
+  return case
+
+
 def _expert_ffn(adapters_only):
   def case():
     cfg = with_lora(tiny(expert_ffn_hidden_size=6), rank=2, targets=r'experts\.')
@@ -216,6 +248,9 @@ CASES = {
   'attention_core_recompute': _attention(True),
   'attention_core_saved_probs': _attention(False),
   'head_ce': _head_ce,
+  'head_distill_forward_kl': _head_distill('forward_kl', 0),
+  'head_distill_reverse_kl_top_k': _head_distill('reverse_kl', 5),
+  'head_distill_jsd': _head_distill('jsd', 0),
   'expert_ffn': _expert_ffn(False),
   'expert_ffn_adapters_only': _expert_ffn(True),
 }

@@ -1,0 +1,46 @@
+"""The distillation demo's teacher: the demo base (demo_base.py) with every weight fine-tuned on
+the demo task (reverse the words), so that it is good at what configs/distill.py distils.
+
+Shipped in moetrain/data/demo/teacher as a Hugging Face checkpoint (config.json, bfloat16
+model.safetensors, the base's tokenizer.model; 2.3 MB), rebuilt by this module:
+
+  python -m moetrain.data.demo_teacher       # ~4 minutes on 2 CPU cores
+
+which trains configs/longcat_pretrain.py (tiny) from the shipped base on the demo's reversal
+data for STEPS steps and exports it. Its eval accuracy: bench/RESULTS.md, "Distillation on the
+demo task".
+"""
+
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+from moetrain.data import demo_base, demo_task
+
+DIR = demo_task.DEMO_DIR / 'teacher'
+STEPS = 400
+
+
+def _run(*args: str) -> None:
+  subprocess.run([sys.executable, '-m', *args], check=True, env={**os.environ, 'PYTHONPATH': '.'})
+
+
+def build(out: Path = DIR, steps: int = STEPS) -> None:
+  with tempfile.TemporaryDirectory(prefix='demo_teacher') as tmp:
+    run = str(Path(tmp) / 'run')
+    _run(
+      'moetrain.main',
+      '--config=configs/longcat_pretrain.py',
+      f'--workdir={run}',
+      f'--config.init.hf_checkpoint={demo_base.DIR}',
+      '--config.optim.learning_rate=1e-3',
+      f'--config.train.steps={steps}',
+      '--config.train.eval_every=100',
+    )
+    _run('moetrain.tools.export', f'--workdir={run}', f'--out={out}', '--dtype=bfloat16')
+
+
+if __name__ == '__main__':
+  build()

@@ -1,0 +1,1 @@
+"""Distillation: a student learns from a teacher's distribution (docs/distillation.md)."""

@@ -1,0 +1,141 @@
+"""The teacher: its model config (before anything compiles, with the vocabulary checks), and its
+weights on the student's mesh."""
+
+import dataclasses
+import hashlib
+import json
+
+import jax
+from flax import nnx
+
+from moetrain import storage
+from moetrain.data import tokenizer as tokenizer_lib
+from moetrain.model.config import LoraConfig, ModelConfig
+
+
+def run_config(path: str) -> dict | None:
+  """The saved config of a moetrain run directory `path`; None for a Hugging Face checkpoint."""
+  from moetrain import rundir
+
+  file = storage.join(rundir.run_dir(path), 'config.json')
+  if not storage.isfile(file):
+    return None
+  with storage.open(file) as f:
+    saved = json.load(f)
+  return saved if 'model' in saved and 'train' in saved else None
+
+
+def _check_exists(path: str) -> None:
+  if not storage.isfile(storage.join(path, 'config.json')):
+    raise FileNotFoundError(
+      f'distill.teacher={path!r} holds no config.json: give a Hugging Face checkpoint directory '
+      'or a moetrain run directory'
+    )
+
+
+def model_config(d, student: ModelConfig) -> ModelConfig:
+  """The teacher's ModelConfig, computing as the student does (engine settings, sharding rules,
+  platform and mesh) and stored as distill.teacher_quant asks; no LoRA but a run's own."""
+  _check_exists(d.teacher)
+  from moetrain import fields
+
+  engine = {k: getattr(student, k) for k in fields.with_role(ModelConfig, 'engine')}
+  saved = run_config(d.teacher)
+  if saved is None:
+    from moetrain.convert import hf
+
+    cfg = hf.config_from_hf(hf.read_config(d.teacher), **engine, lora=LoraConfig())
+  else:
+    lora = LoraConfig(**saved.get('lora', {}))
+    known = {f.name for f in dataclasses.fields(ModelConfig)}
+    own = {k: v for k, v in saved['model'].items() if k in known and k not in engine}
+    own['mlp_only_layers'] = tuple(own.get('mlp_only_layers', ()))
+    cfg = ModelConfig(**own, **engine, lora=lora)
+  quant = d.teacher_quant if d.teacher_quant != 'none' else cfg.quant
+  return dataclasses.replace(
+    cfg,
+    rules=student.rules,
+    platform=student.platform,
+    mesh_shape=student.mesh_shape,
+    quant=quant,
+    remat='none',  # forward only
+  )
+
+
+def tokenizer_path(teacher: str) -> str:
+  """The tokenizer file the teacher was trained with."""
+  saved = run_config(teacher)
+  if saved is None:
+    path = teacher
+  else:
+    from moetrain import rundir
+
+    data, init = saved.get('data', {}), saved.get('init', {})
+    path = data.get('tokenizer') or init.get('hf_checkpoint') or ''
+    if not path:
+      return storage.join(rundir.run_dir(teacher), tokenizer_lib.SPM_FILE)
+  return str(tokenizer_lib.tokenizer_file(path) or path)
+
+
+def _digest(path: str) -> str:
+  with storage.open(path, 'rb') as f:
+    return hashlib.sha256(f.read()).hexdigest()
+
+
+def check_vocabulary(d, teacher: ModelConfig, student: ModelConfig, data_tokenizer: str) -> None:
+  """Teacher and student share one tokenizer: the same vocabulary size and the same tokenizer
+  file content, or the divergence would compare other tokens. Refused naming both."""
+  if teacher.vocab_size != student.vocab_size:
+    raise ValueError(
+      f'distill.teacher={d.teacher!r} has a vocabulary of {teacher.vocab_size} and the student '
+      f'(model.vocab_size) {student.vocab_size}: teacher and student must share the tokenizer'
+    )
+  mine = str(tokenizer_lib.tokenizer_file(data_tokenizer) or data_tokenizer)
+  theirs = tokenizer_path(d.teacher)
+  missing = [p for p in (mine, theirs) if not storage.isfile(p)]
+  if missing:
+    raise FileNotFoundError(
+      f'tokenizer {missing[0]} does not exist (distill.teacher={d.teacher!r})'
+    )
+  if mine != theirs and _digest(mine) != _digest(theirs):
+    raise ValueError(
+      f"the tokenizer of distill.teacher={d.teacher!r} ({theirs}) differs from the student's "
+      f'(data.tokenizer={mine}): teacher and student must share the tokenizer'
+    )
+
+
+def load(d, teacher: ModelConfig, mesh, shardings) -> nnx.State:
+  """The teacher's weights (every variable) placed in `shardings` (TrainState.teacher's)."""
+  from moetrain.train_state import merge_model, split_model
+
+  saved = run_config(d.teacher)
+  if saved is None:
+    from moetrain.convert import hf
+
+    w = hf.load_params(d.teacher, teacher, mesh=mesh, rules=teacher.rules)
+    params, moe_bias, frozen = w.params, w.moe_bias, w.frozen
+  else:
+    params, moe_bias, frozen = _run_weights(d.teacher, saved, teacher, mesh)
+  graphdef = split_model(nnx.eval_shape(lambda: _model(teacher)), teacher)[0]
+  state = nnx.state(merge_model(graphdef, params, moe_bias, frozen))
+  return jax.device_put(state, shardings)
+
+
+def _model(cfg: ModelConfig):
+  from moetrain.model.transformer import Transformer
+
+  return Transformer(cfg, nnx.Rngs(0))
+
+
+def _run_weights(path: str, saved: dict, teacher: ModelConfig, mesh):
+  """(params, moe_bias, frozen) of a moetrain run's latest checkpoint, as its tools read them."""
+  import ml_collections
+
+  from moetrain import rundir, sections
+  from moetrain import setup as setup_lib
+
+  config = ml_collections.ConfigDict(sections.with_defaults(saved))
+  tsetup = setup_lib.build(rundir.tool_config(config, path), training=False)
+  tsetup = dataclasses.replace(tsetup, model=teacher)
+  state = setup_lib.load_latest(tsetup, path, mesh)
+  return state.params, state.moe_bias, state.frozen

@@ -149,3 +149,44 @@ def test_divergence_config_checks():
     with pytest.raises(ValueError, match=key.replace('.', r'\.')):
       dataclasses.replace(DistillConfig(), **bad).validate()
   assert DistillConfig(teacher='t', alpha=0.0).divergence() is None  # labels alone
+
+
+def test_init_from_teacher_copies_exactly_the_chosen_experts():
+  from moetrain.distill import student
+  from moetrain.distill.config import DistillConfig
+  from moetrain.model.transformer import Transformer
+  from moetrain.train_state import split_model
+
+  t_cfg, s_cfg = tiny(num_layers=2), tiny(num_layers=1, n_routed_experts=4)
+  teacher = nnx.state(Transformer(t_cfg, nnx.Rngs(1)))
+  model = Transformer(s_cfg, nnx.Rngs(2))
+  _, params, moe_bias, _ = split_model(model, s_cfg)
+  # The router bias is 0 at init: a teacher's non-zero one shows which columns were taken.
+  t_flat = dict(nnx.to_flat_state(teacher))
+  bias = t_flat[('layers', 'moe', 'router_bias')]
+  bias.set_value(jnp.arange(bias.get_value().size, dtype=bias.dtype).reshape(bias.shape))
+  d = DistillConfig(teacher='t', init_layers=(1,))
+  layers = student.layer_map(d, s_cfg, t_cfg)
+  chosen = [[0, 1, 2, 3], [1, 4, 6, 7]]  # per teacher MoE layer; student layer 0 <- teacher 1
+  ctx = (s_cfg, t_cfg, layers, chosen, t_flat)
+  new, missed = student.copy_weights(params, ctx)
+  new_bias, _ = student.copy_weights(moe_bias, ctx)
+  assert missed == []
+  s_flat = dict(nnx.to_flat_state(new))
+  pick = jnp.asarray(chosen[1])
+  for name in ('gate', 'up', 'down'):
+    path = ('layers', 'moe', 'experts', name)
+    want = t_flat[path].get_value()[1][pick]
+    np.testing.assert_array_equal(s_flat[path].get_value()[0], want)
+  columns = jnp.asarray(chosen[1] + [8, 9, 10, 11])  # then the 4 zero experts
+  router = ('layers', 'moe', 'router')
+  np.testing.assert_array_equal(
+    s_flat[router].get_value()[0], t_flat[router].get_value()[1][:, columns]
+  )
+  got_bias = dict(nnx.to_flat_state(new_bias))[('layers', 'moe', 'router_bias')]
+  np.testing.assert_array_equal(got_bias.get_value()[0], bias.get_value()[1][columns])
+  embed = ('embed', 'embedding')
+  np.testing.assert_array_equal(s_flat[embed].get_value(), t_flat[embed].get_value())
+  assert student.layer_map(DistillConfig(), tiny(num_layers=2), tiny(num_layers=4)) == [0, 2]
+  with pytest.raises(ValueError, match='distill.init_layers'):
+    student.layer_map(dataclasses.replace(d, init_layers=(2,)), s_cfg, t_cfg)

@@ -15,6 +15,7 @@ from flax import nnx
 from moetrain import axes, base_cache, fields, optim, rundir, runtime, sharding, storage
 from moetrain.checkpoint import Checkpointer, data_positions, process_data_state
 from moetrain.data import pipeline
+from moetrain.distill import logits as distill_logits
 from moetrain.distill import teacher as teacher_lib
 from moetrain.distill.config import DistillConfig
 from moetrain.model.config import LoraConfig, ModelConfig
@@ -319,6 +320,8 @@ def restore_or_init(setup: Setup, ckpt: Checkpointer, optimizer, mesh, train_ite
   position = process_data_state(data_states, setup.data.reslice_on_resume)
   if position is not None:
     train_iter.set_state(position)
+    if isinstance(train_iter, distill_logits.WithTeacherLogits):  # read from the next step on
+      train_iter.step = step
   else:  # another number of hosts, and data.reslice_on_resume: the data starts over
     positions = data_positions(data_states)
     logging.warning(

@@ -13,6 +13,7 @@ from moetrain import aot, lease, multihost, optim, rundir, runtime, sharding, st
 from moetrain import metrics as metrics_lib
 from moetrain.checkpoint import Checkpointer, process_data_state
 from moetrain.data import pipeline
+from moetrain.distill import logits as distill_logits
 from moetrain.evaluation import evaluate, to_global
 from moetrain.setup import (
   Setup,
@@ -130,6 +131,7 @@ def start(config, workdir: str, setup: Setup, mesh, ckpt: Checkpointer) -> tuple
   pipeline.warn_if_tokenizer_is_foreign(setup.data, tokenizer)
   hosts = {'process_index': jax.process_index(), 'process_count': jax.process_count()}
   train_iter = pipeline.make_train_iterator(setup.data, tokenizer, **hosts)
+  train_iter = distill_logits.attach(setup, train_iter, *hosts.values())  # (cached logits)
   with runtime.phase('Evaluation data') as said:
     eval_batches = pipeline.make_eval_batches(
       setup.data, tokenizer, max_batches=t.eval_batches, **hosts

@@ -190,3 +190,69 @@ def test_init_from_teacher_copies_exactly_the_chosen_experts():
   assert student.layer_map(DistillConfig(), tiny(num_layers=2), tiny(num_layers=4)) == [0, 2]
   with pytest.raises(ValueError, match='distill.init_layers'):
     student.layer_map(dataclasses.replace(d, init_layers=(2,)), s_cfg, t_cfg)
+
+
+def _demo_config(**overrides):
+  from configs import distill as distill_config
+
+  config = distill_config.get_config()
+  for key, value in overrides.items():
+    section, name = key.split('.')
+    config[section][name] = value
+  return config
+
+
+def test_a_vocabulary_mismatch_is_refused_naming_both(tmp_path):
+  from moetrain import setup as setup_lib
+
+  with pytest.raises(ValueError, match=r'distill\.teacher=.* 512 .*model\.vocab_size\) 1024'):
+    setup_lib.build(_demo_config(**{'model.vocab_size': 1024}), num_devices=1, process_count=1)
+  other = tmp_path / 'tokenizer.model'
+  other.write_bytes(b'another tokenizer')
+  with pytest.raises(ValueError, match=r'tokenizer of distill\.teacher=.*data\.tokenizer='):
+    setup_lib.build(_demo_config(**{'data.tokenizer': str(other)}), num_devices=1, process_count=1)
+
+
+def test_a_stale_logits_manifest_is_refused_naming_the_field(tmp_path):
+  import json
+
+  from moetrain import setup as setup_lib
+  from moetrain.distill import logits
+
+  setup = setup_lib.build(_demo_config(**{'distill.top_k': 4}), num_devices=1, process_count=1)
+  written = logits.manifest(setup, 8, 50, 1)
+  (tmp_path / logits.MANIFEST).write_text(json.dumps(written))
+  assert logits.check(setup, str(tmp_path), 1) == written  # k 8 serves a run's top_k 4
+  for key, value in [('data.seq_len', 64), ('distill.top_k', 2), ('data.tokenizer', 'x')]:
+    (tmp_path / logits.MANIFEST).write_text(json.dumps({**written, key: value}))
+    with pytest.raises(ValueError, match=rf'written for {key}=') as e:
+      logits.check(setup, str(tmp_path), 1)
+    assert '\n' not in str(e.value)
+
+
+def test_cached_logits_records_round_trip():
+  from moetrain.distill import logits
+
+  rng = np.random.default_rng(1)
+  mask = (rng.uniform(size=(2, 5)) < 0.5).astype(np.float32)
+  ids = rng.integers(0, 50, (2, 5, 4)).astype(np.int32)
+  logp = rng.normal(size=(2, 5, 4)).astype(np.float32)
+  got_ids, got_logp = logits.decode(logits.encode(mask, ids, logp), 2, 5, 3)
+  on = mask > 0
+  np.testing.assert_array_equal(got_ids[on], ids[on][:, :3])
+  np.testing.assert_array_equal(got_logp[on], logp[on][:, :3])
+  assert not got_ids[~on].any()
+
+
+def test_the_teacher_rides_in_the_state_but_not_in_the_optimizer_or_checkpoints():
+  from moetrain import aot, optim
+  from moetrain import setup as setup_lib
+
+  setup = setup_lib.build(_demo_config(), num_devices=1, process_count=1)
+  mesh = setup.make_mesh(jax.devices()[:1])
+  abstract, _ = aot.abstract_state(setup, mesh)
+  assert jax.tree.leaves(abstract.teacher)
+  assert 'teacher' not in abstract.saved()
+  optimizer = optim.make_optimizer(setup.optim, setup.train.steps)
+  want = jax.eval_shape(optimizer.init, abstract.params)
+  assert jax.tree.structure(want) == jax.tree.structure(abstract.opt_state)

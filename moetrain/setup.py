@@ -349,12 +349,34 @@ def from_teacher(setup: Setup, state: TrainState, mesh, fresh: bool) -> TrainSta
   cfg = setup.step.teacher or teacher_lib.model_config(d, setup.model)
   with runtime.phase(f'Loading the teacher {d.teacher}'):
     shardings = state_shardings(abstract_teacher(cfg), mesh, cfg.rules)
-    weights = teacher_lib.load(d, cfg, mesh, shardings)
+    weights = load_teacher(d, cfg, mesh, shardings)
   if init:
     from moetrain.distill import student
 
     state = student.init_from_teacher(setup, state, cfg, weights, mesh)
   return dataclasses.replace(state, teacher=weights) if setup.step.teacher else state
+
+
+def load_teacher(d: DistillConfig, teacher: ModelConfig, mesh, shardings) -> nnx.State:
+  """The teacher's weights (every variable) in `shardings` (TrainState.teacher's): a Hugging
+  Face checkpoint's, or a moetrain run's latest checkpoint (read as its tools read it)."""
+  saved = teacher_lib.run_config(d.teacher)
+  if saved is None:
+    from moetrain.convert import hf
+
+    w = hf.load_params(d.teacher, teacher, mesh=mesh, rules=teacher.rules)
+    params, moe_bias, frozen = w.params, w.moe_bias, w.frozen
+  else:
+    import ml_collections
+
+    from moetrain import sections
+
+    config = ml_collections.ConfigDict(sections.with_defaults(saved))
+    tsetup = build(rundir.tool_config(config, d.teacher), training=False)
+    state = load_latest(dataclasses.replace(tsetup, model=teacher), d.teacher, mesh)
+    params, moe_bias, frozen = state.params, state.moe_bias, state.frozen
+  graphdef = split_model(nnx.eval_shape(lambda: Transformer(teacher, nnx.Rngs(0))), teacher)[0]
+  return jax.device_put(nnx.state(merge_model(graphdef, params, moe_bias, frozen)), shardings)
 
 
 def tool_setup(config, workdir: str | None) -> Setup:

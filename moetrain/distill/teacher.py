@@ -5,9 +5,6 @@ import dataclasses
 import hashlib
 import json
 
-import jax
-from flax import nnx
-
 from moetrain import storage
 from moetrain.data import tokenizer as tokenizer_lib
 from moetrain.model.config import LoraConfig, ModelConfig
@@ -102,40 +99,3 @@ def check_vocabulary(d, teacher: ModelConfig, student: ModelConfig, data_tokeniz
       f"the tokenizer of distill.teacher={d.teacher!r} ({theirs}) differs from the student's "
       f'(data.tokenizer={mine}): teacher and student must share the tokenizer'
     )
-
-
-def load(d, teacher: ModelConfig, mesh, shardings) -> nnx.State:
-  """The teacher's weights (every variable) placed in `shardings` (TrainState.teacher's)."""
-  from moetrain.train_state import merge_model, split_model
-
-  saved = run_config(d.teacher)
-  if saved is None:
-    from moetrain.convert import hf
-
-    w = hf.load_params(d.teacher, teacher, mesh=mesh, rules=teacher.rules)
-    params, moe_bias, frozen = w.params, w.moe_bias, w.frozen
-  else:
-    params, moe_bias, frozen = _run_weights(d.teacher, saved, teacher, mesh)
-  graphdef = split_model(nnx.eval_shape(lambda: _model(teacher)), teacher)[0]
-  state = nnx.state(merge_model(graphdef, params, moe_bias, frozen))
-  return jax.device_put(state, shardings)
-
-
-def _model(cfg: ModelConfig):
-  from moetrain.model.transformer import Transformer
-
-  return Transformer(cfg, nnx.Rngs(0))
-
-
-def _run_weights(path: str, saved: dict, teacher: ModelConfig, mesh):
-  """(params, moe_bias, frozen) of a moetrain run's latest checkpoint, as its tools read them."""
-  import ml_collections
-
-  from moetrain import rundir, sections
-  from moetrain import setup as setup_lib
-
-  config = ml_collections.ConfigDict(sections.with_defaults(saved))
-  tsetup = setup_lib.build(rundir.tool_config(config, path), training=False)
-  tsetup = dataclasses.replace(tsetup, model=teacher)
-  state = setup_lib.load_latest(tsetup, path, mesh)
-  return state.params, state.moe_bias, state.frozen

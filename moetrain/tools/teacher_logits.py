@@ -115,7 +115,7 @@ def write(config, out: str, top_k: int = 0, steps_per_shard: int = STEPS_PER_SHA
     it.set_state(position)
   stats = {'positions': 0, 'bytes': 0}
   with jax.set_mesh(mesh):
-    weights = teacher_lib.load(
+    weights = setup_lib.load_teacher(
       setup.distill, cfg, mesh, state_shardings(abstract_teacher(cfg), mesh, cfg.rules)
     )
     fn, rows = top_k_fn(cfg, k, setup.model.loss_chunk), sharding.batch_sharding(mesh)

@@ -74,7 +74,14 @@ def _innermost(e: BaseException) -> str:
     if (inner := e.__cause__ or e.__context__) is None:
       break
     e = inner
-  return f'{type(e).__name__}: {(str(e).splitlines() or [""])[0][:300]}'
+  line = (str(e).splitlines() or [''])[0]
+  if len(line) > 300:  # (the cause is at the end: "... Failed to write: No space left on device")
+    line = f'{line[:120]} ... {line[-180:]}'
+  return f'{type(e).__name__}: {line}'
+
+
+class SaveFailed(runtime.UserError):
+  """A checkpoint save that failed (a full disk, say): the run stops at once, naming it."""
 
 
 class Checkpointer:
@@ -109,9 +116,12 @@ class Checkpointer:
     )
     self.async_save, self.verify = async_save, verify
     self._saving, self._verified = None, set()
+    self._pending = None  # the step whose save is in flight
     self._preempted = False
     self._positions = multihost.Exchange('data_positions')
     self._verdicts = multihost.Exchange('checkpoint_damage')
+    self._saves_done = multihost.Exchange('saves_done')
+    self._save_errors = multihost.Exchange('save_errors')
 
   def watch_preemption(self) -> None:
     """From here on a stop request makes the training loop save and stop (`preempted`). Only
@@ -146,12 +156,54 @@ class Checkpointer:
       meta=ocp.args.JsonSave(meta),
     )
     storage.makedirs(self.directory)
-    self.manager.wait_until_finished()  # (the manager would): the callback of the previous
-    self._saving = step  # save reads `_saving`, so it must have run
+    self._finish()  # (the manager would): the callback of the previous save reads `_saving`
+    self._saving = self._pending = step
     saved = self.manager.save(step, args=args, force=True)  # the loop asked `due`
     if not self.async_save:
-      self.manager.wait_until_finished()
+      self._finish()
     return saved
+
+  def _finish(self) -> None:
+    """Waits for the save in flight; one that failed raises SaveFailed naming it and why."""
+    step, self._pending = self._pending, None
+    try:
+      self.manager.wait_until_finished()
+    except Exception as e:
+      if step is None:
+        raise
+      newest = rundir.saved_steps(storage.dirname(self.directory))
+      newest = f'step {newest[-1]}' if newest else 'none (a rerun starts over)'
+      raise SaveFailed(
+        f'checkpoint {self.step_dir(step)} could not be saved ({_innermost(e)}). The newest '
+        f'checkpoint is {newest}; fix the cause and rerun the same command to resume from it'
+      ) from e
+
+  def check_saves(self, step: int) -> None:
+    """Call at every step on every process: a save that has failed in the background stops the
+    run now, not at the next save. The processes agree on when a save has ended (each ends its
+    own part) and on whether it failed anywhere."""
+    if self._pending is None:
+      return
+    if not all(self._saves_done.json(not self.manager.is_saving_in_progress(), step)):
+      return
+    error = ''
+    try:
+      self._finish()
+    except SaveFailed as e:
+      error = str(e)
+    if error := next((e for e in self._save_errors.json(error, step) if e), ''):
+      raise SaveFailed(error)
+
+  def settle(self) -> None:
+    """When the run stops on an error elsewhere: the save in flight is finished first, so that
+    a rerun resumes from it (one that fails leaves the previous checkpoint the newest, said in a
+    warning: the run's own error is the one reported)."""
+    if self._pending is None:
+      return
+    try:
+      self._finish()
+    except SaveFailed as e:
+      logging.warning('%s', e)
 
   def _write_manifest(self) -> None:
     """Orbax's post-finalization callback: the step's files are complete, in the temporary
@@ -274,8 +326,8 @@ class Checkpointer:
     return unflatten_like(saved, out['state']), out['data'], out['meta']
 
   def wait(self) -> None:
-    self.manager.wait_until_finished()
+    self._finish()
 
   def close(self) -> None:
-    self.manager.wait_until_finished()
+    self._finish()
     self.manager.close()

@@ -66,6 +66,15 @@ class _QuietBelowWarning(logging.Filter):
     return record.levelno >= logging.WARNING or self.marker not in record.pathname
 
 
+class _NoErrors(_QuietBelowWarning):
+  """Drops the errors Orbax logs (with tracebacks, from its background threads) when a save
+  fails: the checkpointer raises each one itself, as one `Error:` line naming the checkpoint
+  (checkpoint.SaveFailed; a failed restore: DamagedCheckpoint)."""
+
+  def filter(self, record: logging.LogRecord) -> bool:
+    return self.marker not in record.pathname or record.levelno < logging.ERROR
+
+
 def quiet_library_logs(packages=('orbax', 'jax', 'gcsfs')) -> None:
   """Drops the INFO lines of chatty libraries (Orbax: ~250 per demo run, a dozen per checkpoint;
   JAX: "Unable to initialize backend 'tpu'" on every machine without one; gcsfs: one per file
@@ -79,6 +88,8 @@ def quiet_library_logs(packages=('orbax', 'jax', 'gcsfs')) -> None:
   handler = absl_logging.get_absl_handler()
   for package in packages:
     handler.addFilter(_QuietBelowWarning(package))
+  if not env_flag('MOETRAIN_TRACEBACK'):
+    handler.addFilter(_NoErrors('orbax'))
 
 
 def env_flag(name: str, environ=os.environ) -> bool:

@@ -12,6 +12,7 @@ A local emulator of Google Cloud Storage is used when STORAGE_EMULATOR_HOST name
 variable Google's clients read): `use_emulator` points TensorStore there too."""
 
 import builtins
+import contextlib
 import math
 import os
 import posixpath
@@ -194,6 +195,18 @@ def read_range(path: str, start: int, end: int) -> bytes:
     return f.read(end - start)
 
 
+@contextlib.contextmanager
+def naming(path: str):
+  """An OSError inside (a full disk: "[Errno 28] No space left on device") names `path` when it
+  names no file itself."""
+  try:
+    yield
+  except OSError as e:
+    if e.filename is not None or e.errno is None:
+      raise
+    raise type(e)(e.errno, e.strerror, path) from e
+
+
 def write_atomic(path: str, data: str | bytes) -> None:
   """Replaces `path` by `data` so that a reader sees the old or the new, never a part: a
   temporary file beside it renamed over it, or one upload (an object appears whole)."""
@@ -205,7 +218,7 @@ def write_atomic(path: str, data: str | bytes) -> None:
   makedirs(os.path.dirname(path) or '.')
   fd, tmp = tempfile.mkstemp(dir=os.path.dirname(path) or '.', prefix=f'.{os.path.basename(path)}.')
   try:
-    with os.fdopen(fd, 'wb') as f:
+    with naming(path), os.fdopen(fd, 'wb') as f:
       f.write(data)
     os.replace(tmp, path)
   except BaseException:
@@ -328,14 +341,16 @@ class AppendLog:
 
   def write(self, text: str) -> None:
     if self._file is not None:
-      self._file.write(text)
+      with naming(self.path):
+        self._file.write(text)
     else:
       self._parts.append(text)
       self._dirty = True
 
   def flush(self, force: bool = False) -> None:
     if self._file is not None:
-      self._file.flush()
+      with naming(self.path):
+        self._file.flush()
       return
     now = time.monotonic()
     if self._dirty and (force or now - self._last >= self.every):
@@ -345,6 +360,7 @@ class AppendLog:
 
   def close(self) -> None:
     if self._file is not None:
-      self._file.close()
+      with naming(self.path):
+        self._file.close()
     else:
       self.flush(force=True)

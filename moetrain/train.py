@@ -99,6 +99,9 @@ def _run(config, workdir: str, setup: Setup, mesh) -> dict:
     job.writer.close()
   except train_log.NonFiniteStreak as e:
     raise stopped(e, ckpt, job.writer) from None
+  except Exception:
+    ckpt.settle()  # a save in flight ends before the error is reported: a rerun resumes from it
+    raise
   if last.get('data_ended') and runtime.is_primary():  # saved and evaluated: a rerun has no work
     rundir.mark_data_ended(workdir, int(state.step), setup.data)
   return last
@@ -279,6 +282,7 @@ def log_eval_save(job: Job, state, step: int, log, evals: Evals, meter) -> tuple
   """After a step: its record, evaluation and checkpoint when due. Returns (saved, Stop with a
   note when preempted)."""
   t, ckpt = job.setup.train, job.ckpt
+  ckpt.check_saves(step)  # a save that failed in the background stops the run now
   preempted = ckpt.preempted(step) and step != t.last_step  # every host, every step
   if step % t.log_every == 0 or step == t.last_step or preempted:  # (the resumed run logs after)
     log.mark(step, job.train_iter.num_truncated)

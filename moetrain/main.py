@@ -30,8 +30,12 @@ def main(argv):
   # (train.resume_step: the run goes back to that checkpoint)
   runtime.start_command(resume_step=config.train.resume_step or (steps[-1] if steps else None))
   from moetrain import train
+  from moetrain.convert import hf
   from moetrain.tools import sizes
 
+  if config.init.hf_checkpoint:  # its config.json decides the shapes: none given on the side
+    overrides = flags.FLAGS['config'].override_values
+    hf.check_overrides(config.init.hf_checkpoint, overrides, rundir.engine_fields())
   if _DRY_RUN.value:
     sizes.dry_run(config)
     return
@@ -40,5 +44,6 @@ def main(argv):
 
 
 if __name__ == '__main__':
+  runtime.exit_on_ctrl_c()  # until handle_stop_signals: nothing is written before it
   flags.mark_flags_as_required(['config'])
   app.run(runtime.short_errors(main), flags_parser=runtime.parse_flags)

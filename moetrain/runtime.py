@@ -260,9 +260,18 @@ def _unless_loop_closed(hook, unraisable) -> None:
 _STOP = threading.Event()
 
 
+def exit_on_ctrl_c() -> None:
+  """Ctrl-C ends the process at once (the default action of SIGINT: the shell reports 130), until
+  handle_stop_signals takes it over. Python's own handler raises KeyboardInterrupt wherever the
+  main thread is, and one raised inside a callback (JAX's garbage-collection callback at
+  start-up) is printed and swallowed: the run went on."""
+  signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def handle_stop_signals() -> None:
   """For a training command's main: SIGTERM (a preemption notice) and a first Ctrl-C ask the
-  training loop to save at its next step and stop (`stop_requested`); a second Ctrl-C aborts.
+  training loop to save at its next step and stop (`stop_requested`); a second Ctrl-C ends the
+  process at once.
   On several processes JAX's preemption service owns SIGTERM and all hosts agree on the step to
   stop at: a first Ctrl-C on any of them is passed to it as a SIGTERM to the process itself.
   Library code installs no handler: train.run called from a notebook stops as the notebook
@@ -282,7 +291,7 @@ def handle_stop_signals() -> None:
       'saving).',
       flush=True,
     )
-    signal.signal(signal.SIGINT, signal.default_int_handler)
+    signal.signal(signal.SIGINT, signal.SIG_DFL)  # (a KeyboardInterrupt could be swallowed)
     if several:  # a stop of this host alone would leave the others waiting in the collectives
       os.kill(os.getpid(), signal.SIGTERM)  # to the preemption service's handler
     else:

@@ -57,11 +57,37 @@ def read_config(path: str) -> dict:
 
 def config_from_hf(config_json: dict, **overrides) -> ModelConfig:
   """ModelConfig of a config.json of any supported family (its model_type; LongCat-Flash when
-  absent); `overrides` set engine fields (dtype, lora...)."""
+  absent); `overrides` set engine fields (dtype, lora...). Errors name the model.<field>, and
+  say when config.json gave the value."""
   kw = family_of(config_json.get('model_type', longcat.MODEL_TYPE)).config_from_hf(config_json)
   cfg = ModelConfig(**{**kw, **overrides})
-  cfg.validate('config_from_hf')
+  try:
+    cfg.validate('model')
+  except ValueError as e:
+    field = re.match(r'model\.(\w+)', str(e)).group(1) if str(e).startswith('model.') else ''
+    if field in overrides or field not in kw:
+      raise
+    raise ValueError(f'{e} (the value config.json gives)') from None
   return cfg
+
+
+def check_overrides(path: str, overrides: dict, engine: tuple[str, ...]) -> None:
+  """With init.hf_checkpoint the checkpoint's config.json decides the model's shapes: a
+  model.<field> set on the command line (`overrides`: {'model.moe_topk': 20, ...}) that is not
+  an engine field and differs from the checkpoint's is refused, naming both values."""
+  given = {k.removeprefix('model.'): v for k, v in overrides.items() if k.startswith('model.')}
+  given = {k: v for k, v in given.items() if k not in engine}
+  if not given:
+    return
+  kw = family_of((c := read_config(path)).get('model_type', longcat.MODEL_TYPE)).config_from_hf(c)
+  base = ModelConfig(**kw)
+  for key, value in given.items():
+    if hasattr(base, key) and getattr(base, key) != value:
+      raise ValueError(
+        f'--config.model.{key}={value!r}: init.hf_checkpoint={path} gives {key}='
+        f"{getattr(base, key)!r} in its config.json, which decides the model's shapes; leave "
+        'it out (only how the model computes may be set: dtype, remat, kernels, ...)'
+      )
 
 
 def config_to_hf(cfg: ModelConfig, dtype: str, base: dict | None = None) -> dict:

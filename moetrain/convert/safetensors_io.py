@@ -82,7 +82,22 @@ class Reader:
         'dequantise FP8/int checkpoints before loading'
       )
     sl = self._slice(name)
-    return np.asarray(sl[tuple(index)] if index else sl[:])
+    x = np.asarray(sl[tuple(index)] if index else sl[:])
+    if not finite(x):
+      raise ValueError(
+        f'{name} in {storage.join(self.directory, self.files[name])} holds non-finite values '
+        '(NaN or infinity): the checkpoint is damaged or was saved from a diverged run'
+      )
+    return x
+
+
+def finite(x: np.ndarray) -> bool:
+  """Whether every number of a float array is finite (True for other arrays). bfloat16 is read
+  as its bits (an exponent of all ones is NaN or infinity): numpy has no fast isfinite for it
+  (about 2 GB/s this way, 3x ml_dtypes' ufunc); the others take numpy's own (about 8 GB/s)."""
+  if x.dtype == ml_dtypes.bfloat16:
+    return not np.any((x.view(np.uint16) & 0x7F80) == 0x7F80)
+  return not np.issubdtype(x.dtype, np.floating) or bool(np.isfinite(x).all())
 
 
 def is_model_file(name: str) -> bool:

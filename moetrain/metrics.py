@@ -63,7 +63,7 @@ def matmul_params_per_token(cfg: ModelConfig, ffn_experts: float) -> float:
   d = cfg.hidden_size
   attn, mlp = attention_params(cfg), 3 * d * cfg.ffn_hidden_size
   expert = 3 * d * cfg.expert_ffn_hidden_size
-  moe = d * cfg.num_experts_total + (ffn_experts + cfg.n_shared_experts) * expert
+  moe = d * cfg.num_experts_total + ffn_experts * expert + 3 * d * cfg.shared_width
   if cfg.layer_layout == 'shortcut':  # 2 attention + 2 dense MLP + 1 MoE
     layers = cfg.num_layers * (2 * attn + 2 * mlp + moe)
   else:

@@ -1,9 +1,10 @@
-"""The other families (Qwen3-MoE, Mixtral, DeepSeek-V3) against transformers 4.57.6: fixtures made
-by tests/fixtures/make_family_fixtures.py are the oracle (float32)."""
+"""The other families (Qwen3-MoE, Mixtral, DeepSeek-V3/V2, OLMoE, Qwen2-MoE) against transformers
+4.57.6: fixtures made by tests/fixtures/make_family_fixtures.py are the oracle (float32)."""
 
 import dataclasses
 import json
 import os
+import re
 
 import jax
 import jax.numpy as jnp
@@ -30,7 +31,14 @@ FAMILIES = (
   'mixtral_two_layer',
   'deepseek_v3_three_layer',  # MLA, YaRN, dense first, sigmoid + groups + bias, shared expert
   'deepseek_v3_plain_q',  # MLA without the q low rank, two shared experts
+  'olmoe_two_layer',  # GQA + q/k norm over the whole projections, q/k/v/o biases
+  'qwen2_moe_four_layer',  # q/k/v biases, gated shared expert, layers moe / moe / dense / moe
+  'deepseek_v2_three_layer',  # MLA, YaRN, softmax router over groups scored by their best
 )
+# Families whose export round trip and generation run with the slow tests (the default suite's
+# time budget); their logits, loss, routing, gradients and LoRA reach run by default.
+SLOW_EXTRAS = ('olmoe_two_layer', 'qwen2_moe_four_layer', 'deepseek_v2_three_layer')
+EXTRAS = [pytest.param(n, marks=pytest.mark.slow) if n in SLOW_EXTRAS else n for n in FAMILIES]
 
 
 def fixture(name: str) -> str:
@@ -140,7 +148,7 @@ def test_lora_reaches_every_projection_and_starts_at_the_base(name):
   )
 
 
-@pytest.mark.parametrize('name', FAMILIES)
+@pytest.mark.parametrize('name', EXTRAS)
 def test_merged_export_and_peft_adapter_round_trip(name, tmp_path):
   """save_hf (LoRA merged) reloads to the adapted model's logits; the PEFT adapter reloads into a
   fresh model exactly."""
@@ -156,49 +164,64 @@ def test_merged_export_and_peft_adapter_round_trip(name, tmp_path):
   assert max_err(got, want) < 1e-5
   peft_adapter.save(model, cfg, str(tmp_path / 'adapter'), base_model=fixture(name))
   adapter = json.loads((tmp_path / 'adapter' / 'adapter_config.json').read_text())
-  assert adapter['modules_to_save'] == ['gate']
+  assert adapter['modules_to_save'] == [peft_adapter.router_module(cfg)]
   fresh, _ = lora_model(name, seed=9)
   peft_adapter.load(fresh, cfg, str(tmp_path / 'adapter'))
   for x, y in zip(jax.tree.leaves(nnx.state(fresh)), jax.tree.leaves(nnx.state(model))):
     np.testing.assert_array_equal(x, y)
 
 
+# transformers' side of test_transformers_loads_the_exports, run by the reference venv's python:
+# argv: the merged export, the base checkpoint, the adapter, input ids (.npy), output (.npz).
+_HF_SCRIPT = """
+import sys, numpy as np, peft, torch, transformers
+merged, base, adapter, ids, out = sys.argv[1:]
+ids = torch.from_numpy(np.load(ids)).long()
+def auto(d):
+  return transformers.AutoModelForCausalLM.from_pretrained(
+    d, dtype=torch.float32, attn_implementation='eager')
+def logits(m):
+  with torch.no_grad():
+    return m.eval()(input_ids=ids).logits.numpy()
+peft_model = peft.PeftModel.from_pretrained(auto(base), adapter)
+np.savez(out, merged=logits(auto(merged)), peft=logits(peft_model))
+"""
+
+
 @pytest.mark.parametrize('name', FAMILIES)
 def test_transformers_loads_the_exports(name, tmp_path):
-  """Needs torch + transformers 4.57 + peft next to jax; skipped in the project venv. Run with
-  the reference venv, the project's packages appended after its own:
-    /work/hfvenv/bin/python -c "import sys; sys.path += ['.venv/lib/python3.11/site-packages'];
-      sys.path.insert(0, '.'); import pytest; pytest.main(['tests/test_families.py', '-k',
-      'transformers'])"
+  """transformers 4.57 loads the merged export, and peft the adapter, with the model's logits.
+  Needs a reference venv with torch + transformers 4.57.6 + peft (tests/fixtures/
+  make_family_fixtures.py says how to make it), named by MOETRAIN_HF_PYTHON; skipped without:
+    MOETRAIN_HF_PYTHON=/work/hfvenv/bin/python .venv/bin/python -m pytest \\
+      tests/test_families.py -k transformers
   """
-  torch = pytest.importorskip('torch')
-  transformers = pytest.importorskip('transformers')
-  peft = pytest.importorskip('peft')
+  import subprocess
+
+  python = os.environ.get('MOETRAIN_HF_PYTHON')
+  if not python:
+    pytest.skip('MOETRAIN_HF_PYTHON (a python with torch, transformers 4.57.6, peft) is unset')
   ids = reference(name)['input_ids']
   model, cfg = trained_lora_model(name)
   want = logits_of(model, ids)
-
-  def hf_logits(m):
-    with torch.no_grad():
-      return m.eval()(input_ids=torch.from_numpy(ids).long()).logits.numpy()
-
-  def auto(directory):
-    return transformers.AutoModelForCausalLM.from_pretrained(
-      directory, dtype=torch.float32, attn_implementation='eager'
-    )
-
   hf.save_hf(model, cfg, str(tmp_path / 'merged'), dtype=jnp.float32)
-  err = max_err(hf_logits(auto(str(tmp_path / 'merged'))), want)
-  print(f'{name}: transformers on the merged export: logits {err:.2e}')
-  assert err < 1e-5
   peft_adapter.save(model, cfg, str(tmp_path / 'adapter'), base_model=fixture(name))
-  peft_model = peft.PeftModel.from_pretrained(auto(fixture(name)), str(tmp_path / 'adapter'))
-  err = max_err(hf_logits(peft_model), want)
-  print(f'{name}: peft on the adapter: logits {err:.2e}')
-  assert err < 1e-5
+  np.save(tmp_path / 'ids.npy', ids)
+  dirs = [tmp_path / 'merged', fixture(name), tmp_path / 'adapter', tmp_path / 'ids.npy']
+  run = subprocess.run(
+    [python, '-c', _HF_SCRIPT, *map(str, dirs), str(tmp_path / 'out.npz')],
+    capture_output=True,
+    text=True,
+  )
+  assert run.returncode == 0, run.stderr[-3000:]
+  got = np.load(tmp_path / 'out.npz')
+  for kind in ('merged', 'peft'):
+    err = max_err(got[kind], want)
+    print(f'{name}: transformers on the {kind} export: logits {err:.2e}')
+    assert err < 1e-5, (kind, err)
 
 
-@pytest.mark.parametrize('name', FAMILIES)
+@pytest.mark.parametrize('name', EXTRAS)
 def test_greedy_generation_matches_transformers(name):
   """The cached decode (MLA latent or GQA keys/values) continues the prompt as transformers'
   greedy generate did, and its steps equal the full forward's last-position logits."""
@@ -274,3 +297,151 @@ def test_sign_bias_rule_moves_each_group_by_its_own_layers():
   d1 = np.asarray(new['layers_1']['moe']['router_bias'].get_value())[0]
   np.testing.assert_allclose(d0, [-0.01] + [0.01] * 7)  # sign rule: +-gamma, not in proportion
   np.testing.assert_allclose(d1, [0.01] * 7 + [-0.01])
+
+
+# The released config.json files (the keys moetrain reads, and those it checks).
+RELEASED = {
+  'olmoe_1b_7b': {  # allenai/OLMoE-1B-7B-0924
+    'model_type': 'olmoe',
+    'attention_bias': False,
+    'clip_qkv': None,
+    'hidden_act': 'silu',
+    'hidden_size': 2048,
+    'initializer_range': 0.02,
+    'intermediate_size': 1024,
+    'max_position_embeddings': 4096,
+    'norm_topk_prob': False,
+    'num_attention_heads': 16,
+    'num_experts': 64,
+    'num_experts_per_tok': 8,
+    'num_hidden_layers': 16,
+    'num_key_value_heads': 16,
+    'rms_norm_eps': 1e-05,
+    'rope_scaling': None,
+    'rope_theta': 10000.0,
+    'tie_word_embeddings': False,
+    'vocab_size': 50304,
+  },
+  'qwen1_5_moe_a2_7b': {  # Qwen/Qwen1.5-MoE-A2.7B
+    'model_type': 'qwen2_moe',
+    'hidden_act': 'silu',
+    'hidden_size': 2048,
+    'initializer_range': 0.02,
+    'intermediate_size': 5632,
+    'max_position_embeddings': 8192,
+    'num_attention_heads': 16,
+    'num_hidden_layers': 24,
+    'num_key_value_heads': 16,
+    'rms_norm_eps': 1e-06,
+    'rope_theta': 1000000.0,
+    'sliding_window': 32768,
+    'tie_word_embeddings': False,
+    'use_sliding_window': False,
+    'vocab_size': 151936,
+    'decoder_sparse_step': 1,
+    'moe_intermediate_size': 1408,
+    'shared_expert_intermediate_size': 5632,
+    'num_experts_per_tok': 4,
+    'num_experts': 60,
+    'norm_topk_prob': False,
+  },
+  'deepseek_v2_lite': {  # deepseek-ai/DeepSeek-V2-Lite
+    'model_type': 'deepseek_v2',
+    'attention_bias': False,
+    'first_k_dense_replace': 1,
+    'hidden_act': 'silu',
+    'hidden_size': 2048,
+    'initializer_range': 0.02,
+    'intermediate_size': 10944,
+    'kv_lora_rank': 512,
+    'max_position_embeddings': 163840,
+    'moe_intermediate_size': 1408,
+    'moe_layer_freq': 1,
+    'n_group': 1,
+    'n_routed_experts': 64,
+    'n_shared_experts': 2,
+    'norm_topk_prob': False,
+    'num_attention_heads': 16,
+    'num_experts_per_tok': 6,
+    'num_hidden_layers': 27,
+    'num_key_value_heads': 16,
+    'q_lora_rank': None,
+    'qk_nope_head_dim': 128,
+    'qk_rope_head_dim': 64,
+    'rms_norm_eps': 1e-06,
+    'rope_scaling': {
+      'beta_fast': 32,
+      'beta_slow': 1,
+      'factor': 40,
+      'mscale': 0.707,
+      'mscale_all_dim': 0.707,
+      'original_max_position_embeddings': 4096,
+      'type': 'yarn',
+    },
+    'rope_theta': 10000,
+    'routed_scaling_factor': 1.0,
+    'scoring_func': 'softmax',
+    'tie_word_embeddings': False,
+    'topk_group': 1,
+    'topk_method': 'greedy',
+    'v_head_dim': 128,
+    'vocab_size': 102400,
+  },
+}
+
+
+@pytest.mark.parametrize('preset', sorted(RELEASED))
+def test_presets_are_the_released_configs(preset):
+  from moetrain.model.families import PRESETS
+
+  assert hf.config_from_hf(RELEASED[preset]) == PRESETS[preset]
+
+
+@pytest.mark.parametrize(
+  'preset, total, active',
+  [
+    # The released counts include the input embedding, which 'active' leaves out.
+    ('olmoe_1b_7b', 6.92, 1.18),  # 6.9B, 1.3B (1.28B) with the embedding's 0.10B
+    ('qwen1_5_moe_a2_7b', 14.32, 2.38),  # 14.3B, 2.7B with the embedding's 0.31B
+    ('qwen2_57b_a14b', 57.41, 13.70),  # 57B, 14B with the embedding's 0.54B
+    ('deepseek_v2_lite', 15.71, 2.45),  # 15.7B, 2.4B
+    ('deepseek_v2_236b', 235.74, 20.85),  # 236B, 21B
+  ],
+)
+def test_released_presets_parameter_counts(preset, total, active):
+  from moetrain.model.families import PRESETS
+  from moetrain.tools.sizes import param_counts
+
+  cfg = PRESETS[preset]
+  counts = param_counts(cfg)
+  assert round(counts['total'] / 1e9, 2) == total
+  assert round(counts['active'][cfg.moe_topk] / 1e9, 2) == active
+
+
+@pytest.mark.parametrize(
+  'change, error',
+  [
+    ({'topk_method': 'noaux_tc'}, "config.json topk_method='noaux_tc' is unsupported"),
+    ({'norm_topk_prob': True}, 'config.json norm_topk_prob=True is unsupported'),
+    ({'topk_method': 'group_limited_greedy', 'n_group': None}, "needs integer ['n_group']"),
+  ],
+)
+def test_deepseek_v2_configs_moetrain_cannot_run_are_refused_by_key(change, error):
+  c = {**RELEASED['deepseek_v2_lite'], **change}
+  with pytest.raises(ValueError, match=re.escape(error)):
+    hf.config_from_hf(c)
+
+
+def test_deepseek_v2_softmax_scale_follows_deepseek_not_transformers():
+  """DeepSeek's code scales the softmax by mscale(factor, mscale_all_dim)^2 under YaRN;
+  transformers 4.57's deepseek_v2 leaves it out. moetrain keeps DeepSeek's (the model was
+  trained with it): the fixtures' YaRN has no mscale_all_dim, where the two agree."""
+  cfg = hf.config_from_hf(RELEASED['deepseek_v2_lite'])
+  mscale = 0.1 * 0.707 * np.log(40) + 1
+  np.testing.assert_allclose(cfg.attention_scale, 192**-0.5 * mscale**2, rtol=1e-6)
+
+
+def test_olmoe_export_refuses_separate_q_and_o_biases():
+  cfg = dataclasses.replace(f32_config('olmoe_two_layer'), o_bias=False)
+  with pytest.raises(ValueError, match='model.o_bias=False: transformers olmoe has one'):
+    hf.config_to_hf(cfg, 'float32')

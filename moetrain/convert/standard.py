@@ -1,6 +1,7 @@
 """The Hugging Face layouts of the families built from standard pre-norm layers (transformers
-4.57 `deepseek_v3`, `qwen3_moe`, `mixtral`): config.json and the weight-name table. One table
-builder serves all three: attention rows by kind (MLA, GQA), the MoE block's by family."""
+4.57 `deepseek_v3`, `deepseek_v2`, `qwen3_moe`, `mixtral`, `olmoe`, `qwen2_moe`): config.json
+and the weight-name table. One table builder serves them all: attention rows by kind (MLA, GQA),
+the MoE block's by family."""
 
 from moetrain.convert import family
 from moetrain.convert.stacked_io import Row
@@ -20,19 +21,34 @@ _COMMON_FIXED = {'hidden_act': 'silu', 'tie_word_embeddings': False, 'attention_
 class Family:
   """One family's config.json tables (family.read_fields' required / optional / fixed), its
   parts (model/families.py PARTS: what its config.json does not say), where its MoE block's
-  weights live (`block`, the expert projections' names for gate / up / down), and what its
-  config.json holds beyond the tables (`read(c) -> fields`, `write(cfg) -> keys`)."""
-
-  ROUTER_MODULE = 'gate'  # <block>.gate: the router (weight, e_score_correction_bias)
+  weights live (`block`, the expert projections' names for gate / up / down, the shared experts'
+  module `shared`), and what its config.json holds beyond the tables (`read(c) -> fields`,
+  `write(cfg) -> keys`)."""
 
   def __init__(
-    self, model_type, architecture, required, optional, fixed, block, experts, read, write
+    self,
+    model_type,
+    architecture,
+    required,
+    optional,
+    fixed,
+    block,
+    experts,
+    read,
+    write,
+    shared='shared_experts',
+    router_module='gate',
   ):
     self.model_type, self.architecture = model_type, architecture
     self.required = {**_COMMON_REQUIRED, **required}
-    self.optional, self.fixed = optional, {**_COMMON_FIXED, **fixed}
+    # A key the family reads (optional) is not fixed (OLMoE's attention_bias).
+    self.optional = optional
+    self.fixed = {k: v for k, v in {**_COMMON_FIXED, **fixed}.items() if k not in optional}
     self.parts = PARTS[model_type]
     self.block, self.experts, self.read, self.write = block, experts, read, write
+    self.shared = shared  # <block>.<shared>: the shared experts' MLP
+    # PEFT's modules_to_save name of the router: its module names ending with it are saved whole.
+    self.ROUTER_MODULE = router_module
 
   def config_from_hf(self, c: dict) -> dict:
     kw = family.read_fields(c, self.model_type, self.required, self.optional, self.fixed)
@@ -61,12 +77,14 @@ class Family:
     return rows
 
   def moe_entries(self, cfg: ModelConfig) -> list:
-    router = f'{self.block}.{self.ROUTER_MODULE}'
+    router = f'{self.block}.gate'  # weight, e_score_correction_bias
     out = [(f'{router}.weight', 'moe.router', 1)]  # [E, D] <-> [D, E]
     if cfg.router_bias:
       out.append((f'{router}.e_score_correction_bias', 'moe.router_bias', None))
     if cfg.n_shared_experts:
-      out += _mlp_entries(f'{self.block}.shared_experts', 'moe.shared')
+      out += _mlp_entries(f'{self.block}.{self.shared}', 'moe.shared')
+    if cfg.shared_expert_gate:  # [1, D] <-> [D, 1]
+      out.append((f'{self.block}.shared_expert_gate.weight', 'moe.shared_gate.kernel', 1))
     return out
 
   def expert_entries(self) -> list:
@@ -88,6 +106,10 @@ def attention_entries(cfg: ModelConfig) -> list:
     out.append((f'{a}.o_proj.weight', 'attn.o.kernel', 2))  # [D, N*H] <-> [N, H, D]
     if cfg.qk_norm:
       out += [(f'{a}.{n}_norm.weight', f'attn.{n}_norm.scale', None) for n in 'qk']
+    if cfg.qkv_bias:
+      out += [(f'{a}.{n}_proj.bias', f'attn.{n}.bias', None) for n in 'qkv']
+    if cfg.o_bias:
+      out.append((f'{a}.o_proj.bias', 'attn.o.bias', None))
     return out
   if cfg.q_lora_rank:
     out = [
@@ -166,6 +188,77 @@ def _deepseek_write(cfg: ModelConfig) -> dict:
     'q_lora_rank': cfg.q_lora_rank or None,
     'head_dim': cfg.qk_rope_head_dim,  # transformers sizes the rotary table from it
     'num_key_value_heads': cfg.num_heads,
+  }
+
+
+def _olmoe_read(c: dict, kw: dict) -> dict:
+  # head_dim is hidden_size / heads; one attention_bias for q, k, v and o; no dense MLP.
+  kv = kw['num_kv_heads'] or kw['num_heads']
+  return {
+    'head_dim': 0,
+    'num_kv_heads': kv,
+    'o_bias': kw['qkv_bias'],
+    'ffn_hidden_size': kw['expert_ffn_hidden_size'],
+  }
+
+
+def _check_head_dim(cfg: ModelConfig) -> None:
+  if cfg.gqa_head_dim * cfg.num_heads != cfg.hidden_size:
+    raise ValueError(
+      f'model.head_dim={cfg.gqa_head_dim}: transformers {cfg.model_type} needs hidden_size / '
+      f'num_heads = {cfg.hidden_size / cfg.num_heads}'
+    )
+
+
+def _olmoe_write(cfg: ModelConfig) -> dict:
+  _check_head_dim(cfg)
+  if cfg.qkv_bias != cfg.o_bias:
+    raise ValueError(
+      f'model.o_bias={cfg.o_bias}: transformers olmoe has one attention_bias for q, k, v and o '
+      f'(model.qkv_bias={cfg.qkv_bias})'
+    )
+  return {'num_key_value_heads': cfg.kv_heads}
+
+
+def _qwen2_read(c: dict, kw: dict) -> dict:
+  return {'head_dim': 0, 'mlp_only_layers': tuple(kw['mlp_only_layers'])}
+
+
+def _qwen2_write(cfg: ModelConfig) -> dict:
+  _check_head_dim(cfg)
+  return {
+    'mlp_only_layers': list(cfg.mlp_only_layers),
+    'shared_expert_intermediate_size': cfg.shared_width,
+  }
+
+
+_TOPK_METHODS = ('greedy', 'group_limited_greedy')
+
+
+def _deepseek_v2_read(c: dict, kw: dict) -> dict:
+  """topk_method 'greedy' ignores n_group / topk_group (transformers does too)."""
+  method = c.get('topk_method', 'greedy')
+  if method not in _TOPK_METHODS:
+    raise ValueError(
+      f'config.json topk_method={method!r} is unsupported: deepseek_v2 routes by {_TOPK_METHODS}'
+    )
+  groups = {'n_group': 1, 'topk_group': 1}
+  if method == 'group_limited_greedy':
+    groups = {k: c.get(k) for k in groups}
+    missing = [k for k, v in groups.items() if type(v) is not int]
+    if missing:
+      raise ValueError(f'config.json topk_method=group_limited_greedy needs integer {missing}')
+  return {**_yarn_from_hf(c), **groups}
+
+
+def _deepseek_v2_write(cfg: ModelConfig) -> dict:
+  method = _TOPK_METHODS[cfg.n_group > 1]
+  return {
+    **_deepseek_write(cfg),
+    'topk_method': method,
+    'n_group': cfg.n_group,
+    'topk_group': cfg.topk_group,
+    'norm_topk_prob': False,
   }
 
 
@@ -249,4 +342,83 @@ DEEPSEEK_V3 = Family(
   write=_deepseek_write,
 )
 
-FAMILIES = {f.model_type: f for f in (QWEN3_MOE, MIXTRAL, DEEPSEEK_V3)}
+OLMOE = Family(
+  'olmoe',
+  'OlmoeForCausalLM',
+  required={'intermediate_size': 'expert_ffn_hidden_size', 'num_experts': 'n_routed_experts'},
+  optional={
+    'num_key_value_heads': ('num_kv_heads', 0),
+    'attention_bias': ('qkv_bias', False),
+    'norm_topk_prob': ('norm_topk_prob', False),
+    'rms_norm_eps': ('rms_norm_eps', 1e-5),
+    'rope_theta': ('rope_theta', 10000.0),
+    'initializer_range': ('init_std', 0.02),
+    'max_position_embeddings': ('max_position_embeddings', 4096),
+  },
+  fixed={'clip_qkv': None, 'rope_scaling': None},
+  block='mlp',
+  experts=('gate_proj', 'up_proj', 'down_proj'),
+  read=_olmoe_read,
+  write=_olmoe_write,
+)
+
+QWEN2_MOE = Family(
+  'qwen2_moe',
+  'Qwen2MoeForCausalLM',
+  required={
+    'num_key_value_heads': 'num_kv_heads',
+    'intermediate_size': 'ffn_hidden_size',
+    'moe_intermediate_size': 'expert_ffn_hidden_size',
+    'shared_expert_intermediate_size': 'shared_ffn_hidden_size',
+    'num_experts': 'n_routed_experts',
+  },
+  optional={
+    'qkv_bias': ('qkv_bias', True),
+    'norm_topk_prob': ('norm_topk_prob', False),
+    'decoder_sparse_step': ('decoder_sparse_step', 1),
+    'mlp_only_layers': ('mlp_only_layers', ()),
+    'rms_norm_eps': ('rms_norm_eps', 1e-6),
+    'rope_theta': ('rope_theta', 10000.0),
+    'initializer_range': ('init_std', 0.02),
+    'max_position_embeddings': ('max_position_embeddings', 32768),
+  },
+  fixed={'use_sliding_window': False, 'rope_scaling': None},
+  block='mlp',
+  experts=('gate_proj', 'up_proj', 'down_proj'),
+  read=_qwen2_read,
+  write=_qwen2_write,
+  shared='shared_expert',
+  router_module='mlp.gate',  # 'gate' would also name mlp.shared_expert_gate
+)
+
+DEEPSEEK_V2 = Family(
+  'deepseek_v2',
+  'DeepseekV2ForCausalLM',
+  required=DEEPSEEK_V3.required,
+  optional={
+    'q_lora_rank': ('q_lora_rank', 0),
+    'n_shared_experts': ('n_shared_experts', 2),
+    'routed_scaling_factor': ('routed_scaling_factor', 1.0),
+    'first_k_dense_replace': ('first_k_dense_replace', 0),
+    'rms_norm_eps': ('rms_norm_eps', 1e-6),
+    'rope_theta': ('rope_theta', 10000.0),
+    'initializer_range': ('init_std', 0.02),
+    'max_position_embeddings': ('max_position_embeddings', 2048),
+  },
+  # transformers ignores norm_topk_prob and moe_layer_freq (DeepSeek's own code renormalises
+  # unscaled gates with the first): only the released values are read.
+  fixed={
+    'scoring_func': 'softmax',
+    'norm_topk_prob': False,
+    'moe_layer_freq': 1,
+    'mlp_bias': False,
+  },
+  block='mlp',
+  experts=('gate_proj', 'up_proj', 'down_proj'),
+  read=_deepseek_v2_read,
+  write=_deepseek_v2_write,
+)
+
+FAMILIES = {
+  f.model_type: f for f in (QWEN3_MOE, MIXTRAL, DEEPSEEK_V3, OLMOE, QWEN2_MOE, DEEPSEEK_V2)
+}

@@ -150,25 +150,36 @@ class MLA(nnx.Module):
 
 class GQA(nnx.Module):
   """Grouped-query attention: N query heads share N_kv key/value heads (N / N_kv each), with
-  RMSNorm over each query and key head before RoPE when cfg.qk_norm (Qwen3)."""
+  RMSNorm over each query and key head (Qwen3), or over the whole q and k projections (OLMoE),
+  before RoPE when cfg.qk_norm; biases on q/k/v (cfg.qkv_bias) and o (cfg.o_bias)."""
 
   def __init__(self, cfg: ModelConfig, path: str, rngs: nnx.Rngs):
     self.cfg = cfg
     d, n, g, h = cfg.hidden_size, cfg.num_heads, cfg.kv_heads, cfg.gqa_head_dim
-    self.q = Linear('BTD,DNH->BTNH', (d, n, h), cfg, f'{path}.q', rngs)
+    qkv = dict(bias=cfg.qkv_bias)
+    self.q = Linear('BTD,DNH->BTNH', (d, n, h), cfg, f'{path}.q', rngs, **qkv)
     # The key/value heads N_kv are heads too ('heads' shards them like the query heads).
-    self.k = Linear('BTD,DNH->BTNH', (d, g, h), cfg, f'{path}.k', rngs)
-    self.v = Linear('BTD,DNH->BTNH', (d, g, h), cfg, f'{path}.v', rngs)
-    self.o = Linear('BTNH,NHD->BTD', (n, h, d), cfg, f'{path}.o', rngs)
-    if cfg.qk_norm:
+    self.k = Linear('BTD,DNH->BTNH', (d, g, h), cfg, f'{path}.k', rngs, **qkv)
+    self.v = Linear('BTD,DNH->BTNH', (d, g, h), cfg, f'{path}.v', rngs, **qkv)
+    self.o = Linear('BTNH,NHD->BTD', (n, h, d), cfg, f'{path}.o', rngs, bias=cfg.o_bias)
+    if cfg.qk_norm and cfg.qk_norm_per_head:
       self.q_norm = RMSNorm(h, 'H', cfg.rms_norm_eps, cfg)
       self.k_norm = RMSNorm(h, 'H', cfg.rms_norm_eps, cfg)
+    elif cfg.qk_norm:  # one norm over all heads' features: [N * H], [N_kv * H]
+      self.q_norm = RMSNorm(n * h, 'O', cfg.rms_norm_eps, cfg)
+      self.k_norm = RMSNorm(g * h, 'O', cfg.rms_norm_eps, cfg)
+
+  def norm_qk(self, q_BTNH, k_BTNH):
+    if self.cfg.qk_norm_per_head:
+      return self.q_norm(q_BTNH), self.k_norm(k_BTNH)
+    whole = lambda norm, x: norm(x.reshape(*x.shape[:2], -1)).reshape(x.shape)
+    return whole(self.q_norm, q_BTNH), whole(self.k_norm, k_BTNH)
 
   def project(self, x_BTD, positions_BT, rng=None):
     """Queries [B, T, N, H] and the cache content: keys and values [B, T, N_kv, H]."""
     q_BTNH, k_BTNH = self.q(x_BTD, rng), self.k(x_BTD, rng)
     if self.cfg.qk_norm:
-      q_BTNH, k_BTNH = self.q_norm(q_BTNH), self.k_norm(k_BTNH)
+      q_BTNH, k_BTNH = self.norm_qk(q_BTNH, k_BTNH)
     q_BTNH = rope(q_BTNH, positions_BT, self.cfg)
     return q_BTNH, rope(k_BTNH, positions_BT, self.cfg), self.v(x_BTD, rng)
 

@@ -15,7 +15,15 @@ MOE_BACKENDS = ('auto', 'ragged_dot', 'megablox', 'grouped', 'blocked', 'gathere
 MOE_EP_COMM = ('auto', 'fixed', 'ragged')
 QUANT_MODES = ('none', 'int8', 'int4')
 # The families, by the model_type of their Hugging Face config.json.
-MODEL_TYPES = ('longcat_flash', 'deepseek_v3', 'qwen3_moe', 'mixtral')
+MODEL_TYPES = (
+  'longcat_flash',
+  'deepseek_v3',
+  'qwen3_moe',
+  'mixtral',
+  'olmoe',
+  'qwen2_moe',
+  'deepseek_v2',
+)
 # LoRA's default targets: every attention projection (MLA or GQA), dense MLP, shared and routed
 # expert, and the output head.
 LORA_TARGETS = (
@@ -107,6 +115,11 @@ class ModelConfig:
   num_kv_heads: int = field(0, check='non_negative', zero='0 = num_heads')  # GQA key/value heads
   head_dim: int = field(0, check='non_negative', zero='0 = hidden_size / num_heads')  # GQA
   qk_norm: bool = False  # GQA: RMSNorm over each query and key head before RoPE (Qwen3)
+  # q/k norm over each head (Qwen3) or over the whole projection, all heads at once (OLMoE).
+  qk_norm_per_head: bool = True
+  # GQA projection biases: on q, k and v (Qwen2-MoE; OLMoE's attention_bias) and on o (OLMoE's).
+  qkv_bias: bool = False
+  o_bias: bool = False
   # Router: 'softmax' or 'sigmoid' scores; top-k over score + correction bias (router_bias: a
   # buffer the balancing controller moves), within the topk_group best of n_group expert groups;
   # gates are the chosen scores, renormalised to sum 1 (norm_topk_prob), times
@@ -116,9 +129,16 @@ class ModelConfig:
   norm_topk_prob: bool = False
   n_group: int = positive(1)
   topk_group: int = positive(1)
-  # Shared experts (DeepSeek): one SwiGLU of width n_shared_experts * expert_ffn_hidden_size
-  # every token goes through beside the routed ones.
+  # A group's score: the sum of its best two choice scores (DeepSeek-V3) or its best (DeepSeek-V2).
+  router_group_score: str = field('top2', choices=('top2', 'max'))
+  # Shared experts (DeepSeek, Qwen2-MoE): one SwiGLU of width shared_ffn_hidden_size every token
+  # goes through beside the routed ones, its output times sigmoid(x @ w) with shared_expert_gate
+  # (Qwen2-MoE).
   n_shared_experts: int = field(0, check='non_negative')
+  shared_ffn_hidden_size: int = field(
+    0, check='non_negative', zero='0 = n_shared_experts * expert_ffn_hidden_size'
+  )
+  shared_expert_gate: bool = False
   # Standard layers with a dense MLP in place of the MoE: the first first_k_dense_replace
   # (DeepSeek), those in mlp_only_layers, and those l with (l + 1) % decoder_sparse_step != 0
   # (Qwen).
@@ -252,7 +272,8 @@ class ModelConfig:
   def balance_loss_kind(self) -> str:
     if self.moe_balance_loss != 'auto':
       return self.moe_balance_loss
-    return {'longcat_flash': 'device', 'deepseek_v3': 'sequence'}.get(self.model_type, 'switch')
+    kinds = {'longcat_flash': 'device', 'deepseek_v3': 'sequence', 'deepseek_v2': 'sequence'}
+    return kinds.get(self.model_type, 'switch')
 
   @property
   def bias_rule(self) -> str:
@@ -352,6 +373,13 @@ class ModelConfig:
     return self.layer_kinds().count('moe')
 
   @property
+  def shared_width(self) -> int:
+    """Hidden width of the shared experts' SwiGLU (0: none)."""
+    if not self.n_shared_experts:
+      return 0
+    return self.shared_ffn_hidden_size or self.n_shared_experts * self.expert_ffn_hidden_size
+
+  @property
   def num_experts_total(self) -> int:
     return self.n_routed_experts + self.zero_expert_num
 
@@ -376,7 +404,8 @@ class ModelConfig:
     )
     if self.quant == 'int4':  # codes pack in pairs along each kernel's first input dimension
       packed = ('hidden_size', 'q_lora_rank', 'kv_lora_rank', 'num_heads')
-      for field in (*packed, 'ffn_hidden_size', 'expert_ffn_hidden_size'):
+      widths = ('ffn_hidden_size', 'expert_ffn_hidden_size', 'shared_ffn_hidden_size')
+      for field in (*packed, *widths):
         need(
           getattr(self, field) % 2 == 0,
           field,
@@ -419,7 +448,11 @@ class ModelConfig:
     )
     e, g = self.n_routed_experts, self.n_group
     need(e % g == 0, 'n_group', f'{e} routed experts do not split into {g} groups')
-    need(g == 1 or e // g >= 2, 'n_group', "group scores sum each group's best two: >= 2 experts")
+    need(
+      g == 1 or e // g >= 2 or self.router_group_score == 'max',
+      'n_group',
+      "group scores sum each group's best two: >= 2 experts",
+    )
     need(self.topk_group <= g, 'topk_group', f'{self.topk_group} exceeds n_group={g}')
     need(
       g == 1 or not self.zero_expert_num,

@@ -2,8 +2,10 @@
 
 A family is a choice of the decoder's parts (model/config.py ModelConfig): LongCat-Flash's
 shortcut layers with MLA and zero experts; DeepSeek-V3's standard layers with MLA, a sigmoid
-router over expert groups with a correction bias and shared experts; Qwen3-MoE's and Mixtral's
-standard layers with grouped-query attention and a softmax router. The real models' presets copy
+router over expert groups with a correction bias and shared experts (DeepSeek-V2's: a softmax
+router, groups scored by their best expert); Qwen3-MoE's, Mixtral's, OLMoE's and Qwen2-MoE's
+standard layers with grouped-query attention and a softmax router (Qwen2-MoE: a gated shared
+expert). The real models' presets copy
 their published config.json; a run from `init.hf_checkpoint` takes the shapes from the
 checkpoint's own config.json instead.
 """
@@ -13,7 +15,7 @@ from moetrain.model.config import ModelConfig
 
 # The parts each family's config.json implies without saying (convert/standard.py reads the rest
 # from it and refuses to export a config whose parts differ).
-# Qwen3-MoE and Mixtral: standard layers, GQA, half-split RoPE, softmax top-k.
+# Qwen3-MoE, Mixtral, OLMoE, Qwen2-MoE: standard layers, GQA, half-split RoPE, softmax top-k.
 _GQA = dict(
   layer_layout='standard',
   attention='gqa',
@@ -23,31 +25,65 @@ _GQA = dict(
   zero_expert_num=0,
   routed_scaling_factor=1.0,
   n_shared_experts=0,
+  shared_expert_gate=False,
   n_group=1,
   topk_group=1,
+  qk_norm_per_head=True,
+  qkv_bias=False,
+  o_bias=False,
 )
+# DeepSeek-V2 and V3: standard layers, MLA, interleaved RoPE.
+_MLA = dict(
+  layer_layout='standard',
+  attention='mla',
+  rope_interleaved=True,
+  zero_expert_num=0,
+  mla_scale_q_lora=False,
+  mla_scale_kv_lora=False,
+  mla_norm_eps=1e-6,
+  shared_expert_gate=False,
+  shared_ffn_hidden_size=0,
+)
+# What the config.json says (the family's reader sets it): not a fixed part.
+_BIASES = ('qkv_bias', 'o_bias')
 PARTS = {
   'longcat_flash': {},  # ModelConfig's defaults
-  'deepseek_v3': dict(
-    model_type='deepseek_v3',
-    layer_layout='standard',
-    attention='mla',
-    rope_interleaved=True,
-    router_score='sigmoid',
-    router_bias=True,
-    zero_expert_num=0,
-    mla_scale_q_lora=False,
-    mla_scale_kv_lora=False,
-    mla_norm_eps=1e-6,
+  'deepseek_v3': dict(_MLA, model_type='deepseek_v3', router_score='sigmoid', router_bias=True),
+  # Softmax scores, gates scaled but never renormalised, groups scored by their best expert.
+  'deepseek_v2': dict(
+    _MLA,
+    model_type='deepseek_v2',
+    router_score='softmax',
+    router_bias=False,
+    norm_topk_prob=False,
+    router_group_score='max',
   ),
   'qwen3_moe': dict(_GQA, model_type='qwen3_moe', qk_norm=True),
   'mixtral': dict(_GQA, model_type='mixtral', qk_norm=False, norm_topk_prob=True),
+  # q/k norm over the whole projections; attention_bias puts a bias on q, k, v and o.
+  'olmoe': {
+    **{k: v for k, v in _GQA.items() if k not in _BIASES},
+    'model_type': 'olmoe',
+    'qk_norm': True,
+    'qk_norm_per_head': False,
+  },
+  # One shared expert behind a sigmoid gate; biases on q, k, v (qkv_bias), none on o.
+  'qwen2_moe': {
+    **{k: v for k, v in _GQA.items() if k != 'qkv_bias'},
+    'model_type': 'qwen2_moe',
+    'qk_norm': False,
+    'n_shared_experts': 1,
+    'shared_expert_gate': True,
+  },
 }
 # What the presets of a family share beyond its parts (values its config.json carries).
 _SHAPE = {
   'deepseek_v3': dict(norm_topk_prob=True, rms_norm_eps=1e-6),
   'qwen3_moe': dict(norm_topk_prob=True, rms_norm_eps=1e-6),
   'mixtral': {},
+  'olmoe': dict(rms_norm_eps=1e-5, rope_theta=10000.0),
+  'qwen2_moe': dict(qkv_bias=True, rms_norm_eps=1e-6),
+  'deepseek_v2': dict(rms_norm_eps=1e-6, rope_theta=10000.0),
 }
 
 
@@ -56,6 +92,14 @@ def family(model_type: str, **shape) -> ModelConfig:
 
 
 _TINY = dict(vocab_size=512, hidden_size=128, num_heads=4, expert_ffn_hidden_size=64)
+# DeepSeek-V2's long-context RoPE (every release): YaRN x40 over 4096 positions.
+_V2_YARN = dict(
+  max_position_embeddings=163840,
+  yarn_factor=40.0,
+  yarn_original_max_position=4096,
+  yarn_mscale=0.707,
+  yarn_mscale_all_dim=0.707,
+)
 
 PRESETS = {
   **LONGCAT_PRESETS,
@@ -99,6 +143,132 @@ PRESETS = {
     n_routed_experts=8,
     moe_topk=2,
     rope_theta=1e6,
+  ),
+  'olmoe_tiny': family(
+    'olmoe',
+    **_TINY,
+    num_layers=2,
+    num_kv_heads=2,
+    ffn_hidden_size=64,
+    n_routed_experts=8,
+    moe_topk=2,
+  ),
+  'qwen2_moe_tiny': family(
+    'qwen2_moe',
+    **_TINY,
+    num_layers=2,
+    num_kv_heads=2,
+    ffn_hidden_size=256,
+    shared_ffn_hidden_size=128,
+    n_routed_experts=8,
+    moe_topk=2,
+    rope_theta=1e6,
+  ),
+  'deepseek_v2_tiny': family(
+    'deepseek_v2',
+    **_TINY,
+    num_layers=3,
+    first_k_dense_replace=1,
+    q_lora_rank=0,
+    kv_lora_rank=32,
+    qk_nope_head_dim=32,
+    qk_rope_head_dim=16,
+    v_head_dim=32,
+    ffn_hidden_size=256,
+    n_routed_experts=8,
+    n_shared_experts=2,
+    moe_topk=2,
+  ),
+  # allenai/OLMoE-1B-7B-0924 (and -Instruct).
+  'olmoe_1b_7b': family(
+    'olmoe',
+    vocab_size=50304,
+    hidden_size=2048,
+    num_layers=16,
+    num_heads=16,
+    num_kv_heads=16,
+    ffn_hidden_size=1024,
+    expert_ffn_hidden_size=1024,
+    n_routed_experts=64,
+    moe_topk=8,
+    max_position_embeddings=4096,
+  ),
+  # Qwen/Qwen1.5-MoE-A2.7B (and -Chat).
+  'qwen1_5_moe_a2_7b': family(
+    'qwen2_moe',
+    vocab_size=151936,
+    hidden_size=2048,
+    num_layers=24,
+    num_heads=16,
+    num_kv_heads=16,
+    ffn_hidden_size=5632,
+    expert_ffn_hidden_size=1408,
+    shared_ffn_hidden_size=5632,
+    n_routed_experts=60,
+    moe_topk=4,
+    rope_theta=1e6,
+    max_position_embeddings=8192,
+  ),
+  # Qwen/Qwen2-57B-A14B (and -Instruct).
+  'qwen2_57b_a14b': family(
+    'qwen2_moe',
+    vocab_size=151936,
+    hidden_size=3584,
+    num_layers=28,
+    num_heads=28,
+    num_kv_heads=4,
+    ffn_hidden_size=18944,
+    expert_ffn_hidden_size=2560,
+    shared_ffn_hidden_size=20480,
+    n_routed_experts=64,
+    moe_topk=8,
+    rope_theta=1e6,
+    max_position_embeddings=32768,
+  ),
+  # deepseek-ai/DeepSeek-V2-Lite (and -Chat): q without low rank, greedy top-6.
+  'deepseek_v2_lite': family(
+    'deepseek_v2',
+    **_V2_YARN,
+    vocab_size=102400,
+    hidden_size=2048,
+    num_layers=27,
+    num_heads=16,
+    q_lora_rank=0,
+    kv_lora_rank=512,
+    qk_nope_head_dim=128,
+    qk_rope_head_dim=64,
+    v_head_dim=128,
+    ffn_hidden_size=10944,
+    expert_ffn_hidden_size=1408,
+    n_routed_experts=64,
+    n_shared_experts=2,
+    moe_topk=6,
+    first_k_dense_replace=1,
+    routed_scaling_factor=1.0,
+  ),
+  # deepseek-ai/DeepSeek-V2 (and -Chat, DeepSeek-Coder-V2's shapes): top-6 in the best 3 of 8
+  # groups, gates x 16.
+  'deepseek_v2_236b': family(
+    'deepseek_v2',
+    **_V2_YARN,
+    vocab_size=102400,
+    hidden_size=5120,
+    num_layers=60,
+    num_heads=128,
+    q_lora_rank=1536,
+    kv_lora_rank=512,
+    qk_nope_head_dim=128,
+    qk_rope_head_dim=64,
+    v_head_dim=128,
+    ffn_hidden_size=12288,
+    expert_ffn_hidden_size=1536,
+    n_routed_experts=160,
+    n_shared_experts=2,
+    moe_topk=6,
+    n_group=8,
+    topk_group=3,
+    first_k_dense_replace=1,
+    routed_scaling_factor=16.0,
   ),
   # moonshotai/Moonlight-16B-A3B (DeepSeek-V3 layout, q without low rank, no RoPE scaling).
   'moonlight_16b_a3b': family(

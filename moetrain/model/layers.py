@@ -42,15 +42,24 @@ def matmul_dims(eqn: str) -> int:
 
 class Linear(nnx.Module):
   """A projection `eqn` (e.g. 'BTD,DNH->BTNH') whose kernel [D, N, H] carries the logical axis
-  names of its letters (moetrain/axes.py); LoRA adapters A [in.., J] and B [J, out..] are added when `path` matches lora.targets (the weight
-  delta A @ B is never formed), and the frozen kernel may be stored quantised (QLoRA).
+  names of its letters (moetrain/axes.py), plus a bias [prod(out)] with `bias`; LoRA adapters
+  A [in.., J] and B [J, out..] are added when `path` matches lora.targets (the weight delta
+  A @ B is never formed), and the frozen kernel may be stored quantised (QLoRA).
 
   It runs as 2-D matmuls over the flattened tokens: with the batch and sequence dimensions kept
   apart, the weight-gradient contractions (over both) made XLA:CPU transpose the activation
   gradients through slow strided fusions, 3x the time of the LoRA MLP (bench/RESULTS.md)."""
 
   def __init__(
-    self, eqn, shape, cfg: ModelConfig, path: str, rngs: nnx.Rngs, std=None, gather: bool = True
+    self,
+    eqn,
+    shape,
+    cfg: ModelConfig,
+    path: str,
+    rngs: nnx.Rngs,
+    std=None,
+    gather: bool = True,
+    bias: bool = False,
   ):
     self.eqn, self.path = eqn, path
     names = axes.names(eqn.split('->')[0].split(',')[1])
@@ -59,8 +68,10 @@ class Linear(nnx.Module):
     self.gather = gather and cfg.gather_weights
     std = cfg.init_std if std is None else std
     n_in = self.n_in = matmul_dims(eqn)
-    kernel = normal(rngs, shape, std, dtype_of(cfg.param_dtype))
-    self.kernel = quant.make_param(kernel, names, cfg, n_batch=0, n_in=n_in)
+    self.kernel = quant.drawn_param(rngs, shape, std, names, cfg, n_batch=0, n_in=n_in)
+    if bias:  # [prod(out)], as transformers stores it; small, so never sharded or quantised
+      out = math.prod(shape[n_in:])
+      self.bias = nnx.Param(jnp.zeros((out,), dtype_of(cfg.param_dtype)), axes=axes.names('O'))
     self.lora_scale, self.lora_dropout = cfg.lora.scale, cfg.lora.dropout
     self.reference_kernels = cfg.reference_kernels
     self.has_lora = cfg.lora.matches(path)
@@ -89,6 +100,8 @@ class Linear(nnx.Module):
       xa_MI = lora_dropout(x_MI, self.lora_dropout, rng)
       ab_MO = lora_product(xa_MI, a_IJ, b_JO, reference=self.reference_kernels)
       y_MO = y_MO + self.lora_scale * ab_MO
+    if hasattr(self, 'bias'):
+      y_MO = y_MO + self.bias[...].astype(dt)[None, :]
     return y_MO.reshape(*lead, *out_shape)
 
 
@@ -127,8 +140,8 @@ class Embed(nnx.Module):
   def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
     self.compute_dtype = dtype_of(cfg.dtype)
     self.rules = cfg.rules
-    emb = normal(rngs, (cfg.vocab_size, cfg.hidden_size), cfg.init_std, dtype_of(cfg.param_dtype))
-    self.embedding = quant.make_param(emb, axes.names('VD'), cfg, n_batch=1, n_in=1)
+    shape = (cfg.vocab_size, cfg.hidden_size)
+    self.embedding = quant.drawn_param(rngs, shape, cfg.init_std, axes.names('VD'), cfg, 1, 1)
 
   def __call__(self, ids_BT):
     # The table is stored with D sharded (over fsdp): gathered whole along D first, as FSDP does

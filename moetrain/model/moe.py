@@ -9,7 +9,7 @@ from flax import nnx
 from moetrain import axes
 from moetrain.model import expert_parallel, quant
 from moetrain.model.config import ModelConfig
-from moetrain.model.layers import MLP, dtype_of, normal
+from moetrain.model.layers import MLP, Linear, dtype_of, normal
 
 
 class RouterBias(nnx.Variable):
@@ -25,16 +25,13 @@ class Experts(nnx.Module):
 
   def __init__(self, cfg: ModelConfig, path: str, rngs: nnx.Rngs):
     e, d, f = cfg.n_routed_experts, cfg.hidden_size, cfg.expert_ffn_hidden_size
-    pdt = dtype_of(cfg.param_dtype)
     shapes = {'gate': (e, d, f), 'up': (e, d, f), 'down': (e, f, d)}
     f_name = {'F': axes.EXPERT_MLP}
     names = {n: axes.names(letters, **f_name) for n, letters in self.LETTERS.items()}
     self.lora_names = tuple(n for n in self.NAMES if cfg.lora.matches(f'{path}.{n}'))
     self.lora_scale = cfg.lora.scale
     for n in self.NAMES:
-      setattr(
-        self, n, quant.make_param(normal(rngs, shapes[n], cfg.init_std, pdt), names[n], cfg, 1)
-      )
+      setattr(self, n, quant.drawn_param(rngs, shapes[n], cfg.init_std, names[n], cfg, 1))
     r, ldt = cfg.lora.rank, dtype_of(cfg.lora.param_dtype)
     for n in self.lora_names:
       _, din, dout = shapes[n]
@@ -67,7 +64,7 @@ def route(x_MD, w_DX, bias_X, cfg: ModelConfig):
   if bias_X is not None:
     choice_MX = choice_MX + bias_X[None, :]
   if cfg.n_group > 1:
-    choice_MX = best_groups(choice_MX, cfg.n_group, cfg.topk_group)
+    choice_MX = best_groups(choice_MX, cfg.n_group, cfg.topk_group, cfg.router_group_score)
   _, idx_MA = jax.lax.top_k(choice_MX, cfg.moe_topk)
   gates_MA = jnp.take_along_axis(scores_MX, idx_MA, axis=-1)
   if cfg.norm_topk_prob:
@@ -75,13 +72,17 @@ def route(x_MD, w_DX, bias_X, cfg: ModelConfig):
   return logits_MX, scores_MX, idx_MA, gates_MA * cfg.routed_scaling_factor
 
 
-def best_groups(choice_MX, n_group: int, topk_group: int):
-  """DeepSeek-V3's group limit: experts in n_group consecutive groups, each scored by the sum of
-  its best two choice scores; the experts outside a token's topk_group best groups score 0 (as
-  in transformers, so not below a negative score of a kept one)."""
+def best_groups(choice_MX, n_group: int, topk_group: int, score: str = 'top2'):
+  """The group limit: experts in n_group consecutive groups, each scored by the sum of its best
+  two choice scores (score 'top2', DeepSeek-V3) or by its best ('max', DeepSeek-V2); the experts
+  outside a token's topk_group best groups score 0 (as in transformers, so not below a negative
+  score of a kept one)."""
   m, x = choice_MX.shape
   grouped_MGX = choice_MX.reshape(m, n_group, x // n_group)
-  score_MG = jnp.sum(jax.lax.top_k(grouped_MGX, 2)[0], axis=-1)
+  if score == 'max':
+    score_MG = jnp.max(grouped_MGX, axis=-1)
+  else:
+    score_MG = jnp.sum(jax.lax.top_k(grouped_MGX, 2)[0], axis=-1)
   _, best_MA = jax.lax.top_k(score_MG, topk_group)
   keep_MG = jnp.sum(jax.nn.one_hot(best_MA, n_group, dtype=jnp.int32), axis=1) > 0
   return jnp.where(keep_MG[:, :, None], grouped_MGX, 0.0).reshape(m, x)
@@ -98,8 +99,11 @@ class MoE(nnx.Module):
       self.router_bias = RouterBias(jnp.zeros((x,), jnp.float32), axes=axes.names('X'))
     self.experts = Experts(cfg, f'{path}.experts', rngs)
     if cfg.n_shared_experts:
-      width = cfg.n_shared_experts * cfg.expert_ffn_hidden_size
-      self.shared = MLP(cfg, f'{path}.shared', rngs, width)
+      self.shared = MLP(cfg, f'{path}.shared', rngs, cfg.shared_width)
+    if cfg.n_shared_experts and cfg.shared_expert_gate:  # Qwen2-MoE: sigmoid(x @ w) per token
+      self.shared_gate = Linear(
+        'BTD,DO->BTO', (cfg.hidden_size, 1), cfg, f'{path}.shared_gate', rngs
+      )
 
   def __call__(self, x_BTD, valid_BT, rng=None):
     cfg = self.cfg
@@ -126,7 +130,10 @@ class MoE(nnx.Module):
     stats = routing_stats(logits_MX, probs_MX, idx_MA, valid_M, dropped, cfg, rows=b)
     y_BTD = y_MD.reshape(b, t, d).astype(x_BTD.dtype)
     if cfg.n_shared_experts:
-      y_BTD = y_BTD + self.shared(x_BTD, rng)
+      s_BTD = self.shared(x_BTD, rng)
+      if cfg.shared_expert_gate:
+        s_BTD = jax.nn.sigmoid(self.shared_gate(x_BTD, rng)) * s_BTD
+      y_BTD = y_BTD + s_BTD
     return y_BTD, stats
 
 

@@ -2,6 +2,7 @@
 (Design: docs/design.md, "moetrain/model/quant.py".)"""
 
 import dataclasses
+import math
 
 import jax
 import jax.numpy as jnp
@@ -88,12 +89,18 @@ def take(w, idx):
 
 def make_param(kernel, axes, cfg: ModelConfig, n_batch: int = 0, n_in: int = 1):
   """A frozen-base kernel: nnx.Param, or a QuantKernel when cfg.quant is int8/int4."""
-  axes = tuple(axes)
   if cfg.quant == 'none':
-    return nnx.Param(kernel, axes=axes)
-  bits = 8 if cfg.quant == 'int8' else 4
-  t = quantize(kernel, bits, n_batch, n_in, cfg.quant_group_size)
-  if bits == 8:
+    return nnx.Param(kernel, axes=tuple(axes))
+  t = quantize(kernel, _bits(cfg), n_batch, n_in, cfg.quant_group_size)
+  return _stored(t, tuple(axes), n_batch, n_in)
+
+
+def _bits(cfg: ModelConfig) -> int:
+  return 8 if cfg.quant == 'int8' else 4
+
+
+def _stored(t: QTensor, axes: tuple, n_batch: int, n_in: int) -> QuantKernel:
+  if t.bits == 8:
     scale_axes = tuple(None if n_batch <= i < n_batch + n_in else a for i, a in enumerate(axes))
     return QuantKernel(t.q, t.scale, 8, t.axis, axes, scale_axes)
   # The input dim's name on its groups and, as a fallback, on the rows within a group: where the
@@ -101,6 +108,47 @@ def make_param(kernel, axes, cfg: ModelConfig, n_batch: int = 0, n_in: int = 1):
   # instead of leaving the weight whole on every device (a mesh axis is used once per array).
   grouped = (*axes[:n_batch], axes[n_batch], axes[n_batch], *axes[n_batch + 1 :])
   return QuantKernel(t.q, t.scale, 4, t.axis, grouped, grouped)
+
+
+# A random frozen kernel of more elements than this is drawn a slice at a time (drawn_param).
+SLICE_ELEMENTS = 2**22
+
+
+def drawn_param(rngs, shape, std, axes, cfg: ModelConfig, n_batch: int = 0, n_in: int = 1):
+  """make_param of std times a truncated standard normal in cfg.param_dtype (layers.normal's
+  draw). A kernel of more than SLICE_ELEMENTS is drawn and stored in slices one after the other
+  (lax.map over keys split from one), along an axis its quantisation does not reduce (the batch
+  axis, else the last output axis). XLA:CPU's random draw holds several uint32 buffers of its
+  output's size; drawn whole, every kernel of a layer was alive in float32 with those buffers
+  (Moonlight's int4 init: 148 GiB of temporaries for a 10 GiB state)."""
+  shape, dtype = tuple(shape), jnp.dtype(cfg.param_dtype)
+  size = math.prod(shape)
+
+  def draw(key, s):
+    return (std * jax.random.truncated_normal(key, -2.0, 2.0, s)).astype(dtype)
+
+  if size <= SLICE_ELEMENTS:
+    return make_param(draw(rngs.params(), shape), axes, cfg, n_batch, n_in)
+  ax = 0 if n_batch else len(shape) - 1
+  fits = (c for c in range(2, shape[ax]) if shape[ax] % c == 0 and size <= c * SLICE_ELEMENTS)
+  n = next(fits, shape[ax])
+  piece = (*shape[:ax], shape[ax] // n, *shape[ax + 1 :])
+
+  def one(key):
+    w = draw(key, piece)
+    return (
+      w if cfg.quant == 'none' else quantize(w, _bits(cfg), n_batch, n_in, cfg.quant_group_size)
+    )
+
+  def join(x):  # [n, *slice] -> the slices side by side on their axis (first, or last)
+    a = 0 if ax == 0 else x.ndim - 2
+    x = jnp.moveaxis(x, 0, a)
+    return x.reshape(*x.shape[:a], -1, *x.shape[a + 2 :])
+
+  t = jax.tree.map(join, jax.lax.map(one, jax.random.split(rngs.params(), n)))
+  if cfg.quant == 'none':
+    return nnx.Param(t, axes=tuple(axes))
+  return _stored(t, tuple(axes), n_batch, n_in)
 
 
 def raw(param):

@@ -111,10 +111,12 @@ def make_layer(cfg: ModelConfig, group: LayerGroup, rngs: nnx.Rngs):
 
 
 def make_stack(cfg: ModelConfig, group: LayerGroup, rngs: nnx.Rngs):
-  """The group's layers as one module whose variables carry a leading layer axis."""
+  """The group's layers as one module whose variables carry a leading layer axis. Made one
+  layer after the other (a scan, not a vmap, over the split keys: the same values), so that a
+  random init holds one layer's draw at a time, not every layer's."""
 
   @nnx.split_rngs(splits=group.count)
-  @nnx.vmap(in_axes=(0,), out_axes=0)
+  @nnx.scan(in_axes=(0,), out_axes=0, length=group.count)
   def make_layers(rngs):
     return make_layer(cfg, group, rngs)
 

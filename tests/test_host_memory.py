@@ -1,0 +1,65 @@
+"""Host memory: a random base drawn and quantised a slice at a time (model/quant.drawn_param),
+and the CPU planner's peak against the measured peak RSS of a run."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from configs import deepseek_v3_lora
+from moetrain import optim
+from moetrain.model import quant
+from moetrain.model.transformer import Transformer
+from moetrain.setup import build
+from moetrain.train_state import init_state, state_shardings
+from tests.helpers import tiny
+
+
+def _flat(model):
+  return {'.'.join(map(str, p)): v for p, v in nnx.to_flat_state(nnx.state(model))}
+
+
+@pytest.mark.parametrize('bits', ['int8', 'int4'])
+def test_sliced_draw_stores_what_make_param_stores(bits, monkeypatch):
+  """Drawn in slices, a quantised kernel has make_param's shapes and axes, and decodes to the
+  float kernel the same keys draw (its codes and scales are joined in the same order)."""
+  monkeypatch.setattr(quant, 'SLICE_ELEMENTS', 2**8)
+  cfg = tiny(quant=bits, param_dtype='float32')
+  sliced = _flat(Transformer(cfg, nnx.Rngs(0)))
+  monkeypatch.setattr(quant, 'SLICE_ELEMENTS', 2**40)
+  whole = _flat(Transformer(cfg, nnx.Rngs(0)))
+  for k, v in whole.items():
+    assert sliced[k].get_value().shape == v.get_value().shape, k
+    assert sliced[k].get_metadata().get('axes') == v.get_metadata().get('axes'), k
+  monkeypatch.setattr(quant, 'SLICE_ELEMENTS', 2**8)
+  plain = Transformer(tiny(quant='none', param_dtype='float32'), nnx.Rngs(0))
+  model = Transformer(cfg, nnx.Rngs(0))
+  step = {'int8': 1 / 127, 'int4': 1 / 7}[bits]
+  for name in ('gate', 'down'):
+    w = getattr(plain.layers.moe.experts, name)[...]
+    q = quant.value(getattr(model.layers.moe.experts, name), jnp.float32)
+    bound = step * np.max(np.abs(w)) / 2 + 1e-7
+    assert np.max(np.abs(np.asarray(q - w))) <= bound, name
+  w, q = plain.lm_head.kernel[...], quant.value(model.lm_head.kernel, jnp.float32)
+  assert np.max(np.abs(np.asarray(q - w))) <= step * np.max(np.abs(w)) / 2 + 1e-7
+
+
+def test_random_int4_init_holds_no_float32_layer():
+  """Moonlight's shapes (two of its layers) with an int4 base: the random init compiled for this
+  host, abstractly, keeps its temporaries under a quarter of one MoE layer's routed experts in
+  float32, which drawing a layer whole and quantising it after needs several times over (the
+  whole model so drawn: 148 GiB of temporaries for the 10 GiB state)."""
+  config = deepseek_v3_lora.get_config('variant=moonlight_16b_a3b')
+  config.model.quant = 'int4'
+  config.model.num_layers = 2
+  config.mesh.shape = (1, -1, 1, 1)
+  setup = build(config, num_devices=1, process_count=1, training=False, platform='cpu')
+  mesh = setup.make_mesh(jax.devices('cpu')[:1])
+  opt = optim.make_optimizer(setup.optim, setup.train.steps)
+  init = lambda: init_state(setup.model, opt, setup.seed)
+  out = state_shardings(jax.eval_shape(init), mesh, setup.model.rules)
+  m = jax.jit(init, out_shardings=out).lower().compile().memory_analysis()
+  c = setup.model
+  float32_layer = 3 * c.n_routed_experts * c.hidden_size * c.expert_ffn_hidden_size * 4
+  assert m.temp_size_in_bytes < float32_layer / 4, (m.temp_size_in_bytes, float32_layer)

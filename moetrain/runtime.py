@@ -199,10 +199,28 @@ def start_command(preemption: bool = True, resume_step: int | None = None) -> No
   """First thing in a command's main: huge-page malloc (re-executing once), quiet library logs
   and closed-loop noise, then the multi-process job, if any (see initialize_distributed)."""
   reexec_with_hugepages()
+  rocm_grouped_gemm()
   cpu_without_accelerators()
   quiet_library_logs()
   quiet_closed_loop_errors()
   initialize_distributed(preemption, resume_step)
+
+
+ROCM_GROUPED_GEMM = '--xla_gpu_experimental_use_ragged_dot_grouped_gemm=true'
+
+
+def rocm_grouped_gemm() -> None:
+  """With JAX's ROCm plugin installed (the rocm extra), XLA's hipBLASLt grouped GEMM for
+  ragged_dot (MI300 and newer), which otherwise runs as a dense product over every expert; set
+  before JAX starts its backends. An XLA_FLAGS that already names the flag is left alone."""
+  from importlib import metadata
+
+  flags = os.environ.get('XLA_FLAGS', '')
+  if 'ragged_dot_grouped_gemm' in flags:
+    return
+  names = (d.metadata['Name'] or '' for d in metadata.distributions())
+  if any(n.lower().replace('_', '-').startswith('jax-rocm') for n in names):
+    os.environ['XLA_FLAGS'] = f'{flags} {ROCM_GROUPED_GEMM}'.strip()
 
 
 def cpu_without_accelerators() -> None:

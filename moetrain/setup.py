@@ -18,6 +18,7 @@ from moetrain.data import pipeline
 from moetrain.distill import logits as distill_logits
 from moetrain.distill import teacher as teacher_lib
 from moetrain.distill.config import DistillConfig
+from moetrain.model import dispatch
 from moetrain.model.config import LoraConfig, ModelConfig
 from moetrain.model.transformer import Transformer
 from moetrain.sections import InitConfig, LoopConfig
@@ -91,6 +92,8 @@ def build(
   mesh_dcn = sharding.check_dcn_shape(config.mesh.get('dcn_shape', ()), mesh_shape)
   model = model_config(config)  # (checks mesh.rules)
   model = model.laid_out(platform or jax.default_backend(), mesh_shape)
+  if (warning := dispatch.gpu_engine_warning(model)) and runtime.is_primary():
+    logging.warning(warning)
   sharding.check_axes_used(mesh_shape, config.mesh.rules)
   model.validate()
   data = pipeline.DataConfig(**config.data.to_dict())

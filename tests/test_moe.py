@@ -2,6 +2,7 @@
 
 import dataclasses
 import functools
+import os
 
 import chex
 import jax
@@ -103,6 +104,10 @@ CASES = (
     ('megablox', LANES),
     *(pytest.param('megablox', {**s, **LANES}, marks=pytest.mark.slow) for s in SHAPES[1:]),
   ]
+  # tokamax's grouped matmul through its XLA form (its Triton and Mosaic GPU kernels need a
+  # GPU: bench/gpu_session.sh checks them against this engine there), on the shape with zero
+  # experts and uneven groups.
+  + [('tokamax', SHAPES[1])]
   + [
     case
     for b in ('grouped', 'blocked')
@@ -174,7 +179,7 @@ def test_capacity_drops_exactly_what_it_reports():
     # The CPU grouped engine (its per-batch tile switch) on the received rows of each exchange.
     *(((1, 2, 4, 1), c, 'grouped') for c in ('fixed', 'ragged')),
     # Backends that run the received rows in place (no layout copies).
-    *(((1, 2, 4, 1), 'ragged', b) for b in ('ragged_dot', 'dense')),
+    *(((1, 2, 4, 1), 'ragged', b) for b in ('ragged_dot', 'dense', 'tokamax')),
   ],
 )
 def test_expert_parallel_equals_single_device(mesh_shape, comm, backend):
@@ -635,3 +640,35 @@ def test_megablox_without_expert_parallelism_runs_on_each_batch_shard():
   np.testing.assert_allclose(y, want, atol=1e-4, rtol=1e-5)
   for k in want_g:
     np.testing.assert_allclose(g[k], want_g[k], atol=1e-5, rtol=1e-4, err_msg=k)
+
+
+def test_the_gpu_engine_follows_the_routed_rows_or_says_why_not(monkeypatch):
+  """On a GPU 'auto' takes tokamax's kernels where they are installed; XLA's ragged_dot (dense
+  over every expert on XLA:GPU) comes with a warning naming the reason and the fix."""
+  gpu = dataclasses.replace(CFG, moe_backend='auto', platform='gpu')
+  assert dispatch.resolve_backend(gpu) == 'tokamax' and dispatch.gpu_engine_warning(gpu) is None
+  monkeypatch.setattr(dispatch, 'tokamax_installed', lambda: False)
+  assert dispatch.resolve_backend(gpu) == 'ragged_dot'
+  assert 'tokamax is not installed' in dispatch.gpu_engine_warning(gpu)
+  chosen = dataclasses.replace(gpu, moe_backend='ragged_dot')
+  assert "model.moe_backend='ragged_dot'" in dispatch.gpu_engine_warning(chosen)
+  assert dispatch.gpu_engine_warning(dataclasses.replace(gpu, moe_dispatch='capacity')) is None
+  assert dispatch.gpu_engine_warning(dataclasses.replace(gpu, platform='cpu')) is None
+
+
+def test_rocm_turns_on_xlas_grouped_gemm(monkeypatch):
+  from importlib import metadata
+
+  from moetrain import runtime
+
+  plugin = type('Dist', (), {'metadata': {'Name': 'jax-rocm7-plugin'}})()
+  monkeypatch.setattr(metadata, 'distributions', lambda: [plugin])
+  monkeypatch.setenv('XLA_FLAGS', '--xla_force_host_platform_device_count=8')
+  runtime.rocm_grouped_gemm()
+  assert os.environ['XLA_FLAGS'].endswith(' ' + runtime.ROCM_GROUPED_GEMM)
+  runtime.rocm_grouped_gemm()  # once
+  assert os.environ['XLA_FLAGS'].count('grouped_gemm') == 1
+  monkeypatch.setattr(metadata, 'distributions', lambda: [])
+  monkeypatch.setenv('XLA_FLAGS', '')
+  runtime.rocm_grouped_gemm()
+  assert os.environ['XLA_FLAGS'] == ''

@@ -1,8 +1,8 @@
 """The routed experts' SwiGLU over dispatched rows, one function per grouped-matmul backend
 (model.moe_backend; dispatch.py places the rows for each and resolve_backend picks one):
-ragged_dot (XLA's grouped matmul), megablox (the Pallas TPU kernel), dense (every row against its
-own expert's gathered weights: the reference), and the CPU engines blocked and gathered (rows in
-blocks of one expert each). The grouped CPU engine is grouped.py."""
+ragged_dot (XLA's grouped matmul), megablox (the Pallas TPU kernel), tokamax (its GPU kernels),
+dense (every row against its own expert's gathered weights: the reference), and the CPU engines
+blocked and gathered (rows in blocks of one expert each). The grouped CPU engine is grouped.py."""
 
 import jax
 import jax.numpy as jnp
@@ -38,6 +38,23 @@ def ragged_ffn(x_RD, sizes_E, weights, cfg: ModelConfig, rng):
 
   adapter_mm = _megablox_mm(sizes_E, cfg) if cfg.platform == 'tpu' else None
   return swiglu(x_RD, with_lora(mm, weights, cfg, rng, adapter_mm), dt)
+
+
+def tokamax_ffn(x_RD, sizes_E, weights, cfg: ModelConfig, rng):
+  """tokamax's grouped matmul for every product, the adapters' too, forward and backward: on a
+  GPU its Mosaic GPU kernel (sm90/sm100) or its Triton kernel (sm80+), chosen per device, whose
+  work follows the group sizes where XLA:GPU's ragged_dot is a dense product over every expert
+  (bench/RESULTS.md, "GPU: one H100"). Off a GPU it runs tokamax's XLA form (the tests)."""
+  import tokamax  # the gpu extra; imported here: importing it probes for TPUs
+
+  dt = jnp.dtype(cfg.dtype)
+  impl = None if cfg.platform == 'gpu' else 'xla'  # None: tokamax's best for the device
+
+  def mm(x, w):
+    w = quant.dequant(w, dt)
+    return tokamax.ragged_dot(x, w, sizes_E, preferred_element_type=dt, implementation=impl)
+
+  return swiglu(x_RD, with_lora(mm, weights, cfg, rng), dt)
 
 
 def megablox_interpret(cfg: ModelConfig) -> bool:

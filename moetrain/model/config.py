@@ -11,7 +11,16 @@ from moetrain.sharding import MESH_AXES, Rules
 
 REMAT_POLICIES = ('none', 'full', 'save_dots', 'save_moe', 'offload')
 MOE_DISPATCH = ('dropless', 'capacity')
-MOE_BACKENDS = ('auto', 'ragged_dot', 'megablox', 'grouped', 'blocked', 'gathered', 'dense')
+MOE_BACKENDS = (
+  'auto',
+  'ragged_dot',
+  'megablox',
+  'tokamax',
+  'grouped',
+  'blocked',
+  'gathered',
+  'dense',
+)
 MOE_EP_COMM = ('auto', 'fixed', 'ragged')
 QUANT_MODES = ('none', 'int8', 'int4')
 # The families, by the model_type of their Hugging Face config.json.

@@ -81,7 +81,31 @@ def combine(y_RD, kept_R, idx_MA, gates_MA, cfg: ModelConfig):
 
 # Backends that run the expert-sorted rows where they lie (an identity layout). Each gives zero
 # rows for zero inputs (no biases), so rows past the groups stay zero and take no gradient.
-SORTED_ROW_BACKENDS = ('ragged_dot', 'megablox', 'dense')
+SORTED_ROW_BACKENDS = ('ragged_dot', 'megablox', 'tokamax', 'dense')
+
+
+def tokamax_installed() -> bool:
+  import importlib.util
+
+  return importlib.util.find_spec('tokamax') is not None
+
+
+def gpu_engine_warning(cfg: ModelConfig) -> str | None:
+  """Where a GPU step's experts would run XLA's ragged_dot (dense over every expert unless its
+  cuDNN grouped GEMM applies: bf16/f16 on Ampere or newer with cuDNN >= 9.22), the reason and
+  the fix; None elsewhere."""
+  if cfg.platform != 'gpu' or cfg.moe_dispatch == 'capacity':
+    return None
+  if resolve_backend(cfg) != 'ragged_dot':
+    return None
+  chosen = cfg.moe_backend == 'ragged_dot'
+  why = "model.moe_backend='ragged_dot'" if chosen else 'tokamax is not installed'
+  return (
+    f"The routed experts run XLA's ragged_dot on this GPU ({why}): XLA:GPU computes it as a "
+    'dense product over every expert unless its cuDNN grouped GEMM applies (bf16/f16, Ampere or '
+    "newer, cuDNN >= 9.22). pip install 'moetrain[gpu]' for tokamax's grouped kernels "
+    "(model.moe_backend='tokamax', the default where it is installed)."
+  )
 
 
 def resolve_backend(cfg: ModelConfig, rows: int = 0) -> str:
@@ -93,6 +117,10 @@ def resolve_backend(cfg: ModelConfig, rows: int = 0) -> str:
     # per local expert (G times the FLOPs: 13x the model's for the flash pretraining step);
     # megablox's tgmm computes each expert's from its own rows (bench/RESULTS.md).
     return 'megablox'
+  if cfg.platform == 'gpu' and tokamax_installed():
+    # XLA:GPU runs ragged_dot as a dense product over every expert unless its cuDNN grouped GEMM
+    # applies (bench/RESULTS.md, "GPU: one H100"); tokamax's kernels follow the group sizes.
+    return 'tokamax'
   if cfg.platform != 'cpu':
     # A LoRA base's expert weights take no gradient; megablox there is opt-in until it has been
     # timed on a TPU.
@@ -134,6 +162,8 @@ def make_layout(
     return ident._replace(run=lambda x, w, rng: experts.ragged_ffn(x, sizes_E, w, cfg, rng))
   if backend == 'megablox':
     return ident._replace(run=lambda x, w, rng: experts.megablox_ffn(x, sizes_E, w, cfg, rng))
+  if backend == 'tokamax':
+    return ident._replace(run=lambda x, w, rng: experts.tokamax_ffn(x, sizes_E, w, cfg, rng))
   if backend == 'dense':
     return ident._replace(run=lambda x, w, rng: experts.dense_ffn(x, expert_sorted_R, w, cfg, rng))
   raise ValueError(f'model.moe_backend={backend!r} is unknown')

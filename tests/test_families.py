@@ -34,10 +34,16 @@ FAMILIES = (
   'olmoe_two_layer',  # GQA + q/k norm over the whole projections, q/k/v/o biases
   'qwen2_moe_four_layer',  # q/k/v biases, gated shared expert, layers moe / moe / dense / moe
   'deepseek_v2_three_layer',  # MLA, YaRN, softmax router over groups scored by their best
+  'glm4_moe_three_layer',  # GQA, half the head rotated, q/k/v biases, DeepSeek-V3 router, MTP
 )
 # Families whose export round trip and generation run with the slow tests (the default suite's
 # time budget); their logits, loss, routing, gradients and LoRA reach run by default.
-SLOW_EXTRAS = ('olmoe_two_layer', 'qwen2_moe_four_layer', 'deepseek_v2_three_layer')
+SLOW_EXTRAS = (
+  'olmoe_two_layer',
+  'qwen2_moe_four_layer',
+  'deepseek_v2_three_layer',
+  'glm4_moe_three_layer',
+)
 EXTRAS = [pytest.param(n, marks=pytest.mark.slow) if n in SLOW_EXTRAS else n for n in FAMILIES]
 
 
@@ -71,7 +77,7 @@ def logits_of(model, ids):
 def test_logits_loss_routing_grads(name, with_topk):
   ref, cfg = reference(name), f32_config(name)
   model, loaded = build(name, cfg)
-  assert loaded.skipped == []
+  assert [k for k in loaded.skipped if not hf.is_mtp(k, cfg)] == []  # GLM-4.5's MTP layer
   assert_matches_hf(model, cfg, ref, name)
 
 
@@ -387,6 +393,47 @@ RELEASED = {
     'v_head_dim': 128,
     'vocab_size': 102400,
   },
+  'glm4_5_air': {  # zai-org/GLM-4.5-Air
+    'model_type': 'glm4_moe',
+    'attention_bias': True,
+    'first_k_dense_replace': 1,
+    'head_dim': 128,
+    'hidden_act': 'silu',
+    'hidden_size': 4096,
+    'initializer_range': 0.02,
+    'intermediate_size': 10944,
+    'max_position_embeddings': 131072,
+    'moe_intermediate_size': 1408,
+    'n_group': 1,
+    'n_routed_experts': 128,
+    'n_shared_experts': 1,
+    'norm_topk_prob': True,
+    'num_attention_heads': 96,
+    'num_experts_per_tok': 8,
+    'num_hidden_layers': 46,
+    'num_key_value_heads': 8,
+    'num_nextn_predict_layers': 1,
+    'partial_rotary_factor': 0.5,
+    'rms_norm_eps': 1e-05,
+    'rope_scaling': None,
+    'rope_theta': 1000000,
+    'routed_scaling_factor': 1.0,
+    'tie_word_embeddings': False,
+    'topk_group': 1,
+    'use_qk_norm': False,
+    'vocab_size': 151552,
+  },
+}
+RELEASED['glm4_5'] = {  # zai-org/GLM-4.5: what differs from GLM-4.5-Air
+  **RELEASED['glm4_5_air'],
+  'first_k_dense_replace': 3,
+  'hidden_size': 5120,
+  'intermediate_size': 12288,
+  'moe_intermediate_size': 1536,
+  'n_routed_experts': 160,
+  'num_hidden_layers': 92,
+  'routed_scaling_factor': 2.5,
+  'use_qk_norm': True,
 }
 
 
@@ -406,6 +453,9 @@ def test_presets_are_the_released_configs(preset):
     ('qwen2_57b_a14b', 57.41, 13.70),  # 57B, 14B with the embedding's 0.54B
     ('deepseek_v2_lite', 15.71, 2.45),  # 15.7B, 2.4B
     ('deepseek_v2_236b', 235.74, 20.85),  # 236B, 21B
+    # The MTP layer left out (2.4B, 3.9B): 106B, 12B; 355B, 32B.
+    ('glm4_5_air', 106.85, 12.80),
+    ('glm4_5', 352.80, 32.86),
   ],
 )
 def test_released_presets_parameter_counts(preset, total, active):
@@ -445,3 +495,21 @@ def test_olmoe_export_refuses_separate_q_and_o_biases():
   cfg = dataclasses.replace(f32_config('olmoe_two_layer'), o_bias=False)
   with pytest.raises(ValueError, match='model.o_bias=False: transformers olmoe has one'):
     hf.config_to_hf(cfg, 'float32')
+
+
+def test_glm_mtp_layer_is_skipped_on_load_and_copied_on_export(tmp_path):
+  """GLM-4.5 stores its MTP layer as model.layers.{num_hidden_layers}.*: transformers skips it,
+  so does the import; an export from the checkpoint copies it unchanged. Without
+  num_nextn_predict_layers it reads as a layer beyond the config."""
+  from moetrain.convert import safetensors_io as stio
+
+  name = 'glm4_moe_three_layer'
+  cfg = f32_config(name)
+  model, loaded = build(name, cfg)
+  assert loaded.skipped and all(k.startswith('model.layers.3.') for k in loaded.skipped)
+  hf.save_hf(model, cfg, str(tmp_path), base_dir=fixture(name))
+  out, base = stio.Reader(str(tmp_path)), stio.Reader(fixture(name))
+  for k in loaded.skipped:
+    np.testing.assert_array_equal(out.read(k), base.read(k))
+  with pytest.raises(ValueError, match='beyond the config'):
+    hf.load_params(fixture(name), dataclasses.replace(cfg, num_nextn_predict_layers=0))

@@ -179,6 +179,7 @@ def check_rows(reader, rows, cfg, shapes: dict) -> list[str]:
           f'{want} for moetrain {t.path}; does config.json match the weights?'
         )
   skipped = sorted(set(reader.keys()) - expected)
+  mtp = set(k for k in skipped if is_mtp(k, cfg))
   fp8 = [k for k in skipped if k.endswith('weight_scale_inv')]
   if fp8:
     raise ValueError(
@@ -190,7 +191,7 @@ def check_rows(reader, rows, cfg, shapes: dict) -> list[str]:
       re.escape(t.name_template).replace(r'\{l\}', r'\d+').replace(r'\{e\}', r'\d+') for t in rows
     )
   )
-  extra = [k for k in skipped if pattern.fullmatch(k)]
+  extra = [k for k in skipped if pattern.fullmatch(k) and k not in mtp]
   if extra:  # e.g. more layers or experts in the file than in cfg: never drop them silently
     raise ValueError(
       f'{extra[0]}: in {reader.directory} but beyond the config '
@@ -296,6 +297,14 @@ MTP_PREFIX = 'model.mtp.'  # the multi-token-prediction head: skipped on load, c
 ROUTER_SUFFIXES = ('.moe.router', '.moe.router_bias')  # paths of every group's router
 
 
+def is_mtp(key: str, cfg: ModelConfig) -> bool:
+  """Whether checkpoint tensor `key` belongs to a multi-token-prediction head: LongCat's
+  model.mtp.*, or the num_nextn_predict_layers layers stored past the decoder's (GLM-4.5)."""
+  m = re.match(r'model\.layers\.(\d+)\.', key)
+  extra = m and cfg.num_layers <= int(m.group(1)) < cfg.num_layers + cfg.num_nextn_predict_layers
+  return key.startswith(MTP_PREFIX) or bool(extra)
+
+
 def _export_dtype(t: Row, dtype):
   return jnp.dtype(jnp.float32) if t.path.endswith(ROUTER_SUFFIXES) else jnp.dtype(dtype)
 
@@ -329,7 +338,7 @@ def save_hf(
   specs = [(t.name(ix), shape, _export_dtype(t, dt)) for t, ix, shape in items]
   writable = jax.process_index() == 0
   base = stio.Reader(base_dir) if base_dir else None
-  copied = [k for k in base.keys() if k.startswith(MTP_PREFIX)] if base else []
+  copied = [k for k in base.keys() if is_mtp(k, cfg)] if base else []
   specs += [(k, base.shape(k), stio.DTYPES[base.dtype(k)]) for k in copied]
 
   def produce(i):

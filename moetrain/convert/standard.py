@@ -1,6 +1,6 @@
 """The Hugging Face layouts of the families built from standard pre-norm layers (transformers
-4.57 `deepseek_v3`, `deepseek_v2`, `qwen3_moe`, `mixtral`, `olmoe`, `qwen2_moe`): config.json
-and the weight-name table. One table builder serves them all: attention rows by kind (MLA, GQA),
+4.57 `deepseek_v3`, `deepseek_v2`, `qwen3_moe`, `mixtral`, `olmoe`, `qwen2_moe`, `glm4_moe`):
+config.json and the weight-name table. One table builder serves them all: attention rows by kind (MLA, GQA),
 the MoE block's by family."""
 
 from moetrain.convert import family
@@ -419,6 +419,40 @@ DEEPSEEK_V2 = Family(
   write=_deepseek_v2_write,
 )
 
+GLM4_MOE = Family(
+  'glm4_moe',
+  'Glm4MoeForCausalLM',
+  required={
+    'num_key_value_heads': 'num_kv_heads',
+    'intermediate_size': 'ffn_hidden_size',
+    'moe_intermediate_size': 'expert_ffn_hidden_size',
+    'n_routed_experts': 'n_routed_experts',
+  },
+  optional={
+    'head_dim': ('head_dim', 0),
+    'partial_rotary_factor': ('partial_rotary_factor', 0.5),
+    'attention_bias': ('qkv_bias', False),  # q, k and v; o never has one
+    'use_qk_norm': ('qk_norm', False),
+    'n_shared_experts': ('n_shared_experts', 1),
+    'routed_scaling_factor': ('routed_scaling_factor', 1.0),
+    'n_group': ('n_group', 1),
+    'topk_group': ('topk_group', 1),
+    'norm_topk_prob': ('norm_topk_prob', True),
+    'first_k_dense_replace': ('first_k_dense_replace', 1),
+    'num_nextn_predict_layers': ('num_nextn_predict_layers', 0),
+    'rms_norm_eps': ('rms_norm_eps', 1e-5),
+    'rope_theta': ('rope_theta', 10000.0),
+    'initializer_range': ('init_std', 0.02),
+    'max_position_embeddings': ('max_position_embeddings', 131072),
+  },
+  fixed={'rope_scaling': None},
+  block='mlp',
+  experts=('gate_proj', 'up_proj', 'down_proj'),
+  read=_gqa_read,
+  write=_gqa_write,
+)
+
 FAMILIES = {
-  f.model_type: f for f in (QWEN3_MOE, MIXTRAL, DEEPSEEK_V3, OLMOE, QWEN2_MOE, DEEPSEEK_V2)
+  f.model_type: f
+  for f in (QWEN3_MOE, MIXTRAL, DEEPSEEK_V3, OLMOE, QWEN2_MOE, DEEPSEEK_V2, GLM4_MOE)
 }

@@ -151,7 +151,8 @@ class MLA(nnx.Module):
 class GQA(nnx.Module):
   """Grouped-query attention: N query heads share N_kv key/value heads (N / N_kv each), with
   RMSNorm over each query and key head (Qwen3), or over the whole q and k projections (OLMoE),
-  before RoPE when cfg.qk_norm; biases on q/k/v (cfg.qkv_bias) and o (cfg.o_bias)."""
+  before RoPE when cfg.qk_norm; biases on q/k/v (cfg.qkv_bias) and o (cfg.o_bias); RoPE on part
+  of each head (cfg.partial_rotary_factor, GLM-4.5)."""
 
   def __init__(self, cfg: ModelConfig, path: str, rngs: nnx.Rngs):
     self.cfg = cfg
@@ -180,8 +181,15 @@ class GQA(nnx.Module):
     q_BTNH, k_BTNH = self.q(x_BTD, rng), self.k(x_BTD, rng)
     if self.cfg.qk_norm:
       q_BTNH, k_BTNH = self.norm_qk(q_BTNH, k_BTNH)
-    q_BTNH = rope(q_BTNH, positions_BT, self.cfg)
-    return q_BTNH, rope(k_BTNH, positions_BT, self.cfg), self.v(x_BTD, rng)
+    q_BTNH, k_BTNH = (self.rotate(x, positions_BT) for x in (q_BTNH, k_BTNH))
+    return q_BTNH, k_BTNH, self.v(x_BTD, rng)
+
+  def rotate(self, x_BTNH, positions_BT):
+    """RoPE on the first cfg.rotary_dim features of each head (all but GLM-4.5's: all)."""
+    r = self.cfg.rotary_dim
+    if r == x_BTNH.shape[-1]:
+      return rope(x_BTNH, positions_BT, self.cfg)
+    return jnp.concatenate([rope(x_BTNH[..., :r], positions_BT, self.cfg), x_BTNH[..., r:]], -1)
 
   def attend(self, q_BTNH, k_BSNH, v_BSNH, mask_BTS, rng=None, causal_chunk: int = 0):
     """Each key/value head serves its N / N_kv consecutive query heads (HF's repeat_kv)."""

@@ -32,6 +32,7 @@ MODEL_TYPES = (
   'olmoe',
   'qwen2_moe',
   'deepseek_v2',
+  'glm4_moe',
 )
 # LoRA's default targets: every attention projection (MLA or GQA), dense MLP, shared and routed
 # expert, and the output head.
@@ -121,6 +122,8 @@ class ModelConfig:
   attention: str = field('mla', choices=('mla', 'gqa'))  # latent (MLA) or grouped-query
   # RoPE on adjacent pairs (2i, 2i+1) (LongCat, DeepSeek) or on halves (i, i + H/2) (Qwen, Mixtral).
   rope_interleaved: bool = True
+  # GQA: RoPE on the first partial_rotary_factor of each head's features only (GLM-4.5: 0.5).
+  partial_rotary_factor: float = field(1.0, check='positive')
   num_kv_heads: int = field(0, check='non_negative', zero='0 = num_heads')  # GQA key/value heads
   head_dim: int = field(0, check='non_negative', zero='0 = hidden_size / num_heads')  # GQA
   qk_norm: bool = False  # GQA: RMSNorm over each query and key head before RoPE (Qwen3)
@@ -171,6 +174,9 @@ class ModelConfig:
   mla_scale_q_lora: bool = True  # multiply q by sqrt(D / q_lora_rank)
   mla_scale_kv_lora: bool = True  # multiply the kv latent by sqrt(D / kv_lora_rank)
   max_position_embeddings: int = 131072  # informational (RoPE needs no table)
+  # Checkpoint layers past num_layers that hold a multi-token-prediction head (GLM-4.5's
+  # model.layers.{num_layers}.*): skipped on load, as transformers does; copied on export.
+  num_nextn_predict_layers: int = field(0, check='non_negative')
   # YaRN RoPE scaling (DeepSeek's rope_scaling), off at factor 0: frequencies interpolated by
   # `yarn_factor` below the correction range of yarn_beta_fast / yarn_beta_slow rotations over
   # yarn_original_max_position, cos/sin scaled by mscale(yarn_mscale) / mscale(
@@ -281,14 +287,15 @@ class ModelConfig:
   def balance_loss_kind(self) -> str:
     if self.moe_balance_loss != 'auto':
       return self.moe_balance_loss
-    kinds = {'longcat_flash': 'device', 'deepseek_v3': 'sequence', 'deepseek_v2': 'sequence'}
-    return kinds.get(self.model_type, 'switch')
+    if self.model_type in ('deepseek_v3', 'deepseek_v2', 'glm4_moe'):
+      return 'sequence'
+    return 'device' if self.model_type == 'longcat_flash' else 'switch'
 
   @property
   def bias_rule(self) -> str:
     if self.moe_bias_rule != 'auto':
       return self.moe_bias_rule
-    return 'sign' if self.model_type == 'deepseek_v3' else 'proportional'
+    return 'sign' if self.model_type in ('deepseek_v3', 'glm4_moe') else 'proportional'
 
   @property
   def expert_shards(self) -> int:
@@ -339,6 +346,11 @@ class ModelConfig:
   @property
   def gqa_head_dim(self) -> int:
     return self.head_dim or self.hidden_size // self.num_heads
+
+  @property
+  def rotary_dim(self) -> int:
+    """GQA's rotated features per head: the first partial_rotary_factor of them."""
+    return int(self.gqa_head_dim * self.partial_rotary_factor)
 
   @property
   def kv_heads(self) -> int:
@@ -430,7 +442,8 @@ class ModelConfig:
   def _validate_parts(self, need) -> None:
     rope = ('qk_rope_head_dim', self.qk_rope_head_dim)
     if self.attention == 'gqa':
-      rope = ('head_dim', self.gqa_head_dim)
+      rope = ('head_dim', self.rotary_dim)  # times partial_rotary_factor
+      need(self.partial_rotary_factor <= 1, 'partial_rotary_factor', 'must be in (0, 1]')
       need(
         self.num_heads % self.kv_heads == 0,
         'num_kv_heads',

@@ -5,7 +5,7 @@ shortcut layers with MLA and zero experts; DeepSeek-V3's standard layers with ML
 router over expert groups with a correction bias and shared experts (DeepSeek-V2's: a softmax
 router, groups scored by their best expert); Qwen3-MoE's, Mixtral's, OLMoE's and Qwen2-MoE's
 standard layers with grouped-query attention and a softmax router (Qwen2-MoE: a gated shared
-expert). The real models' presets copy
+expert); GLM-4.5's grouped-query attention with DeepSeek-V3's router. The real models' presets copy
 their published config.json; a run from `init.hf_checkpoint` takes the shapes from the
 checkpoint's own config.json instead.
 """
@@ -46,6 +46,7 @@ _MLA = dict(
 )
 # What the config.json says (the family's reader sets it): not a fixed part.
 _BIASES = ('qkv_bias', 'o_bias')
+_GLM_READ = ('qkv_bias', 'routed_scaling_factor', 'n_shared_experts', 'n_group', 'topk_group')
 PARTS = {
   'longcat_flash': {},  # ModelConfig's defaults
   'deepseek_v3': dict(_MLA, model_type='deepseek_v3', router_score='sigmoid', router_bias=True),
@@ -75,6 +76,16 @@ PARTS = {
     'n_shared_experts': 1,
     'shared_expert_gate': True,
   },
+  # GLM-4.5: DeepSeek-V3's router (sigmoid + correction bias, groups by their best two) on GQA
+  # layers; one shared expert of n_shared_experts * expert width, dense first layers.
+  'glm4_moe': {
+    **{k: v for k, v in _GQA.items() if k not in _GLM_READ},
+    'model_type': 'glm4_moe',
+    'router_score': 'sigmoid',
+    'router_bias': True,
+    'router_group_score': 'top2',
+    'shared_ffn_hidden_size': 0,
+  },
 }
 # What the presets of a family share beyond its parts (values its config.json carries).
 _SHAPE = {
@@ -84,6 +95,7 @@ _SHAPE = {
   'olmoe': dict(rms_norm_eps=1e-5, rope_theta=10000.0),
   'qwen2_moe': dict(qkv_bias=True, rms_norm_eps=1e-6),
   'deepseek_v2': dict(rms_norm_eps=1e-6, rope_theta=10000.0),
+  'glm4_moe': dict(qkv_bias=True, norm_topk_prob=True, partial_rotary_factor=0.5, rope_theta=1e6),
 }
 
 
@@ -99,6 +111,18 @@ _V2_YARN = dict(
   yarn_original_max_position=4096,
   yarn_mscale=0.707,
   yarn_mscale_all_dim=0.707,
+)
+# What GLM-4.5 and GLM-4.5-Air share: 96 query heads of 128 over 8 key/value heads, top-8 of the
+# routed experts plus one shared, one MTP layer.
+_GLM = dict(
+  vocab_size=151552,
+  num_heads=96,
+  num_kv_heads=8,
+  head_dim=128,
+  n_shared_experts=1,
+  moe_topk=8,
+  max_position_embeddings=131072,
+  num_nextn_predict_layers=1,
 )
 
 PRESETS = {
@@ -178,6 +202,42 @@ PRESETS = {
     n_routed_experts=8,
     n_shared_experts=2,
     moe_topk=2,
+  ),
+  'glm4_moe_tiny': family(
+    'glm4_moe',
+    **_TINY,
+    num_layers=3,
+    num_kv_heads=2,
+    first_k_dense_replace=1,
+    ffn_hidden_size=256,
+    n_routed_experts=8,
+    n_shared_experts=1,
+    moe_topk=2,
+  ),
+  # zai-org/GLM-4.5-Air (and -Base): 106B, 12B active.
+  'glm4_5_air': family(
+    'glm4_moe',
+    **_GLM,
+    hidden_size=4096,
+    num_layers=46,
+    ffn_hidden_size=10944,
+    expert_ffn_hidden_size=1408,
+    n_routed_experts=128,
+    first_k_dense_replace=1,
+    routed_scaling_factor=1.0,
+  ),
+  # zai-org/GLM-4.5 (and -Base; GLM-4.6 is these shapes over 202752 positions): 355B, 32B active.
+  'glm4_5': family(
+    'glm4_moe',
+    **_GLM,
+    hidden_size=5120,
+    num_layers=92,
+    ffn_hidden_size=12288,
+    expert_ffn_hidden_size=1536,
+    n_routed_experts=160,
+    first_k_dense_replace=3,
+    routed_scaling_factor=2.5,
+    qk_norm=True,
   ),
   # allenai/OLMoE-1B-7B-0924 (and -Instruct).
   'olmoe_1b_7b': family(

@@ -238,7 +238,8 @@ def _arg(v) -> str:
 # worker processes.
 
 
-def _cache_key(config, topology: str, overrides: dict) -> str:
+def _cache_key(config, topology: str, overrides: dict, host: str = '') -> str:
+  """host: what else the plan depends on (a CPU plan: the host it was measured on)."""
   import jax
 
   src = pathlib.Path(__file__).resolve().parents[1]
@@ -251,6 +252,7 @@ def _cache_key(config, topology: str, overrides: dict) -> str:
       topology,
       sorted(overrides.items()),
       jax.__version__,
+      *([host] if host else []),
     ],
     default=str,
   )
@@ -274,34 +276,47 @@ def _save_cache(cache: dict, path: str) -> None:
 
 
 def _worker(args):
-  config, topology, overrides = args
+  config, topology, overrides, plan_fn = args
   try:
-    return plan(config, topology, overrides)
+    return (plan_fn or plan)(config, topology, overrides)
   except ValueError as e:  # settings the build refuses (a mesh that does not divide, ...)
     return {'overrides': overrides, 'topology': topology, 'fits': False, 'error': str(e)}
 
 
-def plan_many(config, jobs: list[tuple[str, dict]], workers: int, cache: str = CACHE) -> list[dict]:
-  """plan() of each (topology, overrides), cached in the JSON file `cache` across invocations
-  (keyed by the config, the overrides, jax's version and moetrain's source), `workers` spawned
-  processes at a time (1: in this process). Each result is saved as it arrives, so an
-  interrupted search resumes where it stopped."""
+def plan_many(
+  config,
+  jobs: list[tuple[str, dict]],
+  workers: int,
+  cache: str = CACHE,
+  plan_fn=None,
+  fresh: bool = False,
+  key: str = '',
+) -> list[dict]:
+  """plan_fn() (default plan()) of each (topology, overrides), cached in the JSON file `cache`
+  across invocations (keyed by the config, the overrides, jax's version, moetrain's source and
+  `key`), `workers` spawned processes at a time (1: in this process, unless `fresh` asks for a
+  new process per plan). Each result is saved as it arrives, so an interrupted search resumes
+  where it stopped."""
   done = _load_cache(cache)
-  keys = [_cache_key(config, t, o) for t, o in jobs]
-  todo = list({k: (config, t, o) for (t, o), k in zip(jobs, keys) if k not in done}.items())
+  keys = [_cache_key(config, t, o, key) for t, o in jobs]
+  todo = list(
+    {k: (config, t, o, plan_fn) for (t, o), k in zip(jobs, keys) if k not in done}.items()
+  )
   if todo:
     print(f'compiling {len(todo)} plans ({len(jobs) - len(todo)} cached), {workers} at a time...')
-    if workers <= 1:
+    pool = None
+    if workers <= 1 and not fresh:
       results = map(_worker, [job for _, job in todo])
     else:
       ctx = multiprocessing.get_context('spawn')
-      pool = concurrent.futures.ProcessPoolExecutor(workers, mp_context=ctx)
+      once = {'max_tasks_per_child': 1} if fresh else {}
+      pool = concurrent.futures.ProcessPoolExecutor(max(workers, 1), mp_context=ctx, **once)
       results = pool.map(_worker, [job for _, job in todo])
-    for (k, (_, t, o)), r in zip(todo, results):
+    for (k, (_, t, o, _)), r in zip(todo, results):
       done = _load_cache(cache) | {k: r}  # another planner may have added plans meanwhile
       _save_cache(done, cache)
       print(f'  {t} {_flags(o) or "(as configured)"}: {_verdict(r)}', flush=True)
-    if workers > 1:
+    if pool:
       pool.shutdown()
   return [done[k] for k in keys]
 

@@ -28,6 +28,7 @@ import jax
 from bench.common import emit, machine
 from bench.train_step import build_step
 from moetrain import metrics
+from moetrain.model import dispatch
 from moetrain.model.config import PRESETS, ModelConfig
 
 # ~1.07B active (5.33 FFN experts of 32 + 16 zero, top-8), ~2.5B total parameters.
@@ -132,7 +133,7 @@ def main():
     param_dtype='float32',
     scan_layers=bool(args.scan_layers),
     loss_chunk=args.loss_chunk,
-  )
+  ).laid_out(jax.default_backend(), ())  # the engine 'auto' picks for this machine
   cfg.validate()
   common = {
     'bench': 'mfu',
@@ -142,6 +143,7 @@ def main():
     'dtype': args.dtype,
     'remat': args.remat,
     'backend': args.backend,
+    'engine': dispatch.resolve_backend(cfg),
     'dispatch': args.dispatch,
     'capacity_factor': args.capacity_factor if args.dispatch == 'capacity' else None,
     'scan_layers': cfg.scan_layers,

@@ -26,6 +26,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from bench.common import emit, machine, time_fn
+from moetrain.model import dispatch
 from moetrain.model.config import PRESETS
 from moetrain.model.moe import MoE
 
@@ -55,7 +56,7 @@ def main():
     moe_backend=args.backend,
     moe_block_size=args.block,
     moe_dispatch=args.dispatch,
-  )
+  ).laid_out(jax.default_backend(), ())  # the engine 'auto' picks for this machine
   moe = MoE(cfg, 'layers.moe', nnx.Rngs(0))
   e, x_all = cfg.n_routed_experts, cfg.num_experts_total
   spread = args.skew / x_all * jnp.linspace(-1.0, 1.0, e)
@@ -130,6 +131,7 @@ def main():
         'bench': 'moe_layer',
         'mode': mode,
         'backend': args.backend,
+        'engine': dispatch.resolve_backend(cfg),
         'dispatch': args.dispatch,
         'dtype': args.dtype,
         'tokens': args.tokens,

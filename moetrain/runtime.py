@@ -152,6 +152,12 @@ def define_process_flags() -> None:
   flags.DEFINE_string(
     'coordinator_address', None, 'host:port of process 0 (default $JAX_COORDINATOR_ADDRESS).'
   )
+  flags.DEFINE_float(
+    'peer_timeout',
+    45.0,
+    'Seconds a process of a multi-process job waits for the others to join, and then for a '
+    'silent one, before it stops with an error naming it.',
+  )
 
 
 def initialize_distributed(preemption: bool = True, resume_step: int | None = None) -> None:
@@ -184,9 +190,17 @@ def initialize_distributed(preemption: bool = True, resume_step: int | None = No
       raise app.UsageError(
         '--num_processes needs --process_id and --coordinator_address (or $JAX_COORDINATOR_ADDRESS)'
       )
+  from moetrain import multihost
+
+  timeout = f.peer_timeout if 'peer_timeout' in f else multihost.PEER_TIMEOUT
+  where = f'process {f.process_id} of {f.num_processes}' if explicit else 'this process'
+  joined = multihost.join_deadline(timeout, where)
+  if explicit:
     jax.distributed.initialize(address, num_processes=f.num_processes, process_id=f.process_id)
   else:
     jax.distributed.initialize()
+  joined.cancel()
+  multihost.watch_peers(timeout)
   if preemption and resume_step:
     multihost_utils.reached_preemption_sync_point(resume_step)
   resuming = f'; the run resumes from step {resume_step}' if resume_step else ''
@@ -346,12 +360,29 @@ def short_errors(main):
 
     try:
       return main(argv)
-    except USER_ERRORS as e:
+    except Exception as e:
+      _leave_the_job(e)
+      if not isinstance(e, USER_ERRORS):
+        raise
       if env_flag('MOETRAIN_TRACEBACK') or flags.FLAGS.verbosity > 0:
         raise
       sys.exit(f'Error: {e}')
 
   return wrapped
+
+
+def _leave_the_job(e: Exception) -> None:
+  """A process of a job of several (multihost's peer watch runs) ends on an error. A failure
+  that is no user error (a collective that lost its peer: "Gloo AllGather failed: Connection
+  reset by peer") first gives the watch its time to name a peer that died, which then ends the
+  process with that line. Then this process stops beating: others that did not fail with it
+  stop after --peer_timeout, naming it; others that did meet it in JAX's shutdown at exit."""
+  multihost = sys.modules.get('moetrain.multihost')
+  if multihost is None or not multihost.watching():
+    return
+  if not isinstance(e, USER_ERRORS):
+    multihost.await_dead_peer()
+  multihost.stop_watching(done=False)
 
 
 def is_primary() -> bool:

@@ -41,6 +41,7 @@ LETTERS = {
   'V': Letter('vocabulary', 'vocab'),
   'W': Letter("the teacher's k best tokens at a position (distillation's top-k)"),
   'X': Letter('router outputs: E routed + Z zero experts', 'router'),
+  'Y': Letter("pipeline stages (the 'stage' mesh axis)", 'stage'),
   'Z': Letter('zero-computation (identity) experts'),
 }
 

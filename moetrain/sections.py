@@ -86,11 +86,14 @@ class InitConfig:
 
 @dataclasses.dataclass(frozen=True)
 class MeshConfig:
-  """The `config.mesh` section: the device mesh, axes (data, fsdp, expert, tensor)."""
+  """The `config.mesh` section: the device mesh, axes (stage, data, fsdp, expert, tensor); four
+  entries (data, fsdp, expert, tensor) mean stage 1. 'stage' > 1 splits the layers into a
+  pipeline (model.pipeline_microbatches, docs/pipeline.md)."""
 
   shape: tuple = (1, -1, 1, 1)  # one entry may be -1 (the remaining devices)
   # Multislice: how many slices each axis spans (over the data-center network), e.g. (2, 1, 1, 1)
-  # puts data parallelism across 2 slices; () or all ones = one slice. Divides `shape`.
+  # puts data parallelism across 2 slices, (2, 1, 1, 1, 1) the pipeline's stages; () or all
+  # ones = one slice. Divides `shape`.
   dcn_shape: tuple = ()
   rules: str = field('fsdp_ep_tp', choices=tuple(sharding.PRESETS))  # logical-axis rule preset
 

@@ -19,6 +19,7 @@ from moetrain.distill import logits as distill_logits
 from moetrain.distill import teacher as teacher_lib
 from moetrain.distill.config import DistillConfig
 from moetrain.model import dispatch
+from moetrain.model import pipeline as model_pipeline
 from moetrain.model.config import LoraConfig, ModelConfig
 from moetrain.model.transformer import Transformer
 from moetrain.sections import InitConfig, LoopConfig
@@ -96,6 +97,7 @@ def build(
     logging.warning(warning)
   sharding.check_axes_used(mesh_shape, config.mesh.rules)
   model.validate()
+  model_pipeline.check(model)
   data = pipeline.DataConfig(**config.data.to_dict())
   if config.init.hf_checkpoint and not data.tokenizer:  # the checkpoint's own tokenizer
     data = dataclasses.replace(data, tokenizer=config.init.hf_checkpoint)
@@ -173,6 +175,12 @@ def check_mesh_fits(model, data, opt, mesh_shape, per_host: int) -> None:
       f'data.global_batch_size={data.global_batch_size} must split into optim.grad_accum_steps='
       f'{opt.grad_accum_steps} micro-batches each divisible by the {batch_shards} batch shards '
       f'(data*fsdp*expert of mesh.shape={mesh_shape})'
+    )
+  stages, m = sizes['stage'], model.pipeline_microbatches
+  if (stages > 1 or m > 1) and per_micro % m:
+    raise ValueError(
+      f'data.global_batch_size={data.global_batch_size} must split into optim.grad_accum_steps='
+      f'{opt.grad_accum_steps} x model.pipeline_microbatches={m} micro-batches'
     )
   if data.eval_split and data.eval_batch_size % batch_shards:
     raise ValueError(

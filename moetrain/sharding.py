@@ -5,11 +5,14 @@ import math
 from collections.abc import Sequence
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-MESH_AXES = ('data', 'fsdp', 'expert', 'tensor')
+# 'stage' (pipeline parallelism, docs/pipeline.md) comes first; a 4-entry mesh.shape or
+# mesh.dcn_shape (data, fsdp, expert, tensor) means stage 1 (full_shape).
+MESH_AXES = ('stage', 'data', 'fsdp', 'expert', 'tensor')
 BATCH_AXES = ('data', 'fsdp', 'expert')
 
 # Rule tables: logical name -> mesh axes. Names absent from a table are replicated.
@@ -29,12 +32,14 @@ _WEIGHTS_FSDP = {
   # dense
   'embed': 'fsdp',
   'mlp': None,
-  'layers': None,
+  # A pipeline's stage s stores its own consecutive layers (and their optimizer state).
+  'layers': 'stage',
   'lora_rank': None,
   # vocab
   'vocab': None,
 }
 _ACTS_FSDP = {
+  'stage': 'stage',  # a pipeline's per-stage buffers (model/pipeline.py)
   'batch': BATCH_AXES,
   'seq': None,
   'kv_seq': None,
@@ -92,7 +97,7 @@ def check_axes_used(mesh_shape: Sequence[int], rules_name: str) -> None:
   """A 'tensor' axis > 1 that the rules shard nothing over would run the same step on each of
   its devices: refused, naming both settings. (An 'expert' axis without expert rules still
   splits the batch.)"""
-  sizes = dict(zip(MESH_AXES, mesh_shape))
+  sizes = dict(zip(MESH_AXES, full_shape(mesh_shape)))
   weights, _ = PRESETS[rules_name]
   if sizes['tensor'] > 1 and 'tensor' not in weights.values():
     raise ValueError(
@@ -108,6 +113,7 @@ def make_mesh(shape: Sequence[int], devices=None, dcn: Sequence[int] = ()) -> ja
   devices each, so its collectives cross the data-center network only between slices."""
   devices = list(devices if devices is not None else jax.devices())
   shape = resolve_mesh_shape(shape, len(devices))
+  dcn = full_shape(dcn) if dcn else dcn
   types = (AxisType.Auto,) * len(MESH_AXES)
   dcn = check_dcn_shape(dcn, shape)
   if math.prod(dcn) > 1:
@@ -137,10 +143,12 @@ def make_mesh(shape: Sequence[int], devices=None, dcn: Sequence[int] = ()) -> ja
 def check_dcn_shape(dcn: Sequence[int], shape: Sequence[int]) -> tuple[int, ...]:
   """mesh.dcn_shape, all ones when empty; each entry must divide its axis of mesh.shape."""
   dcn = tuple(int(d) for d in dcn) or (1,) * len(MESH_AXES)
-  if len(dcn) != len(MESH_AXES) or any(d < 1 for d in dcn):
+  if len(dcn) not in (4, len(MESH_AXES)) or any(d < 1 for d in dcn):
     raise ValueError(
-      f'mesh.dcn_shape={dcn}: give {len(MESH_AXES)} slice counts >= 1 {MESH_AXES}, or () for one'
+      f'mesh.dcn_shape={dcn}: give {len(MESH_AXES)} slice counts >= 1 {MESH_AXES} (or 4, '
+      'without stage), or () for one'
     )
+  dcn, shape = full_shape(dcn), full_shape(shape)
   if any(s % d for s, d in zip(shape, dcn)):
     raise ValueError(
       f'mesh.dcn_shape={dcn} must divide mesh.shape={tuple(shape)} axis by axis (an axis of '
@@ -149,10 +157,20 @@ def check_dcn_shape(dcn: Sequence[int], shape: Sequence[int]) -> tuple[int, ...]
   return dcn
 
 
+def full_shape(shape: Sequence[int]) -> tuple[int, ...]:
+  """A mesh shape over all of MESH_AXES: 4 entries (data, fsdp, expert, tensor) mean stage 1,
+  so configs, checkpoints and run directories written before the stage axis keep working."""
+  shape = tuple(int(s) for s in shape)
+  return (1, *shape) if len(shape) == len(MESH_AXES) - 1 else shape
+
+
 def resolve_mesh_shape(shape: Sequence[int], num_devices: int) -> tuple[int, ...]:
   shape = [int(s) for s in shape]
-  if len(shape) != len(MESH_AXES):
-    raise ValueError(f'mesh.shape needs {len(MESH_AXES)} entries {MESH_AXES}, got {shape}')
+  if len(shape) not in (len(MESH_AXES) - 1, len(MESH_AXES)):
+    raise ValueError(
+      f'mesh.shape needs {len(MESH_AXES)} entries {MESH_AXES} (or 4, without stage), got {shape}'
+    )
+  shape = list(full_shape(shape))
   if shape.count(-1) > 1:
     raise ValueError(f'mesh.shape={shape}: at most one entry may be -1')
   bad = [s for s in shape if s < 1 and s != -1]
@@ -244,6 +262,23 @@ def check_hosts_own_rows(sharding_, rows: int) -> None:
           f"batch axes (data, fsdp, expert) must split the batch over the hosts; keep the 'tensor' "
           'axis of mesh.shape within a host'
         )
+
+
+def shift_stages(x_Y, stages: int):
+  """x_Y's entry s moved to stage s + 1 (the last to stage 0): one collective permute over the
+  'stage' axis (jax.lax.ppermute inside a shard_map manual over that axis alone, so the other
+  dimensions keep their sharding); a roll without a mesh or a stage axis."""
+  mesh = jax.sharding.get_abstract_mesh()
+  if mesh.empty or dict(mesh.shape).get('stage', 1) != stages or stages == 1:
+    return jnp.roll(x_Y, 1, axis=0)
+  perm = [(i, (i + 1) % stages) for i in range(stages)]
+  return jax.shard_map(
+    lambda a: jax.lax.ppermute(a, 'stage', perm),
+    in_specs=P('stage'),
+    out_specs=P('stage'),
+    axis_names={'stage'},
+    check_vma=False,
+  )(x_Y)
 
 
 def replicated(mesh) -> NamedSharding:

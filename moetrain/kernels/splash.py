@@ -19,7 +19,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
-from moetrain.sharding import BATCH_AXES, MESH_AXES
+from moetrain.sharding import BATCH_AXES, MESH_AXES, full_shape
 
 
 def _modules():
@@ -116,7 +116,7 @@ def splash_attention(
   local = functools.partial(_local, interpret=interpret)
   if not mesh_shape:
     return local(q_BNTH, k_BNTH, v_BNTH, segment_ids_BT)
-  sizes = dict(zip(MESH_AXES, mesh_shape))
+  sizes = dict(zip(MESH_AXES, full_shape(mesh_shape)))
   batch = tuple(a for a in BATCH_AXES if sizes.get(a, 1) > 1) or None
   heads = head_axis if head_axis and sizes.get(head_axis, 1) > 1 else None
   qkv = P(batch, heads, None, None)

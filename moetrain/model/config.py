@@ -7,7 +7,7 @@ import re
 from typing import NamedTuple
 
 from moetrain.fields import check, field
-from moetrain.sharding import MESH_AXES, Rules
+from moetrain.sharding import MESH_AXES, Rules, full_shape
 
 REMAT_POLICIES = ('none', 'full', 'save_dots', 'save_moe', 'offload')
 MOE_DISPATCH = ('dropless', 'capacity')
@@ -198,6 +198,12 @@ class ModelConfig:
   # layer's saved activations into [L, ...] buffers and slices them back in the backward pass,
   # copies an unrolled stack does not make (~5% of a 4-layer CPU step; bench/RESULTS.md).
   scan_layers: bool = engine(True)
+  # Pipeline parallelism over mesh.shape's 'stage' axis (docs/pipeline.md): micro-batches per
+  # batch flowing through the stages (>= the stage count; 1 = none).
+  pipeline_microbatches: int = engine(1, check='positive')
+  # Runs of layers per stage: > 1 is the circular schedule, each stage holding non-adjacent runs
+  # and every micro-batch passing the stages this many times (a smaller bubble).
+  pipeline_repeats: int = engine(1, check='positive')
   # Query block of causal self-attention: each block of queries scores only the keys up to its
   # last position, skipping the upper triangle block by block; 0 = one block (the full square).
   attention_chunk: int = engine(128, check='non_negative', zero='0 = no chunking')
@@ -305,11 +311,17 @@ class ModelConfig:
       return 1
     return dict(zip(MESH_AXES, self.mesh_shape))['expert']
 
+  @property
+  def pipeline_stages(self) -> int:
+    """The 'stage' mesh axis the layers are split over (1: no pipeline)."""
+    return dict(zip(MESH_AXES, self.mesh_shape)).get('stage', 1) if self.mesh_shape else 1
+
   def laid_out(self, platform: str, mesh_shape) -> 'ModelConfig':
     """This config with the engine's platform and mesh (mesh_shape: sizes, or a Mesh)."""
     if hasattr(mesh_shape, 'axis_sizes'):
       mesh_shape = mesh_shape.axis_sizes
-    return dataclasses.replace(self, platform=platform, mesh_shape=tuple(mesh_shape))
+    shape = full_shape(mesh_shape) if mesh_shape else ()
+    return dataclasses.replace(self, platform=platform, mesh_shape=shape)
 
   @property
   def qk_head_dim(self) -> int:

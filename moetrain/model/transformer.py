@@ -9,6 +9,7 @@ from jax.ad_checkpoint import checkpoint_name
 
 from moetrain import axes
 from moetrain.kernels import experts as experts_lib
+from moetrain.model import pipeline
 from moetrain.model.attention import MLA, make_attention
 from moetrain.model.config import LayerGroup, ModelConfig
 from moetrain.model.layers import MLP, Embed, Linear, RMSNorm
@@ -206,12 +207,16 @@ class Transformer(nnx.Module):
   def run_group(self, group: LayerGroup, h_BTD, positions_BT, segment_ids_BT, rngs_L):
     graphdef, state = nnx.split(getattr(self, group.name))
 
-    def body(h, xs):
+    def layer(h, xs, positions_BT, segment_ids_BT):
       layer_state, layer_rng = xs
       return nnx.merge(graphdef, layer_state)(h, positions_BT, segment_ids_BT, layer_rng)
 
     if self.cfg.remat != 'none':
-      body = jax.checkpoint(body, policy=remat_policy(self.cfg.remat), prevent_cse=False)
+      layer = jax.checkpoint(layer, policy=remat_policy(self.cfg.remat), prevent_cse=False)
+    if pipeline.active(self.cfg, h_BTD.shape[0]):
+      args = (self.cfg, h_BTD, positions_BT, segment_ids_BT)
+      return pipeline.run_group(layer, state, rngs_L, *args)
+    body = lambda h, xs: layer(h, xs, positions_BT, segment_ids_BT)
     if self.cfg.scan_layers:
       return jax.lax.scan(body, h_BTD, (state, rngs_L))
     outs = []

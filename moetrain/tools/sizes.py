@@ -48,7 +48,7 @@ def ep_exchange(cfg, mesh_shape, seq_len: int, batch_size: int) -> dict:
   forward pass (a micro-batch under gradient accumulation); {} without expert parallelism.
   Dropless buffers are sized for the worst case unless bounded (model.moe_ep_recv_factor; then
   `rounds` is the most rounds of that buffer the exchange may take, model.moe_ep_overflow)."""
-  sizes = dict(zip(sharding.MESH_AXES, mesh_shape))
+  sizes = dict(zip(sharding.MESH_AXES, sharding.full_shape(mesh_shape)))
   ep = sizes.get('expert', 1)
   if ep <= 1 or not cfg.moe_expert_parallel:
     return {}
@@ -77,7 +77,7 @@ def loss_block(cfg, mesh_shape, seq_len: int, batch_size: int) -> dict:
   device (after the activation rules shard it over the mesh) for `batch_size` rows per forward
   pass (a micro-batch under gradient accumulation), and the whole-logits size it replaces."""
   c = cfg.loss_chunk if 0 < cfg.loss_chunk < seq_len else seq_len
-  mesh = jax.sharding.AbstractMesh(tuple(mesh_shape), sharding.MESH_AXES)
+  mesh = jax.sharding.AbstractMesh(sharding.full_shape(mesh_shape), sharding.MESH_AXES)
   shape = (batch_size, c, cfg.vocab_size)
   spec = sharding.logical_to_spec(
     ('batch', 'seq', 'vocab'), shape, cfg.rules.activations, dict(mesh.shape)
@@ -103,7 +103,7 @@ def step_buffers(cfg, mesh_shape, seq_len: int, batch_size: int) -> dict:
   their gradient, one loss block's float32 logits and their gradient. R is the exchange's
   receive buffer (model.moe_ep_recv_factor) or, without expert parallelism, the local rows; a
   bounded buffer that takes overflow in rounds holds one more round's rows in the backward."""
-  sizes = dict(zip(sharding.MESH_AXES, mesh_shape))
+  sizes = dict(zip(sharding.MESH_AXES, sharding.full_shape(mesh_shape)))
   shards = sizes['data'] * sizes['fsdp'] * sizes['expert']
   b = max(batch_size // shards, 1)  # rows per device
   item = jnp.dtype(cfg.dtype).itemsize

@@ -1,0 +1,107 @@
+"""Pipeline parallelism: the stage axis of the mesh, and pipelined steps (stages 2 and 4, experts
+over 2 inside a stage, GPipe and circular) equal to no pipeline in float32."""
+
+import dataclasses
+
+import jax
+import numpy as np
+import optax
+import pytest
+
+from moetrain import sharding
+from moetrain.checkpoint import Checkpointer
+from moetrain.model import pipeline
+from moetrain.model.families import PRESETS
+from moetrain.train_state import create_sharded, graphdef_of
+from moetrain.train_step import StepConfig, loss_fn, token_counts
+from tests.helpers import tiny, with_lora
+from tests.test_sharding import batch
+
+LONGCAT = tiny(num_layers=4)
+QWEN3 = dataclasses.replace(
+  PRESETS['qwen3_tiny'], dtype='float32', remat='none', num_layers=4, hidden_size=32, head_dim=8
+)
+
+
+def test_four_entry_mesh_shapes_mean_stage_one():
+  assert sharding.resolve_mesh_shape((1, -1, 1, 1), 8) == (1, 1, 8, 1, 1)
+  assert sharding.resolve_mesh_shape((2, 1, -1, 2, 1), 8) == (2, 1, 2, 2, 1)
+  assert sharding.check_dcn_shape((2, 1, 1, 1), (1, 2, 4, 1, 1)) == (1, 2, 1, 1, 1)
+  assert sharding.check_dcn_shape((2, 1, 1, 1, 1), (2, 1, 4, 1, 1)) == (2, 1, 1, 1, 1)
+  assert tiny().laid_out('cpu', (1, 2, 4, 1)).mesh_shape == (1, 1, 2, 4, 1)
+  mesh = sharding.make_mesh((2, 1, -1, 2, 1))
+  assert dict(mesh.shape) == {'stage': 2, 'data': 1, 'fsdp': 2, 'expert': 2, 'tensor': 1}
+
+
+def test_a_layer_count_the_stages_do_not_divide_is_refused():
+  cfg = tiny(num_layers=3, pipeline_microbatches=2).laid_out('cpu', (2, 1, 4, 1, 1))
+  with pytest.raises(ValueError, match=r'model.num_layers=3.*2 pipeline stages'):
+    pipeline.check(cfg)
+  cfg = tiny(num_layers=4, pipeline_microbatches=1).laid_out('cpu', (2, 1, 4, 1, 1))
+  with pytest.raises(ValueError, match=r'pipeline_microbatches=1 must be >= the 2'):
+    pipeline.check(cfg)
+  cfg = tiny(num_layers=4, pipeline_microbatches=4, pipeline_repeats=2)
+  assert pipeline.bubble(cfg.laid_out('cpu', (2, 1, 4, 1, 1))) == pytest.approx(1 / 9)
+
+
+def loss_and_grads(cfg, mesh_shape, m=1, r=1, state=None):
+  """(loss, gradients, state) of `cfg` on the test batch over a mesh of mesh_shape."""
+  mesh = sharding.make_mesh(mesh_shape)
+  rules = sharding.Rules.preset('fsdp_ep_tp')
+  cfg = dataclasses.replace(cfg, pipeline_microbatches=m, pipeline_repeats=r, rules=rules)
+  cfg = cfg.laid_out('cpu', mesh)
+  with jax.set_mesh(mesh):
+    if state is None:
+      state = create_sharded(cfg, optax.sgd(1.0), 0, mesh, cfg.rules)
+    b = {k: jax.device_put(v, sharding.batch_sharding(mesh)) for k, v in batch().items()}
+    step = StepConfig(model=cfg, router_z_loss=1e-3, hidden_z_loss=1e-4)
+
+    def loss(params):
+      args = (state.moe_bias, state.frozen, graphdef_of(cfg), b, None, token_counts(b), step)
+      return loss_fn(params, *args)
+
+    (value, stats), grads = jax.jit(jax.value_and_grad(loss, has_aux=True))(state.params)
+    return float(value), jax.tree.map(np.asarray, grads), stats, state
+
+
+def assert_same(got, want):
+  assert got[0] == pytest.approx(want[0], rel=1e-5)
+  for (path, g), w in zip(jax.tree_util.tree_leaves_with_path(got[1]), jax.tree.leaves(want[1])):
+    scale = np.max(np.abs(w)) + 1e-30
+    assert np.max(np.abs(g - w)) / scale < 1e-5, jax.tree_util.keystr(path)
+  for key in ('load', 'ffn_experts_mean', 'router_z_loss'):
+    np.testing.assert_allclose(got[2]['moe'][key], want[2]['moe'][key], rtol=1e-5, atol=1e-6)
+
+
+def test_two_stages_equal_no_pipeline():
+  cfg = tiny(num_layers=2)
+  assert_same(loss_and_grads(cfg, (2, 1, -1, 2, 1), m=2), loss_and_grads(cfg, (1, 1, -1, 2, 1)))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+  'cfg', [LONGCAT, QWEN3, with_lora(LONGCAT)], ids=['longcat', 'qwen3', 'lora']
+)
+@pytest.mark.parametrize(
+  'mesh_shape,m,r', [((2, 1, -1, 2, 1), 4, 1), ((4, 1, -1, 2, 1), 4, 1), ((2, 1, -1, 2, 1), 2, 2)]
+)
+def test_pipelines_equal_no_pipeline(cfg, mesh_shape, m, r):
+  assert_same(loss_and_grads(cfg, mesh_shape, m, r), loss_and_grads(cfg, (1, 1, -1, 2, 1)))
+
+
+@pytest.mark.slow
+def test_a_two_stage_checkpoint_restores_without_stages(tmp_path):
+  _, _, _, state = loss_and_grads(LONGCAT, (2, 1, -1, 2, 1), m=2)
+  ckpt = Checkpointer(str(tmp_path), every=1, keep=1, async_save=False)
+  ckpt.save(1, state, {'position': 0}, {'step': 1})
+  ckpt.wait()
+  mesh = sharding.make_mesh((1, 1, -1, 2, 1))
+  cfg = dataclasses.replace(LONGCAT, rules=sharding.Rules.preset('fsdp_ep_tp')).laid_out(
+    'cpu', mesh
+  )
+  with jax.set_mesh(mesh):
+    target = create_sharded(cfg, optax.sgd(1.0), 1, mesh, cfg.rules)
+  saved, _, _ = ckpt.restore(1, target)
+  restored = dataclasses.replace(target, **saved)
+  got = loss_and_grads(LONGCAT, (1, 1, -1, 2, 1), state=restored)
+  assert_same(got, loss_and_grads(LONGCAT, (2, 1, -1, 2, 1), m=2, state=state))

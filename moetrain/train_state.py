@@ -55,7 +55,8 @@ def trainable_filter(cfg: ModelConfig):
   if not cfg.lora.enabled:
     return nnx.Param
   if cfg.lora.train_router:
-    return nnx.Any(nnx.LoRAParam, nnx.All(nnx.Param, nnx.PathContains('router')))
+    router = nnx.Any(nnx.PathContains('router'), nnx.PathContains('router_linear_bias'))
+    return nnx.Any(nnx.LoRAParam, nnx.All(nnx.Param, router))
   return nnx.LoRAParam
 
 

@@ -142,12 +142,12 @@ def _yarn_from_hf(c: dict) -> dict:
   if not rs:
     return {}
   kind = rs.get('rope_type', rs.get('type'))
-  if kind != 'yarn' or rs.get('attention_factor') is not None or not rs.get('truncate', True):
+  if kind != 'yarn' or rs.get('attention_factor') is not None:
     raise ValueError(
       f'config.json rope_scaling={rs!r} is unsupported: moetrain implements YaRN (type "yarn", '
-      'attention_factor from mscale / mscale_all_dim, truncated correction range)'
+      'attention_factor from mscale / mscale_all_dim)'
     )
-  out = {}
+  out = {'yarn_truncate': bool(rs.get('truncate', True))}
   for key, (field, default) in _YARN.items():
     out[field] = default if rs.get(key) is None else rs[key]
   return out
@@ -157,6 +157,8 @@ def _yarn_to_hf(cfg: ModelConfig) -> dict:
   if cfg.yarn_factor <= 1:
     return {'rope_scaling': None}
   rs = {key: getattr(cfg, field) for key, (field, _) in _YARN.items()}
+  if not cfg.yarn_truncate:  # written only where it differs from the default (gpt-oss)
+    rs['truncate'] = False
   return {'rope_scaling': {'type': 'yarn', 'rope_type': 'yarn', **rs}}
 
 

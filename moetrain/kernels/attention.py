@@ -15,9 +15,12 @@ def masked_scores(s_BNTS, mask_BTS, scale: float):
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6))
-def _attention_core(q_BNTH, k_BNSH, v_BNSH, mask_BTS, scale: float, blocks, recompute=True):
+def _attention_core(
+  q_BNTH, k_BNSH, v_BNSH, mask_BTS, scale: float, blocks, recompute=True, sinks_N=None
+):
   """softmax(scale * q k^T, masked) v, by blocks of queries: block (start, end, keys) takes
-  queries [start, end) against keys [0, keys).
+  queries [start, end) against keys [0, keys). With sinks_N (gpt-oss), each head's softmax has
+  one more logit, sinks_N[n], whose weight goes to no value: the rows' weights sum below 1.
 
   What the backward pass keeps: the float32 probabilities (recompute=False: O(T * S) per head,
   no extra work), or only each query's softmax max and sum (recompute=True: O(T); the backward
@@ -33,7 +36,7 @@ def _attention_core(q_BNTH, k_BNSH, v_BNSH, mask_BTS, scale: float, blocks, reco
   generic dot (its left operand is column-major), but for these batched products (a head's
   rows out, a 128-query block contracted) it runs ~1.5x faster there than YNNPACK's batched
   matmul on transposed copies, and needs no copies."""
-  return _core_fwd(q_BNTH, k_BNSH, v_BNSH, mask_BTS, scale, blocks, recompute)[0]
+  return _core_fwd(q_BNTH, k_BNSH, v_BNSH, mask_BTS, scale, blocks, recompute, sinks_N)[0]
 
 
 def _dot(a, b, contract: tuple[int, int], dtype=None):
@@ -49,22 +52,40 @@ def _scores(q_BNTH, k_BNSH, mask_BTS, scale, block):
   return masked_scores(s_BNTS, mask_BTS[:, start:end, :keys], scale)
 
 
-def _core_fwd(q_BNTH, k_BNSH, v_BNSH, mask_BTS, scale, blocks, recompute):
+def _core_fwd(q_BNTH, k_BNSH, v_BNSH, mask_BTS, scale, blocks, recompute, sinks_N=None):
   outs, kept = [], []
+  sink_1N1 = None if sinks_N is None else sinks_N.astype(jnp.float32)[None, :, None]
   for block in blocks:
     z_BNTS = _scores(q_BNTH, k_BNSH, mask_BTS, scale, block)
     max_BNT = jnp.max(z_BNTS, axis=-1)
+    if sink_1N1 is not None:
+      max_BNT = jnp.maximum(max_BNT, sink_1N1)
     exp_BNTS = jnp.exp(z_BNTS - max_BNT[..., None])
     sum_BNT = jnp.sum(exp_BNTS, axis=-1)
+    if sink_1N1 is not None:
+      sum_BNT = sum_BNT + jnp.exp(sink_1N1 - max_BNT)
     p_BNTS = exp_BNTS / sum_BNT[..., None]  # the softmax, from the stats the backward may keep
     outs.append(_dot(p_BNTS.astype(v_BNSH.dtype), v_BNSH[:, :, : block[2]], (3, 2)))
-    kept.append((max_BNT, sum_BNT) if recompute else p_BNTS)
+    kept.append((max_BNT, sum_BNT) if recompute else (p_BNTS, max_BNT, sum_BNT))
   out_BNTH = outs[0] if len(outs) == 1 else jnp.concatenate(outs, axis=2)
-  return out_BNTH, (q_BNTH, k_BNSH, v_BNSH, out_BNTH, tuple(kept), mask_BTS)
+  return out_BNTH, (q_BNTH, k_BNSH, v_BNSH, out_BNTH, tuple(kept), mask_BTS, sinks_N)
+
+
+def _sink_grad(sinks_N, kept, delta_BNT, blocks):
+  """d sinks: the sink's weight p times (0 - delta), its value being 0, summed over B and T."""
+  if sinks_N is None:
+    return None
+  sink_1N1 = sinks_N.astype(jnp.float32)[None, :, None]
+  d_N = jnp.zeros(sinks_N.shape, jnp.float32)
+  for (start, end, _), saved in zip(blocks, kept):
+    max_BNT, sum_BNT = saved[-2:]
+    p_BNT = jnp.exp(sink_1N1 - max_BNT) / sum_BNT
+    d_N = d_N - jnp.sum(p_BNT * delta_BNT[:, :, start:end], axis=(0, 2))
+  return d_N.astype(sinks_N.dtype)
 
 
 def _core_bwd(scale, blocks, recompute, res, g_BNTH):
-  q_BNTH, k_BNSH, v_BNSH, out_BNTH, kept, mask_BTS = res
+  q_BNTH, k_BNSH, v_BNSH, out_BNTH, kept, mask_BTS, sinks_N = res
   f32, s = jnp.float32, k_BNSH.shape[2]
   g_BNTH = g_BNTH.astype(v_BNSH.dtype)
   if recompute:
@@ -84,8 +105,8 @@ def _core_bwd(scale, blocks, recompute, res, g_BNTH):
       max_BNT, sum_BNT = saved
       z_BNTS = _scores(q_BNTH, k_BNSH, mask_BTS, scale, block)
       p_BNTS = jnp.exp(z_BNTS - max_BNT[..., None]) / sum_BNT[..., None]
-    else:  # saved: the block's probabilities
-      p_BNTS = saved
+    else:  # saved: the block's probabilities (and softmax stats)
+      p_BNTS = saved[0]
     dp_BNTS = _dot(g_BNTH[:, :, start:end], v_BNSH[:, :, :keys], (3, 3), f32)
     ds_BNTS = p_BNTS * (dp_BNTS - delta_BNT[:, :, start:end, None]) * scale
     # Masked scores get no gradient (as through the forward's select), also in a row that sees
@@ -98,15 +119,18 @@ def _core_bwd(scale, blocks, recompute, res, g_BNTH):
   dq_BNTH = dq[0] if len(dq) == 1 else jnp.concatenate(dq, axis=2)
   dk_BNSH = dk_BNHS.transpose(0, 1, 3, 2).astype(k_BNSH.dtype)
   dv_BNSH = dv_BNHS.transpose(0, 1, 3, 2).astype(v_BNSH.dtype)
-  return dq_BNTH, dk_BNSH, dv_BNSH, None
+  dsinks_N = _sink_grad(sinks_N, kept, delta_BNT, blocks)
+  return dq_BNTH, dk_BNSH, dv_BNSH, None, dsinks_N
 
 
 _attention_core.defvjp(_core_fwd, _core_bwd)
 
 
-def _reference(q_BNTH, k_BNSH, v_BNSH, mask_BTS, scale: float, blocks, recompute=True):
+def _reference(
+  q_BNTH, k_BNSH, v_BNSH, mask_BTS, scale: float, blocks, recompute=True, sinks_N=None
+):
   """The same blocks, differentiated by autodiff (which keeps the probabilities)."""
-  return _core_fwd(q_BNTH, k_BNSH, v_BNSH, mask_BTS, scale, blocks, recompute)[0]
+  return _core_fwd(q_BNTH, k_BNSH, v_BNSH, mask_BTS, scale, blocks, recompute, sinks_N)[0]
 
 
 attention_core = Kernel('attention_core', _attention_core, _reference)

@@ -19,12 +19,35 @@ from moetrain.model.config import ModelConfig
 EXPERT_INPUT, EXPERT_GATE, EXPERT_UP = 'moe_expert_in', 'moe_expert_gate', 'moe_expert_up'
 
 
-def swiglu(x, mm, dtype):
+SWIGLU_ALPHA = 1.702  # gpt-oss's sigmoid slope in its clamped SwiGLU
+
+
+def activation(gate, up, cfg: ModelConfig):
+  """float32 silu(gate) * up, or gpt-oss's clamped form (cfg.swiglu_limit > 0)."""
+  g, u = gate.astype(jnp.float32), up.astype(jnp.float32)
+  if not cfg.swiglu_limit:
+    return jax.nn.silu(g) * u
+  g = jnp.minimum(g, cfg.swiglu_limit)
+  u = jnp.clip(u, -cfg.swiglu_limit, cfg.swiglu_limit)
+  return g * jax.nn.sigmoid(SWIGLU_ALPHA * g) * (u + 1)
+
+
+def biased(mm, x, name: str, cfg: ModelConfig):
+  """mm(x, name) plus, with cfg.expert_bias, each row's expert's bias: the bias [E, 1, out] is
+  one more expert weight, multiplied by a column of ones, so every backend's grouped matmul
+  picks each row's own expert's bias as it picks its weight."""
+  y = mm(x, name)
+  if cfg.expert_bias:
+    y = y + mm(jnp.ones_like(x[..., :1]), f'{name}_bias')
+  return y
+
+
+def swiglu(x, mm, cfg: ModelConfig):
+  dt = jnp.dtype(cfg.dtype)
   x = checkpoint_name(x, EXPERT_INPUT)  # rows in expert order, after any exchange
-  g = checkpoint_name(mm(x, 'gate'), EXPERT_GATE)
-  u = checkpoint_name(mm(x, 'up'), EXPERT_UP)
-  h = jax.nn.silu(g.astype(jnp.float32)) * u.astype(jnp.float32)
-  return mm(h.astype(dtype), 'down')
+  g = checkpoint_name(biased(mm, x, 'gate', cfg), EXPERT_GATE)
+  u = checkpoint_name(biased(mm, x, 'up', cfg), EXPERT_UP)
+  return biased(mm, activation(g, u, cfg).astype(dt), 'down', cfg)
 
 
 def ragged_ffn(x_RD, sizes_E, weights, cfg: ModelConfig, rng):
@@ -37,7 +60,7 @@ def ragged_ffn(x_RD, sizes_E, weights, cfg: ModelConfig, rng):
     return jax.lax.ragged_dot(x, quant.dequant(w, dt), sizes_E, preferred_element_type=dt)
 
   adapter_mm = _megablox_mm(sizes_E, cfg) if cfg.platform == 'tpu' else None
-  return swiglu(x_RD, with_lora(mm, weights, cfg, rng, adapter_mm), dt)
+  return swiglu(x_RD, with_lora(mm, weights, cfg, rng, adapter_mm), cfg)
 
 
 def tokamax_ffn(x_RD, sizes_E, weights, cfg: ModelConfig, rng):
@@ -54,7 +77,7 @@ def tokamax_ffn(x_RD, sizes_E, weights, cfg: ModelConfig, rng):
     w = quant.dequant(w, dt)
     return tokamax.ragged_dot(x, w, sizes_E, preferred_element_type=dt, implementation=impl)
 
-  return swiglu(x_RD, with_lora(mm, weights, cfg, rng), dt)
+  return swiglu(x_RD, with_lora(mm, weights, cfg, rng), cfg)
 
 
 def megablox_interpret(cfg: ModelConfig) -> bool:
@@ -86,7 +109,7 @@ def megablox_ffn(x_RD, sizes_E, weights, cfg: ModelConfig, rng):
   r = x_RD.shape[0]
   x_PD = jnp.pad(x_RD, ((0, -r % megablox.row_tile(r)), (0, 0)))
   mm = _megablox_mm(sizes_E, cfg)
-  return swiglu(x_PD, with_lora(mm, weights, cfg, rng), jnp.dtype(cfg.dtype))[:r]
+  return swiglu(x_PD, with_lora(mm, weights, cfg, rng), cfg)[:r]
 
 
 def dense_ffn(x_RD, expert_R, weights, cfg: ModelConfig, rng):
@@ -97,7 +120,7 @@ def dense_ffn(x_RD, expert_R, weights, cfg: ModelConfig, rng):
   def mm(x, w):
     return jnp.einsum('rd,rdf->rf', x, quant.dequant(quant.take(w, e_R), dt))
 
-  return swiglu(x_RD, with_lora(mm, weights, cfg, rng), dt)
+  return swiglu(x_RD, with_lora(mm, weights, cfg, rng), cfg)
 
 
 def blocked_ffn(x_UPD, block_expert_U, used, weights, cfg: ModelConfig, rng):
@@ -110,7 +133,7 @@ def blocked_ffn(x_UPD, block_expert_U, used, weights, cfg: ModelConfig, rng):
     w = {name: quant.take(v, ex) for name, v in weights.items()}
     key = None if rng is None else jax.random.fold_in(rng, k)
     mm = with_lora(lambda x, wt: x @ quant.dequant(wt, dt), w, cfg, key)
-    return swiglu(x_PD, mm, dt).astype(dt)
+    return swiglu(x_PD, mm, cfg).astype(dt)
 
   def body(_, inp):
     x_PD, ex, k = inp
@@ -135,4 +158,4 @@ def gathered_ffn(x_UPD, block_expert_U, weights, cfg: ModelConfig, rng):
     return jnp.einsum('UPD,UDF->UPF', x, quant.dequant(w, dt))
 
   mm = with_lora(mm, w_U, cfg, rng)
-  return swiglu(x_UPD, mm, dt).reshape(n * b, d)
+  return swiglu(x_UPD, mm, cfg).reshape(n * b, d)

@@ -75,11 +75,11 @@ def _tile_fns(cfg: ModelConfig):
 
   def first(w, x, key):
     f = mm(w, key)
-    return f(x, 'gate'), f(x, 'up')
+    return experts.biased(f, x, 'gate', cfg), experts.biased(f, x, 'up', cfg)
 
   def second(w, gate, up, key):
-    h = jax.nn.silu(gate.astype(jnp.float32)) * up.astype(jnp.float32)
-    return mm(w, key)(h.astype(dt), 'down')
+    h = experts.activation(gate, up, cfg).astype(dt)
+    return experts.biased(mm(w, key), h, 'down', cfg)
 
   return first, second
 

@@ -27,16 +27,26 @@ def attention_probs(s_BNTS, mask_BTS, scale: float):
   return jax.nn.softmax(masked_scores(s_BNTS, mask_BTS, scale), axis=-1)
 
 
-def self_mask(positions_BT, segment_ids_BT):
+def window_mask(mask_BTS, q_pos_BT, k_pos_BS, window: int):
+  """mask where each query also sees only the keys of its last `window` positions (0: all)."""
+  if not window:
+    return mask_BTS
+  return mask_BTS & (k_pos_BS[:, None, :] > q_pos_BT[:, :, None] - window)
+
+
+def self_mask(positions_BT, segment_ids_BT, window: int = 0):
   """attention_mask of a sequence over itself, causal in index order too: that changes nothing
   within a segment (positions increase there) and makes padding (segment 0, repeated positions)
-  independent of attention_chunk."""
+  independent of attention_chunk; within the last `window` positions when window > 0."""
   mask = attention_mask(positions_BT, segment_ids_BT, positions_BT, segment_ids_BT)
   t = positions_BT.shape[1]
-  return mask & jnp.tril(jnp.ones((1, t, t), jnp.bool_))
+  mask = mask & jnp.tril(jnp.ones((1, t, t), jnp.bool_))
+  return window_mask(mask, positions_BT, positions_BT, window)
 
 
-def multi_head(q_BTNH, k_BSNH, v_BSNH, mask_BTS, cfg: ModelConfig, causal_chunk: int = 0):
+def multi_head(
+  q_BTNH, k_BSNH, v_BSNH, mask_BTS, cfg: ModelConfig, causal_chunk: int = 0, sinks_N=None
+):
   """Softmax attention of T queries over S keys, per head; out [B, T, N, H]. With
   causal_chunk > 0 (self-attention, T == S, positions increasing within each segment) the
   queries go in blocks of that size and block i scores only keys [0, end of block i): later
@@ -56,17 +66,20 @@ def multi_head(q_BTNH, k_BSNH, v_BSNH, mask_BTS, cfg: ModelConfig, causal_chunk:
     cfg.attention_scale,
     blocks,
     cfg.attention_recompute,
+    sinks_N,
     reference=cfg.reference_kernels,
   )
   return constrain(out_BNTH.transpose(0, 2, 1, 3), axes.names('BTN') + (None,), cfg.rules)
 
 
-def causal_self_attention(q_BTNH, k_BTNH, v_BTNH, positions_BT, segment_ids_BT, cfg: ModelConfig):
+def causal_self_attention(
+  q_BTNH, k_BTNH, v_BTNH, positions_BT, segment_ids_BT, cfg: ModelConfig, window=0, sinks_N=None
+):
   """Attention of a packed row over itself (k/v with N_kv heads dividing N): the splash kernel
   where cfg.splash_attention says so, else self_mask and the chunked XLA path. Both are causal in
   index order within each segment (packing restarts positions per example, so that is causal
-  by position too)."""
-  if cfg.splash_attention(q_BTNH.shape[1]):
+  by position too). A sliding window or sinks (gpt-oss) take the XLA path."""
+  if cfg.splash_attention(q_BTNH.shape[1]) and not window and sinks_N is None:
     heads = dict(cfg.rules.activations).get('heads')
     out_BNTH = splash.splash_attention(
       *(x.transpose(0, 2, 1, 3) for x in (q_BTNH, k_BTNH, v_BTNH)),
@@ -79,8 +92,8 @@ def causal_self_attention(q_BTNH, k_BTNH, v_BTNH, positions_BT, segment_ids_BT, 
     return constrain(out_BNTH.transpose(0, 2, 1, 3), axes.names('BTN') + (None,), cfg.rules)
   groups = cfg.num_heads // k_BTNH.shape[2]
   k_BTNH, v_BTNH = (jnp.repeat(x, groups, axis=2) for x in (k_BTNH, v_BTNH))
-  mask = self_mask(positions_BT, segment_ids_BT)
-  return multi_head(q_BTNH, k_BTNH, v_BTNH, mask, cfg, cfg.attention_chunk)
+  mask = self_mask(positions_BT, segment_ids_BT, window)
+  return multi_head(q_BTNH, k_BTNH, v_BTNH, mask, cfg, cfg.attention_chunk, sinks_N)
 
 
 class MLA(nnx.Module):
@@ -152,10 +165,11 @@ class GQA(nnx.Module):
   """Grouped-query attention: N query heads share N_kv key/value heads (N / N_kv each), with
   RMSNorm over each query and key head (Qwen3), or over the whole q and k projections (OLMoE),
   before RoPE when cfg.qk_norm; biases on q/k/v (cfg.qkv_bias) and o (cfg.o_bias); RoPE on part
-  of each head (cfg.partial_rotary_factor, GLM-4.5)."""
+  of each head (cfg.partial_rotary_factor, GLM-4.5); a learned sink logit per head
+  (cfg.attention_sinks) and a sliding `window` (gpt-oss)."""
 
-  def __init__(self, cfg: ModelConfig, path: str, rngs: nnx.Rngs):
-    self.cfg = cfg
+  def __init__(self, cfg: ModelConfig, path: str, rngs: nnx.Rngs, window: int = 0):
+    self.cfg, self.window = cfg, window
     d, n, g, h = cfg.hidden_size, cfg.num_heads, cfg.kv_heads, cfg.gqa_head_dim
     qkv = dict(bias=cfg.qkv_bias)
     self.q = Linear('BTD,DNH->BTNH', (d, n, h), cfg, f'{path}.q', rngs, **qkv)
@@ -163,6 +177,8 @@ class GQA(nnx.Module):
     self.k = Linear('BTD,DNH->BTNH', (d, g, h), cfg, f'{path}.k', rngs, **qkv)
     self.v = Linear('BTD,DNH->BTNH', (d, g, h), cfg, f'{path}.v', rngs, **qkv)
     self.o = Linear('BTNH,NHD->BTD', (n, h, d), cfg, f'{path}.o', rngs, bias=cfg.o_bias)
+    if cfg.attention_sinks:  # float32, like the softmax it joins
+      self.sinks = nnx.Param(jnp.zeros((n,), jnp.float32), axes=axes.names('N'))
     if cfg.qk_norm and cfg.qk_norm_per_head:
       self.q_norm = RMSNorm(h, 'H', cfg.rms_norm_eps, cfg)
       self.k_norm = RMSNorm(h, 'H', cfg.rms_norm_eps, cfg)
@@ -195,14 +211,22 @@ class GQA(nnx.Module):
     """Each key/value head serves its N / N_kv consecutive query heads (HF's repeat_kv)."""
     groups = self.cfg.num_heads // self.cfg.kv_heads
     k_BSNH, v_BSNH = (jnp.repeat(x, groups, axis=2) for x in (k_BSNH, v_BSNH))
-    out_BTNH = multi_head(q_BTNH, k_BSNH, v_BSNH, mask_BTS, self.cfg, causal_chunk)
+    out_BTNH = multi_head(q_BTNH, k_BSNH, v_BSNH, mask_BTS, self.cfg, causal_chunk, self.sinks_N)
     return self.o(out_BTNH, rng)
+
+  @property
+  def sinks_N(self):
+    return self.sinks[...] if self.cfg.attention_sinks else None
 
   def __call__(self, x_BTD, positions_BT, segment_ids_BT, rng=None):
     q_BTNH, k_BTNH, v_BTNH = self.project(x_BTD, positions_BT, rng)
-    out_BTNH = causal_self_attention(q_BTNH, k_BTNH, v_BTNH, positions_BT, segment_ids_BT, self.cfg)
+    out_BTNH = causal_self_attention(
+      q_BTNH, k_BTNH, v_BTNH, positions_BT, segment_ids_BT, self.cfg, self.window, self.sinks_N
+    )
     return self.o(out_BTNH, rng)
 
 
-def make_attention(cfg: ModelConfig, path: str, rngs: nnx.Rngs):
-  return (MLA if cfg.attention == 'mla' else GQA)(cfg, path, rngs)
+def make_attention(cfg: ModelConfig, path: str, rngs: nnx.Rngs, window: int = 0):
+  if cfg.attention == 'mla':
+    return MLA(cfg, path, rngs)
+  return GQA(cfg, path, rngs, window)

@@ -98,6 +98,7 @@ class LayerGroup(NamedTuple):
   kind: str  # 'moe' or 'dense' (an MLP in place of the MoE)
   start: int  # the first layer's index in the checkpoint (model.layers.{l})
   count: int
+  window: int = 0  # the layers' sliding attention window (0: full attention)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -124,6 +125,12 @@ class ModelConfig:
   rope_interleaved: bool = True
   # GQA: RoPE on the first partial_rotary_factor of each head's features only (GLM-4.5: 0.5).
   partial_rotary_factor: float = field(1.0, check='positive')
+  # GQA: a learned logit per head in each softmax, whose weight goes to no value (gpt-oss).
+  attention_sinks: bool = False
+  # Layers whose queries see only the last sliding_window positions (themselves included): those
+  # layer_types names 'sliding_attention'.
+  sliding_window: int = field(0, check='non_negative', zero='0 = none')
+  layer_types: tuple = ()  # 'sliding_attention' or 'full_attention' per layer; () = all full
   num_kv_heads: int = field(0, check='non_negative', zero='0 = num_heads')  # GQA key/value heads
   head_dim: int = field(0, check='non_negative', zero='0 = hidden_size / num_heads')  # GQA
   qk_norm: bool = False  # GQA: RMSNorm over each query and key head before RoPE (Qwen3)
@@ -136,8 +143,15 @@ class ModelConfig:
   # buffer the balancing controller moves), within the topk_group best of n_group expert groups;
   # gates are the chosen scores, renormalised to sum 1 (norm_topk_prob), times
   # routed_scaling_factor.
-  router_score: str = field('softmax', choices=('softmax', 'sigmoid'))
+  router_score: str = field('softmax', choices=('softmax', 'sigmoid', 'topk_softmax'))
   router_bias: bool = True
+  # gpt-oss's router: a bias on the logits (a parameter, not the controller's), and top-k over
+  # the logits then a softmax over the chosen ones (router_score 'topk_softmax').
+  router_linear_bias: bool = False
+  expert_bias: bool = False  # routed experts with biases on gate, up and down (gpt-oss)
+  # gpt-oss's clamped SwiGLU when > 0: gate clipped above and up on both sides at the limit,
+  # gate * sigmoid(1.702 gate) * (up + 1).
+  swiglu_limit: float = field(0.0, check='non_negative', zero='0 = silu(gate) * up')
   norm_topk_prob: bool = False
   n_group: int = positive(1)
   topk_group: int = positive(1)
@@ -187,6 +201,7 @@ class ModelConfig:
   yarn_beta_slow: float = positive(1.0)
   yarn_mscale: float = field(1.0, check='non_negative')
   yarn_mscale_all_dim: float = field(0.0, check='non_negative')
+  yarn_truncate: bool = True  # the correction range rounded out to whole dimensions (gpt-oss: not)
   # Std of the normal of random init before truncation at +-2 std (weights: 0.88 init_std).
   init_std: float = engine(0.02, check='positive')
   # Compute dtype (router, norms, softmax and loss stay float32): bfloat16, float32, or float16
@@ -283,6 +298,7 @@ class ModelConfig:
 
   def __post_init__(self):  # configs and config.json give lists; the config must stay hashable
     object.__setattr__(self, 'mlp_only_layers', tuple(self.mlp_only_layers))
+    object.__setattr__(self, 'layer_types', tuple(self.layer_types))
 
   @property
   def reference_kernels(self) -> bool:
@@ -392,14 +408,20 @@ class ModelConfig:
     the (first run of) MoE layers, 'dense_layers' the dense ones; further runs of a kind (layers
     interleaved) are 'layers_1', 'dense_layers_1', ..."""
     groups, seen = [], {}
-    for i, kind in enumerate(self.layer_kinds()):
-      if groups and groups[-1].kind == kind:
+    for i, (kind, window) in enumerate(zip(self.layer_kinds(), self.layer_windows())):
+      if groups and groups[-1].kind == kind and groups[-1].window == window:
         groups[-1] = groups[-1]._replace(count=groups[-1].count + 1)
         continue
       n = seen[kind] = seen.get(kind, -1) + 1
       base = 'layers' if kind == 'moe' else 'dense_layers'
-      groups.append(LayerGroup(base + (f'_{n}' if n else ''), kind, i, 1))
+      groups.append(LayerGroup(base + (f'_{n}' if n else ''), kind, i, 1, window))
     return tuple(groups)
+
+  def layer_windows(self) -> tuple[int, ...]:
+    """Each layer's attention window (0: full). Runs of one window are groups of their own:
+    gpt-oss's alternating layers are scanned one at a time."""
+    types = self.layer_types or ('full_attention',) * self.num_layers
+    return tuple(self.sliding_window if t == 'sliding_attention' else 0 for t in types)
 
   @property
   def num_moe_layers(self) -> int:
@@ -473,6 +495,18 @@ class ModelConfig:
       "LongCat's shortcut layer is built on MLA: use attention='mla' or layer_layout='standard'",
     )
     bad = [i for i in self.mlp_only_layers if not 0 <= i < self.num_layers]
+    types = set(self.layer_types) - {'sliding_attention', 'full_attention'}
+    need(not types, 'layer_types', f'{sorted(types)}: not sliding_attention or full_attention')
+    need(
+      not self.layer_types or len(self.layer_types) == self.num_layers,
+      'layer_types',
+      f'{len(self.layer_types)} entries for {self.num_layers} layers',
+    )
+    need(
+      self.attention == 'gqa' or not (self.attention_sinks or any(self.layer_windows())),
+      'attention',
+      'attention sinks and sliding windows are GQA parts',
+    )
     need(not bad, 'mlp_only_layers', f'{bad} are not layers 0..{self.num_layers - 1}')
     need(
       'moe' in self.layer_kinds(),

@@ -257,6 +257,6 @@ def capacity_layout(expert_sorted_R, sizes_E, c: int, cfg: ModelConfig) -> Layou
       return jnp.einsum('ECD,EDF->ECF', x, quant.dequant(w, dt))
 
     mm = with_lora(mm, weights, cfg, rng)
-    return experts.swiglu(x_PD.reshape(e, c, -1), mm, dt).reshape(e * c, -1)
+    return experts.swiglu(x_PD.reshape(e, c, -1), mm, cfg).reshape(e * c, -1)
 
   return Layout(src_P, jnp.where(kept_R, ex_R * c + pos_R, e * c), kept_R, run)

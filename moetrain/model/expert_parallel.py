@@ -58,7 +58,15 @@ def _sharded(shard, x_MD, idx_MA, gates_MA, weights, cfg: ModelConfig, w_spec, r
 
 
 # Logical letters of the routed experts' stacked weights (model/moe.py Experts).
-EXPERT_LETTERS = {'gate': 'EDF', 'up': 'EDF', 'down': 'EFD'}
+# Their biases (gpt-oss) are weights of one input ('I'), the constant 1.
+EXPERT_LETTERS = {
+  'gate': 'EDF',
+  'up': 'EDF',
+  'down': 'EFD',
+  'gate_bias': 'EIF',
+  'up_bias': 'EIF',
+  'down_bias': 'EID',
+}
 
 
 def stored_specs(weights, cfg: ModelConfig) -> dict:

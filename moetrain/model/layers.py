@@ -156,7 +156,7 @@ class Embed(nnx.Module):
 
 def rope_frequencies(h: int, cfg: ModelConfig):
   """(inverse frequencies [H/2] float32, cos/sin factor) of RoPE over h features, with YaRN's
-  scaling when cfg.yarn_factor > 1 (as transformers' _compute_yarn_parameters, truncated)."""
+  scaling when cfg.yarn_factor > 1 (as transformers' _compute_yarn_parameters)."""
   base, factor = cfg.rope_theta, cfg.yarn_factor
   if factor <= 1:
     return base ** (-jnp.arange(0, h, 2, dtype=jnp.float32) / h), 1.0
@@ -166,8 +166,10 @@ def rope_frequencies(h: int, cfg: ModelConfig):
   def correction_dim(rotations):
     return h * math.log(original / (rotations * 2 * math.pi)) / (2 * math.log(base))
 
-  low = max(math.floor(correction_dim(cfg.yarn_beta_fast)), 0)
-  high = min(math.ceil(correction_dim(cfg.yarn_beta_slow)), h - 1)
+  low, high = correction_dim(cfg.yarn_beta_fast), correction_dim(cfg.yarn_beta_slow)
+  if cfg.yarn_truncate:
+    low, high = math.floor(low), math.ceil(high)
+  low, high = max(low, 0), min(high, h - 1)
   ramp = np.clip((np.arange(h // 2, dtype=np.float32) - low) / max(high - low, 1e-3), 0, 1)
   extrapolate = 1 - ramp
   inv_freq = (1.0 / (factor * pos_freqs)) * ramp + (1.0 / pos_freqs) * extrapolate

@@ -32,6 +32,12 @@ class Experts(nnx.Module):
     self.lora_scale = cfg.lora.scale
     for n in self.NAMES:
       setattr(self, n, quant.drawn_param(rngs, shapes[n], cfg.init_std, names[n], cfg, 1))
+    if cfg.expert_bias:  # [E, 1, out]: a weight of one input, the constant 1 (kernels/experts.py)
+      pdt = dtype_of(cfg.param_dtype)
+      for n in self.NAMES:
+        letters = expert_parallel.EXPERT_LETTERS[f'{n}_bias']
+        bias = jnp.zeros((e, 1, shapes[n][2]), pdt)
+        setattr(self, f'{n}_bias', nnx.Param(bias, axes=axes.names(letters, **f_name)))
     r, ldt = cfg.lora.rank, dtype_of(cfg.lora.param_dtype)
     for n in self.lora_names:
       _, din, dout = shapes[n]
@@ -45,17 +51,27 @@ class Experts(nnx.Module):
   def weights(self) -> dict:
     """Raw arrays (or quantised tensors) keyed 'gate', 'gate_lora_a', ... for the engine."""
     w = {n: quant.raw(getattr(self, n)) for n in self.NAMES}
+    if hasattr(self, 'gate_bias'):
+      w.update({f'{n}_bias': getattr(self, f'{n}_bias')[...] for n in self.NAMES})
     for n in self.lora_names:
       w[f'{n}_lora_a'] = getattr(self, f'{n}_lora_a')[...]
       w[f'{n}_lora_b'] = getattr(self, f'{n}_lora_b')[...]
     return w
 
 
-def route(x_MD, w_DX, bias_X, cfg: ModelConfig):
+def route(x_MD, w_DX, bias_X, cfg: ModelConfig, linear_bias_X=None):
   """float32 router: scores (softmax or sigmoid of the logits), top-k over score + bias within
   the best expert groups, gates = the chosen scores (renormalised with cfg.norm_topk_prob) times
-  routed_scaling_factor. The bias (None: none) and the group limit steer selection only."""
+  routed_scaling_factor. The bias (None: none) and the group limit steer selection only.
+  gpt-oss ('topk_softmax'): logits plus linear_bias_X, top-k over them, gates = the softmax of
+  the chosen logits."""
   logits_MX = jnp.dot(x_MD.astype(jnp.float32), w_DX.astype(jnp.float32))
+  if linear_bias_X is not None:
+    logits_MX = logits_MX + linear_bias_X.astype(jnp.float32)[None, :]
+  if cfg.router_score == 'topk_softmax':
+    top_MA, idx_MA = jax.lax.top_k(logits_MX, cfg.moe_topk)
+    gates_MA = jax.nn.softmax(top_MA, axis=-1) * cfg.routed_scaling_factor
+    return logits_MX, jax.nn.softmax(logits_MX, axis=-1), idx_MA, gates_MA
   if cfg.router_score == 'softmax':
     scores_MX = jax.nn.softmax(logits_MX, axis=-1)
   else:
@@ -97,6 +113,8 @@ class MoE(nnx.Module):
     )
     if cfg.router_bias:
       self.router_bias = RouterBias(jnp.zeros((x,), jnp.float32), axes=axes.names('X'))
+    if cfg.router_linear_bias:  # gpt-oss: trained with the router (lora.train_router)
+      self.router_linear_bias = nnx.Param(jnp.zeros((x,), jnp.float32), axes=axes.names('X'))
     self.experts = Experts(cfg, f'{path}.experts', rngs)
     if cfg.n_shared_experts:
       self.shared = MLP(cfg, f'{path}.shared', rngs, cfg.shared_width)
@@ -111,7 +129,8 @@ class MoE(nnx.Module):
     x_MD = x_BTD.reshape(b * t, d)
     valid_M = valid_BT.reshape(b * t).astype(jnp.float32)
     bias_X = self.router_bias[...] if cfg.router_bias else None
-    logits_MX, scores_MX, idx_MA, gates_MA = route(x_MD, self.router[...], bias_X, cfg)
+    linear_X = self.router_linear_bias[...] if cfg.router_linear_bias else None
+    logits_MX, scores_MX, idx_MA, gates_MA = route(x_MD, self.router[...], bias_X, cfg, linear_X)
     # Padding (segment id 0) goes to no expert: it takes no capacity, buffer rows or compute,
     # and gets a zero output. The id past every expert keeps it out of dispatch and of the zero
     # experts' sum alike.

@@ -69,12 +69,12 @@ class StandardLayer(nnx.Module):
   """Pre-norm attention, then a pre-norm MoE (kind 'moe') or dense SwiGLU MLP ('dense'), each
   added to the residual (DeepSeek, Qwen3-MoE, Mixtral)."""
 
-  def __init__(self, cfg: ModelConfig, kind: str, p: str, rngs: nnx.Rngs):
+  def __init__(self, cfg: ModelConfig, kind: str, p: str, rngs: nnx.Rngs, window: int = 0):
     d, eps = cfg.hidden_size, cfg.rms_norm_eps
     self.rules = cfg.rules
     self.input_norm = RMSNorm(d, 'D', eps, cfg)
     self.post_norm = RMSNorm(d, 'D', eps, cfg)
-    self.attn = make_attention(cfg, f'{p}.attn', rngs)
+    self.attn = make_attention(cfg, f'{p}.attn', rngs, window)
     if kind == 'moe':
       self.moe = MoE(cfg, f'{p}.moe', rngs)
     else:
@@ -108,7 +108,7 @@ class StandardLayer(nnx.Module):
 def make_layer(cfg: ModelConfig, group: LayerGroup, rngs: nnx.Rngs):
   if cfg.layer_layout == 'shortcut':
     return ShortcutLayer(cfg, group.name, rngs)
-  return StandardLayer(cfg, group.kind, group.name, rngs)
+  return StandardLayer(cfg, group.kind, group.name, rngs, group.window)
 
 
 def make_stack(cfg: ModelConfig, group: LayerGroup, rngs: nnx.Rngs):

@@ -147,3 +147,14 @@ def test_cpu_hosts_by_name():
   assert cpu_plan.parse('cpu::4').ram_bytes == here.ram_bytes
   with pytest.raises(ValueError, match='cpu:64GB:16'):
     cpu_plan.parse('cpu-64')
+
+
+@pytest.mark.slow
+def test_real_size_bench_records_a_tiny_run(tmp_path):
+  """bench/cpu_real_size.py on the tiny preset: the plan, then the run, one JSON record."""
+  out = tmp_path / 'records.jsonl'
+  p = _start('bench.cpu_real_size', '--preset=tiny', '--plan', f'--out={out}')
+  _wait(p)
+  (record,) = [json.loads(ln) for ln in out.read_text().splitlines()]
+  assert record['end_eval'] and record['step_s'] > 0 and record['startup_s'] > 0
+  assert 0.85 <= record['plan_over_measured'] <= 1.15, record

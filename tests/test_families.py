@@ -15,6 +15,7 @@ from flax import nnx
 from moetrain import train_state
 from moetrain.convert import hf, peft_adapter
 from moetrain.model import moe as moe_lib
+from moetrain.model import quant
 from moetrain.model.config import LoraConfig
 from tests.helpers import (
   ALL_TARGETS,
@@ -35,6 +36,7 @@ FAMILIES = (
   'qwen2_moe_four_layer',  # q/k/v biases, gated shared expert, layers moe / moe / dense / moe
   'deepseek_v2_three_layer',  # MLA, YaRN, softmax router over groups scored by their best
   'glm4_moe_three_layer',  # GQA, half the head rotated, q/k/v biases, DeepSeek-V3 router, MTP
+  'gpt_oss_three_layer',  # sinks, sliding / full layers, biased router and experts, clamped SwiGLU
 )
 # Families whose export round trip and generation run with the slow tests (the default suite's
 # time budget); their logits, loss, routing, gradients and LoRA reach run by default.
@@ -43,6 +45,7 @@ SLOW_EXTRAS = (
   'qwen2_moe_four_layer',
   'deepseek_v2_three_layer',
   'glm4_moe_three_layer',
+  'gpt_oss_three_layer',
 )
 EXTRAS = [pytest.param(n, marks=pytest.mark.slow) if n in SLOW_EXTRAS else n for n in FAMILIES]
 
@@ -118,8 +121,12 @@ def test_expert_parallel_mesh_equals_one_device(name):
   assert err < 1e-5
 
 
-def lora_model(name: str, seed: int = 0):
-  cfg = f32_config(name, lora=LoraConfig(rank=4, targets=ALL_TARGETS))
+# gpt-oss's experts are fused parameters PEFT does not adapt: its PEFT checks leave them out.
+NO_EXPERTS = r'attn\.(q|k|v|o)$|lm_head$'
+
+
+def lora_model(name: str, seed: int = 0, targets: str = ALL_TARGETS):
+  cfg = f32_config(name, lora=LoraConfig(rank=4, targets=targets))
   loaded = hf.load_params(fixture(name), cfg, seed=seed)
   model = train_state.merge_model(
     train_state.graphdef_of(cfg), loaded.params, loaded.moe_bias, loaded.frozen
@@ -127,10 +134,14 @@ def lora_model(name: str, seed: int = 0):
   return model, cfg
 
 
-def trained_lora_model(name: str):
+def peft_targets(name: str) -> str:
+  return NO_EXPERTS if name.startswith('gpt_oss') else ALL_TARGETS
+
+
+def trained_lora_model(name: str, targets: str = ALL_TARGETS):
   """lora_model with adapters (and a router bias, where the family has one) away from their
   initial values, as after training."""
-  model, cfg = lora_model(name)
+  model, cfg = lora_model(name, targets=targets)
   perturb_lora(model, 3)
   if cfg.router_bias:
     perturb_router(model, 5)
@@ -168,10 +179,14 @@ def test_merged_export_and_peft_adapter_round_trip(name, tmp_path):
   assert hf.config_from_hf(config) == hf.config_from_hf(hf.read_config(fixture(name)))
   got = logits_of(hf.load_model(str(tmp_path / 'merged'), jnp.float32, remat='none'), ids)
   assert max_err(got, want) < 1e-5
+  if peft_targets(name) != ALL_TARGETS:
+    with pytest.raises(ValueError, match='fused parameters'):
+      peft_adapter.save(model, cfg, str(tmp_path / 'adapter'), base_model=fixture(name))
+    model, cfg = trained_lora_model(name, peft_targets(name))
   peft_adapter.save(model, cfg, str(tmp_path / 'adapter'), base_model=fixture(name))
   adapter = json.loads((tmp_path / 'adapter' / 'adapter_config.json').read_text())
   assert adapter['modules_to_save'] == [peft_adapter.router_module(cfg)]
-  fresh, _ = lora_model(name, seed=9)
+  fresh, _ = lora_model(name, seed=9, targets=peft_targets(name))
   peft_adapter.load(fresh, cfg, str(tmp_path / 'adapter'))
   for x, y in zip(jax.tree.leaves(nnx.state(fresh)), jax.tree.leaves(nnx.state(model))):
     np.testing.assert_array_equal(x, y)
@@ -208,7 +223,7 @@ def test_transformers_loads_the_exports(name, tmp_path):
   if not python:
     pytest.skip('MOETRAIN_HF_PYTHON (a python with torch, transformers 4.57.6, peft) is unset')
   ids = reference(name)['input_ids']
-  model, cfg = trained_lora_model(name)
+  model, cfg = trained_lora_model(name, peft_targets(name))
   want = logits_of(model, ids)
   hf.save_hf(model, cfg, str(tmp_path / 'merged'), dtype=jnp.float32)
   peft_adapter.save(model, cfg, str(tmp_path / 'adapter'), base_model=fixture(name))
@@ -424,6 +439,43 @@ RELEASED = {
     'vocab_size': 151552,
   },
 }
+RELEASED['gpt_oss_20b'] = {  # openai/gpt-oss-20b (its quantization_config left out)
+  'model_type': 'gpt_oss',
+  'attention_bias': True,
+  'experts_per_token': 4,
+  'head_dim': 64,
+  'hidden_act': 'silu',
+  'hidden_size': 2880,
+  'initializer_range': 0.02,
+  'intermediate_size': 2880,
+  'layer_types': ['sliding_attention', 'full_attention'] * 12,
+  'max_position_embeddings': 131072,
+  'num_attention_heads': 64,
+  'num_experts_per_tok': 4,
+  'num_hidden_layers': 24,
+  'num_key_value_heads': 8,
+  'num_local_experts': 32,
+  'rms_norm_eps': 1e-05,
+  'rope_scaling': {
+    'beta_fast': 32.0,
+    'beta_slow': 1.0,
+    'factor': 32.0,
+    'original_max_position_embeddings': 4096,
+    'rope_type': 'yarn',
+    'truncate': False,
+  },
+  'rope_theta': 150000,
+  'sliding_window': 128,
+  'swiglu_limit': 7.0,
+  'tie_word_embeddings': False,
+  'vocab_size': 201088,
+}
+RELEASED['gpt_oss_120b'] = {  # openai/gpt-oss-120b: what differs from gpt-oss-20b
+  **RELEASED['gpt_oss_20b'],
+  'layer_types': ['sliding_attention', 'full_attention'] * 18,
+  'num_hidden_layers': 36,
+  'num_local_experts': 128,
+}
 RELEASED['glm4_5'] = {  # zai-org/GLM-4.5: what differs from GLM-4.5-Air
   **RELEASED['glm4_5_air'],
   'first_k_dense_replace': 3,
@@ -456,6 +508,8 @@ def test_presets_are_the_released_configs(preset):
     # The MTP layer left out (2.4B, 3.9B): 106B, 12B; 355B, 32B.
     ('glm4_5_air', 106.85, 12.80),
     ('glm4_5', 352.80, 32.86),
+    ('gpt_oss_20b', 20.91, 3.61),  # 20.9B, 3.6B
+    ('gpt_oss_120b', 116.83, 5.17),  # 116.8B, 5.1B
   ],
 )
 def test_released_presets_parameter_counts(preset, total, active):
@@ -513,3 +567,56 @@ def test_glm_mtp_layer_is_skipped_on_load_and_copied_on_export(tmp_path):
     np.testing.assert_array_equal(out.read(k), base.read(k))
   with pytest.raises(ValueError, match='beyond the config'):
     hf.load_params(fixture(name), dataclasses.replace(cfg, num_nextn_predict_layers=0))
+
+
+def test_gpt_oss_mxfp4_experts_read_dequantised(tmp_path):
+  """The released layout: MXFP4 expert blocks and scales read as transformers dequantises them
+  (its logits), in the run's dtype or quantised again for QLoRA; a bfloat16 export of the
+  dequantised model reloads exactly (MXFP4 values are bfloat16 numbers) without the release's
+  quantization_config."""
+  name = 'gpt_oss_mxfp4'
+  ref = reference(name)
+  model = hf.load_model(fixture(name), jnp.float32)
+  assert max_err(logits_of(model, ref['input_ids']), ref['logits']) < 1e-5
+  cfg = f32_config(name, quant='int8', lora=LoraConfig(rank=4, targets=ALL_TARGETS))
+  qlora, _ = build(name, cfg)
+  for n in ('gate', 'up', 'down'):  # int8 codes of the dequantised experts: within half a step
+    want = np.asarray(getattr(model.layers.moe.experts, n)[...])
+    got = np.asarray(quant.value(getattr(qlora.layers.moe.experts, n), jnp.float32))
+    assert np.abs(got - want).max() <= 0.5 / 127 * np.abs(want).max() * 1.001, n
+  bf16 = hf.load_model(fixture(name), jnp.bfloat16)
+  cfg16 = hf.config_from_hf(hf.read_config(fixture(name)), dtype='bfloat16')
+  out = str(tmp_path / 'bf16')
+  hf.save_hf(bf16, cfg16, out, dtype=jnp.bfloat16)
+  config = json.loads(open(os.path.join(out, 'config.json')).read())
+  assert 'quantization_config' not in config and config['dtype'] == 'bfloat16'
+  again = hf.load_model(out, jnp.bfloat16)
+  for x, y in zip(jax.tree.leaves(nnx.state(again)), jax.tree.leaves(nnx.state(bf16))):
+    np.testing.assert_array_equal(x, y)
+
+
+def test_transformers_loads_the_gpt_oss_bf16_export(tmp_path):
+  """transformers 4.57 reads the bfloat16 export of the MXFP4 release's layout (fused experts,
+  no quantization_config) to moetrain's logits of the same weights (MOETRAIN_HF_PYTHON, as
+  test_transformers_loads_the_exports)."""
+  import subprocess
+
+  python = os.environ.get('MOETRAIN_HF_PYTHON')
+  if not python:
+    pytest.skip('MOETRAIN_HF_PYTHON (a python with torch, transformers 4.57.6, peft) is unset')
+  name = 'gpt_oss_mxfp4'
+  cfg16 = hf.config_from_hf(hf.read_config(fixture(name)), dtype='bfloat16')
+  hf.save_hf(hf.load_model(fixture(name), jnp.bfloat16), cfg16, str(tmp_path), jnp.bfloat16)
+  ids = reference(name)['input_ids']
+  np.save(tmp_path / 'ids.npy', ids)
+  script = (
+    'import sys, numpy as np, torch, transformers\n'
+    'm = transformers.AutoModelForCausalLM.from_pretrained(sys.argv[1], dtype=torch.float32)\n'
+    'ids = torch.from_numpy(np.load(sys.argv[2])).long()\n'
+    'with torch.no_grad(): np.save(sys.argv[3], m.eval()(input_ids=ids).logits.numpy())\n'
+  )
+  args = [str(tmp_path), str(tmp_path / 'ids.npy'), str(tmp_path / 'out.npy')]
+  run = subprocess.run([python, '-c', script, *args], capture_output=True, text=True)
+  assert run.returncode == 0, run.stderr[-3000:]
+  want = logits_of(hf.load_model(str(tmp_path), jnp.float32), ids)
+  assert max_err(np.load(tmp_path / 'out.npy'), want) < 1e-5

@@ -16,7 +16,7 @@ from flax import nnx
 from jax.sharding import SingleDeviceSharding
 
 from moetrain import storage, train_state
-from moetrain.convert import longcat, standard
+from moetrain.convert import gpt_oss, longcat, standard
 from moetrain.convert import safetensors_io as stio
 from moetrain.convert import stacked_io as sio
 from moetrain.convert.stacked_io import Row
@@ -29,13 +29,14 @@ from moetrain.model.transformer import Transformer
 
 def family_of(model_type: str):
   """The module or object that knows a family's config.json and weight names."""
+  families = {**standard.FAMILIES, 'gpt_oss': gpt_oss.GPT_OSS}
   if model_type == longcat.MODEL_TYPE:
     return longcat
-  if model_type in standard.FAMILIES:
-    return standard.FAMILIES[model_type]
+  if model_type in families:
+    return families[model_type]
   raise ValueError(
     f'config.json model_type={model_type!r} is unsupported: moetrain loads '
-    f'{[longcat.MODEL_TYPE, *standard.FAMILIES]}'
+    f'{[longcat.MODEL_TYPE, *families]}'
   )
 
 
@@ -94,6 +95,7 @@ def config_to_hf(cfg: ModelConfig, dtype: str, base: dict | None = None) -> dict
   """config.json for transformers; keys of `base` (bos/eos, auto_map...) are kept."""
   out = {'bos_token_id': 1, 'eos_token_id': 2, **(base or {})}
   out.update(family_of(cfg.model_type).config_to_hf(cfg))
+  out.pop('quantization_config', None)  # the release's (MXFP4, FP8): exports are not quantised
   out.update(
     model_type=cfg.model_type,
     attention_dropout=0.0,
@@ -220,7 +222,7 @@ def load_params(path, cfg: ModelConfig, mesh=None, rules=None, dtype=None, seed=
   if dtype is not None:
     cfg = dataclasses.replace(cfg, param_dtype=jnp.dtype(dtype).name)
   rules = cfg.rules if rules is None else rules
-  reader = stio.Reader(path)
+  reader = _reader(stio.Reader(path), cfg)
   graphdef, abstract_state = nnx.split(nnx.eval_shape(lambda: Transformer(cfg, nnx.Rngs(seed))))
   variables = dict(nnx.to_flat_state(abstract_state))
   abstract = {p: value_of(v) for p, v in variables.items()}
@@ -294,7 +296,8 @@ def _export_items(flat: dict, cfg: ModelConfig, strict: bool) -> list:
 # model keeps them (transformers: _keep_in_fp32_modules; vLLM: router_dtype float32). In bfloat16
 # the bias's steps of ~1e-3 against expert scores of ~0.04 would round away and re-route tokens.
 MTP_PREFIX = 'model.mtp.'  # the multi-token-prediction head: skipped on load, copied on export
-ROUTER_SUFFIXES = ('.moe.router', '.moe.router_bias')  # paths of every group's router
+# The paths of every group's router (gpt-oss's has a logit bias too).
+ROUTER_SUFFIXES = ('.moe.router', '.moe.router_bias', '.moe.router_linear_bias')
 
 
 def is_mtp(key: str, cfg: ModelConfig) -> bool:
@@ -306,15 +309,30 @@ def is_mtp(key: str, cfg: ModelConfig) -> bool:
 
 
 def _export_dtype(t: Row, dtype):
-  return jnp.dtype(jnp.float32) if t.path.endswith(ROUTER_SUFFIXES) else jnp.dtype(dtype)
+  # gpt-oss's attention sinks too: the model keeps them float32, as the softmax they join
+  float32 = t.path.endswith((*ROUTER_SUFFIXES, '.attn.sinks'))
+  return jnp.dtype(jnp.float32) if float32 else jnp.dtype(dtype)
+
+
+def _reader(reader, cfg: ModelConfig):
+  """The family's view of a checkpoint (gpt-oss: fused experts read as per-expert pieces)."""
+  return getattr(family_of(cfg.model_type), 'reader', lambda r, cfg: r)(reader, cfg)
+
+
+def _fuse(cfg: ModelConfig, specs, produce):
+  return getattr(family_of(cfg.model_type), 'fuse', lambda s, p: (s, p))(specs, produce)
 
 
 def hf_tensors(model_or_state, cfg: ModelConfig, dtype='float32'):
-  """Yields (HF name, array) in checkpoint layout for every table row the state holds (a grad
-  state without the router bias, say): LoRA merged, quantised kernels decoded."""
+  """(HF name, array) in checkpoint layout for every table row the state holds (a grad state
+  without the router bias, say): LoRA merged, quantised kernels decoded."""
   flat = flat_values(model_or_state)
-  for t, ix, _ in _export_items(flat, cfg, strict=False):
-    yield t.name(ix), _export(flat, t, ix, cfg, _export_dtype(t, dtype))
+  items = _export_items(flat, cfg, strict=False)
+  specs = [(t.name(ix), shape, None) for t, ix, shape in items]
+  specs, produce = _fuse(
+    cfg, specs, lambda i: _export(flat, *items[i][:2], cfg, _export_dtype(items[i][0], dtype))
+  )
+  return [(name, produce(i)) for i, (name, _, _) in enumerate(specs)]
 
 
 def save_hf(
@@ -343,9 +361,12 @@ def save_hf(
 
   def produce(i):
     if i < len(items):
-      return _export(flat, *items[i][:2], cfg, specs[i][2])
-    name, shape, dtype = specs[i]  # a copied tensor: only the writing process reads it
+      return _export(flat, *items[i][:2], cfg, pieces[i][2])
+    name, shape, dtype = pieces[i]  # a copied tensor: only the writing process reads it
     return base.read(name) if writable else np.empty(shape, dtype)
+
+  pieces = specs
+  specs, produce = _fuse(cfg, pieces, produce)
 
   stio.write_sharded(out_dir, specs, produce, max_shard_size, writable)
   if writable:

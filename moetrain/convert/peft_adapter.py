@@ -68,6 +68,11 @@ def save(model, cfg: ModelConfig, out_dir: str, base_model: str = '') -> None:
   rows = _adapted(flat, cfg)
   if not rows:
     raise ValueError('the model has no LoRA adapters (cfg.lora.rank is 0 or targets match none)')
+  if not getattr(family_of(cfg.model_type), 'PEFT_EXPERTS', True) and any(r.experts for r in rows):
+    raise ValueError(
+      f'{cfg.model_type} stores its experts as fused parameters, which PEFT LoRA does not adapt: '
+      'export the adapted experts merged (save_hf), or leave experts out of lora.targets'
+    )
   saved = rows + _router_rows(cfg)
   items = [(r, ix) for r in saved for ix in r.indices(cfg.n_routed_experts)]
   dtype = jnp.dtype(cfg.param_dtype)  # the base's dtype, as the merged export
@@ -133,7 +138,8 @@ def load(model, cfg: ModelConfig, directory: str) -> None:
   router = router_module(cfg) in (c.get('modules_to_save') or ())
   filt = nnx.LoRAParam
   if router:
-    filt = nnx.Any(filt, nnx.PathContains('router'), nnx.PathContains('router_bias'))
+    routers = ('router', 'router_bias', 'router_linear_bias')
+    filt = nnx.Any(filt, *(nnx.PathContains(k) for k in routers))
   variables = dict(nnx.to_flat_state(nnx.state(model, filt)))
   flat = {p: value_of(v) for p, v in variables.items()}
   rows = _adapted(flat, cfg) + (_router_rows(cfg) if router else [])

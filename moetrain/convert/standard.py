@@ -87,6 +87,14 @@ class Family:
       out.append((f'{self.block}.shared_expert_gate.weight', 'moe.shared_gate.kernel', 1))
     return out
 
+  def reader(self, reader, cfg: ModelConfig):
+    """The checkpoint reader the table's names are read from (gpt_oss.py's fused experts)."""
+    return reader
+
+  def fuse(self, specs, produce):
+    """save_hf's tensors as the checkpoint stores them (gpt_oss.py's fused experts)."""
+    return specs, produce
+
   def expert_entries(self) -> list:
     return [
       (f'{self.block}.experts.{{e}}.{hf}.weight', f'moe.experts.{n}', 1)
@@ -110,6 +118,8 @@ def attention_entries(cfg: ModelConfig) -> list:
       out += [(f'{a}.{n}_proj.bias', f'attn.{n}.bias', None) for n in 'qkv']
     if cfg.o_bias:
       out.append((f'{a}.o_proj.bias', 'attn.o.bias', None))
+    if cfg.attention_sinks:
+      out.append((f'{a}.sinks', 'attn.sinks', None))
     return out
   if cfg.q_lora_rank:
     out = [

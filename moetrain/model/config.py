@@ -33,6 +33,7 @@ MODEL_TYPES = (
   'qwen2_moe',
   'deepseek_v2',
   'glm4_moe',
+  'gpt_oss',
 )
 # LoRA's default targets: every attention projection (MLA or GQA), dense MLP, shared and routed
 # expert, and the output head.

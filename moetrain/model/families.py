@@ -86,6 +86,21 @@ PARTS = {
     'router_group_score': 'top2',
     'shared_ffn_hidden_size': 0,
   },
+  # gpt-oss: GQA with q/k/v/o biases and attention sinks, sliding and full layers, a router with
+  # a logit bias choosing top-k before its softmax, experts with biases and a clamped SwiGLU.
+  'gpt_oss': {
+    **{k: v for k, v in _GQA.items() if k not in _BIASES},
+    'model_type': 'gpt_oss',
+    'qkv_bias': True,
+    'o_bias': True,
+    'qk_norm': False,
+    'attention_sinks': True,
+    'router_score': 'topk_softmax',
+    'router_linear_bias': True,
+    'norm_topk_prob': False,
+    'expert_bias': True,
+    'swiglu_limit': 7.0,
+  },
 }
 # What the presets of a family share beyond its parts (values its config.json carries).
 _SHAPE = {
@@ -96,6 +111,7 @@ _SHAPE = {
   'qwen2_moe': dict(qkv_bias=True, rms_norm_eps=1e-6),
   'deepseek_v2': dict(rms_norm_eps=1e-6, rope_theta=10000.0),
   'glm4_moe': dict(qkv_bias=True, norm_topk_prob=True, partial_rotary_factor=0.5, rope_theta=1e6),
+  'gpt_oss': dict(rope_theta=150000.0, rms_norm_eps=1e-5, yarn_truncate=False),
 }
 
 
@@ -112,6 +128,29 @@ _V2_YARN = dict(
   yarn_mscale=0.707,
   yarn_mscale_all_dim=0.707,
 )
+
+
+def _alternating(n: int) -> tuple:
+  return tuple('sliding_attention' if i % 2 == 0 else 'full_attention' for i in range(n))
+
+
+# What gpt-oss-20b and -120b share: 64 query heads of 64 over 8 key/value heads, experts as wide
+# as the model, top-4, a 128-token window on every other layer, YaRN x32 over 4096 positions.
+_GPT_OSS = dict(
+  vocab_size=201088,
+  hidden_size=2880,
+  num_heads=64,
+  num_kv_heads=8,
+  head_dim=64,
+  ffn_hidden_size=2880,
+  expert_ffn_hidden_size=2880,
+  moe_topk=4,
+  sliding_window=128,
+  max_position_embeddings=131072,
+  yarn_factor=32.0,
+  yarn_original_max_position=4096,
+)
+
 # What GLM-4.5 and GLM-4.5-Air share: 96 query heads of 128 over 8 key/value heads, top-8 of the
 # routed experts plus one shared, one MTP layer.
 _GLM = dict(
@@ -213,6 +252,25 @@ PRESETS = {
     n_routed_experts=8,
     n_shared_experts=1,
     moe_topk=2,
+  ),
+  'gpt_oss_tiny': family(
+    'gpt_oss',
+    **_TINY,
+    num_layers=2,
+    num_kv_heads=2,
+    ffn_hidden_size=64,
+    n_routed_experts=8,
+    moe_topk=2,
+    sliding_window=64,
+    layer_types=_alternating(2),
+  ),
+  # openai/gpt-oss-20b: 20.9B, 3.6B active.
+  'gpt_oss_20b': family(
+    'gpt_oss', **_GPT_OSS, num_layers=24, n_routed_experts=32, layer_types=_alternating(24)
+  ),
+  # openai/gpt-oss-120b: 116.8B, 5.1B active.
+  'gpt_oss_120b': family(
+    'gpt_oss', **_GPT_OSS, num_layers=36, n_routed_experts=128, layer_types=_alternating(36)
   ),
   # zai-org/GLM-4.5-Air (and -Base): 106B, 12B active.
   'glm4_5_air': family(

@@ -569,6 +569,7 @@ def test_glm_mtp_layer_is_skipped_on_load_and_copied_on_export(tmp_path):
     hf.load_params(fixture(name), dataclasses.replace(cfg, num_nextn_predict_layers=0))
 
 
+@pytest.mark.slow
 def test_gpt_oss_mxfp4_experts_read_dequantised(tmp_path):
   """The released layout: MXFP4 expert blocks and scales read as transformers dequantises them
   (its logits), in the run's dtype or quantised again for QLoRA; a bfloat16 export of the

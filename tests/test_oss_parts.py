@@ -71,6 +71,7 @@ def test_attention_sinks_values_and_gradients(blocks, recompute):
     np.testing.assert_allclose(g, r, atol=2e-6)
 
 
+@pytest.mark.slow
 def test_sliding_layers_decode_as_the_full_forward_and_see_only_their_window():
   model, cfg = oss_model()
   assert [g.window for g in cfg.layer_groups()] == [3, 0]

@@ -113,7 +113,6 @@ def make_mesh(shape: Sequence[int], devices=None, dcn: Sequence[int] = ()) -> ja
   devices each, so its collectives cross the data-center network only between slices."""
   devices = list(devices if devices is not None else jax.devices())
   shape = resolve_mesh_shape(shape, len(devices))
-  dcn = full_shape(dcn) if dcn else dcn
   types = (AxisType.Auto,) * len(MESH_AXES)
   dcn = check_dcn_shape(dcn, shape)
   if math.prod(dcn) > 1:
@@ -148,10 +147,10 @@ def check_dcn_shape(dcn: Sequence[int], shape: Sequence[int]) -> tuple[int, ...]
       f'mesh.dcn_shape={dcn}: give {len(MESH_AXES)} slice counts >= 1 {MESH_AXES} (or 4, '
       'without stage), or () for one'
     )
-  dcn, shape = full_shape(dcn), full_shape(shape)
+  given, (dcn, shape) = dcn, (full_shape(dcn), full_shape(shape))
   if any(s % d for s, d in zip(shape, dcn)):
     raise ValueError(
-      f'mesh.dcn_shape={dcn} must divide mesh.shape={tuple(shape)} axis by axis (an axis of '
+      f'mesh.dcn_shape={given} must divide mesh.shape={tuple(shape)} axis by axis (an axis of '
       'size s over d slices has s / d devices in each)'
     )
   return dcn

@@ -2,6 +2,7 @@
 over 2 inside a stage, GPipe and circular) equal to no pipeline in float32."""
 
 import dataclasses
+import functools
 
 import jax
 import numpy as np
@@ -18,6 +19,10 @@ from tests.helpers import tiny, with_lora
 from tests.test_sharding import batch
 
 LONGCAT = tiny(num_layers=4)
+# Dense layers first: two runs of layers, each pipelined over the stages on its own.
+DEEPSEEK = dataclasses.replace(
+  PRESETS['deepseek_tiny'], dtype='float32', remat='none', num_layers=4, first_k_dense_replace=2
+)
 QWEN3 = dataclasses.replace(
   PRESETS['qwen3_tiny'], dtype='float32', remat='none', num_layers=4, hidden_size=32, head_dim=8
 )
@@ -86,7 +91,12 @@ def test_two_stages_equal_no_pipeline():
   'mesh_shape,m,r', [((2, 1, -1, 2, 1), 4, 1), ((4, 1, -1, 2, 1), 4, 1), ((2, 1, -1, 2, 1), 2, 2)]
 )
 def test_pipelines_equal_no_pipeline(cfg, mesh_shape, m, r):
-  assert_same(loss_and_grads(cfg, mesh_shape, m, r), loss_and_grads(cfg, (1, 1, -1, 2, 1)))
+  assert_same(loss_and_grads(cfg, mesh_shape, m, r), unpipelined(cfg))
+
+
+@functools.cache
+def unpipelined(cfg):
+  return loss_and_grads(cfg, (1, 1, -1, 2, 1))
 
 
 @pytest.mark.slow
@@ -105,3 +115,9 @@ def test_a_two_stage_checkpoint_restores_without_stages(tmp_path):
   restored = dataclasses.replace(target, **saved)
   got = loss_and_grads(LONGCAT, (1, 1, -1, 2, 1), state=restored)
   assert_same(got, loss_and_grads(LONGCAT, (2, 1, -1, 2, 1), m=2, state=state))
+
+
+@pytest.mark.slow
+def test_dense_first_layers_pipeline_run_by_run():
+  got = loss_and_grads(DEEPSEEK, (2, 1, -1, 2, 1), m=4)
+  assert_same(got, unpipelined(DEEPSEEK))

@@ -274,7 +274,7 @@ def test_a_mesh_whose_axes_split_the_torus_sides():
 
   devices = topology.parse('v5p-512').devices()
   mesh = sharding.make_mesh((1, -1, 16, 1), devices)
-  assert dict(mesh.shape) == {'data': 1, 'fsdp': 16, 'expert': 16, 'tensor': 1}
+  assert dict(mesh.shape) == {'stage': 1, 'data': 1, 'fsdp': 16, 'expert': 16, 'tensor': 1}
   assert sorted(d.id for d in mesh.devices.flat) == sorted(d.id for d in devices)
 
 
@@ -288,8 +288,8 @@ def test_multislice_puts_the_dcn_axis_across_slices():
   assert (topo.chips, topo.num_devices, topo.cloud_name, topo.slices) == (8, 8, '2xv5e-4', 2)
   devices = topo.devices()
   mesh = sharding.make_mesh((2, 2, 2, 1), devices, dcn=(2, 1, 1, 1))
-  for half in range(2):
-    assert {d.slice_index for d in mesh.devices[half].flat} == {half}
+  for half in range(2):  # the data axis (after a stage axis of 1)
+    assert {d.slice_index for d in mesh.devices[0, half].flat} == {half}
   over = {'mesh.shape': (2, 2, 2, 1), 'mesh.dcn_shape': (2, 1, 1, 1)}
   r = tpu_plan.plan(longcat_lora.get_config('variant=tiny'), '2xv5e-4', over)
   assert r['fits'] and r['chips'] == 8

@@ -112,7 +112,14 @@ def test_group_limited_sigmoid_gates_by_hand():
   )
 
 
-@pytest.mark.parametrize('name', ['qwen3_moe_three_layer', 'deepseek_v3_three_layer'])
+@pytest.mark.parametrize(
+  'name',
+  [
+    'qwen3_moe_three_layer',
+    'deepseek_v3_three_layer',
+    pytest.param('gpt_oss_three_layer', marks=pytest.mark.slow),  # expert biases sharded too
+  ],
+)
 def test_expert_parallel_mesh_equals_one_device(name):
   ref = reference(name)
   logits = sharded_forward(fixture(name), lambda **kw: f32_config(name, **kw), ref['input_ids'])

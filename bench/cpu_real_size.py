@@ -18,7 +18,9 @@ import sys
 import tempfile
 import time
 
-from bench.common import machine
+os.environ.setdefault('JAX_PLATFORMS', 'cpu')  # a CPU measurement (and no TPU plugin's warnings)
+
+from bench.common import machine  # noqa: E402
 
 RUN = (
   '--config.mesh.shape=(1,-1,1,1)',

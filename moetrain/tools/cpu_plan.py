@@ -17,6 +17,10 @@ from moetrain.tools import tpu_plan
 HOST_CACHE = os.environ.get('MOETRAIN_HOST_CACHE', '~/.cache/moetrain/host.json')
 # Batches the data pipeline holds ahead of the step (grain's read-ahead and the loop's prefetch).
 READ_AHEAD = 16
+# What a run holds beyond the imports' baseline and its arrays: its threads' stacks and malloc
+# arenas, Orbax, TensorBoard, grain and the tokenizer. Runs on a 2-core machine peaked 35-155 MiB
+# above the plan without it (bench/RESULTS.md, "CPU host plans").
+RUNTIME = 128 * 2**20
 
 
 @dataclasses.dataclass(frozen=True)
@@ -186,7 +190,7 @@ def host_bytes(setup, mesh, steps: dict, start: tuple, measured: dict, compiled:
   saved = _bytes(state.saved())
   batch = d.global_batch_size * d.seq_len * len(aot.BATCH_FIELDS) * 4
   parts = {
-    'baseline': measured['baseline_rss'],
+    'baseline': measured['baseline_rss'] + RUNTIME,
     'compilation': compiled,
     'state': train['arguments'],
     'data': READ_AHEAD * batch,
@@ -273,7 +277,7 @@ def plan(config, topology: str, overrides: dict | None = None, progress=None) ->
 
 
 PART_NAMES = {
-  'baseline': 'Python, JAX and moetrain',
+  'baseline': "Python, JAX, moetrain and the run's threads and libraries",
   'compilation': 'what the allocator keeps after compiling the steps',
   'state': 'the train state (frozen base, adapters or weights, optimizer)',
   'data': 'batches read ahead',
@@ -339,18 +343,21 @@ def neighbours(config, base: dict) -> list[dict]:
     out.append({'data.seq_len': now.data.seq_len // 2})
   if now.lora.rank:
     out += [{'model.quant': q} for q in ('none', 'int8', 'int4')]
-  changed = lambda o: any(now[k.split('.')[0]][k.split('.')[1]] != v for k, v in o.items())  # noqa: E731
-  return [base | o for o in out if changed(o)]
+  value = lambda c, k: c[k.split('.')[0]][k.split('.')[1]]  # noqa: E731
+  out = [base | o for o in out if any(value(now, k) != v for k, v in o.items())]
+  # Keys back at the config's own value are dropped: the same plan is then cached once.
+  return [{k: v for k, v in o.items() if value(config, k) != v} for o in out]
 
 
 def _better(r: dict, than: dict) -> bool:
-  """Among plans that keep tpu_plan.HEADROOM of the RAM free, the most tokens/s; while none
-  does, the smallest."""
+  """Among plans that keep tpu_plan.HEADROOM of the RAM free, those at the configured sequence
+  length first, then the most tokens/s; while none does, the smallest."""
   ok = tpu_plan._ok
   if ok(r) != ok(than):
     return ok(r)
   if ok(r):
-    return r['est_tokens_per_sec'] > than['est_tokens_per_sec']
+    rank = lambda x: ('data.seq_len' not in x['overrides'], x['est_tokens_per_sec'])  # noqa: E731
+    return rank(r) > rank(than)
   size = lambda x: (x.get('per_chip_bytes') or {}).get('total') or math.inf  # noqa: E731
   return size(r) < size(than)
 

@@ -121,3 +121,37 @@ def test_a_two_stage_checkpoint_restores_without_stages(tmp_path):
 def test_dense_first_layers_pipeline_run_by_run():
   got = loss_and_grads(DEEPSEEK, (2, 1, -1, 2, 1), m=4)
   assert_same(got, unpipelined(DEEPSEEK))
+
+
+PIPELINED = {
+  'mesh.shape': (2, 1, 2, 2, 1),
+  'mesh.dcn_shape': (2, 1, 1, 1, 1),  # the stages across two slices
+  'model.pipeline_microbatches': 4,
+  'model.num_layers': 4,
+  'data.global_batch_size': 16,
+}
+
+
+def test_the_planner_counts_the_bubble_and_the_activations_over_the_network():
+  from configs import longcat_pretrain
+  from moetrain.setup import build
+  from moetrain.tools import sizes, tpu_plan
+
+  config = tpu_plan.with_overrides(longcat_pretrain.get_config('variant=tiny'), PIPELINED)
+  setup = build(config, num_devices=8, process_count=1, platform='tpu')
+  p = sizes.pipeline_traffic(setup)
+  act = 16 // 4 * setup.data.seq_len * setup.model.hidden_size * 2  # bfloat16 rows of a micro
+  assert p['micro_activation_bytes'] == act
+  assert p['bubble'] == pytest.approx(1 / 5)
+  # 5 iterations, forward and backward; of the ring's 2 edges and the broadcast, 3 cross slices.
+  assert p['boundary_bytes_per_step'] == 2 * 5 * act
+  assert p['dcn_bytes_per_step'] == 3 * 2 * 5 * act
+
+
+@pytest.mark.slow
+def test_a_pipelined_step_compiles_for_two_tpu_slices():
+  from configs import longcat_pretrain
+  from moetrain.tools import tpu_plan
+
+  r = tpu_plan.plan(longcat_pretrain.get_config('variant=tiny'), '2xv5e-4', PIPELINED)
+  assert r['fits'] and r['mesh']['stage'] == 2 and r['pipeline']['stages'] == 2

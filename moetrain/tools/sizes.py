@@ -198,3 +198,31 @@ def dry_run(config) -> dict:
       "model.moe_dispatch='capacity'"
     )
   return {**counts, 'ep_exchange': ex, 'loss_block': lb}
+
+
+def pipeline_traffic(setup) -> dict | None:
+  """The pipeline's schedule and the activation bytes it moves per step (None without one):
+  each of the M * R + S - 1 iterations of every micro-batch run (grad accumulation's), forward
+  and backward, passes one micro-batch's [rows, seq, hidden] over each stage boundary (a ring,
+  the last stage's edge to the first included) and the last stage's output to every stage. With
+  'stage' over d > 1 slices (mesh.dcn_shape), 2d - 1 of those transfers cross the data-center
+  network."""
+  cfg = setup.model
+  s, m, r = cfg.pipeline_stages, cfg.pipeline_microbatches, cfg.pipeline_repeats
+  if s == 1:
+    return None
+  accum = setup.optim.grad_accum_steps
+  rows = setup.data.global_batch_size // accum // m
+  act = rows * setup.data.seq_len * cfg.hidden_size * jnp.dtype(cfg.dtype).itemsize
+  iterations = m * r + s - 1
+  edge = 2 * accum * iterations * act
+  slices = sharding.check_dcn_shape(setup.mesh_dcn, setup.mesh_shape)[0]
+  return {
+    'stages': s,
+    'microbatches': m,
+    'repeats': r,
+    'bubble': (s - 1) / iterations,
+    'micro_activation_bytes': act,
+    'boundary_bytes_per_step': edge,
+    'dcn_bytes_per_step': edge * (2 * slices - 1) if slices > 1 else 0,
+  }

@@ -56,7 +56,7 @@ def model_flops(setup) -> tuple[float, str]:
 
 def plan(config, topology: str, overrides: dict | None = None, progress=None) -> dict:
   """Compile `config` (with `overrides`) for `topology`; the per-device report. progress(line)."""
-  from moetrain import aot, sharding
+  from moetrain import aot
   from moetrain.setup import build
   from moetrain.tools import sizes
 
@@ -66,17 +66,7 @@ def plan(config, topology: str, overrides: dict | None = None, progress=None) ->
   setup = build(config, num_devices=len(devices), process_count=1, platform='tpu')
   mesh = setup.make_mesh(devices)
   chip = topo.chip
-  report = {
-    'topology': topo.cloud_name,
-    'topology_name': topo.topology_name,
-    'chips': topo.chips,
-    'devices': len(devices),
-    'mesh': dict(zip(sharding.MESH_AXES, setup.mesh_shape)),
-    'overrides': dict(overrides or {}),
-    'engine': engine_of(setup.model)
-    | {'frozen_layout': 'compiler' if aot.compiler_layouts(setup) else 'default'},
-    'hbm_bytes': chip.hbm_bytes,
-  }
+  report = base_report(setup, topo, overrides)
   try:
     steps = aot.compile_steps(setup, mesh, progress=progress)
   except aot.OutOfMemory as e:
@@ -113,6 +103,25 @@ def plan(config, topology: str, overrides: dict | None = None, progress=None) ->
     'buffers': buffers,
     'peak_buffers': peak_buffers(train_c),
     **est,
+  }
+
+
+def base_report(setup, topo, overrides) -> dict:
+  """What a plan reports before compiling: the slice, the mesh, the engine, the pipeline."""
+  from moetrain import aot, sharding
+  from moetrain.tools import sizes
+
+  return {
+    'topology': topo.cloud_name,
+    'topology_name': topo.topology_name,
+    'chips': topo.chips,
+    'devices': topo.num_devices,
+    'mesh': dict(zip(sharding.MESH_AXES, setup.mesh_shape)),
+    'overrides': dict(overrides or {}),
+    'engine': engine_of(setup.model)
+    | {'frozen_layout': 'compiler' if aot.compiler_layouts(setup) else 'default'},
+    'hbm_bytes': topo.chip.hbm_bytes,
+    'pipeline': sizes.pipeline_traffic(setup),
   }
 
 
@@ -168,6 +177,8 @@ def print_plan(r: dict) -> None:
     f'mesh {r["mesh"]}' + (f'  [{over}]' if over else '')
   )
   print('engine: ' + ', '.join(f'{k}={v}' for k, v in r['engine'].items()))
+  if r.get('pipeline'):
+    _print_pipeline(r['pipeline'])
   if 'error' in r:
     print(f'DOES NOT FIT: {r["error"]} (compile {r["compile_seconds"]:.0f} s)')
     return
@@ -213,6 +224,16 @@ def print_plan(r: dict) -> None:
       if r.get('data_dependent_loops')
       else ''
     )
+  )
+
+
+def _print_pipeline(p: dict) -> None:
+  print(
+    f'pipeline: {p["stages"]} stages, {p["microbatches"]} micro-batches x {p["repeats"]} '
+    f'repeats: bubble (S - 1) / (M * R + S - 1) = {100 * p["bubble"]:.1f}% of each stage; '
+    f'activations per step {_gib(p["boundary_bytes_per_step"])} over each stage boundary, '
+    f'{_gib(p["dcn_bytes_per_step"])} over the data-center network (the train step per device '
+    'below is that of one stage)'
   )
 
 

@@ -158,3 +158,35 @@ def test_real_size_bench_records_a_tiny_run(tmp_path):
   (record,) = [json.loads(ln) for ln in out.read_text().splitlines()]
   assert record['end_eval'] and record['step_s'] > 0 and record['startup_s'] > 0
   assert 0.85 <= record['plan_over_measured'] <= 1.15, record
+
+
+def test_cpu_search_keeps_the_configured_sequence_and_prints_flags(monkeypatch, capsys, tmp_path):
+  """--search on a CPU host, the compiles stubbed: plans that leave 10% free beat those that do
+  not; among them the configured sequence length first, then tokens/s; the winner's flags print."""
+  from moetrain.tools import cpu_plan, tpu_plan
+
+  def fake(config, jobs, workers, cache, **kw):
+    out = []
+    for _, o in jobs:
+      need = 30 if o.get('model.quant') == 'none' else 8  # GiB, of 16
+      tps = 200 if 'data.seq_len' in o else 100 + 10 * o.get('optim.grad_accum_steps', 0)
+      out.append(
+        {
+          'overrides': o,
+          'fits': need < 16,
+          'headroom': 1 - need / 16,
+          'need_bytes': need * 2**30,
+          'est_tokens_per_sec': tps,
+          'per_chip_bytes': {'total': need * 2**30},
+        }
+      )
+    return out
+
+  monkeypatch.setattr(tpu_plan, 'plan_many', fake)
+  monkeypatch.setattr(cpu_plan, 'print_plan', lambda r: print('PLAN', r['overrides']))
+  config = deepseek_v3_lora.get_config()
+  config.data.global_batch_size = 4
+  cpu_plan.main(config, 'cpu:16GB', True, str(tmp_path / 'p.json'), 1, cache=str(tmp_path / 'c'))
+  out = capsys.readouterr().out
+  assert "PLAN {'optim.grad_accum_steps': 4}" in out, out
+  assert '--config.optim.grad_accum_steps=4' in out

@@ -237,6 +237,21 @@ def rocm_grouped_gemm() -> None:
     os.environ['XLA_FLAGS'] = f'{flags} {ROCM_GROUPED_GEMM}'.strip()
 
 
+CPU_ONE_COLLECTIVE_ORDER = '--xla_cpu_enable_concurrency_optimized_scheduler=false'
+
+
+def cpu_pipeline_schedule(mesh_shape) -> None:
+  """A pipelined mesh (a 'stage' axis > 1): with XLA:CPU's concurrency-optimised scheduler the
+  emulated devices of one stage entered their collectives in different orders and the
+  collective rendezvous aborted the run (docs/pipeline.md, "Limits"); its default scheduler does
+  not. Set before JAX starts its backends (other backends ignore the flag); an XLA_FLAGS that
+  already names it is left alone."""
+  flags = os.environ.get('XLA_FLAGS', '')
+  stages = int(mesh_shape[0]) if len(mesh_shape) == 5 else 1
+  if stages > 1 and 'concurrency_optimized_scheduler' not in flags:
+    os.environ['XLA_FLAGS'] = f'{flags} {CPU_ONE_COLLECTIVE_ORDER}'.strip()
+
+
 def cpu_without_accelerators() -> None:
   """Where libtpu is installed (the `tpu` and `test` extras; the planner needs it) on a host
   with neither a TPU chip nor an NVIDIA GPU, JAX would still start libtpu's plugin at its first

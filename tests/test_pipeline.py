@@ -155,3 +155,31 @@ def test_a_pipelined_step_compiles_for_two_tpu_slices():
 
   r = tpu_plan.plan(longcat_pretrain.get_config('variant=tiny'), '2xv5e-4', PIPELINED)
   assert r['fits'] and r['mesh']['stage'] == 2 and r['pipeline']['stages'] == 2
+
+
+def logged_losses(workdir, mesh_shape: str) -> list[str]:
+  """The training losses `python -m moetrain.main` logs for the tiny LongCat in float32."""
+  from tests.helpers import run_command
+
+  args = [
+    '--config=configs/longcat_pretrain.py',
+    '--config.model.num_layers=4',
+    '--config.model.dtype=float32',
+    '--config.model.param_dtype=float32',
+    '--config.train.steps=12',
+    '--config.optim.warmup_steps=2',
+    '--config.data.global_batch_size=8',
+    f'--config.mesh.shape={mesh_shape}',
+    '--config.model.pipeline_microbatches=4',
+    f'--workdir={workdir}',
+  ]
+  out = run_command('moetrain.main', *args)
+  assert out.returncode == 0, out.stderr[-3000:]
+  text = out.stdout + out.stderr
+  return [line.split('lr')[0] for line in text.splitlines() if line.startswith('step ')]
+
+
+@pytest.mark.slow
+def test_the_pipelined_command_logs_the_losses_of_no_pipeline(tmp_path):
+  one = logged_losses(tmp_path / 'one', '(1,1,-1,2,1)')
+  assert one and one == logged_losses(tmp_path / 'two', '(2,1,-1,2,1)')

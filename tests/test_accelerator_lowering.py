@@ -63,6 +63,15 @@ def test_ragged_expert_parallel_lowers_for_tpu():
   assert 'ragged_all_to_all' in text and 'tpu_custom_call' in text
 
 
+def test_expert_adapters_lower_for_tpu_with_the_experts_partitioned_by_xla():
+  """LoRA on the experts through ragged_dot over an FSDP mesh without an expert axis: XLA
+  partitions the experts, so their adapters cannot take the Mosaic kernel (which lowers only
+  inside a shard_map); they take ragged_dot too."""
+  cfg = dataclasses.replace(CFG, moe_backend='ragged_dot')
+  text = _export_moe_grad(cfg, 'tpu', (1, 8, 1, 1))
+  assert 'tpu_custom_call' not in text and 'ragged_dot' in text
+
+
 def test_ragged_expert_parallel_lowers_for_gpu():
   cfg = dataclasses.replace(CFG, moe_backend='ragged_dot', platform='gpu', **EP)
   text = _export_moe_grad(cfg, 'cuda', (1, 2, 4, 1))

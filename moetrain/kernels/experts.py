@@ -4,6 +4,8 @@ ragged_dot (XLA's grouped matmul), megablox (the Pallas TPU kernel), tokamax (it
 dense (every row against its own expert's gathered weights: the reference), and the CPU engines
 blocked and gathered (rows in blocks of one expert each). The grouped CPU engine is grouped.py."""
 
+import math
+
 import jax
 import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
@@ -59,7 +61,10 @@ def ragged_ffn(x_RD, sizes_E, weights, cfg: ModelConfig, rng):
   def mm(x, w):
     return jax.lax.ragged_dot(x, quant.dequant(w, dt), sizes_E, preferred_element_type=dt)
 
-  adapter_mm = _megablox_mm(sizes_E, cfg) if cfg.platform == 'tpu' else None
+  # (The kernel must run inside a shard_map: under expert parallelism, or on one device. With the
+  # experts partitioned by XLA instead, the adapters take ragged_dot too.)
+  in_shards = cfg.expert_shards > 1 or math.prod(cfg.mesh_shape) <= 1
+  adapter_mm = _megablox_mm(sizes_E, cfg) if cfg.platform == 'tpu' and in_shards else None
   return swiglu(x_RD, with_lora(mm, weights, cfg, rng, adapter_mm), cfg)
 
 

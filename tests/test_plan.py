@@ -308,7 +308,7 @@ def test_auto_picks_megablox_where_tpu_expert_weights_train():
   assert dispatch.resolve_backend(ModelConfig(platform='tpu', lora=LoraConfig(rank=4))) == (
     'ragged_dot'
   )
-  assert dispatch.resolve_backend(ModelConfig(platform='gpu')) == 'ragged_dot'
+  assert dispatch.resolve_backend(ModelConfig(platform='gpu')) == 'tokamax'  # (installed)
   assert dispatch.resolve_backend(ModelConfig(platform='cpu')) in ('grouped', 'gathered')
 
 

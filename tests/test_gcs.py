@@ -88,6 +88,7 @@ def _records(workdir: str) -> list[dict]:
   return [json.loads(line) for line in storage.read_text(path).splitlines()]
 
 
+@pytest.mark.slow  # (minutes on 2 cores: `make test-slow`)
 def test_a_run_in_a_bucket_stops_resumes_exactly_evaluates_and_exports(gcs, tmp_path):
   """SIGTERM saves and stops a gs:// run; SIGKILL later loses only what was not yet saved; the
   resumed run's losses equal those of an uninterrupted local run step for step. The tools then

@@ -151,6 +151,7 @@ def test_a_batch_that_fits_and_one_that_does_not():
   assert over['per_chip_bytes']['total'] > hbm
 
 
+@pytest.mark.slow  # (minutes on 2 cores: `make test-slow`)
 def test_tpu_only_paths_compile():
   """The megablox Pallas kernel (Mosaic, not interpreted), the ragged all-to-all exchange and
   host offload of the MoE output, compiled by XLA's TPU compiler in one step."""
@@ -278,6 +279,7 @@ def test_a_mesh_whose_axes_split_the_torus_sides():
   assert sorted(d.id for d in mesh.devices.flat) == sorted(d.id for d in devices)
 
 
+@pytest.mark.slow  # (minutes on 2 cores: `make test-slow`)
 def test_multislice_puts_the_dcn_axis_across_slices():
   """'2xv5e-4' is two v5e-4 slices: mesh.dcn_shape=(2, 1, 1, 1) puts each half of the data axis
   in one slice (only its gradients cross the data-center network), and the step compiles; a

@@ -221,6 +221,7 @@ def test_sigterm_saves_and_a_kill_loses_only_the_unfinished_checkpoint(tmp_path)
   # (tests/test_train.py checks in-process that a resumed run equals an uninterrupted one.)
 
 
+@pytest.mark.slow  # (minutes on 2 cores: `make test-slow`)
 def test_sigterm_to_one_host_stops_all_and_resumes_exactly(tmp_path):
   # Two processes, the signal to process 1: it must neither stop alone (process 0 would wait in
   # its collectives forever) nor be ignored. Each host's data position is saved and restored:

@@ -5,6 +5,7 @@ import json
 import os
 import platform
 import statistics
+import sys
 import time
 
 import jax
@@ -52,4 +53,9 @@ def machine() -> dict:
 
 
 def emit(record: dict) -> None:
+  """One JSON line; with what tokamax's kernel choice was for each expert product traced so far
+  (moetrain.kernels.experts.TOKAMAX_CHOICES), where any went through tokamax."""
+  experts = sys.modules.get('moetrain.kernels.experts')
+  if experts is not None and experts.TOKAMAX_CHOICES:
+    record = {**record, 'tokamax_kernels': dict(experts.TOKAMAX_CHOICES)}
   print(json.dumps(record), flush=True)

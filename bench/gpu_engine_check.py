@@ -8,7 +8,6 @@ where they disagree.
 """
 
 import argparse
-import dataclasses
 import sys
 import zlib
 
@@ -23,7 +22,7 @@ from moetrain.model.config import LoraConfig, ModelConfig
 from moetrain.model.moe import MoE
 
 
-def layer(backend: str, dtype: str) -> ModelConfig:
+def layer(backend: str, dtype: str, tokamax: str = 'auto') -> ModelConfig:
   lora = LoraConfig(rank=8, alpha=16.0, targets=r'experts\.(gate|up|down)$')
   return ModelConfig(
     dtype=dtype,
@@ -43,6 +42,7 @@ def layer(backend: str, dtype: str) -> ModelConfig:
     moe_topk=3,
     init_std=0.05,
     moe_backend=backend,
+    tokamax_implementation=tokamax,
     lora=lora,
   ).laid_out(jax.default_backend(), ())
 
@@ -72,9 +72,10 @@ def main():
   ap.add_argument('--dtype', default='float32')
   ap.add_argument('--tokens', type=int, default=1000)
   ap.add_argument('--skew', type=float, default=0.05)
+  ap.add_argument('--tokamax', default='auto', help='model.tokamax_implementation')
   args = ap.parse_args()
   x = jax.random.normal(jax.random.key(1), (1, args.tokens, 256), jnp.float32)
-  engine = layer('tokamax', args.dtype)
+  engine = layer('tokamax', args.dtype, args.tokamax)
   y, g, load = outputs(engine, x, args.skew)
   y_ref, g_ref, _ = outputs(layer('dense', args.dtype), x, args.skew)
   rel = lambda a, b: float(jnp.max(jnp.abs(a - b)) / (jnp.max(jnp.abs(b)) + 1e-30))
@@ -84,6 +85,7 @@ def main():
   record = {
     'bench': 'gpu_engine_check',
     'engine': dispatch.resolve_backend(engine),
+    'tokamax_implementation': args.tokamax,
     'platform': engine.platform,
     'dtype': args.dtype,
     'tokens': args.tokens,

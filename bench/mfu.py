@@ -116,6 +116,7 @@ def main():
   ap.add_argument('--steps', type=int, default=10)
   ap.add_argument('--remat', default='save_dots')
   ap.add_argument('--backend', default='auto')
+  ap.add_argument('--tokamax', default='auto', help='model.tokamax_implementation')
   ap.add_argument('--dispatch', default='dropless', choices=['dropless', 'capacity'])
   ap.add_argument('--capacity_factor', type=float, default=1.25)
   ap.add_argument('--dtype', default='bfloat16')
@@ -128,6 +129,7 @@ def main():
     dtype=args.dtype,
     remat=args.remat,
     moe_backend=args.backend,
+    tokamax_implementation=args.tokamax,
     moe_dispatch=args.dispatch,
     moe_capacity_factor=args.capacity_factor,
     param_dtype='float32',
@@ -144,6 +146,7 @@ def main():
     'remat': args.remat,
     'backend': args.backend,
     'engine': dispatch.resolve_backend(cfg),
+    'tokamax_implementation': args.tokamax,
     'dispatch': args.dispatch,
     'capacity_factor': args.capacity_factor if args.dispatch == 'capacity' else None,
     'scan_layers': cfg.scan_layers,

@@ -39,6 +39,7 @@ def main():
   ap = argparse.ArgumentParser()
   ap.add_argument('--tokens', type=int, default=2048)
   ap.add_argument('--backend', default='auto')
+  ap.add_argument('--tokamax', default='auto', help='model.tokamax_implementation')
   ap.add_argument('--dtype', default='float32')
   ap.add_argument('--dispatch', default='dropless', choices=['dropless', 'capacity'])
   ap.add_argument('--repeats', type=int, default=5)
@@ -54,6 +55,7 @@ def main():
     PRESETS['medium'],
     dtype=args.dtype,
     moe_backend=args.backend,
+    tokamax_implementation=args.tokamax,
     moe_block_size=args.block,
     moe_dispatch=args.dispatch,
   ).laid_out(jax.default_backend(), ())  # the engine 'auto' picks for this machine
@@ -132,6 +134,7 @@ def main():
         'mode': mode,
         'backend': args.backend,
         'engine': dispatch.resolve_backend(cfg),
+        'tokamax_implementation': args.tokamax,
         'dispatch': args.dispatch,
         'dtype': args.dtype,
         'tokens': args.tokens,

@@ -1,7 +1,6 @@
 """bench/gpu_session.sh, the one-lease GPU measurement, end to end on small shapes (any machine;
 on a CPU it checks the script and the benchmarks' plumbing, not GPU speed)."""
 
-import glob
 import json
 import os
 import subprocess
@@ -20,15 +19,24 @@ def test_the_gpu_session_runs_end_to_end_on_small_shapes(tmp_path):
     ['bash', 'bench/gpu_session.sh'], cwd=ROOT, env=env, capture_output=True, text=True
   )
   assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
-  records = {}
-  for path in glob.glob(str(tmp_path / '*.log')):
-    lines = [ln for ln in open(path).read().splitlines() if ln.startswith('{')]
-    records[os.path.basename(path)] = [json.loads(ln) for ln in lines]
-  for dtype in ('float32', 'bfloat16'):
-    (check,) = records[f'engine_check_{dtype}.log']
-    assert check['engine'] == 'tokamax' and check['worst_gradient_rel_error'] <= check['tolerance']
-  for name in ('ragged_dot', 'tokamax', 'grouped'):
-    modes = {r['mode']: r for r in records[f'moe_layer_backend_{name}.log']}
-    assert set(modes) == {'lora', 'full'} and modes['full']['engine'] == name
-  assert [r['batch'] for r in records['mfu_dropless.log']] == [1, 2]
-  assert records['mfu_capacity.log'][0]['dispatch'] == 'capacity'
+  log = (tmp_path / 'session.log').read_text()
+  assert 'skipped at the deadline' not in log and log.count('== exit 0') == 10, log[-3000:]
+  records = [json.loads(ln) for ln in (tmp_path / 'records.jsonl').read_text().splitlines()]
+  checks = [r for r in records if r['bench'] == 'gpu_engine_check']
+  assert [(r['dtype'], r['tokamax_implementation']) for r in checks] == [
+    ('float32', 'auto'),
+    ('bfloat16', 'auto'),
+    ('bfloat16', 'triton'),
+  ]
+  assert all(r['engine'] == 'tokamax' for r in checks)
+  assert all(r['worst_gradient_rel_error'] <= r['tolerance'] for r in checks)
+  layers = [r for r in records if r['bench'] == 'moe_layer']
+  assert [(r['engine'], r['dispatch'], r['mode']) for r in layers[::2]] == [
+    ('ragged_dot', 'dropless', 'lora'),
+    ('tokamax', 'dropless', 'lora'),
+    ('tokamax', 'dropless', 'lora'),
+    (layers[-1]['engine'], 'capacity', 'lora'),
+  ]
+  mfu = [(r['dispatch'], r['batch']) for r in records if r['bench'] == 'mfu']
+  assert mfu == [('dropless', 2), ('capacity', 2), ('dropless', 1), ('dropless', 4)]
+  assert (tmp_path / 'versions.txt').read_text().startswith('{')

@@ -656,6 +656,33 @@ def test_the_gpu_engine_follows_the_routed_rows_or_says_why_not(monkeypatch):
   assert dispatch.gpu_engine_warning(dataclasses.replace(gpu, platform='cpu')) is None
 
 
+def test_tokamax_takes_the_first_gpu_kernel_that_fits_and_names_a_fallback(caplog):
+  """tokamax_mm on a GPU tries Mosaic GPU, then Triton; where neither takes the product (here:
+  a CPU, where both refuse) it runs tokamax's XLA form, says why once, and records the choice
+  per product for the benchmarks, with values and gradients equal to ragged_dot's."""
+  from moetrain.kernels import experts
+
+  gpu = dataclasses.replace(CFG, platform='gpu', dtype='float32')
+  x = jax.random.normal(jax.random.key(0), (10, 16))
+  w = jax.random.normal(jax.random.key(1), (4, 16, 8))
+  sizes = jnp.array([3, 0, 5, 2], jnp.int32)
+  experts.TOKAMAX_CHOICES.clear()
+  f = lambda x, w: experts.tokamax_mm(x, w, sizes, jnp.float32, gpu)
+  ref = lambda x, w: jax.lax.ragged_dot(x, w, sizes)
+  with caplog.at_level('WARNING'):
+    np.testing.assert_allclose(jax.jit(f)(x, w), ref(x, w), rtol=1e-5, atol=1e-5)
+    g, g_ref = (jax.grad(lambda w, fn=fn: fn(x, w).sum())(w) for fn in (f, ref))
+  np.testing.assert_allclose(g, g_ref, rtol=1e-5, atol=1e-5)
+  ((key, choice),) = experts.TOKAMAX_CHOICES.items()
+  assert key == 'x [10, 16] @ w [4, 16, 8] float32'
+  assert choice.startswith('xla (mosaic: ') and 'triton: ' in choice
+  warned = [r.getMessage() for r in caplog.records if 'no GPU kernel' in r.getMessage()]
+  assert len(warned) == 1 and key in warned[0] and 'densely' in warned[0]
+  named = dataclasses.replace(gpu, tokamax_implementation='xla')
+  experts.tokamax_mm(x, w, sizes, jnp.float32, named)
+  assert experts.TOKAMAX_CHOICES[key] == 'xla'
+
+
 def test_rocm_turns_on_xlas_grouped_gemm(monkeypatch):
   from importlib import metadata
 

@@ -8,6 +8,7 @@ import math
 
 import jax
 import jax.numpy as jnp
+from absl import logging
 from jax.ad_checkpoint import checkpoint_name
 
 from moetrain.kernels import megablox
@@ -70,19 +71,60 @@ def ragged_ffn(x_RD, sizes_E, weights, cfg: ModelConfig, rng):
 
 def tokamax_ffn(x_RD, sizes_E, weights, cfg: ModelConfig, rng):
   """tokamax's grouped matmul for every product, the adapters' too, forward and backward: on a
-  GPU its Mosaic GPU kernel (sm90/sm100) or its Triton kernel (sm80+), chosen per device, whose
-  work follows the group sizes where XLA:GPU's ragged_dot is a dense product over every expert
-  (bench/RESULTS.md, "GPU: one H100"). Off a GPU it runs tokamax's XLA form (the tests)."""
-  import tokamax  # the gpu extra; imported here: importing it probes for TPUs
-
+  GPU its Mosaic GPU kernel (sm90/sm100) or its Triton kernel (sm80+), per product
+  (tokamax_mm), whose work follows the group sizes where XLA:GPU's ragged_dot is a dense product
+  over every expert (bench/RESULTS.md, "GPU: one H100"). Off a GPU it runs tokamax's XLA form
+  (the tests)."""
   dt = jnp.dtype(cfg.dtype)
-  impl = None if cfg.platform == 'gpu' else 'xla'  # None: tokamax's best for the device
 
   def mm(x, w):
-    w = quant.dequant(w, dt)
-    return tokamax.ragged_dot(x, w, sizes_E, preferred_element_type=dt, implementation=impl)
+    return tokamax_mm(x, quant.dequant(w, dt), sizes_E, dt, cfg)
 
   return swiglu(x_RD, with_lora(mm, weights, cfg, rng), cfg)
+
+
+# What tokamax_mm chose, by product shape ('x [R, K] @ w [E, K, N] bfloat16' -> implementation,
+# or 'xla (why)'): the benchmarks record it beside their timings.
+TOKAMAX_CHOICES: dict[str, str] = {}
+
+
+def tokamax_mm(x, w, sizes_E, dt, cfg: ModelConfig):
+  """One grouped product through tokamax. Off a GPU: its XLA form. On a GPU with
+  cfg.tokamax_implementation='auto': Mosaic GPU, then Triton, whichever first takes this device,
+  shape and dtype (tokamax raises NotImplementedError at trace time for what a kernel cannot
+  do), and its XLA form (dense on XLA:GPU) last, with a warning naming the product and why."""
+  import tokamax  # the gpu extra; imported here: importing it probes for TPUs
+
+  if cfg.platform != 'gpu':
+    return tokamax.ragged_dot(x, w, sizes_E, preferred_element_type=dt, implementation='xla')
+  key = f'x {list(x.shape)} @ w {list(w.shape)} {jnp.dtype(x.dtype).name}'
+  if cfg.tokamax_implementation != 'auto':
+    TOKAMAX_CHOICES[key] = cfg.tokamax_implementation
+    return tokamax.ragged_dot(
+      x, w, sizes_E, preferred_element_type=dt, implementation=cfg.tokamax_implementation
+    )
+  why = []
+  for impl in ('mosaic', 'triton'):
+    try:
+      y = tokamax.ragged_dot(
+        x, w, sizes_E, preferred_element_type=dt, implementation=[impl], bypass_device_check=False
+      )
+    # NotImplementedError: this device, shape or dtype is not the kernel's; ValueError: this
+    # tokamax has no such kernel (Triton's needs the triton package).
+    except (NotImplementedError, ValueError) as e:
+      why.append(f'{impl}: {str(e).splitlines()[0] if str(e) else type(e).__name__}')
+      continue
+    TOKAMAX_CHOICES[key] = impl
+    return y
+  if key not in TOKAMAX_CHOICES:  # once per product, not per trace
+    logging.warning(
+      "tokamax has no GPU kernel for the expert product %s (%s): it runs tokamax's XLA form, "
+      'which XLA:GPU computes densely over every expert.',
+      key,
+      '; '.join(why),
+    )
+  TOKAMAX_CHOICES[key] = f'xla ({"; ".join(why)})'
+  return tokamax.ragged_dot(x, w, sizes_E, preferred_element_type=dt, implementation='xla')
 
 
 def megablox_interpret(cfg: ModelConfig) -> bool:

@@ -22,6 +22,7 @@ MOE_BACKENDS = (
   'dense',
 )
 MOE_EP_COMM = ('auto', 'fixed', 'ragged')
+TOKAMAX_IMPLEMENTATIONS = ('auto', 'mosaic', 'triton', 'xla')
 QUANT_MODES = ('none', 'int8', 'int4')
 # The families, by the model_type of their Hugging Face config.json.
 MODEL_TYPES = (
@@ -246,6 +247,9 @@ class ModelConfig:
   moe_capacity_factor: float = engine(1.25, check='positive')
   # The experts' grouped matmul; 'auto' picks per platform (model/dispatch.py resolve_backend).
   moe_backend: str = engine('auto', choices=MOE_BACKENDS)
+  # tokamax's kernel for moe_backend='tokamax': 'auto' = Mosaic GPU where the device has it
+  # (sm90/sm100), else Triton (sm80+), else its XLA form with a warning; a name = that one only.
+  tokamax_implementation: str = engine('auto', choices=TOKAMAX_IMPLEMENTATIONS)
   # CPU backends' row tile; 0 = auto (grouped: chosen per batch).
   moe_block_size: int = engine(0, check='non_negative', zero='0 = chosen per batch')
   moe_expert_parallel: bool = engine(True)  # shard_map over the 'expert' mesh axis when it is > 1

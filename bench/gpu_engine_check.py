@@ -55,7 +55,9 @@ def outputs(cfg: ModelConfig, x, skew: float):
   moe.router_bias[...] = moe.router_bias[...].at[:e].set(bias)
   for path, v in nnx.iter_graph(moe):
     if isinstance(v, nnx.LoRAParam):  # B starts at zero: give the adapters a product
-      v[...] = jax.random.normal(jax.random.key(zlib.crc32(str(path).encode())), v.shape, v.dtype) * 0.05
+      v[...] = (
+        jax.random.normal(jax.random.key(zlib.crc32(str(path).encode())), v.shape, v.dtype) * 0.05
+      )
   valid = jnp.ones(x.shape[:2], bool)
   gd, st = nnx.split(moe)
 

@@ -97,6 +97,19 @@ def tokamax_mm(x, w, sizes_E, dt, cfg: ModelConfig):
 
   if cfg.platform != 'gpu':
     return tokamax.ragged_dot(x, w, sizes_E, preferred_element_type=dt, implementation='xla')
+  # Mosaic GPU's bulk copies need the row count a multiple of its tile (on an H200, 12000 routed
+  # rows failed to lower): zero rows past every group change no output row and no gradient.
+  rows = x.shape[0]
+  x = jnp.pad(x, ((0, -rows % GPU_ROW_TILE), (0, 0)))
+  return _tokamax_gpu_mm(x, w, sizes_E, dt, cfg)[:rows]
+
+
+GPU_ROW_TILE = 256
+
+
+def _tokamax_gpu_mm(x, w, sizes_E, dt, cfg: ModelConfig):
+  import tokamax
+
   key = f'x {list(x.shape)} @ w {list(w.shape)} {jnp.dtype(x.dtype).name}'
   if cfg.tokamax_implementation != 'auto':
     TOKAMAX_CHOICES[key] = cfg.tokamax_implementation

@@ -683,6 +683,47 @@ def test_tokamax_takes_the_first_gpu_kernel_that_fits_and_names_a_fallback(caplo
   assert experts.TOKAMAX_CHOICES[key] == 'xla'
 
 
+def test_tokamax_on_a_gpu_zeroes_what_its_kernel_leaves_unwritten(monkeypatch):
+  """A GPU kernel that leaves garbage (here NaN) in the output and input-gradient rows no group
+  covers and in the weight gradient of an expert with no rows gives tokamax_mm the values and
+  gradients of ragged_dot, finite, rows padded to the tile and back."""
+  import tokamax
+
+  from moetrain.kernels import experts
+
+  def unwritten(x, w, sizes, preferred_element_type=None, **_):
+    @jax.custom_vjp
+    def f(x, w):
+      return jnp.where(covered(x), jax.lax.ragged_dot(x, w, sizes), jnp.nan)
+
+    def covered(x):
+      return (jnp.arange(x.shape[0]) < sizes.sum())[:, None]
+
+    def bwd(res, g):
+      x, w = res
+      _, vjp = jax.vjp(lambda x, w: jax.lax.ragged_dot(x, w, sizes), x, w)
+      dx, dw = vjp(g)
+      return jnp.where(covered(x), dx, jnp.nan), jnp.where((sizes > 0)[:, None, None], dw, jnp.nan)
+
+    f.defvjp(lambda x, w: (f(x, w), (x, w)), bwd)
+    return f(x, w).astype(preferred_element_type)
+
+  monkeypatch.setattr(tokamax, 'ragged_dot', unwritten)
+  gpu = dataclasses.replace(CFG, platform='gpu', dtype='float32', tokamax_implementation='mosaic')
+  x = jax.random.normal(jax.random.key(0), (300, 16))  # 7 rows past the groups
+  w = jax.random.normal(jax.random.key(1), (4, 16, 8))
+  sizes = jnp.array([100, 0, 150, 43], jnp.int32)  # expert 1 has no rows
+  f = lambda x, w: experts.tokamax_mm(x, w, sizes, jnp.float32, gpu)
+  ref = lambda x, w: jax.lax.ragged_dot(x, w, sizes)
+  loss = lambda fn: lambda x, w: jnp.sum(fn(x, w) ** 2)
+  y, g = jax.jit(f)(x, w), jax.jit(jax.grad(loss(f), argnums=(0, 1)))(x, w)
+  g_ref = jax.grad(loss(ref), argnums=(0, 1))(x, w)
+  np.testing.assert_allclose(y, ref(x, w), rtol=1e-5, atol=1e-5)
+  for a, b in zip(g, g_ref, strict=True):
+    assert np.isfinite(a).all()
+    np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)
+
+
 def test_rocm_turns_on_xlas_grouped_gemm(monkeypatch):
   from importlib import metadata
 

@@ -101,10 +101,34 @@ def tokamax_mm(x, w, sizes_E, dt, cfg: ModelConfig):
   # rows failed to lower): zero rows past every group change no output row and no gradient.
   rows = x.shape[0]
   x = jnp.pad(x, ((0, -rows % GPU_ROW_TILE), (0, 0)))
-  return _tokamax_gpu_mm(x, w, sizes_E, dt, cfg)[:rows]
+  # The kernels leave what no group covers unwritten: the output and input-gradient rows past the
+  # groups (the zero experts' and the padding's) and the weight gradient of an expert with no
+  # rows. An H200's bfloat16 engine check read NaN gradients there; zero them.
+  covered = (jnp.arange(x.shape[0]) < jnp.sum(sizes_E))[:, None]
+  x = _zero_grad_where_not(x, covered)
+  w = _zero_grad_where_not(w, (sizes_E > 0)[:, None, None])
+  y = _tokamax_gpu_mm(x, w, sizes_E, dt, cfg)
+  return jnp.where(covered, y, 0)[:rows]
 
 
 GPU_ROW_TILE = 256
+
+
+@jax.custom_vjp
+def _zero_grad_where_not(v, keep):
+  """v; its cotangent zeroed where `keep` (broadcast to v) is False, whatever it held."""
+  return v
+
+
+def _zero_grad_fwd(v, keep):
+  return v, keep
+
+
+def _zero_grad_bwd(keep, g):
+  return jnp.where(keep, g, jnp.zeros((), g.dtype)), None
+
+
+_zero_grad_where_not.defvjp(_zero_grad_fwd, _zero_grad_bwd)
 
 
 def _tokamax_gpu_mm(x, w, sizes_E, dt, cfg: ModelConfig):

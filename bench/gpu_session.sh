@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The GPU measurements in one go, inside one device call: every step shares one deadline
-# (BUDGET seconds, default 500), the most important first, so a short lease still returns the
+# (BUDGET seconds, default 540), the most important first, so a short lease still returns the
 # engine checks and the layer timings. Run it from the repository root with the gpu extra
 # installed (pip install -e '.[gpu]'), or with its packages on PYTHONPATH
 # (bench/gpu_wheels.sh carries them to a machine with no network). Results go to $OUT
@@ -13,14 +13,14 @@
 # (model.moe_backend=tokamax, the GPU default where installed; Mosaic GPU or Triton, each record's
 # tokamax_kernels says which ran per product) follow the group sizes; capacity buffers are the
 # fast-but-dropping baseline.
-# shellcheck disable=SC2086  # $PY, $MFU and $args are split into words on purpose
+# shellcheck disable=SC2086  # $PY, $MFU and $LAYER are split into words on purpose
 set -uo pipefail
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} MOETRAIN_NO_REEXEC=1 PYTHONUNBUFFERED=1
 export XLA_PYTHON_CLIENT_MEM_FRACTION=0.95
 OUT=${OUT:-/tmp/moetrain_gpu}
 PY=${PY:-python3}
 SIZE=${SIZE:-full}
-DEADLINE=$((SECONDS + ${BUDGET:-500}))
+DEADLINE=$((SECONDS + ${BUDGET:-540}))
 mkdir -p "$OUT"
 if [ "$SIZE" = tiny ]; then
   TOKENS=512; MFU="--preset tiny --seq 128 --steps 2"; CHECK_TOKENS=200
@@ -59,26 +59,21 @@ print(versions, jax.devices(), [getattr(d, 'compute_capability', None) for d in 
 EOF
 nvidia-smi --query-gpu=name,memory.total,clocks.max.sm,driver_version --format=csv \
   >>"$OUT/versions.txt" 2>&1
-# 2. The GPU engine against the dense reference (values and gradients, adapters included, skewed
-#    loads with empty experts): tokamax's choice per product in float32 and bfloat16, then its
-#    Triton kernel by name.
-for run in "float32 auto" "bfloat16 auto" "bfloat16 triton"; do
-  set -- $run
-  step 60 $PY -m bench.gpu_engine_check --dtype $1 --tokamax $2 \
-    --tokens $CHECK_TOKENS
-done
-# 3. The MoE layer (forward + backward; frozen and trained experts) in bf16 for each engine
-#    against its ideal: XLA's ragged_dot (cuDNN where it applies, else dense), tokamax (its
-#    choice, then Triton by name), capacity buffers.
-for args in "--backend ragged_dot" "--backend tokamax" "--backend tokamax --tokamax triton" \
-  "--dispatch capacity"; do
-  step 60 $PY -m bench.moe_layer --dtype bfloat16 --tokens $TOKENS \
-    --repeats 5 $args
-done
-# 4. MFU of the ~1B-active model (a size compiles for ~1.5 min on XLA:GPU): dropless through
-#    the GPU engine and with capacity buffers at batch 2 (the side-by-side ratio), then
-#    dropless at batch 1 and 4 while time is left.
-step 150 $PY -m bench.mfu $MFU --dispatch dropless --batch 2
-step 120 $PY -m bench.mfu $MFU --dispatch capacity --batch 2
-step 240 $PY -m bench.mfu $MFU --dispatch dropless --batch 1,4
+# 2. The GPU engine against the dense reference in bfloat16 (values and gradients, adapters
+#    included, skewed loads with empty experts; ~55 s on an H200).
+step 90 $PY -m bench.gpu_engine_check --dtype bfloat16 --tokens $CHECK_TOKENS
+# 3. The MoE layer (forward + backward; frozen and trained experts) in bf16 against its ideal:
+#    tokamax dropless, then capacity buffers for the side-by-side ratio (~100 s and ~70 s).
+LAYER="$PY -m bench.moe_layer --dtype bfloat16 --tokens $TOKENS --repeats 5"
+step 120 $LAYER --backend tokamax
+step 100 $LAYER --dispatch capacity
+# 4. MFU of the ~1B-active model at batch 2 (each size compiles for ~2 min on XLA:GPU), dropless
+#    through the GPU engine and with capacity buffers.
+step 180 $PY -m bench.mfu $MFU --dispatch dropless --batch 2
+step 180 $PY -m bench.mfu $MFU --dispatch capacity --batch 2
+# 5. While time is left: float32 (tokamax's Triton kernel or its XLA form), XLA's ragged_dot
+#    layer (cuDNN where it applies, else dense), dropless at batch 1 and 4.
+step 60 $PY -m bench.gpu_engine_check --dtype float32 --tokens $CHECK_TOKENS
+step 100 $LAYER --backend ragged_dot
+step 300 $PY -m bench.mfu $MFU --dispatch dropless --batch 1,4
 echo "records in $OUT ($SECONDS s)"

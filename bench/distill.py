@@ -2,11 +2,14 @@
 the student alone, online vs offline (cached top-k) teacher logits, three initialisations, the
 cached logits' bytes per position, and the distillation step's time vs the student alone's.
 
-  python -m bench.distill [--steps 200] [--top_k 8]
+  python -m bench.distill [--steps 200] [--top_k 64] [--seeds 0,1,2] [--only SUBSTRING,...]
 
 Each variant runs as its own `python -m moetrain.main` in a fresh directory; the eval figures
 are the final evaluation's (completion tokens of the demo eval split), the step time the median
-of the logged windows' (metrics.jsonl).
+of the logged windows' (metrics.jsonl). Each variant runs once per seed (`config.seed`: the
+student's initialisation and dropout; the data order and the cached logits stay the same); a
+summary record per variant gives the medians, since one seed's 200 steps can differ from
+another's by more than distillation's effect.
 """
 
 import argparse
@@ -56,21 +59,36 @@ def _result(workdir: str) -> dict:
 def main():
   p = argparse.ArgumentParser()
   p.add_argument('--steps', type=int, default=200)
-  p.add_argument('--top_k', type=int, default=8)
+  p.add_argument('--top_k', type=int, default=64)
+  p.add_argument('--seeds', default='0,1,2')
+  p.add_argument('--only', default='', help='comma-separated substrings of variant names')
   a = p.parse_args()
+  seeds = [int(s) for s in a.seeds.split(',')]
+  only = [o for o in a.only.split(',') if o]
+  variants = {n: v for n, v in VARIANTS.items() if not only or any(o in n for o in only)}
   base = ['moetrain.main', '--config=configs/distill.py', f'--config.train.steps={a.steps}']
   with tempfile.TemporaryDirectory(prefix='bench_distill') as tmp:
     logits = os.path.join(tmp, 'logits')
-    out = _run(
-      ['moetrain.tools.teacher_logits', '--config=configs/distill.py', f'--out={logits}']
-      + [f'--top_k={a.top_k}', f'--config.train.steps={a.steps}']
-    )
-    emit({'bench': 'distill', 'what': 'offline logits', 'line': out.strip().splitlines()[-1]})
-    for name, extra in VARIANTS.items():
-      workdir = os.path.join(tmp, str(abs(hash(name))))
-      args = [x.format(k=a.top_k, logits=logits) for x in extra]
-      _run([*base, f'--workdir={workdir}', *args])
-      emit({'bench': 'distill', 'variant': name, 'steps': a.steps, **_result(workdir), **machine()})
+    if any('offline' in n for n in variants):
+      out = _run(
+        ['moetrain.tools.teacher_logits', '--config=configs/distill.py', f'--out={logits}']
+        + [f'--top_k={a.top_k}', f'--config.train.steps={a.steps}']
+      )
+      emit({'bench': 'distill', 'what': 'offline logits', 'line': out.strip().splitlines()[-1]})
+    for name, extra in variants.items():
+      runs = []
+      for seed in seeds:
+        workdir = os.path.join(tmp, f'{abs(hash(name))}_{seed}')
+        args = [x.format(k=a.top_k, logits=logits) for x in extra]
+        _run([*base, f'--workdir={workdir}', f'--config.seed={seed}', *args])
+        runs.append({'seed': seed, **_result(workdir)})
+        emit({'bench': 'distill', 'variant': name, 'steps': a.steps, 'top_k': a.top_k, **runs[-1]})
+      med = {k: statistics.median(r[k] for r in runs) for k in runs[0] if k != 'seed'}
+      emit(
+        {'bench': 'distill', 'variant': name, 'steps': a.steps, 'top_k': a.top_k, 'seeds': seeds}
+        | {f'median_{k}': v for k, v in med.items()}
+        | machine()
+      )
 
 
 if __name__ == '__main__':

@@ -6,7 +6,18 @@ import argparse
 import json
 import os
 
-from configs import deepseek_v3_lora, longcat_lora, longcat_pretrain, mixtral_lora, qwen3_moe_lora
+from configs import (
+  deepseek_v2_lora,
+  deepseek_v3_lora,
+  glm4_moe_lora,
+  gpt_oss_lora,
+  longcat_lora,
+  longcat_pretrain,
+  mixtral_lora,
+  olmoe_lora,
+  qwen2_moe_lora,
+  qwen3_moe_lora,
+)
 from moetrain.tools import tpu_plan
 
 INT8 = {'model.quant': 'int8'}
@@ -43,6 +54,15 @@ PLANS = {
       ('mixtral-8x7b', 'Mixtral-8x7B', mixtral_lora, 'mixtral_8x7b'),
       ('moonlight', 'Moonlight-16B-A3B', deepseek_v3_lora, 'moonlight_16b_a3b'),
       ('deepseek-v3', 'DeepSeek-V3', deepseek_v3_lora, 'deepseek_v3_671b'),
+      ('olmoe', 'OLMoE-1B-7B', olmoe_lora, 'olmoe_1b_7b'),
+      ('qwen1.5-moe', 'Qwen1.5-MoE-A2.7B', qwen2_moe_lora, 'qwen1_5_moe_a2_7b'),
+      ('qwen2-57b', 'Qwen2-57B-A14B', qwen2_moe_lora, 'qwen2_57b_a14b'),
+      ('deepseek-v2-lite', 'DeepSeek-V2-Lite', deepseek_v2_lora, 'deepseek_v2_lite'),
+      ('deepseek-v2', 'DeepSeek-V2 236B', deepseek_v2_lora, 'deepseek_v2_236b'),
+      ('glm4.5-air', 'GLM-4.5-Air', glm4_moe_lora, 'glm4_5_air'),
+      ('glm4.5', 'GLM-4.5', glm4_moe_lora, 'glm4_5'),
+      ('gpt-oss-20b', 'gpt-oss-20b', gpt_oss_lora, 'gpt_oss_20b'),
+      ('gpt-oss-120b', 'gpt-oss-120b', gpt_oss_lora, 'gpt_oss_120b'),
     )
   },
   # QLoRA int4 of the families' smaller models on a Kaggle-sized slice (v5e-8: 8 chips of 16 GB),

@@ -132,8 +132,8 @@ def test_expert_parallel_mesh_equals_one_device(name):
 NO_EXPERTS = r'attn\.(q|k|v|o)$|lm_head$'
 
 
-def lora_model(name: str, seed: int = 0, targets: str = ALL_TARGETS):
-  cfg = f32_config(name, lora=LoraConfig(rank=4, targets=targets))
+def lora_model(name: str, seed: int = 0, targets: str = ALL_TARGETS, rank=4, alpha=16.0):
+  cfg = f32_config(name, lora=LoraConfig(rank=rank, alpha=alpha, targets=targets))
   loaded = hf.load_params(fixture(name), cfg, seed=seed)
   model = train_state.merge_model(
     train_state.graphdef_of(cfg), loaded.params, loaded.moe_bias, loaded.frozen
@@ -142,7 +142,7 @@ def lora_model(name: str, seed: int = 0, targets: str = ALL_TARGETS):
 
 
 def peft_targets(name: str) -> str:
-  return NO_EXPERTS if name.startswith('gpt_oss') else ALL_TARGETS
+  return ALL_TARGETS
 
 
 def trained_lora_model(name: str, targets: str = ALL_TARGETS):
@@ -193,6 +193,12 @@ def test_merged_export_and_peft_adapter_round_trip(name, tmp_path):
   peft_adapter.save(model, cfg, str(tmp_path / 'adapter'), base_model=fixture(name))
   adapter = json.loads((tmp_path / 'adapter' / 'adapter_config.json').read_text())
   assert adapter['modules_to_save'] == [peft_adapter.router_module(cfg)]
+  if adapter['r'] != cfg.lora.rank:  # gpt-oss's fused experts: rank 2r at scale 1
+    assert adapter['target_parameters'] and adapter['r'] == adapter['lora_alpha'] == 8
+    fresh, fresh_cfg = lora_model(name, seed=9, targets=peft_targets(name), rank=8, alpha=8.0)
+    peft_adapter.load(fresh, fresh_cfg, str(tmp_path / 'adapter'))
+    assert max_err(logits_of(fresh, ids), want) < 1e-5
+    return
   fresh, _ = lora_model(name, seed=9, targets=peft_targets(name))
   peft_adapter.load(fresh, cfg, str(tmp_path / 'adapter'))
   for x, y in zip(jax.tree.leaves(nnx.state(fresh)), jax.tree.leaves(nnx.state(model))):
@@ -247,6 +253,52 @@ def test_transformers_loads_the_exports(name, tmp_path):
     err = max_err(got[kind], want)
     print(f'{name}: transformers on the {kind} export: logits {err:.2e}')
     assert err < 1e-5, (kind, err)
+
+
+# peft's side of test_a_peft_adapter_on_fused_experts_loads: a rank-4 adapter on q_proj and the
+# fused experts (target_parameters), random factors, saved, with the adapted model's logits.
+_PEFT_FUSED_SCRIPT = """
+import sys, numpy as np, peft, torch, transformers
+base, out, ids, logits = sys.argv[1:]
+torch.manual_seed(0)
+model = transformers.AutoModelForCausalLM.from_pretrained(
+  base, dtype=torch.float32, attn_implementation='eager')
+config = peft.LoraConfig(r=4, lora_alpha=8, target_modules=['q_proj'],
+  target_parameters=['mlp.experts.gate_up_proj', 'mlp.experts.down_proj'])
+model = peft.get_peft_model(model, config)
+with torch.no_grad():
+  for n, p in model.named_parameters():
+    if 'lora_' in n:
+      p.copy_(torch.randn_like(p) * 0.3)
+model.save_pretrained(out)
+with torch.no_grad():
+  got = model.eval()(input_ids=torch.from_numpy(np.load(ids)).long()).logits.numpy()
+np.save(logits, got)
+"""
+
+
+def test_a_peft_adapter_on_fused_experts_loads(tmp_path):
+  """An adapter that peft itself made on gpt-oss's fused experts (target_parameters: one A per
+  expert shared by gate and up) loads into moetrain's separate gate/up/down adapters with peft's
+  logits. Needs MOETRAIN_HF_PYTHON, as test_transformers_loads_the_exports."""
+  import subprocess
+
+  python = os.environ.get('MOETRAIN_HF_PYTHON')
+  if not python:
+    pytest.skip('MOETRAIN_HF_PYTHON (a python with torch, transformers 4.57.6, peft) is unset')
+  name = 'gpt_oss_three_layer'
+  ids = reference(name)['input_ids']
+  np.save(tmp_path / 'ids.npy', ids)
+  out, logits = tmp_path / 'adapter', tmp_path / 'logits.npy'
+  args = [python, '-c', _PEFT_FUSED_SCRIPT, fixture(name), str(out), str(tmp_path / 'ids.npy')]
+  run = subprocess.run([*args, str(logits)], capture_output=True, text=True)
+  assert run.returncode == 0, run.stderr[-3000:]
+  targets = r'attn\.q$|experts\.(gate|up|down)$'
+  model, cfg = lora_model(name, targets=targets, rank=4, alpha=8.0)
+  peft_adapter.load(model, cfg, str(out))
+  want = np.load(logits)
+  assert max_err(want, reference(name)['logits']) > 1e-2  # the adapter changes the logits
+  assert max_err(logits_of(model, ids), want) < 1e-4
 
 
 @pytest.mark.parametrize('name', EXTRAS)

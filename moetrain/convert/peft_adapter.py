@@ -3,11 +3,13 @@ adapter_config.json as peft's LoraConfig saves them, written from and read into 
 params (and the routers, which training moves)."""
 
 import dataclasses
+import functools
 import json
 import os
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 from moetrain.convert import safetensors_io as stio
@@ -68,36 +70,45 @@ def save(model, cfg: ModelConfig, out_dir: str, base_model: str = '') -> None:
   rows = _adapted(flat, cfg)
   if not rows:
     raise ValueError('the model has no LoRA adapters (cfg.lora.rank is 0 or targets match none)')
-  if not getattr(family_of(cfg.model_type), 'PEFT_EXPERTS', True) and any(r.experts for r in rows):
-    raise ValueError(
-      f'{cfg.model_type} stores its experts as fused parameters, which PEFT LoRA does not adapt: '
-      'export the adapted experts merged (save_hf), or leave experts out of lora.targets'
-    )
+  fused = not getattr(family_of(cfg.model_type), 'PEFT_EXPERTS', True)
+  if fused and any(r.experts for r in rows):
+    return _save_fused(flat, rows, cfg, out_dir, base_model)
   saved = rows + _router_rows(cfg)
   items = [(r, ix) for r in saved for ix in r.indices(cfg.n_routed_experts)]
   dtype = jnp.dtype(cfg.param_dtype)  # the base's dtype, as the merged export
   specs = [
     (r.name(ix), sio.flat_shape(flat[r.key].shape[r.lead :], r.n_in), dtype) for r, ix in items
   ]
-  writable = jax.process_index() == 0
-  if writable:
-    os.makedirs(out_dir, exist_ok=True)
 
   def produce(i):
     r, ix = items[i]
     return sio.to_flat(sio.to_host(flat[r.key][ix]), r.n_in).astype(dtype)
 
+  lo = cfg.lora
+  _write(out_dir, specs, produce, _config(cfg, rows, base_model, lo.rank, lo.alpha, lo.rslora))
+
+
+def _write(out_dir: str, specs, produce, config: dict) -> None:
+  writable = jax.process_index() == 0
+  if writable:
+    os.makedirs(out_dir, exist_ok=True)
   stio.write_file(os.path.join(out_dir, ADAPTER_FILE), specs, produce, writable)
+  if writable:
+    with open(os.path.join(out_dir, ADAPTER_CONFIG), 'w') as f:
+      json.dump(config, f, indent=2)
+
+
+def _config(cfg: ModelConfig, rows, base_model: str, rank, alpha, rslora, params=None) -> dict:
   lo = cfg.lora
   config = {
     'peft_type': 'LORA',
     'task_type': 'CAUSAL_LM',
-    'r': lo.rank,
-    'lora_alpha': lo.alpha,
-    'use_rslora': lo.rslora,
+    'r': rank,
+    'lora_alpha': alpha,
+    'use_rslora': rslora,
     'lora_dropout': lo.dropout,
     'bias': 'none',
-    'target_modules': _target_modules(rows),
+    'target_modules': _target_modules(rows) if rows else [],
     'fan_in_fan_out': False,
     'use_dora': False,
     'init_lora_weights': True,
@@ -105,9 +116,53 @@ def save(model, cfg: ModelConfig, out_dir: str, base_model: str = '') -> None:
     'modules_to_save': [router_module(cfg)],
     'base_model_name_or_path': base_model or None,
   }
-  if writable:
-    with open(os.path.join(out_dir, ADAPTER_CONFIG), 'w') as f:
-      json.dump(config, f, indent=2)
+  if params:
+    config['target_parameters'] = params
+  return config
+
+
+def _save_fused(flat, rows: list[Row], cfg: ModelConfig, out_dir: str, base_model: str) -> None:
+  """gpt-oss: its experts are fused parameters, which PEFT adapts through target_parameters at
+  one rank for the whole adapter (gpt_oss.fused_adapter): rank 2r, scale 1, every module's
+  factors padded with zeros and its B scaled."""
+  from moetrain.convert import gpt_oss
+
+  rank, scale, e_count = cfg.lora.rank, cfg.lora.scale, cfg.n_routed_experts
+  dtype = jnp.dtype(cfg.param_dtype)
+  host = lambda r, ix: sio.to_flat(sio.to_host(flat[r.key][ix]), r.n_in).astype(np.float32)
+  tensors, layers, params = {}, {}, set()
+  for r in rows:
+    for ix in r.indices(e_count):
+      name = r.name(ix)
+      if (where := gpt_oss.split_expert_row(name)) is None:
+        a = r.name_template.endswith('lora_A.weight')
+        tensors[name] = functools.partial(_padded, host, r, ix, a, rank, scale)
+        continue
+      prefix, e, piece, ab = where
+      layers.setdefault(prefix, {}).setdefault((prefix, piece, ab), [None] * e_count)[e] = (r, ix)
+  for pieces in layers.values():
+    got = {k: [host(*x) for x in v] for k, v in pieces.items()}
+    fused, targets = gpt_oss.fused_adapter(got, e_count, rank, scale)
+    params.update(targets)
+    tensors.update({n: (lambda v=v: v) for n, v in fused.items()})
+  for r in _router_rows(cfg):
+    for ix in r.indices(e_count):
+      tensors[r.name(ix)] = functools.partial(host, r, ix)
+  names = list(tensors)
+  specs = [(n, tensors[n]().shape, dtype) for n in names]
+  produce = lambda i: tensors[names[i]]().astype(dtype)
+  modules = [r for r in rows if gpt_oss.split_expert_row(r.name(r.indices(e_count)[0])) is None]
+  config = _config(cfg, modules, base_model, 2 * rank, 2 * rank, False, sorted(params))
+  _write(out_dir, specs, produce, config)
+
+
+def _padded(host, r: Row, ix, is_a: bool, rank: int, scale: float):
+  """A module's PEFT factor at rank 2r, scale 1: A [r, in] under r rows of zeros, or B [out, r]
+  times the scale beside r columns of zeros."""
+  x = host(r, ix)
+  if is_a:
+    return np.concatenate([x, np.zeros_like(x)], axis=0)
+  return np.concatenate([scale * x, np.zeros_like(x)], axis=1)
 
 
 def load(model, cfg: ModelConfig, directory: str) -> None:
@@ -144,7 +199,11 @@ def load(model, cfg: ModelConfig, directory: str) -> None:
   flat = {p: value_of(v) for p, v in variables.items()}
   rows = _adapted(flat, cfg) + (_router_rows(cfg) if router else [])
   reader = stio.Reader(directory, single=ADAPTER_FILE, index=None)
+  fused_values = {}
+  if c.get('target_parameters'):  # gpt-oss's fused experts (gpt_oss.fused_adapter)
+    fused_values, rows = _load_fused(reader, c['target_parameters'], rows, flat, cfg)
   extra = check_rows(reader, rows, cfg, {p: x.shape for p, x in flat.items()})
+  extra = [k for k in extra if k not in fused_values.get('read', ())]
   if extra:
     raise ValueError(
       f'{directory}: {len(extra)} adapter tensors have no LoRA param in this '
@@ -155,4 +214,46 @@ def load(model, cfg: ModelConfig, directory: str) -> None:
   values = {}
   for r in rows:
     values.update(sio.load_row(reader, r, abstract, shardings, flat[r.key].shape))
+  for key, x in fused_values.get('values', {}).items():
+    values[key] = jax.device_put(x.astype(abstract[key].dtype), shardings[key])
   nnx.update(model, nnx.from_flat_state({p: variables[p].replace(values[p]) for p in values}))
+
+
+def _load_fused(reader, targets: list[str], rows: list[Row], flat, cfg: ModelConfig):
+  """({'values': {path: [..., E, in, r] or [..., E, r, out]}, 'read': fused tensor names}, the
+  rows left to read one by one) for an adapter on gpt-oss's fused experts: expert e's gate and
+  up adapters are the gate_up_proj factors' B_e and A_e's even / odd columns, down's those of
+  down_proj (gpt_oss.fused_adapter's layout, as peft saves it)."""
+  from moetrain.convert import gpt_oss
+
+  e_count, rank = cfg.n_routed_experts, cfg.lora.rank
+  both = {f'mlp.experts.{f}' for f in gpt_oss.FUSED_TARGETS} <= set(targets)
+  values, read, rest = {}, set(), []
+  for r in rows:
+    cache = {}
+    get = lambda n, cache=cache: cache[n] if n in cache else cache.setdefault(n, reader.read(n))
+    if not r.experts or gpt_oss.split_expert_row(r.name(r.indices(e_count)[0])) is None:
+      rest.append(r)
+      continue
+    out = np.zeros(flat[r.key].shape, np.float32)
+    for ix in r.indices(e_count):
+      prefix, e, piece, ab = gpt_oss.split_expert_row(r.name(ix))
+      fused = next(f for f, names in gpt_oss.FUSED_TARGETS.items() if piece in names)
+      if f'mlp.experts.{fused}' not in targets:
+        raise ValueError(
+          f'{reader.directory}: target_parameters {targets} leave out mlp.experts.{fused}, '
+          f'which lora.targets adapts ({r.path})'
+        )
+      inner = '.base_layer' if fused == 'gate_up_proj' and both else ''
+      names = [f'{prefix}{inner}.lora_{x}.weight' for x in 'AB']
+      read.update(names)
+      if ab == 'A':  # moetrain's A [in, r]: B_e
+        b_w = get(names[1])
+        out[ix] = b_w.reshape(b_w.shape[0], rank, e_count)[:, :, e]
+      else:  # moetrain's B [r, out]: A_e's columns of this piece
+        a_w = get(names[0])
+        pieces = gpt_oss.FUSED_TARGETS[fused]
+        a_e = a_w.reshape(e_count, rank, a_w.shape[-1])[e]
+        out[ix] = a_e[:, pieces.index(piece) :: len(pieces)]
+    values[r.key] = out
+  return {'values': values, 'read': read}, rest

@@ -256,3 +256,33 @@ def test_the_teacher_rides_in_the_state_but_not_in_the_optimizer_or_checkpoints(
   optimizer = optim.make_optimizer(setup.optim, setup.train.steps)
   want = jax.eval_shape(optimizer.init, abstract.params)
   assert jax.tree.structure(want) == jax.tree.structure(abstract.opt_state)
+
+
+@pytest.mark.slow
+def test_a_teacher_stored_int8_or_int4_keeps_its_choices(tmp_path):
+  """distill.teacher_quant stores the online teacher as QLoRA stores a base: its cached top-8 on
+  the first training batch keep the bfloat16 teacher's best token at almost every scored
+  position, and its log-probabilities close."""
+  from moetrain.distill import logits
+  from moetrain.tools import teacher_logits
+
+  got = {}
+  for quant in ('none', 'int8', 'int4'):
+    overrides = {'distill.teacher_quant': quant, 'train.steps': 1, 'optim.warmup_steps': 0}
+    config = _demo_config(**overrides)
+    out = tmp_path / quant
+    stats = teacher_logits.write(config, str(out), top_k=8)
+    assert stats['positions'] > 500
+    (shard,) = sorted((out / 'host000').glob('*.array_record'))
+    from array_record.python.array_record_module import ArrayRecordReader
+
+    record = ArrayRecordReader(str(shard)).read([0])[0]
+    got[quant] = logits.decode(record, 16, 128, 8)
+  ids, logp = got['none']
+  scored = logp[..., 0] != 0
+  for quant, agree_min, gap_max in (('int8', 0.99, 0.02), ('int4', 0.9, 0.3)):
+    q_ids, q_logp = got[quant]
+    agree = np.mean(q_ids[..., 0][scored] == ids[..., 0][scored])
+    gap = np.median(np.abs(np.exp(q_logp[..., 0]) - np.exp(logp[..., 0]))[scored])
+    assert agree >= agree_min and gap <= gap_max, (quant, agree, gap)
+    assert not np.array_equal(q_logp, logp)  # the stored teacher did change

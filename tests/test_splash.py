@@ -27,15 +27,15 @@ def _inputs(b=2, n=4, g=2, t=256, hqk=24, hv=16, seed=0):
   return q, k, v, jnp.asarray(seg)
 
 
-def _xla(q_BNTH, k_BNTH, v_BNTH, seg_BT, scale, chunk=128):
-  """The XLA path of model/attention.py on the same operands: its GQA repeat, self mask and
-  causal query blocks."""
+def _xla(q_BNTH, k_BNTH, v_BNTH, seg_BT, scale, chunk=128, window=0, sinks_N=None):
+  """The XLA path of model/attention.py on the same operands: its GQA repeat, self mask (with
+  a sliding window), causal query blocks and sinks."""
   groups = q_BNTH.shape[1] // k_BNTH.shape[1]
   k_BNTH, v_BNTH = (jnp.repeat(x, groups, axis=1) for x in (k_BNTH, v_BNTH))
   t = seg_BT.shape[1]
-  mask = attention.self_mask(jnp.broadcast_to(jnp.arange(t), seg_BT.shape), seg_BT)
+  mask = attention.self_mask(jnp.broadcast_to(jnp.arange(t), seg_BT.shape), seg_BT, window)
   blocks = tuple((i, i + chunk, i + chunk) for i in range(0, t, chunk))
-  return attention.attention_core(q_BNTH, k_BNTH, v_BNTH, mask, scale, blocks, True)
+  return attention.attention_core(q_BNTH, k_BNTH, v_BNTH, mask, scale, blocks, True, sinks_N)
 
 
 def _loss(fn):
@@ -60,6 +60,26 @@ def test_splash_equals_the_xla_attention_in_values_and_gradients():
     np.testing.assert_allclose(a, b, atol=1e-4, rtol=1e-4, err_msg=name)
 
 
+def test_splash_with_a_sliding_window_and_sinks_equals_the_xla_attention():
+  """gpt-oss's attention: each query sees its last 100 positions (not a multiple of the kernel's
+  blocks) within its segment, and each head's softmax has a learned sink logit; values and
+  gradients (sinks included) against the XLA path, in the interpreter."""
+  q, k, v, seg = _inputs()
+  sinks = jnp.asarray([0.5, -1.0, 2.0, 0.0])
+  scale, window = 0.2, 100
+  ours = lambda q, k, v, s: splash.splash_attention(
+    q, k, v, seg, scale, interpret=True, window=window, sinks_N=s
+  )
+  xla = lambda q, k, v, s: _xla(q, k, v, seg, scale, window=window, sinks_N=s)
+  np.testing.assert_allclose(ours(q, k, v, sinks), xla(q, k, v, sinks), atol=2e-5, rtol=1e-5)
+  assert float(jnp.abs(xla(q, k, v, sinks) - _xla(q, k, v, seg, scale)).max()) > 0.1
+  args = (q, k, v, sinks)
+  g_ours = jax.grad(lambda *a: _loss(lambda q, k, v: ours(q, k, v, a[3]))(*a[:3]), (0, 1, 2, 3))
+  g_xla = jax.grad(lambda *a: _loss(lambda q, k, v: xla(q, k, v, a[3]))(*a[:3]), (0, 1, 2, 3))
+  for name, a, b in zip(['q', 'k', 'v', 'sinks'], g_ours(*args), g_xla(*args)):
+    np.testing.assert_allclose(a, b, atol=1e-4, rtol=1e-4, err_msg=name)
+
+
 def test_splash_under_a_mesh_equals_one_device():
   """In a shard_map over the batch axes (rows) and 'tensor' (heads), as the model runs it."""
   q, k, v, seg = _inputs(b=4)
@@ -75,11 +95,17 @@ def test_splash_under_a_mesh_equals_one_device():
   np.testing.assert_allclose(out, whole, atol=1e-6)
 
 
-@pytest.mark.parametrize('kind', ['mla', 'gqa'])
+_SLIDING_THEN_FULL = ('sliding_attention', 'full_attention')
+
+
+@pytest.mark.parametrize('kind', ['mla', 'gqa', 'gpt_oss'])
 def test_a_model_with_splash_attention_gives_the_xla_paths_logits(kind):
   """Two packed examples per row; the same weights (same seed) under either kernel."""
   gqa = dict(attention='gqa', layer_layout='standard', num_heads=4, num_kv_heads=2, head_dim=8)
-  kw = gqa if kind == 'gqa' else {}
+  # gpt-oss's attention: sinks, a sliding window of 40 (past the first example's 70 positions
+  # in layer 0), full attention in layer 1.
+  windowed = dict(attention_sinks=True, sliding_window=40, layer_types=_SLIDING_THEN_FULL)
+  kw = {'mla': {}, 'gqa': gqa, 'gpt_oss': gqa | windowed}[kind]
   logits = []
   for kernel in ('xla', 'splash'):
     model, ids = model_and_ids(tiny(attention_kernel=kernel, **kw), t=128)

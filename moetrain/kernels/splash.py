@@ -43,16 +43,19 @@ def supports(t: int) -> bool:
 
 
 @functools.lru_cache(maxsize=32)
-def _kernel(heads: int, t: int, interpret: bool):
-  """The splash kernel for `heads` query heads over a causal T x T mask, built as
-  make_splash_mha builds it but with its block tables left as NumPy arrays: they become
-  constants of the program. (make_splash_mha makes them jax Arrays, which fails while tracing
-  for an abstract TPU mesh, and which jax 0.12 would pass to the step as extra arguments.)"""
+def _kernel(heads: int, t: int, interpret: bool, window: int = 0):
+  """The splash kernel for `heads` query heads over a causal T x T mask (with window > 0: each
+  query sees its last `window` positions, itself included, and the blocks wholly outside that
+  band are never loaded either), built as make_splash_mha builds it but with its block tables
+  left as NumPy arrays: they become constants of the program. (make_splash_mha makes them jax
+  Arrays, which fails while tracing for an abstract TPU mesh, and which jax 0.12 would pass to
+  the step as extra arguments.)"""
   kernel, mask = _modules()
   from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask_info as info
 
   b = block_size(t)
-  causal = mask.MultiHeadMask([mask.CausalMask((t, t)) for _ in range(heads)])
+  one = mask.LocalMask((t, t), (window - 1, 0), 0) if window else mask.CausalMask((t, t))
+  causal = mask.MultiHeadMask([one for _ in range(heads)])
   shards = dict(downcast_smem_data=True, head_shards=1, q_seq_shards=1)
   # dq's blocks are the forward's (the same sizes), so it shares the forward's tables.
   fwd, mask_fn = info.process_mask(causal, (b, b), **shards)
@@ -82,13 +85,14 @@ def _kernel(heads: int, t: int, interpret: bool):
   )
 
 
-def _local(q_BNTH, k_BNTH, v_BNTH, seg_BT, *, interpret: bool):
+def _local(q_BNTH, k_BNTH, v_BNTH, seg_BT, sinks_N, *, interpret: bool, window: int):
   kernel_mod, _ = _modules()
   n, t = q_BNTH.shape[1], q_BNTH.shape[2]
-  run = _kernel(n, t, interpret)
+  run = _kernel(n, t, interpret, window)
 
   def one(q_NTH, k_NTH, v_NTH, seg_T):
-    return run(q_NTH, k_NTH, v_NTH, segment_ids=kernel_mod.SegmentIds(q=seg_T, kv=seg_T))
+    ids = kernel_mod.SegmentIds(q=seg_T, kv=seg_T)
+    return run(q_NTH, k_NTH, v_NTH, ids, sinks_N)
 
   return jax.vmap(one)(q_BNTH, k_BNTH, v_BNTH, seg_BT.astype(jnp.int32))
 
@@ -103,9 +107,13 @@ def splash_attention(
   interpret: bool,
   mesh_shape=(),
   head_axis=None,
+  window: int = 0,
+  sinks_N=None,
 ):
   """softmax(scale * q k^T) v over keys at or before each query in its own segment (segment 0,
-  padding, attends among itself as the XLA path's self_mask does). k/v carry N_kv heads.
+  padding, attends among itself as the XLA path's self_mask does), within its last `window`
+  positions when window > 0, and with sinks_N [N] (gpt-oss) one more logit per head whose weight
+  goes to no value, as attention_core's. k/v carry N_kv heads.
   interpret: run the kernel in Pallas' interpreter (any platform; what the CPU tests check);
   mesh_shape: the sizes of MESH_AXES of the mesh in context (jax.set_mesh; () = no mesh), over
   which the kernel runs in a shard_map; head_axis: the mesh axis
@@ -113,13 +121,16 @@ def splash_attention(
   # The kernel takes unscaled scores; q scaled first is the same product. Scaled here, outside
   # the shard_map, XLA fuses it into q's producer; inside, it was one more copy of q.
   q_BNTH = (q_BNTH.astype(jnp.float32) * scale).astype(q_BNTH.dtype)
-  local = functools.partial(_local, interpret=interpret)
+  if sinks_N is not None:
+    sinks_N = sinks_N.astype(jnp.float32)
+  local = functools.partial(_local, interpret=interpret, window=window)
   if not mesh_shape:
-    return local(q_BNTH, k_BNTH, v_BNTH, segment_ids_BT)
+    return local(q_BNTH, k_BNTH, v_BNTH, segment_ids_BT, sinks_N)
   sizes = dict(zip(MESH_AXES, full_shape(mesh_shape)))
   batch = tuple(a for a in BATCH_AXES if sizes.get(a, 1) > 1) or None
   heads = head_axis if head_axis and sizes.get(head_axis, 1) > 1 else None
   qkv = P(batch, heads, None, None)
-  return jax.shard_map(
-    local, in_specs=(qkv, qkv, qkv, P(batch, None)), out_specs=qkv, check_vma=False
-  )(q_BNTH, k_BNTH, v_BNTH, segment_ids_BT)
+  specs = (qkv, qkv, qkv, P(batch, None), None if sinks_N is None else P(heads))
+  return jax.shard_map(local, in_specs=specs, out_specs=qkv, check_vma=False)(
+    q_BNTH, k_BNTH, v_BNTH, segment_ids_BT, sinks_N
+  )

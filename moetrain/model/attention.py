@@ -78,8 +78,8 @@ def causal_self_attention(
   """Attention of a packed row over itself (k/v with N_kv heads dividing N): the splash kernel
   where cfg.splash_attention says so, else self_mask and the chunked XLA path. Both are causal in
   index order within each segment (packing restarts positions per example, so that is causal
-  by position too). A sliding window or sinks (gpt-oss) take the XLA path."""
-  if cfg.splash_attention(q_BTNH.shape[1]) and not window and sinks_N is None:
+  by position too), a sliding window and sinks (gpt-oss) included."""
+  if cfg.splash_attention(q_BTNH.shape[1]):
     heads = dict(cfg.rules.activations).get('heads')
     out_BNTH = splash.splash_attention(
       *(x.transpose(0, 2, 1, 3) for x in (q_BTNH, k_BTNH, v_BTNH)),
@@ -88,6 +88,8 @@ def causal_self_attention(
       interpret=cfg.platform != 'tpu',
       mesh_shape=cfg.mesh_shape,
       head_axis=heads if isinstance(heads, str) else None,
+      window=window,
+      sinks_N=sinks_N,
     )
     return constrain(out_BNTH.transpose(0, 2, 1, 3), axes.names('BTN') + (None,), cfg.rules)
   groups = cfg.num_heads // k_BTNH.shape[2]

@@ -3,6 +3,7 @@ the student alone, online vs offline (cached top-k) teacher logits, three initia
 cached logits' bytes per position, and the distillation step's time vs the student alone's.
 
   python -m bench.distill [--steps 200] [--top_k 64] [--seeds 0,1,2] [--only SUBSTRING,...]
+      [--set distill.temperature=1 ...]
 
 Each variant runs as its own `python -m moetrain.main` in a fresh directory; the eval figures
 are the final evaluation's (completion tokens of the demo eval split), the step time the median
@@ -62,17 +63,19 @@ def main():
   p.add_argument('--top_k', type=int, default=64)
   p.add_argument('--seeds', default='0,1,2')
   p.add_argument('--only', default='', help='comma-separated substrings of variant names')
+  p.add_argument('--set', action='append', default=[], help='KEY=VALUE config overrides for all')
   a = p.parse_args()
   seeds = [int(s) for s in a.seeds.split(',')]
   only = [o for o in a.only.split(',') if o]
   variants = {n: v for n, v in VARIANTS.items() if not only or any(o in n for o in only)}
-  base = ['moetrain.main', '--config=configs/distill.py', f'--config.train.steps={a.steps}']
+  common = [f'--config.train.steps={a.steps}', *(f'--config.{kv}' for kv in a.set)]
+  base = ['moetrain.main', '--config=configs/distill.py', *common]
   with tempfile.TemporaryDirectory(prefix='bench_distill') as tmp:
     logits = os.path.join(tmp, 'logits')
     if any('offline' in n for n in variants):
       out = _run(
         ['moetrain.tools.teacher_logits', '--config=configs/distill.py', f'--out={logits}']
-        + [f'--top_k={a.top_k}', f'--config.train.steps={a.steps}']
+        + [f'--top_k={a.top_k}', *common]
       )
       emit({'bench': 'distill', 'what': 'offline logits', 'line': out.strip().splitlines()[-1]})
     for name, extra in variants.items():

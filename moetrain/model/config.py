@@ -225,7 +225,7 @@ class ModelConfig:
   # last position, skipping the upper triangle block by block; 0 = one block (the full square).
   attention_chunk: int = engine(128, check='non_negative', zero='0 = no chunking')
   # Causal self-attention's kernel: 'splash' = JAX's fused Pallas TPU kernel (segment ids, GQA,
-  # MLA widths; the scores never reach HBM), 'xla' = the chunked XLA path below (any platform;
+  # MLA widths, sliding windows, sinks; the scores never reach HBM), 'xla' = the chunked XLA path below (any platform;
   # decoding always uses it), 'auto' = splash when compiling for TPU and the sequence is a
   # multiple of 128, else xla. Off TPU, 'splash' runs in Pallas' interpreter (slow; for tests).
   attention_kernel: str = engine('auto', choices=('auto', 'splash', 'xla'))

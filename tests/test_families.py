@@ -628,6 +628,17 @@ def test_glm_mtp_layer_is_skipped_on_load_and_copied_on_export(tmp_path):
     hf.load_params(fixture(name), dataclasses.replace(cfg, num_nextn_predict_layers=0))
 
 
+def test_gpt_oss_scans_its_alternating_layers_as_one_group():
+  """Sliding and full layers are one stacked scan, each layer's window per-layer data: one
+  group of 24 for gpt-oss-20b, where one group per layer kept every layer's MoE buffers apart
+  (a v5p-8 plan at 403.9 GiB per chip)."""
+  from moetrain.model.families import PRESETS
+
+  cfg = PRESETS['gpt_oss_20b']
+  assert [(g.name, g.count) for g in cfg.layer_groups()] == [('layers', 24)]
+  assert cfg.layer_windows()[:4] == (128, 0, 128, 0)
+
+
 @pytest.mark.slow
 def test_gpt_oss_mxfp4_experts_read_dequantised(tmp_path):
   """The released layout: MXFP4 expert blocks and scales read as transformers dequantises them

@@ -27,11 +27,13 @@ def attention_probs(s_BNTS, mask_BTS, scale: float):
   return jax.nn.softmax(masked_scores(s_BNTS, mask_BTS, scale), axis=-1)
 
 
-def window_mask(mask_BTS, q_pos_BT, k_pos_BS, window: int):
-  """mask where each query also sees only the keys of its last `window` positions (0: all)."""
-  if not window:
+def window_mask(mask_BTS, q_pos_BT, k_pos_BS, window):
+  """mask where each query also sees only the keys of its last `window` positions (0: all;
+  window may be traced: a layer's, under the layer scan)."""
+  if isinstance(window, int) and not window:
     return mask_BTS
-  return mask_BTS & (k_pos_BS[:, None, :] > q_pos_BT[:, :, None] - window)
+  inside = k_pos_BS[:, None, :] > q_pos_BT[:, :, None] - window
+  return mask_BTS & (inside | (window <= 0))
 
 
 def self_mask(positions_BT, segment_ids_BT, window: int = 0):
@@ -81,16 +83,23 @@ def causal_self_attention(
   by position too), a sliding window and sinks (gpt-oss) included."""
   if cfg.splash_attention(q_BTNH.shape[1]):
     heads = dict(cfg.rules.activations).get('heads')
-    out_BNTH = splash.splash_attention(
-      *(x.transpose(0, 2, 1, 3) for x in (q_BTNH, k_BTNH, v_BTNH)),
-      segment_ids_BT,
-      cfg.attention_scale,
-      interpret=cfg.platform != 'tpu',
-      mesh_shape=cfg.mesh_shape,
-      head_axis=heads if isinstance(heads, str) else None,
-      window=window,
-      sinks_N=sinks_N,
-    )
+
+    def run(w: int):
+      return splash.splash_attention(
+        *(x.transpose(0, 2, 1, 3) for x in (q_BTNH, k_BTNH, v_BTNH)),
+        segment_ids_BT,
+        cfg.attention_scale,
+        interpret=cfg.platform != 'tpu',
+        mesh_shape=cfg.mesh_shape,
+        head_axis=heads if isinstance(heads, str) else None,
+        window=w,
+        sinks_N=sinks_N,
+      )
+
+    if isinstance(window, int) or not cfg.sliding_window:
+      out_BNTH = run(window if isinstance(window, int) else 0)
+    else:  # a layer's window under the layer scan: the kernel's mask is static, so one of two
+      out_BNTH = jax.lax.cond(window > 0, lambda: run(cfg.sliding_window), lambda: run(0))
     return constrain(out_BNTH.transpose(0, 2, 1, 3), axes.names('BTN') + (None,), cfg.rules)
   groups = cfg.num_heads // k_BTNH.shape[2]
   k_BTNH, v_BTNH = (jnp.repeat(x, groups, axis=2) for x in (k_BTNH, v_BTNH))
@@ -155,7 +164,8 @@ class MLA(nnx.Module):
     q_BTNH = jnp.concatenate([q_nope, q_pe.astype(q_nope.dtype)], -1)
     return q_BTNH, jnp.concatenate([k_nope, k_pe_BSNH], -1), v_BSNH
 
-  def __call__(self, x_BTD, positions_BT, segment_ids_BT, rng=None):
+  def __call__(self, x_BTD, positions_BT, segment_ids_BT, rng=None, window=0):
+    del window  # no MLA family has sliding windows
     q_nope, q_pe = self.project_q(x_BTD, positions_BT, rng)
     c_BTK, k_pe = self.latent(x_BTD, positions_BT, rng)
     q_BTNH, k_BTNH, v_BTNH = self.heads(q_nope, q_pe, c_BTK, k_pe, rng)
@@ -168,10 +178,10 @@ class GQA(nnx.Module):
   RMSNorm over each query and key head (Qwen3), or over the whole q and k projections (OLMoE),
   before RoPE when cfg.qk_norm; biases on q/k/v (cfg.qkv_bias) and o (cfg.o_bias); RoPE on part
   of each head (cfg.partial_rotary_factor, GLM-4.5); a learned sink logit per head
-  (cfg.attention_sinks) and a sliding `window` (gpt-oss)."""
+  (cfg.attention_sinks) and a sliding window (gpt-oss: the layer's, given at each call)."""
 
-  def __init__(self, cfg: ModelConfig, path: str, rngs: nnx.Rngs, window: int = 0):
-    self.cfg, self.window = cfg, window
+  def __init__(self, cfg: ModelConfig, path: str, rngs: nnx.Rngs):
+    self.cfg = cfg
     d, n, g, h = cfg.hidden_size, cfg.num_heads, cfg.kv_heads, cfg.gqa_head_dim
     qkv = dict(bias=cfg.qkv_bias)
     self.q = Linear('BTD,DNH->BTNH', (d, n, h), cfg, f'{path}.q', rngs, **qkv)
@@ -220,15 +230,15 @@ class GQA(nnx.Module):
   def sinks_N(self):
     return self.sinks[...] if self.cfg.attention_sinks else None
 
-  def __call__(self, x_BTD, positions_BT, segment_ids_BT, rng=None):
+  def __call__(self, x_BTD, positions_BT, segment_ids_BT, rng=None, window=0):
     q_BTNH, k_BTNH, v_BTNH = self.project(x_BTD, positions_BT, rng)
     out_BTNH = causal_self_attention(
-      q_BTNH, k_BTNH, v_BTNH, positions_BT, segment_ids_BT, self.cfg, self.window, self.sinks_N
+      q_BTNH, k_BTNH, v_BTNH, positions_BT, segment_ids_BT, self.cfg, window, self.sinks_N
     )
     return self.o(out_BTNH, rng)
 
 
-def make_attention(cfg: ModelConfig, path: str, rngs: nnx.Rngs, window: int = 0):
+def make_attention(cfg: ModelConfig, path: str, rngs: nnx.Rngs):
   if cfg.attention == 'mla':
     return MLA(cfg, path, rngs)
-  return GQA(cfg, path, rngs, window)
+  return GQA(cfg, path, rngs)

@@ -100,7 +100,6 @@ class LayerGroup(NamedTuple):
   kind: str  # 'moe' or 'dense' (an MLP in place of the MoE)
   start: int  # the first layer's index in the checkpoint (model.layers.{l})
   count: int
-  window: int = 0  # the layers' sliding attention window (0: full attention)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -413,18 +412,18 @@ class ModelConfig:
     the (first run of) MoE layers, 'dense_layers' the dense ones; further runs of a kind (layers
     interleaved) are 'layers_1', 'dense_layers_1', ..."""
     groups, seen = [], {}
-    for i, (kind, window) in enumerate(zip(self.layer_kinds(), self.layer_windows())):
-      if groups and groups[-1].kind == kind and groups[-1].window == window:
+    for i, kind in enumerate(self.layer_kinds()):
+      if groups and groups[-1].kind == kind:
         groups[-1] = groups[-1]._replace(count=groups[-1].count + 1)
         continue
       n = seen[kind] = seen.get(kind, -1) + 1
       base = 'layers' if kind == 'moe' else 'dense_layers'
-      groups.append(LayerGroup(base + (f'_{n}' if n else ''), kind, i, 1, window))
+      groups.append(LayerGroup(base + (f'_{n}' if n else ''), kind, i, 1))
     return tuple(groups)
 
   def layer_windows(self) -> tuple[int, ...]:
-    """Each layer's attention window (0: full). Runs of one window are groups of their own:
-    gpt-oss's alternating layers are scanned one at a time."""
+    """Each layer's attention window (0: full), per-layer data of the layer scan (gpt-oss's
+    alternating layers are scanned together; the attention picks its mask by it)."""
     types = self.layer_types or ('full_attention',) * self.num_layers
     return tuple(self.sliding_window if t == 'sliding_attention' else 0 for t in types)
 

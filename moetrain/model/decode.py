@@ -100,7 +100,9 @@ def cached_attention(
   k_pos_BS = jnp.broadcast_to(jnp.arange(s, dtype=jnp.int32), (b, s))
   ones_BT, ones_BS = jnp.ones((b, t), jnp.int32), jnp.ones((b, s), jnp.int32)
   mask_BTS = attention_mask(positions_BT, ones_BT, k_pos_BS, ones_BS)
-  mask_BTS = window_mask(mask_BTS, positions_BT, k_pos_BS, getattr(attn, 'window', 0))
+  windows = attn.cfg.layer_windows()
+  if any(windows):  # this layer's (layer: its index, traced under the scan)
+    mask_BTS = window_mask(mask_BTS, positions_BT, k_pos_BS, jnp.asarray(windows)[layer])
   # From slot 0 (a prefill) the T queries face their own T keys: causal blocks, as training.
   chunk = attn.cfg.attention_chunk if isinstance(start, int) and start == 0 else 0
   if isinstance(attn, MLA):

@@ -68,15 +68,17 @@ def merge_micro(x):
   return jnp.swapaxes(x, 0, 1).reshape(-1, *x.shape[2:])
 
 
-def run_group(layer, state, rngs_L, cfg: ModelConfig, h_BTD, positions_BT, segment_ids_BT):
+def run_group(layer, state, extra_L, cfg: ModelConfig, h_BTD, positions_BT, segment_ids_BT):
   """The group's layers (state: stacked [L, ...]) on h_BTD, pipelined; returns (h_BTD, the
   routing stats per layer as an unpipelined scan gives them, or None for dense layers).
-  layer(h_BTD, (layer_state, key), positions_BT, segment_ids_BT) runs one layer (remat'd)."""
+  layer(h_BTD, (layer_state, extra), positions_BT, segment_ids_BT) runs one layer (remat'd);
+  extra_L: per-layer data stacked [L, ...] (a tree: the layers' dropout keys or None, their
+  attention windows)."""
   s, m, r = cfg.pipeline_stages, cfg.pipeline_microbatches, cfg.pipeline_repeats
   count = jax.tree.leaves(state)[0].shape[0]
   lc = count // (s * r)
   w = jax.tree.map(lambda x: x.reshape(r, s, lc, *x.shape[1:]), state)
-  keys = None if rngs_L is None else rngs_L.reshape(r, s, lc, *rngs_L.shape[1:])
+  keys = jax.tree.map(lambda x: x.reshape(r, s, lc, *x.shape[1:]), extra_L)
   buf = constrain(split_micro(h_BTD, m), MICRO_ACT, cfg.rules)
   pos, seg = split_micro(positions_BT, m), split_micro(segment_ids_BT, m)
   tokens_M = jnp.sum(seg > 0, axis=(1, 2)).astype(jnp.float32)

@@ -37,7 +37,8 @@ class ShortcutLayer(nnx.Module):
     self.mlp_1 = MLP(cfg, f'{p}.mlp_1', rngs)
     self.moe = MoE(cfg, f'{p}.moe', rngs)
 
-  def __call__(self, h_BTD, positions_BT, segment_ids_BT, rng=None):
+  def __call__(self, h_BTD, positions_BT, segment_ids_BT, rng=None, window=0):
+    del window  # LongCat has no sliding windows
     rngs = [None] * 5 if rng is None else list(jax.random.split(rng, 5))
 
     def attend(i, x_BTD):
@@ -69,22 +70,23 @@ class StandardLayer(nnx.Module):
   """Pre-norm attention, then a pre-norm MoE (kind 'moe') or dense SwiGLU MLP ('dense'), each
   added to the residual (DeepSeek, Qwen3-MoE, Mixtral)."""
 
-  def __init__(self, cfg: ModelConfig, kind: str, p: str, rngs: nnx.Rngs, window: int = 0):
+  def __init__(self, cfg: ModelConfig, kind: str, p: str, rngs: nnx.Rngs):
     d, eps = cfg.hidden_size, cfg.rms_norm_eps
     self.rules = cfg.rules
     self.input_norm = RMSNorm(d, 'D', eps, cfg)
     self.post_norm = RMSNorm(d, 'D', eps, cfg)
-    self.attn = make_attention(cfg, f'{p}.attn', rngs, window)
+    self.attn = make_attention(cfg, f'{p}.attn', rngs)
     if kind == 'moe':
       self.moe = MoE(cfg, f'{p}.moe', rngs)
     else:
       self.mlp = MLP(cfg, f'{p}.mlp', rngs)
 
-  def __call__(self, h_BTD, positions_BT, segment_ids_BT, rng=None):
+  def __call__(self, h_BTD, positions_BT, segment_ids_BT, rng=None, window=0):
+    """window: this layer's attention window (0: full; traced under the layer scan)."""
     rngs = [None] * 2 if rng is None else list(jax.random.split(rng, 2))
 
     def attend(i, x_BTD):
-      return self.attn(x_BTD, positions_BT, segment_ids_BT, rngs[0])
+      return self.attn(x_BTD, positions_BT, segment_ids_BT, rngs[0], window)
 
     return self.body(h_BTD, attend, segment_ids_BT > 0, rngs)
 
@@ -108,7 +110,7 @@ class StandardLayer(nnx.Module):
 def make_layer(cfg: ModelConfig, group: LayerGroup, rngs: nnx.Rngs):
   if cfg.layer_layout == 'shortcut':
     return ShortcutLayer(cfg, group.name, rngs)
-  return StandardLayer(cfg, group.kind, group.name, rngs, group.window)
+  return StandardLayer(cfg, group.kind, group.name, rngs)
 
 
 def make_stack(cfg: ModelConfig, group: LayerGroup, rngs: nnx.Rngs):
@@ -206,21 +208,28 @@ class Transformer(nnx.Module):
 
   def run_group(self, group: LayerGroup, h_BTD, positions_BT, segment_ids_BT, rngs_L):
     graphdef, state = nnx.split(getattr(self, group.name))
+    windows = self.cfg.layer_windows()[group.start : group.start + group.count]
+    # Per layer: its dropout key (or None) and its attention window.
+    extra_L = (rngs_L, jnp.asarray(windows, jnp.int32))
 
     def layer(h, xs, positions_BT, segment_ids_BT):
-      layer_state, layer_rng = xs
-      return nnx.merge(graphdef, layer_state)(h, positions_BT, segment_ids_BT, layer_rng)
+      layer_state, (layer_rng, window) = xs
+      return nnx.merge(graphdef, layer_state)(h, positions_BT, segment_ids_BT, layer_rng, window)
 
     if self.cfg.remat != 'none':
-      layer = jax.checkpoint(layer, policy=remat_policy(self.cfg.remat), prevent_cse=False)
+      # Inside a scan of several layers the loop keeps the recompute apart from the forward; a
+      # group of one layer (gpt-oss's alternating windows) is a loop XLA unrolls, where CSE
+      # would merge the two and keep every layer's activations (a plan at 403.9 GiB per chip).
+      single = group.count == 1 or not self.cfg.scan_layers
+      layer = jax.checkpoint(layer, policy=remat_policy(self.cfg.remat), prevent_cse=single)
     if pipeline.active(self.cfg, h_BTD.shape[0]):
       args = (self.cfg, h_BTD, positions_BT, segment_ids_BT)
-      return pipeline.run_group(layer, state, rngs_L, *args)
+      return pipeline.run_group(layer, state, extra_L, *args)
     body = lambda h, xs: layer(h, xs, positions_BT, segment_ids_BT)
     if self.cfg.scan_layers:
-      return jax.lax.scan(body, h_BTD, (state, rngs_L))
+      return jax.lax.scan(body, h_BTD, (state, extra_L))
     outs = []
     for i in range(group.count):
-      h_BTD, out = body(h_BTD, jax.tree.map(lambda x, i=i: x[i], (state, rngs_L)))
+      h_BTD, out = body(h_BTD, jax.tree.map(lambda x, i=i: x[i], (state, extra_L)))
       outs.append(out)
     return h_BTD, jax.tree.map(lambda *x: jnp.stack(x), *outs)

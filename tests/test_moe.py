@@ -722,6 +722,10 @@ def test_tokamax_on_a_gpu_zeroes_what_its_kernel_leaves_unwritten(monkeypatch):
   for a, b in zip(g, g_ref, strict=True):
     assert np.isfinite(a).all()
     np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)
+  ref = dataclasses.replace(gpu, kernels='reference')  # the kernel's reference: the same
+  g_sel = jax.grad(loss(lambda x, w: experts.tokamax_mm(x, w, sizes, jnp.float32, ref)), (0, 1))
+  for a, b in zip(g_sel(x, w), g, strict=True):
+    np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-6)
 
 
 def test_rocm_turns_on_xlas_grouped_gemm(monkeypatch):

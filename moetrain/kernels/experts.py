@@ -11,7 +11,7 @@ import jax.numpy as jnp
 from absl import logging
 from jax.ad_checkpoint import checkpoint_name
 
-from moetrain.kernels import megablox
+from moetrain.kernels import Kernel, megablox
 from moetrain.kernels.lora import with_lora
 from moetrain.kernels.rows import take_experts
 from moetrain.model import quant
@@ -105,8 +105,9 @@ def tokamax_mm(x, w, sizes_E, dt, cfg: ModelConfig):
   # groups (the zero experts' and the padding's) and the weight gradient of an expert with no
   # rows. An H200's bfloat16 engine check read NaN gradients there; zero them.
   covered = (jnp.arange(x.shape[0]) < jnp.sum(sizes_E))[:, None]
-  x = _zero_grad_where_not(x, covered)
-  w = _zero_grad_where_not(w, (sizes_E > 0)[:, None, None])
+  ref = cfg.reference_kernels
+  x = zero_grad_where_not(x, covered, reference=ref)
+  w = zero_grad_where_not(w, (sizes_E > 0)[:, None, None], reference=ref)
   y = _tokamax_gpu_mm(x, w, sizes_E, dt, cfg)
   return jnp.where(covered, y, 0)[:rows]
 
@@ -115,8 +116,7 @@ GPU_ROW_TILE = 256
 
 
 @jax.custom_vjp
-def _zero_grad_where_not(v, keep):
-  """v; its cotangent zeroed where `keep` (broadcast to v) is False, whatever it held."""
+def _zero_grad_fast(v, keep):
   return v
 
 
@@ -128,7 +128,15 @@ def _zero_grad_bwd(keep, g):
   return jnp.where(keep, g, jnp.zeros((), g.dtype)), None
 
 
-_zero_grad_where_not.defvjp(_zero_grad_fwd, _zero_grad_bwd)
+_zero_grad_fast.defvjp(_zero_grad_fwd, _zero_grad_bwd)
+
+# v, its cotangent zeroed where `keep` (broadcast to v) is False, whatever it held: the fast path
+# costs nothing forward; the reference selects v against its stop_gradient (a pass over v).
+zero_grad_where_not = Kernel(
+  'zero_grad_where_not',
+  _zero_grad_fast,
+  lambda v, keep: jnp.where(keep, v, jax.lax.stop_gradient(v)),
+)
 
 
 def _tokamax_gpu_mm(x, w, sizes_E, dt, cfg: ModelConfig):

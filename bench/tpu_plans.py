@@ -28,6 +28,16 @@ def flash(module, topology: str, overrides: dict) -> tuple:
   return ('LongCat-Flash', module, 'variant=flash', topology, overrides)
 
 
+def _kaggle(expert: int) -> dict:
+  return {
+    **INT4,
+    'mesh.shape': (1, -1, expert, 1),
+    'model.moe_ep_recv_factor': 2.0,
+    'data.global_batch_size': 8,
+    'data.eval_batch_size': 8,
+  }
+
+
 PLANS = {
   # name: (model, config module, config argument, topology, overrides): every TPU command of the
   # README, each on the slice it names. QLoRA takes fewer chips for the same 64 rows of 8192
@@ -78,6 +88,31 @@ PLANS = {
       'model.moe_ep_recv_factor': 2.0,
       'data.global_batch_size': 8,
       'data.eval_batch_size': 8,
+    },
+  ),
+  # The small families added later: QLoRA int4 on a Kaggle-sized v5e-8 (experts over 8, or 4
+  # where 8 does not divide them), one 4096-token row per chip; and OLMoE-1B-7B on one Colab
+  # v5e-1 chip, one 2048-token row.
+  **{
+    f'{name}-int4-v5e': (model, module, f'variant={variant}', 'v5litepod-8', _kaggle(expert))
+    for name, model, module, variant, expert in (
+      ('olmoe', 'OLMoE-1B-7B', olmoe_lora, 'olmoe_1b_7b', 8),
+      ('qwen1.5-moe', 'Qwen1.5-MoE-A2.7B', qwen2_moe_lora, 'qwen1_5_moe_a2_7b', 4),
+      ('deepseek-v2-lite', 'DeepSeek-V2-Lite', deepseek_v2_lora, 'deepseek_v2_lite', 8),
+      ('gpt-oss-20b', 'gpt-oss-20b', gpt_oss_lora, 'gpt_oss_20b', 8),
+    )
+  },
+  'olmoe-int4-v5e-1': (
+    'OLMoE-1B-7B',
+    olmoe_lora,
+    'variant=olmoe_1b_7b',
+    'v5litepod-1',
+    {
+      **INT4,
+      'mesh.shape': (1, 1, 1, 1),
+      'data.seq_len': 2048,
+      'data.global_batch_size': 1,
+      'data.eval_batch_size': 1,
     },
   ),
 }

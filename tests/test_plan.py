@@ -130,6 +130,7 @@ def test_a_second_identical_plan_is_answered_from_the_cache(
   assert len(compiled) == 2
 
 
+@pytest.mark.slow  # two full TPU compiles (40 s): make test-slow
 def test_a_batch_that_fits_and_one_that_does_not():
   """One side of the boundary and the other, on one v5e chip (15.75 GiB): without loss blocks
   (model.loss_chunk=0) the step holds whole float32 [B, T, V] logits, 256 MiB per row at 512

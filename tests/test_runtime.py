@@ -170,6 +170,7 @@ def test_a_command_without_accelerators_does_not_start_libtpu():
   assert 'TPU' not in done.stderr and 'libtpu' not in done.stderr, done.stderr[-2000:]
 
 
+@pytest.mark.slow  # a full TPU compile in a subprocess (27 s): make test-slow
 def test_the_planner_compiles_for_a_tpu_without_libtpu_noise(tmp_path):
   """On a host without TPUs the planner keeps libtpu's host discovery quiet (its E0000 lines
   read like a failed plan) and says what it compiles as it goes."""

@@ -130,13 +130,17 @@ def _save_fused(flat, rows: list[Row], cfg: ModelConfig, out_dir: str, base_mode
   rank, scale, e_count = cfg.lora.rank, cfg.lora.scale, cfg.n_routed_experts
   dtype = jnp.dtype(cfg.param_dtype)
   host = lambda r, ix: sio.to_flat(sio.to_host(flat[r.key][ix]), r.n_in).astype(np.float32)
-  tensors, layers, params = {}, {}, set()
+  shape = lambda r: sio.flat_shape(flat[r.key].shape[r.lead :], r.n_in)
+  # name -> (shape, the tensor's maker): each tensor leaves the device once, when written.
+  tensors, layers, params, modules = {}, {}, set(), set()
   for r in rows:
     for ix in r.indices(e_count):
       name = r.name(ix)
       if (where := gpt_oss.split_expert_row(name)) is None:
-        a = r.name_template.endswith('lora_A.weight')
-        tensors[name] = functools.partial(_padded, host, r, ix, a, rank, scale)
+        a, (d0, d1) = r.name_template.endswith('lora_A.weight'), shape(r)
+        padded = (2 * d0, d1) if a else (d0, 2 * d1)
+        tensors[name] = (padded, functools.partial(_padded, host, r, ix, a, rank, scale))
+        modules.add(r)
         continue
       prefix, e, piece, ab = where
       layers.setdefault(prefix, {}).setdefault((prefix, piece, ab), [None] * e_count)[e] = (r, ix)
@@ -144,14 +148,14 @@ def _save_fused(flat, rows: list[Row], cfg: ModelConfig, out_dir: str, base_mode
     got = {k: [host(*x) for x in v] for k, v in pieces.items()}
     fused, targets = gpt_oss.fused_adapter(got, e_count, rank, scale)
     params.update(targets)
-    tensors.update({n: (lambda v=v: v) for n, v in fused.items()})
+    tensors.update({n: (v.shape, lambda v=v: v) for n, v in fused.items()})
   for r in _router_rows(cfg):
     for ix in r.indices(e_count):
-      tensors[r.name(ix)] = functools.partial(host, r, ix)
+      tensors[r.name(ix)] = (shape(r), functools.partial(host, r, ix))
   names = list(tensors)
-  specs = [(n, tensors[n]().shape, dtype) for n in names]
-  produce = lambda i: tensors[names[i]]().astype(dtype)
-  modules = [r for r in rows if gpt_oss.split_expert_row(r.name(r.indices(e_count)[0])) is None]
+  specs = [(n, tensors[n][0], dtype) for n in names]
+  produce = lambda i: tensors[names[i]][1]().astype(dtype)
+  modules = [r for r in rows if r in modules]
   config = _config(cfg, modules, base_model, 2 * rank, 2 * rank, False, sorted(params))
   _write(out_dir, specs, produce, config)
 

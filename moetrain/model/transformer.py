@@ -218,8 +218,8 @@ class Transformer(nnx.Module):
 
     if self.cfg.remat != 'none':
       # Inside a scan of several layers the loop keeps the recompute apart from the forward; a
-      # group of one layer (gpt-oss's alternating windows) is a loop XLA unrolls, where CSE
-      # would merge the two and keep every layer's activations (a plan at 403.9 GiB per chip).
+      # group of one layer (a dense first layer) is a loop XLA unrolls, and unrolled layers
+      # have no loop, where CSE could merge the two (JAX's advice: prevent_cse outside scans).
       single = group.count == 1 or not self.cfg.scan_layers
       layer = jax.checkpoint(layer, policy=remat_policy(self.cfg.remat), prevent_cse=single)
     if pipeline.active(self.cfg, h_BTD.shape[0]):

@@ -67,7 +67,7 @@ def tool_config(config, workdir: str | None):
     if workdir:
       advice = "pass the run's settings, or leave --config out"
       check_resumable(config, workdir, advice, tool=True)
-      check_tokenizer_content(workdir, config.data.tokenizer or config.init.hf_checkpoint)
+      check_tokenizer_content(workdir, read_tokenizer(config))
     return config
   if not workdir:
     raise ValueError('pass --config, or --workdir of a run (its config.json is then used)')
@@ -78,7 +78,7 @@ def tool_config(config, workdir: str | None):
     raise FileNotFoundError(f"{path} does not exist: pass the run's --config")
   with storage.open(path) as f:  # (an older run's lacks newer keys: they were at their defaults)
     config = ml_collections.ConfigDict(_with_defaults(json.load(f)))
-  check_tokenizer_content(workdir, config.data.tokenizer or config.init.hf_checkpoint)
+  check_tokenizer_content(workdir, read_tokenizer(config))
   return config
 
 
@@ -146,10 +146,29 @@ def _base_diffs(saved: dict, now: dict) -> list[str]:
     return []
 
   def base(c):  # what the frozen base is built from (model.param_dtype only rounds it)
+    d = c.get('distill', {})
+    if d.get('init_from_teacher'):  # a student's, copied from the teacher on every start
+      how = (d['init_from_teacher'], list(d.get('init_layers') or ()), d.get('init_batches'))
+      return f'teacher {d["teacher"]} (experts, layers, batches {how}, seed {c["seed"]})'
     return c['init']['hf_checkpoint'] or f'seed {c["seed"]}, init_std {c["model"]["init_std"]}'
 
-  what = 'the frozen base (init.hf_checkpoint, or the seed and model.init_std without one)'
+  what = (
+    'the frozen base (init.hf_checkpoint, or the seed and model.init_std without one, or '
+    'distill.teacher with distill.init_from_teacher)'
+  )
   return [] if base(saved) == base(now) else [_was(what, base(saved), base(now))]
+
+
+def read_tokenizer(c) -> str:
+  """The tokenizer the settings `c` (a config, or its JSON) read, as build() resolves it:
+  data.tokenizer, else init.hf_checkpoint's, else distill.teacher's; '' = the one trained into
+  the run directory."""
+  path = c['data']['tokenizer'] or c['init']['hf_checkpoint']
+  if path or not c['distill']['teacher']:
+    return path
+  from moetrain.distill import teacher as teacher_lib
+
+  return teacher_lib.tokenizer_path(c['distill']['teacher'])
 
 
 def _with_defaults(saved: dict) -> dict:
@@ -163,8 +182,8 @@ def _tokenizer_diffs(saved: dict, now: dict, workdir: str) -> list[str]:
   with none given, a tool would train one into the run directory)."""
   from moetrain.data import tokenizer as tokenizer_lib
 
-  def tokenizer(c):  # the file it reads: data.tokenizer, the checkpoint's or the run's own
-    path = c['data']['tokenizer'] or c['init']['hf_checkpoint']
+  def tokenizer(c):  # the file it reads: read_tokenizer's, or the run's own
+    path = read_tokenizer(c)
     if not path:
       return storage.join(run_dir(workdir), tokenizer_lib.SPM_FILE)
     return str(tokenizer_lib.tokenizer_file(absolute(path)) or absolute(path))

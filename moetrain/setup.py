@@ -399,9 +399,11 @@ def tool_setup(config, workdir: str | None) -> Setup:
 
 def load_latest(setup: Setup, workdir: str | None, mesh) -> TrainState:
   """The run's latest checkpoint (its initial state without a workdir), for tools; check the
-  config with tool_setup first."""
+  config with tool_setup first. A LoRA student's frozen base comes from its teacher, as on every
+  start of its training (distill.init_from_teacher)."""
   optimizer = optim.make_optimizer(setup.optim, setup.train.steps)
   state = initial_state(setup, optimizer, mesh)
+  state = from_teacher(setup, state, mesh, fresh=not workdir)
   if workdir:
     t = setup.train
     ckpt = Checkpointer(

@@ -225,6 +225,32 @@ def test_a_runs_paths_are_absolute(tmp_path, monkeypatch):
     rundir.check_resumable(resolved, str(tmp_path / 'run'))
 
 
+def test_a_lora_students_resume_refuses_another_teacher(tmp_path):
+  """A LoRA student's frozen base is copied from its teacher on every start: a resume with
+  another teacher, or other copy settings, would put the adapters on another base."""
+  import json
+
+  given = {
+    'lora.rank': 4,
+    'distill.teacher': '/runs/teacher',
+    'distill.init_from_teacher': 'most_used',
+  }
+  config = base_config(**given)
+  (tmp_path / 'run' / 'checkpoints' / '3').mkdir(parents=True)
+  (tmp_path / 'run' / 'config.json').write_text(config.to_json_best_effort())
+  rundir.check_resumable(config, str(tmp_path / 'run'))
+  for key, other in (
+    ('teacher', '/runs/other'),
+    ('init_layers', [1]),
+    ('init_from_teacher', 'random'),
+  ):
+    moved = json.loads(config.to_json_best_effort())
+    moved['distill'][key] = other
+    (tmp_path / 'run' / 'config.json').write_text(json.dumps(moved))
+    with pytest.raises(ValueError, match='frozen base .*distill.teacher'):
+      rundir.check_resumable(config, str(tmp_path / 'run'))
+
+
 def test_a_tool_refuses_another_tokenizer_than_the_runs(tmp_path):
   """evaluate/generate/export --workdir with a --config naming another tokenizer (or none, for a
   run that had one) would score the weights on other token ids: refused by name. Other data is

@@ -286,3 +286,199 @@ def test_a_teacher_stored_int8_or_int4_keeps_its_choices(tmp_path):
     gap = np.median(np.abs(np.exp(q_logp[..., 0]) - np.exp(logp[..., 0]))[scored])
     assert agree >= agree_min and gap <= gap_max, (quant, agree, gap)
     assert not np.array_equal(q_logp, logp)  # the stored teacher did change
+
+
+# ---------------------------------------------------------------------------------------------
+# Runs: a LoRA student from the teacher's layers, a teacher from a run directory, and the tools
+# on a distillation run's directory.
+
+
+def _few_steps(config):
+  """`config` cut to a test run: 2 steps of 8 rows of 64 tokens, no evaluations, the last step
+  saved."""
+  config.data.update(dict(seq_len=64, global_batch_size=8, eval_split=''))
+  config.train.update(dict(steps=2, log_every=1, checkpoint_every=2, async_checkpoint=False))
+  config.train.compilation_cache = ''
+  config.optim.warmup_steps = 0
+  return config
+
+
+def _flat(state) -> dict:
+  """{path: host array} of an nnx.State."""
+  return {path: np.asarray(v.get_value()) for path, v in nnx.to_flat_state(state)}
+
+
+def _train(config, workdir):
+  """train.run(config, workdir); the host copies of the state its loop starts from ('start') and
+  ends with ('end'), the teacher experts the student started from ('experts') and what the copy
+  from the teacher left out ('missed')."""
+  from moetrain import train
+  from moetrain.distill import student
+
+  got = {'experts': [], 'missed': []}
+  loop, choose, copy = train.loop, student.choose_experts, student.copy_weights
+
+  def watched_loop(job, state):
+    got['start'] = jax.device_get(state)  # (the step donates the state)
+    state, last = loop(job, state)
+    got['end'] = jax.device_get(state)
+    return state, last
+
+  def watched_choose(*args):
+    got['experts'] = choose(*args)
+    return got['experts']
+
+  def watched_copy(*args):
+    new, missed = copy(*args)
+    got['missed'] += missed
+    return new, missed
+
+  with pytest.MonkeyPatch.context() as m:
+    m.setattr(train, 'loop', watched_loop)
+    m.setattr(student, 'choose_experts', watched_choose)
+    m.setattr(student, 'copy_weights', watched_copy)
+    got['out'] = train.run(config, str(workdir))
+  return got
+
+
+def _student_model(workdir, state, dtype='float32'):
+  """The student of the run in `workdir` with `state`'s weights, computing in `dtype`; and its
+  ModelConfig."""
+  from moetrain import setup as setup_lib
+  from moetrain.train_state import graphdef_of, merge_model
+
+  cfg = dataclasses.replace(setup_lib.tool_setup(None, str(workdir)).model, dtype=dtype)
+  params, moe_bias, frozen = jax.device_put((state.params, state.moe_bias, state.frozen))
+  return merge_model(graphdef_of(cfg), params, moe_bias, frozen), cfg
+
+
+@pytest.fixture(scope='module')
+def lora_student(tmp_path_factory):
+  """The demo's student with LoRA adapters (rank 4) over a base from the teacher: its layer 0
+  from the teacher's layer 1, and the teacher experts one batch routes to most."""
+  workdir = tmp_path_factory.mktemp('lora_student')
+  overrides = {
+    'lora.rank': 4,
+    'distill.init_from_teacher': 'most_used',
+    'distill.init_layers': (1,),
+    'distill.init_batches': 1,
+  }
+  return workdir, _train(_few_steps(_demo_config(**overrides)), workdir)
+
+
+def test_a_lora_student_trains_adapters_over_the_teachers_layers(lora_student):
+  """The frozen base holds the teacher's layer 1 with its chosen experts and their router
+  columns, and everything else of the teacher's; the steps change the adapters alone."""
+  from tests.test_train import losses
+
+  workdir, got = lora_student
+  start, end = got['start'], got['end']
+  teacher, base = _flat(start.teacher), _flat(start.frozen)
+  (_, chosen), zero = got['experts'], 4  # teacher MoE layers 0 and 1; the demo's 4 zero experts
+  assert len(chosen) == 4 and chosen != [0, 1, 2, 3]  # the measured choice, not the first ones
+  assert all('lora' in m for m in got['missed'])  # every base weight came from the teacher
+  for name in ('gate', 'up', 'down'):
+    path = ('layers', 'moe', 'experts', name)
+    np.testing.assert_array_equal(base[path][0], teacher[path][1][chosen])
+  router = ('layers', 'moe', 'router')
+  columns = chosen + list(range(8, 8 + zero))
+  np.testing.assert_array_equal(base[router][0], teacher[router][1][:, columns])
+  for path in [('layers', 'attn_0', 'q_b', 'kernel'), ('layers', 'mlp_1', 'down', 'kernel')]:
+    np.testing.assert_array_equal(base[path][0], teacher[path][1])
+  for path in [('embed', 'embedding'), ('lm_head', 'kernel'), ('final_norm', 'scale')]:
+    np.testing.assert_array_equal(base[path], teacher[path])
+  # Training moved the adapters and nothing of the base.
+  after = _flat(end.frozen)
+  assert after.keys() == base.keys()
+  for path, value in base.items():
+    np.testing.assert_array_equal(after[path], value, err_msg=str(path))
+  adapters = _flat(start.params)
+  assert adapters and all('lora' in '.'.join(p) for p in adapters)
+  moved = [p for p, v in _flat(end.params).items() if not np.array_equal(v, adapters[p])]
+  assert len(moved) == len(adapters)
+  loss = losses(workdir)
+  assert np.isfinite(got['out']['divergence']) and all(np.isfinite(list(loss.values())))
+  assert loss[2] < loss[1]
+
+
+@pytest.fixture(scope='module')
+def run_teacher(tmp_path_factory):
+  """A teacher trained with LoRA for 2 steps into a run directory (the demo student's shape with
+  the teacher's tokenizer), and a full student distilled from that directory."""
+  from moetrain.data import demo_teacher
+
+  teacher_dir, student_dir = tmp_path_factory.mktemp('teacher'), tmp_path_factory.mktemp('student')
+  overrides = {'distill.teacher': '', 'data.tokenizer': str(demo_teacher.DIR), 'lora.rank': 4}
+  teacher = _train(_few_steps(_demo_config(**overrides)), teacher_dir)
+  student = _train(_few_steps(_demo_config(**{'distill.teacher': str(teacher_dir)})), student_dir)
+  return teacher, student, student_dir
+
+
+def test_a_teacher_from_a_run_directory_is_its_last_checkpoint(run_teacher):
+  """distill.teacher names a moetrain run: the online teacher is that run's model as its last
+  step left it, its LoRA adapters over the base its seed rebuilds; the student learns from it."""
+  teacher, student, _ = run_teacher
+  end = teacher['end']
+  want = {**_flat(end.frozen), **_flat(end.moe_bias), **_flat(end.params)}
+  got = _flat(student['start'].teacher)
+  assert got.keys() == want.keys()
+  assert any('lora' in '.'.join(p) for p in got)  # the run's own adapters came along
+  for path, value in want.items():
+    np.testing.assert_array_equal(got[path], value, err_msg=str(path))
+  lora_b = ('lm_head', 'lora_b')  # (0 at init: the trained teacher, not the initial one)
+  assert not np.array_equal(want[lora_b], _flat(teacher['start'].params)[lora_b])
+  assert np.isfinite(student['out']['divergence']) and student['out']['divergence'] > 0
+
+
+def _logits(model, ids):
+  from tests.helpers import forward
+
+  return np.asarray(forward(model, ids)[0])
+
+
+def _ids():
+  return jax.random.randint(jax.random.key(7), (2, 12), 0, 474)  # (the tokenizer's vocabulary)
+
+
+def test_export_and_generate_read_a_lora_students_run(lora_student, tmp_path):
+  """The tools see the student as training left it, its frozen base from the teacher included:
+  the merged export reloads to its logits, the PEFT export holds its adapters, and generate
+  loads its weights."""
+  from moetrain.convert import hf, peft_adapter
+  from moetrain.tools import export, generate
+  from tests.helpers import max_err, perturb_lora
+
+  workdir, got = lora_student
+  trained, cfg = _student_model(workdir, got['end'])
+  ids = _ids()
+  want = _logits(trained, ids)
+  merged = export.export(None, str(workdir), str(tmp_path / 'merged'))
+  assert max_err(_logits(hf.load_model(merged, jnp.float32, remat='none'), ids), want) < 1e-4
+  adapter = export.export(None, str(workdir), str(tmp_path / 'adapter'), adapter_only=True)
+  fresh, _ = _student_model(workdir, got['end'])
+  perturb_lora(fresh, 3)
+  peft_adapter.load(fresh, cfg, adapter)
+  for x, y in zip(jax.tree.leaves(nnx.state(fresh)), jax.tree.leaves(nnx.state(trained))):
+    np.testing.assert_array_equal(x, y)
+  model, tok, step = generate.load_run(None, str(workdir))
+  assert step == 2
+  state, want_state = _flat(nnx.state(model)), _flat(nnx.state(trained))
+  assert state.keys() == want_state.keys()
+  for path, value in want_state.items():
+    np.testing.assert_array_equal(state[path], value, err_msg=str(path))
+  prompt = [tok.bos_id, *tok.encode('reverse: red fox =')]
+  out = generate.generate(model, [prompt], 4, vocab_size=tok.vocab_size)
+  assert out.shape == (1, len(prompt) + 4) and int(out.max()) < tok.vocab_size
+
+
+def test_a_full_students_merged_export_reloads_to_its_logits(run_teacher, tmp_path):
+  """A student distilled from a run directory exports as any run does."""
+  from moetrain.convert import hf
+  from moetrain.tools import export
+  from tests.helpers import max_err
+
+  _, student, workdir = run_teacher
+  trained, _ = _student_model(workdir, student['end'])
+  merged = export.export(None, str(workdir), str(tmp_path / 'merged'))
+  got = _logits(hf.load_model(merged, jnp.float32, remat='none'), _ids())
+  assert max_err(got, _logits(trained, _ids())) < 1e-5

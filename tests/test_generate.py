@@ -1,6 +1,7 @@
 """Generation: cached decoding equals the full forward, the cache is latent-sized, greedy output
 equals Hugging Face's on the fixture, and sampling is reproducible."""
 
+import dataclasses
 import functools
 import os
 
@@ -10,6 +11,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from moetrain import sharding
 from moetrain.model import decode
 from moetrain.model.transformer import Transformer
 from moetrain.tools.generate import generate, sample_top_p
@@ -64,6 +66,22 @@ def test_incremental_decode_equals_full_forward(lora_model):
     np.testing.assert_allclose(by_variant[absorb], full[:, 3:], atol=1e-5, rtol=1e-5)
   # The absorbed (latent-space) attention equals expanding the latents with kv_b.
   np.testing.assert_allclose(by_variant[True], by_variant[False], atol=1e-5, rtol=1e-5)
+
+
+def test_a_model_laid_out_for_expert_parallelism_generates_as_on_one_device(lora_model):
+  """A model laid out for a mesh with its experts over 4 shards and its weights on that mesh (as
+  load_run gives it) decodes in its weights' mesh, its few tokens a step (fewer than the 8 batch
+  shards) padded for the experts' exchange: the greedy ids of the model on one device."""
+  model, ids = lora_model
+  mesh = sharding.make_mesh((1, 2, 4, 1))
+  cfg = dataclasses.replace(model.cfg, rules=sharding.Rules.preset('fsdp_ep_tp'))
+  graphdef = nnx.graphdef(
+    nnx.eval_shape(lambda: Transformer(cfg.laid_out('cpu', mesh), nnx.Rngs(0)))
+  )
+  state = jax.device_put(nnx.state(model), sharding.replicated(mesh))
+  laid_out = nnx.merge(graphdef, state)
+  assert laid_out.cfg.expert_shards == 4
+  np.testing.assert_array_equal(generate(laid_out, ids[:1, :5], 4), generate(model, ids[:1, :5], 4))
 
 
 def test_cache_holds_latents_not_heads(lora_model):

@@ -206,6 +206,20 @@ def test_expert_parallel_equals_single_device(mesh_shape, comm, backend):
   assert ('all_to_all' if comm == 'fixed' else 'all_gather') in hlo
 
 
+@pytest.mark.parametrize('comm', ['fixed', 'ragged'])
+def test_expert_parallel_takes_tokens_the_batch_shards_do_not_divide(comm):
+  """A decode step's few tokens (here 3 on 8 batch shards) are padded with rows for no expert
+  inside the exchange: the layer gives what it gives on one device."""
+  cfg = dataclasses.replace(CFG, rules=sharding.Rules.preset('fsdp_ep_tp'), moe_ep_comm=comm)
+  moe = make_moe(cfg)
+  x = jax.random.normal(jax.random.key(5), (1, 3, cfg.hidden_size))
+  want = jit_call(_engine, moe, x)
+  mesh = sharding.make_mesh((1, 2, 4, 1))
+  with jax.set_mesh(mesh):
+    got = jit_call(_engine, with_cfg(moe, cfg.laid_out('cpu', mesh)), x)
+  np.testing.assert_allclose(got, want, atol=1e-5, rtol=1e-5)
+
+
 def test_emulated_ragged_all_to_all_follows_the_jax_docs():
   """The CPU stand-in for lax.ragged_all_to_all on the example in its docstring (axis of 2)."""
   mesh = jax.make_mesh((2,), ('x',), (jax.sharding.AxisType.Explicit,), devices=jax.devices()[:2])

@@ -34,10 +34,16 @@ def routed_experts(x_MD, idx_MA, gates_MA, weights, cfg: ModelConfig, rng=None):
 def _sharded(shard, x_MD, idx_MA, gates_MA, weights, cfg: ModelConfig, w_spec, rng):
   """shard(x, idx, gates, w, key) in a shard_map over the mesh in context: tokens sharded over
   the batch axes, the weights by w_spec (one spec for every leaf, or a tree of them like
-  weights'), each shard's dropout key folded with its index."""
+  weights'), each shard's dropout key folded with its index. Tokens that the batch shards do not
+  divide (a decode step's one per row) are padded with rows for no expert, as moe.py's padding."""
   sizes = dict(zip(MESH_AXES, cfg.mesh_shape))
   batch = tuple(a for a in ('data', 'fsdp', 'expert') if sizes.get(a, 1) > 1)
   tok = jax.sharding.PartitionSpec(batch)
+  m, pad = x_MD.shape[0], -x_MD.shape[0] % math.prod(sizes[a] for a in batch)
+  if pad:
+    rows = ((0, pad), (0, 0))
+    x_MD, gates_MA = jnp.pad(x_MD, rows), jnp.pad(gates_MA, rows)
+    idx_MA = jnp.pad(idx_MA, rows, constant_values=cfg.num_experts_total)
   rng_data = None if rng is None else jax.random.key_data(rng)
 
   def local(x, idx, gates, w, key_data):
@@ -54,7 +60,8 @@ def _sharded(shard, x_MD, idx_MA, gates_MA, weights, cfg: ModelConfig, w_spec, r
     out_specs=(tok, tok),
     check_vma=False,
   )
-  return fn(x_MD, idx_MA, gates_MA, weights, rng_data)
+  y_MD, dropped_MA = fn(x_MD, idx_MA, gates_MA, weights, rng_data)
+  return y_MD[:m], dropped_MA[:m]
 
 
 # Logical letters of the routed experts' stacked weights (model/moe.py Experts).

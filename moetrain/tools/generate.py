@@ -14,6 +14,7 @@ the chat template the run trained with (data.chat_template, else the tokenizer's
 built-in one) and its generation prompt, so a chat fine-tune is asked as it was taught.
 """
 
+import contextlib
 import functools
 import json
 import time
@@ -112,6 +113,16 @@ def _args(
   return args, {'max_new': max_new_tokens, 'absorb': absorb}
 
 
+def _on_model_mesh(state) -> contextlib.AbstractContextManager:
+  """jax.set_mesh of the mesh the model's weights are sharded over (load_run's), as evaluate
+  runs its step: expert-parallel layers shard_map over the mesh in context, and the activations'
+  sharding constraints apply only there. A model on one device (load_hf's) needs none."""
+  for x in jax.tree.leaves(state):
+    if isinstance(getattr(x, 'sharding', None), jax.sharding.NamedSharding):
+      return jax.set_mesh(x.sharding.mesh)
+  return contextlib.nullcontext()
+
+
 def generate(
   model,
   prompt_ids,
@@ -146,17 +157,19 @@ def generate(
     vocab_size=vocab_size,
     absorb=absorb,
   )
-  return _generate(*args, **static)[0]
+  with _on_model_mesh(args[1]):
+    return _generate(*args, **static)[0]
 
 
 def timed_generate(model, prompt_ids, max_new_tokens, **kw) -> tuple[jax.Array, dict]:
   """generate() (same keyword arguments) with compilation, ahead of time, timed apart."""
   args, static = _args(model, prompt_ids, max_new_tokens, **kw)
-  t0 = time.perf_counter()
-  compiled = _generate.lower(*args, **static).compile()
-  t1 = time.perf_counter()
-  ids, steps = jax.block_until_ready(compiled(*args[1:]))
-  t2 = time.perf_counter()
+  with _on_model_mesh(args[1]):
+    t0 = time.perf_counter()
+    compiled = _generate.lower(*args, **static).compile()
+    t1 = time.perf_counter()
+    ids, steps = jax.block_until_ready(compiled(*args[1:]))
+    t2 = time.perf_counter()
   new = int(steps) * ids.shape[0]
   return ids, {
     'compile_s': t1 - t0,

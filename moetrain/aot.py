@@ -13,7 +13,7 @@ from jax.experimental.layout import Format, Layout
 
 from moetrain import hlo_cost, optim, sharding
 from moetrain.train_state import abstract_teacher, graphdef_of, init_state, state_shardings
-from moetrain.train_step import eval_step, jit_train_step
+from moetrain.train_step import compiler_options, eval_step, jit_train_step
 
 BATCH_FIELDS = ('inputs', 'targets', 'positions', 'segment_ids', 'loss_mask')
 
@@ -113,9 +113,11 @@ def eval_step_fn(setup, mesh=None, formats=None):
   the frozen base in the layouts the compiler chose for training."""
   micro = setup.data.global_batch_size // setup.optim.grad_accum_steps
   fn = functools.partial(eval_step, graphdef=graphdef_of(setup.model), micro_rows=micro)
+  options = compiler_options(setup.model)
   if formats is None:
-    return jax.jit(fn)
-  return jax.jit(fn, in_shardings=(formats, sharding.batch_sharding(mesh)))
+    return jax.jit(fn, compiler_options=options)
+  placed = (formats, sharding.batch_sharding(mesh))
+  return jax.jit(fn, in_shardings=placed, compiler_options=options)
 
 
 @dataclasses.dataclass
@@ -163,6 +165,25 @@ class OutOfMemory(Exception):
     return float(m.group(1)) * {'G': 2**30, 'M': 2**20, 'K': 2**10}[m.group(2)] if m else None
 
 
+def oom_message(error: str) -> str:
+  """The line of a compiler's RESOURCE_EXHAUSTED error that says what ran out. A scoped VMEM
+  overflow (XLA:TPU's per-fusion scratch, not HBM) says how much the fusion asked, which op it
+  was, and the key that raises the limit."""
+  lines = error.splitlines()
+  msg = next((ln for ln in lines if 'RESOURCE_EXHAUSTED' in ln), error)
+  msg = msg.split('RESOURCE_EXHAUSTED: ')[-1]
+  if 'ScopedVmemOom' not in msg:
+    return msg
+  size = re.search(r'size ([\d.]+)M and limit ([\d.]+)M', error)
+  op = re.search(r'op_name="([^"]+)"', error)
+  asked, twice = 'a fusion asked more scoped VMEM than its limit', 32768
+  if size:
+    asked = f'a fusion asked {size.group(1)} MiB of scoped VMEM, over its {size.group(2)} MiB'
+    twice = 2 * 1024 * round(float(size.group(2)))
+  where = f' ({op.group(1).split("/")[-1]})' if op else ''
+  return f'{msg.rstrip(": ")}: {asked}{where}; raise model.tpu_scoped_vmem_kib (e.g. {twice})'
+
+
 def compile_fn(name: str, fn, args, analyse: bool = True, cache: bool = True) -> Compiled:
   """cache=False keeps the persistent compilation cache out of it: compile-only (topology)
   executables cannot be read back from it, and one read back lacks its HLO's loops."""
@@ -179,10 +200,7 @@ def compile_fn(name: str, fn, args, analyse: bool = True, cache: bool = True) ->
   except jax.errors.JaxRuntimeError as e:
     if 'RESOURCE_EXHAUSTED' not in str(e):
       raise
-    msg = next((ln for ln in str(e).splitlines() if 'RESOURCE_EXHAUSTED' in ln), str(e))
-    raise OutOfMemory(
-      name, msg.split('RESOURCE_EXHAUSTED: ')[-1], time.perf_counter() - t
-    ) from None
+    raise OutOfMemory(name, oom_message(str(e)), time.perf_counter() - t) from None
   finally:
     if toggled:
       jax.config.update('jax_enable_compilation_cache', enabled)

@@ -166,9 +166,32 @@ def read_tokenizer(c) -> str:
   path = c['data']['tokenizer'] or c['init']['hf_checkpoint']
   if path or not c['distill']['teacher']:
     return path
-  from moetrain.distill import teacher as teacher_lib
+  return checkpoint_tokenizer(c['distill']['teacher'])
 
-  return teacher_lib.tokenizer_path(c['distill']['teacher'])
+
+def run_config(path: str) -> dict | None:
+  """The saved config of a moetrain run directory `path`; None for a Hugging Face checkpoint."""
+  file = storage.join(run_dir(path), 'config.json')
+  if not storage.isfile(file):
+    return None
+  with storage.open(file) as f:
+    saved = json.load(f)
+  return saved if 'model' in saved and 'train' in saved else None
+
+
+def checkpoint_tokenizer(path: str) -> str:
+  """The tokenizer file of a checkpoint: a Hugging Face directory's own, or the one a moetrain
+  run directory trained with (a distillation teacher's)."""
+  from moetrain.data import tokenizer as tokenizer_lib
+
+  saved = run_config(path)
+  if saved is not None:
+    data, init = saved.get('data', {}), saved.get('init', {})
+    given = data.get('tokenizer') or init.get('hf_checkpoint') or ''
+    if not given:
+      return storage.join(run_dir(path), tokenizer_lib.SPM_FILE)
+    path = given
+  return str(tokenizer_lib.tokenizer_file(path) or path)
 
 
 def _with_defaults(saved: dict) -> dict:

@@ -145,7 +145,7 @@ def distill_setup(config, model: ModelConfig, data, training: bool):
   if not distill.enabled:
     return distill, data, {}
   if not data.tokenizer:  # the teacher's own
-    data = dataclasses.replace(data, tokenizer=teacher_lib.tokenizer_path(distill.teacher))
+    data = dataclasses.replace(data, tokenizer=rundir.checkpoint_tokenizer(distill.teacher))
   if not training:
     return distill, data, {}
   teacher = teacher_lib.model_config(distill, model)
@@ -371,7 +371,7 @@ def from_teacher(setup: Setup, state: TrainState, mesh, fresh: bool) -> TrainSta
 def load_teacher(d: DistillConfig, teacher: ModelConfig, mesh, shardings) -> nnx.State:
   """The teacher's weights (every variable) in `shardings` (TrainState.teacher's): a Hugging
   Face checkpoint's, or a moetrain run's latest checkpoint (read as its tools read it)."""
-  saved = teacher_lib.run_config(d.teacher)
+  saved = rundir.run_config(d.teacher)
   if saved is None:
     from moetrain.convert import hf
 

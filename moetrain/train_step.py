@@ -286,7 +286,15 @@ def jit_train_step(
   placed = {}
   if shardings is not None:
     placed = dict(in_shardings=(shardings, batch_sharding), out_shardings=(shardings, None))
-  return jax.jit(fn, donate_argnums=0 if donate else (), **placed)
+  options = compiler_options(cfg.model)
+  return jax.jit(fn, donate_argnums=0 if donate else (), compiler_options=options, **placed)
+
+
+def compiler_options(cfg: ModelConfig) -> dict:
+  """XLA options of the model's steps (model.tpu_scoped_vmem_kib on TPU)."""
+  if cfg.platform == 'tpu' and cfg.tpu_scoped_vmem_kib:
+    return {'xla_tpu_scoped_vmem_limit_kib': int(cfg.tpu_scoped_vmem_kib)}
+  return {}
 
 
 def eval_step(state: TrainState, batch, *, graphdef, micro_rows: int = 0):

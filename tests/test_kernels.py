@@ -241,6 +241,8 @@ CASES = {
   'grouped_matmul_lora_a': _grouped_matmul(128, 8, [3, 0, 21, 8], 37),
   'grouped_matmul_lora_a_transposed': _grouped_matmul(256, 8, [3, 0, 150, 40], 200, True),
   'grouped_matmul_lora_b': _grouped_matmul(8, 256, [3, 0, 150, 40], 200),
+  # Widths no lane tile divides (gpt-oss: 2880): partial last blocks along K and N.
+  'grouped_matmul_partial_blocks': _grouped_matmul(576, 640 + 64, [3, 0, 150, 40], 200),
   'gather_rows': _gather_rows,
   'dispatch_tokens': _dispatch_tokens,
   'take_experts': _take_experts,

@@ -356,3 +356,28 @@ def test_expert_adapters_add_little_to_the_tpu_step():
   )
   assert flops < 1.05 * without_flops, (flops, without_flops)
   assert temp['temporaries'] < 1.75 * without_temp['temporaries'], (temp, without_temp)
+
+
+def test_a_scoped_vmem_overflow_names_the_key_that_raises_the_limit():
+  """XLA:TPU gives each fusion a scoped VMEM limit; a fusion that asks more stops the compile
+  (gpt-oss-20b's int4 experts on a v5e did). The error names model.tpu_scoped_vmem_kib, and the
+  step's compiler options (train_step.compiler_options) carry that key to libtpu: the same
+  matmul fails under a 64 KiB limit and compiles under the key's value."""
+  from moetrain.model.config import ModelConfig
+  from moetrain.train_step import compiler_options
+
+  devices = topology.parse('v5e-1').devices()
+  spec = jax.sharding.NamedSharding(
+    jax.sharding.Mesh(devices, ('x',)), jax.sharding.PartitionSpec()
+  )
+  x = jax.ShapeDtypeStruct((2048, 2880), jnp.bfloat16, sharding=spec)
+  w = jax.ShapeDtypeStruct((2880, 2880), jnp.bfloat16, sharding=spec)
+  fn = lambda x, w: jnp.tanh(x @ w) @ w
+  tiny = ModelConfig(platform='tpu', tpu_scoped_vmem_kib=64)
+  with pytest.raises(aot.OutOfMemory, match=r'scoped VMEM.*model\.tpu_scoped_vmem_kib'):
+    aot.compile_fn('f', jax.jit(fn, compiler_options=compiler_options(tiny)), (x, w), cache=False)
+  roomy = ModelConfig(platform='tpu', tpu_scoped_vmem_kib=32768)
+  assert compiler_options(roomy) == {'xla_tpu_scoped_vmem_limit_kib': 32768}
+  assert compiler_options(ModelConfig(platform='cpu', tpu_scoped_vmem_kib=32768)) == {}
+  jitted = jax.jit(fn, compiler_options=compiler_options(roomy))
+  aot.compile_fn('f', jitted, (x, w), analyse=False, cache=False)

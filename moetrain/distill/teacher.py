@@ -3,23 +3,10 @@ weights on the student's mesh."""
 
 import dataclasses
 import hashlib
-import json
 
-from moetrain import storage
+from moetrain import rundir, storage
 from moetrain.data import tokenizer as tokenizer_lib
 from moetrain.model.config import LoraConfig, ModelConfig
-
-
-def run_config(path: str) -> dict | None:
-  """The saved config of a moetrain run directory `path`; None for a Hugging Face checkpoint."""
-  from moetrain import rundir
-
-  file = storage.join(rundir.run_dir(path), 'config.json')
-  if not storage.isfile(file):
-    return None
-  with storage.open(file) as f:
-    saved = json.load(f)
-  return saved if 'model' in saved and 'train' in saved else None
 
 
 def _check_exists(path: str) -> None:
@@ -37,7 +24,7 @@ def model_config(d, student: ModelConfig) -> ModelConfig:
   from moetrain import fields
 
   engine = {k: getattr(student, k) for k in fields.with_role(ModelConfig, 'engine')}
-  saved = run_config(d.teacher)
+  saved = rundir.run_config(d.teacher)
   if saved is None:
     from moetrain.convert import hf
 
@@ -59,21 +46,6 @@ def model_config(d, student: ModelConfig) -> ModelConfig:
   )
 
 
-def tokenizer_path(teacher: str) -> str:
-  """The tokenizer file the teacher was trained with."""
-  saved = run_config(teacher)
-  if saved is None:
-    path = teacher
-  else:
-    from moetrain import rundir
-
-    data, init = saved.get('data', {}), saved.get('init', {})
-    path = data.get('tokenizer') or init.get('hf_checkpoint') or ''
-    if not path:
-      return storage.join(rundir.run_dir(teacher), tokenizer_lib.SPM_FILE)
-  return str(tokenizer_lib.tokenizer_file(path) or path)
-
-
 def _digest(path: str) -> str:
   with storage.open(path, 'rb') as f:
     return hashlib.sha256(f.read()).hexdigest()
@@ -88,7 +60,7 @@ def check_vocabulary(d, teacher: ModelConfig, student: ModelConfig, data_tokeniz
       f'(model.vocab_size) {student.vocab_size}: teacher and student must share the tokenizer'
     )
   mine = str(tokenizer_lib.tokenizer_file(data_tokenizer) or data_tokenizer)
-  theirs = tokenizer_path(d.teacher)
+  theirs = rundir.checkpoint_tokenizer(d.teacher)
   missing = [p for p in (mine, theirs) if not storage.isfile(p)]
   if missing:
     raise FileNotFoundError(

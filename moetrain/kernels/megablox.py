@@ -16,9 +16,15 @@ from moetrain.kernels import Kernel, vjp
 
 
 def lane_tile(d: int) -> int:
-  """The block for a dimension of d: the largest of 512/256/128 dividing it (TPU lanes), else
-  the whole dimension (a block as wide as the array is always legal: a LoRA rank)."""
-  return next((t for t in (512, 256, 128) if d % t == 0), d)
+  """The block for a dimension of d: the largest of 512/256/128 dividing it (TPU lanes); else
+  the whole dimension up to 512 (a block as wide as the array is always legal: a LoRA rank);
+  else the one of them that pads d least, the larger on a tie (the kernels mask the last,
+  partial block). A whole 2880-wide dimension (gpt-oss) made a [2880, 2880] weight block: 36.66
+  MiB of a v5e's 16 MiB of scoped VMEM."""
+  tiles = (512, 256, 128)
+  if any(d % t == 0 for t in tiles) or d <= tiles[0]:
+    return next((t for t in tiles if d % t == 0), d)
+  return min(tiles, key=lambda t: (-d % t, -t))
 
 
 def row_tile(m: int) -> int:

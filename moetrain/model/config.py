@@ -291,6 +291,12 @@ class ModelConfig:
   # loop's layout inside every step (flash QLoRA int4: 82.0 -> 63.2 GiB per chip with compiler
   # layouts); without micro-batches they cost as much or more (bench/RESULTS.md, "The frozen base in layouts the compiler chooses").
   frozen_layout: str = engine('auto', choices=('auto', 'compiler', 'default'))
+  # XLA:TPU's scoped VMEM limit (a fusion's scratch) for the train and eval steps, in KiB (0: the
+  # compiler's own, 16 MiB on a v5e). A fusion that asks more stops the compile with
+  # CompileTimeScopedVmemOom, which names this key. It does not help where the compiler sizes a
+  # fusion past any limit: XLA's ragged_dot over gpt-oss-20b's 2880-wide int4 experts on a v5e
+  # asked 16.94 of 16 MiB, then 32.46 of 32 (model.moe_backend='megablox' compiles there).
+  tpu_scoped_vmem_kib: int = engine(0)
   # Derived: set from the `lora` and `mesh` sections and the compile target.
   lora: LoraConfig = field(LoraConfig(), role='derived')
   rules: Rules = field(Rules(), role='derived')  # logical-axis rules (mesh.rules)

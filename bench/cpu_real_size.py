@@ -36,17 +36,27 @@ PRESETS = {
     '--config.data.seq_len=1024',
     *RUN,
   ),
+  # bench/hf_real_size.py's work (transformers + PEFT): OLMoE-1B-7B, LoRA over a bfloat16 base.
+  'olmoe_bf16': (
+    '--config=configs/olmoe_lora.py:variant=olmoe_1b_7b',
+    '--config.model.quant=none',
+    '--config.model.param_dtype=bfloat16',
+    '--config.data.seq_len=1024',
+    *RUN,
+  ),
   'tiny': ('--config=configs/deepseek_v3_lora.py', '--config.model.quant=int4', *RUN),
 }
 START_DONE = ('Initialising the model: done', 'Importing')
 
 
-def run(module: str, args: list[str], env: dict | None = None) -> dict:
-  """`python -m module args` in a subprocess: its output lines with the seconds since its start,
-  its peak resident bytes and its wall time."""
+def run(module: str, args: list[str], env: dict | None = None, cores: int = 0) -> dict:
+  """`python -m module args` in a subprocess (on the first `cores` CPUs only, with taskset,
+  when given): its output lines with the seconds since its start, its peak resident bytes and
+  its wall time."""
+  pin = ['taskset', '-c', f'0-{cores - 1}'] if cores else []
   t0 = time.perf_counter()
   p = subprocess.Popen(
-    [sys.executable, '-m', module, *args],
+    [*pin, sys.executable, '-m', module, *args],
     stdout=subprocess.PIPE,
     stderr=subprocess.STDOUT,
     text=True,
@@ -100,12 +110,14 @@ def main():
   ap.add_argument('--plan', action='store_true', help='plan the command first (--topology=cpu)')
   ap.add_argument('--out', default='', help='append the JSON record to this file')
   ap.add_argument('--workdir', default='', help="the run's directory (default: a temporary one)")
+  ap.add_argument('--cores', type=int, default=0, help='run on the first N CPUs only (taskset)')
   ap.add_argument('extra', nargs='*', help='further --config.* flags (after --)')
   a = ap.parse_args()
   from moetrain.tools import cpu_plan
 
   flags = [*PRESETS[a.preset], *a.extra]
   record = {'bench': 'cpu_real_size', 'preset': a.preset, 'flags': flags, **machine()}
+  record['cores'] = a.cores or os.cpu_count()
   measured = cpu_plan.host_measurements()
   if a.plan:
     with tempfile.TemporaryDirectory() as d:
@@ -117,7 +129,8 @@ def main():
     record['plan'] |= {'host_bytes': p['host_bytes'], 'est_step_seconds': p['est_step_seconds']}
     print('plan: ' + next(ln for _, ln in done['lines'] if ln.startswith('needs ')), flush=True)
   workdir = a.workdir or tempfile.mkdtemp(prefix='cpu_real_size_')
-  done = run('moetrain.main', [*flags, f'--workdir={workdir}', '--config.train.compilation_cache='])
+  args = [*flags, f'--workdir={workdir}', '--config.train.compilation_cache=']
+  done = run('moetrain.main', args, cores=a.cores)
   steps = int(next(f.split('=')[1] for f in flags[::-1] if f.startswith('--config.train.steps=')))
   t = timings(done, workdir, steps)
   flops, formula, dtype, tokens = model_flops(flags)

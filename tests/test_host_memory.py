@@ -1,5 +1,6 @@
-"""Host memory: a random base drawn and quantised a slice at a time (model/quant.drawn_param),
-and the CPU planner's peak against the measured peak RSS of a run."""
+"""Host memory: a random base drawn and quantised a slice at a time (model/quant.drawn_param), a
+Hugging Face import's embedding and head read in chunks, and the CPU planner's peak against the
+measured peak RSS of a run."""
 
 import json
 import os
@@ -18,7 +19,7 @@ from moetrain.model import quant
 from moetrain.model.transformer import Transformer
 from moetrain.setup import build
 from moetrain.train_state import init_state, state_shardings
-from tests.helpers import ROOT, tiny
+from tests.helpers import ROOT, tiny, with_lora
 
 
 def _flat(model):
@@ -48,6 +49,40 @@ def test_sliced_draw_stores_what_make_param_stores(bits, monkeypatch):
     assert np.max(np.abs(np.asarray(q - w))) <= bound, name
   w, q = plain.lm_head.kernel[...], quant.value(model.lm_head.kernel, jnp.float32)
   assert np.max(np.abs(np.asarray(q - w))) <= step * np.max(np.abs(w)) / 2 + 1e-7
+
+
+@pytest.mark.parametrize('quant_mode', ['none', 'int8', 'int4'])
+def test_an_import_reads_the_embedding_and_head_in_chunks(quant_mode, monkeypatch):
+  """The unstacked variables (embedding [V, D] along V, the head [D, V] along V) are read and
+  quantised a chunk at a time into their buffers: the same arrays as read whole, on a mesh that
+  splits them over fsdp and on one device."""
+  from moetrain import sharding
+  from moetrain.convert import hf
+  from moetrain.convert import stacked_io as sio
+  from moetrain.data import demo_base
+
+  path = str(demo_base.DIR)
+  mesh = sharding.make_mesh((1, 2, 2, 2))
+  lora = with_lora(tiny()).lora  # (a quantised base is a frozen one)
+  cfg = hf.config_from_hf(hf.read_config(path), quant=quant_mode, quant_group_size=16, lora=lora)
+  meshed = cfg.laid_out('cpu', mesh)
+  chunks = []
+  original = sio._chunks
+  monkeypatch.setattr(sio, '_chunks', lambda *a: chunks.append(original(*a)) or chunks[-1])
+  for c, m in ((cfg, None), (meshed, mesh)):
+    monkeypatch.setattr(sio, 'CHUNK_BYTES', 2**40)
+    whole = hf.load_params(path, c, mesh=m)
+    monkeypatch.setattr(sio, 'CHUNK_BYTES', 8 * 2**10)
+    chunks.clear()
+    chunked = hf.load_params(path, c, mesh=m)
+    assert sum(len(x) > 2 for x in chunks if x) >= 2  # the embedding and the head, in chunks
+    for part in ('params', 'frozen'):
+      got = jax.tree.leaves(getattr(chunked, part))
+      want = jax.tree.leaves(getattr(whole, part))
+      assert len(got) == len(want)
+      for g, w in zip(got, want):
+        assert g.sharding == w.sharding
+        np.testing.assert_array_equal(np.asarray(g), np.asarray(w))
 
 
 def test_random_int4_init_holds_no_float32_layer():

@@ -116,12 +116,20 @@ def _quantizer(bits, n_batch, n_in, group, q_sharding, scale_sharding):
   return jax.jit(f, out_shardings=(q_sharding, scale_sharding))
 
 
-def _piece(reader, row: Row, ix, shape, sharding, dtype) -> jax.Array:
+def _piece(reader, row: Row, ix, shape, sharding, dtype, window=None) -> jax.Array:
   """Layer ix of `row` ([E, ...] for experts) placed by `sharding`: each device block is read
-  from the memory-mapped file, one checkpoint-tensor slice at a time."""
+  from the memory-mapped file, one checkpoint-tensor slice at a time. window (axis, start,
+  stop): only that range of the piece along one axis (a chunk of an unstacked variable)."""
   cache = {}  # devices holding the same block (replicated axes) share one host copy
+  out_shape = list(shape)
+  if window is not None:
+    out_shape[window[0]] = window[2] - window[1]
 
   def block(index):
+    if window is not None:
+      ax, start, _ = window
+      a, b, _ = index[ax].indices(out_shape[ax])
+      index = (*index[:ax], slice(start + a, start + b), *index[ax + 1 :])
     key = tuple(s.indices(n)[:2] for s, n in zip(index, shape))
     if key not in cache:
       if row.experts:
@@ -134,7 +142,40 @@ def _piece(reader, row: Row, ix, shape, sharding, dtype) -> jax.Array:
         cache[key] = read_block(reader, row.name(ix), shape, row.n_in, index, dtype)
     return cache[key]
 
-  return jax.make_array_from_callback(tuple(shape), sharding, block)
+  return jax.make_array_from_callback(tuple(out_shape), sharding, block)
+
+
+# An unstacked variable (the embedding, the head) is read and quantised in chunks of at most
+# this many float32 bytes, so start-up holds no whole float32 copy of a 163840-token table.
+CHUNK_BYTES = 64 * 2**20
+
+
+def chunk_axis(row: Row, quantized: bool) -> int:
+  """The axis an unstacked piece is read in chunks along: its first (vocabulary rows of an
+  embedding), or for a quantised kernel without batch dims its last (outputs), since int4
+  groups and int8 scales run along the inputs."""
+  return 0 if not quantized or row.quant_dims()[0] else -1
+
+
+def _chunks(shape, axis: int, shardings) -> list[tuple[int, int]] | None:
+  """[start, stop) ranges along `axis` of at most CHUNK_BYTES float32 each; None: one piece
+  (small enough, or that axis split over devices)."""
+  if math.prod(shape) * 4 <= CHUNK_BYTES:
+    return None
+  for sh in shardings:
+    if isinstance(sh, NamedSharding) and len(sh.spec) == len(shape) and sh.spec[axis] is not None:
+      return None
+  n = shape[axis]
+  step = max(1, CHUNK_BYTES // (4 * math.prod(shape) // n))
+  return [(a, min(a + step, n)) for a in range(0, n, step)]
+
+
+@functools.cache
+def _chunk_setter(sharding, axis: int):
+  def put(buf, x, start):
+    return jax.lax.dynamic_update_slice_in_dim(buf, x.astype(buf.dtype), start, axis)
+
+  return jax.jit(put, out_shardings=sharding, donate_argnums=0)
 
 
 def load_row(
@@ -156,12 +197,26 @@ def load_row(
     nb, n_in = row.quant_dims()
     float_sh = drop_lead(shardings[keys[0]], n, None if bits == 8 else nb + 1)
     quantize = _quantizer(bits, nb, n_in, group, *piece_sh)
-    make = lambda ix: quantize(_piece(reader, row, ix, piece_shape, float_sh, np.float32))
+    make = lambda ix, w=None: quantize(
+      _piece(reader, row, ix, piece_shape, float_sh, np.float32, w)
+    )
   else:
+    float_sh = piece_sh[0]
     dt = abstract[row.key].dtype
-    make = lambda ix: (_piece(reader, row, ix, piece_shape, piece_sh[0], dt),)
+    make = lambda ix, w=None: (_piece(reader, row, ix, piece_shape, piece_sh[0], dt, w),)
   if not row.stacked:
-    return dict(zip(keys, make(())))
+    axis = chunk_axis(row, quantized) % len(piece_shape)
+    chunks = _chunks(piece_shape, axis, [float_sh, *piece_sh])
+    if chunks is None:
+      return dict(zip(keys, make(())))
+    axes = [axis if axis == 0 else abstract[k].ndim - 1 for k in keys]
+    bufs = [_zeros(abstract[k].shape, abstract[k].dtype, shardings[k])() for k in keys]
+    for a, b in chunks:
+      parts = make((), (axis, a, b))
+      bufs = [
+        _chunk_setter(shardings[k], ax)(buf, x, a) for k, ax, buf, x in zip(keys, axes, bufs, parts)
+      ]
+    return dict(zip(keys, bufs))
   bufs = [_zeros(abstract[k].shape, abstract[k].dtype, shardings[k])() for k in keys]
   for layer in range(abstract[keys[0]].shape[0]):
     bufs = [_setter(shardings[k])(b, x, layer) for k, b, x in zip(keys, bufs, make((layer,)))]

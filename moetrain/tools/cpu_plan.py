@@ -150,7 +150,7 @@ def start_up(setup, mesh) -> tuple[str, int]:
   """What start-up holds beside the state it makes: a random init's compiled temporaries, or an
   import's largest per-layer piece (moetrain/convert/stacked_io.load_row: the float32 blocks
   read, their device copy and the quantiser's float32 temporaries; without quantisation the
-  blocks and their copy)."""
+  blocks and their copy; the embedding and head are read in chunks of CHUNK_BYTES)."""
   import jax
   from flax import nnx
 
@@ -162,10 +162,13 @@ def start_up(setup, mesh) -> tuple[str, int]:
   if setup.hf_checkpoint:
     plain = dataclasses.replace(cfg, quant='none', lora=dataclasses.replace(cfg.lora, rank=0))
     model = nnx.eval_shape(lambda: Transformer(plain, nnx.Rngs(0)))
+    from moetrain.convert.stacked_io import CHUNK_BYTES
+
     piece = 0
     for _, v in nnx.to_flat_state(nnx.state(model)):
-      layers = v.get_value().shape[0] if v.get_metadata().get('axes', ('',))[0] == 'layers' else 1
-      piece = max(piece, v.get_value().size // layers)
+      x = v.get_value()
+      stacked = v.get_metadata().get('axes', ('',))[0] == 'layers'
+      piece = max(piece, x.size // x.shape[0] if stacked else min(x.size, CHUNK_BYTES // 4))
     return 'import', piece * 4 * (3 if cfg.quant != 'none' else 2)
   opt = optim.make_optimizer(setup.optim, setup.train.steps)
   init = lambda: init_state(cfg, opt, setup.seed)

@@ -6,6 +6,7 @@ import functools
 import logging
 import os
 import platform
+import re
 import signal
 import sys
 import threading
@@ -240,15 +241,17 @@ def rocm_grouped_gemm() -> None:
 CPU_ONE_COLLECTIVE_ORDER = '--xla_cpu_enable_concurrency_optimized_scheduler=false'
 
 
-def cpu_pipeline_schedule(mesh_shape) -> None:
-  """A pipelined mesh (a 'stage' axis > 1): with XLA:CPU's concurrency-optimised scheduler the
-  emulated devices of one stage entered their collectives in different orders and the
-  collective rendezvous aborted the run (docs/pipeline.md, "Limits"); its default scheduler does
-  not. Set before JAX starts its backends (other backends ignore the flag); an XLA_FLAGS that
-  already names it is left alone."""
+def cpu_collective_schedule() -> None:
+  """Emulated CPU devices (XLA_FLAGS' --xla_force_host_platform_device_count above 1): with
+  XLA:CPU's concurrency-optimised scheduler the devices entered their collectives in different
+  orders and the collective rendezvous aborted the run ("Termination timeout for `all gather`";
+  seen with a pipeline's stages, and with gradient accumulation over an FSDP x expert mesh, on 2
+  of 3 runs); its default scheduler does not. Set before JAX starts its backends; an XLA_FLAGS
+  that already names it is left alone. One device, or real ones, keep the default."""
   flags = os.environ.get('XLA_FLAGS', '')
-  stages = int(mesh_shape[0]) if len(mesh_shape) == 5 else 1
-  if stages > 1 and 'concurrency_optimized_scheduler' not in flags:
+  count = re.search(r'--xla_force_host_platform_device_count=(\d+)', flags)
+  emulated = count is not None and int(count.group(1)) > 1
+  if emulated and 'concurrency_optimized_scheduler' not in flags:
     os.environ['XLA_FLAGS'] = f'{flags} {CPU_ONE_COLLECTIVE_ORDER}'.strip()
 
 

@@ -94,6 +94,16 @@ def test_pipelines_equal_no_pipeline(cfg, mesh_shape, m, r):
   assert_same(loss_and_grads(cfg, mesh_shape, m, r), unpipelined(cfg))
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize('quant', ['int8', 'int4'])
+def test_a_quantised_base_pipelines_equal_no_pipeline(quant):
+  """QLoRA: the int8/int4 frozen base is stacked over the layers like the float one, so each
+  stage holds its own layers' codes and scales; the adapters' gradients are those of no
+  pipeline."""
+  cfg = dataclasses.replace(with_lora(LONGCAT), quant=quant, quant_group_size=16)
+  assert_same(loss_and_grads(cfg, (2, 1, -1, 2, 1), m=4), unpipelined(cfg))
+
+
 @functools.cache
 def unpipelined(cfg):
   return loss_and_grads(cfg, (1, 1, -1, 2, 1))
@@ -157,8 +167,9 @@ def test_a_pipelined_step_compiles_for_two_tpu_slices():
   assert r['fits'] and r['mesh']['stage'] == 2 and r['pipeline']['stages'] == 2
 
 
-def logged_losses(workdir, mesh_shape: str) -> list[str]:
-  """The training losses `python -m moetrain.main` logs for the tiny LongCat in float32."""
+def logged_losses(workdir, mesh_shape: str, extra=()) -> list[str]:
+  """The training losses `python -m moetrain.main` logs for the tiny LongCat in float32 (extra:
+  further flags, later ones winning)."""
   from tests.helpers import run_command
 
   args = [
@@ -172,11 +183,25 @@ def logged_losses(workdir, mesh_shape: str) -> list[str]:
     f'--config.mesh.shape={mesh_shape}',
     '--config.model.pipeline_microbatches=4',
     f'--workdir={workdir}',
+    *extra,
   ]
   out = run_command('moetrain.main', *args)
   assert out.returncode == 0, out.stderr[-3000:]
   text = out.stdout + out.stderr
   return [line.split('lr')[0] for line in text.splitlines() if line.startswith('step ')]
+
+
+@pytest.mark.slow
+def test_gradient_accumulation_over_a_pipeline_logs_the_losses_of_no_pipeline(tmp_path):
+  """Two accumulated micro-batches, each run through the stages' own micro-batches."""
+  accum = [
+    '--config.optim.grad_accum_steps=2',
+    '--config.data.global_batch_size=16',  # micro-batches of the other test's 8 rows
+    '--config.train.steps=4',
+    '--config.train.log_every=1',
+  ]
+  one = logged_losses(tmp_path / 'one', '(1,1,-1,2,1)', accum)
+  assert len(one) >= 2 and one == logged_losses(tmp_path / 'two', '(2,1,-1,2,1)', accum)
 
 
 @pytest.mark.slow

@@ -188,3 +188,21 @@ def test_the_planner_compiles_for_a_tpu_without_libtpu_noise(tmp_path):
   assert done.stdout.startswith('[v5e-1] compiling the train step for 1 TPU v5 lite devices')
   assert 'needs' in done.stdout and 'fits' in done.stdout
   assert 'E0000' not in done.stderr and 'host bounds' not in done.stderr, done.stderr[-2000:]
+
+
+def test_emulated_devices_get_one_collective_order(monkeypatch):
+  """Several emulated CPU devices run XLA:CPU's default scheduler (its concurrency-optimised one
+  let them enter collectives in different orders: the rendezvous aborted); one device and an
+  XLA_FLAGS that already chooses are left alone."""
+  cases = {
+    '--xla_force_host_platform_device_count=8': True,
+    '--xla_force_host_platform_device_count=1': False,
+    '': False,
+    '--xla_force_host_platform_device_count=8 '
+    '--xla_cpu_enable_concurrency_optimized_scheduler=true': False,
+  }
+  for flags, added in cases.items():
+    monkeypatch.setenv('XLA_FLAGS', flags)
+    runtime.cpu_collective_schedule()
+    got = os.environ['XLA_FLAGS']
+    assert got == (f'{flags} {runtime.CPU_ONE_COLLECTIVE_ORDER}'.strip() if added else flags)

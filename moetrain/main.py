@@ -27,7 +27,6 @@ def main(argv):
     raise runtime.UserError(f'--workdir={workdir} is a file, not a run directory')
   config = _CONFIG.value
   steps = [] if _DRY_RUN.value else rundir.saved_steps(workdir)
-  runtime.cpu_collective_schedule()
   # (train.resume_step: the run goes back to that checkpoint)
   runtime.start_command(resume_step=config.train.resume_step or (steps[-1] if steps else None))
   from moetrain import train

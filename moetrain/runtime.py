@@ -215,6 +215,7 @@ def start_command(preemption: bool = True, resume_step: int | None = None) -> No
   and closed-loop noise, then the multi-process job, if any (see initialize_distributed)."""
   reexec_with_hugepages()
   rocm_grouped_gemm()
+  cpu_collective_schedule()
   cpu_without_accelerators()
   quiet_library_logs()
   quiet_closed_loop_errors()

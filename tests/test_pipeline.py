@@ -208,3 +208,30 @@ def test_gradient_accumulation_over_a_pipeline_logs_the_losses_of_no_pipeline(tm
 def test_the_pipelined_command_logs_the_losses_of_no_pipeline(tmp_path):
   one = logged_losses(tmp_path / 'one', '(1,1,-1,2,1)')
   assert one and one == logged_losses(tmp_path / 'two', '(2,1,-1,2,1)')
+
+
+@pytest.mark.slow
+def test_the_tools_read_a_pipelined_runs_checkpoint(tmp_path):
+  """evaluate, generate and export on a stage-2 run's directory (8 emulated devices, the run's
+  own mesh): evaluate scores the last checkpoint as the run's own end-of-run evaluation did."""
+  import json
+
+  from tests.helpers import run_command
+
+  workdir = tmp_path / 'run'
+  assert logged_losses(workdir, '(2,1,-1,2,1)')
+  with open(workdir / 'metrics.jsonl') as f:
+    last_eval = [r for r in map(json.loads, f) if r['kind'] == 'eval'][-1]
+  out = run_command('moetrain.tools.evaluate', f'--workdir={workdir}')
+  assert out.returncode == 0, out.stderr[-3000:]
+  words = out.stdout.splitlines()[-1].split()
+  assert words[:2] == ['step', '12:'], words
+  assert float(words[3]) == pytest.approx(last_eval['loss'], rel=1e-5)
+  out = run_command(
+    'moetrain.tools.generate', f'--workdir={workdir}', '--prompt=the', '--max_new_tokens=4'
+  )
+  assert out.returncode == 0, out.stderr[-3000:]
+  export = tmp_path / 'export'
+  out = run_command('moetrain.tools.export', f'--workdir={workdir}', f'--out={export}')
+  assert out.returncode == 0, out.stderr[-3000:]
+  assert (export / 'config.json').exists() and any(export.glob('*.safetensors'))

@@ -235,3 +235,17 @@ def test_the_tools_read_a_pipelined_runs_checkpoint(tmp_path):
   out = run_command('moetrain.tools.export', f'--workdir={workdir}', f'--out={export}')
   assert out.returncode == 0, out.stderr[-3000:]
   assert (export / 'config.json').exists() and any(export.glob('*.safetensors'))
+
+
+@pytest.mark.slow
+def test_a_run_resumes_without_stages_after_a_stage_change(tmp_path):
+  """A stage-2 run checkpoints at step 6; the same run directory resumed from there with no
+  pipeline (train.resume_step=6, mesh.shape without stages) logs steps 7-12 as the pipelined run
+  did: the checkpoint carries no trace of the stage count."""
+  every = ['--config.train.checkpoint_every=6', '--config.train.log_every=1']
+  staged = logged_losses(tmp_path / 'run', '(2,1,-1,2,1)', every)
+  resumed = logged_losses(
+    tmp_path / 'run', '(1,1,-1,2,1)', [*every, '--config.train.resume_step=6']
+  )
+  later = [line for line in staged if int(line.split()[1]) > 6]
+  assert len(later) == 6 and resumed[-6:] == later

@@ -147,8 +147,9 @@ def _wait(p: subprocess.Popen) -> tuple[str, int]:
   return out, usage.ru_maxrss * 1024
 
 
-# Slow: alone it passes (plan 1.78 GB, measured within 15%), but in the default suite's two
-# loaded workers one run measured 3.34 GB for the same plan, not yet explained.
+# Slow: alone it passes (plan 1.78 GB, measured within 15%), and so it does beside two busy
+# processes and the plan's own compile (1.64 GiB); but inside the two workers of a pytest-xdist
+# suite the same run measured 3.34 and 3.41 GB for that plan, not yet explained.
 @pytest.mark.slow
 def test_cpu_plan_predicts_the_peak_resident_memory_of_a_run(tmp_path):
   """The CPU plan of a small run (its first start: compiled, not read from a compilation cache)

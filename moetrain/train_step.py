@@ -290,11 +290,11 @@ def jit_train_step(
   return jax.jit(fn, donate_argnums=0 if donate else (), compiler_options=options, **placed)
 
 
-def compiler_options(cfg: ModelConfig) -> dict:
-  """XLA options of the model's steps (model.tpu_scoped_vmem_kib on TPU)."""
+def compiler_options(cfg: ModelConfig) -> dict | None:
+  """XLA options of the model's steps (model.tpu_scoped_vmem_kib on TPU); None: the defaults."""
   if cfg.platform == 'tpu' and cfg.tpu_scoped_vmem_kib:
     return {'xla_tpu_scoped_vmem_limit_kib': int(cfg.tpu_scoped_vmem_kib)}
-  return {}
+  return None
 
 
 def eval_step(state: TrainState, batch, *, graphdef, micro_rows: int = 0):

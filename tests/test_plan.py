@@ -393,7 +393,7 @@ def test_the_scoped_vmem_limit_reaches_libtpu_and_its_overflow_names_the_key():
   )
   fn, args, cfg = _vmem_case()
   assert compiler_options(cfg(32768)) == {'xla_tpu_scoped_vmem_limit_kib': 32768}
-  assert compiler_options(ModelConfig(platform='cpu', tpu_scoped_vmem_kib=32768)) == {}
+  assert compiler_options(ModelConfig(platform='cpu', tpu_scoped_vmem_kib=32768)) is None
   jitted = jax.jit(fn, compiler_options=compiler_options(cfg(32768)))
   aot.compile_fn('f', jitted, args, analyse=False, cache=False)
 

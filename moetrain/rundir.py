@@ -185,9 +185,8 @@ def checkpoint_tokenizer(path: str) -> str:
   from moetrain.data import tokenizer as tokenizer_lib
 
   saved = run_config(path)
-  if saved is not None:
-    data, init = saved.get('data', {}), saved.get('init', {})
-    given = data.get('tokenizer') or init.get('hf_checkpoint') or ''
+  if saved is not None:  # as that run read it (a teacher that was itself distilled: its teacher's)
+    given = read_tokenizer(_with_defaults(saved))
     if not given:
       return storage.join(run_dir(path), tokenizer_lib.SPM_FILE)
     path = given

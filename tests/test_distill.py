@@ -440,6 +440,7 @@ def _ids():
   return jax.random.randint(jax.random.key(7), (2, 12), 0, 474)  # (the tokenizer's vocabulary)
 
 
+@pytest.mark.slow  # ~45 s: a LoRA student's run, exported twice and decoded
 def test_export_and_generate_read_a_lora_students_run(lora_student, tmp_path):
   """The tools see the student as training left it, its frozen base from the teacher included:
   the merged export reloads to its logits, the PEFT export holds its adapters, and generate

@@ -152,6 +152,7 @@ def test_the_base_moves_into_the_steps_layouts_and_evaluates_the_same():
   assert got == want, (got, want)
 
 
+@pytest.mark.slow  # ~35 s: two training runs
 def test_a_run_with_compiler_layouts_trains_as_one_without(tmp_path):
   """The run loop with model.frozen_layout='compiler' on this host (where XLA:CPU chooses the
   default layouts): its losses and evaluation bit for bit those of the default run."""

@@ -326,7 +326,10 @@ def _loss_and_grads(cfg, mesh_shape=None):
     # LoRA everywhere (Linear's lora_product, the head's loss, attention), the grouped engine.
     dict(lora=True, moe_backend='grouped'),
     # Full training, experts over 4 shards exchanging ragged buffers, the gathered engine.
-    dict(lora=False, moe_backend='gathered', moe_ep_comm='ragged', mesh=(1, 2, 4, 1)),
+    pytest.param(
+      dict(lora=False, moe_backend='gathered', moe_ep_comm='ragged', mesh=(1, 2, 4, 1)),
+      marks=pytest.mark.slow,
+    ),
   ],
   ids=['lora_grouped', 'full_expert_parallel'],
 )

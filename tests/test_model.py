@@ -61,7 +61,8 @@ def _loss_and_lora_grads(model, ids, pos, seg):
   return nnx.value_and_grad(loss, argnums=nnx.DiffState(0, nnx.LoRAParam))(model)
 
 
-@pytest.mark.parametrize('chunk', [5, pytest.param(4, marks=pytest.mark.slow)])
+@pytest.mark.slow  # ~25 s; tests/test_kernels.py checks attention_core's blocks against autodiff
+@pytest.mark.parametrize('chunk', [5, 4])
 def test_chunked_causal_attention_equals_the_full_square(chunk):
   """Query blocks that skip the keys after them give the full-square result (packed segments,
   a ragged last block), in outputs and in gradients."""
@@ -155,7 +156,7 @@ def assert_same_loss_and_grads(model, ref, ids, atol, rtol):
     np.testing.assert_allclose(g, r, atol=atol, rtol=rtol)
 
 
-@pytest.mark.parametrize('remat', ['save_moe', 'save_dots'])
+@pytest.mark.parametrize('remat', ['save_moe', pytest.param('save_dots', marks=pytest.mark.slow)])
 def test_remat_policies_change_no_gradient(remat):
   """A policy only chooses what the backward recomputes: save_moe (which keeps the experts'
   input rows and gate/up projections, named in kernels/experts.swiglu; the ragged_dot engine
@@ -167,7 +168,7 @@ def test_remat_policies_change_no_gradient(remat):
   assert_same_loss_and_grads(other, model, ids, atol=1e-6, rtol=1e-5)
 
 
-@pytest.mark.parametrize('remat', ['none', 'full'])
+@pytest.mark.parametrize('remat', ['none', pytest.param('full', marks=pytest.mark.slow)])
 def test_unrolled_layers_equal_the_scan(remat):
   """scan_layers=False runs the same stacked layer state layer by layer: same logits, routing
   stats, loss and gradients."""
@@ -198,7 +199,7 @@ def test_lora_with_zero_b_equals_base():
   assert np.abs(a - c).max() > 1e-3
 
 
-@pytest.mark.parametrize('backend', ['blocked', 'ragged_dot'])
+@pytest.mark.parametrize('backend', [pytest.param('blocked', marks=pytest.mark.slow), 'ragged_dot'])
 def test_moe_backends_match_dense_reference(backend):
   cfg = with_lora(tiny(moe_backend='dense'))
   model, ids = model_and_ids(cfg)

@@ -20,6 +20,9 @@ from moetrain.model.config import ModelConfig
 # Names for the remat policies (model/transformer.py remat_policy): what the experts' backward
 # reads. Saving them spares the backward the forward's routing, exchange and expert matmuls.
 EXPERT_INPUT, EXPERT_GATE, EXPERT_UP = 'moe_expert_in', 'moe_expert_gate', 'moe_expert_up'
+# The grouped engine's output rows: its forward is one loop over every projection, so without
+# them a saving policy still reran it for the gate gradients (combine reads the outputs).
+EXPERT_OUTPUT = 'moe_expert_out'
 
 
 SWIGLU_ALPHA = 1.702  # gpt-oss's sigmoid slope in its clamped SwiGLU

@@ -11,6 +11,7 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+from jax.ad_checkpoint import checkpoint_name
 
 from moetrain.kernels import Kernel, experts, vjp
 from moetrain.kernels.lora import with_lora
@@ -130,6 +131,11 @@ def _expert_ffn_fwd(x_PD, w_train, w_frozen, groups, rng, tiles, cfg):
   rest = {k: p.value for k, p in w_train.items() if not p.perturbed} | vjp.values(w_frozen)
   x_PD, groups, rng = vjp.values((x_PD, groups, rng))
   y, gate, up = _ffn_forward(x_PD, need, rest, groups, rng, tiles, cfg)
+  # Named as experts.swiglu names them: a remat policy that saves them (model.remat='save_moe',
+  # with the outputs named in dispatch.grouped_layout) spares the backward pass this loop's
+  # second run, its matmuls and dequantisation (bench/RESULTS.md, "CPU host plans").
+  x_PD = checkpoint_name(x_PD, experts.EXPERT_INPUT)
+  gate, up = checkpoint_name(gate, experts.EXPERT_GATE), checkpoint_name(up, experts.EXPERT_UP)
   return y, (x_PD, gate, up, need, rest, groups, rng, dict.fromkeys(w_train))
 
 

@@ -9,6 +9,7 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+from jax.ad_checkpoint import checkpoint_name
 
 from moetrain.kernels import experts, grouped
 from moetrain.kernels.lora import with_lora
@@ -227,7 +228,8 @@ def grouped_layout(expert_sorted_R, sizes_E, tiles: tuple, cfg: ModelConfig) -> 
   def run(x_PD, weights, rng):
     w_train, w_frozen = grouped.split_trainable(weights)
     ref = cfg.reference_kernels
-    return grouped.expert_ffn(x_PD, w_train, w_frozen, groups, rng, tiles, cfg, reference=ref)
+    y_PD = grouped.expert_ffn(x_PD, w_train, w_frozen, groups, rng, tiles, cfg, reference=ref)
+    return checkpoint_name(y_PD, experts.EXPERT_OUTPUT)
 
   return Layout(src_P, jnp.where(valid_R, rows, r + spare), valid_R, run)
 

@@ -133,7 +133,13 @@ def make_stack(cfg: ModelConfig, group: LayerGroup, rngs: nnx.Rngs):
 # experts' backward reads; and the MoE output, which the layer's own backward reads. Saving only
 # the output (as save_moe once did) saved nothing: the experts' backward still needed their
 # internals, so the whole MoE was recomputed anyway and the compiled program equalled `full`'s.
-MOE_SAVED = ('moe_out', experts_lib.EXPERT_INPUT, experts_lib.EXPERT_GATE, experts_lib.EXPERT_UP)
+MOE_SAVED = (
+  'moe_out',
+  experts_lib.EXPERT_INPUT,
+  experts_lib.EXPERT_GATE,
+  experts_lib.EXPERT_UP,
+  experts_lib.EXPERT_OUTPUT,
+)
 
 
 def remat_policy(name: str):

@@ -188,6 +188,29 @@ def test_cpu_hosts_by_name():
     cpu_plan.parse('cpu-64')
 
 
+def test_the_cpu_estimate_counts_what_remat_recomputes():
+  """model FLOPs leave remat out; the CPU plan's estimate adds the forward the backward reruns:
+  under save_moe all of full's but the routed experts' (2 K_e 3 D F per MoE layer and token)."""
+  from moetrain.tools import sizes, tpu_plan
+
+  def again(remat):
+    config = deepseek_v3_lora.get_config('')
+    config.model.remat = remat
+    return tpu_plan.recompute_flops(build(config, num_devices=1, process_count=1))[0]
+
+  config = deepseek_v3_lora.get_config('')
+  setup = build(config, num_devices=1, process_count=1)
+  m = setup.model
+  tokens = setup.data.global_batch_size * setup.data.seq_len
+  routed = 2 * sizes.balance_target(m) * 3 * m.hidden_size * m.expert_ffn_hidden_size
+  routed *= m.num_moe_layers * tokens
+  full, save_moe, none = again('full'), again('save_moe'), again('none')
+  assert none == 0 and full > save_moe > 0
+  np.testing.assert_allclose(full - save_moe, routed, rtol=1e-9)
+  model, _ = tpu_plan.model_flops(setup)
+  assert full < model / 2  # a forward of the layers: under half a LoRA step's 4 N per token
+
+
 @pytest.mark.slow
 def test_real_size_bench_records_a_tiny_run(tmp_path):
   """bench/cpu_real_size.py on the tiny preset: the plan, then the run, one JSON record."""

@@ -54,6 +54,32 @@ def model_flops(setup) -> tuple[float, str]:
   return per_token * tokens, formula
 
 
+def recompute_flops(setup) -> tuple[float, str]:
+  """The forward FLOPs the backward pass runs again under model.remat (all devices), which
+  model_flops leaves out, and what they are: 'full' reruns every layer's forward (the lm head's
+  chunked loss is not in a layer), 'save_moe' and 'offload' all of it but the routed experts,
+  'save_dots' on a CPU (whose grouped engine is a loop, not a dot) the routed experts and the
+  attention core, 'none' nothing. The compiled step counts them where its loops have static
+  trip counts (a TPU plan's estimate reads them there); the CPU plan adds them to model_flops."""
+  from moetrain import metrics
+  from moetrain.tools import sizes
+
+  cfg = setup.model
+  counts = sizes.param_counts(cfg)
+  k_e = sizes.balance_target(cfg)
+  routed = 2 * k_e * counts['routed_experts'] / cfg.n_routed_experts
+  attention = 2 * metrics.attention_params_equivalent(cfg, setup.data.seq_len)
+  adapters = 2 * counts['adapters'] if cfg.lora.enabled else 0
+  layers = 2 * (counts['active'][k_e] - cfg.vocab_size * cfg.hidden_size) + attention + adapters
+  per_token, what = {
+    'full': (layers, "every layer's forward"),
+    'save_moe': (layers - routed, 'the layers but the routed experts'),
+    'offload': (layers - routed, 'the layers but the routed experts'),
+    'save_dots': (routed + attention, 'the routed experts and the attention core'),
+  }.get(cfg.remat, (0.0, 'nothing'))
+  return per_token * setup.data.global_batch_size * setup.data.seq_len, what
+
+
 def plan(config, topology: str, overrides: dict | None = None, progress=None) -> dict:
   """Compile `config` (with `overrides`) for `topology`; the per-device report. progress(line)."""
   from moetrain import aot

@@ -375,6 +375,34 @@ def analyse(text: str, unknown_trips: int = 1) -> Cost:
   return Cost(flops, hbm, coll, once, loops, unknown)
 
 
+_MEGASCALE = re.compile(r'_xla_megascale_transfer_type="([A-Z_]+)"')
+
+
+def dcn_bytes(text: str, slices: int) -> float:
+  """Bytes a chip sends over the data-center network per run of a multislice program. libtpu
+  compiles one slice's program, in which every collective that crosses slices is a host-transfer
+  `send` to the megascale runtime, its payload the chip's share and its
+  `_xla_megascale_transfer_type` the collective. Across d = `slices` slices a ring all-reduce
+  sends 2 (d - 1) / d of the payload, an all-gather, reduce-scatter or all-to-all (d - 1) / d,
+  anything else all of it. Loops count their trips, as in analyse."""
+  comps, entry = parse_module(text)
+  mult, fused, _ = _multiplicities(comps, entry, 0)
+  share = (slices - 1) / max(slices, 1)
+  factor = {'ALL_REDUCE': 2 * share, 'ALL_GATHER': share, 'REDUCE_SCATTER': share}
+  factor['ALL_TO_ALL'] = share
+  total = 0.0
+  for comp, instrs in comps.items():
+    n = mult.get(comp, 0)
+    if not n or comp in fused:
+      continue
+    for instr in instrs:
+      kind = _MEGASCALE.search(instr.attrs) if instr.op == 'send' else None
+      if kind:
+        payload = _DTYPE_BYTES.get(instr.shapes[0][0], 4) * math.prod(instr.shapes[0][1])
+        total += n * factor.get(kind.group(1), 1.0) * payload
+  return total
+
+
 def _operand_bytes(instr: Instr, table: dict) -> float:
   return sum(table[o].bytes for o in instr.operands if o in table)
 

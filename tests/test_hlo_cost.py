@@ -123,3 +123,27 @@ def test_a_scan_over_stacked_weights_reads_one_layer_per_trip():
       if reads_stack and i.op in ('fusion', 'dynamic-slice'):
         slices.append(hlo_cost._traffic(i, table, comps))
   assert slices and all(t <= 2 * layer + 64 for t in slices), (slices, layer)
+
+
+def test_cross_slice_collectives_count_their_bytes_over_the_network():
+  """On two slices, a sum over the axis that spans them is an all-reduce across the data-center
+  network (a megascale host transfer in the slice's program): each of the loop's 3 trips sends
+  the chip's [1, 1024] float32 share, 2 (d - 1) / d = 1 times over d = 2 slices."""
+  pytest.importorskip('libtpu')
+  import numpy as np
+  from jax.sharding import NamedSharding
+  from jax.sharding import PartitionSpec as P
+
+  from moetrain import aot, topology
+
+  devices = topology.parse('2xv5e-4').devices()
+  grid = np.array(sorted(devices, key=lambda d: (d.slice_index, d.id))).reshape(2, 4)
+  rows = NamedSharding(jax.sharding.Mesh(grid, ('slice', 'chip')), P('slice', None))
+
+  def f(y):
+    return jax.lax.fori_loop(0, 3, lambda i, y: jnp.tanh(y) + y.sum(0, keepdims=True), y)
+
+  y = jax.ShapeDtypeStruct((2, 1024), jnp.float32, sharding=rows)
+  step = jax.jit(f, out_shardings=rows)
+  text = aot.compile_fn('f', step, [y], analyse=False, cache=False).executable.as_text()
+  assert hlo_cost.dcn_bytes(text, 2) == 3 * 1024 * 4

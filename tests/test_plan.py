@@ -296,6 +296,18 @@ def test_multislice_puts_the_dcn_axis_across_slices():
   over = {'mesh.shape': (2, 2, 2, 1), 'mesh.dcn_shape': (2, 1, 1, 1)}
   r = tpu_plan.plan(longcat_lora.get_config('variant=tiny'), '2xv5e-4', over)
   assert r['fits'] and r['chips'] == 8
+  # Data across the slices: the adapters' float32 gradients, all-reduced over 2 slices (once
+  # each way: 2 (d - 1) / d = 1 of a chip's share), are what crosses. FSDP across them moves
+  # the frozen base's gathers as well.
+  from moetrain.setup import build
+  from moetrain.tools import sizes
+
+  config = tpu_plan.with_overrides(longcat_lora.get_config('variant=tiny'), over)
+  model = build(config, num_devices=8, process_count=1, platform='tpu').model
+  assert 0 < r['dcn_bytes_per_chip'] <= 4 * sizes.param_counts(model)['adapters']
+  fsdp = {'mesh.shape': (1, 4, 2, 1), 'mesh.dcn_shape': (1, 2, 1, 1)}
+  r2 = tpu_plan.plan(longcat_lora.get_config('variant=tiny'), '2xv5e-4', fsdp)
+  assert r2['dcn_bytes_per_chip'] > r['dcn_bytes_per_chip']
   with pytest.raises(ValueError, match=r'asks for 2 slices, but the 4 devices are of 1'):
     sharding.make_mesh((2, 2, 1, 1), topology.parse('v5e-4').devices(), dcn=(2, 1, 1, 1))
   with pytest.raises(ValueError, match=r'mesh.dcn_shape=\(4, 1, 1, 1\) must divide'):

@@ -128,8 +128,20 @@ def plan(config, topology: str, overrides: dict | None = None, progress=None) ->
     'data_dependent_loops': len(train_c.cost.unknown_loops),
     'buffers': buffers,
     'peak_buffers': peak_buffers(train_c),
+    'dcn_bytes_per_chip': dcn_traffic(train_c, mesh),
     **est,
   }
+
+
+def dcn_traffic(compiled, mesh) -> float | None:
+  """Bytes per chip and step that the train step sends between slices (None on one slice):
+  hlo_cost.dcn_bytes over its optimized HLO."""
+  from moetrain import hlo_cost
+
+  slices = len({getattr(d, 'slice_index', 0) for d in mesh.devices.flat})
+  if slices < 2:
+    return None
+  return hlo_cost.dcn_bytes(compiled.executable.as_text(), slices)
 
 
 def base_report(setup, topo, overrides) -> dict:
@@ -234,6 +246,11 @@ def print_plan(r: dict) -> None:
     f'{_gib(r["hbm_bytes"])} HBM: {verdict}, headroom {100 * r["headroom"]:.1f}% '
     f'(compile {r["compile_seconds"]:.0f} s)'
   )
+  if r.get('dcn_bytes_per_chip') is not None:
+    print(
+      f'over the data-center network: {_gib(r["dcn_bytes_per_chip"])} per chip and step (the '
+      "compiled step's cross-slice collectives; not in the estimate below)"
+    )
   parts = ', '.join(f'{k} {v * 1e3:.0f} ms' for k, v in r['est_seconds_by_part'].items())
   print(
     f'ESTIMATE (roofline, not a measurement): step {r["est_step_seconds"]:.2f} s '

@@ -182,6 +182,19 @@ def check_mesh_fits(model, data, opt, mesh_shape, per_host: int) -> None:
       f'data.global_batch_size={data.global_batch_size} must split into optim.grad_accum_steps='
       f'{opt.grad_accum_steps} x model.pipeline_microbatches={m} micro-batches'
     )
+  if (
+    (stages > 1 or m > 1)
+    and model.splash_attention(data.seq_len)
+    and (per_micro // m) % batch_shards
+  ):
+    # The splash kernel runs in a shard_map over the batch shards, which must split the rows.
+    raise ValueError(
+      f'data.global_batch_size={data.global_batch_size}: a pipeline micro-batch of '
+      f'{per_micro // m} rows (over optim.grad_accum_steps={opt.grad_accum_steps} x '
+      f'model.pipeline_microbatches={m}) does not split over the {batch_shards} batch shards '
+      f'(data*fsdp*expert of mesh.shape={mesh_shape}) that the splash attention kernel runs '
+      'on; raise the batch or lower the micro-batch count'
+    )
   if data.eval_split and data.eval_batch_size % batch_shards:
     raise ValueError(
       f'data.eval_batch_size={data.eval_batch_size} must be divisible by the '

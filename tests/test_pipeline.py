@@ -158,6 +158,21 @@ def test_the_planner_counts_the_bubble_and_the_activations_over_the_network():
   assert p['dcn_bytes_per_step'] == 3 * 2 * 5 * act
 
 
+def test_micro_batches_the_splash_kernel_cannot_split_are_refused():
+  """On TPU the splash kernel runs over the batch shards: a pipeline micro-batch of fewer rows
+  than shards (16 rows / 8 micro-batches = 2 over 4 shards) is refused before any compile."""
+  from configs import longcat_pretrain
+  from moetrain.setup import build
+  from moetrain.tools import tpu_plan
+
+  over = PIPELINED | {'model.pipeline_microbatches': 8}
+  config = tpu_plan.with_overrides(longcat_pretrain.get_config('variant=tiny'), over)
+  assert config.data.seq_len % 128 == 0  # the splash kernel's blocks
+  with pytest.raises(ValueError, match=r'micro-batch of 2 rows .* 4 batch shards'):
+    build(config, num_devices=8, process_count=1, platform='tpu')
+  build(config, num_devices=8, process_count=1, platform='cpu')  # the XLA path takes it
+
+
 @pytest.mark.slow
 def test_a_pipelined_step_compiles_for_two_tpu_slices():
   from configs import longcat_pretrain

@@ -34,6 +34,7 @@ def leaves(tree) -> list[np.ndarray]:
   return [np.asarray(x.astype(np.float32)) for x in jax.tree.leaves(tree)]
 
 
+@pytest.mark.slow  # ~14 s
 def test_a_saved_base_restores_onto_another_mesh_without_the_safetensors(tmp_path, monkeypatch):
   cache = str(tmp_path / 'cache')
   first = initial(qlora_setup(cache))

@@ -111,6 +111,7 @@ def _transposed(f: Format) -> Format:
   return Format(Layout(tuple(order), f.layout.tiling), f.sharding)
 
 
+@pytest.mark.slow  # ~20 s
 def test_the_base_moves_into_the_steps_layouts_and_evaluates_the_same():
   """place_frozen copies the base into the formats a compiled step takes (here: layouts other
   than the default, as XLA:TPU may choose), and the eval step compiled for those formats gives

@@ -95,6 +95,7 @@ def test_transformers_loads_the_export(finetuned):
   np.testing.assert_allclose(ref, want, atol=1e-5)
 
 
+@pytest.mark.slow  # ~14 s; test_lora_finetune_export_reload exports too
 def test_adapter_only_export(tmp_path):
   hf_dir = hf_dir_with_tokenizer(tmp_path)
   config = hf_config(hf_dir, steps=2, checkpoint_every=2)

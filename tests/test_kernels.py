@@ -324,7 +324,7 @@ def _loss_and_grads(cfg, mesh_shape=None):
   'setting',
   [
     # LoRA everywhere (Linear's lora_product, the head's loss, attention), the grouped engine.
-    dict(lora=True, moe_backend='grouped'),
+    pytest.param(dict(lora=True, moe_backend='grouped'), marks=pytest.mark.slow),
     # Full training, experts over 4 shards exchanging ragged buffers, the gathered engine.
     pytest.param(
       dict(lora=False, moe_backend='gathered', moe_ep_comm='ragged', mesh=(1, 2, 4, 1)),

@@ -19,7 +19,7 @@ from tests.helpers import forward, model_and_ids, nonzero_bias, randomize, tiny,
 from tests.test_sharding import batch
 
 
-@pytest.mark.parametrize('mode', ['none', 'int8', 'int4'])
+@pytest.mark.parametrize('mode', ['none', pytest.param('int8', marks=pytest.mark.slow), 'int4'])
 def test_merged_model_equals_adapted_model(mode):
   cfg = with_lora(tiny(quant=mode, quant_group_size=8))
   model, ids = model_and_ids(cfg)
@@ -73,7 +73,7 @@ def test_gradients_reach_only_adapters():
   assert all(changed)
 
 
-@pytest.mark.parametrize('mode', ['none', 'int4'])
+@pytest.mark.parametrize('mode', ['none', pytest.param('int4', marks=pytest.mark.slow)])
 def test_adapters_and_their_moments_are_float32_over_a_bfloat16_base(mode, tmp_path):
   """lora.param_dtype (float32 by default) stores the adapters, so their Adam moments are
   float32 too, whatever the frozen base's storage; a PEFT export keeps the base's dtype."""

@@ -178,6 +178,7 @@ def test_tpu_only_paths_compile():
   assert 'ragged-all-to-all' in text or 'ragged_all_to_all' in text
 
 
+@pytest.mark.slow  # ~16 s; tests/test_accelerator_lowering.py lowers megablox
 def test_megablox_without_expert_parallelism_compiles_for_tpu():
   """Full training on TPU picks megablox; on a mesh without an expert axis its Mosaic kernel must
   run inside a shard_map (XLA refused: "Mosaic kernels cannot be automatically partitioned")."""

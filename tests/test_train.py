@@ -381,6 +381,7 @@ def test_a_changed_or_empty_tokenizer_stops_a_resume_and_the_tools(uninterrupted
   assert not (tmp_path / 'out').exists()
 
 
+@pytest.mark.slow  # ~30 s: a run to the end of its data
 def test_data_running_out_saves_evaluates_and_stops(tmp_path):
   """data.num_epochs = 1 with more train.steps than the epoch holds: the run saves its last
   step, evaluates and returns; a rerun finds the data spent and stops at once, cleanly."""
@@ -440,6 +441,7 @@ def test_a_checkpoint_comes_after_its_steps_records(tmp_path, monkeypatch):
   assert not os.path.exists(os.path.join(workdir, 'checkpoints', '2'))
 
 
+@pytest.mark.slow  # ~15 s; the record order is also checked by the resume tests
 def test_a_steps_record_comes_before_its_eval(tmp_path):
   """An eval at a step that saves no checkpoint follows that step's train record, as at a save
   step (the record is fetched a step late; the progress lines came out as 'eval step 2', 'step

@@ -263,6 +263,7 @@ def test_float16_trains_with_a_dynamic_loss_scale():
   np.testing.assert_array_equal(grown.loss_scale, [8.0, 0.0])
 
 
+@pytest.mark.slow  # ~11 s; float16 training stays in the default suite
 def test_float16_loss_scale_keeps_bfloat16_parameters_and_state():
   """Unscaling the float16 gradients by the float32 loss scale promoted bfloat16 ones
   (param_dtype bfloat16) to float32: the updated optimizer state no longer matched the skip

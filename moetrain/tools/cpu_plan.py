@@ -245,8 +245,7 @@ def plan(config, topology: str, overrides: dict | None = None, progress=None) ->
   again, again_what = tpu_plan.recompute_flops(setup)
   rate = rate_of(setup, host, measured)
   # The compiled count misses the grouped engine's loops (data-dependent trip counts).
-  step_s = max(flops + again, train.cost.flops) / rate
-  peak = mem['peak']
+  step_s, peak = max(flops + again, train.cost.flops) / rate, mem['peak']
   return {
     'topology': host.name,
     'topology_name': f'cpu:{host.ram_bytes / 2**30:.1f}GiB:{host.cores}',

@@ -24,6 +24,7 @@ _FREE = {
   'call', 'after-all', 'partition-id', 'replica-id', 'add-dependency', 'opt-barrier',
   'copy-start', 'copy-done', 'async-start', 'async-done', 'async-update', 'iota',
 }  # fmt: skip
+_MEGASCALE = re.compile(r'_xla_megascale_transfer_type="([A-Z_]+)"')
 _COLLECTIVES = (
   'all-gather', 'all-reduce', 'reduce-scatter', 'all-to-all', 'ragged-all-to-all',
   'collective-permute',
@@ -309,6 +310,9 @@ class Cost:
   flops_once: float  # the same flops with every loop body counted once (cost_analysis' way)
   loops: dict  # while loop body -> trip count
   unknown_loops: list
+  # Multislice: bytes handed to the megascale runtime (the cross-slice collectives), by
+  # transfer type; dcn_bytes prices them.
+  megascale: dict = dataclasses.field(default_factory=dict)
 
 
 @dataclasses.dataclass
@@ -351,7 +355,7 @@ def analyse(text: str, unknown_trips: int = 1) -> Cost:
   sites = list(_matmul_sites(comps, mult))
   flops, once = sum(s.flops for s in sites), sum(s.flops / s.runs for s in sites)
   hbm = coll = 0.0
-  loops = {}
+  loops, megascale = {}, {}
   for comp, instrs in comps.items():
     n = mult.get(comp, 0)
     if not n:
@@ -364,6 +368,10 @@ def analyse(text: str, unknown_trips: int = 1) -> Cost:
           loops[body.group(1)] = mult[body.group(1)] // max(n, 1)
       if comp in fused or instr.op in _FREE:
         continue
+      kind = _MEGASCALE.search(instr.attrs) if instr.op == 'send' else None
+      if kind:  # payload first, then a context and a token
+        payload = Instr(instr.name, instr.op, instr.shapes[:1], [], '').bytes
+        megascale[kind.group(1)] = megascale.get(kind.group(1), 0.0) + n * payload
       base = instr.op.removesuffix('-start').removesuffix('-done')
       if base in _COLLECTIVES:
         if not instr.op.endswith('-done'):
@@ -372,35 +380,24 @@ def analyse(text: str, unknown_trips: int = 1) -> Cost:
           coll += n * factor * size
         continue
       hbm += n * _traffic(instr, table, comps)
-  return Cost(flops, hbm, coll, once, loops, unknown)
+  return Cost(flops, hbm, coll, once, loops, unknown, megascale)
 
 
-_MEGASCALE = re.compile(r'_xla_megascale_transfer_type="([A-Z_]+)"')
-
-
-def dcn_bytes(text: str, slices: int) -> float:
-  """Bytes a chip sends over the data-center network per run of a multislice program. libtpu
-  compiles one slice's program, in which every collective that crosses slices is a host-transfer
-  `send` to the megascale runtime, its payload the chip's share and its
-  `_xla_megascale_transfer_type` the collective. Across d = `slices` slices a ring all-reduce
-  sends 2 (d - 1) / d of the payload, an all-gather, reduce-scatter or all-to-all (d - 1) / d,
-  anything else all of it. Loops count their trips, as in analyse."""
-  comps, entry = parse_module(text)
-  mult, fused, _ = _multiplicities(comps, entry, 0)
+def dcn_bytes(cost: Cost, slices: int) -> float:
+  """Bytes a chip sends over the data-center network per run of a multislice program
+  (analyse's count). libtpu compiles one slice's program, in which every collective that crosses
+  slices is a host-transfer `send` to the megascale runtime, its payload the chip's share and
+  its `_xla_megascale_transfer_type` the collective. Across d = `slices` slices a ring
+  all-reduce sends 2 (d - 1) / d of the payload, an all-gather, reduce-scatter or all-to-all
+  (d - 1) / d, anything else all of it."""
   share = (slices - 1) / max(slices, 1)
-  factor = {'ALL_REDUCE': 2 * share, 'ALL_GATHER': share, 'REDUCE_SCATTER': share}
-  factor['ALL_TO_ALL'] = share
-  total = 0.0
-  for comp, instrs in comps.items():
-    n = mult.get(comp, 0)
-    if not n or comp in fused:
-      continue
-    for instr in instrs:
-      kind = _MEGASCALE.search(instr.attrs) if instr.op == 'send' else None
-      if kind:
-        payload = _DTYPE_BYTES.get(instr.shapes[0][0], 4) * math.prod(instr.shapes[0][1])
-        total += n * factor.get(kind.group(1), 1.0) * payload
-  return total
+
+  def factor(kind: str) -> float:
+    if kind == 'ALL_REDUCE':
+      return 2 * share
+    return share if kind in ('ALL_GATHER', 'REDUCE_SCATTER', 'ALL_TO_ALL') else 1.0
+
+  return sum(factor(kind) * payload for kind, payload in cost.megascale.items())
 
 
 def _operand_bytes(instr: Instr, table: dict) -> float:

@@ -146,4 +146,4 @@ def test_cross_slice_collectives_count_their_bytes_over_the_network():
   y = jax.ShapeDtypeStruct((2, 1024), jnp.float32, sharding=rows)
   step = jax.jit(f, out_shardings=rows)
   text = aot.compile_fn('f', step, [y], analyse=False, cache=False).executable.as_text()
-  assert hlo_cost.dcn_bytes(text, 2) == 3 * 1024 * 4
+  assert hlo_cost.dcn_bytes(hlo_cost.analyse(text), 2) == 3 * 1024 * 4

@@ -135,13 +135,13 @@ def plan(config, topology: str, overrides: dict | None = None, progress=None) ->
 
 def dcn_traffic(compiled, mesh) -> float | None:
   """Bytes per chip and step that the train step sends between slices (None on one slice):
-  hlo_cost.dcn_bytes over its optimized HLO."""
+  hlo_cost.dcn_bytes of its compiled cost."""
   from moetrain import hlo_cost
 
   slices = len({getattr(d, 'slice_index', 0) for d in mesh.devices.flat})
   if slices < 2:
     return None
-  return hlo_cost.dcn_bytes(compiled.executable.as_text(), slices)
+  return hlo_cost.dcn_bytes(compiled.cost, slices)
 
 
 def base_report(setup, topo, overrides) -> dict:

@@ -176,17 +176,14 @@ def check_mesh_fits(model, data, opt, mesh_shape, per_host: int) -> None:
       f'{opt.grad_accum_steps} micro-batches each divisible by the {batch_shards} batch shards '
       f'(data*fsdp*expert of mesh.shape={mesh_shape})'
     )
-  stages, m = sizes['stage'], model.pipeline_microbatches
-  if (stages > 1 or m > 1) and per_micro % m:
+  m = model.pipeline_microbatches
+  pipelined = sizes['stage'] > 1 or m > 1
+  if pipelined and per_micro % m:
     raise ValueError(
       f'data.global_batch_size={data.global_batch_size} must split into optim.grad_accum_steps='
       f'{opt.grad_accum_steps} x model.pipeline_microbatches={m} micro-batches'
     )
-  if (
-    (stages > 1 or m > 1)
-    and model.splash_attention(data.seq_len)
-    and (per_micro // m) % batch_shards
-  ):
+  if pipelined and model.splash_attention(data.seq_len) and (per_micro // m) % batch_shards:
     # The splash kernel runs in a shard_map over the batch shards, which must split the rows.
     raise ValueError(
       f'data.global_batch_size={data.global_batch_size}: a pipeline micro-batch of '

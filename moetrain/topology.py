@@ -21,6 +21,8 @@ class Chip:
   ici_bandwidth: float  # bytes/s per device, all links, one direction
   dims: int  # torus dimensions of its topology names
   devices_per_chip: int = 1
+  # bytes/s per device over the data-center network between slices (multislice), one direction
+  dcn_bandwidth: float = 50e9 / 8
 
 
 def _gib(x: float) -> int:
@@ -28,14 +30,16 @@ def _gib(x: float) -> int:
 
 
 # Per device. Peak rates from Google's Cloud TPU system-architecture pages (bf16; ICI: the
-# chip's links together, one way).
+# chip's links together, one way). DCN: v5p's page gives 50 Gbps per chip; v5e's 2 x 100 Gbps
+# NICs per 8-chip host are 25 Gbps per chip; the v4, v6e and Ironwood pages read give no
+# per-chip figure, so those take v5p's 50 Gbps per chip.
 CHIPS = {
-  'v4': Chip('v4', 'TPU v4', _gib(15.25), 275e12 / 2, 1.2e12 / 2, 2.7e11 / 2, 3, 2),
-  'v5e': Chip('v5e', 'TPU v5 lite', _gib(15.75), 197e12, 8.19e11, 2e11, 2),
+  'v4': Chip('v4', 'TPU v4', _gib(15.25), 275e12 / 2, 1.2e12 / 2, 2.7e11 / 2, 3, 2, 50e9 / 16),
+  'v5e': Chip('v5e', 'TPU v5 lite', _gib(15.75), 197e12, 8.19e11, 2e11, 2, 1, 25e9 / 8),
   'v5p': Chip('v5p', 'TPU v5', _gib(95.73), 459e12, 2.765e12, 6e11, 3),
   'v6e': Chip('v6e', 'TPU v6 lite', _gib(31.24), 918e12, 1.64e12, 4.5e11, 2),
   # Ironwood: two devices per chip; named in libtpu's form only ('tpu7x:2x2x1').
-  'tpu7x': Chip('tpu7x', 'TPU7x', _gib(94.74), 2307e12 / 2, 7.37e12 / 2, 6e11 / 2, 3, 2),
+  'tpu7x': Chip('tpu7x', 'TPU7x', _gib(94.74), 2307e12 / 2, 7.37e12 / 2, 6e11 / 2, 3, 2, 50e9 / 16),
 }
 # Cloud accelerator-type prefixes that name the same generations.
 ALIASES = {'v5litepod': 'v5e', 'v6litepod': 'v6e'}

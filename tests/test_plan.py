@@ -306,6 +306,10 @@ def test_multislice_puts_the_dcn_axis_across_slices():
   config = tpu_plan.with_overrides(longcat_lora.get_config('variant=tiny'), over)
   model = build(config, num_devices=8, process_count=1, platform='tpu').model
   assert 0 < r['dcn_bytes_per_chip'] <= 4 * sizes.param_counts(model)['adapters']
+  # The estimate prices those bytes at the slice's DCN bandwidth (v5e: 25 Gbps per chip).
+  dcn_s = r['est_seconds_by_part']['dcn']
+  assert dcn_s == pytest.approx(r['dcn_bytes_per_chip'] / (25e9 / 8))
+  assert r['est_step_seconds'] >= dcn_s
   fsdp = {'mesh.shape': (1, 4, 2, 1), 'mesh.dcn_shape': (1, 2, 1, 1)}
   r2 = tpu_plan.plan(longcat_lora.get_config('variant=tiny'), '2xv5e-4', fsdp)
   assert r2['dcn_bytes_per_chip'] > r['dcn_bytes_per_chip']

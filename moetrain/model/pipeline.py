@@ -24,6 +24,7 @@ from moetrain.sharding import constrain, shift_stages
 ACT = axes.names('BTD')
 MICRO_ACT = (None, *ACT)  # [M, B / M, T, D]: micro-batches, each split over the batch axes
 STAGE_ACT = axes.names('YBTD')
+STAGE_MICRO_ACT = (STAGE_ACT[0], None, *ACT)  # [S, M, B / M, T, D]: each stage's micro-batch copy
 
 
 def check(cfg: ModelConfig) -> None:
@@ -73,16 +74,26 @@ def run_group(layer, state, extra_L, cfg: ModelConfig, h_BTD, positions_BT, segm
   routing stats per layer as an unpipelined scan gives them, or None for dense layers).
   layer(h_BTD, (layer_state, extra), positions_BT, segment_ids_BT) runs one layer (remat'd);
   extra_L: per-layer data stacked [L, ...] (a tree: the layers' dropout keys or None, their
-  attention windows)."""
+  attention windows).
+
+  The micro-batches sit in a buffer [S, M, ...] sharded over 'stage': stage 0 reads its inputs
+  from its own copy, the last stage writes its outputs into its own, and a circular schedule's
+  later repeats reach stage 0 with the stage permute, which stage 0 files into its copy. Every
+  read and write takes the same slot on every stage (a select picks whose counts), so no step of
+  the loop moves a buffer between stages; only the outputs leave the last stage, once, at the
+  end."""
   s, m, r = cfg.pipeline_stages, cfg.pipeline_microbatches, cfg.pipeline_repeats
   count = jax.tree.leaves(state)[0].shape[0]
   lc = count // (s * r)
   w = jax.tree.map(lambda x: x.reshape(r, s, lc, *x.shape[1:]), state)
   keys = jax.tree.map(lambda x: x.reshape(r, s, lc, *x.shape[1:]), extra_L)
-  buf = constrain(split_micro(h_BTD, m), MICRO_ACT, cfg.rules)
+  x_M = constrain(split_micro(h_BTD, m), MICRO_ACT, cfg.rules)
+  buf = constrain(jnp.broadcast_to(x_M, (s, *x_M.shape)), STAGE_MICRO_ACT, cfg.rules)
   pos, seg = split_micro(positions_BT, m), split_micro(segment_ids_BT, m)
   tokens_M = jnp.sum(seg > 0, axis=(1, 2)).astype(jnp.float32)
   share_M = tokens_M / jnp.maximum(tokens_M.sum(), 1.0)
+  first_Y = (jnp.arange(s) == 0)[:, None, None, None]
+  last_Y = (jnp.arange(s) == s - 1)[:, None, None, None]
 
   def stage(w_L, x_BTD, p_BT, s_BT, k_L):
     return jax.lax.scan(lambda h, xs: layer(h, xs, p_BT, s_BT), x_BTD, (w_L, k_L))
@@ -95,21 +106,29 @@ def run_group(layer, state, extra_L, cfg: ModelConfig, h_BTD, positions_BT, segm
     valid_Y = (i_Y >= 0) & (i_Y < m * r)
     i_Y = jnp.clip(i_Y, 0, m * r - 1)
     m_Y, r_Y = i_Y % m, i_Y // m
-    x_Y = shift_stages(state_Y, s).at[0].set(buf[m_Y[0]])
+    moved_Y = shift_stages(state_Y, s)
+    if r > 1 and s > 1:
+      # The last stage's previous output, micro-batch (t - S) % M, is its next repeat's input.
+      buf = file_slot(buf, (t - s) % m, moved_Y, first_Y & (t >= s))
+    x_Y = jnp.where(first_Y, buf[:, m_Y[0]], moved_Y)
     x_Y = constrain(x_Y, STAGE_ACT, cfg.rules)
     out_Y, stats = run(per_stage(w, r_Y), x_Y, pos[m_Y], seg[m_Y], per_stage(keys, r_Y))
-    last = m_Y[-1]
-    buf = buf.at[last].set(jnp.where(valid_Y[-1], out_Y[-1], buf[last]))
+    buf = file_slot(buf, m_Y[-1], out_Y, last_Y & valid_Y[-1])
     return (out_Y, buf), (stats, valid_Y, share_M[m_Y], r_Y)
 
-  state_Y = jnp.zeros((s, *buf.shape[1:]), buf.dtype)
+  state_Y = jnp.zeros((s, *x_M.shape[1:]), x_M.dtype)
   (_, buf), (stats, valid, share, repeat) = jax.lax.scan(
     iteration, (state_Y, buf), jnp.arange(m * r + s - 1)
   )
-  h_BTD = constrain(merge_micro(buf), ACT, cfg.rules)
+  h_BTD = constrain(merge_micro(constrain(buf[s - 1], MICRO_ACT, cfg.rules)), ACT, cfg.rules)
   if stats is None:
     return h_BTD, None
   return h_BTD, combine_stats(stats, valid, share, repeat, cfg)
+
+
+def file_slot(buf_YM, j, x_Y, mask_Y):
+  """buf_YM[:, j] = x_Y where mask_Y (per stage), else left as it is: one slot on every stage."""
+  return buf_YM.at[:, j].set(jnp.where(mask_Y, x_Y, buf_YM[:, j]))
 
 
 def per_stage(tree, r_Y):

@@ -109,7 +109,8 @@ def plan(config, topology: str, overrides: dict | None = None, progress=None) ->
   worst = max(steps.values(), key=lambda c: c.memory['total'])
   total = worst.memory['total']
   flops, formula = model_flops(setup)
-  est = estimate(train_c.cost, chip, flops / len(devices), setup.data)
+  dcn = dcn_traffic(train_c, mesh)
+  est = estimate(train_c.cost, chip, flops / len(devices), setup.data, dcn)
   return report | {
     'fits': total <= chip.hbm_bytes,
     'headroom': 1 - total / chip.hbm_bytes,
@@ -128,7 +129,7 @@ def plan(config, topology: str, overrides: dict | None = None, progress=None) ->
     'data_dependent_loops': len(train_c.cost.unknown_loops),
     'buffers': buffers,
     'peak_buffers': peak_buffers(train_c),
-    'dcn_bytes_per_chip': dcn_traffic(train_c, mesh),
+    'dcn_bytes_per_chip': dcn,
     **est,
   }
 
@@ -184,14 +185,17 @@ def engine_of(cfg) -> dict:
   }
 
 
-def estimate(cost, chip, model_flops_per_chip: float, data) -> dict:
+def estimate(cost, chip, model_flops_per_chip: float, data, dcn_bytes=None) -> dict:
   """Roofline step time per chip: the slowest of compute (the compiled FLOPs at peak), HBM
-  traffic and collective traffic, as if each overlapped the others perfectly."""
+  traffic, collective traffic over the ICI and, across slices, the bytes sent over the
+  data-center network (`dcn_bytes`, per chip), as if each overlapped the others perfectly."""
   parts = {
     'compute': cost.flops / chip.peak_flops,
     'hbm': cost.hbm_bytes / chip.hbm_bandwidth,
     'ici': cost.collective_bytes / chip.ici_bandwidth,
   }
+  if dcn_bytes is not None:
+    parts['dcn'] = dcn_bytes / chip.dcn_bandwidth
   step = max(parts.values())
   return {
     'est_step_seconds': step,
@@ -249,7 +253,7 @@ def print_plan(r: dict) -> None:
   if r.get('dcn_bytes_per_chip') is not None:
     print(
       f'over the data-center network: {_gib(r["dcn_bytes_per_chip"])} per chip and step (the '
-      "compiled step's cross-slice collectives; not in the estimate below)"
+      "compiled step's cross-slice collectives; the estimate's dcn part)"
     )
   parts = ', '.join(f'{k} {v * 1e3:.0f} ms' for k, v in r['est_seconds_by_part'].items())
   print(

@@ -99,6 +99,22 @@ def test_neighbours_leave_out_what_is_already_set():
   assert all('model.quant' not in n for n in tpu_plan.neighbours(pretrain, 4, {}))
 
 
+def test_across_slices_the_search_proposes_a_stage_per_slice():
+  config = longcat_pretrain.get_config()  # 16 rows a step
+  assert not any('model.pipeline_microbatches' in n for n in tpu_plan.neighbours(config, 8, {}))
+  staged = [
+    n for n in tpu_plan.neighbours(config, 8, {}, slices=2) if 'model.pipeline_microbatches' in n
+  ]
+  assert {n['model.pipeline_microbatches'] for n in staged} == {2, 4, 8}
+  for n in staged:  # the stage axis across the two slices, everything else inside each
+    assert n['mesh.dcn_shape'] == (2, 1, 1, 1, 1) and n['mesh.shape'][0] == 2
+  # From a pipelined setting: the expert axis moves within each stage, and the way back.
+  later = tpu_plan.neighbours(config, 8, staged[0], slices=2)
+  assert all(n['mesh.shape'][0] == 2 for n in later if 'mesh.rules' in n)
+  (back,) = [n for n in later if n['model.pipeline_microbatches'] == 1]
+  assert back['mesh.shape'][0] == 1 and back['mesh.dcn_shape'] == tuple(config.mesh.dcn_shape)
+
+
 def test_smallest_bisects_each_method_to_its_smallest_slice(fake, tmp_path):
   # 1000 GiB of weights on v5p (95.73 GiB per chip, 10% kept free) plus 1 GiB for the one row per
   # device of each micro-batch: LoRA 16 chips, int8 8, int4 4, full (x3) 64.

@@ -204,9 +204,10 @@ def pipeline_traffic(setup) -> dict | None:
   """The pipeline's schedule and the activation bytes it moves per step (None without one):
   each of the M * R + S - 1 iterations of every micro-batch run (grad accumulation's), forward
   and backward, passes one micro-batch's [rows, seq, hidden] over each stage boundary (a ring,
-  the last stage's edge to the first included) and the last stage's output to every stage. With
-  'stage' over d > 1 slices (mesh.dcn_shape), 2d - 1 of those transfers cross the data-center
-  network."""
+  the last stage's edge to the first included); after the loop the M outputs leave the last
+  stage, and in the backward the M input gradients reach stage 0. With 'stage' over d > 1
+  slices (mesh.dcn_shape), d of the ring's edges cross the data-center network, and the outputs
+  and input gradients cross to the d - 1 other slices."""
   cfg = setup.model
   s, m, r = cfg.pipeline_stages, cfg.pipeline_microbatches, cfg.pipeline_repeats
   if s == 1:
@@ -224,5 +225,5 @@ def pipeline_traffic(setup) -> dict | None:
     'bubble': (s - 1) / iterations,
     'micro_activation_bytes': act,
     'boundary_bytes_per_step': edge,
-    'dcn_bytes_per_step': edge * (2 * slices - 1) if slices > 1 else 0,
+    'dcn_bytes_per_step': edge * slices + 2 * accum * m * act * (slices - 1) if slices > 1 else 0,
   }

@@ -407,14 +407,20 @@ def _divisors_pow2(n: int, limit: int) -> list[int]:
   return [2**i for i in range(int(math.log2(limit)) + 1) if n % 2**i == 0]
 
 
-def neighbours(config, devices: int, base: dict) -> list[dict]:
+def neighbours(config, devices: int, base: dict, slices: int = 1) -> list[dict]:
   """Settings one change away from `base` (overrides of `config`): the expert axis, dispatch
-  (dropless unbounded or with a bounded receive buffer, or capacity), remat, micro-batches and,
-  under LoRA, the base's storage. Changes to what `base` already has are left out."""
+  (dropless unbounded or with a bounded receive buffer, or capacity), remat, micro-batches,
+  under LoRA the base's storage, and across `slices` slices a pipeline stage per slice. Changes
+  to what `base` already has are left out."""
+  from moetrain.sharding import full_shape
+
   m = config.model
+  now = with_overrides(config, base)
+  stage = full_shape(now.mesh.shape)[0]
   out = []
   for e in _divisors_pow2(m.n_routed_experts, min(devices, m.n_routed_experts)):
-    out.append({'mesh.shape': (1, -1, e, 1), 'mesh.rules': 'fsdp_ep' if e > 1 else 'fsdp'})
+    shape = (stage, 1, -1, e, 1) if stage > 1 else (1, -1, e, 1)
+    out.append({'mesh.shape': shape, 'mesh.rules': 'fsdp_ep' if e > 1 else 'fsdp'})
   out += [
     {'model.moe_dispatch': 'dropless', 'model.moe_ep_recv_factor': f} for f in (0.0, 2.0, 1.25)
   ]
@@ -424,9 +430,32 @@ def neighbours(config, devices: int, base: dict) -> list[dict]:
   out += [{'optim.grad_accum_steps': a} for a in (1, 2, 4, 8) if rows % a == 0]
   if config.lora.rank:
     out += [{'model.quant': q} for q in ('none', 'int8', 'int4')]
-  now = with_overrides(config, base)
+  out += pipeline_neighbours(config, now, slices)
   current = lambda k: tuple(now[k]) if isinstance(now[k], tuple) else now[k]  # noqa: E731
   return [base | o for o in out if any(current(k) != v for k, v in o.items())]
+
+
+def pipeline_neighbours(config, now, slices: int) -> list[dict]:
+  """Across slices, the layers pipelined with one stage per slice (the stage axis over the
+  data-center network, docs/pipeline.md) in S, 2S or 4S micro-batches, keeping the expert axis;
+  from a pipelined setting, no pipeline (the config's own mesh.dcn_shape)."""
+  from moetrain.sharding import full_shape
+
+  if slices < 2:
+    return []
+  shape = full_shape(now.mesh.shape)
+  rows = now.data.global_batch_size // now.optim.grad_accum_steps
+  staged = {'mesh.shape': (slices, 1, -1, shape[3], 1), 'mesh.dcn_shape': (slices, 1, 1, 1, 1)}
+  out = [
+    staged | {'model.pipeline_microbatches': k * slices}
+    for k in (1, 2, 4)
+    if rows % (k * slices) == 0
+  ]
+  if shape[0] > 1:
+    unstaged = (1, 1, -1, shape[3], 1)
+    dcn = tuple(config.mesh.dcn_shape)
+    out.append({'mesh.shape': unstaged, 'mesh.dcn_shape': dcn, 'model.pipeline_microbatches': 1})
+  return out
 
 
 def drops_tokens(overrides: dict, config) -> bool:
@@ -446,11 +475,11 @@ def search(config, topology: str, workers: int, rounds: int = 3, cache: str = CA
   """Coordinate search from the config as given: each round compiles every setting one change
   away from the best so far; the best is the fastest estimate among plans that keep HEADROOM
   free, or while none does, the smallest."""
-  devices = topology_lib.parse(topology).num_devices
+  topo = topology_lib.parse(topology)
   best_o = {}
   (best,) = plan_many(config, [(topology, best_o)], workers, cache)
   for _ in range(rounds):
-    cands = neighbours(config, devices, best_o)
+    cands = neighbours(config, topo.num_devices, best_o, topo.slices)
     results = plan_many(config, [(topology, o) for o in cands], workers, cache)
     start = best
     for o, r in zip(cands, results):

@@ -117,7 +117,8 @@ def eval_step_fn(setup, mesh=None, formats=None):
   if formats is None:
     return jax.jit(fn, compiler_options=options)
   placed = (formats, sharding.batch_sharding(mesh))
-  return jax.jit(fn, in_shardings=placed, compiler_options=options)
+  whole = sharding.replicated(mesh)  # the sums every process fetches
+  return jax.jit(fn, in_shardings=placed, out_shardings=whole, compiler_options=options)
 
 
 @dataclasses.dataclass

@@ -169,12 +169,13 @@ def check_mesh_fits(model, data, opt, mesh_shape, per_host: int) -> None:
       'each host loads its own slice of'
     )
   batch_shards = sizes['data'] * sizes['fsdp'] * sizes['expert']
+  row_shards = sizes['stage'] * batch_shards  # outside the pipelined layers, stages split rows
   per_micro = data.global_batch_size // opt.grad_accum_steps
-  if data.global_batch_size % opt.grad_accum_steps or per_micro % batch_shards:
+  if data.global_batch_size % opt.grad_accum_steps or per_micro % row_shards:
     raise ValueError(
       f'data.global_batch_size={data.global_batch_size} must split into optim.grad_accum_steps='
-      f'{opt.grad_accum_steps} micro-batches each divisible by the {batch_shards} batch shards '
-      f'(data*fsdp*expert of mesh.shape={mesh_shape})'
+      f'{opt.grad_accum_steps} micro-batches each divisible by the {row_shards} batch shards '
+      f'(stage*data*fsdp*expert of mesh.shape={mesh_shape})'
     )
   m = model.pipeline_microbatches
   pipelined = sizes['stage'] > 1 or m > 1
@@ -192,10 +193,10 @@ def check_mesh_fits(model, data, opt, mesh_shape, per_host: int) -> None:
       f'(data*fsdp*expert of mesh.shape={mesh_shape}) that the splash attention kernel runs '
       'on; raise the batch or lower the micro-batch count'
     )
-  if data.eval_split and data.eval_batch_size % batch_shards:
+  if data.eval_split and data.eval_batch_size % row_shards:
     raise ValueError(
       f'data.eval_batch_size={data.eval_batch_size} must be divisible by the '
-      f'{batch_shards} batch shards of mesh.shape={mesh_shape}'
+      f'{row_shards} batch shards (stage*data*fsdp*expert) of mesh.shape={mesh_shape}'
     )
 
 

@@ -1,5 +1,7 @@
 """Mesh construction, logical-axis rule presets and the shardings of state and batches."""
 
+import contextlib
+import contextvars
 import dataclasses
 import math
 from collections.abc import Sequence
@@ -14,6 +16,9 @@ from jax.sharding import PartitionSpec as P
 # mesh.dcn_shape (data, fsdp, expert, tensor) means stage 1 (full_shape).
 MESH_AXES = ('stage', 'data', 'fsdp', 'expert', 'tensor')
 BATCH_AXES = ('data', 'fsdp', 'expert')
+# A batch's rows split over the stages too: outside the pipelined layers each stage embeds and
+# scores its own rows; inside them the rows of a stage's micro-batch split over BATCH_AXES.
+ROW_AXES = ('stage', *BATCH_AXES)
 
 # Rule tables: logical name -> mesh axes. Names absent from a table are replicated.
 # Sections follow the model: attention / MoE / dense / vocab; weights and activations apart.
@@ -40,7 +45,7 @@ _WEIGHTS_FSDP = {
 }
 _ACTS_FSDP = {
   'stage': 'stage',  # a pipeline's per-stage buffers (model/pipeline.py)
-  'batch': BATCH_AXES,
+  'batch': ROW_AXES,
   'seq': None,
   'kv_seq': None,
   'embed': None,
@@ -207,12 +212,27 @@ def logical_to_spec(names, shape, table, mesh_sizes: dict[str, int]) -> P:
   return P(*spec)
 
 
+_WITHIN_STAGES = contextvars.ContextVar('within_stages', default=False)
+
+
+@contextlib.contextmanager
+def within_stages():
+  """Traces the pipelined layers (model/pipeline.py), which the 'stage' axis already splits:
+  constrain() leaves that axis to them (a batch's rows split over BATCH_AXES alone)."""
+  token = _WITHIN_STAGES.set(True)
+  try:
+    yield
+  finally:
+    _WITHIN_STAGES.reset(token)
+
+
 def constrain(x: jax.Array, names: tuple[str | None, ...], rules: Rules) -> jax.Array:
   """with_sharding_constraint by logical names; a no-op outside a mesh context."""
   mesh = jax.sharding.get_abstract_mesh()
   if mesh.empty or not rules.activations:
     return x
-  spec = logical_to_spec(names, x.shape, rules.activations, dict(mesh.shape))
+  sizes = dict(mesh.shape) | ({'stage': 1} if _WITHIN_STAGES.get() else {})
+  spec = logical_to_spec(names, x.shape, rules.activations, sizes)
   return jax.lax.with_sharding_constraint(x, spec)
 
 
@@ -242,7 +262,7 @@ def tree_shardings(axes_tree, abstract_tree, mesh, rules: Rules):
 
 
 def batch_sharding(mesh, ndim: int = 2) -> NamedSharding:
-  axes = tuple(a for a in BATCH_AXES if mesh.shape[a] > 1)
+  axes = tuple(a for a in ROW_AXES if mesh.shape[a] > 1)
   first = None if not axes else axes[0] if len(axes) == 1 else axes
   return NamedSharding(mesh, P(first, *([None] * (ndim - 1))))
 
@@ -258,19 +278,19 @@ def check_hosts_own_rows(sharding_, rows: int) -> None:
       if first != device.process_index:
         raise ValueError(
           f'processes {first} and {device.process_index} would both hold batch row {row}: the '
-          f"batch axes (data, fsdp, expert) must split the batch over the hosts; keep the 'tensor' "
-          'axis of mesh.shape within a host'
+          f'batch axes (stage, data, fsdp, expert) must split the batch over the hosts; keep the '
+          "'tensor' axis of mesh.shape within a host"
         )
 
 
-def shift_stages(x_Y, stages: int):
-  """x_Y's entry s moved to stage s + 1 (the last to stage 0): one collective permute over the
-  'stage' axis (jax.lax.ppermute inside a shard_map manual over that axis alone, so the other
+def shift_stages(x_Y, stages: int, by: int = 1):
+  """x_Y's entry s moved to stage s + by (mod stages): one collective permute over the 'stage'
+  axis (jax.lax.ppermute inside a shard_map manual over that axis alone, so the other
   dimensions keep their sharding); a roll without a mesh or a stage axis."""
   mesh = jax.sharding.get_abstract_mesh()
   if mesh.empty or dict(mesh.shape).get('stage', 1) != stages or stages == 1:
-    return jnp.roll(x_Y, 1, axis=0)
-  perm = [(i, (i + 1) % stages) for i in range(stages)]
+    return jnp.roll(x_Y, by, axis=0)
+  perm = [(i, (i + by) % stages) for i in range(stages)]
   return jax.shard_map(
     lambda a: jax.lax.ppermute(a, 'stage', perm),
     in_specs=P('stage'),

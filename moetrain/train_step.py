@@ -14,6 +14,7 @@ from moetrain.kernels.cross_entropy import head_cross_entropy
 from moetrain.kernels.distill import Divergence, head_distillation
 from moetrain.model.config import ModelConfig
 from moetrain.model.moe import ROUTING_COUNTS, finish_routing_stats
+from moetrain.sharding import replicated
 from moetrain.train_state import TrainState, graphdef_of, merge_model, merge_teacher
 
 off = functools.partial(field, check='non_negative', zero='0 = off')
@@ -285,7 +286,10 @@ def jit_train_step(
   )
   placed = {}
   if shardings is not None:
-    placed = dict(in_shardings=(shardings, batch_sharding), out_shardings=(shardings, None))
+    # The metrics whole on every device: each process fetches them (a pipeline's per-layer
+    # routing stats would otherwise stay split over 'stage', across hosts).
+    metrics = None if batch_sharding is None else replicated(batch_sharding.mesh)
+    placed = dict(in_shardings=(shardings, batch_sharding), out_shardings=(shardings, metrics))
   options = compiler_options(cfg.model)
   return jax.jit(fn, donate_argnums=0 if donate else (), compiler_options=options, **placed)
 

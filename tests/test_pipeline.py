@@ -42,9 +42,10 @@ def test_a_layer_count_the_stages_do_not_divide_is_refused():
   cfg = tiny(num_layers=3, pipeline_microbatches=2).laid_out('cpu', (2, 1, 4, 1, 1))
   with pytest.raises(ValueError, match=r'model.num_layers=3.*2 pipeline stages'):
     pipeline.check(cfg)
-  cfg = tiny(num_layers=4, pipeline_microbatches=1).laid_out('cpu', (2, 1, 4, 1, 1))
-  with pytest.raises(ValueError, match=r'pipeline_microbatches=1 must be >= the 2'):
-    pipeline.check(cfg)
+  for m in (1, 3):  # fewer micro-batches than stages, or a count they do not share equally
+    cfg = tiny(num_layers=4, pipeline_microbatches=m).laid_out('cpu', (2, 1, 4, 1, 1))
+    with pytest.raises(ValueError, match=rf'pipeline_microbatches={m} must be a multiple of the 2'):
+      pipeline.check(cfg)
   cfg = tiny(num_layers=4, pipeline_microbatches=4, pipeline_repeats=2)
   assert pipeline.bubble(cfg.laid_out('cpu', (2, 1, 4, 1, 1))) == pytest.approx(1 / 9)
 
@@ -265,3 +266,21 @@ def test_a_run_resumes_without_stages_after_a_stage_change(tmp_path):
   )
   later = [line for line in staged if int(line.split()[1]) > 6]
   assert len(later) == 6 and resumed[-6:] == later
+
+
+@pytest.mark.slow  # ~1 minute: two jobs of two processes
+def test_a_stage_axis_across_two_processes_logs_the_losses_of_none(tmp_path):
+  """A batch's rows split over 'stage' too, so each host loads the rows of its own stage: a
+  stage axis spanning two processes (one stage each) trains, and logs the losses of the same
+  two processes without a pipeline."""
+  from tests.test_preemption import Job, train_losses
+
+  common = ['--config.train.steps=3', '--config.optim.warmup_steps=1', '--config.model.dtype=float32']
+  common.append('--config.model.param_dtype=float32')
+  staged = ['--config.mesh.shape=(2,1,-1,1,1)', '--config.model.pipeline_microbatches=2']
+  Job(str(tmp_path / 'staged'), *common, *staged, processes=2, devices=8).wait()
+  Job(str(tmp_path / 'none'), *common, processes=2, devices=8).wait()
+  got, want = train_losses(str(tmp_path / 'staged')), train_losses(str(tmp_path / 'none'))
+  assert sorted(got) == sorted(want) == [1, 2, 3]
+  for step in want:
+    assert got[step] == pytest.approx(want[step], rel=1e-5)

@@ -79,8 +79,9 @@ class Job:
         f'--workdir={workdir}',
         *(f'--config.{k}={v}' for k, v in SETTINGS.items()),
         f'--config.train.compilation_cache={os.path.join(ROOT, ".jax_cache")}',
-        f'--config.mesh.shape=(1,-1,{2 if processes > 1 else 1},1)',  # experts across processes
       ]
+      if not any(o.startswith('--config.mesh.shape=') for o in overrides):  # a flag given once
+        args.append(f'--config.mesh.shape=(1,-1,{2 if processes > 1 else 1},1)')  # experts across
     args += overrides
     port = _free_port()
     self.logs, self.procs = [], []

@@ -11,6 +11,15 @@ Layer l of a group of L layers belongs to repeat r, stage s, slot j with l = (r 
 Lc - 1, as the 'layers' axis of the stored weights is split over 'stage'; with R > 1 (circular)
 each stage holds R non-adjacent runs, and micro-batch m passes stage s for repeat r at iteration
 t = r * M + m + s. Iterations: M * R + S - 1, of which S - 1 are the bubble of every stage.
+
+A batch's rows split over 'stage' (sharding.ROW_AXES), and the micro-batches sit in io [S, K, ...]
+(K = M / S), sharded over 'stage': stage s starts with its own rows' micro-batches s * K ...
+s * K + K - 1. In iteration t every stage passes io[s + 1, t % K] down to io[s, t % K] and the
+last stage files its output there: stage 0 reads micro-batch t at t, and micro-batch j's output
+ends on its own stage j // K, in slot (j + S - 1) % K. So the rows stay split over the stages
+before, through and after the pipeline, and no stage holds the whole batch. A circular
+schedule's later repeats come round from the last stage with the stage permute and wait M - S
+iterations on stage 0 (fifo).
 """
 
 import jax
@@ -19,12 +28,12 @@ import jax.numpy as jnp
 from moetrain import axes
 from moetrain.model.config import ModelConfig
 from moetrain.model.moe import ROUTING_COUNTS, finish_routing_stats
-from moetrain.sharding import constrain, shift_stages
+from moetrain.sharding import constrain, shift_stages, within_stages
 
 ACT = axes.names('BTD')
-MICRO_ACT = (None, *ACT)  # [M, B / M, T, D]: micro-batches, each split over the batch axes
+MICRO_IDS = (None, *axes.names('BT'))  # [M, B / M, T]: within_stages, replicated over 'stage'
 STAGE_ACT = axes.names('YBTD')
-STAGE_MICRO_ACT = (STAGE_ACT[0], None, *ACT)  # [S, M, B / M, T, D]: each stage's micro-batch copy
+STAGE_MICRO_ACT = (STAGE_ACT[0], None, *ACT)  # [S, K, B / M, T, D]: each stage's micro-batches
 
 
 def check(cfg: ModelConfig) -> None:
@@ -32,10 +41,11 @@ def check(cfg: ModelConfig) -> None:
   s, m, r = cfg.pipeline_stages, cfg.pipeline_microbatches, cfg.pipeline_repeats
   if s == 1 and r == 1:
     return
-  if m < s:
+  if m < s or m % s:
     raise ValueError(
-      f"model.pipeline_microbatches={m} must be >= the {s} pipeline stages (mesh.shape's "
-      "'stage' axis): fewer micro-batches leave a stage idle for the whole step"
+      f'model.pipeline_microbatches={m} must be a multiple of the {s} pipeline stages '
+      "(mesh.shape's 'stage' axis): each stage starts with an equal share of the micro-batches, "
+      'those of its own rows, and fewer micro-batches than stages leave a stage idle'
     )
   for group in cfg.layer_groups():
     if group.count % (s * r):
@@ -59,14 +69,17 @@ def active(cfg: ModelConfig, rows: int) -> bool:
   return (cfg.pipeline_stages > 1 or m > 1) and rows % m == 0
 
 
-def split_micro(x, m: int):
-  """[B, ...] -> [M, B / M, ...]; micro-batch j holds rows j, M + j, 2M + j, ..., so that each
-  keeps a share of every batch shard's rows."""
-  return jnp.swapaxes(x.reshape(x.shape[0] // m, m, *x.shape[1:]), 0, 1)
+def to_stages(x, s: int, k: int):
+  """[B, ...] -> [S, K, B / (S * K), ...]: micro-batch g = s * K + k is stage shard s's rows
+  k, K + k, 2K + k, ... (the rows split over 'stage' first, then the batch axes), so each
+  stage's micro-batches start out where its rows are and each keeps a share of every batch
+  shard of the stage. With S = 1, micro-batch j is rows j, M + j, 2M + j, ..."""
+  x = x.reshape(s, x.shape[0] // (s * k), k, *x.shape[1:])
+  return jnp.swapaxes(x, 1, 2)
 
 
-def merge_micro(x):
-  return jnp.swapaxes(x, 0, 1).reshape(-1, *x.shape[2:])
+def from_stages(x):
+  return jnp.swapaxes(x, 1, 2).reshape(-1, *x.shape[3:])
 
 
 def run_group(layer, state, extra_L, cfg: ModelConfig, h_BTD, positions_BT, segment_ids_BT):
@@ -75,60 +88,67 @@ def run_group(layer, state, extra_L, cfg: ModelConfig, h_BTD, positions_BT, segm
   layer(h_BTD, (layer_state, extra), positions_BT, segment_ids_BT) runs one layer (remat'd);
   extra_L: per-layer data stacked [L, ...] (a tree: the layers' dropout keys or None, their
   attention windows).
-
-  The micro-batches sit in a buffer [S, M, ...] sharded over 'stage': stage 0 reads its inputs
-  from its own copy, the last stage writes its outputs into its own, and a circular schedule's
-  later repeats reach stage 0 with the stage permute, which stage 0 files into its copy. Every
-  read and write takes the same slot on every stage (a select picks whose counts), so no step of
-  the loop moves a buffer between stages; only the outputs leave the last stage, once, at the
-  end."""
+"""
   s, m, r = cfg.pipeline_stages, cfg.pipeline_microbatches, cfg.pipeline_repeats
   count = jax.tree.leaves(state)[0].shape[0]
-  lc = count // (s * r)
+  lc, k = count // (s * r), m // s
   w = jax.tree.map(lambda x: x.reshape(r, s, lc, *x.shape[1:]), state)
   keys = jax.tree.map(lambda x: x.reshape(r, s, lc, *x.shape[1:]), extra_L)
-  x_M = constrain(split_micro(h_BTD, m), MICRO_ACT, cfg.rules)
-  buf = constrain(jnp.broadcast_to(x_M, (s, *x_M.shape)), STAGE_MICRO_ACT, cfg.rules)
-  pos, seg = split_micro(positions_BT, m), split_micro(segment_ids_BT, m)
-  tokens_M = jnp.sum(seg > 0, axis=(1, 2)).astype(jnp.float32)
-  share_M = tokens_M / jnp.maximum(tokens_M.sum(), 1.0)
+  io = constrain(to_stages(h_BTD, s, k), STAGE_MICRO_ACT, cfg.rules)
+  pos, seg, share_M = micro_ids(positions_BT, segment_ids_BT, cfg)
   first_Y = (jnp.arange(s) == 0)[:, None, None, None]
   last_Y = (jnp.arange(s) == s - 1)[:, None, None, None]
 
   def stage(w_L, x_BTD, p_BT, s_BT, k_L):
-    return jax.lax.scan(lambda h, xs: layer(h, xs, p_BT, s_BT), x_BTD, (w_L, k_L))
+    with within_stages():
+      return jax.lax.scan(lambda h, xs: layer(h, xs, p_BT, s_BT), x_BTD, (w_L, k_L))
 
   run = jax.vmap(stage, spmd_axis_name='stage' if s > 1 else None)
 
   def iteration(carry, t):
-    state_Y, buf = carry
+    state_Y, io, fifo = carry
     i_Y = t - jnp.arange(s)
     valid_Y = (i_Y >= 0) & (i_Y < m * r)
     i_Y = jnp.clip(i_Y, 0, m * r - 1)
     m_Y, r_Y = i_Y % m, i_Y // m
+    slot = t % k
     moved_Y = shift_stages(state_Y, s)
-    if r > 1 and s > 1:
-      # The last stage's previous output, micro-batch (t - S) % M, is its next repeat's input.
-      buf = file_slot(buf, (t - s) % m, moved_Y, first_Y & (t >= s))
-    x_Y = jnp.where(first_Y, buf[:, m_Y[0]], moved_Y)
-    x_Y = constrain(x_Y, STAGE_ACT, cfg.rules)
+    fresh_Y = io[:, slot]
+    if r > 1 and s > 1:  # the last stage's output of iteration t - 1 - (M - S) returns now
+      back_Y = moved_Y
+      if fifo is not None:
+        back_Y = fifo[:, t % (m - s)]
+        fifo = fifo.at[:, t % (m - s)].set(moved_Y)
+      fresh_Y = jnp.where(t < m, fresh_Y, back_Y)
+    x_Y = constrain(jnp.where(first_Y, fresh_Y, moved_Y), STAGE_ACT, cfg.rules)
     out_Y, stats = run(per_stage(w, r_Y), x_Y, pos[m_Y], seg[m_Y], per_stage(keys, r_Y))
-    buf = file_slot(buf, m_Y[-1], out_Y, last_Y & valid_Y[-1])
-    return (out_Y, buf), (stats, valid_Y, share_M[m_Y], r_Y)
+    io = io.at[:, slot].set(jnp.where(last_Y, out_Y, shift_stages(io[:, slot], s, -1)))
+    return (out_Y, io, fifo), (stats, valid_Y, share_M[m_Y], r_Y)
 
-  state_Y = jnp.zeros((s, *x_M.shape[1:]), x_M.dtype)
-  (_, buf), (stats, valid, share, repeat) = jax.lax.scan(
-    iteration, (state_Y, buf), jnp.arange(m * r + s - 1)
+  state_Y = jnp.zeros((s, *io.shape[2:]), io.dtype)
+  fifo = None
+  if r > 1 and s > 1 and m > s:
+    fifo = constrain(jnp.zeros((s, m - s, *io.shape[2:]), io.dtype), STAGE_MICRO_ACT, cfg.rules)
+  (_, io, _), (stats, valid, share, repeat) = jax.lax.scan(
+    iteration, (state_Y, io, fifo), jnp.arange(m * r + s - 1)
   )
-  h_BTD = constrain(merge_micro(constrain(buf[s - 1], MICRO_ACT, cfg.rules)), ACT, cfg.rules)
+  h_BTD = constrain(from_stages(jnp.roll(io, 1 - s, axis=1)), ACT, cfg.rules)
   if stats is None:
     return h_BTD, None
   return h_BTD, combine_stats(stats, valid, share, repeat, cfg)
 
 
-def file_slot(buf_YM, j, x_Y, mask_Y):
-  """buf_YM[:, j] = x_Y where mask_Y (per stage), else left as it is: one slot on every stage."""
-  return buf_YM.at[:, j].set(jnp.where(mask_Y, x_Y, buf_YM[:, j]))
+def micro_ids(positions_BT, segment_ids_BT, cfg: ModelConfig):
+  """The micro-batches' positions and segment ids [M, B / M, T], whole on every stage (any stage
+  runs any micro-batch), and each micro-batch's share of the batch's tokens [M]."""
+  s, m = cfg.pipeline_stages, cfg.pipeline_microbatches
+  with within_stages():
+    pos, seg = (
+      constrain(to_stages(x, s, m // s).reshape(m, -1, x.shape[1]), MICRO_IDS, cfg.rules)
+      for x in (positions_BT, segment_ids_BT)
+    )
+  tokens_M = jnp.sum(seg > 0, axis=(1, 2)).astype(jnp.float32)
+  return pos, seg, tokens_M / jnp.maximum(tokens_M.sum(), 1.0)
 
 
 def per_stage(tree, r_Y):

@@ -154,10 +154,10 @@ def test_the_planner_counts_the_bubble_and_the_activations_over_the_network():
   act = 16 // 4 * setup.data.seq_len * setup.model.hidden_size * 2  # bfloat16 rows of a micro
   assert p['micro_activation_bytes'] == act
   assert p['bubble'] == pytest.approx(1 / 5)
-  # 5 iterations, forward and backward, over both of the ring's edges (each crosses the slices),
-  # and the 4 micro-batches' outputs and input gradients once each.
-  assert p['boundary_bytes_per_step'] == 2 * 5 * act
-  assert p['dcn_bytes_per_step'] == 2 * 2 * 5 * act + 2 * 4 * act
+  # 5 iterations, forward and backward, each way over a boundary; both of the ring's two
+  # boundaries cross the slices.
+  assert p['boundary_bytes_per_step'] == 2 * 2 * 5 * act
+  assert p['dcn_bytes_per_step'] == 2 * 2 * 2 * 5 * act
 
 
 def test_micro_batches_the_splash_kernel_cannot_split_are_refused():

@@ -203,11 +203,12 @@ def dry_run(config) -> dict:
 def pipeline_traffic(setup) -> dict | None:
   """The pipeline's schedule and the activation bytes it moves per step (None without one):
   each of the M * R + S - 1 iterations of every micro-batch run (grad accumulation's), forward
-  and backward, passes one micro-batch's [rows, seq, hidden] over each stage boundary (a ring,
-  the last stage's edge to the first included); after the loop the M outputs leave the last
-  stage, and in the backward the M input gradients reach stage 0. With 'stage' over d > 1
-  slices (mesh.dcn_shape), d of the ring's edges cross the data-center network, and the outputs
-  and input gradients cross to the d - 1 other slices."""
+  and backward, passes one micro-batch's [rows, seq, hidden] over each stage boundary each way
+  (model/pipeline.py: the activations to the next stage, the micro-batch buffer's rotation to
+  the one before; a ring, the last stage's edge to the first included). With 'stage' over
+  d > 1 slices (mesh.dcn_shape), d of the ring's boundaries cross the data-center network:
+  the bytes all chips send between slices, activations only (the embedding's and lm head's
+  gradients, summed over the stages, come on top)."""
   cfg = setup.model
   s, m, r = cfg.pipeline_stages, cfg.pipeline_microbatches, cfg.pipeline_repeats
   if s == 1:
@@ -216,7 +217,7 @@ def pipeline_traffic(setup) -> dict | None:
   rows = setup.data.global_batch_size // accum // m
   act = rows * setup.data.seq_len * cfg.hidden_size * jnp.dtype(cfg.dtype).itemsize
   iterations = m * r + s - 1
-  edge = 2 * accum * iterations * act
+  edge = 2 * 2 * accum * iterations * act
   slices = sharding.check_dcn_shape(setup.mesh_dcn, setup.mesh_shape)[0]
   return {
     'stages': s,
@@ -225,5 +226,5 @@ def pipeline_traffic(setup) -> dict | None:
     'bubble': (s - 1) / iterations,
     'micro_activation_bytes': act,
     'boundary_bytes_per_step': edge,
-    'dcn_bytes_per_step': edge * slices + 2 * accum * m * act * (slices - 1) if slices > 1 else 0,
+    'dcn_bytes_per_step': edge * slices if slices > 1 else 0,
   }

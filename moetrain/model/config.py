@@ -215,7 +215,7 @@ class ModelConfig:
   # copies an unrolled stack does not make (~5% of a 4-layer CPU step; bench/RESULTS.md).
   scan_layers: bool = engine(True)
   # Pipeline parallelism over mesh.shape's 'stage' axis (docs/pipeline.md): micro-batches per
-  # batch flowing through the stages (>= the stage count; 1 = none).
+  # batch flowing through the stages (a multiple of the stage count; 1 = none).
   pipeline_microbatches: int = engine(1, check='positive')
   # Runs of layers per stage: > 1 is the circular schedule, each stage holding non-adjacent runs
   # and every micro-batch passing the stages this many times (a smaller bubble).

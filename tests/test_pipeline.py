@@ -275,7 +275,11 @@ def test_a_stage_axis_across_two_processes_logs_the_losses_of_none(tmp_path):
   two processes without a pipeline."""
   from tests.test_preemption import Job, train_losses
 
-  common = ['--config.train.steps=3', '--config.optim.warmup_steps=1', '--config.model.dtype=float32']
+  common = [
+    '--config.train.steps=3',
+    '--config.optim.warmup_steps=1',
+    '--config.model.dtype=float32',
+  ]
   common.append('--config.model.param_dtype=float32')
   staged = ['--config.mesh.shape=(2,1,-1,1,1)', '--config.model.pipeline_microbatches=2']
   Job(str(tmp_path / 'staged'), *common, *staged, processes=2, devices=8).wait()

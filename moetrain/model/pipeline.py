@@ -87,8 +87,7 @@ def run_group(layer, state, extra_L, cfg: ModelConfig, h_BTD, positions_BT, segm
   routing stats per layer as an unpipelined scan gives them, or None for dense layers).
   layer(h_BTD, (layer_state, extra), positions_BT, segment_ids_BT) runs one layer (remat'd);
   extra_L: per-layer data stacked [L, ...] (a tree: the layers' dropout keys or None, their
-  attention windows).
-  """
+  attention windows). The micro-batches' io buffer and the fifo: the module's docstring."""
   s, m, r = cfg.pipeline_stages, cfg.pipeline_microbatches, cfg.pipeline_repeats
   count = jax.tree.leaves(state)[0].shape[0]
   lc, k = count // (s * r), m // s

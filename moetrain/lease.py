@@ -78,13 +78,21 @@ class Lease:
           f'If that run is dead on another host, its lease frees itself {STALE:.0f} s after '
           'its last heartbeat.'
         )
-      aside = f'{self.path}.stale.{os.getpid()}'
-      try:
-        storage.move(self.path, aside)  # one taker wins; the others find the new lease
-      except FileNotFoundError:
-        continue
-      storage.remove(aside)
+      self._clear_stale(holder)
     raise LeaseHeld(f'could not take the lease {self.path}: other runs keep taking it')
+
+  def _clear_stale(self, holder: dict) -> None:
+    """Moves the stale lease `holder` aside, so that one taker's create wins. Another taker may
+    have replaced it since it was read: a lease moved aside that is not `holder` goes back."""
+    aside = f'{self.path}.stale.{os.getpid()}'
+    try:
+      storage.move(self.path, aside)
+    except FileNotFoundError:
+      return
+    taken = _read(aside)
+    if taken is not None and taken != holder:  # a new holder's: put it back (unless a third
+      storage.create_exclusive(self.path, json.dumps(taken))  # taker has created one since)
+    storage.remove(aside)
 
   def _create(self) -> bool:
     return storage.create_exclusive(self.path, json.dumps(self.me | {'heartbeat': time.time()}))
@@ -92,7 +100,9 @@ class Lease:
   def _renew(self) -> None:
     while not self._stop.wait(HEARTBEAT):
       holder = _read(self.path)
-      if not holder or holder.get('pid') != self.me['pid'] or holder.get('host') != self.me['host']:
+      if holder is None:  # moved aside for a moment by a taker of an older lease (_clear_stale)
+        continue
+      if holder.get('pid') != self.me['pid'] or holder.get('host') != self.me['host']:
         return  # taken over (we were presumed dead): never write over the new holder's lease
       storage.write_atomic(self.path, json.dumps(self.me | {'heartbeat': time.time()}))
 

@@ -82,3 +82,23 @@ def test_of_two_runs_taking_over_a_stale_lease_one_wins(tmp_path):
   outs = sorted(p.communicate()[0].decode().strip() for p in procs)
   # The winner holds it (alive, 5 s) while the others try: exactly one takes it over.
   assert outs == ['refused', 'refused', 'refused', 'won']
+
+
+def test_a_taker_that_read_an_older_stale_lease_puts_a_new_holders_back(tmp_path, monkeypatch):
+  """Two runs find the same stale lease; the first takes it over. The second, acting on what it
+  read before, moves the first's new lease aside: it must put it back and be refused."""
+  path = tmp_path / lease.LEASE
+  old = {'host': 'elsewhere', 'pid': 1, 'start': 0, 'heartbeat': 0}
+  write(path, **old)
+  first = lease.Lease(str(tmp_path)).acquire()  # took the stale lease over
+  new = json.loads(path.read_text())
+  second = lease.Lease(str(tmp_path))
+  second.me = second.me | {'pid': second.me['pid'] + 100000}  # another process
+  reads = iter([old])  # its first read: the lease as it was before the first run took it
+  real = lease._read
+  monkeypatch.setattr(lease, '_read', lambda p: next(reads, None) or real(p))
+  with pytest.raises(lease.LeaseHeld, match='in use by another run'):
+    second.acquire()
+  assert json.loads(path.read_text()) == new
+  first.release()
+  assert not path.exists()

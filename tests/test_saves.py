@@ -51,6 +51,7 @@ def test_a_failed_save_stops_the_run_at_once_naming_it(tmp_path, monkeypatch):
   assert rundir.saved_steps(workdir) == []
 
 
+@pytest.mark.slow  # ~14 s; sibling: test_a_failed_save_stops_the_run_at_once_naming_it
 def test_a_save_in_flight_ends_before_the_run_stops_on_an_error(tmp_path, monkeypatch):
   """The run stops on an error (a data file replaced under it, say) right after step 3's save
   began: the save completes before the error is raised, so a rerun resumes from step 3."""

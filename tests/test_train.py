@@ -236,6 +236,7 @@ def test_a_damaged_checkpoint_is_named_from_the_main_entry_point(uninterrupted, 
   assert 'Traceback' not in done.stderr
 
 
+@pytest.mark.slow  # ~15 s; sibling: test_resume_step_goes_back_past_a_damaged_checkpoint
 def test_a_checkpoint_without_checksums_that_cannot_be_read_is_named(uninterrupted, tmp_path):
   """train.verify_checkpoints=False (or a checkpoint from before checksums): a read that fails
   names the checkpoint and the step to fall back to, and deletes nothing. train.run() leaves the
@@ -419,6 +420,7 @@ def test_data_running_out_saves_evaluates_and_stops(tmp_path):
   assert sorted(losses(workdir))[-1] == spent + 2
 
 
+@pytest.mark.slow  # ~17 s; sibling: test_a_preempted_run_logs_the_steps_it_saved
 def test_a_checkpoint_comes_after_its_steps_records(tmp_path, monkeypatch):
   """A run killed while it evaluates a checkpoint step (here: an error at the eval of step 2)
   must not have saved that step yet: a rerun would go on after it, and its train and eval records

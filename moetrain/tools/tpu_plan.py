@@ -82,7 +82,7 @@ def recompute_flops(setup) -> tuple[float, str]:
 
 def plan(config, topology: str, overrides: dict | None = None, progress=None) -> dict:
   """Compile `config` (with `overrides`) for `topology`; the per-device report. progress(line)."""
-  from moetrain import aot
+  from moetrain import aot, hlo_cost
   from moetrain.setup import build
   from moetrain.tools import sizes
 
@@ -109,7 +109,8 @@ def plan(config, topology: str, overrides: dict | None = None, progress=None) ->
   worst = max(steps.values(), key=lambda c: c.memory['total'])
   total = worst.memory['total']
   flops, formula = model_flops(setup)
-  dcn = dcn_traffic(train_c, mesh)
+  # Bytes per chip and step the train step sends between slices (None on one slice).
+  dcn = hlo_cost.dcn_bytes(train_c.cost, topo.slices) if topo.slices > 1 else None
   est = estimate(train_c.cost, chip, flops / len(devices), setup.data, dcn)
   return report | {
     'fits': total <= chip.hbm_bytes,
@@ -132,17 +133,6 @@ def plan(config, topology: str, overrides: dict | None = None, progress=None) ->
     'dcn_bytes_per_chip': dcn,
     **est,
   }
-
-
-def dcn_traffic(compiled, mesh) -> float | None:
-  """Bytes per chip and step that the train step sends between slices (None on one slice):
-  hlo_cost.dcn_bytes of its compiled cost."""
-  from moetrain import hlo_cost
-
-  slices = len({getattr(d, 'slice_index', 0) for d in mesh.devices.flat})
-  if slices < 2:
-    return None
-  return hlo_cost.dcn_bytes(compiled.cost, slices)
 
 
 def base_report(setup, topo, overrides) -> dict:

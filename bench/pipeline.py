@@ -51,7 +51,7 @@ def step_time(mesh_shape, m: int, r: int, rows: int, repeats: int) -> float:
   cfg = cfg.laid_out('cpu', mesh)
   pipeline.check(cfg)
   with jax.set_mesh(mesh):
-    state = create_sharded(cfg, optax.sgd(1.0), 0, mesh, cfg.rules)
+    state = pipeline.store(create_sharded(cfg, optax.sgd(1.0), 0, mesh, cfg.rules), cfg)
     b = {k: jax.device_put(v, sharding.batch_sharding(mesh)) for k, v in batch(rows).items()}
     step = StepConfig(model=cfg)
 

@@ -12,6 +12,10 @@ import orbax.checkpoint as ocp
 from absl import logging
 
 from moetrain import integrity, multihost, rundir, runtime, storage
+from moetrain.model import pipeline
+
+# A checkpoint's meta entry: the (stages, repeats) order its stacked layers are stored in.
+LAYERS = 'layer_order'
 
 
 def _key(path) -> str:
@@ -86,10 +90,20 @@ class SaveFailed(runtime.UserError):
 
 class Checkpointer:
   def __init__(
-    self, workdir: str, *, every: int, keep: int, async_save: bool = True, verify: bool = True
+    self,
+    workdir: str,
+    *,
+    every: int,
+    keep: int,
+    async_save: bool = True,
+    verify: bool = True,
+    layers: tuple[int, int] = (1, 1),
   ):
     """verify (train.verify_checkpoints): write each checkpoint's checksums and check them before
-    a restore; without, neither (a checkpoint without checksums is restored unchecked)."""
+    a restore; without, neither (a checkpoint without checksums is restored unchecked).
+    layers: the order the state's stacked layers are stored in (model.pipeline.layout), written
+    into each checkpoint; a restore moves a checkpoint's layers from its order into this one."""
+    self.layers = tuple(layers)
     self.directory = storage.join(rundir.run_dir(workdir), 'checkpoints')
     # Orbax's default policy also saves the first step a manager sees (InitialSavePolicy): for a
     # large model that is an unrequested full save at step 1 of every run and every resume.
@@ -153,7 +167,7 @@ class Checkpointer:
     args = ocp.args.Composite(
       state=ocp.args.StandardSave(flatten(state.saved())),
       data=ocp.args.JsonSave({'processes': self._positions.json(data_state, step)}),
-      meta=ocp.args.JsonSave(meta),
+      meta=ocp.args.JsonSave({**meta, LAYERS: list(self.layers)}),
     )
     storage.makedirs(self.directory)
     self._finish()  # (the manager would): the callback of the previous save reads `_saving`
@@ -306,8 +320,9 @@ class Checkpointer:
       raise self._damaged(step, what) from e
 
   def restore(self, step: int, abstract_state):
-    """Restores onto the shardings of `abstract_state` (any mesh); returns (saved, data, meta),
-    data holding every process's data position (see `process_data_state`)."""
+    """Restores onto the shardings of `abstract_state` (any mesh), the stacked layers in this
+    checkpointer's order (`layers`); returns (saved, data, meta), data holding every process's
+    data position (see `process_data_state`)."""
     saved = abstract_state.saved()
     target = {
       k: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding)
@@ -323,7 +338,10 @@ class Checkpointer:
           meta=ocp.args.JsonRestore(),
         ),
       )
-    return unflatten_like(saved, out['state']), out['data'], out['meta']
+    # Checkpoints without the key hold layer order.
+    src = tuple(out['meta'].get(LAYERS, (1, 1)))
+    state = pipeline.reorder(unflatten_like(saved, out['state']), src, self.layers)
+    return state, out['data'], out['meta']
 
   def wait(self) -> None:
     self._finish()

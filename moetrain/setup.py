@@ -334,7 +334,7 @@ def restore_or_init(setup: Setup, ckpt: Checkpointer, optimizer, mesh, train_ite
     base += f' (converted once into init.base_cache={setup.base_cache})'
   with runtime.phase(base):
     state = initial_state(setup, optimizer, mesh)
-  state = from_teacher(setup, state, mesh, fresh=step is None)
+  state = stored(setup, from_teacher(setup, state, mesh, fresh=step is None))
   if step is None:
     return state
   with runtime.phase(f'Restoring step {step}'):
@@ -358,6 +358,16 @@ def restore_or_init(setup: Setup, ckpt: Checkpointer, optimizer, mesh, train_ite
     if jax.process_index() == 0:  # the run's count of truncated examples goes on
       train_iter.num_truncated = sum(p['num_truncated'] for p in positions)
   return dataclasses.replace(state, **saved)
+
+
+def stored(setup: Setup, state: TrainState) -> TrainState:
+  """The state, assembled in layer order, in the order its step reads the stacked layers: a
+  circular pipeline's (model.pipeline.layout); the teacher's by its own config."""
+  teacher = state.teacher
+  state = model_pipeline.store(dataclasses.replace(state, teacher=None), setup.model)
+  if teacher is None:
+    return state
+  return dataclasses.replace(state, teacher=model_pipeline.store(teacher, setup.step.teacher))
 
 
 def from_teacher(setup: Setup, state: TrainState, mesh, fresh: bool) -> TrainState:
@@ -395,10 +405,16 @@ def load_teacher(d: DistillConfig, teacher: ModelConfig, mesh, shardings) -> nnx
 
     config = ml_collections.ConfigDict(sections.with_defaults(saved))
     tsetup = build(rundir.tool_config(config, d.teacher), training=False)
-    state = load_latest(dataclasses.replace(tsetup, model=teacher), d.teacher, mesh)
+    state = load_latest(dataclasses.replace(tsetup, model=in_layer_order(teacher)), d.teacher, mesh)
     params, moe_bias, frozen = state.params, state.moe_bias, state.frozen
   graphdef = split_model(nnx.eval_shape(lambda: Transformer(teacher, nnx.Rngs(0))), teacher)[0]
   return jax.device_put(nnx.state(merge_model(graphdef, params, moe_bias, frozen)), shardings)
+
+
+def in_layer_order(cfg: ModelConfig) -> ModelConfig:
+  """cfg reading its stacked layers in layer order (no circular repeats), for weights that leave
+  the step: exported, decoded, or copied into a student by layer."""
+  return dataclasses.replace(cfg, pipeline_repeats=1)
 
 
 def tool_setup(config, workdir: str | None) -> Setup:
@@ -414,11 +430,16 @@ def load_latest(setup: Setup, workdir: str | None, mesh) -> TrainState:
   start of its training (distill.init_from_teacher)."""
   optimizer = optim.make_optimizer(setup.optim, setup.train.steps)
   state = initial_state(setup, optimizer, mesh)
-  state = from_teacher(setup, state, mesh, fresh=not workdir)
+  state = stored(setup, from_teacher(setup, state, mesh, fresh=not workdir))
   if workdir:
     t = setup.train
     ckpt = Checkpointer(
-      workdir, every=1, keep=t.keep_checkpoints, async_save=False, verify=t.verify_checkpoints
+      workdir,
+      every=1,
+      keep=t.keep_checkpoints,
+      async_save=False,
+      verify=t.verify_checkpoints,
+      layers=model_pipeline.layout(setup.model),
     )
     saved, _, _ = ckpt.restore(ckpt.latest_step(), state)
     state = dataclasses.replace(state, **saved)

@@ -37,7 +37,8 @@ _WEIGHTS_FSDP = {
   # dense
   'embed': 'fsdp',
   'mlp': None,
-  # A pipeline's stage s stores its own consecutive layers (and their optimizer state).
+  # A pipeline's stage s stores its own layers (and their optimizer state): consecutive ones, or
+  # under a circular schedule its R runs (model/pipeline.py, layer_order).
   'layers': 'stage',
   'lora_rank': None,
   # vocab

@@ -15,6 +15,7 @@ from moetrain.checkpoint import Checkpointer, process_data_state
 from moetrain.data import pipeline
 from moetrain.distill import logits as distill_logits
 from moetrain.evaluation import evaluate, to_global
+from moetrain.model import pipeline as model_pipeline
 from moetrain.setup import (
   Setup,
   build,
@@ -83,6 +84,7 @@ def _run(config, workdir: str, setup: Setup, mesh) -> dict:
     keep=t.keep_checkpoints,
     async_save=t.async_checkpoint,
     verify=t.verify_checkpoints,
+    layers=model_pipeline.layout(setup.model),
   )
   if t.resume_step:  # back to an earlier checkpoint: the newer ones are set aside
     ckpt.resume_from(t.resume_step)

@@ -12,6 +12,7 @@ import optax
 from moetrain.fields import check, field
 from moetrain.kernels.cross_entropy import head_cross_entropy
 from moetrain.kernels.distill import Divergence, head_distillation
+from moetrain.model import pipeline
 from moetrain.model.config import ModelConfig
 from moetrain.model.moe import ROUTING_COUNTS, finish_routing_stats
 from moetrain.sharding import replicated
@@ -195,8 +196,8 @@ def bias_update(moe_bias, load_LX, step, cfg: StepConfig):
   """The expert-bias controller on FFN experts, per MoE layer: with the load error
   err_i = K_e/(K*N) - T_i/(K*T_all), b_i += mu * err_i (LongCat's proportional rule) or
   mu * sign(err_i) (DeepSeek-V3's). Zero-expert biases are never changed. load_LX: the MoE
-  layers' loads in layer order, as the groups of layers hold their biases (a tree of one MoE
-  module's biases, not keyed by group, takes them all)."""
+  layers' loads in layer order; the groups of layers hold their biases in stored order
+  (pipeline.layer_order; a tree of one MoE module's biases, not keyed by group, takes them all)."""
   mc = cfg.model
   e, k = mc.n_routed_experts, mc.moe_topk
   mu = cfg.bias_update_rate
@@ -213,7 +214,8 @@ def bias_update(moe_bias, load_LX, step, cfg: StepConfig):
 
   def update(path, b):
     start, count = offsets.get(path[0].key, (0, load_LX.shape[0]))
-    return b + delta_LX[start : start + count].astype(b.dtype)
+    order = pipeline.layer_order(count, pipeline.layout(mc))  # the biases' stored order
+    return b + delta_LX[start : start + count][order].astype(b.dtype)
 
   return jax.tree_util.tree_map_with_path(update, moe_bias)
 

@@ -8,13 +8,14 @@ import jax
 import numpy as np
 import optax
 import pytest
+from flax import nnx
 
 from moetrain import sharding
 from moetrain.checkpoint import Checkpointer
 from moetrain.model import pipeline
 from moetrain.model.families import PRESETS
 from moetrain.train_state import create_sharded, graphdef_of
-from moetrain.train_step import StepConfig, loss_fn, token_counts
+from moetrain.train_step import StepConfig, bias_update, loss_fn, token_counts
 from tests.helpers import tiny, with_lora
 from tests.test_sharding import batch
 
@@ -58,7 +59,7 @@ def loss_and_grads(cfg, mesh_shape, m=1, r=1, state=None):
   cfg = cfg.laid_out('cpu', mesh)
   with jax.set_mesh(mesh):
     if state is None:
-      state = create_sharded(cfg, optax.sgd(1.0), 0, mesh, cfg.rules)
+      state = pipeline.store(create_sharded(cfg, optax.sgd(1.0), 0, mesh, cfg.rules), cfg)
     b = {k: jax.device_put(v, sharding.batch_sharding(mesh)) for k, v in batch().items()}
     step = StepConfig(model=cfg, router_z_loss=1e-3, hidden_z_loss=1e-4)
 
@@ -67,6 +68,7 @@ def loss_and_grads(cfg, mesh_shape, m=1, r=1, state=None):
       return loss_fn(params, *args)
 
     (value, stats), grads = jax.jit(jax.value_and_grad(loss, has_aux=True))(state.params)
+    grads = pipeline.reorder(grads, pipeline.layout(cfg), (1, 1))  # layer order, to compare
     return float(value), jax.tree.map(np.asarray, grads), stats, state
 
 
@@ -128,6 +130,92 @@ def test_a_two_stage_checkpoint_restores_without_stages(tmp_path):
   assert_same(got, loss_and_grads(LONGCAT, (2, 1, -1, 2, 1), m=2, state=state))
 
 
+def test_a_circular_schedule_stores_each_stages_runs_in_its_own_block():
+  """With R = 2 over 2 stages, stage s's block of the stored 'layers' axis holds layers
+  (r * 2 + s) * Lc + j: its own runs, so no weight moves between stages in a step."""
+  assert list(pipeline.layer_order(8, (2, 2))) == [0, 1, 4, 5, 2, 3, 6, 7]
+  assert list(pipeline.layer_order(4, (1, 1))) == [0, 1, 2, 3]
+  mesh = sharding.make_mesh((2, 1, -1, 2, 1))
+  cfg = dataclasses.replace(LONGCAT, pipeline_microbatches=2, pipeline_repeats=2)
+  cfg = dataclasses.replace(cfg, rules=sharding.Rules.preset('fsdp_ep_tp')).laid_out('cpu', mesh)
+  assert pipeline.layout(cfg) == (2, 2)
+  with jax.set_mesh(mesh):
+    state = create_sharded(cfg, optax.adam(1e-3), 0, mesh, cfg.rules)
+    want = jax.tree.map(np.asarray, state.saved())
+    stored = pipeline.store(state, cfg)
+  flat = jax.tree_util.tree_leaves_with_path(stored.saved())
+  moved = 0
+  for (path, got), w in zip(flat, jax.tree.leaves(want)):
+    if 'layers' in jax.tree_util.keystr(path) and got.ndim and got.shape[0] == 4:
+      np.testing.assert_array_equal(np.asarray(got), w[[0, 2, 1, 3]], jax.tree_util.keystr(path))
+      stage0 = {s.index[0] for s in got.addressable_shards if s.device in mesh.devices[0].flat}
+      assert stage0 == {slice(0, 2)}  # layers 0 and 2: stage 0's runs of both repeats
+      moved += 1
+    else:
+      np.testing.assert_array_equal(np.asarray(got), w)
+  assert moved > 20  # weights, Adam's two moments, router biases
+
+
+def test_a_circular_checkpoint_restores_in_layer_order(tmp_path):
+  """Saved in a circular pipeline's stored order, restored by a run without one: the
+  checkpoint names its order, and the restore moves the layers back."""
+  mesh = sharding.make_mesh((2, 1, -1, 2, 1))
+  cfg = dataclasses.replace(LONGCAT, pipeline_microbatches=2, pipeline_repeats=2)
+  cfg = dataclasses.replace(cfg, rules=sharding.Rules.preset('fsdp_ep_tp')).laid_out('cpu', mesh)
+  with jax.set_mesh(mesh):
+    state = create_sharded(cfg, optax.adam(1e-3), 0, mesh, cfg.rules)
+    want = jax.tree.map(np.asarray, state.saved())
+    circular = Checkpointer(str(tmp_path), every=1, keep=1, async_save=False, layers=(2, 2))
+    circular.save(1, pipeline.store(state, cfg), {'position': 0}, {'step': 1})
+    circular.close()
+    target = create_sharded(cfg, optax.adam(1e-3), 1, mesh, cfg.rules)
+    ckpt = Checkpointer(str(tmp_path), every=1, keep=1, async_save=False)
+    saved, _, meta = ckpt.restore(1, target)
+  assert meta['layer_order'] == [2, 2]
+  jax.tree.map(np.testing.assert_array_equal, jax.tree.map(np.asarray, saved), want)
+
+
+def test_a_teacher_is_stored_in_its_own_configs_order():
+  """Online distillation: the student's and the teacher's stacked layers each in the order of
+  their own config (here 4 and 8 layers over 2 stages x 2 repeats)."""
+  import types
+
+  from moetrain.setup import stored
+
+  mesh = sharding.make_mesh((2, 1, -1, 2, 1))
+  cfg = dataclasses.replace(LONGCAT, pipeline_microbatches=2, pipeline_repeats=2)
+  cfg = dataclasses.replace(cfg, rules=sharding.Rules.preset('fsdp_ep_tp')).laid_out('cpu', mesh)
+  teacher_cfg = dataclasses.replace(cfg, num_layers=8)
+  with jax.set_mesh(mesh):
+    state = create_sharded(cfg, optax.sgd(1.0), 0, mesh, cfg.rules)
+    teacher = create_sharded(teacher_cfg, optax.sgd(1.0), 1, mesh, cfg.rules).params
+    state = dataclasses.replace(state, teacher=teacher)
+    want = jax.tree.map(np.asarray, state)
+    setup = types.SimpleNamespace(model=cfg, step=types.SimpleNamespace(teacher=teacher_cfg))
+    got = jax.tree.map(np.asarray, stored(setup, state))
+  path = ('layers', 'attn_0', 'q_a', 'kernel')
+  flat = lambda tree: dict(nnx.to_flat_state(tree))
+  for part, order in (('params', [0, 2, 1, 3]), ('teacher', [0, 1, 4, 5, 2, 3, 6, 7])):
+    g, w = flat(getattr(got, part))[path], flat(getattr(want, part))[path]
+    np.testing.assert_array_equal(g.get_value(), w.get_value()[order])
+
+
+def test_the_bias_controller_updates_each_stored_layer_by_its_own_load():
+  mesh = sharding.make_mesh((2, 1, -1, 2, 1))
+  cfg = dataclasses.replace(LONGCAT, pipeline_microbatches=2, pipeline_repeats=2)
+  cfg = dataclasses.replace(cfg, rules=sharding.Rules.preset('fsdp_ep_tp')).laid_out('cpu', mesh)
+  flat = dataclasses.replace(cfg, pipeline_repeats=1)
+  with jax.set_mesh(mesh):
+    bias = create_sharded(cfg, optax.sgd(1.0), 0, mesh, cfg.rules).moe_bias
+    load_LX = jax.random.uniform(jax.random.key(0), (4, cfg.num_experts_total)) * 100
+    want = bias_update(bias, load_LX, 0, StepConfig(model=flat))
+    before = jax.tree.map(np.asarray, bias)
+    got = bias_update(pipeline.store(bias, cfg), load_LX, 0, StepConfig(model=cfg))  # (donated)
+    got = pipeline.reorder(got, (2, 2), (1, 1))
+  jax.tree.map(np.testing.assert_allclose, got, want)
+  assert not jax.tree.all(jax.tree.map(lambda a, b: np.allclose(a, b), want, before))
+
+
 @pytest.mark.slow
 def test_dense_first_layers_pipeline_run_by_run():
   got = loss_and_grads(DEEPSEEK, (2, 1, -1, 2, 1), m=4)
@@ -184,6 +272,17 @@ def test_a_pipelined_step_compiles_for_two_tpu_slices():
   assert r['fits'] and r['mesh']['stage'] == 2 and r['pipeline']['stages'] == 2
 
 
+LOGGED_FLAGS = [
+  '--config.model.num_layers=4',
+  '--config.model.dtype=float32',
+  '--config.model.param_dtype=float32',
+  '--config.train.steps=12',
+  '--config.optim.warmup_steps=2',
+  '--config.data.global_batch_size=8',
+  '--config.model.pipeline_microbatches=4',
+]
+
+
 def logged_losses(workdir, mesh_shape: str, extra=()) -> list[str]:
   """The training losses `python -m moetrain.main` logs for the tiny LongCat in float32 (extra:
   further flags, later ones winning)."""
@@ -191,14 +290,8 @@ def logged_losses(workdir, mesh_shape: str, extra=()) -> list[str]:
 
   args = [
     '--config=configs/longcat_pretrain.py',
-    '--config.model.num_layers=4',
-    '--config.model.dtype=float32',
-    '--config.model.param_dtype=float32',
-    '--config.train.steps=12',
-    '--config.optim.warmup_steps=2',
-    '--config.data.global_batch_size=8',
+    *LOGGED_FLAGS,
     f'--config.mesh.shape={mesh_shape}',
-    '--config.model.pipeline_microbatches=4',
     f'--workdir={workdir}',
     *extra,
   ]
@@ -225,18 +318,24 @@ def test_gradient_accumulation_over_a_pipeline_logs_the_losses_of_no_pipeline(tm
 def test_the_pipelined_command_logs_the_losses_of_no_pipeline(tmp_path):
   one = logged_losses(tmp_path / 'one', '(1,1,-1,2,1)')
   assert one and one == logged_losses(tmp_path / 'two', '(2,1,-1,2,1)')
+  assert one == logged_losses(tmp_path / 'circular', '(2,1,-1,2,1)', CIRCULAR)
+
+
+CIRCULAR = ['--config.model.pipeline_repeats=2']  # 4 layers over 2 stages: 2 runs each
 
 
 @pytest.mark.slow
-def test_the_tools_read_a_pipelined_runs_checkpoint(tmp_path):
+@pytest.mark.parametrize('extra', [[], CIRCULAR], ids=['gpipe', 'circular'])
+def test_the_tools_read_a_pipelined_runs_checkpoint(tmp_path, extra):
   """evaluate, generate and export on a stage-2 run's directory (8 emulated devices, the run's
-  own mesh): evaluate scores the last checkpoint as the run's own end-of-run evaluation did."""
+  own mesh): evaluate scores the last checkpoint as the run's own end-of-run evaluation did;
+  export writes the layers a run without stages writes from the same checkpoint."""
   import json
 
   from tests.helpers import run_command
 
   workdir = tmp_path / 'run'
-  assert logged_losses(workdir, '(2,1,-1,2,1)')
+  assert logged_losses(workdir, '(2,1,-1,2,1)', extra)
   with open(workdir / 'metrics.jsonl') as f:
     last_eval = [r for r in map(json.loads, f) if r['kind'] == 'eval'][-1]
   out = run_command('moetrain.tools.evaluate', f'--workdir={workdir}')
@@ -252,15 +351,40 @@ def test_the_tools_read_a_pipelined_runs_checkpoint(tmp_path):
   out = run_command('moetrain.tools.export', f'--workdir={workdir}', f'--out={export}')
   assert out.returncode == 0, out.stderr[-3000:]
   assert (export / 'config.json').exists() and any(export.glob('*.safetensors'))
+  if extra:  # the same checkpoint exported by a tool run without stages: the same tensors
+    from safetensors.numpy import load_file
+
+    unstaged = tmp_path / 'unstaged'
+    with open(workdir / 'config.json') as f:
+      saved = json.load(f)
+    assert saved['model']['pipeline_repeats'] == 2
+    out = run_command(
+      'moetrain.tools.export',
+      f'--workdir={workdir}',
+      f'--out={unstaged}',
+      '--config=configs/longcat_pretrain.py',
+      *LOGGED_FLAGS,
+      '--config.mesh.shape=(1,1,-1,2,1)',
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    tensors = lambda d: {
+      k: v for f in sorted(d.glob('*.safetensors')) for k, v in load_file(f).items()
+    }
+    got, want = tensors(export), tensors(unstaged)
+    assert got.keys() == want.keys()
+    for k in want:
+      np.testing.assert_array_equal(got[k], want[k], k)
 
 
 @pytest.mark.slow
-def test_a_run_resumes_without_stages_after_a_stage_change(tmp_path):
+@pytest.mark.parametrize('extra', [[], CIRCULAR], ids=['gpipe', 'circular'])
+def test_a_run_resumes_without_stages_after_a_stage_change(tmp_path, extra):
   """A stage-2 run checkpoints at step 6; the same run directory resumed from there with no
   pipeline (train.resume_step=6, mesh.shape without stages) logs steps 7-12 as the pipelined run
-  did: the checkpoint carries no trace of the stage count."""
+  did: a checkpoint restores with any stage count (a circular one's stored order moved back to
+  layer order)."""
   every = ['--config.train.checkpoint_every=6', '--config.train.log_every=1']
-  staged = logged_losses(tmp_path / 'run', '(2,1,-1,2,1)', every)
+  staged = logged_losses(tmp_path / 'run', '(2,1,-1,2,1)', [*every, *extra])
   resumed = logged_losses(
     tmp_path / 'run', '(1,1,-1,2,1)', [*every, '--config.train.resume_step=6']
   )

@@ -108,11 +108,16 @@ def test_across_slices_the_search_proposes_a_stage_per_slice():
   assert {n['model.pipeline_microbatches'] for n in staged} == {2, 4, 8}
   for n in staged:  # the stage axis across the two slices, everything else inside each
     assert n['mesh.dcn_shape'] == (2, 1, 1, 1, 1) and n['mesh.shape'][0] == 2
-  # From a pipelined setting: the expert axis moves within each stage, and the way back.
+  # From a pipelined setting: the expert axis moves within each stage, the circular schedule,
+  # and the way back.
   later = tpu_plan.neighbours(config, 8, staged[0], slices=2)
   assert all(n['mesh.shape'][0] == 2 for n in later if 'mesh.rules' in n)
-  (back,) = [n for n in later if n['model.pipeline_microbatches'] == 1]
+  assert all(n.get('model.pipeline_repeats', 1) == 1 for n in later)  # 2 layers: no 2 runs
+  config.model.num_layers = 4
+  assert staged[0] | {'model.pipeline_repeats': 2} in tpu_plan.neighbours(config, 8, staged[0], 2)
+  (back,) = [n for n in later if n.get('model.pipeline_microbatches') == 1]
   assert back['mesh.shape'][0] == 1 and back['mesh.dcn_shape'] == tuple(config.mesh.dcn_shape)
+  assert back['model.pipeline_repeats'] == 1
 
 
 def test_smallest_bisects_each_method_to_its_smallest_slice(fake, tmp_path):

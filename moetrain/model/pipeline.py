@@ -12,6 +12,12 @@ Lc - 1, as the 'layers' axis of the stored weights is split over 'stage'; with R
 each stage holds R non-adjacent runs, and micro-batch m passes stage s for repeat r at iteration
 t = r * M + m + s. Iterations: M * R + S - 1, of which S - 1 are the bubble of every stage.
 
+Stored order: with R > 1 the stacked per-layer arrays (weights, optimizer moments, the frozen
+base, router biases) are stored in circular order (`layer_order`), so that the block of the
+'layers' axis each stage stores holds its own R runs and no weight moves between stages in a step.
+A state is assembled in layer order and put in stored order once (`store`); checkpoints record
+the order they hold (checkpoint.Checkpointer) and a restore moves them into the run's.
+
 A batch's rows split over 'stage' (sharding.ROW_AXES), and the micro-batches sit in io [S, K, ...]
 (K = M / S), sharded over 'stage': stage s starts with its own rows' micro-batches s * K ...
 s * K + K - 1. In iteration t every stage passes io[s + 1, t % K] down to io[s, t % K] and the
@@ -24,6 +30,8 @@ iterations on stage 0 (fifo).
 
 import jax
 import jax.numpy as jnp
+import numpy as np
+from flax import nnx
 
 from moetrain import axes
 from moetrain.model.config import ModelConfig
@@ -69,6 +77,63 @@ def active(cfg: ModelConfig, rows: int) -> bool:
   return (cfg.pipeline_stages > 1 or m > 1) and rows % m == 0
 
 
+def layout(cfg: ModelConfig) -> tuple[int, int]:
+  """The order cfg's stacked layers are stored in, as (stages, repeats): (1, 1) is layer order,
+  which every schedule without repeats reads."""
+  return (cfg.pipeline_stages, cfg.pipeline_repeats) if cfg.pipeline_repeats > 1 else (1, 1)
+
+
+def layer_order(count: int, order: tuple[int, int]) -> np.ndarray:
+  """Which layer each stored slot of a run of `count` layers holds (stored[p] = layer[out[p]])
+  in the stored order `order` = (S, R): slot (s * R + r) * Lc + j holds layer (r * S + s) * Lc +
+  j, so stage s's block of the 'layers' axis holds its R runs, repeat by repeat."""
+  s, r = order
+  return np.arange(count).reshape(r, s, count // (s * r)).transpose(1, 0, 2).reshape(-1)
+
+
+def in_layer_order(state, cfg: ModelConfig):
+  """A group's stacked state (every leaf [L, ...], traced) from stored order to layer order."""
+  if layout(cfg) == (1, 1):
+    return state
+  count = jax.tree.leaves(state)[0].shape[0]
+  back = np.argsort(layer_order(count, layout(cfg)))
+  return jax.tree.map(lambda x: jnp.take(x, back, axis=0), state)
+
+
+def is_stacked(x) -> bool:
+  """A Variable stacked over a run of layers (its first logical axis is 'layers')."""
+  return isinstance(x, nnx.Variable) and x.get_metadata().get('axes', (None,))[:1] == ('layers',)
+
+
+def reorder(tree, src: tuple[int, int], dst: tuple[int, int]):
+  """`tree` (a state, or part of one) with every stacked per-layer array moved from stored order
+  `src` to `dst` (`layout`'s pairs), on its devices and in its sharding. The old arrays are
+  donated, so the peak is one array more; an array met twice (shared) is moved once."""
+  if src == dst:
+    return tree
+  moved = {}
+
+  def one(x):
+    if not is_stacked(x):
+      return x
+    value = x.get_value()
+    if id(value) not in moved:
+      count = value.shape[0]
+      perm = np.argsort(layer_order(count, src))[layer_order(count, dst)]
+      take = jax.jit(
+        lambda a: jnp.take(a, perm, axis=0), out_shardings=value.sharding, donate_argnums=0
+      )
+      moved[id(value)] = (value, take(value))  # (the old one kept: its id stays unique)
+    return x.replace(moved[id(value)][1])
+
+  return jax.tree.map(one, tree, is_leaf=lambda x: isinstance(x, nnx.Variable))
+
+
+def store(tree, cfg: ModelConfig):
+  """A state assembled in layer order, put in cfg's stored order (`layout`)."""
+  return reorder(tree, (1, 1), layout(cfg))
+
+
 def to_stages(x, s: int, k: int):
   """[B, ...] -> [S, K, B / (S * K), ...]: micro-batch g = s * K + k is stage shard s's rows
   k, K + k, 2K + k, ... (the rows split over 'stage' first, then the batch axes), so each
@@ -91,7 +156,8 @@ def run_group(layer, state, extra_L, cfg: ModelConfig, h_BTD, positions_BT, segm
   s, m, r = cfg.pipeline_stages, cfg.pipeline_microbatches, cfg.pipeline_repeats
   count = jax.tree.leaves(state)[0].shape[0]
   lc, k = count // (s * r), m // s
-  w = jax.tree.map(lambda x: x.reshape(r, s, lc, *x.shape[1:]), state)
+  # Stored order (layer_order): stage s's block holds its runs r = 0 .. R - 1 -> [R, S, Lc, ...].
+  w = jax.tree.map(lambda x: jnp.swapaxes(x.reshape(s, r, lc, *x.shape[1:]), 0, 1), state)
   keys = jax.tree.map(lambda x: x.reshape(r, s, lc, *x.shape[1:]), extra_L)
   io = constrain(to_stages(h_BTD, s, k), STAGE_MICRO_ACT, cfg.rules)
   pos, seg, share_M = micro_ids(positions_BT, segment_ids_BT, cfg)

@@ -231,6 +231,7 @@ class Transformer(nnx.Module):
     if pipeline.active(self.cfg, h_BTD.shape[0]):
       args = (self.cfg, h_BTD, positions_BT, segment_ids_BT)
       return pipeline.run_group(layer, state, extra_L, *args)
+    state = pipeline.in_layer_order(state, self.cfg)  # (a circular pipeline's stored order)
     body = lambda h, xs: layer(h, xs, positions_BT, segment_ids_BT)
     if self.cfg.scan_layers:
       return jax.lax.scan(body, h_BTD, (state, extra_L))

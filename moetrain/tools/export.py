@@ -10,6 +10,7 @@ rename (`publish`): a failed or killed export leaves an earlier export in --out 
 """
 
 import ctypes
+import dataclasses
 import errno
 import json
 import os
@@ -122,6 +123,8 @@ def export(config, workdir: str, out: str, adapter_only: bool = False, dtype=Non
   if dtype is not None and adapter_only:
     raise ValueError('--dtype applies to the merged export; adapters keep their training dtype')
   setup = setup_lib.tool_setup(config, workdir)
+  # Decoded or exported by layer index: read in layer order.
+  setup = dataclasses.replace(setup, model=setup_lib.in_layer_order(setup.model))
   check_out(out, workdir, setup)
   if adapter_only and not setup.model.lora.enabled:
     raise ValueError('--adapter_only needs a LoRA run (lora.rank > 0)')

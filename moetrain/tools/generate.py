@@ -15,6 +15,7 @@ built-in one) and its generation prompt, so a chat fine-tune is asked as it was 
 """
 
 import contextlib
+import dataclasses
 import functools
 import json
 import time
@@ -228,6 +229,8 @@ def load_run(config, workdir: str | None, with_data: bool = False):
   from moetrain.train_state import graphdef_of, merge_model
 
   setup = setup_lib.tool_setup(config, workdir)
+  # Decoded or exported by layer index: read in layer order.
+  setup = dataclasses.replace(setup, model=setup_lib.in_layer_order(setup.model))
   tokenizer = pipeline.make_tokenizer(setup.data, workdir)
   setup_lib.check_tokenizer_fits(tokenizer, setup)  # before the (slow) load
   mesh = setup.make_mesh()

@@ -1,6 +1,7 @@
 """The TPU planner behind `moetrain.tools.plan --topology`: compile, estimate, search."""
 
 import concurrent.futures
+import dataclasses
 import hashlib
 import json
 import math
@@ -428,7 +429,9 @@ def neighbours(config, devices: int, base: dict, slices: int = 1) -> list[dict]:
 def pipeline_neighbours(config, now, slices: int) -> list[dict]:
   """Across slices, the layers pipelined with one stage per slice (the stage axis over the
   data-center network, docs/pipeline.md) in S, 2S or 4S micro-batches, keeping the expert axis;
-  from a pipelined setting, no pipeline (the config's own mesh.dcn_shape)."""
+  from a pipelined setting, the circular schedule with 2 repeats (or back to 1) and no pipeline
+  (the config's own mesh.dcn_shape)."""
+  from moetrain.model import pipeline
   from moetrain.sharding import full_shape
 
   if slices < 2:
@@ -442,9 +445,25 @@ def pipeline_neighbours(config, now, slices: int) -> list[dict]:
     if rows % (k * slices) == 0
   ]
   if shape[0] > 1:
+    from moetrain.setup import model_config
+
+    repeats = 1 if now.model.pipeline_repeats > 1 else 2
+    cfg = model_config(now).laid_out('tpu', shape)
+    try:
+      pipeline.check(dataclasses.replace(cfg, pipeline_repeats=repeats))
+      out.append({'model.pipeline_repeats': repeats})
+    except ValueError:  # layer runs the repeats do not split
+      pass
     unstaged = (1, 1, -1, shape[3], 1)
     dcn = tuple(config.mesh.dcn_shape)
-    out.append({'mesh.shape': unstaged, 'mesh.dcn_shape': dcn, 'model.pipeline_microbatches': 1})
+    out.append(
+      {
+        'mesh.shape': unstaged,
+        'mesh.dcn_shape': dcn,
+        'model.pipeline_microbatches': 1,
+        'model.pipeline_repeats': 1,
+      }
+    )
   return out
 
 

@@ -130,14 +130,20 @@ def test_a_two_stage_checkpoint_restores_without_stages(tmp_path):
   assert_same(got, loss_and_grads(LONGCAT, (2, 1, -1, 2, 1), m=2, state=state))
 
 
-def test_a_circular_schedule_stores_each_stages_runs_in_its_own_block():
+def circular(mesh):
+  """The 4-layer LongCat over 2 stages x 2 repeats of `mesh`, 2 micro-batches."""
+  cfg = dataclasses.replace(LONGCAT, pipeline_microbatches=2, pipeline_repeats=2)
+  return dataclasses.replace(cfg, rules=sharding.Rules.preset('fsdp_ep_tp')).laid_out('cpu', mesh)
+
+
+def test_a_circular_schedule_stores_each_stages_runs_and_checkpoints_in_any_order(tmp_path):
   """With R = 2 over 2 stages, stage s's block of the stored 'layers' axis holds layers
-  (r * 2 + s) * Lc + j: its own runs, so no weight moves between stages in a step."""
+  (r * 2 + s) * Lc + j: its own runs, so no weight moves between stages in a step. Saved so, a
+  checkpoint names its order, and a run without repeats restores it in layer order."""
   assert list(pipeline.layer_order(8, (2, 2))) == [0, 1, 4, 5, 2, 3, 6, 7]
   assert list(pipeline.layer_order(4, (1, 1))) == [0, 1, 2, 3]
   mesh = sharding.make_mesh((2, 1, -1, 2, 1))
-  cfg = dataclasses.replace(LONGCAT, pipeline_microbatches=2, pipeline_repeats=2)
-  cfg = dataclasses.replace(cfg, rules=sharding.Rules.preset('fsdp_ep_tp')).laid_out('cpu', mesh)
+  cfg = circular(mesh)
   assert pipeline.layout(cfg) == (2, 2)
   with jax.set_mesh(mesh):
     state = create_sharded(cfg, optax.adam(1e-3), 0, mesh, cfg.rules)
@@ -154,20 +160,10 @@ def test_a_circular_schedule_stores_each_stages_runs_in_its_own_block():
     else:
       np.testing.assert_array_equal(np.asarray(got), w)
   assert moved > 20  # weights, Adam's two moments, router biases
-
-
-def test_a_circular_checkpoint_restores_in_layer_order(tmp_path):
-  """Saved in a circular pipeline's stored order, restored by a run without one: the
-  checkpoint names its order, and the restore moves the layers back."""
-  mesh = sharding.make_mesh((2, 1, -1, 2, 1))
-  cfg = dataclasses.replace(LONGCAT, pipeline_microbatches=2, pipeline_repeats=2)
-  cfg = dataclasses.replace(cfg, rules=sharding.Rules.preset('fsdp_ep_tp')).laid_out('cpu', mesh)
   with jax.set_mesh(mesh):
-    state = create_sharded(cfg, optax.adam(1e-3), 0, mesh, cfg.rules)
-    want = jax.tree.map(np.asarray, state.saved())
-    circular = Checkpointer(str(tmp_path), every=1, keep=1, async_save=False, layers=(2, 2))
-    circular.save(1, pipeline.store(state, cfg), {'position': 0}, {'step': 1})
-    circular.close()
+    circular_ckpt = Checkpointer(str(tmp_path), every=1, keep=1, async_save=False, layers=(2, 2))
+    circular_ckpt.save(1, stored, {'position': 0}, {'step': 1})
+    circular_ckpt.close()
     target = create_sharded(cfg, optax.adam(1e-3), 1, mesh, cfg.rules)
     ckpt = Checkpointer(str(tmp_path), every=1, keep=1, async_save=False)
     saved, _, meta = ckpt.restore(1, target)
@@ -183,8 +179,7 @@ def test_a_teacher_is_stored_in_its_own_configs_order():
   from moetrain.setup import stored
 
   mesh = sharding.make_mesh((2, 1, -1, 2, 1))
-  cfg = dataclasses.replace(LONGCAT, pipeline_microbatches=2, pipeline_repeats=2)
-  cfg = dataclasses.replace(cfg, rules=sharding.Rules.preset('fsdp_ep_tp')).laid_out('cpu', mesh)
+  cfg = circular(mesh)
   teacher_cfg = dataclasses.replace(cfg, num_layers=8)
   with jax.set_mesh(mesh):
     state = create_sharded(cfg, optax.sgd(1.0), 0, mesh, cfg.rules)
@@ -202,8 +197,7 @@ def test_a_teacher_is_stored_in_its_own_configs_order():
 
 def test_the_bias_controller_updates_each_stored_layer_by_its_own_load():
   mesh = sharding.make_mesh((2, 1, -1, 2, 1))
-  cfg = dataclasses.replace(LONGCAT, pipeline_microbatches=2, pipeline_repeats=2)
-  cfg = dataclasses.replace(cfg, rules=sharding.Rules.preset('fsdp_ep_tp')).laid_out('cpu', mesh)
+  cfg = circular(mesh)
   flat = dataclasses.replace(cfg, pipeline_repeats=1)
   with jax.set_mesh(mesh):
     bias = create_sharded(cfg, optax.sgd(1.0), 0, mesh, cfg.rules).moe_bias

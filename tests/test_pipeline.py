@@ -387,19 +387,25 @@ def test_a_run_resumes_without_stages_after_a_stage_change(tmp_path, extra):
 
 
 @pytest.mark.slow  # ~1 minute: two jobs of two processes
-def test_a_stage_axis_across_two_processes_logs_the_losses_of_none(tmp_path):
+@pytest.mark.parametrize('repeats', [1, 2], ids=['gpipe', 'circular'])
+def test_a_stage_axis_across_two_processes_logs_the_losses_of_none(tmp_path, repeats):
   """A batch's rows split over 'stage' too, so each host loads the rows of its own stage: a
   stage axis spanning two processes (one stage each) trains, and logs the losses of the same
-  two processes without a pipeline."""
+  two processes without a pipeline (circular: each process stores its own stage's runs)."""
   from tests.test_preemption import Job, train_losses
 
   common = [
     '--config.train.steps=3',
     '--config.optim.warmup_steps=1',
     '--config.model.dtype=float32',
+    '--config.model.num_layers=4',
   ]
   common.append('--config.model.param_dtype=float32')
-  staged = ['--config.mesh.shape=(2,1,-1,1,1)', '--config.model.pipeline_microbatches=2']
+  staged = [
+    '--config.mesh.shape=(2,1,-1,1,1)',
+    '--config.model.pipeline_microbatches=2',
+    f'--config.model.pipeline_repeats={repeats}',
+  ]
   Job(str(tmp_path / 'staged'), *common, *staged, processes=2, devices=8).wait()
   Job(str(tmp_path / 'none'), *common, processes=2, devices=8).wait()
   got, want = train_losses(str(tmp_path / 'staged')), train_losses(str(tmp_path / 'none'))

@@ -385,7 +385,8 @@ def from_teacher(setup: Setup, state: TrainState, mesh, fresh: bool) -> TrainSta
   if init:
     from moetrain.distill import student
 
-    state = student.init_from_teacher(setup, state, cfg, weights, mesh)
+    # (the teacher's weights are in layer order until `stored`)
+    state = student.init_from_teacher(setup, state, in_layer_order(cfg), weights, mesh)
   return dataclasses.replace(state, teacher=weights) if setup.step.teacher else state
 
 

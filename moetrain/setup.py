@@ -386,7 +386,7 @@ def from_teacher(setup: Setup, state: TrainState, mesh, fresh: bool) -> TrainSta
     from moetrain.distill import student
 
     # (the teacher's weights are in layer order until `stored`)
-    state = student.init_from_teacher(setup, state, in_layer_order(cfg), weights, mesh)
+    state = student.init_from_teacher(setup, state, without_repeats(cfg), weights, mesh)
   return dataclasses.replace(state, teacher=weights) if setup.step.teacher else state
 
 
@@ -406,13 +406,15 @@ def load_teacher(d: DistillConfig, teacher: ModelConfig, mesh, shardings) -> nnx
 
     config = ml_collections.ConfigDict(sections.with_defaults(saved))
     tsetup = build(rundir.tool_config(config, d.teacher), training=False)
-    state = load_latest(dataclasses.replace(tsetup, model=in_layer_order(teacher)), d.teacher, mesh)
+    state = load_latest(
+      dataclasses.replace(tsetup, model=without_repeats(teacher)), d.teacher, mesh
+    )
     params, moe_bias, frozen = state.params, state.moe_bias, state.frozen
   graphdef = split_model(nnx.eval_shape(lambda: Transformer(teacher, nnx.Rngs(0))), teacher)[0]
   return jax.device_put(nnx.state(merge_model(graphdef, params, moe_bias, frozen)), shardings)
 
 
-def in_layer_order(cfg: ModelConfig) -> ModelConfig:
+def without_repeats(cfg: ModelConfig) -> ModelConfig:
   """cfg reading its stacked layers in layer order (no circular repeats), for weights that leave
   the step: exported, decoded, or copied into a student by layer."""
   return dataclasses.replace(cfg, pipeline_repeats=1)

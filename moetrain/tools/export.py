@@ -124,7 +124,7 @@ def export(config, workdir: str, out: str, adapter_only: bool = False, dtype=Non
     raise ValueError('--dtype applies to the merged export; adapters keep their training dtype')
   setup = setup_lib.tool_setup(config, workdir)
   # Decoded or exported by layer index: read in layer order.
-  setup = dataclasses.replace(setup, model=setup_lib.in_layer_order(setup.model))
+  setup = dataclasses.replace(setup, model=setup_lib.without_repeats(setup.model))
   check_out(out, workdir, setup)
   if adapter_only and not setup.model.lora.enabled:
     raise ValueError('--adapter_only needs a LoRA run (lora.rank > 0)')

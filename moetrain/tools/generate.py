@@ -230,7 +230,7 @@ def load_run(config, workdir: str | None, with_data: bool = False):
 
   setup = setup_lib.tool_setup(config, workdir)
   # Decoded or exported by layer index: read in layer order.
-  setup = dataclasses.replace(setup, model=setup_lib.in_layer_order(setup.model))
+  setup = dataclasses.replace(setup, model=setup_lib.without_repeats(setup.model))
   tokenizer = pipeline.make_tokenizer(setup.data, workdir)
   setup_lib.check_tokenizer_fits(tokenizer, setup)  # before the (slow) load
   mesh = setup.make_mesh()

@@ -105,7 +105,7 @@ def write(config, out: str, top_k: int = 0, steps_per_shard: int = STEPS_PER_SHA
   _start(out, logits_lib.manifest(setup, k, steps_per_shard, count))
   mesh = setup.make_mesh()
   # The teacher's weights as loaded, in layer order.
-  cfg = setup_lib.in_layer_order(teacher_lib.model_config(setup.distill, setup.model))
+  cfg = setup_lib.without_repeats(teacher_lib.model_config(setup.distill, setup.model))
   shards = -(-setup.train.steps // steps_per_shard)
   done, position = _done(out, process, shards)
   tokenizer = pipeline.make_tokenizer(setup.data, None)

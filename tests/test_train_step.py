@@ -100,6 +100,46 @@ def test_gradient_accumulation_sums_bfloat16_gradients_in_float32():
   assert {g.dtype for g in jax.tree.leaves(grads)} == {jnp.dtype(jnp.bfloat16)}
 
 
+def _eqns(jaxpr):
+  """Every equation of `jaxpr`, those of its inner jaxprs (scan bodies, remat, jit) included."""
+  for e in jaxpr.eqns:
+    yield e
+    for v in e.params.values():
+      inner = getattr(v, 'jaxpr', v)
+      if hasattr(inner, 'eqns'):
+        yield from _eqns(inner)
+
+
+def test_full_training_stacks_the_layers_weight_gradients_in_the_compute_dtype():
+  """model.cast_weights_once (float32 weights, bfloat16 compute, no LoRA): the backward layer
+  loop stacks the routed experts' weight gradients in bfloat16, half the bytes, and the step
+  still returns them in float32. The loss is the same; each gradient is its per-layer cast's
+  within bfloat16 rounding."""
+  base = tiny(num_layers=2, dtype='bfloat16', param_dtype='float32')
+  got = {}
+  for once in (False, True):
+    cfg = dataclasses.replace(base, cast_weights_once=once)
+    state = init_state(cfg, optax.sgd(1.0), 0)
+    sc = StepConfig(model=cfg)
+    fn = lambda s, b, r, sc=sc, cfg=cfg: grads_and_stats(s, graphdef_of(cfg), b, r, sc)
+    jaxpr = jax.make_jaxpr(fn)(state, batch(), jax.random.key(0)).jaxpr
+    up = state.params['layers']['moe']['experts']['up'][...].shape  # [L, E, D, F]
+    stacked = {
+      v.aval.dtype
+      for e in _eqns(jaxpr)
+      if e.primitive.name == 'scan'
+      for v in e.outvars
+      if v.aval.shape == up
+    }
+    assert stacked == {jnp.dtype(jnp.bfloat16 if once else jnp.float32)}, (once, stacked)
+    loss, _, grads = jax.jit(fn)(state, batch(), jax.random.key(0))
+    assert {g.dtype for g in jax.tree.leaves(grads)} == {jnp.dtype(jnp.float32)}
+    got[once] = float(loss), jax.tree.map(np.asarray, grads)
+  assert got[True][0] == got[False][0]
+  for g, w in zip(jax.tree.leaves(got[True][1]), jax.tree.leaves(got[False][1])):
+    assert np.max(np.abs(g - w)) <= 2**-7 * np.max(np.abs(w)) + 1e-12
+
+
 def test_the_non_finite_guard_holds_no_second_state():
   """The skip is a select per element, fused into the update, not a branch between two whole
   states (which XLA:TPU kept alive together at the peak: a copy of the state)."""

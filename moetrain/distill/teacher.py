@@ -43,6 +43,7 @@ def model_config(d, student: ModelConfig) -> ModelConfig:
     mesh_shape=student.mesh_shape,
     quant=quant,
     remat='none',  # forward only
+    cast_weights_once=False,  # (no gradients to stack)
   )
 
 

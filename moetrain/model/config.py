@@ -234,6 +234,17 @@ class ModelConfig:
   # a v5p-32 counted 2.94e12 HBM bytes per chip and step that way, 2.33e12 gathered
   # (bench/RESULTS.md, "Peer comparison"). The lm head is not gathered.
   gather_weights: bool = engine(True)
+  # Full training: each run of layers takes its matmul weights (projection kernels, the routed
+  # experts' matrices) cast to model.dtype once, before its layer loop, not layer by layer
+  # inside it. The backward loop then stacks their gradients in model.dtype and casts them to
+  # param_dtype once after it: half of float32's bytes for the largest buffers alive at the
+  # step's peak. Each layer's weight gradient is then rounded to model.dtype, as mixed-precision
+  # autocast gives it (TPU's grouped-matmul kernels return the experts' so anyway); per-layer
+  # casts let XLA keep some in float32. The loss is the same. Mixtral-8x7B full training on a
+  # v5p-32: 56.24 -> 50.84 GiB per chip (bench/RESULTS.md, "Peer comparison"). No effect under
+  # LoRA (the base takes no gradient) or when param_dtype is model.dtype; a distillation
+  # teacher (forward only) keeps the per-layer casts.
+  cast_weights_once: bool = engine(True)
   # What attention keeps for its backward pass: True = each query's softmax max and sum, the
   # scores recomputed in the backward (flash-attention style: O(T) instead of O(T * S) memory per
   # head; as fast as keeping them on this CPU, bench/RESULTS.md); False = the float32 probabilities.

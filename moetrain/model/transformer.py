@@ -13,7 +13,7 @@ from moetrain.model import pipeline
 from moetrain.model.attention import MLA, make_attention
 from moetrain.model.config import LayerGroup, ModelConfig
 from moetrain.model.layers import MLP, Embed, Linear, RMSNorm
-from moetrain.model.moe import MoE
+from moetrain.model.moe import Experts, MoE
 from moetrain.sharding import constrain
 
 ACT = axes.names('BTD')
@@ -157,6 +157,26 @@ def remat_policy(name: str):
   }[name]
 
 
+def matmul_weights_cast(state, cfg: ModelConfig):
+  """A run of layers' stacked state with its matmul weights (Linear kernels, the routed experts'
+  matrices: what the layers cast to cfg.dtype where they use them) cast to cfg.dtype here, once
+  for the whole stack (model.cast_weights_once); the rest (norms, router, biases, adapters, a
+  quantised base) as it is."""
+  dt = jnp.dtype(cfg.dtype)
+  if not cfg.cast_weights_once or cfg.lora.enabled or jnp.dtype(cfg.param_dtype) == dt:
+    return state
+
+  def cast(path, x):
+    keys = [str(getattr(k, 'key', getattr(k, 'name', k))) for k in path]
+    keys = keys[:-1] if keys[-1] == 'value' else keys
+    expert = len(keys) > 1 and keys[-2] == 'experts' and keys[-1] in Experts.NAMES
+    if (keys[-1] == 'kernel' or expert) and jnp.issubdtype(x.dtype, jnp.floating):
+      return x.astype(dt)
+    return x
+
+  return jax.tree_util.tree_map_with_path(cast, state)
+
+
 def mark_layer_axes(layers: nnx.Module) -> None:
   """Prepends the scan axis name to the logical axes of every stacked variable."""
   for _, var in nnx.iter_graph(layers):
@@ -228,6 +248,7 @@ class Transformer(nnx.Module):
       # have no loop, where CSE could merge the two (JAX's advice: prevent_cse outside scans).
       single = group.count == 1 or not self.cfg.scan_layers
       layer = jax.checkpoint(layer, policy=remat_policy(self.cfg.remat), prevent_cse=single)
+    state = matmul_weights_cast(state, self.cfg)
     if pipeline.active(self.cfg, h_BTD.shape[0]):
       args = (self.cfg, h_BTD, positions_BT, segment_ids_BT)
       return pipeline.run_group(layer, state, extra_L, *args)

@@ -214,8 +214,10 @@ def bias_update(moe_bias, load_LX, step, cfg: StepConfig):
 
   def update(path, b):
     start, count = offsets.get(path[0].key, (0, load_LX.shape[0]))
-    order = pipeline.layer_order(count, pipeline.layout(mc))  # the biases' stored order
-    return b + delta_LX[start : start + count][order].astype(b.dtype)
+    delta = delta_LX[start : start + count]
+    if pipeline.layout(mc) != (1, 1):  # the biases' stored order
+      delta = delta[pipeline.layer_order(count, pipeline.layout(mc))]
+    return b + delta.astype(b.dtype)
 
   return jax.tree_util.tree_map_with_path(update, moe_bias)
 

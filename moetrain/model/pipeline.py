@@ -28,6 +28,8 @@ schedule's later repeats come round from the last stage with the stage permute a
 iterations on stage 0 (fifo).
 """
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -120,13 +122,18 @@ def reorder(tree, src: tuple[int, int], dst: tuple[int, int]):
     if id(value) not in moved:
       count = value.shape[0]
       perm = np.argsort(layer_order(count, src))[layer_order(count, dst)]
-      take = jax.jit(
-        lambda a: jnp.take(a, perm, axis=0), out_shardings=value.sharding, donate_argnums=0
-      )
-      moved[id(value)] = (value, take(value))  # (the old one kept: its id stays unique)
+      # (the old array kept: its id stays unique)
+      moved[id(value)] = (value, _take_rows(value.sharding)(value, perm))
     return x.replace(moved[id(value)][1])
 
   return jax.tree.map(one, tree, is_leaf=lambda x: isinstance(x, nnx.Variable))
+
+
+@functools.lru_cache
+def _take_rows(where):
+  """a[perm] along the first axis, into sharding `where`, `a` donated: one jit per sharding, so
+  a weight and its optimizer moments (same shape and sharding) compile once."""
+  return jax.jit(lambda a, perm: jnp.take(a, perm, axis=0), out_shardings=where, donate_argnums=0)
 
 
 def store(tree, cfg: ModelConfig):

@@ -6,7 +6,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 CONFIG ?= configs/longcat_lora.py
 export XLA_PYTHON_CLIENT_PREALLOCATE ?= false
-# Huge-page malloc for XLA:CPU's per-call temporaries (see moetrain/runtime.py); the entry points
+# Huge-page malloc for XLA:CPU's per-call temporaries (see moetrain/core/runtime.py); the entry points
 # set it themselves by re-executing, this spares them that and covers pytest.
 export GLIBC_TUNABLES ?= glibc.malloc.hugetlb=1
 

@@ -4,7 +4,7 @@
 
 Writes (once) a random LongCat checkpoint of LARGE's shapes (~2.4B parameters, 4.9 GB of bf16
 safetensors), then times, each in a fresh process as a start is, the initial-state phase of a
-LoRA run (setup.initial_state: what the cache replaces; the train step's compile is the same
+LoRA run (startup.initial_state: what the cache replaces; the train step's compile is the same
 either way): converting the safetensors (no cache), converting and saving the entry (the first
 start with a cache), and restoring the entry (every later start). Medians over --repeats, the
 files in the page cache for both (warm reads: the comparison of work, not of the disk).
@@ -58,9 +58,9 @@ def one(directory: str, quant: str, cache: str) -> dict:
   import jax
 
   from configs import longcat_lora
-  from moetrain import optim
-  from moetrain import setup as setup_lib
   from moetrain.data.demo_task import DEMO_DIR
+  from moetrain.run import startup
+  from moetrain.training import optim
 
   config = longcat_lora.get_config('variant=tiny')
   config.init.hf_checkpoint = directory
@@ -69,12 +69,12 @@ def one(directory: str, quant: str, cache: str) -> dict:
   config.model.quant = quant
   config.model.param_dtype = 'bfloat16'
   config.train.compilation_cache = ''
-  setup = setup_lib.build(config)
+  setup = startup.build(config)
   optimizer = optim.make_optimizer(setup.optim, setup.train.steps)
   mesh = setup.make_mesh()
   start = time.perf_counter()
   with jax.set_mesh(mesh):
-    state = setup_lib.initial_state(setup, optimizer, mesh)
+    state = startup.initial_state(setup, optimizer, mesh)
     jax.block_until_ready(state)
   return {'seconds': time.perf_counter() - start}
 

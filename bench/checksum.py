@@ -19,7 +19,7 @@ import statistics
 import tempfile
 import time
 
-from moetrain import integrity
+from moetrain.run import integrity
 
 
 def make(directory: str, mb: int, files: int) -> int:

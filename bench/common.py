@@ -10,7 +10,7 @@ import time
 
 import jax
 
-from moetrain import runtime
+from moetrain.core import runtime
 
 # Every benchmark is an entry point: run it (and the transformers subprocess it may start, which
 # inherits the environment) with huge-page malloc, as `python -m moetrain.main` does.

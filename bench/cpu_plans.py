@@ -2,7 +2,7 @@
 run at its released shapes, one 1024-token row per step, with a bfloat16, int8 or int4 base, and
 the table of predicted peaks against those RAM sizes (fits: 10% of the RAM left free). The peak
 does not depend on the host's RAM, so one compile per row serves the three sizes. Each plan is
-cached (tools/tpu_plan.CACHE), so a rerun prints at once.
+cached (planner/tpu_plan.CACHE), so a rerun prints at once.
 
   python -m bench.cpu_plans [--only moonlight_16b_a3b,olmoe_1b_7b] [--storage int4,int8]
 """

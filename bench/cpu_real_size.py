@@ -84,14 +84,14 @@ def timings(done: dict, workdir: str, steps: int) -> dict:
 
 
 def model_flops(flags: list[str]) -> tuple[float, str, str, int]:
-  """The step's model FLOPs (tools/tpu_plan.model_flops), their formula, the compute dtype and
+  """The step's model FLOPs (planner/tpu_plan.model_flops), their formula, the compute dtype and
   the tokens of a step."""
   from absl import flags as absl_flags
   from ml_collections import config_flags
 
-  from moetrain import runtime
-  from moetrain.setup import build
-  from moetrain.tools import cpu_plan, tpu_plan
+  from moetrain.core import runtime
+  from moetrain.planner import cpu_plan, tpu_plan
+  from moetrain.run.startup import build
 
   argv = ['bench', *flags]  # (the override flags are found in the argv given at definition)
   config_flags.DEFINE_config_file('config', None, '', lock_config=True, sys_argv=argv)
@@ -113,7 +113,7 @@ def main():
   ap.add_argument('--cores', type=int, default=0, help='run on the first N CPUs only (taskset)')
   ap.add_argument('extra', nargs='*', help='further --config.* flags (after --)')
   a = ap.parse_args()
-  from moetrain.tools import cpu_plan
+  from moetrain.planner import cpu_plan
 
   flags = [*PRESETS[a.preset], *a.extra]
   record = {'bench': 'cpu_real_size', 'preset': a.preset, 'flags': flags, **machine()}

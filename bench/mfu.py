@@ -4,8 +4,8 @@
                       [--dispatch dropless|capacity] [--scan_layers 0|1] [--loss_chunk 256]
 
 Meant for a GPU or TPU (bf16 compute, float32 master weights, AdamW), on one device. MFU =
-tokens/s x model FLOPs per token / the device's dense bf16 peak (moetrain.metrics.PEAK_FLOPS).
-Model FLOPs per token (moetrain.metrics.flops_per_token) = 6 x the weights a token multiplies
+tokens/s x model FLOPs per token / the device's dense bf16 peak (moetrain.run.metrics.PEAK_FLOPS).
+Model FLOPs per token (moetrain.run.metrics.flops_per_token) = 6 x the weights a token multiplies
 (both attention blocks, both dense MLPs, the router, the *expected* number of FFN experts
 K*E/(E+Z) and lm_head; not the embedding lookup) + 6 x the causal attention score/value FLOPs
 (half the T x T square). Zero experts, rematerialisation, dispatch and capacity padding are not
@@ -27,9 +27,9 @@ import jax
 
 from bench.common import emit, machine
 from bench.train_step import build_step
-from moetrain import metrics
 from moetrain.model import dispatch
 from moetrain.model.config import PRESETS, ModelConfig
+from moetrain.run import metrics
 
 # ~1.07B active (5.33 FFN experts of 32 + 16 zero, top-8), ~2.5B total parameters.
 MFU_1B = ModelConfig(

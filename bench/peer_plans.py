@@ -7,7 +7,7 @@ Each point is full training (float32 weights and Adam moments, bfloat16 compute,
 dropless experts, scanned layers) of one model with the same batch, mesh and slice on both
 sides. The peer, maxtext[tpu]==0.2.5, is installed on first use into .peer/maxtext (its own
 Python 3.12 venv: about 235 packages), and compiled there by bench/peer_maxtext_compile.py. Both
-optimized HLO modules go through moetrain.hlo_cost (FLOPs with loop trip counts, splash and
+optimized HLO modules go through moetrain.core.hlo_cost (FLOPs with loop trip counts, splash and
 grouped-matmul kernels priced, HBM and collective bytes) and the planner's roofline with the
 chip's peak rates; MFU divides the same model FLOPs (moetrain's formula for the model) on both.
 --write replaces the table in bench/RESULTS.md ("Peer comparison: MaxText on the same TPU
@@ -133,9 +133,9 @@ def compile_ours(name: str, point: Point) -> dict:
   written beside MaxText's), plus the setup (for the model FLOPs, the chip and the batch)."""
   import importlib
 
-  from moetrain import aot, topology
-  from moetrain.setup import build
-  from moetrain.tools import tpu_plan
+  from moetrain.planner import topology, tpu_plan
+  from moetrain.run.startup import build
+  from moetrain.training import aot
 
   path, arg = point.config.split(':')
   module = importlib.import_module(path.removesuffix('.py').replace('/', '.'))
@@ -162,8 +162,8 @@ def compile_ours(name: str, point: Point) -> dict:
 
 def read(side: dict, setup, chip) -> dict:
   """One estimator over a side's optimized HLO: hlo_cost's counts and the planner's roofline."""
-  from moetrain import hlo_cost
-  from moetrain.tools import tpu_plan
+  from moetrain.core import hlo_cost
+  from moetrain.planner import tpu_plan
 
   m = side['memory']
   total = m['arguments'] + m['outputs'] - m['aliased'] + m['temporaries'] + m['code']

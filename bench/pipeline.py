@@ -22,11 +22,11 @@ import numpy as np
 import optax
 
 from bench.common import emit, machine, time_fn
-from moetrain import sharding
-from moetrain.model import pipeline
+from moetrain.core import sharding
+from moetrain.model import stages
 from moetrain.model.config import ModelConfig
-from moetrain.train_state import create_sharded, graphdef_of
-from moetrain.train_step import StepConfig, loss_fn, token_counts
+from moetrain.training.train_state import create_sharded, graphdef_of
+from moetrain.training.train_step import StepConfig, loss_fn, token_counts
 
 CFG = ModelConfig(num_layers=4, dtype='float32', remat='full')
 
@@ -49,9 +49,9 @@ def step_time(mesh_shape, m: int, r: int, rows: int, repeats: int) -> float:
   rules = sharding.Rules.preset('fsdp_ep_tp')
   cfg = dataclasses.replace(CFG, pipeline_microbatches=m, pipeline_repeats=r, rules=rules)
   cfg = cfg.laid_out('cpu', mesh)
-  pipeline.check(cfg)
+  stages.check(cfg)
   with jax.set_mesh(mesh):
-    state = pipeline.store(create_sharded(cfg, optax.sgd(1.0), 0, mesh, cfg.rules), cfg)
+    state = stages.store(create_sharded(cfg, optax.sgd(1.0), 0, mesh, cfg.rules), cfg)
     b = {k: jax.device_put(v, sharding.batch_sharding(mesh)) for k, v in batch(rows).items()}
     step = StepConfig(model=cfg)
 

@@ -14,7 +14,7 @@ from flax import nnx
 from bench.common import emit, machine
 from moetrain.model.config import PRESETS, LoraConfig
 from moetrain.model.transformer import Transformer
-from moetrain.train_state import split_model
+from moetrain.training.train_state import split_model
 
 
 def frozen_bytes(mode: str, group: int):

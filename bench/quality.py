@@ -13,7 +13,7 @@ import tempfile
 import time
 
 from bench.common import emit, machine
-from moetrain import train
+from moetrain.run import train
 
 ROOT = os.path.join(os.path.dirname(__file__), '..')
 

@@ -18,7 +18,7 @@ from configs import (
   qwen2_moe_lora,
   qwen3_moe_lora,
 )
-from moetrain.tools import tpu_plan
+from moetrain.planner import tpu_plan
 
 INT8 = {'model.quant': 'int8'}
 INT4 = {'model.quant': 'int4'}

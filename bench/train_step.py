@@ -29,8 +29,8 @@ import optax
 
 from bench.common import emit, machine
 from moetrain.model.config import PRESETS, LoraConfig
-from moetrain.train_state import init_state
-from moetrain.train_step import StepConfig, jit_train_step
+from moetrain.training.train_state import init_state
+from moetrain.training.train_step import StepConfig, jit_train_step
 
 LORA_TARGETS = r'attn_\d\.(q_a|q_b|kv_a|kv_b|o)$|mlp_\d\.(gate|up|down)$|experts\.(gate|up|down)$'
 

@@ -5,8 +5,8 @@ from typing import NamedTuple
 
 from ml_collections import config_dict
 
-from moetrain import sections
 from moetrain.model.families import PRESETS
+from moetrain.run import sections
 
 
 def parse_arg(arg: str | None) -> dict:
@@ -85,6 +85,6 @@ def set_flash_pod(config, global_batch_size: int, eval_batch_size: int) -> None:
 
 def get_config() -> config_dict.ConfigDict:
   """Every key with its default. Each is declared once, as a field of its section's dataclass
-  (moetrain.sections.SECTIONS: model -> moetrain/model/config.py ModelConfig, data ->
-  moetrain/data/pipeline.py DataConfig, ...), where a comment says what it does."""
+  (moetrain.run.sections.SECTIONS: model -> moetrain/model/config.py ModelConfig, data ->
+  moetrain/data/loader.py DataConfig, ...), where a comment says what it does."""
   return sections.default_config()

@@ -5,7 +5,8 @@ import os
 from absl import app, flags
 from ml_collections import config_flags
 
-from moetrain import rundir, runtime
+from moetrain.core import runtime
+from moetrain.run import rundir
 
 _CONFIG = config_flags.DEFINE_config_file(
   'config', None, 'Experiment config file.', lock_config=True
@@ -29,9 +30,9 @@ def main(argv):
   steps = [] if _DRY_RUN.value else rundir.saved_steps(workdir)
   # (train.resume_step: the run goes back to that checkpoint)
   runtime.start_command(resume_step=config.train.resume_step or (steps[-1] if steps else None))
-  from moetrain import train
   from moetrain.convert import hf
-  from moetrain.tools import sizes
+  from moetrain.planner import sizes
+  from moetrain.run import train
 
   if config.init.hf_checkpoint:  # its config.json decides the shapes: none given on the side
     overrides = flags.FLAGS['config'].override_values

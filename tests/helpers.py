@@ -207,8 +207,9 @@ def sharded_forward(path: str, make_config, ids):
   """Logits of the HF checkpoint at `path` loaded onto a (1, 2, 2, 2) mesh (routed experts
   placed over 'expert' by the rules, checked) for ids doubled to 4 rows; make_config(**kw): the
   test's ModelConfig with kw."""
-  from moetrain import sharding, train_state
   from moetrain.convert import hf
+  from moetrain.core import sharding
+  from moetrain.training import train_state
 
   mesh = sharding.make_mesh((1, 2, 2, 2))
   cfg = make_config(rules=sharding.Rules.preset('fsdp_ep_tp')).laid_out('cpu', mesh)

@@ -11,10 +11,10 @@ import optax
 import pytest
 from flax import nnx
 
-from moetrain import sharding
+from moetrain.core import sharding
 from moetrain.model.moe import MoE
-from moetrain.train_state import init_state, state_shardings
-from moetrain.train_step import StepConfig, jit_train_step
+from moetrain.training.train_state import init_state, state_shardings
+from moetrain.training.train_step import StepConfig, jit_train_step
 from tests.helpers import ALL_TARGETS, tiny, with_lora
 
 RAGGED_A2A = jax.export.DisabledSafetyCheck.custom_call('ragged_all_to_all')

@@ -8,9 +8,9 @@ import jax
 import numpy as np
 import pytest
 
-from moetrain import base_cache, optim
-from moetrain import setup as setup_lib
 from moetrain.convert import hf
+from moetrain.run import base_cache, startup
+from moetrain.training import optim
 from tests.test_configs import ROOT, load
 
 
@@ -20,14 +20,14 @@ def qlora_setup(cache: str, mesh_shape=(1, -1, 1, 1), quant='int4'):
   config.model.quant = quant
   config.init.base_cache = cache
   config.mesh.shape = mesh_shape
-  return setup_lib.build(config, num_devices=jax.device_count())
+  return startup.build(config, num_devices=jax.device_count())
 
 
 def initial(setup):
   optimizer = optim.make_optimizer(setup.optim, setup.train.steps)
   mesh = setup.make_mesh()
   with jax.set_mesh(mesh):
-    return setup_lib.initial_state(setup, optimizer, mesh)
+    return startup.initial_state(setup, optimizer, mesh)
 
 
 def leaves(tree) -> list[np.ndarray]:

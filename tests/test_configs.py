@@ -8,8 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from moetrain import rundir
-from moetrain import setup as setup_lib
+from moetrain.run import rundir, startup
 
 ROOT = os.path.join(os.path.dirname(__file__), '..')
 CONFIGS = sorted(
@@ -35,7 +34,7 @@ def test_config_loads_and_validates(path):
   for arg in VARIANTS.get(os.path.basename(path), [None]):
     config = load(path, arg)
     devices = 16 if 'flash' in str(arg) else 8
-    setup = setup_lib.build(config, num_devices=devices, process_count=1)
+    setup = startup.build(config, num_devices=devices, process_count=1)
     assert setup.model.num_layers > 0
 
 
@@ -44,12 +43,12 @@ def test_bias_decay_follows_train_steps_without_tying_them():
   leaves train.steps alone (a shared FieldReference would set both)."""
   config = load(os.path.join(ROOT, 'configs', 'longcat_pretrain.py'), 'variant=tiny')
   config.train.steps, config.optim.warmup_steps = 10, 0
-  assert setup_lib.build(config, num_devices=8, process_count=1).step.bias_update_decay_steps == 10
+  assert startup.build(config, num_devices=8, process_count=1).step.bias_update_decay_steps == 10
   config.loss.bias_update_decay_steps = 4
   assert config.train.steps == 10
-  assert setup_lib.build(config, num_devices=8, process_count=1).step.bias_update_decay_steps == 4
+  assert startup.build(config, num_devices=8, process_count=1).step.bias_update_decay_steps == 4
   config.loss.bias_update_decay_steps = 0  # off: constant mu
-  assert setup_lib.build(config, num_devices=8, process_count=1).step.bias_update_decay_steps == 0
+  assert startup.build(config, num_devices=8, process_count=1).step.bias_update_decay_steps == 0
 
 
 def test_config_model_sets_every_engine_field():
@@ -114,22 +113,22 @@ def base_config(**overrides):
 )
 def test_bad_config_names_the_field(overrides, field):
   with pytest.raises(ValueError, match=field.replace('.', r'\.').replace(r'\.*', '.*')):
-    setup_lib.build(base_config(**overrides), num_devices=8, process_count=1)
+    startup.build(base_config(**overrides), num_devices=8, process_count=1)
 
 
 def test_tensor_axis_across_hosts_is_refused():
   """Each host loads its own rows: a tensor axis spanning hosts would replicate the batch."""
   config = base_config(**{'mesh.shape': (1, 1, 1, -1)})
-  setup_lib.build(config, num_devices=8, process_count=1)
+  startup.build(config, num_devices=8, process_count=1)
   with pytest.raises(ValueError, match=r"'tensor' axis \(8\) must divide the 4 devices"):
-    setup_lib.build(config, num_devices=8, process_count=2)
-  setup_lib.build(base_config(**{'mesh.shape': (1, -1, 1, 2)}), num_devices=8, process_count=2)
+    startup.build(config, num_devices=8, process_count=2)
+  startup.build(base_config(**{'mesh.shape': (1, -1, 1, 2)}), num_devices=8, process_count=2)
 
 
 def test_hosts_must_own_their_batch_rows():
   from collections import namedtuple
 
-  from moetrain import sharding
+  from moetrain.core import sharding
 
   Device = namedtuple('Device', 'id process_index')
 
@@ -149,15 +148,15 @@ def test_missing_hf_checkpoint_names_the_field(tmp_path):
   config = base_config()
   config.init.hf_checkpoint = str(tmp_path / 'nowhere')
   with pytest.raises(FileNotFoundError, match=r'nowhere.*init\.hf_checkpoint'):
-    setup_lib.build(config, num_devices=8, process_count=1)
+    startup.build(config, num_devices=8, process_count=1)
   (tmp_path / 'empty').mkdir()
   config.init.hf_checkpoint = str(tmp_path / 'empty')
   with pytest.raises(FileNotFoundError, match=r'empty/config\.json does not exist'):
-    setup_lib.build(config, num_devices=8, process_count=1)
+    startup.build(config, num_devices=8, process_count=1)
   # A checkpoint without its tokenizer (only config.json and weights copied): data.tokenizer.
   config.init.hf_checkpoint = os.path.join(ROOT, 'tests', 'fixtures', 'longcat_two_layer')
   with pytest.raises(ValueError, match=r'longcat_two_layer.*holds neither.*point data\.tokenizer'):
-    setup_lib.build(config, num_devices=8, process_count=1)
+    startup.build(config, num_devices=8, process_count=1)
 
 
 def test_unknown_config_argument_is_refused():
@@ -168,7 +167,7 @@ def test_unknown_config_argument_is_refused():
 
 
 def test_no_warmup_starts_at_the_full_rate():
-  from moetrain import optim
+  from moetrain.training import optim
 
   cfg = optim.OptimConfig(warmup_steps=0, learning_rate=1e-3, min_lr_ratio=0.1)
   fn = optim.schedule(cfg, 100)
@@ -180,7 +179,7 @@ def test_no_warmup_starts_at_the_full_rate():
 def test_warmup_moves_the_weights_from_the_first_update(kind):
   """Update n (from 0) runs at (n + 1) / warmup of the peak during the warmup, the peak at the
   end of it, and (cosine) the floor at the last of train.steps updates."""
-  from moetrain import optim
+  from moetrain.training import optim
 
   cfg = optim.OptimConfig(warmup_steps=4, learning_rate=1e-3, schedule=kind, min_lr_ratio=0.1)
   fn = optim.schedule(cfg, 100)
@@ -194,10 +193,10 @@ def test_warmup_moves_the_weights_from_the_first_update(kind):
 def test_compilation_cache_is_shared_on_several_hosts(monkeypatch):
   """JAX writes the persistent cache from process 0 only: on several hosts 'auto' puts it in the
   run directory, which they all share."""
-  assert setup_lib.compilation_cache_dir('auto', '/runs/a') == setup_lib.HOST_CACHE
-  assert setup_lib.compilation_cache_dir('/cache', '/runs/a') == '/cache'
-  monkeypatch.setattr(setup_lib.jax, 'process_count', lambda: 2)
-  assert setup_lib.compilation_cache_dir('auto', '/runs/a') == '/runs/a/jax_cache'
+  assert startup.compilation_cache_dir('auto', '/runs/a') == startup.HOST_CACHE
+  assert startup.compilation_cache_dir('/cache', '/runs/a') == '/cache'
+  monkeypatch.setattr(startup.jax, 'process_count', lambda: 2)
+  assert startup.compilation_cache_dir('auto', '/runs/a') == '/runs/a/jax_cache'
 
 
 def test_a_runs_paths_are_absolute(tmp_path, monkeypatch):
@@ -286,7 +285,7 @@ def test_the_demo_starts_from_a_shipped_base_that_copies_but_does_not_reverse():
 
   config = load(os.path.join(ROOT, 'configs', 'longcat_lora.py'))
   assert config.init.hf_checkpoint == str(demo_base.DIR)
-  setup = setup_lib.build(config, num_devices=8, process_count=1)
+  setup = startup.build(config, num_devices=8, process_count=1)
   for name in ('hidden_size', 'num_layers', 'n_routed_experts', 'zero_expert_num', 'vocab_size'):
     assert getattr(setup.model, name) == getattr(PRESETS['tiny'], name), name
   assert setup.data.tokenizer == str(demo_base.DIR)

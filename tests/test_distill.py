@@ -155,7 +155,7 @@ def test_init_from_teacher_copies_exactly_the_chosen_experts():
   from moetrain.distill import student
   from moetrain.distill.config import DistillConfig
   from moetrain.model.transformer import Transformer
-  from moetrain.train_state import split_model
+  from moetrain.training.train_state import split_model
 
   t_cfg, s_cfg = tiny(num_layers=2), tiny(num_layers=1, n_routed_experts=4)
   teacher = nnx.state(Transformer(t_cfg, nnx.Rngs(1)))
@@ -203,23 +203,23 @@ def _demo_config(**overrides):
 
 
 def test_a_vocabulary_mismatch_is_refused_naming_both(tmp_path):
-  from moetrain import setup as setup_lib
+  from moetrain.run import startup
 
   with pytest.raises(ValueError, match=r'distill\.teacher=.* 512 .*model\.vocab_size\) 1024'):
-    setup_lib.build(_demo_config(**{'model.vocab_size': 1024}), num_devices=1, process_count=1)
+    startup.build(_demo_config(**{'model.vocab_size': 1024}), num_devices=1, process_count=1)
   other = tmp_path / 'tokenizer.model'
   other.write_bytes(b'another tokenizer')
   with pytest.raises(ValueError, match=r'tokenizer of distill\.teacher=.*data\.tokenizer='):
-    setup_lib.build(_demo_config(**{'data.tokenizer': str(other)}), num_devices=1, process_count=1)
+    startup.build(_demo_config(**{'data.tokenizer': str(other)}), num_devices=1, process_count=1)
 
 
 def test_a_stale_logits_manifest_is_refused_naming_the_field(tmp_path):
   import json
 
-  from moetrain import setup as setup_lib
   from moetrain.distill import logits
+  from moetrain.run import startup
 
-  setup = setup_lib.build(_demo_config(**{'distill.top_k': 4}), num_devices=1, process_count=1)
+  setup = startup.build(_demo_config(**{'distill.top_k': 4}), num_devices=1, process_count=1)
   written = logits.manifest(setup, 8, 50, 1)
   (tmp_path / logits.MANIFEST).write_text(json.dumps(written))
   assert logits.check(setup, str(tmp_path), 1) == written  # k 8 serves a run's top_k 4
@@ -245,10 +245,10 @@ def test_cached_logits_records_round_trip():
 
 
 def test_the_teacher_rides_in_the_state_but_not_in_the_optimizer_or_checkpoints():
-  from moetrain import aot, optim
-  from moetrain import setup as setup_lib
+  from moetrain.run import startup
+  from moetrain.training import aot, optim
 
-  setup = setup_lib.build(_demo_config(), num_devices=1, process_count=1)
+  setup = startup.build(_demo_config(), num_devices=1, process_count=1)
   mesh = setup.make_mesh(jax.devices()[:1])
   abstract, _ = aot.abstract_state(setup, mesh)
   assert jax.tree.leaves(abstract.teacher)
@@ -312,8 +312,8 @@ def _train(config, workdir):
   """train.run(config, workdir); the host copies of the state its loop starts from ('start') and
   ends with ('end'), the teacher experts the student started from ('experts') and what the copy
   from the teacher left out ('missed')."""
-  from moetrain import train
   from moetrain.distill import student
+  from moetrain.run import train
 
   got = {'experts': [], 'missed': []}
   loop, choose, copy = train.loop, student.choose_experts, student.copy_weights
@@ -344,10 +344,10 @@ def _train(config, workdir):
 def _student_model(workdir, state, dtype='float32'):
   """The student of the run in `workdir` with `state`'s weights, computing in `dtype`; and its
   ModelConfig."""
-  from moetrain import setup as setup_lib
-  from moetrain.train_state import graphdef_of, merge_model
+  from moetrain.run import startup
+  from moetrain.training.train_state import graphdef_of, merge_model
 
-  cfg = dataclasses.replace(setup_lib.tool_setup(None, str(workdir)).model, dtype=dtype)
+  cfg = dataclasses.replace(startup.tool_setup(None, str(workdir)).model, dtype=dtype)
   params, moe_bias, frozen = jax.device_put((state.params, state.moe_bias, state.frozen))
   return merge_model(graphdef_of(cfg), params, moe_bias, frozen), cfg
 

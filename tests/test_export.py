@@ -7,7 +7,8 @@ import shutil
 
 import pytest
 
-from moetrain import lease, storage
+from moetrain.core import storage
+from moetrain.run import lease
 from moetrain.tools import export
 
 OLD = {'config.json': b'{"dtype": "float32"}', 'model.safetensors': b'old weights'}

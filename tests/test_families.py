@@ -12,11 +12,11 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from moetrain import train_state
 from moetrain.convert import hf, peft_adapter
 from moetrain.model import moe as moe_lib
 from moetrain.model import quant
 from moetrain.model.config import LoraConfig
+from moetrain.training import train_state
 from tests.helpers import (
   ALL_TARGETS,
   assert_matches_hf,
@@ -360,7 +360,7 @@ def test_switch_and_sequence_balance_losses_by_hand():
 
 def test_sign_bias_rule_moves_each_group_by_its_own_layers():
   from moetrain.model.transformer import Transformer
-  from moetrain.train_step import StepConfig, bias_update
+  from moetrain.training.train_step import StepConfig, bias_update
 
   cfg = dataclasses.replace(
     f32_config('deepseek_v3_three_layer'), first_k_dense_replace=0, mlp_only_layers=(1,)
@@ -573,7 +573,7 @@ def test_presets_are_the_released_configs(preset):
 )
 def test_released_presets_parameter_counts(preset, total, active):
   from moetrain.model.families import PRESETS
-  from moetrain.tools.sizes import param_counts
+  from moetrain.planner.sizes import param_counts
 
   cfg = PRESETS[preset]
   counts = param_counts(cfg)

@@ -12,9 +12,11 @@ import pytest
 from jax.experimental.layout import Format, Layout
 
 from configs import longcat_lora
-from moetrain import aot, optim, sharding, topology, train
-from moetrain.setup import build, create_sharded
-from moetrain.tools import tpu_plan
+from moetrain.core import sharding
+from moetrain.planner import topology, tpu_plan
+from moetrain.run import train
+from moetrain.run.startup import build, create_sharded
+from moetrain.training import aot, optim
 from tests.helpers import tpu_proxy
 from tests.test_train import losses, small_config
 

@@ -1,6 +1,6 @@
 """Run directories on Cloud Storage (--workdir=gs://...), against a local emulator selected by
 STORAGE_EMULATOR_HOST (tests/gcs_emulator.py): training, a stop signal that saves, a kill, exact
-resumes, evaluate and export; and the storage layer's pieces (moetrain/storage.py) on their own."""
+resumes, evaluate and export; and the storage layer's pieces (moetrain/core/storage.py) on their own."""
 
 import json
 import os
@@ -23,7 +23,7 @@ def gcs():
   before = {k: os.environ.get(k) for k in (gcs_emulator.EMULATOR, 'TENSORSTORE_GCS_HTTP_URL')}
   os.environ[gcs_emulator.EMULATOR] = url
   os.environ.pop('TENSORSTORE_GCS_HTTP_URL', None)
-  from moetrain import storage
+  from moetrain.core import storage
 
   storage.use_emulator()
   yield url
@@ -38,7 +38,8 @@ def gcs():
 def test_storage_on_the_emulator(gcs):
   """Whole-object writes, listing, the append log (an object rewritten whole, keeping what it
   held), exclusive creation and moves."""
-  from moetrain import lease, storage
+  from moetrain.core import storage
+  from moetrain.run import lease
 
   d = 'gs://runs/pieces'
   storage.makedirs(d)
@@ -82,7 +83,7 @@ def _wait_for_step(job: Job, step: int) -> None:
 
 
 def _records(workdir: str) -> list[dict]:
-  from moetrain import storage
+  from moetrain.core import storage
 
   path = storage.join(workdir, 'metrics.jsonl')
   return [json.loads(line) for line in storage.read_text(path).splitlines()]
@@ -93,7 +94,8 @@ def test_a_run_in_a_bucket_stops_resumes_exactly_evaluates_and_exports(gcs, tmp_
   """SIGTERM saves and stops a gs:// run; SIGKILL later loses only what was not yet saved; the
   resumed run's losses equal those of an uninterrupted local run step for step. The tools then
   read the run from the bucket and export into it."""
-  from moetrain import rundir, storage
+  from moetrain.core import storage
+  from moetrain.run import rundir
 
   workdir, local = 'gs://runs/lora', str(tmp_path / 'local')
   stop = '--config.train.stop_at_step=8'
@@ -158,9 +160,9 @@ def test_inputs_from_a_bucket(gcs, tmp_path):
   rows), its tokenizer, and data files (copied once into a local cache, again when changed)."""
   import numpy as np
 
-  from moetrain import storage
   from moetrain.convert import hf
   from moetrain.convert import safetensors_io as stio
+  from moetrain.core import storage
   from moetrain.data import sources
   from moetrain.data import tokenizer as tokenizer_lib
   from moetrain.data.demo_task import DEMO_DIR

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from moetrain import sharding
+from moetrain.core import sharding
 from moetrain.model import decode
 from moetrain.model.transformer import Transformer
 from moetrain.tools.generate import generate, sample_top_p

@@ -85,7 +85,7 @@ def test_forward_only_matches_and_no_whole_logits():
   text = hlo.lower(h).compile().as_text()
   assert f'f32[{B},{T},{v}]' not in text and f'f32[{B},4,{v}]' in text
   # Under a mesh without sharding rules (a tool calling it directly): the same numbers.
-  from moetrain import sharding
+  from moetrain.core import sharding
 
   with jax.set_mesh(sharding.make_mesh((1, -1, 1, 1))):
     on_mesh = head_cross_entropy(head, h, targets, mask, 4)

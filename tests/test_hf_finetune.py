@@ -9,12 +9,12 @@ import numpy as np
 import pytest
 from tokenizers import Tokenizer, models, pre_tokenizers
 
-from moetrain import setup as setup_lib
-from moetrain import sharding, train
 from moetrain.convert import hf
+from moetrain.core import sharding
 from moetrain.data.demo_task import WORDS
+from moetrain.run import startup, train
 from moetrain.tools import evaluate, export
-from moetrain.train_state import graphdef_of, merge_model
+from moetrain.training.train_state import graphdef_of, merge_model
 from tests.test_configs import ROOT, load
 
 FIXTURE = os.path.join(ROOT, 'tests', 'fixtures', 'longcat_two_layer')
@@ -63,11 +63,11 @@ def finetuned(tmp_path_factory):
   # The base checkpoint's tokenizer and generation config travel with the merged export.
   for name in ('tokenizer.json', 'generation_config.json'):
     assert os.path.isfile(os.path.join(exported, name)), name
-  setup = setup_lib.build(config)
+  setup = startup.build(config)
   mesh = sharding.make_mesh(setup.mesh_shape)
   ids = np.load(os.path.join(FIXTURE, 'reference.npz'))['input_ids']
   with jax.set_mesh(mesh):
-    state = setup_lib.load_latest(setup, workdir, mesh)
+    state = startup.load_latest(setup, workdir, mesh)
     tuned = merge_model(graphdef_of(setup.model), state.params, state.moe_bias, state.frozen)
     want, _ = jax.jit(lambda i: tuned(i))(ids)
   return exported, ids, np.asarray(want)

@@ -15,12 +15,13 @@ from flax import nnx
 from safetensors import safe_open
 from safetensors.numpy import save_file
 
-from moetrain import sharding, train_state
 from moetrain.convert import hf, peft_adapter
 from moetrain.convert import safetensors_io as stio
+from moetrain.core import sharding
 from moetrain.model import quant
 from moetrain.model.config import LoraConfig
 from moetrain.model.transformer import Transformer
+from moetrain.training import train_state
 from tests.helpers import (
   ALL_TARGETS,
   assert_matches_hf,

@@ -1,4 +1,4 @@
-"""FLOPs counted from optimized HLO with loop trip counts (moetrain/hlo_cost.py)."""
+"""FLOPs counted from optimized HLO with loop trip counts (moetrain/core/hlo_cost.py)."""
 
 import os
 
@@ -6,7 +6,7 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from moetrain import hlo_cost
+from moetrain.core import hlo_cost
 
 
 def _looped_matmul_hlo(trips: int = 7) -> str:
@@ -90,7 +90,8 @@ def test_a_windowed_einsum_loop_counts_its_stride():
   from jax.sharding import NamedSharding
   from jax.sharding import PartitionSpec as P
 
-  from moetrain import aot, topology
+  from moetrain.planner import topology
+  from moetrain.training import aot
 
   mesh = jax.sharding.Mesh(topology.parse('v5p-32').devices(), ('fsdp',))
   shard = NamedSharding(mesh, P('fsdp'))
@@ -134,7 +135,8 @@ def test_cross_slice_collectives_count_their_bytes_over_the_network():
   from jax.sharding import NamedSharding
   from jax.sharding import PartitionSpec as P
 
-  from moetrain import aot, topology
+  from moetrain.planner import topology
+  from moetrain.training import aot
 
   devices = topology.parse('2xv5e-4').devices()
   grid = np.array(sorted(devices, key=lambda d: (d.slice_index, d.id))).reshape(2, 4)

@@ -1,4 +1,4 @@
-"""The liveness walk over compiled HLO (moetrain.hlo_memory), checked against XLA's TPU compiler's
+"""The liveness walk over compiled HLO (moetrain.core.hlo_memory), checked against XLA's TPU compiler's
 own temporaries, and what it found: the attention backward kept every block's scores."""
 
 import jax
@@ -6,9 +6,10 @@ import jax.numpy as jnp
 import pytest
 
 from configs import longcat_lora
-from moetrain import aot, hlo_memory, sharding, topology
-from moetrain.setup import build
-from moetrain.tools import tpu_plan
+from moetrain.core import hlo_memory, sharding
+from moetrain.planner import topology, tpu_plan
+from moetrain.run.startup import build
+from moetrain.training import aot
 from tests.helpers import tpu_proxy
 
 pytest.importorskip('libtpu', reason="TPU compiles need libtpu: pip install -e '.[tpu]'")

@@ -14,11 +14,11 @@ import pytest
 from flax import nnx
 
 from configs import deepseek_v3_lora
-from moetrain import optim
 from moetrain.model import quant
 from moetrain.model.transformer import Transformer
-from moetrain.setup import build
-from moetrain.train_state import init_state, state_shardings
+from moetrain.run.startup import build
+from moetrain.training import optim
+from moetrain.training.train_state import init_state, state_shardings
 from tests.helpers import ROOT, tiny, with_lora
 
 
@@ -56,9 +56,9 @@ def test_an_import_reads_the_embedding_and_head_in_chunks(quant_mode, monkeypatc
   """The unstacked variables (embedding [V, D] along V, the head [D, V] along V) are read and
   quantised a chunk at a time into their buffers: the same arrays as read whole, on a mesh that
   splits them over fsdp and on one device."""
-  from moetrain import sharding
   from moetrain.convert import hf
   from moetrain.convert import stacked_io as sio
+  from moetrain.core import sharding
   from moetrain.data import demo_base
 
   path = str(demo_base.DIR)
@@ -177,7 +177,7 @@ def test_cpu_plan_predicts_the_peak_resident_memory_of_a_run(tmp_path):
 
 
 def test_cpu_hosts_by_name():
-  from moetrain.tools import cpu_plan
+  from moetrain.planner import cpu_plan
 
   here = cpu_plan.parse('cpu')
   assert here.this_host and here.ram_bytes == cpu_plan.this_ram()
@@ -191,7 +191,7 @@ def test_cpu_hosts_by_name():
 def test_the_cpu_estimate_counts_what_remat_recomputes():
   """model FLOPs leave remat out; the CPU plan's estimate adds the forward the backward reruns:
   under save_moe all of full's but the routed experts' (2 K_e 3 D F per MoE layer and token)."""
-  from moetrain.tools import sizes, tpu_plan
+  from moetrain.planner import sizes, tpu_plan
 
   def again(remat):
     config = deepseek_v3_lora.get_config('')
@@ -225,7 +225,7 @@ def test_real_size_bench_records_a_tiny_run(tmp_path):
 def test_cpu_search_keeps_the_configured_sequence_and_prints_flags(monkeypatch, capsys, tmp_path):
   """--search on a CPU host, the compiles stubbed: plans that leave 10% free beat those that do
   not; among them the configured sequence length first, then tokens/s; the winner's flags print."""
-  from moetrain.tools import cpu_plan, tpu_plan
+  from moetrain.planner import cpu_plan, tpu_plan
 
   def fake(config, jobs, workers, cache, **kw):
     out = []

@@ -10,10 +10,10 @@ import numpy as np
 import pytest
 from safetensors.numpy import load_file, save_file
 
-from moetrain import rundir
 from moetrain.convert import hf
 from moetrain.convert import safetensors_io as stio
 from moetrain.data import demo_base
+from moetrain.run import rundir
 from tests.helpers import run_command
 
 BASE = str(demo_base.DIR)

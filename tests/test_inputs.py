@@ -6,9 +6,9 @@ import os
 
 import pytest
 
-from moetrain import integrity, rundir
-from moetrain.data import pipeline
+from moetrain.data import loader
 from moetrain.data import tokenizer as tokenizer_lib
+from moetrain.run import integrity, rundir
 from tests.test_data import numbered_records, write_jsonl
 
 
@@ -24,7 +24,7 @@ def run(tmp_path):
   _tokenizer(tmp_path / 'tok' / 'tokenizer.model', ['alpha', 'beta'])
   for split in ('train', 'eval'):
     write_jsonl(tmp_path / f'{split}.jsonl', numbered_records(20))
-  data = pipeline.DataConfig(
+  data = loader.DataConfig(
     source='jsonl',
     path=str(tmp_path / '{split}.jsonl'),
     tokenizer=str(tmp_path / 'tok' / 'tokenizer.model'),
@@ -92,9 +92,9 @@ def test_a_resume_with_another_tokenizer_stops_naming_it(run, tmp_path):
 def test_the_same_tokenizer_at_another_path_is_the_same(run, tmp_path):
   workdir, data = run
   os.rename(tmp_path / 'tok', tmp_path / 'moved')
-  moved = pipeline.DataConfig(**{**data.__dict__, 'tokenizer': str(tmp_path / 'moved')})
+  moved = loader.DataConfig(**{**data.__dict__, 'tokenizer': str(tmp_path / 'moved')})
   rundir.check_inputs(workdir, moved, resuming=True)
 
 
 def test_demo_data_has_no_files_to_fingerprint():
-  assert rundir.data_files(pipeline.DataConfig(source='demo')) == []  # (generated, not read)
+  assert rundir.data_files(loader.DataConfig(source='demo')) == []  # (generated, not read)

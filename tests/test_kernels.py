@@ -15,7 +15,8 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from moetrain import kernels, sharding
+from moetrain import kernels
+from moetrain.core import sharding
 from moetrain.kernels import (
   attention,
   cross_entropy,
@@ -30,8 +31,8 @@ from moetrain.kernels import (
 from moetrain.model import dispatch, expert_parallel
 from moetrain.model.attention import attention_mask
 from moetrain.model.layers import Linear
-from moetrain.train_state import graphdef_of, split_model
-from moetrain.train_step import forward_loss
+from moetrain.training.train_state import graphdef_of, split_model
+from moetrain.training.train_step import forward_loss
 from tests.helpers import expert_weights, model_and_ids, randomize, tiny, with_lora
 from tests.test_sharding import batch
 

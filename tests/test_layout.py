@@ -38,11 +38,11 @@ def _imports(tree) -> set[str]:
 
 def test_the_tools_import_setup_not_the_training_loop():
   for path, tree in _modules(ROOT / 'tools'):
-    assert 'moetrain.train' not in _imports(tree), path
+    assert 'moetrain.run.train' not in _imports(tree), path
 
 
 def test_the_model_reads_no_ambient_backend_or_mesh():
-  """The engine is laid out by setup.build (ModelConfig.platform and mesh_shape)."""
+  """The engine is laid out by startup.build (ModelConfig.platform and mesh_shape)."""
   for path, tree in [*_modules(ROOT / 'model'), *_modules(ROOT / 'kernels')]:
     calls = {
       ast.unparse(node.func)
@@ -76,8 +76,8 @@ def _shape_names(tree):
 
 def test_shape_letters_come_from_the_one_table():
   """Every array-name suffix (x_BTD) and einsum string in the model and its kernels uses only
-  letters of moetrain/axes.py's table; the table names its logical axes once each."""
-  from moetrain import axes
+  letters of moetrain/core/axes.py's table; the table names its logical axes once each."""
+  from moetrain.core import axes
 
   unknown = [
     f'{path.relative_to(ROOT.parent)}: {name}'
@@ -95,7 +95,7 @@ def test_shape_letters_come_from_the_one_table():
 def test_the_sharding_rules_speak_the_tables_names():
   """Every logical name the rule presets map is one of axes.py's (a renamed letter cannot
   leave a rule behind that nothing uses)."""
-  from moetrain import axes, sharding
+  from moetrain.core import axes, sharding
 
   for preset in ('fsdp', 'fsdp_ep', 'fsdp_ep_tp'):
     rules = sharding.Rules.preset(preset)

@@ -1,4 +1,4 @@
-"""The run directory's lease (moetrain/lease.py): held, refused, released, taken over when stale."""
+"""The run directory's lease (moetrain/run/lease.py): held, refused, released, taken over when stale."""
 
 import json
 import os
@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from moetrain import lease
+from moetrain.run import lease
 
 
 def write(path, **holder):

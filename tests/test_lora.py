@@ -13,8 +13,8 @@ from flax import nnx
 from moetrain.kernels.lora import lora_product
 from moetrain.model import lora, quant
 from moetrain.model.transformer import Transformer
-from moetrain.train_state import init_state, split_model
-from moetrain.train_step import StepConfig, jit_train_step
+from moetrain.training.train_state import init_state, split_model
+from moetrain.training.train_step import StepConfig, jit_train_step
 from tests.helpers import forward, model_and_ids, nonzero_bias, randomize, tiny, with_lora
 from tests.test_sharding import batch
 

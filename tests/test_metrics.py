@@ -14,8 +14,9 @@ import numpy as np
 import pytest
 from tensorboardX.proto import event_pb2
 
-from moetrain import metrics, sharding, train_log
+from moetrain.core import sharding
 from moetrain.model.config import PRESETS
+from moetrain.run import metrics, train_log
 
 
 def events(logdir) -> list:
@@ -203,7 +204,7 @@ def test_a_log_point_is_timed_when_its_step_has_finished(monkeypatch):
   """The host dispatches steps 1-2 at once (async) and marks step 2; the device finishes step 2
   four seconds later, when its metrics are fetched: tokens/s counts those seconds, and the next
   step's tokens (dispatched before the fetch) go to the next log point."""
-  from moetrain import train_log
+  from moetrain.run import train_log
 
   clock = [0.0]
   monkeypatch.setattr(metrics.time, 'time', lambda: clock[0])
@@ -256,7 +257,7 @@ def test_a_log_point_is_timed_when_its_step_has_finished(monkeypatch):
 def test_peak_flops_by_device_kind():
   from types import SimpleNamespace
 
-  from moetrain import metrics
+  from moetrain.run import metrics
 
   peak = lambda kind: metrics.peak_flops(SimpleNamespace(device_kind=kind))
   assert peak('NVIDIA H100 80GB HBM3') == 989e12

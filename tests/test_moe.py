@@ -11,11 +11,11 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from moetrain import sharding
+from moetrain.core import sharding
 from moetrain.kernels import exchange, grouped
 from moetrain.model import dispatch, expert_parallel
 from moetrain.model.moe import MoE, RouterBias, device_balance_loss, route, routing_stats
-from moetrain.train_step import StepConfig, bias_update
+from moetrain.training.train_step import StepConfig, bias_update
 from tests.helpers import expert_weights, jit_call, randomize, tiny, with_lora
 
 EXPERT_LORA = r'experts\.(gate|up|down)$'
@@ -745,7 +745,7 @@ def test_tokamax_on_a_gpu_zeroes_what_its_kernel_leaves_unwritten(monkeypatch):
 def test_rocm_turns_on_xlas_grouped_gemm(monkeypatch):
   from importlib import metadata
 
-  from moetrain import runtime
+  from moetrain.core import runtime
 
   plugin = type('Dist', (), {'metadata': {'Name': 'jax-rocm7-plugin'}})()
   monkeypatch.setattr(metadata, 'distributions', lambda: [plugin])

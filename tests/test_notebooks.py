@@ -11,7 +11,7 @@ import nbformat
 import pytest
 from nbclient import NotebookClient
 
-from moetrain import setup as setup_lib
+from moetrain.run import startup
 from tests.test_configs import ROOT, load
 
 # Each notebook and the chips of the runtime it is written for (its `tpu` commands build there).
@@ -147,5 +147,5 @@ def test_a_notebooks_tpu_commands_build(name):
     if real:
       assert config.init.hf_checkpoint == params['HF_DIR']
       config.init.hf_checkpoint = ''
-    setup = setup_lib.build(config, num_devices=NOTEBOOKS[name], process_count=1)
+    setup = startup.build(config, num_devices=NOTEBOOKS[name], process_count=1)
     assert setup.train.steps == (params['STEPS'] if real else params['DEMO_STEPS'])

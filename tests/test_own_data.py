@@ -3,7 +3,7 @@
 import json
 import os
 
-from moetrain.data import pipeline
+from moetrain.data import loader
 from moetrain.data.tokenizer import get_or_train_tokenizer, load_tokenizer
 from tests.helpers import ROOT
 
@@ -28,14 +28,14 @@ def test_the_demo_tokenizer_on_real_text_is_named_with_the_fix(tmp_path, caplog)
   warns with the fix; a tokenizer trained on the same text stays below the bound, silently."""
   _chats(tmp_path / 'train.jsonl')
   demo = os.path.join(ROOT, 'moetrain', 'data', 'demo', 'base', 'tokenizer.model')
-  cfg = pipeline.DataConfig(source='jsonl', path=str(tmp_path / '{split}.jsonl'), tokenizer=demo)
-  ratio = pipeline.warn_if_tokenizer_is_foreign(cfg, load_tokenizer(demo))
-  assert ratio > pipeline.MAX_TOKENS_PER_WORD
+  cfg = loader.DataConfig(source='jsonl', path=str(tmp_path / '{split}.jsonl'), tokenizer=demo)
+  ratio = loader.warn_if_tokenizer_is_foreign(cfg, load_tokenizer(demo))
+  assert ratio > loader.MAX_TOKENS_PER_WORD
   assert f'data.tokenizer={demo!r} encodes the training text' in caplog.text
   assert "base checkpoint's own tokenizer" in caplog.text
   caplog.clear()
   texts = lambda: iter([s for s in SENTENCES for _ in range(50)])
   own = get_or_train_tokenizer('', str(tmp_path / 'run'), texts, 1000)
-  own_cfg = pipeline.DataConfig(source='jsonl', path=cfg.path)
-  assert pipeline.warn_if_tokenizer_is_foreign(own_cfg, own) < 2
+  own_cfg = loader.DataConfig(source='jsonl', path=cfg.path)
+  assert loader.warn_if_tokenizer_is_foreign(own_cfg, own) < 2
   assert 'encodes the training text' not in caplog.text

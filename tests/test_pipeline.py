@@ -10,12 +10,12 @@ import optax
 import pytest
 from flax import nnx
 
-from moetrain import sharding
-from moetrain.checkpoint import Checkpointer
-from moetrain.model import pipeline
+from moetrain.core import sharding
+from moetrain.model import stages
 from moetrain.model.families import PRESETS
-from moetrain.train_state import create_sharded, graphdef_of
-from moetrain.train_step import StepConfig, bias_update, loss_fn, token_counts
+from moetrain.run.checkpoint import Checkpointer
+from moetrain.training.train_state import create_sharded, graphdef_of
+from moetrain.training.train_step import StepConfig, bias_update, loss_fn, token_counts
 from tests.helpers import tiny, with_lora
 from tests.test_sharding import batch
 
@@ -42,13 +42,13 @@ def test_four_entry_mesh_shapes_mean_stage_one():
 def test_a_layer_count_the_stages_do_not_divide_is_refused():
   cfg = tiny(num_layers=3, pipeline_microbatches=2).laid_out('cpu', (2, 1, 4, 1, 1))
   with pytest.raises(ValueError, match=r'model.num_layers=3.*2 pipeline stages'):
-    pipeline.check(cfg)
+    stages.check(cfg)
   for m in (1, 3):  # fewer micro-batches than stages, or a count they do not share equally
     cfg = tiny(num_layers=4, pipeline_microbatches=m).laid_out('cpu', (2, 1, 4, 1, 1))
     with pytest.raises(ValueError, match=rf'pipeline_microbatches={m} must be a multiple of the 2'):
-      pipeline.check(cfg)
+      stages.check(cfg)
   cfg = tiny(num_layers=4, pipeline_microbatches=4, pipeline_repeats=2)
-  assert pipeline.bubble(cfg.laid_out('cpu', (2, 1, 4, 1, 1))) == pytest.approx(1 / 9)
+  assert stages.bubble(cfg.laid_out('cpu', (2, 1, 4, 1, 1))) == pytest.approx(1 / 9)
 
 
 def loss_and_grads(cfg, mesh_shape, m=1, r=1, state=None):
@@ -59,7 +59,7 @@ def loss_and_grads(cfg, mesh_shape, m=1, r=1, state=None):
   cfg = cfg.laid_out('cpu', mesh)
   with jax.set_mesh(mesh):
     if state is None:
-      state = pipeline.store(create_sharded(cfg, optax.sgd(1.0), 0, mesh, cfg.rules), cfg)
+      state = stages.store(create_sharded(cfg, optax.sgd(1.0), 0, mesh, cfg.rules), cfg)
     b = {k: jax.device_put(v, sharding.batch_sharding(mesh)) for k, v in batch().items()}
     step = StepConfig(model=cfg, router_z_loss=1e-3, hidden_z_loss=1e-4)
 
@@ -68,7 +68,7 @@ def loss_and_grads(cfg, mesh_shape, m=1, r=1, state=None):
       return loss_fn(params, *args)
 
     (value, stats), grads = jax.jit(jax.value_and_grad(loss, has_aux=True))(state.params)
-    grads = pipeline.reorder(grads, pipeline.layout(cfg), (1, 1))  # layer order, to compare
+    grads = stages.reorder(grads, stages.layout(cfg), (1, 1))  # layer order, to compare
     return float(value), jax.tree.map(np.asarray, grads), stats, state
 
 
@@ -140,15 +140,15 @@ def test_a_circular_schedule_stores_each_stages_runs_and_checkpoints_in_any_orde
   """With R = 2 over 2 stages, stage s's block of the stored 'layers' axis holds layers
   (r * 2 + s) * Lc + j: its own runs, so no weight moves between stages in a step. Saved so, a
   checkpoint names its order, and a run without repeats restores it in layer order."""
-  assert list(pipeline.layer_order(8, (2, 2))) == [0, 1, 4, 5, 2, 3, 6, 7]
-  assert list(pipeline.layer_order(4, (1, 1))) == [0, 1, 2, 3]
+  assert list(stages.layer_order(8, (2, 2))) == [0, 1, 4, 5, 2, 3, 6, 7]
+  assert list(stages.layer_order(4, (1, 1))) == [0, 1, 2, 3]
   mesh = sharding.make_mesh((2, 1, -1, 2, 1))
   cfg = circular(mesh)
-  assert pipeline.layout(cfg) == (2, 2)
+  assert stages.layout(cfg) == (2, 2)
   with jax.set_mesh(mesh):
     state = create_sharded(cfg, optax.adam(1e-3), 0, mesh, cfg.rules)
     want = jax.tree.map(np.asarray, state.saved())
-    stored = pipeline.store(state, cfg)
+    stored = stages.store(state, cfg)
   flat = jax.tree_util.tree_leaves_with_path(stored.saved())
   moved = 0
   for (path, got), w in zip(flat, jax.tree.leaves(want)):
@@ -176,7 +176,7 @@ def test_a_teacher_is_stored_in_its_own_configs_order():
   their own config (here 4 and 8 layers over 2 stages x 2 repeats)."""
   import types
 
-  from moetrain.setup import stored
+  from moetrain.run.startup import stored
 
   mesh = sharding.make_mesh((2, 1, -1, 2, 1))
   cfg = circular(mesh)
@@ -204,8 +204,8 @@ def test_the_bias_controller_updates_each_stored_layer_by_its_own_load():
     load_LX = jax.random.uniform(jax.random.key(0), (4, cfg.num_experts_total)) * 100
     want = bias_update(bias, load_LX, 0, StepConfig(model=flat))
     before = jax.tree.map(np.asarray, bias)
-    got = bias_update(pipeline.store(bias, cfg), load_LX, 0, StepConfig(model=cfg))  # (donated)
-    got = pipeline.reorder(got, (2, 2), (1, 1))
+    got = bias_update(stages.store(bias, cfg), load_LX, 0, StepConfig(model=cfg))  # (donated)
+    got = stages.reorder(got, (2, 2), (1, 1))
   jax.tree.map(np.testing.assert_allclose, got, want)
   assert not jax.tree.all(jax.tree.map(lambda a, b: np.allclose(a, b), want, before))
 
@@ -227,8 +227,8 @@ PIPELINED = {
 
 def test_the_planner_counts_the_bubble_and_the_activations_over_the_network():
   from configs import longcat_pretrain
-  from moetrain.setup import build
-  from moetrain.tools import sizes, tpu_plan
+  from moetrain.planner import sizes, tpu_plan
+  from moetrain.run.startup import build
 
   config = tpu_plan.with_overrides(longcat_pretrain.get_config('variant=tiny'), PIPELINED)
   setup = build(config, num_devices=8, process_count=1, platform='tpu')
@@ -246,8 +246,8 @@ def test_micro_batches_the_splash_kernel_cannot_split_are_refused():
   """On TPU the splash kernel runs over the batch shards: a pipeline micro-batch of fewer rows
   than shards (16 rows / 8 micro-batches = 2 over 4 shards) is refused before any compile."""
   from configs import longcat_pretrain
-  from moetrain.setup import build
-  from moetrain.tools import tpu_plan
+  from moetrain.planner import tpu_plan
+  from moetrain.run.startup import build
 
   over = PIPELINED | {'model.pipeline_microbatches': 8}
   config = tpu_plan.with_overrides(longcat_pretrain.get_config('variant=tiny'), over)
@@ -260,7 +260,7 @@ def test_micro_batches_the_splash_kernel_cannot_split_are_refused():
 @pytest.mark.slow
 def test_a_pipelined_step_compiles_for_two_tpu_slices():
   from configs import longcat_pretrain
-  from moetrain.tools import tpu_plan
+  from moetrain.planner import tpu_plan
 
   r = tpu_plan.plan(longcat_pretrain.get_config('variant=tiny'), '2xv5e-4', PIPELINED)
   assert r['fits'] and r['mesh']['stage'] == 2 and r['pipeline']['stages'] == 2

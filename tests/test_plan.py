@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 
 from configs import longcat_lora, longcat_pretrain
-from moetrain import aot, topology
-from moetrain.tools import tpu_plan
+from moetrain.planner import topology, tpu_plan
+from moetrain.training import aot
 from tests.helpers import tpu_proxy
 
 pytest.importorskip('libtpu', reason="the planner needs libtpu: pip install -e '.[tpu]'")
@@ -156,8 +156,9 @@ def test_a_batch_that_fits_and_one_that_does_not():
 def test_tpu_only_paths_compile():
   """The megablox Pallas kernel (Mosaic, not interpreted), the ragged all-to-all exchange and
   host offload of the MoE output, compiled by XLA's TPU compiler in one step."""
-  from moetrain import aot, sharding
-  from moetrain.setup import build
+  from moetrain.core import sharding
+  from moetrain.run.startup import build
+  from moetrain.training import aot
 
   config = tpu_plan.with_overrides(
     longcat_lora.get_config('variant=tiny'),
@@ -225,8 +226,8 @@ def test_model_flops_are_the_training_logs(variant):
   """The planner's MFU numerator is the training log's: 6 x the active weights plus causal
   attention counted once per block (an earlier planner counted attention twice: 10% of the
   tiny model's FLOPs, 13% of flash's at 8192 tokens)."""
-  from moetrain import metrics
-  from moetrain.setup import build
+  from moetrain.run import metrics
+  from moetrain.run.startup import build
 
   setup = build(longcat_pretrain.get_config(variant), num_devices=16, process_count=1)
   cfg, t = setup.model, setup.data.seq_len
@@ -240,7 +241,7 @@ def test_every_planned_command_builds_on_its_slice():
   """bench/tpu_plans.py's commands (the README's TPU rows): each config with its overrides makes
   a valid run on its slice's devices (mesh, batch shards, micro-batches), without compiling."""
   from bench import tpu_plans
-  from moetrain.setup import build
+  from moetrain.run.startup import build
 
   for _, module, arg, topo, over in tpu_plans.PLANS.values():
     config = tpu_plan.with_overrides(module.get_config(arg), over)
@@ -273,7 +274,7 @@ def test_search_and_smallest_compile_for_real(tmp_path, capsys):
 def test_a_mesh_whose_axes_split_the_torus_sides():
   """v5p-512 is a 4x8x8 torus: the flash mesh (1, 16, 16, 1) needs sides split between fsdp and
   expert, which jax.make_mesh refuses; the mesh is built all the same, every device once."""
-  from moetrain import sharding
+  from moetrain.core import sharding
 
   devices = topology.parse('v5p-512').devices()
   mesh = sharding.make_mesh((1, -1, 16, 1), devices)
@@ -286,7 +287,7 @@ def test_multislice_puts_the_dcn_axis_across_slices():
   """'2xv5e-4' is two v5e-4 slices: mesh.dcn_shape=(2, 1, 1, 1) puts each half of the data axis
   in one slice (only its gradients cross the data-center network), and the step compiles; a
   dcn_shape that asks for slices the devices are not of is an error saying how to get them."""
-  from moetrain import sharding
+  from moetrain.core import sharding
 
   topo = topology.parse('2xv5e-4')
   assert (topo.chips, topo.num_devices, topo.cloud_name, topo.slices) == (8, 8, '2xv5e-4', 2)
@@ -300,8 +301,8 @@ def test_multislice_puts_the_dcn_axis_across_slices():
   # Data across the slices: the adapters' float32 gradients, all-reduced over 2 slices (once
   # each way: 2 (d - 1) / d = 1 of a chip's share), are what crosses. FSDP across them moves
   # the frozen base's gathers as well.
-  from moetrain.setup import build
-  from moetrain.tools import sizes
+  from moetrain.planner import sizes
+  from moetrain.run.startup import build
 
   config = tpu_plan.with_overrides(longcat_lora.get_config('variant=tiny'), over)
   model = build(config, num_devices=8, process_count=1, platform='tpu').model
@@ -402,7 +403,7 @@ def test_the_scoped_vmem_limit_reaches_libtpu_and_its_overflow_names_the_key():
   model.tpu_scoped_vmem_kib with what was asked). The step's compiler options
   (train_step.compiler_options) carry that key to libtpu, which takes it."""
   from moetrain.model.config import ModelConfig
-  from moetrain.train_step import compiler_options
+  from moetrain.training.train_step import compiler_options
 
   assert aot.oom_message(GPT_OSS_VMEM) == (
     'E1001: CompileTimeScopedVmemOom: a fusion asked 16.94 MiB of scoped VMEM, over its 16.00 '
@@ -417,7 +418,7 @@ def test_the_scoped_vmem_limit_reaches_libtpu_and_its_overflow_names_the_key():
 
 @pytest.mark.slow  # (a compile libtpu stops: kept out of the default suite's shared workers)
 def test_a_fusion_over_a_small_scoped_vmem_limit_stops_the_compile_naming_the_key():
-  from moetrain.train_step import compiler_options
+  from moetrain.training.train_step import compiler_options
 
   fn, args, cfg = _vmem_case()
   with pytest.raises(aot.OutOfMemory, match=r'scoped VMEM.*model\.tpu_scoped_vmem_kib'):

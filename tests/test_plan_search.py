@@ -7,8 +7,7 @@ import math
 import pytest
 
 from configs import longcat_lora, longcat_pretrain
-from moetrain import topology
-from moetrain.tools import tpu_plan
+from moetrain.planner import topology, tpu_plan
 
 GIB = 2**30
 
@@ -157,8 +156,8 @@ def test_step_buffer_arithmetic_of_the_flash_lora_step():
   one row of 8192 tokens per device): 98304 local assignments, a receive buffer of twice that
   (model.moe_ep_recv_factor=2; overflow in rounds), 6144 x 2048 experts, 32 of them per shard
   gathered over fsdp."""
-  from moetrain.setup import build
-  from moetrain.tools import sizes
+  from moetrain.planner import sizes
+  from moetrain.run.startup import build
 
   setup = build(longcat_lora.get_config('variant=flash'), num_devices=64, platform='tpu')
   b = sizes.step_buffers(setup.model, setup.mesh_shape, 8192, 64)

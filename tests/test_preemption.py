@@ -255,7 +255,7 @@ def test_sigterm_to_one_host_stops_all_and_resumes_exactly(tmp_path):
 
   # The two-host checkpoint, restored in this one process on another mesh (8 devices, no expert
   # axis), evaluates to what the two hosts measured at that step.
-  from moetrain import train
+  from moetrain.run import train
   from moetrain.tools import evaluate
 
   (measured,) = [r for r in again if r['kind'] == 'eval']
@@ -280,7 +280,7 @@ def test_sigterm_to_one_host_stops_all_and_resumes_exactly(tmp_path):
 
   # Each host wrote its own array files, and process 0 checksummed them all once both had. One
   # of process 1's damaged: each host checks its share of the files, and both stop, naming it.
-  from moetrain import integrity
+  from moetrain.run import integrity
 
   step_dir = os.path.join(workdir, 'checkpoints', str(step))
   manifest = integrity.read_manifest(step_dir)
@@ -462,7 +462,8 @@ def test_hosts_whose_data_ends_apart_stop_together(tmp_path):
 
 
 def test_data_positions_per_process():
-  from moetrain import checkpoint, multihost
+  from moetrain.core import multihost
+  from moetrain.run import checkpoint
 
   assert multihost.Exchange('x').json({'a': 1}, 1) == [{'a': 1}]  # one process: no exchange
   assert checkpoint.process_data_state({'processes': [{'a': 1}]}) == {'a': 1}

@@ -1,4 +1,4 @@
-"""The entry points' huge-page malloc re-exec (moetrain/runtime.py)."""
+"""The entry points' huge-page malloc re-exec (moetrain/core/runtime.py)."""
 
 import os
 import subprocess
@@ -6,7 +6,8 @@ import sys
 
 import pytest
 
-from moetrain import rundir, runtime
+from moetrain.core import runtime
+from moetrain.run import rundir
 from tests.helpers import ROOT, run_command
 
 
@@ -61,7 +62,7 @@ def test_library_info_lines_are_dropped_but_not_their_warnings():
 
 
 def test_run_directories_are_paths_or_reachable_urls(tmp_path):
-  """A local run directory is made absolute; gs:// is kept as it is (moetrain/storage.py, tested
+  """A local run directory is made absolute; gs:// is kept as it is (moetrain/core/storage.py, tested
   against an emulator in tests/test_gcs.py); a URL this installation cannot reach is refused by
   name before anything starts, not turned into a local './s3:/...' directory."""
   assert rundir.run_dir(str(tmp_path / 'run')) == str(tmp_path / 'run')

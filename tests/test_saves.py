@@ -9,7 +9,8 @@ import time
 
 import pytest
 
-from moetrain import checkpoint, integrity, rundir, storage, train
+from moetrain.core import storage
+from moetrain.run import checkpoint, integrity, rundir, train
 from tests.test_train import losses, small_config
 
 

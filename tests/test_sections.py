@@ -7,9 +7,10 @@ import math
 import pytest
 
 from configs import base
-from moetrain import fields, rundir, sections
+from moetrain.core import fields
 from moetrain.model.config import PRESETS, ModelConfig
-from moetrain.setup import build
+from moetrain.run import rundir, sections
+from moetrain.run.startup import build
 
 
 def test_the_base_config_is_the_dataclass_defaults():
@@ -55,7 +56,7 @@ def test_declared_checks_name_the_key():
     dataclasses.replace(ModelConfig(), loss_chunk=-1).validate()
   with pytest.raises(ValueError, match='role='):
     fields.field(0, role='shapes')
-  from moetrain.optim import OptimConfig
+  from moetrain.training.optim import OptimConfig
 
   for bad in (math.inf, math.nan):
     with pytest.raises(
@@ -75,7 +76,7 @@ def test_an_older_runs_config_json_gets_the_keys_it_lacks_at_their_defaults():
 
 def test_the_config_reference_is_current():
   """docs/config.md is generated from the declarations: regenerate it with
-  `python -m moetrain.sections > docs/config.md` after changing a key."""
+  `python -m moetrain.run.sections > docs/config.md` after changing a key."""
   import pathlib
 
   path = pathlib.Path(__file__).parent.parent / 'docs' / 'config.md'

@@ -9,11 +9,11 @@ import numpy as np
 import optax
 import pytest
 
-from moetrain import sharding
-from moetrain.checkpoint import flatten
+from moetrain.core import sharding
 from moetrain.model import quant
-from moetrain.train_state import create_sharded, graphdef_of, state_shardings
-from moetrain.train_step import StepConfig, loss_fn, token_counts
+from moetrain.run.checkpoint import flatten
+from moetrain.training.train_state import create_sharded, graphdef_of, state_shardings
+from moetrain.training.train_step import StepConfig, loss_fn, token_counts
 from tests.helpers import tiny, with_lora
 
 GOLDEN = os.path.join(os.path.dirname(__file__), 'golden')
@@ -76,7 +76,9 @@ def spec_table(preset: str) -> dict:
   cfg = dataclasses.replace(CFG, rules=sharding.Rules.preset(preset))
   mesh = sharding.make_mesh((1, 2, 2, 2))
   abstract = jax.eval_shape(
-    lambda: __import__('moetrain.train_state', fromlist=['x']).init_state(cfg, optax.sgd(1e-3), 0)
+    lambda: __import__('moetrain.training.train_state', fromlist=['x']).init_state(
+      cfg, optax.sgd(1e-3), 0
+    )
   )
   shard = state_shardings(abstract, mesh, cfg.rules)
   tree = {'params': shard.params, 'frozen': shard.frozen, 'moe_bias': shard.moe_bias}
@@ -101,7 +103,7 @@ def test_int4_codes_shard_where_groups_do_not_divide_the_mesh():
   cfg = dataclasses.replace(
     CFG, quant='int4', quant_group_size=16, rules=sharding.Rules.preset('fsdp')
   )
-  init = lambda: __import__('moetrain.train_state', fromlist=['x']).init_state(
+  init = lambda: __import__('moetrain.training.train_state', fromlist=['x']).init_state(
     cfg, optax.sgd(1e-3), 0
   )
   mesh = sharding.make_mesh((1, 8, 1, 1))

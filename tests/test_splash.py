@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from moetrain import sharding
+from moetrain.core import sharding
 from moetrain.kernels import splash
 from moetrain.model import attention
 from tests.helpers import TINY, forward, model_and_ids, tiny

@@ -11,7 +11,7 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from moetrain import checkpoint, integrity, rundir, train, train_log
+from moetrain.run import checkpoint, integrity, rundir, train, train_log
 from tests.helpers import run_command
 from tests.test_configs import ROOT, load
 from tests.test_data import numbered_records, write_jsonl
@@ -272,7 +272,7 @@ def test_an_update_that_overflows_is_never_saved(tmp_path, monkeypatch):
   step's skip guard (a non-finite loss or gradient) does not see it. The state is checked at the
   save: the run stops there, unsaved, naming the newest (finite) checkpoint. The overflow is
   injected after step 4's update (a real one needs a learning rate near float32's maximum)."""
-  from moetrain import aot
+  from moetrain.training import aot
 
   real = aot.precompile_train_step
 
@@ -304,7 +304,8 @@ def test_a_damaged_checkpoint_is_not_buried_under_closed_loop_callbacks(tmp_path
   command drops those (runtime.start_command); other unraisable errors still show."""
   import gc
 
-  from moetrain import checkpoint, runtime
+  from moetrain.core import runtime
+  from moetrain.run import checkpoint
 
   seen = []
   monkeypatch.setattr(sys, 'unraisablehook', seen.append)

@@ -8,11 +8,11 @@ import numpy as np
 import optax
 import pytest
 
+from moetrain.core.sharding import Rules
 from moetrain.model.config import PRESETS
-from moetrain.sharding import Rules
-from moetrain.tools.sizes import dry_run, ep_exchange, loss_block, param_counts
-from moetrain.train_state import graphdef_of, init_state
-from moetrain.train_step import StepConfig, eval_step, grads_and_stats, jit_train_step
+from moetrain.planner.sizes import dry_run, ep_exchange, loss_block, param_counts
+from moetrain.training.train_state import graphdef_of, init_state
+from moetrain.training.train_step import StepConfig, eval_step, grads_and_stats, jit_train_step
 from tests.helpers import tiny, with_lora
 from tests.test_sharding import batch
 
@@ -260,7 +260,7 @@ def test_weight_decay_spares_norms_of_stacked_layers():
   [L, D] but still a scale, not a matrix."""
   from flax import nnx
 
-  from moetrain import optim
+  from moetrain.training import optim
 
   cfg = tiny(scan_layers=True)
   mask = optim.decay_mask(init_state(cfg, optax.sgd(0.1), 0).params)
@@ -280,7 +280,7 @@ def test_float16_trains_with_a_dynamic_loss_scale():
   """float16 gradients underflow without a loss scale: the step scales the loss for the
   backward pass and unscales the gradients; an overflow skips the step and halves the scale; a
   run of finite steps doubles it."""
-  from moetrain import train_state, train_step
+  from moetrain.training import train_state, train_step
 
   opt = optax.sgd(1e-2)
   f16, f32 = (dataclasses.replace(CFG, dtype=d) for d in ('float16', 'float32'))

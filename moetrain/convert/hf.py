@@ -15,13 +15,14 @@ from absl import logging
 from flax import nnx
 from jax.sharding import SingleDeviceSharding
 
-from moetrain import storage, train_state
 from moetrain.convert import gpt_oss, longcat, standard
 from moetrain.convert import safetensors_io as stio
 from moetrain.convert import stacked_io as sio
 from moetrain.convert.stacked_io import Row
+from moetrain.core import storage
 from moetrain.model.config import ModelConfig
 from moetrain.model.transformer import Transformer
+from moetrain.training import train_state
 
 # ---------------------------------------------------------------------------------------------
 # config.json and the weight-name table, per family

@@ -12,6 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from moetrain.convert import gpt_oss
 from moetrain.convert import safetensors_io as stio
 from moetrain.convert import stacked_io as sio
 from moetrain.convert.hf import (
@@ -125,7 +126,6 @@ def _save_fused(flat, rows: list[Row], cfg: ModelConfig, out_dir: str, base_mode
   """gpt-oss: its experts are fused parameters, which PEFT adapts through target_parameters at
   one rank for the whole adapter (gpt_oss.fused_adapter): rank 2r, scale 1, every module's
   factors padded with zeros and its B scaled."""
-  from moetrain.convert import gpt_oss
 
   rank, scale, e_count = cfg.lora.rank, cfg.lora.scale, cfg.n_routed_experts
   dtype = jnp.dtype(cfg.param_dtype)
@@ -228,7 +228,6 @@ def _load_fused(reader, targets: list[str], rows: list[Row], flat, cfg: ModelCon
   rows left to read one by one) for an adapter on gpt-oss's fused experts: expert e's gate and
   up adapters are the gate_up_proj factors' B_e and A_e's even / odd columns, down's those of
   down_proj (gpt_oss.fused_adapter's layout, as peft saves it)."""
-  from moetrain.convert import gpt_oss
 
   e_count, rank = cfg.n_routed_experts, cfg.lora.rank
   both = {f'mlp.experts.{f}' for f in gpt_oss.FUSED_TARGETS} <= set(targets)

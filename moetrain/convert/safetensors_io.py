@@ -10,7 +10,7 @@ import ml_dtypes
 import numpy as np
 from safetensors import safe_open
 
-from moetrain import storage
+from moetrain.core import storage
 
 SINGLE = 'model.safetensors'
 INDEX = 'model.safetensors.index.json'

@@ -23,7 +23,7 @@ from typing import Any
 
 import numpy as np
 
-from moetrain import storage
+from moetrain.core import storage
 from moetrain.data import chat, demo_task
 
 Example = dict[str, Any]

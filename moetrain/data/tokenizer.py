@@ -12,9 +12,9 @@ import numpy as np
 import sentencepiece as spm
 import tokenizers
 from absl import logging
-from etils.epath import Path  # (pathlib's, and gs:// URLs: moetrain/storage.py)
+from etils.epath import Path  # (pathlib's, and gs:// URLs: moetrain/core/storage.py)
 
-from moetrain import storage
+from moetrain.core import storage
 from moetrain.data import chat
 
 SPM_FILE = 'tokenizer.model'

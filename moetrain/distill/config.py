@@ -2,7 +2,7 @@
 
 import dataclasses
 
-from moetrain.fields import check, field
+from moetrain.core.fields import check, field
 from moetrain.kernels.distill import DIVERGENCES, Divergence
 
 INITS = ('', 'most_used', 'random')

@@ -8,10 +8,13 @@ data settings, k or steps differ is refused, naming the field."""
 import hashlib
 import json
 
+import grain
 import numpy as np
 
-from moetrain import fields, storage
-from moetrain.data import pipeline
+from moetrain.convert import safetensors_io as stio
+from moetrain.core import fields, storage
+from moetrain.data import loader
+from moetrain.data import tokenizer as tokenizer_lib
 
 MANIFEST = 'manifest.json'
 VERSION = 1
@@ -32,8 +35,6 @@ def _digest(path: str) -> str:
 def manifest(setup, top_k: int, steps_per_shard: int, process_count: int) -> dict:
   """What the logits are of: the teacher (its path and files), the tokenizer (its content), the
   data stream, k, the steps and hosts, the shard size."""
-  from moetrain.convert import safetensors_io as stio
-  from moetrain.data import tokenizer as tokenizer_lib
 
   teacher = setup.distill.teacher
   files = {
@@ -42,7 +43,7 @@ def manifest(setup, top_k: int, steps_per_shard: int, process_count: int) -> dic
     if stio.is_model_file(n) or n == 'config.json'
   }
   tokenizer = str(tokenizer_lib.tokenizer_file(setup.data.tokenizer) or setup.data.tokenizer)
-  stream = {k: getattr(setup.data, k) for k in fields.with_role(pipeline.DataConfig, 'stream')}
+  stream = {k: getattr(setup.data, k) for k in fields.with_role(loader.DataConfig, 'stream')}
   return json.loads(
     json.dumps(
       {
@@ -117,7 +118,6 @@ class WithTeacherLogits:
   resume). Everything else is the wrapped iterator's."""
 
   def __init__(self, inner, directory: str, saved: dict, process: int, top_k: int):
-    import grain
 
     self.inner, self.top_k, self.step = inner, top_k, 0
     self.per_shard = saved['steps_per_shard']

@@ -11,9 +11,12 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from moetrain import runtime
+from moetrain.core import runtime
+from moetrain.core.sharding import batch_sharding
+from moetrain.data import loader
 from moetrain.model.config import ModelConfig
-from moetrain.train_state import merge_teacher
+from moetrain.run.evaluation import to_global
+from moetrain.training.train_state import merge_teacher
 
 
 def layer_map(d, student: ModelConfig, teacher: ModelConfig) -> list[int]:
@@ -32,12 +35,9 @@ def layer_map(d, student: ModelConfig, teacher: ModelConfig) -> list[int]:
 def expert_load(setup, teacher_cfg: ModelConfig, teacher, batches: int, mesh) -> np.ndarray:
   """[teacher MoE layers, routed experts]: how many tokens of `batches` training batches the
   teacher routes to each expert (expert_load's statistic)."""
-  from moetrain.data import pipeline
-  from moetrain.evaluation import to_global
-  from moetrain.sharding import batch_sharding
 
-  tokenizer = pipeline.make_tokenizer(setup.data, None)
-  it = pipeline.make_train_iterator(
+  tokenizer = loader.make_tokenizer(setup.data, None)
+  it = loader.make_train_iterator(
     setup.data, tokenizer, process_index=jax.process_index(), process_count=jax.process_count()
   )
 

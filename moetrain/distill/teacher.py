@@ -4,9 +4,10 @@ weights on the student's mesh."""
 import dataclasses
 import hashlib
 
-from moetrain import rundir, storage
+from moetrain.core import fields, storage
 from moetrain.data import tokenizer as tokenizer_lib
 from moetrain.model.config import LoraConfig, ModelConfig
+from moetrain.run import rundir
 
 
 def _check_exists(path: str) -> None:
@@ -21,7 +22,6 @@ def model_config(d, student: ModelConfig) -> ModelConfig:
   """The teacher's ModelConfig, computing as the student does (engine settings, sharding rules,
   platform and mesh) and stored as distill.teacher_quant asks; no LoRA but a run's own."""
   _check_exists(d.teacher)
-  from moetrain import fields
 
   engine = {k: getattr(student, k) for k in fields.with_role(ModelConfig, 'engine')}
   saved = rundir.run_config(d.teacher)

@@ -5,9 +5,9 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from moetrain import axes
+from moetrain.core import axes
+from moetrain.core.sharding import Rules, constrain
 from moetrain.kernels import Kernel, vjp
-from moetrain.sharding import Rules, constrain
 
 
 def head_cross_entropy(

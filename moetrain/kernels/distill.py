@@ -9,9 +9,9 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from moetrain.core.sharding import Rules
 from moetrain.kernels import Kernel, vjp
 from moetrain.kernels.cross_entropy import _logits_fn
-from moetrain.sharding import Rules
 
 DIVERGENCES = ('forward_kl', 'reverse_kl', 'jsd')
 

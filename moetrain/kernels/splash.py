@@ -17,17 +17,18 @@ import functools
 
 import jax
 import jax.numpy as jnp
+from jax.experimental.pallas.ops.tpu.splash_attention import (
+  splash_attention_kernel,
+  splash_attention_mask,
+)
+from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask_info as info
 from jax.sharding import PartitionSpec as P
 
-from moetrain.sharding import BATCH_AXES, MESH_AXES, full_shape
+from moetrain.core.sharding import BATCH_AXES, MESH_AXES, full_shape
 
 
 def _modules():
   """(kernel, mask) modules, imported on first use: they load Pallas' TPU support."""
-  from jax.experimental.pallas.ops.tpu.splash_attention import (
-    splash_attention_kernel,
-    splash_attention_mask,
-  )
 
   return splash_attention_kernel, splash_attention_mask
 
@@ -51,7 +52,6 @@ def _kernel(heads: int, t: int, interpret: bool, window: int = 0):
   Arrays, which fails while tracing for an abstract TPU mesh, and which jax 0.12 would pass to
   the step as extra arguments.)"""
   kernel, mask = _modules()
-  from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask_info as info
 
   b = block_size(t)
   one = mask.LocalMask((t, t), (window - 1, 0), 0) if window else mask.CausalMask((t, t))

@@ -7,12 +7,12 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from moetrain import axes
+from moetrain.core import axes
+from moetrain.core.sharding import constrain
 from moetrain.kernels import splash
 from moetrain.kernels.attention import attention_core, masked_scores
 from moetrain.model.config import ModelConfig
 from moetrain.model.layers import Linear, RMSNorm, rope
-from moetrain.sharding import constrain
 
 
 def attention_mask(q_pos_BT, q_seg_BT, k_pos_BS, k_seg_BS):

@@ -6,8 +6,9 @@ import math
 import re
 from typing import NamedTuple
 
-from moetrain.fields import check, field
-from moetrain.sharding import MESH_AXES, Rules, full_shape
+from moetrain.core.fields import check, field
+from moetrain.core.sharding import MESH_AXES, Rules, full_shape
+from moetrain.kernels import splash
 
 REMAT_POLICIES = ('none', 'full', 'save_dots', 'save_moe', 'offload')
 MOE_DISPATCH = ('dropless', 'capacity')
@@ -311,7 +312,7 @@ class ModelConfig:
   # Derived: set from the `lora` and `mesh` sections and the compile target.
   lora: LoraConfig = field(LoraConfig(), role='derived')
   rules: Rules = field(Rules(), role='derived')  # logical-axis rules (mesh.rules)
-  # The MoE engine is chosen once, from these two, by setup.build: the platform the step is
+  # The MoE engine is chosen once, from these two, by startup.build: the platform the step is
   # compiled for ('cpu', 'gpu', 'tpu'; the planner compiles for a TPU on any host) and the
   # sizes of the mesh axes (data, fsdp, expert, tensor) it runs on; () = one device.
   platform: str = field('cpu', role='derived')
@@ -369,7 +370,6 @@ class ModelConfig:
 
   def splash_attention(self, seq_len: int) -> bool:
     """Whether causal self-attention over seq_len positions runs the splash kernel."""
-    from moetrain.kernels import splash
 
     if self.attention_kernel == 'auto':
       return self.platform == 'tpu' and splash.supports(seq_len)

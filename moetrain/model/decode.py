@@ -7,7 +7,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from moetrain.model import pipeline, quant
+from moetrain.model import quant, stages
 from moetrain.model.attention import MLA, attention_mask, attention_probs, window_mask
 from moetrain.model.config import ModelConfig
 from moetrain.model.layers import Linear
@@ -129,7 +129,7 @@ def forward(model: Transformer, cache: KVCache, ids_BT, start, *, absorb: bool =
   h_BTD = model.embed(ids_BT)
   for group in model.cfg.layer_groups():
     graphdef, state = nnx.split(getattr(model, group.name))
-    state = pipeline.in_layer_order(state, model.cfg)  # (tools load in layer order: a no-op)
+    state = stages.in_layer_order(state, model.cfg)  # (tools load in layer order: a no-op)
 
     def body(carry, xs, graphdef=graphdef):
       h_BTD, cache = carry

@@ -10,18 +10,18 @@ import math
 import jax
 import jax.numpy as jnp
 
-from moetrain import axes
+from moetrain.core import axes
+from moetrain.core.sharding import MESH_AXES, logical_to_spec
 from moetrain.kernels.exchange import Exchange, ragged_exchange
 from moetrain.kernels.rounds import round_sum
 from moetrain.kernels.rows import dispatch_tokens, gather_rows
 from moetrain.model import dispatch
 from moetrain.model.config import ModelConfig
-from moetrain.sharding import MESH_AXES, logical_to_spec
 
 
 def routed_experts(x_MD, idx_MA, gates_MA, weights, cfg: ModelConfig, rng=None):
   """dispatch.routed_experts, expert-parallel (see expert_parallel) when the routed experts are
-  split over more than one shard (cfg.expert_shards, from the mesh setup.build laid it out for);
+  split over more than one shard (cfg.expert_shards, from the mesh startup.build laid it out for);
   on each batch shard (per_batch_shard) where the backend is a kernel XLA cannot partition."""
   if cfg.expert_shards > 1:
     return expert_parallel(x_MD, idx_MA, gates_MA, weights, cfg, rng)

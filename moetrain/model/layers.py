@@ -8,11 +8,11 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from moetrain import axes
+from moetrain.core import axes
+from moetrain.core.sharding import constrain, gather_weight
 from moetrain.kernels.lora import lora_dropout, lora_product
 from moetrain.model import quant
 from moetrain.model.config import ModelConfig, yarn_mscale
-from moetrain.sharding import constrain, gather_weight
 
 
 def dtype_of(name: str):
@@ -42,7 +42,7 @@ def matmul_dims(eqn: str) -> int:
 
 class Linear(nnx.Module):
   """A projection `eqn` (e.g. 'BTD,DNH->BTNH') whose kernel [D, N, H] carries the logical axis
-  names of its letters (moetrain/axes.py), plus a bias [prod(out)] with `bias`; LoRA adapters
+  names of its letters (moetrain/core/axes.py), plus a bias [prod(out)] with `bias`; LoRA adapters
   A [in.., J] and B [J, out..] are added when `path` matches lora.targets (the weight delta
   A @ B is never formed), and the frozen kernel may be stored quantised (QLoRA).
 
@@ -125,7 +125,7 @@ class RMSNorm(nnx.Module):
   """w * x * rsqrt(mean(x^2) + eps), in float32, cast back to the input dtype."""
 
   def __init__(self, dim: int, letter: str, eps: float, cfg: ModelConfig):
-    """letter: the normalised dimension's (moetrain/axes.py)."""
+    """letter: the normalised dimension's (moetrain/core/axes.py)."""
     self.eps = eps
     self.scale = nnx.Param(jnp.ones((dim,), dtype_of(cfg.param_dtype)), axes=axes.names(letter))
 

@@ -6,7 +6,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from moetrain import axes
+from moetrain.core import axes
 from moetrain.model import expert_parallel, quant
 from moetrain.model.config import ModelConfig
 from moetrain.model.layers import MLP, Linear, dtype_of, normal

@@ -7,14 +7,14 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
-from moetrain import axes
+from moetrain.core import axes
+from moetrain.core.sharding import constrain
 from moetrain.kernels import experts as experts_lib
-from moetrain.model import pipeline
+from moetrain.model import stages
 from moetrain.model.attention import MLA, make_attention
 from moetrain.model.config import LayerGroup, ModelConfig
 from moetrain.model.layers import MLP, Embed, Linear, RMSNorm
 from moetrain.model.moe import Experts, MoE
-from moetrain.sharding import constrain
 
 ACT = axes.names('BTD')
 
@@ -249,10 +249,10 @@ class Transformer(nnx.Module):
       single = group.count == 1 or not self.cfg.scan_layers
       layer = jax.checkpoint(layer, policy=remat_policy(self.cfg.remat), prevent_cse=single)
     state = matmul_weights_cast(state, self.cfg)
-    if pipeline.active(self.cfg, h_BTD.shape[0]):
+    if stages.active(self.cfg, h_BTD.shape[0]):
       args = (self.cfg, h_BTD, positions_BT, segment_ids_BT)
-      return pipeline.run_group(layer, state, extra_L, *args)
-    state = pipeline.in_layer_order(state, self.cfg)  # (a circular pipeline's stored order)
+      return stages.run_group(layer, state, extra_L, *args)
+    state = stages.in_layer_order(state, self.cfg)  # (a circular pipeline's stored order)
     body = lambda h, xs: layer(h, xs, positions_BT, segment_ids_BT)
     if self.cfg.scan_layers:
       return jax.lax.scan(body, h_BTD, (state, extra_L))

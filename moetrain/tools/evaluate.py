@@ -14,10 +14,11 @@ import jax
 from absl import app, flags
 from ml_collections import config_flags
 
-from moetrain import aot, runtime, sharding
-from moetrain import setup as setup_lib
-from moetrain.data import pipeline
-from moetrain.evaluation import evaluate
+from moetrain.core import runtime, sharding
+from moetrain.data import loader
+from moetrain.run import startup
+from moetrain.run.evaluation import evaluate
+from moetrain.training import aot
 
 
 def define_flags():
@@ -33,13 +34,13 @@ def evaluate_checkpoint(
 ) -> dict:
   if max_batches is not None and max_batches <= 0:
     raise ValueError(f'--max_batches={max_batches} must be positive (or left out: all batches)')
-  setup = setup_lib.tool_setup(config, workdir)
+  setup = startup.tool_setup(config, workdir)
   if split:
     setup = dataclasses.replace(setup, data=dataclasses.replace(setup.data, eval_split=split))
   mesh = setup.make_mesh()
-  tokenizer = pipeline.make_tokenizer(setup.data, workdir)
-  setup_lib.check_tokenizer_fits(tokenizer, setup)
-  batches = pipeline.make_eval_batches(
+  tokenizer = loader.make_tokenizer(setup.data, workdir)
+  startup.check_tokenizer_fits(tokenizer, setup)
+  batches = loader.make_eval_batches(
     setup.data,
     tokenizer,
     max_batches=max_batches,
@@ -49,7 +50,7 @@ def evaluate_checkpoint(
   if not batches:
     raise ValueError('no eval data: set data.eval_split (or --split)')
   with jax.set_mesh(mesh):
-    state = setup_lib.load_latest(setup, workdir, mesh)
+    state = startup.load_latest(setup, workdir, mesh)
     eval_fn = aot.eval_step_fn(setup)
     out = evaluate(state, batches, eval_fn, sharding.batch_sharding(mesh))
   return {'step': int(state.step), **out}

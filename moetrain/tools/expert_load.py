@@ -9,7 +9,7 @@ import re
 import numpy as np
 from absl import app, flags
 
-from moetrain import runtime, storage
+from moetrain.core import runtime, storage
 
 
 def define_flags():

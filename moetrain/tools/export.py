@@ -23,13 +23,13 @@ import jax
 from absl import app, flags
 from ml_collections import config_flags
 
-from moetrain import lease, rundir, runtime, storage
-from moetrain import setup as setup_lib
 from moetrain.convert import hf, peft_adapter
 from moetrain.convert import safetensors_io as stio
+from moetrain.core import runtime, storage
 from moetrain.data import chat
 from moetrain.data import tokenizer as tokenizer_lib
-from moetrain.train_state import graphdef_of, merge_model
+from moetrain.run import lease, rundir, startup
+from moetrain.training.train_state import graphdef_of, merge_model
 
 DTYPES = ('float32', 'bfloat16', 'float16')
 # What a merged export takes along from the run's tokenizer (and the base checkpoint), so that it
@@ -61,7 +61,7 @@ def _inside(path: str, directory: str) -> bool:
   return os.path.commonpath([path, directory]) == directory
 
 
-def check_out(out: str, workdir: str, setup: setup_lib.Setup) -> None:
+def check_out(out: str, workdir: str, setup: startup.Setup) -> None:
   """--out (a directory, or a gs:// URL) must lie apart from what the export reads."""
   storage.check_url(out, f'--out={out}')
   for flag, source in (
@@ -73,7 +73,7 @@ def check_out(out: str, workdir: str, setup: setup_lib.Setup) -> None:
       raise ValueError(f'--out={out!r} overlaps {flag}={source!r}, which the export reads')
 
 
-def companion_files(setup: setup_lib.Setup, workdir: str) -> dict[str, str]:
+def companion_files(setup: startup.Setup, workdir: str) -> dict[str, str]:
   """{name in the export: source} for the run's tokenizer (data.tokenizer: a .model or
   tokenizer.json file, or a checkpoint directory; else the one the run trained,
   <workdir>/tokenizer.model) and the base checkpoint's generation_config.json."""
@@ -122,9 +122,9 @@ def export(config, workdir: str, out: str, adapter_only: bool = False, dtype=Non
     raise ValueError(f'--dtype={dtype!r}: use one of {DTYPES}')
   if dtype is not None and adapter_only:
     raise ValueError('--dtype applies to the merged export; adapters keep their training dtype')
-  setup = setup_lib.tool_setup(config, workdir)
+  setup = startup.tool_setup(config, workdir)
   # Decoded or exported by layer index: read in layer order.
-  setup = dataclasses.replace(setup, model=setup_lib.without_repeats(setup.model))
+  setup = dataclasses.replace(setup, model=startup.without_repeats(setup.model))
   check_out(out, workdir, setup)
   if adapter_only and not setup.model.lora.enabled:
     raise ValueError('--adapter_only needs a LoRA run (lora.rank > 0)')
@@ -135,7 +135,7 @@ def export(config, workdir: str, out: str, adapter_only: bool = False, dtype=Non
   staging = _staging(out) if primary else None
   try:
     with jax.set_mesh(mesh):
-      state = setup_lib.load_latest(setup, workdir, mesh)
+      state = startup.load_latest(setup, workdir, mesh)
       model = merge_model(graphdef_of(setup.model), state.params, state.moe_bias, state.frozen)
       target = staging or out  # only process 0 writes; the others take part in the gathers
       if adapter_only:

@@ -26,10 +26,14 @@ from absl import app, flags
 from flax import nnx
 from ml_collections import config_flags
 
-from moetrain import runtime, storage
+from moetrain.convert.hf import load_model
 from moetrain.convert.stacked_io import to_host
-from moetrain.data import pipeline
+from moetrain.core import runtime, storage
+from moetrain.data import loader
+from moetrain.data.tokenizer import load_tokenizer
 from moetrain.model.decode import decode_step, prefill
+from moetrain.run import startup
+from moetrain.training.train_state import graphdef_of, merge_model
 
 
 def sample_top_p(logits_BV, key, temperature, top_p):
@@ -214,8 +218,6 @@ def define_flags():
 
 
 def load_hf(path: str):
-  from moetrain.convert.hf import load_model
-  from moetrain.data.tokenizer import load_tokenizer
 
   return load_model(path, dtype=jnp.float32), load_tokenizer(path)
 
@@ -225,17 +227,15 @@ def load_run(config, workdir: str | None, with_data: bool = False):
   init.hf_checkpoint, else random) when there is none; the frozen base of a LoRA run is rebuilt
   from its source, as training does. Returns (model, tokenizer, step), and the run's data
   settings (its chat template) after them if with_data."""
-  from moetrain import setup as setup_lib
-  from moetrain.train_state import graphdef_of, merge_model
 
-  setup = setup_lib.tool_setup(config, workdir)
+  setup = startup.tool_setup(config, workdir)
   # Decoded or exported by layer index: read in layer order.
-  setup = dataclasses.replace(setup, model=setup_lib.without_repeats(setup.model))
-  tokenizer = pipeline.make_tokenizer(setup.data, workdir)
-  setup_lib.check_tokenizer_fits(tokenizer, setup)  # before the (slow) load
+  setup = dataclasses.replace(setup, model=startup.without_repeats(setup.model))
+  tokenizer = loader.make_tokenizer(setup.data, workdir)
+  startup.check_tokenizer_fits(tokenizer, setup)  # before the (slow) load
   mesh = setup.make_mesh()
   with jax.set_mesh(mesh):
-    state = setup_lib.load_latest(setup, workdir, mesh)
+    state = startup.load_latest(setup, workdir, mesh)
   model = merge_model(graphdef_of(setup.model), state.params, state.moe_bias, state.frozen)
   return (model, tokenizer, int(state.step)) + ((setup.data,) if with_data else ())
 
@@ -252,7 +252,7 @@ def main(argv):
   check_sampling(f.temperature, f.top_p)
   conversations = chat_inputs(f.prompt, f.system, f.messages) if f.chat or f.messages else None
   if f.hf_checkpoint:
-    (model, tok), data = load_hf(f.hf_checkpoint), pipeline.DataConfig()
+    (model, tok), data = load_hf(f.hf_checkpoint), loader.DataConfig()
     source = f.hf_checkpoint
   else:
     model, tok, step, data = load_run(f.config, f.workdir, with_data=True)
@@ -260,7 +260,7 @@ def main(argv):
   if conversations is None:
     prompts = [(f.prompt, prompt_ids(tok, f.prompt, f.add_bos))]
   else:
-    fmt = pipeline.chat_format(data, tok)
+    fmt = loader.chat_format(data, tok)
     texts = [fmt.prompt(c) for c in conversations]  # the builtin template's bos: the packer's
     prompts = [(t, prompt_ids(tok, t, f.add_bos and fmt.builtin)) for t in texts]
   if runtime.is_primary():

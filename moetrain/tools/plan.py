@@ -9,17 +9,15 @@ python -m moetrain.tools.plan --config=configs/longcat_lora.py:variant=flash --t
 python -m moetrain.tools.plan --config=configs/deepseek_v3_lora.py --topology=cpu
 """
 
-from absl import app
+from absl import app, flags
 
-from moetrain.tools.sizes import dry_run
+from moetrain.core import runtime
+from moetrain.planner import tpu_plan
+from moetrain.planner.sizes import dry_run
 
 
 def main(argv):
   del argv
-  from absl import flags
-
-  from moetrain import runtime
-  from moetrain.tools import tpu_plan
 
   f = flags.FLAGS
   if f.topology.startswith('cpu'):
@@ -34,7 +32,7 @@ def main(argv):
     dry_run(f.config)
     return
   if f.topology.startswith('cpu'):
-    from moetrain.tools import cpu_plan
+    from moetrain.planner import cpu_plan
 
     if f.smallest or f.remat:
       raise app.UsageError('--smallest and --remat are for TPU slices; a CPU host takes --search')
@@ -47,7 +45,7 @@ if __name__ == '__main__':
   from absl import flags
   from ml_collections import config_flags
 
-  from moetrain import runtime
+  from moetrain.core import runtime
 
   config_flags.DEFINE_config_file('config', None, 'Experiment config file.', lock_config=True)
   flags.DEFINE_string(

@@ -24,8 +24,9 @@ import grain
 from absl import app, flags
 from ml_collections import config_flags
 
-from moetrain import runtime, setup
-from moetrain.data import pipeline
+from moetrain.core import runtime
+from moetrain.data import loader
+from moetrain.run import startup
 
 GREEN, RESET = '\033[32m', '\033[0m'
 
@@ -38,16 +39,16 @@ def define_flags():
   flags.DEFINE_bool('json', False, 'One {"ids", "loss_mask"} object per line.')
 
 
-def preview(cfg: pipeline.DataConfig, workdir: str | None, split: str, num: int):
+def preview(cfg: loader.DataConfig, workdir: str | None, split: str, num: int):
   """The tokenizer, and the tokenized pieces of the split's first `num` examples (an example
   gives several when data.split_long_texts splits it, none for a dropped part of a long text).
-  `cfg` is validated already (setup.tool_setup)."""
+  `cfg` is validated already (startup.tool_setup)."""
   if num <= 0:
     raise ValueError(f'--num={num} must be positive')
-  tokenizer = pipeline.make_tokenizer(cfg, workdir)
-  source = pipeline.open_source(cfg, split)
+  tokenizer = loader.make_tokenizer(cfg, workdir)
+  source = loader.open_source(cfg, split)
   ds = grain.MapDataset.source([source[i] for i in range(min(num, len(source)))])
-  out = pipeline.tokenized(cfg, tokenizer, ds, grain.ReadOptions(num_threads=1))
+  out = loader.tokenized(cfg, tokenizer, ds, grain.ReadOptions(num_threads=1))
   return tokenizer, [p for p in out if len(p['tokens'])]
 
 
@@ -70,7 +71,7 @@ def main(argv):
   runtime.start_command(preemption=False)
   del argv
   f = flags.FLAGS
-  cfg = setup.tool_setup(f.config, f.workdir).data
+  cfg = startup.tool_setup(f.config, f.workdir).data
   split = f.split or cfg.train_split
   color = sys.stdout.isatty()
   tokenizer, pieces = preview(cfg, f.workdir, split, f.num)

@@ -19,14 +19,14 @@ from absl import app, flags
 from jax.experimental import multihost_utils
 from ml_collections import config_flags
 
-from moetrain import rundir, runtime, sharding, storage
-from moetrain import setup as setup_lib
-from moetrain.data import pipeline
+from moetrain.core import runtime, sharding, storage
+from moetrain.data import loader
 from moetrain.distill import logits as logits_lib
 from moetrain.distill import teacher as teacher_lib
-from moetrain.evaluation import to_global
 from moetrain.kernels import distill as kd
-from moetrain.train_state import abstract_teacher, merge_teacher, state_shardings
+from moetrain.run import rundir, startup
+from moetrain.run.evaluation import to_global
+from moetrain.training.train_state import abstract_teacher, merge_teacher, state_shardings
 
 STEPS_PER_SHARD = 50
 
@@ -60,7 +60,7 @@ def top_k_fn(cfg, k: int, chunk: int):
 
 
 def _setup(config, top_k: int):
-  setup = setup_lib.build(rundir.with_absolute_paths(config))
+  setup = startup.build(rundir.with_absolute_paths(config))
   d = setup.distill
   if not d.enabled:
     raise ValueError('distill.teacher is empty: name the teacher whose logits to write')
@@ -105,18 +105,16 @@ def write(config, out: str, top_k: int = 0, steps_per_shard: int = STEPS_PER_SHA
   _start(out, logits_lib.manifest(setup, k, steps_per_shard, count))
   mesh = setup.make_mesh()
   # The teacher's weights as loaded, in layer order.
-  cfg = setup_lib.without_repeats(teacher_lib.model_config(setup.distill, setup.model))
+  cfg = startup.without_repeats(teacher_lib.model_config(setup.distill, setup.model))
   shards = -(-setup.train.steps // steps_per_shard)
   done, position = _done(out, process, shards)
-  tokenizer = pipeline.make_tokenizer(setup.data, None)
-  it = pipeline.make_train_iterator(
-    setup.data, tokenizer, process_index=process, process_count=count
-  )
+  tokenizer = loader.make_tokenizer(setup.data, None)
+  it = loader.make_train_iterator(setup.data, tokenizer, process_index=process, process_count=count)
   if position is not None:
     it.set_state(position)
   stats = {'positions': 0, 'bytes': 0}
   with jax.set_mesh(mesh):
-    weights = setup_lib.load_teacher(
+    weights = startup.load_teacher(
       setup.distill, cfg, mesh, state_shardings(abstract_teacher(cfg), mesh, cfg.rules)
     )
     fn, rows = top_k_fn(cfg, k, setup.model.loss_chunk), sharding.batch_sharding(mesh)

@@ -9,14 +9,14 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from moetrain.fields import check, field
+from moetrain.core.fields import check, field
+from moetrain.core.sharding import replicated
 from moetrain.kernels.cross_entropy import head_cross_entropy
 from moetrain.kernels.distill import Divergence, head_distillation
-from moetrain.model import pipeline
+from moetrain.model import stages
 from moetrain.model.config import ModelConfig
 from moetrain.model.moe import ROUTING_COUNTS, finish_routing_stats
-from moetrain.sharding import replicated
-from moetrain.train_state import TrainState, graphdef_of, merge_model, merge_teacher
+from moetrain.training.train_state import TrainState, graphdef_of, merge_model, merge_teacher
 
 off = functools.partial(field, check='non_negative', zero='0 = off')
 
@@ -197,7 +197,7 @@ def bias_update(moe_bias, load_LX, step, cfg: StepConfig):
   err_i = K_e/(K*N) - T_i/(K*T_all), b_i += mu * err_i (LongCat's proportional rule) or
   mu * sign(err_i) (DeepSeek-V3's). Zero-expert biases are never changed. load_LX: the MoE
   layers' loads in layer order; the groups of layers hold their biases in stored order
-  (pipeline.layer_order; a tree of one MoE module's biases, not keyed by group, takes them all)."""
+  (stages.layer_order; a tree of one MoE module's biases, not keyed by group, takes them all)."""
   mc = cfg.model
   e, k = mc.n_routed_experts, mc.moe_topk
   mu = cfg.bias_update_rate
@@ -215,8 +215,8 @@ def bias_update(moe_bias, load_LX, step, cfg: StepConfig):
   def update(path, b):
     start, count = offsets.get(path[0].key, (0, load_LX.shape[0]))
     delta = delta_LX[start : start + count]
-    if pipeline.layout(mc) != (1, 1):  # the biases' stored order
-      delta = delta[pipeline.layer_order(count, pipeline.layout(mc))]
+    if stages.layout(mc) != (1, 1):  # the biases' stored order
+      delta = delta[stages.layer_order(count, stages.layout(mc))]
     return b + delta.astype(b.dtype)
 
   return jax.tree_util.tree_map_with_path(update, moe_bias)

@@ -5,9 +5,15 @@ import functools
 import json
 import os
 
+import ml_collections
 from absl import logging
 
-from moetrain import storage
+from moetrain.core import fields, multihost, runtime, storage
+from moetrain.data import loader
+from moetrain.data import tokenizer as tokenizer_lib
+from moetrain.model.config import ModelConfig
+from moetrain.run import integrity, sections
+from moetrain.training import optim
 
 # (JAX, the model and the data pipeline are imported where used: `python -m moetrain.main` reads
 # the saved steps before it re-executes itself, runtime.start_command.)
@@ -17,8 +23,6 @@ from moetrain import storage
 def engine_fields() -> tuple[str, ...]:
   """How the model computes (may change on a resume); with init.hf_checkpoint these come from the
   config, the shapes from the checkpoint."""
-  from moetrain import fields
-  from moetrain.model.config import ModelConfig
 
   return fields.with_role(ModelConfig, 'engine')
 
@@ -26,10 +30,8 @@ def engine_fields() -> tuple[str, ...]:
 @functools.cache
 def stream_fields() -> tuple[str, ...]:
   """What shapes the training stream a checkpoint's data position points into."""
-  from moetrain import fields
-  from moetrain.data import pipeline
 
-  return fields.with_role(pipeline.DataConfig, 'stream')
+  return fields.with_role(loader.DataConfig, 'stream')
 
 
 def absolute(path):
@@ -45,7 +47,6 @@ def with_absolute_paths(config):
     config = {k: dict(v) if isinstance(v, dict) else v for k, v in config.items()}
   else:
     config = config.copy_and_resolve_references()
-  from moetrain import sections
 
   for section, key in sections.path_fields():
     if section in config and key in config[section]:
@@ -71,7 +72,6 @@ def tool_config(config, workdir: str | None):
     return config
   if not workdir:
     raise ValueError('pass --config, or --workdir of a run (its config.json is then used)')
-  import ml_collections
 
   path = storage.join(run_dir(workdir), 'config.json')
   if not storage.isfile(path):
@@ -182,7 +182,6 @@ def run_config(path: str) -> dict | None:
 def checkpoint_tokenizer(path: str) -> str:
   """The tokenizer file of a checkpoint: a Hugging Face directory's own, or the one a moetrain
   run directory trained with (a distillation teacher's)."""
-  from moetrain.data import tokenizer as tokenizer_lib
 
   saved = run_config(path)
   if saved is not None:  # as that run read it (a teacher that was itself distilled: its teacher's)
@@ -194,7 +193,6 @@ def checkpoint_tokenizer(path: str) -> str:
 
 
 def _with_defaults(saved: dict) -> dict:
-  from moetrain import sections
 
   return sections.with_defaults(saved)
 
@@ -202,7 +200,6 @@ def _with_defaults(saved: dict) -> dict:
 def _tokenizer_diffs(saved: dict, now: dict, workdir: str) -> list[str]:
   """The weights know the run's token ids: another tokenizer makes them read other text (and
   with none given, a tool would train one into the run directory)."""
-  from moetrain.data import tokenizer as tokenizer_lib
 
   def tokenizer(c):  # the file it reads: read_tokenizer's, or the run's own
     path = read_tokenizer(c)
@@ -241,7 +238,6 @@ SCHEDULE_FIELDS = (
 def _warn_schedule_changes(saved: dict, now: dict, workdir: str, step: int) -> None:
   """The learning-rate schedule is a function of these settings: a resume that changes one
   (a longer train.steps stretches the cosine) moves the rate from the resumed step on."""
-  from moetrain import optim
 
   get = lambda d, key: d[key.split('.')[0]][key.split('.')[1]]
   changed = [
@@ -263,7 +259,7 @@ def _warn_schedule_changes(saved: dict, now: dict, workdir: str, step: int) -> N
 
 def run_dir(workdir: str) -> str:
   """A run directory: a local path made absolute, or an object-store URL (gs://bucket/run, see
-  moetrain/storage.py). On several hosts it must be one place they all reach (a bucket, or a
+  moetrain/core/storage.py). On several hosts it must be one place they all reach (a bucket, or a
   shared filesystem), as Orbax's checkpoints are written by every host."""
   if storage.is_url(workdir):
     storage.check_url(workdir, f'--workdir={workdir}')
@@ -291,7 +287,7 @@ def config_json(config, setup) -> str:
   is still checked against)."""
   saved = json.loads(config.to_json_best_effort())
   if setup.hf_checkpoint:
-    from moetrain import fields
+    from moetrain.core import fields
 
     keys = fields.keys(type(setup.model))
     saved['model_from_checkpoint'] = {k: getattr(setup.model, k) for k in keys}
@@ -346,7 +342,6 @@ INPUTS = 'inputs.json'  # content fingerprints of the run's tokenizer and data f
 def tokenizer_path(data, workdir: str) -> str:
   """The tokenizer a run reads: data.tokenizer (build() sets the checkpoint's for
   init.hf_checkpoint), else the one trained into the run directory."""
-  from moetrain.data import tokenizer as tokenizer_lib
 
   return data.tokenizer or storage.join(run_dir(workdir), tokenizer_lib.SPM_FILE)
 
@@ -386,8 +381,6 @@ def _changed_tokenizer(was: dict, now: dict) -> str:
 
 def _fingerprinted(workdir: str, data, resuming: bool) -> dict:
   """The run's input record (INPUTS), checked against the recorded one when `resuming`."""
-  from moetrain import integrity
-  from moetrain.data import tokenizer as tokenizer_lib
 
   was = _recorded(workdir) if resuming else {}
   tokenizer_now = tokenizer_lib.tokenizer_files(tokenizer_path(data, workdir))
@@ -422,7 +415,6 @@ def check_inputs(workdir: str, data, resuming: bool) -> dict | None:
   record are not read again, integrity.fingerprints). On a resume a tokenizer whose content
   changed stops the run naming the file, and changed data files are warned of by name. Returns
   the record for `record_inputs` (None on the other processes, which stop with process 0)."""
-  from moetrain import multihost, runtime
 
   record, problem = None, ''
   if runtime.is_primary():
@@ -443,8 +435,6 @@ def record_inputs(workdir: str, record: dict | None) -> None:
 def check_tokenizer_content(workdir: str, tokenizer: str) -> None:
   """For a tool reading a run's weights: its tokenizer (data.tokenizer, else init.hf_checkpoint's,
   else the run's own: `tokenizer`='') must still be the one the run recorded."""
-  from moetrain import integrity
-  from moetrain.data import tokenizer as tokenizer_lib
 
   was = _recorded(workdir).get('tokenizer')
   if was:

@@ -1,6 +1,6 @@
 """Config keys declared once: each section of the config is a frozen dataclass, and each key a
 field of it with its default, its checks and its role. configs/base.py, the resume checks and
-the validation all read these declarations (moetrain.setup.SECTIONS lists the sections)."""
+the validation all read these declarations (moetrain.run.startup.SECTIONS lists the sections)."""
 
 import dataclasses
 import math

@@ -18,7 +18,10 @@ import jax
 import orbax.checkpoint as ocp
 from absl import logging
 
-from moetrain import checkpoint, rundir, storage
+from moetrain.convert import safetensors_io as stio
+from moetrain.core import storage
+from moetrain.run import checkpoint, rundir
+from moetrain.training import aot
 
 KEY_FILE = 'moetrain_base.json'
 VERSION = 1
@@ -28,7 +31,6 @@ LAYOUT = ('rules', 'platform', 'mesh_shape')
 
 
 def key(setup) -> dict:
-  from moetrain.convert import safetensors_io as stio
 
   hf = setup.hf_checkpoint
   files = {
@@ -64,7 +66,6 @@ def restore(setup, mesh, where: tuple[str, dict]):
   marker = storage.join(directory, KEY_FILE)
   if not storage.exists(marker) or json.loads(storage.read_text(marker)) != k:
     return None
-  from moetrain import aot
 
   abstract, _ = aot.abstract_state(setup, mesh)
   parts = {name: getattr(abstract, name) for name in ('params', 'moe_bias', 'frozen')}

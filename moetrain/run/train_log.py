@@ -7,8 +7,8 @@ import math
 import jax
 import jax.numpy as jnp
 
-from moetrain import metrics as metrics_lib
-from moetrain import multihost, runtime
+from moetrain.core import multihost, runtime
+from moetrain.run import metrics as metrics_lib
 
 
 class TrainLog:

@@ -12,11 +12,11 @@ import grain
 import numpy as np
 from absl import logging
 
-from moetrain import storage
+from moetrain.core import storage
+from moetrain.core.fields import check, field
 from moetrain.data import chat, packing, sources
 from moetrain.data import tokenizer as tokenizer_lib
 from moetrain.data.tokenizer import Tokenizer, get_or_train_tokenizer
-from moetrain.fields import check, field
 
 SOURCES = ('demo', 'jsonl', 'text', 'tfds')
 DEMO_SPLITS = ('train', 'eval')

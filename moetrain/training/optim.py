@@ -8,7 +8,7 @@ import jax
 import optax
 from flax import nnx
 
-from moetrain.fields import check, field
+from moetrain.core.fields import check, field
 
 
 @dataclasses.dataclass(frozen=True)

@@ -1,5 +1,5 @@
 """Process settings for fast host (CPU) execution, applied by the command-line entry points.
-(Design: docs/design.md, "moetrain/runtime.py".)"""
+(Design: docs/design.md, "moetrain/core/runtime.py".)"""
 
 import contextlib
 import functools
@@ -191,7 +191,7 @@ def initialize_distributed(preemption: bool = True, resume_step: int | None = No
       raise app.UsageError(
         '--num_processes needs --process_id and --coordinator_address (or $JAX_COORDINATOR_ADDRESS)'
       )
-  from moetrain import multihost
+  from moetrain.core import multihost
 
   timeout = f.peer_timeout if 'peer_timeout' in f else multihost.PEER_TIMEOUT
   where = f'process {f.process_id} of {f.num_processes}' if explicit else 'this process'
@@ -396,7 +396,7 @@ def _leave_the_job(e: Exception) -> None:
   reset by peer") first gives the watch its time to name a peer that died, which then ends the
   process with that line. Then this process stops beating: others that did not fail with it
   stop after --peer_timeout, naming it; others that did meet it in JAX's shutdown at exit."""
-  multihost = sys.modules.get('moetrain.multihost')
+  multihost = sys.modules.get('moetrain.core.multihost')
   if multihost is None or not multihost.watching():
     return
   if not isinstance(e, USER_ERRORS):

@@ -1,6 +1,6 @@
 """A run's size without running it: parameter counts (total, routed, active per token,
 adapters), the expert-parallel exchange and loss-block buffers, and the step's largest buffers by
-arithmetic. Shared by the planner's CLI (tools/plan.py), its TPU compiles (tools/tpu_plan.py)
+arithmetic. Shared by the planner's CLI (tools/plan.py), its TPU compiles (planner/tpu_plan.py)
 and the trainer's --dry_run."""
 
 import dataclasses
@@ -10,10 +10,10 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from moetrain import sharding
+from moetrain.core import sharding
 from moetrain.model import expert_parallel
 from moetrain.model.transformer import Transformer
-from moetrain.setup import build
+from moetrain.run.startup import build
 
 
 def _size(tree) -> int:

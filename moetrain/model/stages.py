@@ -35,10 +35,10 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from moetrain import axes
+from moetrain.core import axes
+from moetrain.core.sharding import constrain, shift_stages, within_stages
 from moetrain.model.config import ModelConfig
 from moetrain.model.moe import ROUTING_COUNTS, finish_routing_stats
-from moetrain.sharding import constrain, shift_stages, within_stages
 
 ACT = axes.names('BTD')
 MICRO_IDS = (None, *axes.names('BT'))  # [M, B / M, T]: within_stages, replicated over 'stage'

@@ -11,8 +11,9 @@ import jax
 import orbax.checkpoint as ocp
 from absl import logging
 
-from moetrain import integrity, multihost, rundir, runtime, storage
-from moetrain.model import pipeline
+from moetrain.core import multihost, runtime, storage
+from moetrain.model import stages
+from moetrain.run import integrity, rundir
 
 # A checkpoint's meta entry: the (stages, repeats) order its stacked layers are stored in.
 LAYERS = 'layer_order'
@@ -340,7 +341,7 @@ class Checkpointer:
       )
     # Checkpoints without the key hold layer order.
     src = tuple(out['meta'].get(LAYERS, (1, 1)))
-    state = pipeline.reorder(unflatten_like(saved, out['state']), src, self.layers)
+    state = stages.reorder(unflatten_like(saved, out['state']), src, self.layers)
     return state, out['data'], out['meta']
 
   def wait(self) -> None:

@@ -9,7 +9,18 @@ import multiprocessing
 import os
 import pathlib
 
-from moetrain import topology as topology_lib
+import jax
+
+from moetrain.core import hlo_cost, hlo_memory, sharding
+from moetrain.core.sharding import full_shape
+from moetrain.model import dispatch, expert_parallel, stages
+from moetrain.model.config import REMAT_POLICIES
+from moetrain.planner import sizes
+from moetrain.planner import topology as topology_lib
+from moetrain.planner.sizes import bytes_text
+from moetrain.run import metrics
+from moetrain.run.startup import build
+from moetrain.training import aot
 
 HEADROOM = 0.10  # --search and --smallest keep plans that leave this much of the HBM free
 # Where plans are cached (MOETRAIN_PLAN_CACHE moves it).
@@ -36,8 +47,6 @@ def model_flops(setup) -> tuple[float, str]:
   multiply-add, backward twice that, frozen base or not: attention has no weights to skip):
   metrics.attention_params_equivalent, as the training log's MFU. Remat recomputation is not
   model work."""
-  from moetrain import metrics
-  from moetrain.tools import sizes
 
   cfg = setup.model
   counts = sizes.param_counts(cfg)
@@ -62,8 +71,6 @@ def recompute_flops(setup) -> tuple[float, str]:
   'save_dots' on a CPU (whose grouped engine is a loop, not a dot) the routed experts and the
   attention core, 'none' nothing. The compiled step counts them where its loops have static
   trip counts (a TPU plan's estimate reads them there); the CPU plan adds them to model_flops."""
-  from moetrain import metrics
-  from moetrain.tools import sizes
 
   cfg = setup.model
   counts = sizes.param_counts(cfg)
@@ -83,9 +90,6 @@ def recompute_flops(setup) -> tuple[float, str]:
 
 def plan(config, topology: str, overrides: dict | None = None, progress=None) -> dict:
   """Compile `config` (with `overrides`) for `topology`; the per-device report. progress(line)."""
-  from moetrain import aot, hlo_cost
-  from moetrain.setup import build
-  from moetrain.tools import sizes
 
   topo = topology_lib.parse(topology)
   config = with_overrides(config, overrides or {})
@@ -138,8 +142,6 @@ def plan(config, topology: str, overrides: dict | None = None, progress=None) ->
 
 def base_report(setup, topo, overrides) -> dict:
   """What a plan reports before compiling: the slice, the mesh, the engine, the pipeline."""
-  from moetrain import aot, sharding
-  from moetrain.tools import sizes
 
   return {
     'topology': topo.cloud_name,
@@ -157,8 +159,7 @@ def base_report(setup, topo, overrides) -> dict:
 
 def peak_buffers(compiled, top: int = 6) -> dict:
   """What is alive at the train step's peak, by a liveness walk over its scheduled HLO
-  (moetrain.hlo_memory: a lower estimate of the compiler's temporaries)."""
-  from moetrain import hlo_memory
+  (moetrain.core.hlo_memory: a lower estimate of the compiler's temporaries)."""
 
   p = hlo_memory.peak(compiled.executable.as_text())
   floor = max(2**20, compiled.memory['temporaries'] // 100)
@@ -166,7 +167,6 @@ def peak_buffers(compiled, top: int = 6) -> dict:
 
 
 def engine_of(cfg) -> dict:
-  from moetrain.model import dispatch, expert_parallel
 
   return {
     'moe_backend': dispatch.resolve_backend(cfg),
@@ -198,7 +198,6 @@ def estimate(cost, chip, model_flops_per_chip: float, data, dcn_bytes=None) -> d
 
 
 def _gib(n) -> str:
-  from moetrain.tools.sizes import bytes_text
 
   return bytes_text(n) if n is not None else '?'
 
@@ -276,11 +275,10 @@ def _print_pipeline(p: dict) -> None:
 
 
 def _print_peak(pb: dict, temporaries: int) -> None:
-  from moetrain import hlo_memory
 
   print(
     f'alive at the peak (a liveness walk over the scheduled HLO finds {_gib(pb["bytes"])} of '
-    f'the {_gib(temporaries)} reported; moetrain.hlo_memory):'
+    f'the {_gib(temporaries)} reported; moetrain.core.hlo_memory):'
   )
   for e in pb['live']:
     label = hlo_memory.short_label(e['label'], 90) or e['name']
@@ -299,7 +297,6 @@ def _arg(v) -> str:
 
 def _cache_key(config, topology: str, overrides: dict, host: str = '') -> str:
   """host: what else the plan depends on (a CPU plan: the host it was measured on)."""
-  import jax
 
   src = pathlib.Path(__file__).resolve().parents[1]
   code = hashlib.sha256()
@@ -403,7 +400,6 @@ def neighbours(config, devices: int, base: dict, slices: int = 1) -> list[dict]:
   (dropless unbounded or with a bounded receive buffer, or capacity), remat, micro-batches,
   under LoRA the base's storage, and across `slices` slices a pipeline stage per slice. Changes
   to what `base` already has are left out."""
-  from moetrain.sharding import full_shape
 
   m = config.model
   now = with_overrides(config, base)
@@ -431,8 +427,6 @@ def pipeline_neighbours(config, now, slices: int) -> list[dict]:
   data-center network, docs/pipeline.md) in S, 2S or 4S micro-batches, keeping the expert axis;
   from a pipelined setting, the circular schedule with 2 repeats (or back to 1) and no pipeline
   (the config's own mesh.dcn_shape)."""
-  from moetrain.model import pipeline
-  from moetrain.sharding import full_shape
 
   if slices < 2:
     return []
@@ -445,12 +439,12 @@ def pipeline_neighbours(config, now, slices: int) -> list[dict]:
     if rows % (k * slices) == 0
   ]
   if shape[0] > 1:
-    from moetrain.setup import model_config
+    from moetrain.run.startup import model_config
 
     repeats = 1 if now.model.pipeline_repeats > 1 else 2
     cfg = model_config(now).laid_out('tpu', shape)
     try:
-      pipeline.check(dataclasses.replace(cfg, pipeline_repeats=repeats))
+      stages.check(dataclasses.replace(cfg, pipeline_repeats=repeats))
       out.append({'model.pipeline_repeats': repeats})
     except ValueError:  # layer runs the repeats do not split
       pass
@@ -572,7 +566,6 @@ def remat_table(config, topology: str, workers: int, cache: str = CACHE) -> list
   """The step compiled under every remat policy: what each keeps per device and what it
   recomputes, against `none` (nothing recomputed, every activation kept) and the configured one.
   One row per policy: the plan, and for those that compiled their bytes and FLOPs as ratios."""
-  from moetrain.model.config import REMAT_POLICIES
 
   plans = plan_many(
     config, [(topology, {'model.remat': p}) for p in REMAT_POLICIES], workers, cache

@@ -9,11 +9,13 @@ import time
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.experimental.compilation_cache import compilation_cache
 from jax.experimental.layout import Format, Layout
 
-from moetrain import hlo_cost, optim, sharding
-from moetrain.train_state import abstract_teacher, graphdef_of, init_state, state_shardings
-from moetrain.train_step import compiler_options, eval_step, jit_train_step
+from moetrain.core import hlo_cost, sharding
+from moetrain.training import optim
+from moetrain.training.train_state import abstract_teacher, graphdef_of, init_state, state_shardings
+from moetrain.training.train_step import compiler_options, eval_step, jit_train_step
 
 BATCH_FIELDS = ('inputs', 'targets', 'positions', 'segment_ids', 'loss_mask')
 
@@ -66,7 +68,7 @@ def compiler_layouts(setup) -> bool:
 
 
 def train_step_fn(setup, mesh, shardings):
-  """The jitted train step the loop runs (moetrain.train.run) and the planner compiles. Where
+  """The jitted train step the loop runs (moetrain.run.train.run) and the planner compiles. Where
   compiler_layouts, the frozen base's layouts are Layout.AUTO: XLA picks them (with the
   defaults, XLA:TPU relayouts the frozen base into its micro-batch loop's layout inside every
   step), the compiled step's input_formats say which (state_formats), and the run moves the
@@ -188,7 +190,6 @@ def oom_message(error: str) -> str:
 def compile_fn(name: str, fn, args, analyse: bool = True, cache: bool = True) -> Compiled:
   """cache=False keeps the persistent compilation cache out of it: compile-only (topology)
   executables cannot be read back from it, and one read back lacks its HLO's loops."""
-  from jax.experimental.compilation_cache import compilation_cache
 
   t = time.perf_counter()
   enabled = jax.config.jax_enable_compilation_cache

@@ -9,14 +9,15 @@ import jax
 import jax.numpy as jnp
 from absl import logging
 
-from moetrain import aot, lease, multihost, optim, rundir, runtime, sharding, storage, train_log
-from moetrain import metrics as metrics_lib
-from moetrain.checkpoint import Checkpointer, process_data_state
-from moetrain.data import pipeline
+from moetrain.core import multihost, runtime, sharding, storage
+from moetrain.data import loader
 from moetrain.distill import logits as distill_logits
-from moetrain.evaluation import evaluate, to_global
-from moetrain.model import pipeline as model_pipeline
-from moetrain.setup import (
+from moetrain.model import stages
+from moetrain.run import lease, rundir, train_log
+from moetrain.run import metrics as metrics_lib
+from moetrain.run.checkpoint import Checkpointer, process_data_state
+from moetrain.run.evaluation import evaluate, to_global
+from moetrain.run.startup import (
   Setup,
   build,
   check_tokenizer_fits,
@@ -24,7 +25,8 @@ from moetrain.setup import (
   enable_compilation_cache,
   restore_or_init,
 )
-from moetrain.train_state import TrainState
+from moetrain.training import aot, optim
+from moetrain.training.train_state import TrainState
 
 
 @dataclasses.dataclass(frozen=True)
@@ -34,7 +36,7 @@ class Job:
   setup: Setup
   step_fn: Callable  # (state, batch) -> (state, metrics), compiled
   eval_fn: Callable  # (state, batch) -> sums
-  train_iter: pipeline.DataIterator
+  train_iter: loader.DataIterator
   eval_batches: list
   ckpt: Checkpointer
   writer: metrics_lib.Writer
@@ -84,7 +86,7 @@ def _run(config, workdir: str, setup: Setup, mesh) -> dict:
     keep=t.keep_checkpoints,
     async_save=t.async_checkpoint,
     verify=t.verify_checkpoints,
-    layers=model_pipeline.layout(setup.model),
+    layers=stages.layout(setup.model),
   )
   if t.resume_step:  # back to an earlier checkpoint: the newer ones are set aside
     ckpt.resume_from(t.resume_step)
@@ -130,15 +132,15 @@ def start(config, workdir: str, setup: Setup, mesh, ckpt: Checkpointer) -> tuple
   Then the step, compiled before any weight is read, and the state (restored, or initial)."""
   t = setup.train
   with runtime.phase('Tokenizer') as said:
-    tokenizer = pipeline.make_tokenizer(setup.data, workdir)
+    tokenizer = loader.make_tokenizer(setup.data, workdir)
     said['note'] = f' (a vocabulary of {tokenizer.vocab_size})'
   check_tokenizer_fits(tokenizer, setup, workdir)
-  pipeline.warn_if_tokenizer_is_foreign(setup.data, tokenizer)
+  loader.warn_if_tokenizer_is_foreign(setup.data, tokenizer)
   hosts = {'process_index': jax.process_index(), 'process_count': jax.process_count()}
-  train_iter = pipeline.make_train_iterator(setup.data, tokenizer, **hosts)
+  train_iter = loader.make_train_iterator(setup.data, tokenizer, **hosts)
   train_iter = distill_logits.attach(setup, train_iter, *hosts.values())  # (cached logits)
   with runtime.phase('Evaluation data') as said:
-    eval_batches = pipeline.make_eval_batches(
+    eval_batches = loader.make_eval_batches(
       setup.data, tokenizer, max_batches=t.eval_batches, **hosts
     )
     said['note'] = f' ({len(eval_batches)} batches)'

@@ -13,6 +13,9 @@ variable Google's clients read): `use_emulator` points TensorStore there too."""
 
 import builtins
 import contextlib
+import glob as glob_lib
+import hashlib
+import json
 import math
 import os
 import posixpath
@@ -20,7 +23,7 @@ import shutil
 import tempfile
 import time
 
-from moetrain import runtime
+from moetrain.core import runtime
 
 EMULATOR = 'STORAGE_EMULATOR_HOST'
 
@@ -288,7 +291,6 @@ def glob(pattern: str) -> list[str]:
     fs, p = _fs(pattern)
     scheme = pattern.split('://')[0]
     return sorted(f'{scheme}://{q}' for q in fs.glob(p) if fs.isfile(q))
-  import glob as glob_lib
 
   return sorted(p for p in glob_lib.glob(pattern, recursive=True) if os.path.isfile(p))
 
@@ -302,8 +304,6 @@ def local_copy(url: str, cache: str = CACHE) -> str:
   record by record (training data), which would otherwise cost a request per record."""
   if not is_url(url):
     return url
-  import hashlib
-  import json
 
   fs, p = _fs(url)
   info = fs.info(p)

@@ -4,11 +4,15 @@ would instead wait for the device queue to drain, idling the accelerator once pe
 training loop. Every process must make the same calls in the same order; with one process they
 return at once. Also the peer watch: a process that dies stops the others, naming it."""
 
+import atexit
 import json
+import os
+import sys
 import threading
 import time
 
 import jax
+from orbax.checkpoint import multihost as ocp_multihost
 
 # How long a host waits for the others: they are in lockstep through the step's collectives
 # anyway, so a long wait means a host died (or is still compiling).
@@ -29,7 +33,6 @@ class Exchange:
   def __call__(self, value: str, round_: int) -> list[str]:
     if jax.process_count() == 1:
       return [value]
-    from orbax.checkpoint import multihost as ocp_multihost
 
     client = ocp_multihost.get_jax_distributed_client()
     me = jax.process_index()
@@ -69,8 +72,6 @@ PEER_TIMEOUT = 45.0
 
 def _say_and_exit(message: str) -> None:
   """Ends this process from any thread: the main thread may be blocked in a collective."""
-  import os
-  import sys
 
   sys.stdout.flush()
   print(
@@ -83,7 +84,6 @@ def _say_and_exit(message: str) -> None:
 
 class _Watch:
   def __init__(self, timeout: float):
-    from orbax.checkpoint import multihost as ocp_multihost
 
     self.client = ocp_multihost.get_jax_distributed_client()
     self.me, self.count, self.timeout = jax.process_index(), jax.process_count(), timeout
@@ -151,7 +151,6 @@ def watch_peers(timeout: float = PEER_TIMEOUT) -> None:
   that finishes says so at exit; one that fails stops beating (`stop_watching(False)`)."""
   if jax.process_count() == 1 or _WATCH:
     return
-  import atexit
 
   _WATCH.append(_Watch(timeout))
   _WATCH[0].thread.start()

@@ -6,7 +6,7 @@ import hashlib
 import json
 import zlib
 
-from moetrain import storage
+from moetrain.core import storage
 
 MANIFEST = 'moetrain_manifest.json'
 CHUNK = 4 << 20

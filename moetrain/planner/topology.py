@@ -5,6 +5,8 @@ import math
 import os
 import re
 
+from jax.experimental import topologies
+
 
 @dataclasses.dataclass(frozen=True)
 class Chip:
@@ -133,7 +135,6 @@ def topology_devices(topology_name: str, slices: int = 1):
       'compiling for a TPU needs libtpu, which installs on any Linux x86-64 host: pip install -e '
       "'.[tpu]' (or pip install 'jax[tpu]')"
     ) from None
-  from jax.experimental import topologies
 
   kwargs = {'num_slices': slices} if slices > 1 else {}
   if math.prod(int(s) for s in topology_name.split(':')[1].split('x')) < 4:

@@ -18,7 +18,7 @@ import dataclasses
 import math
 import re
 
-from moetrain import hlo_cost
+from moetrain.core import hlo_cost
 
 _ARRAY = re.compile(r'\b([a-z]+\d*(?:e\d+m\d+(?:fn)?)?)\[([\d,]*)\](?:\{([\d,]*)([^}]*)\})?')
 _TILE = re.compile(r'T\(([\d,]+)\)')

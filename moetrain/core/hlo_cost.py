@@ -5,6 +5,7 @@ the loss blocks and gradient accumulation would be counted once each)."""
 import dataclasses
 import math
 import re
+import sys
 
 _DTYPE_BYTES = {
   'pred': 1, 's4': 0.5, 'u4': 0.5, 's8': 1, 'u8': 1, 'f8e4m3fn': 1, 'f8e5m2': 1,
@@ -450,9 +451,8 @@ def _traffic(instr: Instr, table: dict, comps: dict) -> float:
 
 
 def main(argv=None) -> None:
-  """python -m moetrain.hlo_cost MODULE.txt [N]: the totals and the top N matmul sites of an
+  """python -m moetrain.core.hlo_cost MODULE.txt [N]: the totals and the top N matmul sites of an
   optimized HLO text dump (XLA_FLAGS=--xla_dump_to=DIR --xla_dump_hlo_as_text)."""
-  import sys
 
   args = sys.argv[1:] if argv is None else argv
   text = open(args[0]).read()

@@ -12,18 +12,20 @@ import jax
 from absl import logging
 from flax import nnx
 
-from moetrain import axes, base_cache, fields, optim, rundir, runtime, sharding, storage
-from moetrain.checkpoint import Checkpointer, data_positions, process_data_state
-from moetrain.data import pipeline
+from moetrain.convert import hf, peft_adapter
+from moetrain.core import axes, fields, runtime, sharding, storage
+from moetrain.data import loader
 from moetrain.distill import logits as distill_logits
 from moetrain.distill import teacher as teacher_lib
 from moetrain.distill.config import DistillConfig
-from moetrain.model import dispatch
-from moetrain.model import pipeline as model_pipeline
+from moetrain.model import dispatch, stages
 from moetrain.model.config import LoraConfig, ModelConfig
 from moetrain.model.transformer import Transformer
-from moetrain.sections import InitConfig, LoopConfig
-from moetrain.train_state import (
+from moetrain.run import base_cache, rundir
+from moetrain.run.checkpoint import Checkpointer, data_positions, process_data_state
+from moetrain.run.sections import InitConfig, LoopConfig
+from moetrain.training import optim
+from moetrain.training.train_state import (
   TrainState,
   abstract_teacher,
   create_sharded,
@@ -35,7 +37,7 @@ from moetrain.train_state import (
   state_shardings,
   trainable_filter,
 )
-from moetrain.train_step import StepConfig
+from moetrain.training.train_step import StepConfig
 
 
 @dataclasses.dataclass(frozen=True)
@@ -43,7 +45,7 @@ class Setup:
   """The ConfigDict turned into the frozen dataclasses the library takes."""
 
   model: ModelConfig
-  data: pipeline.DataConfig
+  data: loader.DataConfig
   optim: optim.OptimConfig
   step: StepConfig
   mesh_shape: tuple[int, ...]
@@ -70,7 +72,6 @@ def model_config(config) -> ModelConfig:
   path = config.init.hf_checkpoint
   if not path:
     return ModelConfig(**config.model.to_dict(), lora=lora, rules=rules)
-  from moetrain.convert import hf
 
   engine = {k: config.model[k] for k in fields.with_role(ModelConfig, 'engine')}
   return hf.config_from_hf(hf.read_config(path), **engine, lora=lora, rules=rules)
@@ -97,14 +98,14 @@ def build(
     logging.warning(warning)
   sharding.check_axes_used(mesh_shape, config.mesh.rules)
   model.validate()
-  model_pipeline.check(model)
-  data = pipeline.DataConfig(**config.data.to_dict())
+  stages.check(model)
+  data = loader.DataConfig(**config.data.to_dict())
   if config.init.hf_checkpoint and not data.tokenizer:  # the checkpoint's own tokenizer
     data = dataclasses.replace(data, tokenizer=config.init.hf_checkpoint)
   distill, data, teacher = distill_setup(config, model, data, training)
-  pipeline.validate(data, process_count)
+  loader.validate(data, process_count)
   if training:
-    pipeline.check_training_data(data)
+    loader.check_training_data(data)
   opt = optim.OptimConfig(**config.optim.to_dict())
   train = LoopConfig(**config.train.to_dict())
   train.validate()
@@ -301,7 +302,6 @@ def initial_state(setup: Setup, optimizer, mesh) -> TrainState:
   rules = setup.model.rules
   if not setup.hf_checkpoint and not setup.peft_adapter:
     return create_sharded(setup.model, optimizer, setup.seed, mesh, rules)
-  from moetrain.convert import hf, peft_adapter
 
   if setup.hf_checkpoint:
     where = base_cache.entry(setup) if setup.base_cache else None
@@ -364,10 +364,10 @@ def stored(setup: Setup, state: TrainState) -> TrainState:
   """The state, assembled in layer order, in the order its step reads the stacked layers: a
   circular pipeline's (model.pipeline.layout); the teacher's by its own config."""
   teacher = state.teacher
-  state = model_pipeline.store(dataclasses.replace(state, teacher=None), setup.model)
+  state = stages.store(dataclasses.replace(state, teacher=None), setup.model)
   if teacher is None:
     return state
-  return dataclasses.replace(state, teacher=model_pipeline.store(teacher, setup.step.teacher))
+  return dataclasses.replace(state, teacher=stages.store(teacher, setup.step.teacher))
 
 
 def from_teacher(setup: Setup, state: TrainState, mesh, fresh: bool) -> TrainState:
@@ -402,7 +402,7 @@ def load_teacher(d: DistillConfig, teacher: ModelConfig, mesh, shardings) -> nnx
   else:
     import ml_collections
 
-    from moetrain import sections
+    from moetrain.run import sections
 
     config = ml_collections.ConfigDict(sections.with_defaults(saved))
     tsetup = build(rundir.tool_config(config, d.teacher), training=False)
@@ -442,7 +442,7 @@ def load_latest(setup: Setup, workdir: str | None, mesh) -> TrainState:
       keep=t.keep_checkpoints,
       async_save=False,
       verify=t.verify_checkpoints,
-      layers=model_pipeline.layout(setup.model),
+      layers=stages.layout(setup.model),
     )
     saved, _, _ = ckpt.restore(ckpt.latest_step(), state)
     state = dataclasses.replace(state, **saved)

@@ -11,7 +11,16 @@ import subprocess
 import sys
 import time
 
-from moetrain.tools import tpu_plan
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from moetrain.core import sharding
+from moetrain.model.transformer import Transformer
+from moetrain.planner import tpu_plan
+from moetrain.run.startup import build
+from moetrain.training import aot, optim
+from moetrain.training.train_state import init_state, state_shardings
 
 # This host's measured baseline and matmul rates (MOETRAIN_HOST_CACHE moves it).
 HOST_CACHE = os.environ.get('MOETRAIN_HOST_CACHE', '~/.cache/moetrain/host.json')
@@ -67,7 +76,6 @@ def _rss() -> int:
 
 
 def _fingerprint() -> str:
-  import jax
 
   cpu = platform.processor() or platform.machine()
   try:
@@ -84,7 +92,7 @@ def baseline_rss() -> int:
   """Peak resident bytes of a fresh Python that imports the training loop and starts JAX's CPU
   backend: what every run holds before its first array."""
   code = (
-    'import jax, moetrain.train, moetrain.main; jax.devices(); '
+    'import jax, moetrain.run.train, moetrain.main; jax.devices(); '
     "print(next(l for l in open('/proc/self/status') if l.startswith('VmHWM')).split()[1])"
   )
   env = {**os.environ, 'JAX_PLATFORMS': 'cpu', 'MOETRAIN_NO_REEXEC': '1'}
@@ -96,8 +104,6 @@ def baseline_rss() -> int:
 
 def matmul_rate(dtype: str, n: int = 2048, repeats: int = 5) -> float:
   """This host's best FLOP/s over `repeats` n x n x n matmuls in `dtype` (all its cores)."""
-  import jax
-  import jax.numpy as jnp
 
   with jax.default_device(jax.devices('cpu')[0]):
     a = jnp.ones((n, n), dtype)
@@ -141,7 +147,6 @@ def one_device(config) -> dict:
 
 
 def _bytes(tree) -> int:
-  import jax
 
   return sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(tree))
 
@@ -151,12 +156,6 @@ def start_up(setup, mesh) -> tuple[str, int]:
   import's largest per-layer piece (moetrain/convert/stacked_io.load_row: the float32 blocks
   read, their device copy and the quantiser's float32 temporaries; without quantisation the
   blocks and their copy; the embedding and head are read in chunks of CHUNK_BYTES)."""
-  import jax
-  from flax import nnx
-
-  from moetrain import optim
-  from moetrain.model.transformer import Transformer
-  from moetrain.train_state import init_state, state_shardings
 
   cfg = setup.model
   if setup.hf_checkpoint:
@@ -184,7 +183,6 @@ def host_bytes(setup, mesh, steps: dict, start: tuple, measured: dict, compiled:
   the largest of the train step's and the eval step's buffers, start-up's, and the checkpoint's
   staged copy (on top of the step's where an asynchronous save is still writing while the next
   steps run)."""
-  from moetrain import aot
 
   d, t = setup.data, setup.train
   train = steps['train'].memory
@@ -223,10 +221,6 @@ def rate_of(setup, host: Host, measured: dict) -> float:
 def plan(config, topology: str, overrides: dict | None = None, progress=None) -> dict:
   """Compile `config` (with `overrides`) for a CPU host; the report, in a TPU plan's fields
   (per_chip_bytes.total: the predicted peak resident memory). progress(line)."""
-  import jax
-
-  from moetrain import aot, sharding
-  from moetrain.setup import build
 
   host = parse(topology)
   overrides = dict(overrides or {})

@@ -13,7 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 from absl import logging
 
-from moetrain import storage
+from moetrain.core import storage
 from moetrain.model.config import ModelConfig
 
 # Dense bf16 peak FLOP/s per device, by jax device_kind prefix.

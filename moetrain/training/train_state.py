@@ -8,7 +8,7 @@ import jax.numpy as jnp
 import optax
 from flax import nnx
 
-from moetrain import sharding
+from moetrain.core import sharding
 from moetrain.model.config import ModelConfig
 from moetrain.model.moe import RouterBias
 from moetrain.model.transformer import Transformer

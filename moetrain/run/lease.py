@@ -1,5 +1,5 @@
 """One run per directory: a lease file in the run directory, held by the training job.
-(Design: docs/design.md, "moetrain/lease.py".)"""
+(Design: docs/design.md, "moetrain/run/lease.py".)"""
 
 import datetime
 import json
@@ -8,7 +8,7 @@ import socket
 import threading
 import time
 
-from moetrain import runtime, storage
+from moetrain.core import runtime, storage
 
 LEASE = 'lease.json'
 HEARTBEAT = 30.0  # seconds between renewals

@@ -1,0 +1,1 @@
+"""Low-level utilities: logical axes and config fields, the mesh and its sharding rules, run storage (local or gs://), the process runtime, agreement between hosts, and the analyses of compiled HLO (FLOPs and bytes, peak memory)."""

@@ -1,0 +1,1 @@
+"""A run's lifecycle: config sections, start-up (config -> Setup and the first state), the run directory, checkpoints and their checksums, the lease, the training loop, its progress records, metrics and evaluation."""

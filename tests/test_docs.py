@@ -2,6 +2,7 @@
 itself."""
 
 import ast
+import importlib
 import pathlib
 import re
 import subprocess
@@ -51,13 +52,17 @@ def test_readme_and_docs_links_resolve():
   assert not broken, broken
 
 
-def _headings(path: pathlib.Path) -> list[str]:
-  heads, in_code = [], False
+def _headings(path: pathlib.Path) -> list[tuple[str, str]]:
+  """Each heading's text and its anchor, in order (a repeated heading's anchor numbered)."""
+  heads, seen, in_code = [], {}, False
   for line in path.read_text().splitlines():
     if line.startswith('```'):
       in_code = not in_code
     elif not in_code and (m := re.match(r'#+ (.*)', line)):
-      heads.append(m.group(1).strip())
+      base = _anchor(m.group(1))
+      n = seen.get(base, 0)
+      seen[base] = n + 1
+      heads.append((m.group(1).strip(), base if n == 0 else f'{base}-{n}'))
   return heads
 
 
@@ -96,7 +101,7 @@ def test_every_results_citation_names_a_section_and_links_to_it():
     ]
     for m in CITATION.finditer(text):
       title = re.sub(r'\s+', ' ', m.group(1)).strip()
-      named = [h for h in heads if h == title or h.startswith(title)]
+      named = [a for h, a in heads if h == title or h.startswith(title)]
       where = f'{path.relative_to(REPO)}: "{title}"'
       if not named:
         stale.append(where)
@@ -104,10 +109,8 @@ def test_every_results_citation_names_a_section_and_links_to_it():
       if path.suffix != '.md' or path == REPO / 'docs' / 'config.md':
         continue
       targets = [t for s, e, t in links if s <= m.start() and m.end() <= e]
-      wanted = {_anchor(h) for h in named}
       if not any(
-        t.partition('#')[0].endswith('RESULTS.md') and t.partition('#')[2] in wanted
-        for t in targets
+        t.partition('#')[0].endswith('RESULTS.md') and t.partition('#')[2] in named for t in targets
       ):
         unlinked.append(where)
   assert not stale, f'no such heading in bench/RESULTS.md: {stale}'
@@ -130,8 +133,6 @@ FAMILY_NAMES = {
 
 def _model_types() -> tuple[str, ...]:
   """The registry's families: MODEL_TYPES, imported from the moetrain module that defines it."""
-  import importlib
-
   for path in sorted((REPO / 'moetrain').rglob('*.py')):
     tree = ast.parse(path.read_text())
     if any(

@@ -48,7 +48,9 @@ def write_checkpoint(directory: str) -> None:
   from moetrain.model.config import PRESETS
   from moetrain.model.transformer import Transformer
 
-  cfg = dataclasses.replace(PRESETS['tiny'], **LARGE, param_dtype='bfloat16', dtype='bfloat16')
+  cfg = dataclasses.replace(PRESETS['tiny'], **LARGE).with_engine(
+    param_dtype='bfloat16', dtype='bfloat16'
+  )
   model = Transformer(cfg, nnx.Rngs(0))
   hf.save_hf(model, cfg, directory, dtype=jnp.bfloat16)
 
@@ -66,8 +68,8 @@ def one(directory: str, quant: str, cache: str) -> dict:
   config.init.hf_checkpoint = directory
   config.data.tokenizer = str(DEMO_DIR / 'base' / 'tokenizer.model')  # (any that fits)
   config.init.base_cache = cache
-  config.model.quant = quant
-  config.model.param_dtype = 'bfloat16'
+  config.engine.quant = quant
+  config.engine.param_dtype = 'bfloat16'
   config.train.compilation_cache = ''
   setup = startup.build(config)
   optimizer = optim.make_optimizer(setup.optim, setup.train.steps)

@@ -34,7 +34,7 @@ HEADROOM = 0.10
 
 def plan(variant: str, storage: str) -> dict:
   flags = [f'--config={FAMILIES[variant]}:variant={variant}', *ROW]
-  flags.append(f'--config.model.quant={STORAGE[storage]}')
+  flags.append(f'--config.engine.quant={STORAGE[storage]}')
   with tempfile.NamedTemporaryFile(suffix='.json') as f:
     cmd = [
       sys.executable,

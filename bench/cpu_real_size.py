@@ -32,19 +32,19 @@ RUN = (
 PRESETS = {
   'moonlight_int4': (
     '--config=configs/deepseek_v3_lora.py:variant=moonlight_16b_a3b',
-    '--config.model.quant=int4',
+    '--config.engine.quant=int4',
     '--config.data.seq_len=1024',
     *RUN,
   ),
   # bench/hf_real_size.py's work (transformers + PEFT): OLMoE-1B-7B, LoRA over a bfloat16 base.
   'olmoe_bf16': (
     '--config=configs/olmoe_lora.py:variant=olmoe_1b_7b',
-    '--config.model.quant=none',
-    '--config.model.param_dtype=bfloat16',
+    '--config.engine.quant=none',
+    '--config.engine.param_dtype=bfloat16',
     '--config.data.seq_len=1024',
     *RUN,
   ),
-  'tiny': ('--config=configs/deepseek_v3_lora.py', '--config.model.quant=int4', *RUN),
+  'tiny': ('--config=configs/deepseek_v3_lora.py', '--config.engine.quant=int4', *RUN),
 }
 START_DONE = ('Initialising the model: done', 'Importing')
 
@@ -100,7 +100,7 @@ def model_flops(flags: list[str]) -> tuple[float, str, str, int]:
   config = tpu_plan.with_overrides(config, cpu_plan.one_device(config))
   setup = build(config, num_devices=1, process_count=1, platform='cpu')
   flops, formula = tpu_plan.model_flops(setup)
-  dtype = 'float32' if setup.model.dtype == 'float32' else 'bfloat16'
+  dtype = 'float32' if setup.model.engine.dtype == 'float32' else 'bfloat16'
   return flops, formula, dtype, setup.data.global_batch_size * setup.data.seq_len
 
 

@@ -9,7 +9,6 @@ lax.fori_loop (as generate() runs them, without per-step dispatch) after a prefi
 """
 
 import argparse
-import dataclasses
 import functools
 import statistics
 import time
@@ -37,7 +36,7 @@ def decode_loop(graphdef, state, cache, tok_B, start, *, steps: int, absorb: boo
 
 
 def run(preset: str, batch: int, prompt_len: int, steps: int, repeats: int) -> list[dict]:
-  cfg = dataclasses.replace(PRESETS[preset], dtype='float32', param_dtype='float32', remat='none')
+  cfg = PRESETS[preset].with_engine(dtype='float32', param_dtype='float32', remat='none')
   graphdef, state = nnx.split(Transformer(cfg, nnx.Rngs(0)))
   ids_BT = jax.random.randint(jax.random.key(1), (batch, prompt_len), 0, cfg.vocab_size)
   fill = jax.jit(lambda state, ids: prefill(nnx.merge(graphdef, state), ids, prompt_len + steps))

@@ -1,5 +1,5 @@
 """The GPU engine against the reference, on the machine it runs on: the MoE layer's output and
-gradients (input, router, expert weights and their LoRA adapters) with model.moe_backend=tokamax
+gradients (input, router, expert weights and their LoRA adapters) with engine.moe_backend=tokamax
 (on a GPU: tokamax's kernel for the device) and with the dense per-row reference, on skewed
 loads with empty experts and group sizes that no tile divides. One JSON record; exits non-zero
 where they disagree.
@@ -17,34 +17,35 @@ import numpy as np
 from flax import nnx
 
 from bench.common import emit, machine
+from moetrain.core.engine import LoraConfig
 from moetrain.model import dispatch
-from moetrain.model.config import LoraConfig, ModelConfig
+from moetrain.model.config import ModelConfig
 from moetrain.model.moe import MoE
 
 
 def layer(backend: str, dtype: str, tokamax: str = 'auto') -> ModelConfig:
   lora = LoraConfig(rank=8, alpha=16.0, targets=r'experts\.(gate|up|down)$')
-  return ModelConfig(
-    dtype=dtype,
-    vocab_size=64,
-    hidden_size=256,
-    num_layers=1,
-    num_heads=2,
-    q_lora_rank=16,
-    kv_lora_rank=16,
-    qk_nope_head_dim=8,
-    qk_rope_head_dim=8,
-    v_head_dim=8,
-    ffn_hidden_size=128,
-    expert_ffn_hidden_size=384,
-    n_routed_experts=8,
-    zero_expert_num=2,
-    moe_topk=3,
-    init_std=0.05,
-    moe_backend=backend,
-    tokamax_implementation=tokamax,
-    lora=lora,
-  ).laid_out(jax.default_backend(), ())
+  return (
+    ModelConfig(
+      vocab_size=64,
+      hidden_size=256,
+      num_layers=1,
+      num_heads=2,
+      q_lora_rank=16,
+      kv_lora_rank=16,
+      qk_nope_head_dim=8,
+      qk_rope_head_dim=8,
+      v_head_dim=8,
+      ffn_hidden_size=128,
+      expert_ffn_hidden_size=384,
+      n_routed_experts=8,
+      zero_expert_num=2,
+      moe_topk=3,
+      lora=lora,
+    )
+    .with_engine(dtype=dtype, init_std=0.05, moe_backend=backend, tokamax_implementation=tokamax)
+    .laid_out(jax.default_backend(), ())
+  )
 
 
 def outputs(cfg: ModelConfig, x, skew: float):
@@ -74,7 +75,7 @@ def main():
   ap.add_argument('--dtype', default='float32')
   ap.add_argument('--tokens', type=int, default=1000)
   ap.add_argument('--skew', type=float, default=0.05)
-  ap.add_argument('--tokamax', default='auto', help='model.tokamax_implementation')
+  ap.add_argument('--tokamax', default='auto', help='engine.tokamax_implementation')
   args = ap.parse_args()
   x = jax.random.normal(jax.random.key(1), (1, args.tokens, 256), jnp.float32)
   engine = layer('tokamax', args.dtype, args.tokamax)

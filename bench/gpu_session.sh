@@ -10,7 +10,7 @@
 #   SIZE=tiny bash bench/gpu_session.sh   # the same steps on small shapes: any machine, CPU too
 # What it compares (bench/RESULTS.md has the earlier H100 record): XLA:GPU runs ragged_dot as a
 # dense product over every expert unless its cuDNN grouped GEMM applies; tokamax's kernels
-# (model.moe_backend=tokamax, the GPU default where installed; Mosaic GPU or Triton, each record's
+# (engine.moe_backend=tokamax, the GPU default where installed; Mosaic GPU or Triton, each record's
 # tokamax_kernels says which ran per product) follow the group sizes; capacity buffers are the
 # fast-but-dropping baseline.
 # shellcheck disable=SC2086  # $PY, $MFU and $LAYER are split into words on purpose

@@ -8,7 +8,6 @@ placement functions; the median of the later ones is the steady-state rate.
 """
 
 import argparse
-import dataclasses
 import os
 import statistics
 import time
@@ -33,16 +32,16 @@ def main():
   if args.repeats < 1:
     ap.error('--repeats must be >= 1')
   args.dir = args.dir or f'/tmp/moetrain_medium_hf_{args.dtype}'  # a cached file per dtype
-  cfg = dataclasses.replace(PRESETS['medium'], param_dtype=args.dtype, dtype=args.dtype)
+  cfg = PRESETS['medium'].with_engine(param_dtype=args.dtype, dtype=args.dtype)
   if not os.path.exists(os.path.join(args.dir, 'config.json')):
-    model = Transformer(dataclasses.replace(cfg, param_dtype='float32'), nnx.Rngs(0))
+    model = Transformer(cfg.with_engine(param_dtype='float32'), nnx.Rngs(0))
     hf.save_hf(model, cfg, args.dir, dtype=jnp.dtype(args.dtype))
   size = sum(
     os.path.getsize(os.path.join(args.dir, f))
     for f in os.listdir(args.dir)
     if f.endswith('.safetensors')
   )
-  load_cfg = dataclasses.replace(cfg, quant=args.quant)
+  load_cfg = cfg.with_engine(quant=args.quant)
   times = []
   for _ in range(args.repeats + 1):
     t = time.perf_counter()

@@ -18,7 +18,6 @@ One JSON record per batch size.
 """
 
 import argparse
-import dataclasses
 import statistics
 import sys
 import time
@@ -116,7 +115,7 @@ def main():
   ap.add_argument('--steps', type=int, default=10)
   ap.add_argument('--remat', default='save_dots')
   ap.add_argument('--backend', default='auto')
-  ap.add_argument('--tokamax', default='auto', help='model.tokamax_implementation')
+  ap.add_argument('--tokamax', default='auto', help='engine.tokamax_implementation')
   ap.add_argument('--dispatch', default='dropless', choices=['dropless', 'capacity'])
   ap.add_argument('--capacity_factor', type=float, default=1.25)
   ap.add_argument('--dtype', default='bfloat16')
@@ -124,8 +123,7 @@ def main():
   ap.add_argument('--loss_chunk', type=int, default=PRESETS['medium'].loss_chunk)
   args = ap.parse_args()
   base = MFU_1B if args.preset == 'mfu1b' else PRESETS[args.preset]
-  cfg = dataclasses.replace(
-    base,
+  cfg = base.with_engine(
     dtype=args.dtype,
     remat=args.remat,
     moe_backend=args.backend,
@@ -149,8 +147,8 @@ def main():
     'tokamax_implementation': args.tokamax,
     'dispatch': args.dispatch,
     'capacity_factor': args.capacity_factor if args.dispatch == 'capacity' else None,
-    'scan_layers': cfg.scan_layers,
-    'loss_chunk': cfg.loss_chunk,
+    'scan_layers': cfg.engine.scan_layers,
+    'loss_chunk': cfg.engine.loss_chunk,
     **machine(),
   }
   for b in sorted(int(x) for x in args.batch.split(',')):

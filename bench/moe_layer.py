@@ -19,7 +19,6 @@ value never reaches a gradient through a linear loss, while the MoE layer needs 
 """
 
 import argparse
-import dataclasses
 
 import jax
 import jax.numpy as jnp
@@ -39,7 +38,7 @@ def main():
   ap = argparse.ArgumentParser()
   ap.add_argument('--tokens', type=int, default=2048)
   ap.add_argument('--backend', default='auto')
-  ap.add_argument('--tokamax', default='auto', help='model.tokamax_implementation')
+  ap.add_argument('--tokamax', default='auto', help='engine.tokamax_implementation')
   ap.add_argument('--dtype', default='float32')
   ap.add_argument('--dispatch', default='dropless', choices=['dropless', 'capacity'])
   ap.add_argument('--repeats', type=int, default=5)
@@ -51,14 +50,17 @@ def main():
     help="uneven expert loads: the routed experts' selection bias spans +-skew/(E+Z)",
   )
   args = ap.parse_args()
-  cfg = dataclasses.replace(
-    PRESETS['medium'],
-    dtype=args.dtype,
-    moe_backend=args.backend,
-    tokamax_implementation=args.tokamax,
-    moe_block_size=args.block,
-    moe_dispatch=args.dispatch,
-  ).laid_out(jax.default_backend(), ())  # the engine 'auto' picks for this machine
+  cfg = (
+    PRESETS['medium']
+    .with_engine(
+      dtype=args.dtype,
+      moe_backend=args.backend,
+      tokamax_implementation=args.tokamax,
+      moe_block_size=args.block,
+      moe_dispatch=args.dispatch,
+    )
+    .laid_out(jax.default_backend(), ())
+  )  # the engine 'auto' picks for this machine
   moe = MoE(cfg, 'layers.moe', nnx.Rngs(0))
   e, x_all = cfg.n_routed_experts, cfg.num_experts_total
   spread = args.skew / x_all * jnp.linspace(-1.0, 1.0, e)

@@ -42,9 +42,9 @@ class Point:
 
 _FULL_TRAINING = {
   'lora.rank': 0,
-  'model.param_dtype': 'float32',
-  'model.remat': 'full',
-  'model.moe_dispatch': 'dropless',
+  'engine.param_dtype': 'float32',
+  'engine.remat': 'full',
+  'engine.moe_dispatch': 'dropless',
   'mesh.shape': (1, -1, 1, 1),
 }
 _MAXTEXT_COMMON = (
@@ -72,7 +72,7 @@ POINTS = {
     ),
     'MaxText defaults kept: splash attention (block 512), megablox, capacity_factor=-1 '
     '(dropless), AdamW with weight decay 0.1 and clipping 1.0.',
-    {'gather_weights=False': {'model.gather_weights': False}},
+    {'gather_weights=False': {'engine.gather_weights': False}},
   ),
   'qwen3_30b_a3b': Point(
     'v5p-32',

@@ -14,7 +14,6 @@ time.
 """
 
 import argparse
-import dataclasses
 import functools
 
 import jax
@@ -28,7 +27,7 @@ from moetrain.model.config import ModelConfig
 from moetrain.training.train_state import create_sharded, graphdef_of
 from moetrain.training.train_step import StepConfig, loss_fn, token_counts
 
-CFG = ModelConfig(num_layers=4, dtype='float32', remat='full')
+CFG = ModelConfig(num_layers=4).with_engine(dtype='float32', remat='full')
 
 
 def batch(rows: int, t: int = 64, vocab: int = 512):
@@ -47,11 +46,11 @@ def batch(rows: int, t: int = 64, vocab: int = 512):
 def step_time(mesh_shape, m: int, r: int, rows: int, repeats: int) -> float:
   mesh = sharding.make_mesh(mesh_shape)
   rules = sharding.Rules.preset('fsdp_ep_tp')
-  cfg = dataclasses.replace(CFG, pipeline_microbatches=m, pipeline_repeats=r, rules=rules)
+  cfg = CFG.with_engine(pipeline_microbatches=m, pipeline_repeats=r, rules=rules)
   cfg = cfg.laid_out('cpu', mesh)
   stages.check(cfg)
   with jax.set_mesh(mesh):
-    state = stages.store(create_sharded(cfg, optax.sgd(1.0), 0, mesh, cfg.rules), cfg)
+    state = stages.store(create_sharded(cfg, optax.sgd(1.0), 0, mesh, cfg.engine.rules), cfg)
     b = {k: jax.device_put(v, sharding.batch_sharding(mesh)) for k, v in batch(rows).items()}
     step = StepConfig(model=cfg)
 

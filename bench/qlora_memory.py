@@ -12,7 +12,8 @@ import jax
 from flax import nnx
 
 from bench.common import emit, machine
-from moetrain.model.config import PRESETS, LoraConfig
+from moetrain.core.engine import LoraConfig
+from moetrain.model.config import PRESETS
 from moetrain.model.transformer import Transformer
 from moetrain.training.train_state import split_model
 
@@ -20,11 +21,11 @@ from moetrain.training.train_state import split_model
 def frozen_bytes(mode: str, group: int):
   lora = LoraConfig(rank=16, targets=r'attn|mlp|experts')
   dtype = 'bfloat16' if mode == 'none' else 'float32'
-  cfg = dataclasses.replace(
-    PRESETS['medium'], lora=lora, quant=mode, quant_group_size=group, param_dtype=dtype
+  cfg = dataclasses.replace(PRESETS['medium'], lora=lora).with_engine(
+    quant=mode, quant_group_size=group, param_dtype=dtype
   )
   frozen = jax.jit(lambda: split_model(Transformer(cfg, nnx.Rngs(0)), cfg)[3])()
-  plain = dataclasses.replace(cfg, quant='none')
+  plain = cfg.with_engine(quant='none')
   n_params = sum(
     x.size
     for x in jax.tree.leaves(

@@ -31,8 +31,8 @@ def config_for(variant: dict, steps: int):
   mod = importlib.util.module_from_spec(spec)
   spec.loader.exec_module(mod)
   config = mod.get_config('variant=tiny')
-  config.model.quant = variant['quant']
-  config.model.param_dtype = variant['param_dtype']
+  config.engine.quant = variant['quant']
+  config.engine.param_dtype = variant['param_dtype']
   config.lora.rank = variant['rank']
   if variant['rank'] == 0:
     config.optim.learning_rate = 1e-3  # full fine-tuning of every weight wants a smaller step

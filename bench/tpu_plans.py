@@ -20,8 +20,8 @@ from configs import (
 )
 from moetrain.planner import tpu_plan
 
-INT8 = {'model.quant': 'int8'}
-INT4 = {'model.quant': 'int4'}
+INT8 = {'engine.quant': 'int8'}
+INT4 = {'engine.quant': 'int4'}
 
 
 def flash(module, topology: str, overrides: dict) -> tuple:
@@ -32,7 +32,7 @@ def _kaggle(expert: int) -> dict:
   return {
     **INT4,
     'mesh.shape': (1, -1, expert, 1),
-    'model.moe_ep_recv_factor': 2.0,
+    'engine.moe_ep_recv_factor': 2.0,
     'data.global_batch_size': 8,
     'data.eval_batch_size': 8,
   }
@@ -85,7 +85,7 @@ PLANS = {
     {
       **INT4,
       'mesh.shape': (1, -1, 8, 1),
-      'model.moe_ep_recv_factor': 2.0,
+      'engine.moe_ep_recv_factor': 2.0,
       'data.global_batch_size': 8,
       'data.eval_batch_size': 8,
     },
@@ -108,7 +108,7 @@ PLANS = {
     gpt_oss_lora,
     'variant=gpt_oss_20b',
     'v5litepod-8',
-    {**_kaggle(8), 'model.moe_backend': 'megablox'},
+    {**_kaggle(8), 'engine.moe_backend': 'megablox'},
   ),
   'olmoe-int4-v5e-1': (
     'OLMoE-1B-7B',

@@ -28,7 +28,8 @@ import numpy as np
 import optax
 
 from bench.common import emit, machine
-from moetrain.model.config import PRESETS, LoraConfig
+from moetrain.core.engine import LoraConfig
+from moetrain.model.config import PRESETS
 from moetrain.training.train_state import init_state
 from moetrain.training.train_step import StepConfig, jit_train_step
 
@@ -38,8 +39,8 @@ LORA_TARGETS = r'attn_\d\.(q_a|q_b|kv_a|kv_b|o)$|mlp_\d\.(gate|up|down)$|experts
 def make_step(mode: str, quant: str, dtype: str, remat: str, backend: str, batch=4, seq=512, **kw):
   """The issue's medium config and batch; kw overrides other ModelConfig fields."""
   lora = LoraConfig(rank=16, alpha=32.0, targets=LORA_TARGETS) if mode == 'lora' else LoraConfig()
-  cfg = dataclasses.replace(
-    PRESETS['medium'], dtype=dtype, remat=remat, lora=lora, quant=quant, moe_backend=backend, **kw
+  cfg = dataclasses.replace(PRESETS['medium'], lora=lora, **kw).with_engine(
+    dtype=dtype, remat=remat, quant=quant, moe_backend=backend
   )
   return build_step(cfg, batch, seq)
 

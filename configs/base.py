@@ -37,7 +37,7 @@ def set_pod(config, expert: int, seq_len: int, global_batch_size: int, eval_batc
   """A real model on a TPU slice: experts over `expert` devices, FSDP over the rest; bf16
   weights; the tokenizer from the checkpoint (or set data.tokenizer). Batch sizes must be
   multiples of the batch shards (data * fsdp * expert)."""
-  config.model.param_dtype = 'bfloat16'
+  config.engine.param_dtype = 'bfloat16'
   config.mesh.shape = (1, -1, expert, 1)
   config.data.seq_len = seq_len
   config.data.global_batch_size = global_batch_size
@@ -52,7 +52,7 @@ class Pod(NamedTuple):
   expert: int  # expert axis; FSDP over the rest
   seq_len: int
   rows: int  # rows per step (and per eval batch)
-  recv_factor: float = 0.0  # model.moe_ep_recv_factor (0: dropless's worst case)
+  recv_factor: float = 0.0  # engine.moe_ep_recv_factor (0: dropless's worst case)
   micro_batches: int = 1  # optim.grad_accum_steps
 
 
@@ -68,7 +68,7 @@ def family_lora(arg, path: str, default: str, pods: dict):
   if variant in pods:
     pod = pods[variant]
     set_pod(config, pod.expert, pod.seq_len, pod.rows, pod.rows)
-    config.model.moe_ep_recv_factor = float(pod.recv_factor)
+    config.engine.moe_ep_recv_factor = float(pod.recv_factor)
     config.optim.grad_accum_steps = pod.micro_batches
   return config, variant
 
@@ -79,8 +79,8 @@ def set_flash_pod(config, global_batch_size: int, eval_batch_size: int) -> None:
   set_pod(config, 16, 8192, global_batch_size, eval_batch_size)
   # A worst-case (ep x) receive buffer per MoE layer does not fit a chip at this batch; twice the
   # local assignments does (moetrain.tools.plan --topology=v5p-128), and what overflows it goes
-  # in further rounds of the exchange (model.moe_ep_overflow): still dropless.
-  config.model.moe_ep_recv_factor = 2.0
+  # in further rounds of the exchange (engine.moe_ep_overflow): still dropless.
+  config.engine.moe_ep_recv_factor = 2.0
 
 
 def get_config() -> config_dict.ConfigDict:

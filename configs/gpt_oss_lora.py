@@ -8,7 +8,7 @@ Changes from base: the gpt-oss parts (GQA with q/k/v/o biases and attention sink
 and full layers alternating, YaRN; a router with a logit bias taking the top-k before its softmax;
 experts with biases and a clamped SwiGLU; the Switch balance loss); LoRA rank 8 on every attention
 projection, routed expert and the head; frozen base and router. The released MXFP4 experts are
-dequantised on load (to the run's dtype, or to int8/int4 with model.quant). Variants:
+dequantised on load (to the run's dtype, or to int8/int4 with engine.quant). Variants:
 'gpt_oss_tiny' (the default), 'gpt_oss_20b', 'gpt_oss_120b'. PEFT adapters cannot hold the
 experts' LoRA (fused parameters): export those merged.
 """

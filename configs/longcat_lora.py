@@ -23,7 +23,7 @@ def get_config(arg: str | None = None):
   config.lora.alpha = 16.0
   # The tiny demo keeps the base's learning rate (3e-3). At 1e-2 its adapters inflated the
   # residual stream that the final norm hides from the loss (logged hidden_z_loss 37 -> 4e7,
-  # grad-norm spikes of 131; the same with model.kernels=reference); at 3e-3 it peaks near 1.6e3
+  # grad-norm spikes of 131; the same with engine.kernels=reference); at 3e-3 it peaks near 1.6e3
   # with the same eval loss (bench/RESULTS.md, "The LoRA demo's hidden z-loss climb").
   if variant == 'flash':
     base.set_flash_pod(config, global_batch_size=64, eval_batch_size=64)

@@ -36,7 +36,7 @@ def main(argv):
 
   if config.init.hf_checkpoint:  # its config.json decides the shapes: none given on the side
     overrides = flags.FLAGS['config'].override_values
-    hf.check_overrides(config.init.hf_checkpoint, overrides, rundir.engine_fields())
+    hf.check_overrides(config.init.hf_checkpoint, overrides)
   if _DRY_RUN.value:
     sizes.dry_run(config)
     return

@@ -11,7 +11,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from moetrain.model.config import LORA_TARGETS, LoraConfig, ModelConfig
+from moetrain.core.engine import ENGINE_KEYS, LORA_TARGETS, LoraConfig
+from moetrain.model.config import ModelConfig
 from moetrain.model.transformer import Transformer
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -30,8 +31,6 @@ def run_command(module: str, *args: str, **env: str) -> subprocess.CompletedProc
 
 
 TINY = ModelConfig(
-  dtype='float32',
-  remat='none',
   vocab_size=64,
   hidden_size=32,
   num_layers=2,
@@ -46,13 +45,18 @@ TINY = ModelConfig(
   n_routed_experts=8,
   zero_expert_num=4,
   moe_topk=3,
-  init_std=0.2,
-)
+).with_engine(dtype='float32', remat='none', init_std=0.2)
 ALL_TARGETS = LORA_TARGETS  # every projection of every family
 
 
+def configured(cfg: ModelConfig, **kw) -> ModelConfig:
+  """cfg with model keys and engine keys changed, each in its own config."""
+  engine = {k: kw.pop(k) for k in list(kw) if k in ENGINE_KEYS}
+  return dataclasses.replace(cfg, **kw).with_engine(**engine)
+
+
 def tiny(**kw) -> ModelConfig:
-  return dataclasses.replace(TINY, **kw)
+  return configured(TINY, **kw)
 
 
 def tpu_proxy(layers: int) -> dict:
@@ -65,7 +69,7 @@ def tpu_proxy(layers: int) -> dict:
     'model.zero_expert_num': 0,
     'model.moe_topk': 4,
     'model.num_layers': layers,
-    'model.param_dtype': 'bfloat16',
+    'engine.param_dtype': 'bfloat16',
     'data.seq_len': 1024,
     'data.global_batch_size': 1,
     'data.eval_batch_size': 1,

@@ -22,7 +22,7 @@ RAGGED_A2A = jax.export.DisabledSafetyCheck.custom_call('ragged_all_to_all')
 
 def _export_moe_grad(cfg, platform, mesh_shape=None):
   if mesh_shape is not None:
-    cfg = cfg.laid_out(cfg.platform, mesh_shape)
+    cfg = cfg.laid_out(cfg.engine.platform, mesh_shape)
   moe = MoE(cfg, 'layers.moe', nnx.Rngs(0))
   gd, st = nnx.split(moe)
   x = jax.ShapeDtypeStruct((8, 64, cfg.hidden_size), jnp.bfloat16)
@@ -53,12 +53,12 @@ EP = dict(rules=sharding.Rules.preset('fsdp_ep_tp'), moe_ep_comm='ragged')
 def test_megablox_lowers_for_tpu():
   """Block shapes pass Mosaic's rules in the forward and in megablox's own VJP (which reuses the
   forward tiling for the transposed products); the thin LoRA products use ragged_dot."""
-  text = _export_moe_grad(dataclasses.replace(CFG, moe_backend='megablox'), 'tpu')
+  text = _export_moe_grad(CFG.with_engine(moe_backend='megablox'), 'tpu')
   assert text.count('tpu_custom_call') >= 3
 
 
 def test_ragged_expert_parallel_lowers_for_tpu():
-  cfg = dataclasses.replace(CFG, moe_backend='megablox', **EP)
+  cfg = dataclasses.replace(CFG, **EP).with_engine(moe_backend='megablox')
   text = _export_moe_grad(cfg, 'tpu', (1, 2, 4, 1))
   assert 'ragged_all_to_all' in text and 'tpu_custom_call' in text
 
@@ -67,13 +67,13 @@ def test_expert_adapters_lower_for_tpu_with_the_experts_partitioned_by_xla():
   """LoRA on the experts through ragged_dot over an FSDP mesh without an expert axis: XLA
   partitions the experts, so their adapters cannot take the Mosaic kernel (which lowers only
   inside a shard_map); they take ragged_dot too."""
-  cfg = dataclasses.replace(CFG, moe_backend='ragged_dot')
+  cfg = CFG.with_engine(moe_backend='ragged_dot')
   text = _export_moe_grad(cfg, 'tpu', (1, 8, 1, 1))
   assert 'tpu_custom_call' not in text and 'ragged_dot' in text
 
 
 def test_ragged_expert_parallel_lowers_for_gpu():
-  cfg = dataclasses.replace(CFG, moe_backend='ragged_dot', platform='gpu', **EP)
+  cfg = dataclasses.replace(CFG, **EP).with_engine(moe_backend='ragged_dot', platform='gpu')
   text = _export_moe_grad(cfg, 'cuda', (1, 2, 4, 1))
   # Tokens out and results back, then the gradient's two reverse exchanges.
   calls = [line for line in text.splitlines() if 'custom_call @ragged_all_to_all(' in line]
@@ -85,13 +85,13 @@ def test_sharded_train_step_lowers(platform, backend):
   """The whole LoRA training step (attention, MoE with ragged expert parallelism, loss, AdamW),
   jitted with the state and batch shardings the training loop uses on a (1,2,4,1) mesh."""
   target = {'cuda': 'gpu'}.get(platform, platform)
-  cfg = dataclasses.replace(CFG, moe_backend=backend, platform=target, **EP)
+  cfg = dataclasses.replace(CFG, **EP).with_engine(moe_backend=backend, platform=target)
   mesh = sharding.make_mesh((1, 2, 4, 1))
   cfg = with_lora(cfg, rank=8, targets=ALL_TARGETS).laid_out(target, mesh)
   opt = optax.adamw(1e-4)
   with jax.set_mesh(mesh):
     abstract = jax.eval_shape(lambda: init_state(cfg, opt, 0))
-    shardings = state_shardings(abstract, mesh, cfg.rules)
+    shardings = state_shardings(abstract, mesh, cfg.engine.rules)
     batch_sharding = sharding.batch_sharding(mesh)
     step = jit_train_step(StepConfig(model=cfg), opt, lambda s: 1e-4, shardings, batch_sharding)
     spec = lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s)

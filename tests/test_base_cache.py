@@ -17,7 +17,7 @@ from tests.test_configs import ROOT, load
 def qlora_setup(cache: str, mesh_shape=(1, -1, 1, 1), quant='int4'):
   """The demo's LoRA config (the shipped HF base), quantised, with a base cache."""
   config = load(os.path.join(ROOT, 'configs', 'longcat_lora.py'), None)
-  config.model.quant = quant
+  config.engine.quant = quant
   config.init.base_cache = cache
   config.mesh.shape = mesh_shape
   return startup.build(config, num_devices=jax.device_count())

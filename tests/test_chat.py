@@ -8,7 +8,7 @@ import shutil
 
 import pytest
 
-from moetrain.data import chat, packing, pipeline, sources
+from moetrain.data import chat, loader, packing, sources
 from moetrain.data import tokenizer as tokenizer_lib
 from tests.helpers import ROOT, run_command
 
@@ -21,9 +21,9 @@ def template_path(name: str) -> str:
   return os.path.join(FIXTURES, 'templates', f'{name}.jinja')
 
 
-def data_config(**kw) -> pipeline.DataConfig:
+def data_config(**kw) -> loader.DataConfig:
   """The fixture conversations as a JSONL 'conversations' split, read with the fixture tokenizer."""
-  return pipeline.DataConfig(
+  return loader.DataConfig(
     source='jsonl',
     path=os.path.join(FIXTURES, '{split}.jsonl'),
     train_split='conversations',
@@ -37,7 +37,7 @@ def data_config(**kw) -> pipeline.DataConfig:
 @pytest.fixture(scope='module')
 def conversations():
   cfg = data_config()
-  return [pipeline.open_source(cfg, 'conversations')[i] for i in range(5)]
+  return [loader.open_source(cfg, 'conversations')[i] for i in range(5)]
 
 
 @pytest.fixture(scope='module')
@@ -47,7 +47,7 @@ def tok():
 
 def tokenized(example, tok, **data):
   cfg = data_config(**data)
-  fmt = pipeline.chat_format(cfg, tok)
+  fmt = loader.chat_format(cfg, tok)
   piece = packing.tokenize(example, tok, max_len=cfg.seq_len + 1, chat_format=fmt)
   return [int(i) for i in piece['tokens']], [int(m) for m in piece['is_target']]
 
@@ -190,7 +190,7 @@ def test_a_chat_prompt_is_what_training_renders_before_the_reply(template, conve
   the training text up to where the trained reply starts (the template's generation prompt
   included), for the tokenizer's own template and others."""
   cfg = data_config(chat_template=template_path(template) if template else '')
-  fmt = pipeline.chat_format(cfg, tok)
+  fmt = loader.chat_format(cfg, tok)
   checked = 0
   for example in conversations:
     messages = example['messages']

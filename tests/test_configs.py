@@ -8,6 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from moetrain.core.engine import ENGINE_FIELDS
 from moetrain.run import rundir, startup
 
 ROOT = os.path.join(os.path.dirname(__file__), '..')
@@ -51,12 +52,12 @@ def test_bias_decay_follows_train_steps_without_tying_them():
   assert startup.build(config, num_devices=8, process_count=1).step.bias_update_decay_steps == 0
 
 
-def test_config_model_sets_every_engine_field():
-  """Fine-tuning from a Hugging Face checkpoint takes these fields from config.model (the shapes
+def test_config_engine_sets_every_engine_field():
+  """Fine-tuning from a Hugging Face checkpoint takes these fields from config.engine (the shapes
   come from its config.json), so the base config must set each of them."""
   config = load(os.path.join(ROOT, 'configs', 'base.py'))
-  missing = [k for k in rundir.engine_fields() if k not in config.model]
-  assert not missing, f'configs/base.py: config.model lacks {missing}'
+  missing = [k for k in ENGINE_FIELDS if k not in config.engine]
+  assert not missing, f'configs/base.py: config.engine lacks {missing}'
 
 
 def base_config(**overrides):
@@ -71,8 +72,8 @@ def base_config(**overrides):
   'overrides, field',
   [
     ({'model.moe_topk': 99}, 'model.moe_topk'),
-    ({'model.remat': 'sometimes'}, 'model.remat'),
-    ({'model.moe_dispatch': 'lossy'}, 'model.moe_dispatch'),
+    ({'engine.remat': 'sometimes'}, 'engine.remat'),
+    ({'engine.moe_dispatch': 'lossy'}, 'engine.moe_dispatch'),
     ({'mesh.shape': (1, 4, 3, 1)}, 'mesh.shape'),
     ({'mesh.shape': (1, 1, 8, 1), 'model.n_routed_experts': 12}, 'model.n_routed_experts'),
     ({'mesh.rules': 'nope'}, 'mesh.rules'),
@@ -86,20 +87,20 @@ def base_config(**overrides):
     ({'optim.schedule': 'linear'}, 'optim.schedule'),
     ({'optim.warmup_steps': 10_000}, 'optim.warmup_steps'),
     ({'lora.targets': '(unclosed'}, 'lora.targets'),
-    ({'model.quant': 'int3'}, 'model.quant'),
+    ({'engine.quant': 'int3'}, 'engine.quant'),
     ({'train.steps': 0}, 'train.steps'),
     ({'train.eval_batches': 0}, 'train.eval_batches'),
     ({'mesh.shape': (0, -1, 1, 1)}, 'mesh.shape'),
     ({'lora.targets': 'nothing_matches'}, 'lora.targets'),
-    ({'model.quant': 'int4', 'model.quant_group_size': 0}, 'model.quant_group_size'),
-    ({'model.moe_block_size': -3}, 'model.moe_block_size'),
-    ({'model.zero_expert_num': 0, 'model.moe_expected_ffn_experts': 1.0}, 'moe_expected_ffn'),
-    ({'model.moe_expected_ffn_experts': -1.0}, 'model.moe_expected_ffn_experts'),
+    ({'engine.quant': 'int4', 'engine.quant_group_size': 0}, 'engine.quant_group_size'),
+    ({'engine.moe_block_size': -3}, 'engine.moe_block_size'),
+    ({'model.zero_expert_num': 0, 'engine.moe_expected_ffn_experts': 1.0}, 'moe_expected_ffn'),
+    ({'engine.moe_expected_ffn_experts': -1.0}, 'engine.moe_expected_ffn_experts'),
     (  # more FFN experts per token than there are: the bias controller would never settle
-      {'model.n_routed_experts': 2, 'model.moe_expected_ffn_experts': 2.5},
-      'model.moe_expected_ffn_experts: 2.5 is more FFN experts',
+      {'model.n_routed_experts': 2, 'engine.moe_expected_ffn_experts': 2.5},
+      'engine.moe_expected_ffn_experts: 2.5 is more FFN experts',
     ),
-    ({'model.quant': 'int4', 'model.num_heads': 3}, 'model.num_heads: 3 is odd'),
+    ({'engine.quant': 'int4', 'model.num_heads': 3}, 'model.num_heads: 3 is odd'),
     ({'model.rope_theta': 0.0}, 'model.rope_theta'),
     ({'loss.bias_update_decay_steps': -5}, 'loss.bias_update_decay_steps'),
     ({'loss.bias_update_rate': -1e-3}, 'loss.bias_update_rate'),

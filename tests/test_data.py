@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from moetrain.data import chat as chat_lib
-from moetrain.data import demo_task, packing, pipeline, sources
+from moetrain.data import demo_task, loader, packing, sources
 from moetrain.data import tokenizer as tokenizer_lib
 
 
@@ -366,12 +366,12 @@ def test_paths_recurse_and_splits_do_not_share_files(tmp_path):
   ]
   (tmp_path / 'train_small.jsonl').write_text('{"text": "x"}\n')
   (tmp_path / 'train.jsonl').write_text('{"text": "x"}\n')
-  cfg = pipeline.DataConfig(
+  cfg = loader.DataConfig(
     source='jsonl', path=str(tmp_path / '{split}*.jsonl'), eval_split='train_small'
   )
-  pipeline.validate(cfg)  # a tool may read such a run's settings
+  loader.validate(cfg)  # a tool may read such a run's settings
   with pytest.raises(ValueError, match=r'(?s)the same files.*train_small\.jsonl.*trained on'):
-    pipeline.check_training_data(cfg)
+    loader.check_training_data(cfg)
 
 
 @pytest.fixture(scope='module')
@@ -406,7 +406,7 @@ def test_tfds_source_and_pipeline(tfds_dir):
   src = sources.TfdsSource('moetrain_tiny_text', 'train', tfds_dir, sources.Fields(text='body'))
   assert len(src) == 12
   assert sorted(src[i]['text'] for i in range(12)) == sorted(f'document {i} ☃' for i in range(12))
-  cfg = pipeline.DataConfig(
+  cfg = loader.DataConfig(
     source='tfds',
     tfds_name='moetrain_tiny_text',
     tfds_data_dir=tfds_dir,
@@ -415,7 +415,7 @@ def test_tfds_source_and_pipeline(tfds_dir):
     seq_len=16,
     eval_batch_size=4,
   )
-  batches = pipeline.make_eval_batches(cfg, CharTokenizer())
+  batches = loader.make_eval_batches(cfg, CharTokenizer())
   assert len(batches) == 2 and batches[0]['inputs'].shape == (4, 16)
   with pytest.raises(ValueError, match="tfds 'no_such_dataset'"):
     sources.TfdsSource('no_such_dataset', 'train', tfds_dir)
@@ -582,7 +582,7 @@ def small_cfg(tmp_path, n=120, **overrides):
     global_batch_size=4,
     eval_batch_size=4,
   )
-  return pipeline.DataConfig(**{**base, **overrides})
+  return loader.DataConfig(**{**base, **overrides})
 
 
 def take(it, n):
@@ -594,12 +594,12 @@ def rows_of(batch):
 
 
 def test_train_iterator_is_deterministic_and_shaped(spm_tokenizer):
-  cfg = pipeline.DataConfig()
-  a = take(pipeline.make_train_iterator(cfg, spm_tokenizer), 3)
-  assert_batches_equal(a, take(pipeline.make_train_iterator(cfg, spm_tokenizer), 3))
+  cfg = loader.DataConfig()
+  a = take(loader.make_train_iterator(cfg, spm_tokenizer), 3)
+  assert_batches_equal(a, take(loader.make_train_iterator(cfg, spm_tokenizer), 3))
   assert set(a[0]) == set(packing.ROW_KEYS)
   assert all(v.shape == (16, 128) for v in a[0].values())
-  other = take(pipeline.make_train_iterator(dataclasses.replace(cfg, seed=1), spm_tokenizer), 1)
+  other = take(loader.make_train_iterator(dataclasses.replace(cfg, seed=1), spm_tokenizer), 1)
   assert not np.array_equal(a[0]['inputs'], other[0]['inputs'])
 
 
@@ -607,13 +607,13 @@ def test_get_state_set_state_resumes_exactly(tmp_path):
   # 120 examples pack into about 10 batches per epoch: 25 steps cross two epoch boundaries.
   cfg = small_cfg(tmp_path)
   tok = CharTokenizer()
-  it = pipeline.make_train_iterator(cfg, tok)
+  it = loader.make_train_iterator(cfg, tok)
   states, batches = [], []
   for _ in range(25):
     states.append(json.loads(json.dumps(it.get_state())))  # must survive JSON
     batches.append(next(it))
   for start in (0, 7, 11, 19):
-    resumed = pipeline.make_train_iterator(cfg, tok)
+    resumed = loader.make_train_iterator(cfg, tok)
     resumed.set_state(states[start])
     assert_batches_equal(take(resumed, 25 - start), batches[start:])
   it.set_state(states[3])  # rewinding the same iterator works too
@@ -624,7 +624,7 @@ def test_split_pieces_resume_exactly(tmp_path):
   # Documents of ~3-5 rows each: states taken between a document's pieces must resume inside it.
   docs = [{'text': f'doc {i} ' + 'abcdefghij' * (20 + 7 * (i % 3))} for i in range(12)]
   write_jsonl(tmp_path / 'train.jsonl', docs)
-  cfg = pipeline.DataConfig(
+  cfg = loader.DataConfig(
     source='jsonl',
     path=str(tmp_path / '{split}.jsonl'),
     eval_split='',
@@ -632,14 +632,14 @@ def test_split_pieces_resume_exactly(tmp_path):
     global_batch_size=2,
   )
   tok = CharTokenizer()
-  it = pipeline.make_train_iterator(cfg, tok)
+  it = loader.make_train_iterator(cfg, tok)
   states, batches = [], []
   for _ in range(30):
     states.append(json.loads(json.dumps(it.get_state())))
     batches.append(next(it))
   assert sum(b['loss_mask'].sum() for b in batches[:10]) > 0
   for start in (1, 5, 13, 22):
-    resumed = pipeline.make_train_iterator(cfg, tok)
+    resumed = loader.make_train_iterator(cfg, tok)
     resumed.set_state(states[start])
     assert_batches_equal(take(resumed, 30 - start), batches[start:])
 
@@ -650,22 +650,22 @@ def test_resume_onto_changed_files_says_so(tmp_path, caplog):
   tok = CharTokenizer()
   states = {}
   for epochs in (None, 1):
-    it = pipeline.make_train_iterator(small_cfg(tmp_path, num_epochs=epochs), tok)
+    it = loader.make_train_iterator(small_cfg(tmp_path, num_epochs=epochs), tok)
     take(it, 8)
     states[epochs] = json.loads(json.dumps(it.get_state()))
-  pipeline.make_train_iterator(small_cfg(tmp_path), tok).set_state(states[None])
+  loader.make_train_iterator(small_cfg(tmp_path), tok).set_state(states[None])
   assert 'warning' not in caplog.text.lower()  # the same files: silent
   cfg = small_cfg(tmp_path, n=60)
-  pipeline.make_train_iterator(cfg, tok).set_state(states[None])
+  loader.make_train_iterator(cfg, tok).set_state(states[None])
   assert 'this host read 120 examples per epoch, now 60' in caplog.text
   with pytest.raises(ValueError, match=r'past the end of the training data.*120 examples'):
-    ended = pipeline.make_train_iterator(dataclasses.replace(cfg, num_epochs=1), tok)
+    ended = loader.make_train_iterator(dataclasses.replace(cfg, num_epochs=1), tok)
     ended.set_state(states[1])
 
 
 def test_num_epochs_and_truncation_count(tmp_path):
   cfg = small_cfg(tmp_path, num_epochs=2, shuffle=False, seq_len=8)
-  it = pipeline.make_train_iterator(cfg, CharTokenizer())
+  it = loader.make_train_iterator(cfg, CharTokenizer())
   batches = list(it)
   # Each example (18-22 tokens) is cut to seq_len + 1 = 9 tokens and fills a row alone.
   assert len(batches) == 2 * 120 // 4
@@ -679,7 +679,7 @@ def test_per_host_sharding_is_disjoint(tmp_path):
   tok = CharTokenizer()
   seen = []
   for host in range(2):
-    batches = list(pipeline.make_train_iterator(cfg, tok, process_index=host, process_count=2))
+    batches = list(loader.make_train_iterator(cfg, tok, process_index=host, process_count=2))
     assert batches and all(b['inputs'].shape == (4, 64) for b in batches)
     items = {
       int(tok.decode(s).split()[1]) for b in batches for r in rows_of(b) for s in segments(r)
@@ -692,30 +692,30 @@ def test_per_host_sharding_is_disjoint(tmp_path):
 def test_eval_batches_are_padded_and_split_across_hosts(tmp_path):
   cfg = small_cfg(tmp_path)
   tok = CharTokenizer()
-  full = pipeline.make_eval_batches(cfg, tok)
+  full = loader.make_eval_batches(cfg, tok)
   assert all(b['inputs'].shape == (4, 64) for b in full)
   last = full[-1]
   assert (last['segment_ids'][-1] == 0).all() and not last['loss_mask'][-1].any()
   packed = sorted(tok.decode(s) for b in full for r in rows_of(b) for s in segments(r))
   assert packed == sorted(f'item {i} =answer {i}' for i in range(37))  # each exactly once
-  hosts = [pipeline.make_eval_batches(cfg, tok, process_index=h, process_count=2) for h in (0, 1)]
+  hosts = [loader.make_eval_batches(cfg, tok, process_index=h, process_count=2) for h in (0, 1)]
   assert len(hosts[0]) == len(hosts[1]) == len(full)
   for i, batch in enumerate(full):
     for key, value in batch.items():
       np.testing.assert_array_equal(np.concatenate([hosts[0][i][key], hosts[1][i][key]]), value)
-  assert len(pipeline.make_eval_batches(cfg, tok, max_batches=1)) == 1
-  assert pipeline.make_eval_batches(dataclasses.replace(cfg, eval_split=''), tok) == []
+  assert len(loader.make_eval_batches(cfg, tok, max_batches=1)) == 1
+  assert loader.make_eval_batches(dataclasses.replace(cfg, eval_split=''), tok) == []
 
 
 def test_eval_examples_cut_short_are_reported(tmp_path, caplog):
   cfg = small_cfg(tmp_path, seq_len=12)  # 'item 7 =answer 7' is 16 characters
-  pipeline.make_eval_batches(cfg, CharTokenizer())
+  loader.make_eval_batches(cfg, CharTokenizer())
   assert '37 eval examples are longer than data.seq_len + 1 = 13 tokens' in caplog.text
 
 
 def test_make_tokenizer_trains_on_the_train_split(tmp_path):
   cfg = small_cfg(tmp_path, vocab_size=300)
-  tok = pipeline.make_tokenizer(cfg, tmp_path / 'work')
+  tok = loader.make_tokenizer(cfg, tmp_path / 'work')
   assert (tmp_path / 'work' / 'tokenizer.model').is_file()
   assert tok.decode(tok.encode('item 7 =')) == 'item 7 ='
 
@@ -740,7 +740,7 @@ def test_make_tokenizer_trains_on_the_train_split(tmp_path):
 )
 def test_validate_names_the_field(overrides, field):
   with pytest.raises(ValueError, match=field.replace('.', r'\.')):
-    pipeline.validate(pipeline.DataConfig(**overrides), process_count=4)
+    loader.validate(loader.DataConfig(**overrides), process_count=4)
 
 
 @pytest.mark.parametrize(
@@ -753,14 +753,14 @@ def test_validate_names_the_field(overrides, field):
 )
 def test_training_data_checks_name_the_field(overrides, field):
   """Checks only a training run makes (a tool may read an older run's settings)."""
-  cfg = pipeline.DataConfig(**overrides)
-  pipeline.validate(cfg)
+  cfg = loader.DataConfig(**overrides)
+  loader.validate(cfg)
   with pytest.raises(ValueError, match=field.replace('.', r'\.')):
-    pipeline.check_training_data(cfg)
+    loader.check_training_data(cfg)
 
 
 def test_default_config_is_valid():
-  pipeline.validate(pipeline.DataConfig())
+  loader.validate(loader.DataConfig())
 
 
 @pytest.mark.slow
@@ -769,12 +769,12 @@ def test_worker_processes_resume_exactly(tmp_path):
 
   flags.FLAGS.mark_as_parsed()  # grain reads its absl flags in worker processes
   cfg = small_cfg(tmp_path, worker_count=2)
-  it = pipeline.make_train_iterator(cfg, CharTokenizer())
+  it = loader.make_train_iterator(cfg, CharTokenizer())
   take(it, 3)
   state = json.loads(json.dumps(it.get_state()))
   expected = take(it, 5)
   it.close()
-  resumed = pipeline.make_train_iterator(cfg, CharTokenizer())
+  resumed = loader.make_train_iterator(cfg, CharTokenizer())
   resumed.set_state(state)
   assert_batches_equal(take(resumed, 5), expected)
   resumed.close()
@@ -784,14 +784,14 @@ def test_empty_split_is_an_error_naming_it(tmp_path):
   cfg = small_cfg(tmp_path)
   (tmp_path / 'train.jsonl').write_text('\n  \n')  # blank lines only
   with pytest.raises(ValueError, match=r"split 'train' .*train\.jsonl\) has no examples"):
-    pipeline.make_tokenizer(cfg, tmp_path / 'work')
+    loader.make_tokenizer(cfg, tmp_path / 'work')
 
 
 def test_completions_that_are_all_empty_are_refused(spm_tokenizer, tmp_path, caplog):
   """Only end-of-text would train: refused before any batch, naming the key and the fixes; a
   few empty completions among others are a warning; with loss_on_prompt the prompts train."""
   empty = [{'prompt': f'item {i} =', 'completion': ' '} for i in range(20)]
-  cfg = pipeline.DataConfig(
+  cfg = loader.DataConfig(
     source='jsonl',
     path=str(write_jsonl(tmp_path / 'e.jsonl', empty)),
     eval_split='',
@@ -802,10 +802,10 @@ def test_completions_that_are_all_empty_are_refused(spm_tokenizer, tmp_path, cap
     ValueError,
     match="completion of each of the first 20 examples is empty.*data.completion_key='completion'",
   ):
-    pipeline.make_train_iterator(cfg, spm_tokenizer)
-  next(pipeline.make_train_iterator(dataclasses.replace(cfg, loss_on_prompt=True), spm_tokenizer))
+    loader.make_train_iterator(cfg, spm_tokenizer)
+  next(loader.make_train_iterator(dataclasses.replace(cfg, loss_on_prompt=True), spm_tokenizer))
   some = numbered_records(18) + empty[:2]
   cfg = dataclasses.replace(cfg, path=str(write_jsonl(tmp_path / 's.jsonl', some)))
   with caplog.at_level('WARNING'):
-    next(pipeline.make_train_iterator(cfg, spm_tokenizer))
+    next(loader.make_train_iterator(cfg, spm_tokenizer))
   assert '2 of the first 20 prompt/completion examples have an empty completion' in caplog.text

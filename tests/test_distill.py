@@ -347,7 +347,7 @@ def _student_model(workdir, state, dtype='float32'):
   from moetrain.run import startup
   from moetrain.training.train_state import graphdef_of, merge_model
 
-  cfg = dataclasses.replace(startup.tool_setup(None, str(workdir)).model, dtype=dtype)
+  cfg = startup.tool_setup(None, str(workdir)).model.with_engine(dtype=dtype)
   params, moe_bias, frozen = jax.device_put((state.params, state.moe_bias, state.frozen))
   return merge_model(graphdef_of(cfg), params, moe_bias, frozen), cfg
 

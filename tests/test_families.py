@@ -13,9 +13,9 @@ import pytest
 from flax import nnx
 
 from moetrain.convert import hf, peft_adapter
+from moetrain.core.engine import LoraConfig
+from moetrain.kernels import quant
 from moetrain.model import moe as moe_lib
-from moetrain.model import quant
-from moetrain.model.config import LoraConfig
 from moetrain.training import train_state
 from tests.helpers import (
   ALL_TARGETS,
@@ -346,7 +346,7 @@ def test_switch_and_sequence_balance_losses_by_hand():
   got = balance_loss(jnp.asarray(onehot), jnp.asarray(probs), jnp.asarray(valid), 2, cfg)
   np.testing.assert_allclose(got, want, rtol=1e-5)
   # DeepSeek-V3's sequence-wise loss, per row of 12 tokens, averaged over the rows.
-  seq = dataclasses.replace(cfg, moe_balance_loss='sequence')
+  seq = cfg.with_engine(moe_balance_loss='sequence')
   rows = []
   for r in range(2):
     sl = slice(12 * r, 12 * r + 12)

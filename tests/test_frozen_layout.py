@@ -1,4 +1,4 @@
-"""The frozen base in layouts the compiler chose (model.frozen_layout): XLA:TPU's choice for a
+"""The frozen base in layouts the compiler chose (engine.frozen_layout): XLA:TPU's choice for a
 QLoRA step with micro-batches, and the run's path on CPU (the base moved into the compiled
 step's layouts, the eval step compiled for them, the same numbers)."""
 
@@ -21,7 +21,7 @@ from tests.helpers import tpu_proxy
 from tests.test_train import losses, small_config
 
 SMALL_QLORA = tpu_proxy(2) | {
-  'model.quant': 'int4',
+  'engine.quant': 'int4',
   'optim.grad_accum_steps': 2,
   'data.global_batch_size': 8,
   'data.eval_batch_size': 4,
@@ -46,7 +46,7 @@ def test_the_tpu_compiler_keeps_quantised_experts_in_its_own_layout():
   devices = topology.parse('v5e-4').devices()
   steps = {}
   for layout in ('default', 'auto'):
-    c = tpu_plan.with_overrides(config, SMALL_QLORA | {'model.frozen_layout': layout})
+    c = tpu_plan.with_overrides(config, SMALL_QLORA | {'engine.frozen_layout': layout})
     setup = build(c, num_devices=4, process_count=1, platform='tpu')
     steps[layout] = aot.compile_steps(setup, setup.make_mesh(devices), evaluate=False)['train']
   mesh = setup.make_mesh(devices)  # (setup: the 'auto' one)
@@ -119,13 +119,13 @@ def test_the_base_moves_into_the_steps_layouts_and_evaluates_the_same():
   than the default, as XLA:TPU may choose), and the eval step compiled for those formats gives
   what the default one gives on the base as it was."""
   config = tpu_plan.with_overrides(
-    small_config(), {'mesh.shape': (1, 1, 1, 1), 'model.quant': 'int8'}
+    small_config(), {'mesh.shape': (1, 1, 1, 1), 'engine.quant': 'int8'}
   )
   setup = build(config, num_devices=1, process_count=1)
   mesh = setup.make_mesh(jax.devices()[:1])
   optimizer = optim.make_optimizer(setup.optim, setup.train.steps)
   with jax.set_mesh(mesh):
-    state = create_sharded(setup.model, optimizer, setup.seed, mesh, setup.model.rules)
+    state = create_sharded(setup.model, optimizer, setup.seed, mesh, setup.model.engine.rules)
     formats = dataclasses.replace(
       jax.tree.map(lambda a: a.format, state),
       frozen=jax.tree.map(lambda a: _transposed(a.format), state.frozen),
@@ -157,12 +157,12 @@ def test_the_base_moves_into_the_steps_layouts_and_evaluates_the_same():
 
 @pytest.mark.slow  # ~35 s: two training runs
 def test_a_run_with_compiler_layouts_trains_as_one_without(tmp_path):
-  """The run loop with model.frozen_layout='compiler' on this host (where XLA:CPU chooses the
+  """The run loop with engine.frozen_layout='compiler' on this host (where XLA:CPU chooses the
   default layouts): its losses and evaluation bit for bit those of the default run."""
   runs = {}
   for layout in ('compiler', 'default'):
     config = small_config(steps=2, checkpoint_every=2)
-    config.model.frozen_layout = layout
+    config.engine.frozen_layout = layout
     workdir = str(tmp_path / layout)
     out = train.run(config, workdir)
     runs[layout] = (losses(workdir), out['eval_loss'], out['eval_accuracy'])
@@ -178,7 +178,7 @@ def test_a_step_that_would_move_the_base_between_steps_is_refused():
   same = types.SimpleNamespace(input_formats=((state(row),), {}), output_formats=(state(row),))
   assert aot.state_formats(same).frozen == {'w': row}
   moved = types.SimpleNamespace(input_formats=((state(row),), {}), output_formats=(state(col),))
-  with pytest.raises(ValueError, match="model.frozen_layout='default'"):
+  with pytest.raises(ValueError, match="engine.frozen_layout='default'"):
     aot.state_formats(moved)
 
 
@@ -198,7 +198,7 @@ def test_a_step_that_would_move_the_base_between_steps_is_refused():
   ],
 )
 def test_when_the_compiler_chooses_the_layouts(layout, platform, accum, want):
-  over = {'model.frozen_layout': layout, 'optim.grad_accum_steps': accum}
+  over = {'engine.frozen_layout': layout, 'optim.grad_accum_steps': accum}
   config = tpu_plan.with_overrides(small_config(), over | {'mesh.shape': (1, 1, 1, 1)})
   setup = build(config, num_devices=1, process_count=1, platform=platform)
   assert aot.compiler_layouts(setup) is want

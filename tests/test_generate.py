@@ -1,7 +1,6 @@
 """Generation: cached decoding equals the full forward, the cache is latent-sized, greedy output
 equals Hugging Face's on the fixture, and sampling is reproducible."""
 
-import dataclasses
 import functools
 import os
 
@@ -74,13 +73,13 @@ def test_a_model_laid_out_for_expert_parallelism_generates_as_on_one_device(lora
   shards) padded for the experts' exchange: the greedy ids of the model on one device."""
   model, ids = lora_model
   mesh = sharding.make_mesh((1, 2, 4, 1))
-  cfg = dataclasses.replace(model.cfg, rules=sharding.Rules.preset('fsdp_ep_tp'))
+  cfg = model.cfg.with_engine(rules=sharding.Rules.preset('fsdp_ep_tp'))
   graphdef = nnx.graphdef(
     nnx.eval_shape(lambda: Transformer(cfg.laid_out('cpu', mesh), nnx.Rngs(0)))
   )
   state = jax.device_put(nnx.state(model), sharding.replicated(mesh))
   laid_out = nnx.merge(graphdef, state)
-  assert laid_out.cfg.expert_shards == 4
+  assert laid_out.cfg.engine.expert_shards == 4
   np.testing.assert_array_equal(generate(laid_out, ids[:1, :5], 4), generate(model, ids[:1, :5], 4))
 
 
@@ -191,7 +190,7 @@ def test_prompt_ids_and_the_empty_prompt():
 
 
 def test_prefill_attends_in_causal_blocks():
-  """A prefill scores its prompt in blocks of model.attention_chunk queries, as the full forward
+  """A prefill scores its prompt in blocks of engine.attention_chunk queries, as the full forward
   does, not as one [T, T] square: the same logits, and no more temporaries than the forward."""
   cfg = tiny(attention_chunk=4)
   model, ids = model_and_ids(cfg, t=11)

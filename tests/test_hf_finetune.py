@@ -36,7 +36,7 @@ def hf_dir_with_tokenizer(tmp_path) -> str:
 def hf_config(hf_dir, **train_kw):
   config = load(os.path.join(ROOT, 'configs', 'longcat_lora.py'), 'variant=tiny')
   config.init.hf_checkpoint = hf_dir
-  config.model.dtype = 'float32'
+  config.engine.dtype = 'float32'
   config.data.seq_len = 32
   config.data.global_batch_size = 8
   config.data.eval_batch_size = 8

@@ -18,8 +18,8 @@ from safetensors.numpy import save_file
 from moetrain.convert import hf, peft_adapter
 from moetrain.convert import safetensors_io as stio
 from moetrain.core import sharding
-from moetrain.model import quant
-from moetrain.model.config import LoraConfig
+from moetrain.core.engine import LoraConfig
+from moetrain.kernels import quant
 from moetrain.model.transformer import Transformer
 from moetrain.training import train_state
 from tests.helpers import (
@@ -311,7 +311,7 @@ def test_quantised_load_matches_the_model_split(mode):
       assert (x.shape, x.dtype) == (y.shape, y.dtype)
   plain = load('four_head', f32_config(path))
   w = plain.params['layers']['moe']['experts']['down'].get_value()[0]
-  t = quant.quantize(w, 8 if mode == 'int8' else 4, 1, 1, cfg.quant_group_size)
+  t = quant.quantize(w, 8 if mode == 'int8' else 4, 1, 1, cfg.engine.quant_group_size)
   k = loaded.frozen['layers']['moe']['experts']['down']
   np.testing.assert_array_equal(k['q'].get_value()[0], t.q)
   np.testing.assert_array_equal(k['scale'].get_value()[0], t.scale)
@@ -326,7 +326,7 @@ def test_quantised_load_on_mesh_matches_single_device():
   here = load('four_head', lora_config(path, quant='int4', quant_group_size=16))
   there = hf.load_params(path, cfg, mesh=mesh)
   abstract = nnx.state(nnx.eval_shape(lambda: Transformer(cfg, nnx.Rngs(0))))
-  want = dict(nnx.to_flat_state(train_state.state_shardings(abstract, mesh, cfg.rules)))
+  want = dict(nnx.to_flat_state(train_state.state_shardings(abstract, mesh, cfg.engine.rules)))
   got = {}
   for part in there[:3]:
     got.update(nnx.to_flat_state(part))

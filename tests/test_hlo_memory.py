@@ -58,7 +58,7 @@ def test_the_layout_padding_and_memory_spaces_are_counted():
 # Slow (two TPU compiles, ~40 s): the XLA attention is no longer the TPU default (splash is).
 @pytest.mark.slow
 def test_attention_backward_recomputes_its_scores_in_the_tpu_step():
-  """With model.attention_recompute the backward keeps each query's softmax max and sum and
+  """With engine.attention_recompute the backward keeps each query's softmax max and sum and
   recomputes the scores. XLA merged that recomputation with the forward's identical scores
   (CSE) and kept every block's float32 scores alive between the passes, O(T * S) after all:
   8.25 GiB of the flash LoRA step (bench/RESULTS.md, "Recomputed attention scores on TPU"). The training step of a small
@@ -68,12 +68,12 @@ def test_attention_backward_recomputes_its_scores_in_the_tpu_step():
   over = tpu_proxy(1)
   config = longcat_lora.get_config('variant=tiny')
   m = config.model
-  t, chunk = over['data.seq_len'], m.attention_chunk
+  t, chunk = over['data.seq_len'], m.engine.attention_chunk
   scores = sum(4 * m.num_heads * chunk * min(end, t) for end in range(chunk, t + chunk, chunk))
   devices = topology.parse('v5e-1').devices()
   temps = []
   for recompute in (False, True):
-    xla = {'model.attention_kernel': 'xla', 'model.attention_recompute': recompute}
+    xla = {'engine.attention_kernel': 'xla', 'engine.attention_recompute': recompute}
     c = tpu_plan.with_overrides(config, over | xla)
     setup = build(c, num_devices=1, process_count=1, platform='tpu')
     mesh = sharding.make_mesh(setup.mesh_shape, devices)

@@ -1,4 +1,4 @@
-"""Host memory: a random base drawn and quantised a slice at a time (model/quant.drawn_param), a
+"""Host memory: a random base drawn and quantised a slice at a time (kernels/quant.drawn_param), a
 Hugging Face import's embedding and head read in chunks, and the CPU planner's peak against the
 measured peak RSS of a run."""
 
@@ -14,7 +14,7 @@ import pytest
 from flax import nnx
 
 from configs import deepseek_v3_lora
-from moetrain.model import quant
+from moetrain.kernels import quant
 from moetrain.model.transformer import Transformer
 from moetrain.run.startup import build
 from moetrain.training import optim
@@ -91,14 +91,14 @@ def test_random_int4_init_holds_no_float32_layer():
   float32, which drawing a layer whole and quantising it after needs several times over (the
   whole model so drawn: 148 GiB of temporaries for the 10 GiB state)."""
   config = deepseek_v3_lora.get_config('variant=moonlight_16b_a3b')
-  config.model.quant = 'int4'
+  config.engine.quant = 'int4'
   config.model.num_layers = 2
   config.mesh.shape = (1, -1, 1, 1)
   setup = build(config, num_devices=1, process_count=1, training=False, platform='cpu')
   mesh = setup.make_mesh(jax.devices('cpu')[:1])
   opt = optim.make_optimizer(setup.optim, setup.train.steps)
   init = lambda: init_state(setup.model, opt, setup.seed)
-  out = state_shardings(jax.eval_shape(init), mesh, setup.model.rules)
+  out = state_shardings(jax.eval_shape(init), mesh, setup.model.engine.rules)
   m = jax.jit(init, out_shardings=out).lower().compile().memory_analysis()
   c = setup.model
   float32_layer = 3 * c.n_routed_experts * c.hidden_size * c.expert_ffn_hidden_size * 4
@@ -195,7 +195,7 @@ def test_the_cpu_estimate_counts_what_remat_recomputes():
 
   def again(remat):
     config = deepseek_v3_lora.get_config('')
-    config.model.remat = remat
+    config.engine.remat = remat
     return tpu_plan.recompute_flops(build(config, num_devices=1, process_count=1))[0]
 
   config = deepseek_v3_lora.get_config('')
@@ -230,7 +230,7 @@ def test_cpu_search_keeps_the_configured_sequence_and_prints_flags(monkeypatch, 
   def fake(config, jobs, workers, cache, **kw):
     out = []
     for _, o in jobs:
-      need = 30 if o.get('model.quant') == 'none' else 8  # GiB, of 16
+      need = 30 if o.get('engine.quant') == 'none' else 8  # GiB, of 16
       tps = 200 if 'data.seq_len' in o else 100 + 10 * o.get('optim.grad_accum_steps', 0)
       out.append(
         {

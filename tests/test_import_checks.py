@@ -13,7 +13,6 @@ from safetensors.numpy import load_file, save_file
 from moetrain.convert import hf
 from moetrain.convert import safetensors_io as stio
 from moetrain.data import demo_base
-from moetrain.run import rundir
 from tests.helpers import run_command
 
 BASE = str(demo_base.DIR)
@@ -49,18 +48,15 @@ def test_an_import_stops_at_the_first_non_finite_tensor(tmp_path):
 
 
 def test_shapes_that_the_checkpoint_decides_are_refused_naming_both_values():
-  engine = rundir.engine_fields()
   with pytest.raises(ValueError) as e:
-    hf.check_overrides(BASE, {'model.moe_topk': 20, 'train.steps': 5}, engine)
+    hf.check_overrides(BASE, {'model.moe_topk': 20, 'train.steps': 5})
   assert str(e.value).startswith(
     f'--config.model.moe_topk=20: init.hf_checkpoint={BASE} gives moe_topk=3 in its config.json'
   )
   with pytest.raises(ValueError, match=r'model\.n_routed_experts=4: .* gives n_routed_experts=8'):
-    hf.check_overrides(BASE, {'model.n_routed_experts': 4}, engine)
+    hf.check_overrides(BASE, {'model.n_routed_experts': 4})
   # The checkpoint's own values, and how the model computes, may be given.
-  hf.check_overrides(
-    BASE, {'model.moe_topk': 3, 'model.remat': 'full', 'model.dtype': 'float32'}, engine
-  )
+  hf.check_overrides(BASE, {'model.moe_topk': 3, 'engine.remat': 'full', 'engine.dtype': 'float32'})
 
 
 @pytest.mark.parametrize(

@@ -3,7 +3,6 @@ values and the same gradients, one kernel at a time and through the whole model.
 
 import ast
 import contextlib
-import dataclasses
 import importlib
 import pathlib
 import pkgutil
@@ -189,7 +188,9 @@ def _expert_ffn(adapters_only):
       def fn(x, trained):
         weights = {**base, **trained} if adapters_only else trained
         train, frozen = grouped.split_trainable(weights)
-        return grouped.expert_ffn(x, train, frozen, groups, None, tiles, cfg, reference=reference)
+        return grouped.expert_ffn(
+          x, train, frozen, groups, None, tiles, dispatch.spec(cfg), reference=reference
+        )
 
       return fn
 
@@ -314,7 +315,7 @@ def _loss_and_grads(cfg, mesh_shape=None):
   mesh = sharding.make_mesh(mesh_shape) if mesh_shape else None
   out = {}
   for kind in ('fast', 'reference'):
-    gd = graphdef_of(dataclasses.replace(cfg, kernels=kind))
+    gd = graphdef_of(cfg.with_engine(kernels=kind))
     step = jax.jit(jax.value_and_grad(lambda p, gd=gd: forward_loss(p, bias, frozen, gd, data)[0]))
     with jax.set_mesh(mesh) if mesh else contextlib.nullcontext():
       out[kind] = step(params)
@@ -335,14 +336,14 @@ def _loss_and_grads(cfg, mesh_shape=None):
   ids=['lora_grouped', 'full_expert_parallel'],
 )
 def test_model_with_reference_kernels_gives_the_same_loss_and_gradients(setting):
-  """model.kernels='reference' swaps every kernel for its autodiff twin: the training loss and
+  """engine.kernels='reference' swaps every kernel for its autodiff twin: the training loss and
   every trained parameter's gradient are unchanged."""
   setting = dict(setting)
   mesh, use_lora = setting.pop('mesh', None), setting.pop('lora')
   cfg = tiny(attention_chunk=5, loss_chunk=5, **setting)
   cfg = with_lora(cfg) if use_lora else cfg
   if mesh:
-    cfg = dataclasses.replace(cfg, rules=sharding.Rules.preset('fsdp_ep_tp'))
+    cfg = cfg.with_engine(rules=sharding.Rules.preset('fsdp_ep_tp'))
     cfg = cfg.laid_out('cpu', sharding.make_mesh(mesh))
   out = _loss_and_grads(cfg, mesh)
   (loss, grads), (want, want_grads) = out['fast'], out['reference']

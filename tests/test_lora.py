@@ -10,8 +10,9 @@ import optax
 import pytest
 from flax import nnx
 
+from moetrain.kernels import quant
 from moetrain.kernels.lora import lora_product
-from moetrain.model import lora, quant
+from moetrain.model import lora
 from moetrain.model.transformer import Transformer
 from moetrain.training.train_state import init_state, split_model
 from moetrain.training.train_step import StepConfig, jit_train_step
@@ -140,7 +141,7 @@ def test_frozen_base_bytes_per_parameter(mode, limit):
   )
   build = lambda c: split_model(nnx.eval_shape(lambda: Transformer(c, nnx.Rngs(0))), c)[3]
   frozen = build(cfg)
-  ref = build(dataclasses.replace(cfg, quant='none'))
+  ref = build(cfg.with_engine(quant='none'))
   n_params = sum(x.size for x in jax.tree.leaves(ref))
   n_bytes = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(frozen))
   assert n_bytes / n_params <= limit, n_bytes / n_params
@@ -151,7 +152,7 @@ def test_qlora_computes_the_float_model_of_its_dequantised_weights():
   model, ids = model_and_ids(cfg)
   want, _ = forward(model, ids)
   for mode in ('int8', 'int4'):
-    q_model = Transformer(dataclasses.replace(cfg, quant=mode, quant_group_size=16), nnx.Rngs(0))
+    q_model = Transformer(cfg.with_engine(quant=mode, quant_group_size=16), nnx.Rngs(0))
     got, _ = forward(q_model, ids)
     exact, _ = forward(lora.merged(q_model), ids)  # float weights equal to the dequantised codes
     np.testing.assert_allclose(got, exact, atol=1e-5, rtol=1e-5)

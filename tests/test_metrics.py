@@ -1,6 +1,5 @@
 """The run's metrics files across a resume."""
 
-import dataclasses
 import glob
 import json
 import math
@@ -325,7 +324,7 @@ def test_window_reports_the_steps_since_the_last_log():
 def test_train_log_splits_loads_by_shard_only_under_expert_parallelism():
   mesh = sharding.make_mesh((1, 1, 2, 1), jax.devices()[:2])
   for parallel, shards in ((True, 2), (False, 1)):
-    model = dataclasses.replace(PRESETS['tiny'], moe_expert_parallel=parallel)
+    model = PRESETS['tiny'].with_engine(moe_expert_parallel=parallel)
     model = model.laid_out('cpu', mesh)
     setup = types.SimpleNamespace(
       model=model,

@@ -1,7 +1,5 @@
 """Model properties: shapes, causality, packing isolation, LoRA identity, backends agree."""
 
-import dataclasses
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -72,7 +70,7 @@ def test_chunked_causal_attention_equals_the_full_square(chunk):
   seg = jnp.array([[1] * 5 + [2] * 7, [1] * 9 + [0] * 3])
   pos = jnp.array([list(range(5)) + list(range(7)), list(range(9)) + [0] * 3])
   chunked = nnx.merge(
-    nnx.graphdef(Transformer(dataclasses.replace(cfg, attention_chunk=chunk), nnx.Rngs(0))),
+    nnx.graphdef(Transformer(cfg.with_engine(attention_chunk=chunk), nnx.Rngs(0))),
     nnx.state(model),
   )
   ref_logits, _ = forward(model, ids, pos, seg)
@@ -164,7 +162,7 @@ def test_remat_policies_change_no_gradient(remat):
   cfg = with_lora(tiny(remat='none', moe_backend='ragged_dot'))
   model, ids = model_and_ids(cfg)
   randomize(model, 6, nnx.LoRAParam)
-  other = same_model_as(model, dataclasses.replace(cfg, remat=remat))
+  other = same_model_as(model, cfg.with_engine(remat=remat))
   assert_same_loss_and_grads(other, model, ids, atol=1e-6, rtol=1e-5)
 
 
@@ -191,7 +189,7 @@ def test_unrolled_layers_equal_the_scan(remat):
   cfg = with_lora(tiny(remat=remat))
   model, ids = model_and_ids(cfg)
   randomize(model, 6, nnx.LoRAParam)
-  unrolled = same_model_as(model, dataclasses.replace(cfg, scan_layers=False))
+  unrolled = same_model_as(model, cfg.with_engine(scan_layers=False))
   (ref_logits, ref_aux), (logits, aux) = forward(model, ids), forward(unrolled, ids)
   np.testing.assert_allclose(logits, ref_logits, atol=1e-5, rtol=1e-5)
   for a, r in zip(jax.tree.leaves(aux), jax.tree.leaves(ref_aux), strict=True):
@@ -224,7 +222,7 @@ def test_moe_backends_match_dense_reference(backend):
   nonzero_bias(model)
   ref, _ = forward(model, ids)
   other = nnx.merge(
-    nnx.graphdef(Transformer(dataclasses.replace(cfg, moe_backend=backend), nnx.Rngs(0))),
+    nnx.graphdef(Transformer(cfg.with_engine(moe_backend=backend), nnx.Rngs(0))),
     nnx.state(model),
   )
   out, _ = forward(other, ids)
@@ -256,7 +254,7 @@ def test_projection_equations_are_token_matmuls():
 def test_bad_model_configs_name_the_field():
   with pytest.raises(ValueError, match='model.moe_topk'):
     ModelConfig(moe_topk=13).validate()
-  with pytest.raises(ValueError, match='model.remat'):
-    ModelConfig(remat='sometimes').validate()
+  with pytest.raises(ValueError, match='engine.remat'):
+    ModelConfig().with_engine(remat='sometimes').validate()
   with pytest.raises(ValueError, match='model.qk_rope_head_dim'):
     ModelConfig(qk_rope_head_dim=7).validate()

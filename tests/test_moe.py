@@ -118,7 +118,7 @@ CASES = (
 
 @pytest.mark.parametrize('backend,shape', CASES)
 def test_moe_matches_per_expert_loop(backend, shape):
-  cfg = dataclasses.replace(CFG, moe_backend=backend, **shape)
+  cfg = dataclasses.replace(CFG, **shape).with_engine(moe_backend=backend)
   moe = make_moe(cfg)
   x = jax.random.normal(jax.random.key(1), (2, 16, cfg.hidden_size))
   y, _ = run(moe, x)
@@ -136,14 +136,14 @@ def test_dropless_equals_capacity_when_capacity_suffices():
   moe = make_moe(CFG)
   x = jax.random.normal(jax.random.key(2), (2, 16, CFG.hidden_size))
   y, _ = run(moe, x)
-  big = dataclasses.replace(CFG, moe_dispatch='capacity', moe_capacity_factor=12.0)
+  big = CFG.with_engine(moe_dispatch='capacity', moe_capacity_factor=12.0)
   y_cap, stats = run(with_cfg(moe, big), x)
   assert float(stats['dropped_frac']) == 0.0
   np.testing.assert_allclose(y_cap, y, atol=1e-6)
 
 
 def test_capacity_drops_exactly_what_it_reports():
-  cfg = dataclasses.replace(CFG, moe_dispatch='capacity', moe_capacity_factor=0.5)
+  cfg = CFG.with_engine(moe_dispatch='capacity', moe_capacity_factor=0.5)
   moe = make_moe(cfg)
   m, d = 64, cfg.hidden_size
   x_MD = jax.random.normal(jax.random.key(3), (m, d))
@@ -161,7 +161,7 @@ def test_capacity_drops_exactly_what_it_reports():
   np.testing.assert_array_equal(dropped, want)
   assert want.sum() > 0
   # The output is the dropless output with the dropped assignments' gates set to zero.
-  dropless = dataclasses.replace(cfg, moe_dispatch='dropless')
+  dropless = cfg.with_engine(moe_dispatch='dropless')
   y_ref, _ = dispatch.routed_experts(
     x_MD, idx, jnp.where(want > 0, 0.0, gates), moe.experts.weights(), dropless
   )
@@ -183,8 +183,8 @@ def test_capacity_drops_exactly_what_it_reports():
   ],
 )
 def test_expert_parallel_equals_single_device(mesh_shape, comm, backend):
-  cfg = dataclasses.replace(
-    CFG, rules=sharding.Rules.preset('fsdp_ep_tp'), moe_ep_comm=comm, moe_backend=backend
+  cfg = CFG.with_engine(
+    rules=sharding.Rules.preset('fsdp_ep_tp'), moe_ep_comm=comm, moe_backend=backend
   )
   moe = make_moe(cfg)
   x = jax.random.normal(jax.random.key(4), (8, 8, cfg.hidden_size))
@@ -210,7 +210,7 @@ def test_expert_parallel_equals_single_device(mesh_shape, comm, backend):
 def test_expert_parallel_takes_tokens_the_batch_shards_do_not_divide(comm):
   """A decode step's few tokens (here 3 on 8 batch shards) are padded with rows for no expert
   inside the exchange: the layer gives what it gives on one device."""
-  cfg = dataclasses.replace(CFG, rules=sharding.Rules.preset('fsdp_ep_tp'), moe_ep_comm=comm)
+  cfg = CFG.with_engine(rules=sharding.Rules.preset('fsdp_ep_tp'), moe_ep_comm=comm)
   moe = make_moe(cfg)
   x = jax.random.normal(jax.random.key(5), (1, 3, cfg.hidden_size))
   want = jit_call(_engine, moe, x)
@@ -313,12 +313,12 @@ def test_ragged_expert_parallel_drops_exactly_what_it_reports(bound):
   """A receive buffer smaller than the worst case (bounded for dropless with overflow 'drop', or
   sized by the capacity factor) drops overflow; the output is then the single-device dropless
   output with exactly the reported assignments' gates zeroed."""
-  cfg = dataclasses.replace(
-    CFG, rules=sharding.Rules.preset('fsdp_ep_tp'), moe_ep_comm='ragged', **bound
+  cfg = dataclasses.replace(CFG, **bound).with_engine(
+    rules=sharding.Rules.preset('fsdp_ep_tp'), moe_ep_comm='ragged'
   )
   x, idx, gates, w, y, dropped = route_on_ep_mesh(cfg, seed=7)
   assert 0 < float(dropped.sum()) < float((idx < cfg.n_routed_experts).sum())
-  single = dataclasses.replace(cfg, moe_expert_parallel=False, moe_dispatch='dropless')
+  single = cfg.with_engine(moe_expert_parallel=False, moe_dispatch='dropless')
   y_ref, _ = dispatch.routed_experts(x, idx, jnp.where(dropped > 0, 0.0, gates), w, single)
   np.testing.assert_allclose(y, y_ref, atol=1e-5)
 
@@ -328,16 +328,16 @@ def test_ragged_expert_parallel_overflow_rounds_are_dropless():
   shard needs several rounds, and 'drop' drops on the same routing): nothing dropped, and the
   output and its gradients (tokens, gates, expert weights and adapters) are one device's
   dropless engine's."""
-  cfg = dataclasses.replace(
-    CFG, rules=sharding.Rules.preset('fsdp_ep_tp'), moe_ep_comm='ragged', moe_ep_recv_factor=0.3
+  cfg = CFG.with_engine(
+    rules=sharding.Rules.preset('fsdp_ep_tp'), moe_ep_comm='ragged', moe_ep_recv_factor=0.3
   )
   assert expert_parallel.ep_rounds(64 * cfg.moe_topk, cfg, 4) == 14
   x, idx, gates, w, y, dropped = route_on_ep_mesh(cfg, seed=7)
   assert float(dropped.sum()) == 0
-  single = dataclasses.replace(cfg, moe_expert_parallel=False)
+  single = cfg.with_engine(moe_expert_parallel=False)
   y_ref, _ = dispatch.routed_experts(x, idx, gates, w, single)
   np.testing.assert_allclose(y, y_ref, atol=1e-6)
-  dropping = dataclasses.replace(cfg, moe_ep_overflow='drop')
+  dropping = cfg.with_engine(moe_ep_overflow='drop')
   assert float(route_on_ep_mesh(dropping, seed=7)[-1].sum()) > 0
 
   cot = jax.random.normal(jax.random.key(3), y.shape)
@@ -360,15 +360,14 @@ def test_expert_parallel_capacity_is_per_expert(comm):
   in token order, exactly one device's capacity dispatch of those tokens. fixed: each expert
   keeps the first c of every shard's own assignments (GShard's groups), exactly one device's
   capacity dispatch of each shard's tokens."""
-  cfg = dataclasses.replace(
-    CFG,
+  cfg = CFG.with_engine(
     rules=sharding.Rules.preset('fsdp_ep_tp'),
     moe_ep_comm=comm,
     moe_dispatch='capacity',
     moe_capacity_factor=0.75,
   )
   x, idx, gates, w, y, dropped = route_on_ep_mesh(cfg, seed=8)
-  single = dataclasses.replace(cfg, moe_expert_parallel=False)
+  single = cfg.with_engine(moe_expert_parallel=False)
   groups = 2 if comm == 'ragged' else 8
   parts = [
     dispatch.routed_experts(xs, ids, gs, w, single)
@@ -383,7 +382,7 @@ def test_padding_takes_no_expert_capacity():
   """Padding tokens (segment 0) enter no expert: whether they come before or after the real
   tokens changes neither the real tokens' outputs nor what is dropped, and their own output is
   zero."""
-  cfg = dataclasses.replace(CFG, moe_dispatch='capacity', moe_capacity_factor=0.5)
+  cfg = CFG.with_engine(moe_dispatch='capacity', moe_capacity_factor=0.5)
   moe = make_moe(cfg)
   real = jax.random.normal(jax.random.key(10), (1, 16, cfg.hidden_size))
   on, off = jnp.ones((1, 16), bool), jnp.zeros((1, 16), bool)
@@ -456,7 +455,7 @@ def test_balance_loss_by_hand():
   # One group (D = 1) only weighs FFN against zero experts: moving load between FFN experts
   # changes nothing; with D = 2 it does (f = (0.4, 0.3): 3 (0.16 + 0.06 + 0.12)).
   swapped = frac[jnp.array([0, 2, 1, 3, 4, 5])]
-  one = dataclasses.replace(cfg, moe_balance_groups=1)
+  one = cfg.with_engine(moe_balance_groups=1)
   np.testing.assert_allclose(
     device_balance_loss(frac, mean_p, one), device_balance_loss(swapped, mean_p, one)
   )
@@ -469,14 +468,13 @@ def with_cfg(moe, cfg):
 
 
 def test_balance_groups_default_to_the_expert_shards():
-  cfg = dataclasses.replace(CFG, rules=sharding.Rules.preset('fsdp_ep_tp'))
-  assert cfg.moe_balance_groups == 0
+  cfg = CFG.with_engine(rules=sharding.Rules.preset('fsdp_ep_tp'))
+  assert cfg.engine.moe_balance_groups == 0
   moe = make_moe(cfg)
   x = jax.random.normal(jax.random.key(12), (8, 8, cfg.hidden_size))
   loss = lambda moe, x: _run(moe, x)[1]['balance_loss']
   explicit = {
-    d: jit_call(loss, with_cfg(moe, dataclasses.replace(cfg, moe_balance_groups=d)), x)
-    for d in (1, 4)
+    d: jit_call(loss, with_cfg(moe, cfg.with_engine(moe_balance_groups=d)), x) for d in (1, 4)
   }
   assert abs(float(explicit[4] - explicit[1])) > 1e-4
   np.testing.assert_allclose(jit_call(loss, moe, x), explicit[1], rtol=1e-6)  # no mesh: D = 1
@@ -562,7 +560,7 @@ def test_grouped_tiles_match_rowwise_experts(sizes, pick):
 
   def engine(x, w):
     train, frozen = grouped.split_trainable(w)
-    return grouped.expert_ffn(x, train, frozen, groups, None, tiles, cfg)
+    return grouped.expert_ffn(x, train, frozen, groups, None, tiles, dispatch.spec(cfg))
 
   def rowwise(x, w):
     we = {k: v[expert_R] for k, v in w.items()}
@@ -630,7 +628,7 @@ def test_megablox_without_expert_parallelism_runs_on_each_batch_shard():
   runs in a shard_map over the batch shards, the weights entering as FSDP stores them (D over
   'fsdp') and gathered inside, their gradients leaving by reduce-scatter: the single-device
   result and gradients. (Its TPU compile: tests/test_plan.py.)"""
-  cfg = dataclasses.replace(CFG, moe_backend='megablox', **LANES)
+  cfg = dataclasses.replace(CFG, **LANES).with_engine(moe_backend='megablox')
   moe = make_moe(cfg)
   x = jax.random.normal(jax.random.key(3), (64, cfg.hidden_size))
   _, _, idx, gates = route(x, moe.router[...], moe.router_bias[...], cfg)
@@ -640,7 +638,7 @@ def test_megablox_without_expert_parallelism_runs_on_each_batch_shard():
     lambda w: loss(dispatch.routed_experts(x, idx, gates, w, cfg)[0])
   )(w)
   mesh = sharding.make_mesh((1, -1, 1, 1))  # the 8 test devices over fsdp
-  laid_out = dataclasses.replace(cfg, rules=sharding.Rules.preset('fsdp')).laid_out('cpu', mesh)
+  laid_out = cfg.with_engine(rules=sharding.Rules.preset('fsdp')).laid_out('cpu', mesh)
   specs = expert_parallel.stored_specs(w, laid_out)
   assert specs['gate'] == jax.sharding.PartitionSpec(None, 'fsdp', None), specs
   fn = lambda w, *a: loss(expert_parallel.routed_experts(*a, w, laid_out)[0])
@@ -659,15 +657,15 @@ def test_megablox_without_expert_parallelism_runs_on_each_batch_shard():
 def test_the_gpu_engine_follows_the_routed_rows_or_says_why_not(monkeypatch):
   """On a GPU 'auto' takes tokamax's kernels where they are installed; XLA's ragged_dot (dense
   over every expert on XLA:GPU) comes with a warning naming the reason and the fix."""
-  gpu = dataclasses.replace(CFG, moe_backend='auto', platform='gpu')
+  gpu = CFG.with_engine(moe_backend='auto', platform='gpu')
   assert dispatch.resolve_backend(gpu) == 'tokamax' and dispatch.gpu_engine_warning(gpu) is None
   monkeypatch.setattr(dispatch, 'tokamax_installed', lambda: False)
   assert dispatch.resolve_backend(gpu) == 'ragged_dot'
   assert 'tokamax is not installed' in dispatch.gpu_engine_warning(gpu)
-  chosen = dataclasses.replace(gpu, moe_backend='ragged_dot')
-  assert "model.moe_backend='ragged_dot'" in dispatch.gpu_engine_warning(chosen)
-  assert dispatch.gpu_engine_warning(dataclasses.replace(gpu, moe_dispatch='capacity')) is None
-  assert dispatch.gpu_engine_warning(dataclasses.replace(gpu, platform='cpu')) is None
+  chosen = gpu.with_engine(moe_backend='ragged_dot')
+  assert "engine.moe_backend='ragged_dot'" in dispatch.gpu_engine_warning(chosen)
+  assert dispatch.gpu_engine_warning(gpu.with_engine(moe_dispatch='capacity')) is None
+  assert dispatch.gpu_engine_warning(gpu.with_engine(platform='cpu')) is None
 
 
 def test_tokamax_takes_the_first_gpu_kernel_that_fits_and_names_a_fallback(caplog):
@@ -676,7 +674,7 @@ def test_tokamax_takes_the_first_gpu_kernel_that_fits_and_names_a_fallback(caplo
   per product for the benchmarks, with values and gradients equal to ragged_dot's."""
   from moetrain.kernels import experts
 
-  gpu = dataclasses.replace(CFG, platform='gpu', dtype='float32')
+  gpu = CFG.with_engine(platform='gpu', dtype='float32')
   x = jax.random.normal(jax.random.key(0), (10, 16))
   w = jax.random.normal(jax.random.key(1), (4, 16, 8))
   sizes = jnp.array([3, 0, 5, 2], jnp.int32)
@@ -692,7 +690,7 @@ def test_tokamax_takes_the_first_gpu_kernel_that_fits_and_names_a_fallback(caplo
   assert choice.startswith('xla (mosaic: ') and 'triton: ' in choice
   warned = [r.getMessage() for r in caplog.records if 'no GPU kernel' in r.getMessage()]
   assert len(warned) == 1 and key in warned[0] and 'densely' in warned[0]
-  named = dataclasses.replace(gpu, tokamax_implementation='xla')
+  named = gpu.with_engine(tokamax_implementation='xla')
   experts.tokamax_mm(x, w, sizes, jnp.float32, named)
   assert experts.TOKAMAX_CHOICES[key] == 'xla'
 
@@ -723,7 +721,7 @@ def test_tokamax_on_a_gpu_zeroes_what_its_kernel_leaves_unwritten(monkeypatch):
     return f(x, w).astype(preferred_element_type)
 
   monkeypatch.setattr(tokamax, 'ragged_dot', unwritten)
-  gpu = dataclasses.replace(CFG, platform='gpu', dtype='float32', tokamax_implementation='mosaic')
+  gpu = CFG.with_engine(platform='gpu', dtype='float32', tokamax_implementation='mosaic')
   x = jax.random.normal(jax.random.key(0), (300, 16))  # 7 rows past the groups
   w = jax.random.normal(jax.random.key(1), (4, 16, 8))
   sizes = jnp.array([100, 0, 150, 43], jnp.int32)  # expert 1 has no rows
@@ -736,7 +734,7 @@ def test_tokamax_on_a_gpu_zeroes_what_its_kernel_leaves_unwritten(monkeypatch):
   for a, b in zip(g, g_ref, strict=True):
     assert np.isfinite(a).all()
     np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)
-  ref = dataclasses.replace(gpu, kernels='reference')  # the kernel's reference: the same
+  ref = gpu.with_engine(kernels='reference')  # the kernel's reference: the same
   g_sel = jax.grad(loss(lambda x, w: experts.tokamax_mm(x, w, sizes, jnp.float32, ref)), (0, 1))
   for a, b in zip(g_sel(x, w), g, strict=True):
     np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-6)

@@ -15,6 +15,7 @@ from moetrain.kernels.attention import attention_core
 from moetrain.model import decode
 from moetrain.model.families import PRESETS
 from moetrain.model.transformer import Transformer
+from tests.helpers import configured
 
 PARTS = dict(
   num_layers=2,
@@ -37,7 +38,7 @@ BIASES = ('sinks', 'bias', 'router_linear_bias', 'gate_bias', 'up_bias', 'down_b
 
 def oss_model(**kw):
   """A tiny model with every gpt-oss part, its biases and sinks drawn at random."""
-  cfg = dataclasses.replace(PRESETS['qwen3_tiny'], **{**PARTS, **kw})
+  cfg = configured(PRESETS['qwen3_tiny'], **{**PARTS, **kw})
   cfg.validate()
   model = Transformer(cfg, nnx.Rngs(0))
   for i, (path, var) in enumerate(nnx.to_flat_state(nnx.state(model, nnx.Param))):

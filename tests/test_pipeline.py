@@ -22,11 +22,11 @@ from tests.test_sharding import batch
 LONGCAT = tiny(num_layers=4)
 # Dense layers first: two runs of layers, each pipelined over the stages on its own.
 DEEPSEEK = dataclasses.replace(
-  PRESETS['deepseek_tiny'], dtype='float32', remat='none', num_layers=4, first_k_dense_replace=2
-)
+  PRESETS['deepseek_tiny'], num_layers=4, first_k_dense_replace=2
+).with_engine(dtype='float32', remat='none')
 QWEN3 = dataclasses.replace(
-  PRESETS['qwen3_tiny'], dtype='float32', remat='none', num_layers=4, hidden_size=32, head_dim=8
-)
+  PRESETS['qwen3_tiny'], num_layers=4, hidden_size=32, head_dim=8
+).with_engine(dtype='float32', remat='none')
 
 
 def test_four_entry_mesh_shapes_mean_stage_one():
@@ -55,11 +55,11 @@ def loss_and_grads(cfg, mesh_shape, m=1, r=1, state=None):
   """(loss, gradients, state) of `cfg` on the test batch over a mesh of mesh_shape."""
   mesh = sharding.make_mesh(mesh_shape)
   rules = sharding.Rules.preset('fsdp_ep_tp')
-  cfg = dataclasses.replace(cfg, pipeline_microbatches=m, pipeline_repeats=r, rules=rules)
+  cfg = cfg.with_engine(pipeline_microbatches=m, pipeline_repeats=r, rules=rules)
   cfg = cfg.laid_out('cpu', mesh)
   with jax.set_mesh(mesh):
     if state is None:
-      state = stages.store(create_sharded(cfg, optax.sgd(1.0), 0, mesh, cfg.rules), cfg)
+      state = stages.store(create_sharded(cfg, optax.sgd(1.0), 0, mesh, cfg.engine.rules), cfg)
     b = {k: jax.device_put(v, sharding.batch_sharding(mesh)) for k, v in batch().items()}
     step = StepConfig(model=cfg, router_z_loss=1e-3, hidden_z_loss=1e-4)
 
@@ -103,7 +103,7 @@ def test_a_quantised_base_pipelines_equal_no_pipeline(quant):
   """QLoRA: the int8/int4 frozen base is stacked over the layers like the float one, so each
   stage holds its own layers' codes and scales; the adapters' gradients are those of no
   pipeline."""
-  cfg = dataclasses.replace(with_lora(LONGCAT), quant=quant, quant_group_size=16)
+  cfg = with_lora(LONGCAT).with_engine(quant=quant, quant_group_size=16)
   assert_same(loss_and_grads(cfg, (2, 1, -1, 2, 1), m=4), unpipelined(cfg))
 
 
@@ -119,11 +119,9 @@ def test_a_two_stage_checkpoint_restores_without_stages(tmp_path):
   ckpt.save(1, state, {'position': 0}, {'step': 1})
   ckpt.wait()
   mesh = sharding.make_mesh((1, 1, -1, 2, 1))
-  cfg = dataclasses.replace(LONGCAT, rules=sharding.Rules.preset('fsdp_ep_tp')).laid_out(
-    'cpu', mesh
-  )
+  cfg = LONGCAT.with_engine(rules=sharding.Rules.preset('fsdp_ep_tp')).laid_out('cpu', mesh)
   with jax.set_mesh(mesh):
-    target = create_sharded(cfg, optax.sgd(1.0), 1, mesh, cfg.rules)
+    target = create_sharded(cfg, optax.sgd(1.0), 1, mesh, cfg.engine.rules)
   saved, _, _ = ckpt.restore(1, target)
   restored = dataclasses.replace(target, **saved)
   got = loss_and_grads(LONGCAT, (1, 1, -1, 2, 1), state=restored)
@@ -132,8 +130,8 @@ def test_a_two_stage_checkpoint_restores_without_stages(tmp_path):
 
 def circular(mesh):
   """The 4-layer LongCat over 2 stages x 2 repeats of `mesh`, 2 micro-batches."""
-  cfg = dataclasses.replace(LONGCAT, pipeline_microbatches=2, pipeline_repeats=2)
-  return dataclasses.replace(cfg, rules=sharding.Rules.preset('fsdp_ep_tp')).laid_out('cpu', mesh)
+  cfg = LONGCAT.with_engine(pipeline_microbatches=2, pipeline_repeats=2)
+  return cfg.with_engine(rules=sharding.Rules.preset('fsdp_ep_tp')).laid_out('cpu', mesh)
 
 
 def test_a_circular_schedule_stores_each_stages_runs_and_checkpoints_in_any_order(tmp_path):
@@ -146,7 +144,7 @@ def test_a_circular_schedule_stores_each_stages_runs_and_checkpoints_in_any_orde
   cfg = circular(mesh)
   assert stages.layout(cfg) == (2, 2)
   with jax.set_mesh(mesh):
-    state = create_sharded(cfg, optax.adam(1e-3), 0, mesh, cfg.rules)
+    state = create_sharded(cfg, optax.adam(1e-3), 0, mesh, cfg.engine.rules)
     want = jax.tree.map(np.asarray, state.saved())
     stored = stages.store(state, cfg)
   flat = jax.tree_util.tree_leaves_with_path(stored.saved())
@@ -164,7 +162,7 @@ def test_a_circular_schedule_stores_each_stages_runs_and_checkpoints_in_any_orde
     circular_ckpt = Checkpointer(str(tmp_path), every=1, keep=1, async_save=False, layers=(2, 2))
     circular_ckpt.save(1, stored, {'position': 0}, {'step': 1})
     circular_ckpt.close()
-    target = create_sharded(cfg, optax.adam(1e-3), 1, mesh, cfg.rules)
+    target = create_sharded(cfg, optax.adam(1e-3), 1, mesh, cfg.engine.rules)
     ckpt = Checkpointer(str(tmp_path), every=1, keep=1, async_save=False)
     saved, _, meta = ckpt.restore(1, target)
   assert meta['layer_order'] == [2, 2]
@@ -182,8 +180,8 @@ def test_a_teacher_is_stored_in_its_own_configs_order():
   cfg = circular(mesh)
   teacher_cfg = dataclasses.replace(cfg, num_layers=8)
   with jax.set_mesh(mesh):
-    state = create_sharded(cfg, optax.sgd(1.0), 0, mesh, cfg.rules)
-    teacher = create_sharded(teacher_cfg, optax.sgd(1.0), 1, mesh, cfg.rules).params
+    state = create_sharded(cfg, optax.sgd(1.0), 0, mesh, cfg.engine.rules)
+    teacher = create_sharded(teacher_cfg, optax.sgd(1.0), 1, mesh, cfg.engine.rules).params
     state = dataclasses.replace(state, teacher=teacher)
     want = jax.tree.map(np.asarray, state)
     setup = types.SimpleNamespace(model=cfg, step=types.SimpleNamespace(teacher=teacher_cfg))
@@ -198,9 +196,9 @@ def test_a_teacher_is_stored_in_its_own_configs_order():
 def test_the_bias_controller_updates_each_stored_layer_by_its_own_load():
   mesh = sharding.make_mesh((2, 1, -1, 2, 1))
   cfg = circular(mesh)
-  flat = dataclasses.replace(cfg, pipeline_repeats=1)
+  flat = cfg.with_engine(pipeline_repeats=1)
   with jax.set_mesh(mesh):
-    bias = create_sharded(cfg, optax.sgd(1.0), 0, mesh, cfg.rules).moe_bias
+    bias = create_sharded(cfg, optax.sgd(1.0), 0, mesh, cfg.engine.rules).moe_bias
     load_LX = jax.random.uniform(jax.random.key(0), (4, cfg.num_experts_total)) * 100
     want = bias_update(bias, load_LX, 0, StepConfig(model=flat))
     before = jax.tree.map(np.asarray, bias)
@@ -219,7 +217,7 @@ def test_dense_first_layers_pipeline_run_by_run():
 PIPELINED = {
   'mesh.shape': (2, 1, 2, 2, 1),
   'mesh.dcn_shape': (2, 1, 1, 1, 1),  # the stages across two slices
-  'model.pipeline_microbatches': 4,
+  'engine.pipeline_microbatches': 4,
   'model.num_layers': 4,
   'data.global_batch_size': 16,
 }
@@ -249,7 +247,7 @@ def test_micro_batches_the_splash_kernel_cannot_split_are_refused():
   from moetrain.planner import tpu_plan
   from moetrain.run.startup import build
 
-  over = PIPELINED | {'model.pipeline_microbatches': 8}
+  over = PIPELINED | {'engine.pipeline_microbatches': 8}
   config = tpu_plan.with_overrides(longcat_pretrain.get_config('variant=tiny'), over)
   assert config.data.seq_len % 128 == 0  # the splash kernel's blocks
   with pytest.raises(ValueError, match=r'micro-batch of 2 rows .* 4 batch shards'):
@@ -268,12 +266,12 @@ def test_a_pipelined_step_compiles_for_two_tpu_slices():
 
 LOGGED_FLAGS = [
   '--config.model.num_layers=4',
-  '--config.model.dtype=float32',
-  '--config.model.param_dtype=float32',
+  '--config.engine.dtype=float32',
+  '--config.engine.param_dtype=float32',
   '--config.train.steps=12',
   '--config.optim.warmup_steps=2',
   '--config.data.global_batch_size=8',
-  '--config.model.pipeline_microbatches=4',
+  '--config.engine.pipeline_microbatches=4',
 ]
 
 
@@ -315,7 +313,7 @@ def test_the_pipelined_command_logs_the_losses_of_no_pipeline(tmp_path):
   assert one == logged_losses(tmp_path / 'circular', '(2,1,-1,2,1)', CIRCULAR)
 
 
-CIRCULAR = ['--config.model.pipeline_repeats=2']  # 4 layers over 2 stages: 2 runs each
+CIRCULAR = ['--config.engine.pipeline_repeats=2']  # 4 layers over 2 stages: 2 runs each
 
 
 @pytest.mark.slow
@@ -351,7 +349,7 @@ def test_the_tools_read_a_pipelined_runs_checkpoint(tmp_path, extra):
     unstaged = tmp_path / 'unstaged'
     with open(workdir / 'config.json') as f:
       saved = json.load(f)
-    assert saved['model']['pipeline_repeats'] == 2
+    assert saved['engine']['pipeline_repeats'] == 2
     out = run_command(
       'moetrain.tools.export',
       f'--workdir={workdir}',
@@ -397,14 +395,14 @@ def test_a_stage_axis_across_two_processes_logs_the_losses_of_none(tmp_path, rep
   common = [
     '--config.train.steps=3',
     '--config.optim.warmup_steps=1',
-    '--config.model.dtype=float32',
+    '--config.engine.dtype=float32',
     '--config.model.num_layers=4',
   ]
-  common.append('--config.model.param_dtype=float32')
+  common.append('--config.engine.param_dtype=float32')
   staged = [
     '--config.mesh.shape=(2,1,-1,1,1)',
-    '--config.model.pipeline_microbatches=2',
-    f'--config.model.pipeline_repeats={repeats}',
+    '--config.engine.pipeline_microbatches=2',
+    f'--config.engine.pipeline_repeats={repeats}',
   ]
   Job(str(tmp_path / 'staged'), *common, *staged, processes=2, devices=8).wait()
   Job(str(tmp_path / 'none'), *common, processes=2, devices=8).wait()

@@ -65,7 +65,7 @@ TINY_EP = {'mesh.shape': (1, 2, 2, 1)}
 @pytest.fixture(scope='module')
 def tiny_plan():
   """Tiny LoRA planned for a v5e-4 with experts over 2 chips, and what the planner said."""
-  compiler = {'model.frozen_layout': 'compiler'}  # (the eval step compiled for XLA's choice)
+  compiler = {'engine.frozen_layout': 'compiler'}  # (the eval step compiled for XLA's choice)
   said = []
   r = tpu_plan.plan(
     longcat_lora.get_config('variant=tiny'), 'v5e-4', TINY_EP | compiler, said.append
@@ -133,13 +133,13 @@ def test_a_second_identical_plan_is_answered_from_the_cache(
 @pytest.mark.slow  # two full TPU compiles (40 s): make test-slow
 def test_a_batch_that_fits_and_one_that_does_not():
   """One side of the boundary and the other, on one v5e chip (15.75 GiB): without loss blocks
-  (model.loss_chunk=0) the step holds whole float32 [B, T, V] logits, 256 MiB per row at 512
+  (engine.loss_chunk=0) the step holds whole float32 [B, T, V] logits, 256 MiB per row at 512
   positions and a 131072-token vocabulary: 8 rows fit, 64 do not."""
   over = {
     'mesh.shape': (1, 1, 1, 1),
     'data.seq_len': 512,
     'model.vocab_size': 131072,
-    'model.loss_chunk': 0,
+    'engine.loss_chunk': 0,
     'data.eval_split': '',
   }
   config = longcat_lora.get_config('variant=tiny')
@@ -164,8 +164,8 @@ def test_tpu_only_paths_compile():
     longcat_lora.get_config('variant=tiny'),
     TINY_EP
     | {
-      'model.moe_backend': 'megablox',
-      'model.remat': 'offload',
+      'engine.moe_backend': 'megablox',
+      'engine.remat': 'offload',
       'model.hidden_size': 256,
       'model.expert_ffn_hidden_size': 128,
     },  # fmt: skip
@@ -321,16 +321,22 @@ def test_multislice_puts_the_dcn_axis_across_slices():
 
 
 def test_auto_picks_megablox_where_tpu_expert_weights_train():
+  from moetrain.core.engine import LoraConfig
   from moetrain.model import dispatch
-  from moetrain.model.config import LoraConfig, ModelConfig
+  from moetrain.model.config import ModelConfig
 
-  tpu = ModelConfig(platform='tpu')
+  tpu = ModelConfig().with_engine(platform='tpu')
   assert dispatch.resolve_backend(tpu) == 'megablox'
-  assert dispatch.resolve_backend(ModelConfig(platform='tpu', lora=LoraConfig(rank=4))) == (
-    'ragged_dot'
+  assert dispatch.resolve_backend(
+    ModelConfig(lora=LoraConfig(rank=4)).with_engine(platform='tpu')
+  ) == ('ragged_dot')
+  assert (
+    dispatch.resolve_backend(ModelConfig().with_engine(platform='gpu')) == 'tokamax'
+  )  # (installed)
+  assert dispatch.resolve_backend(ModelConfig().with_engine(platform='cpu')) in (
+    'grouped',
+    'gathered',
   )
-  assert dispatch.resolve_backend(ModelConfig(platform='gpu')) == 'tokamax'  # (installed)
-  assert dispatch.resolve_backend(ModelConfig(platform='cpu')) in ('grouped', 'gathered')
 
 
 @pytest.mark.slow
@@ -347,7 +353,7 @@ def test_full_training_on_tpu_uses_megablox_for_the_expert_weight_gradients():
   }
   config = longcat_pretrain.get_config()
   auto = tpu_plan.plan(config, 'v5e-4', shapes)
-  ragged = tpu_plan.plan(config, 'v5e-4', shapes | {'model.moe_backend': 'ragged_dot'})
+  ragged = tpu_plan.plan(config, 'v5e-4', shapes | {'engine.moe_backend': 'ragged_dot'})
   assert auto['engine']['moe_backend'] == 'megablox'
   assert auto['fits'] and ragged['fits']
   assert auto['hlo_flops_per_chip'] < 0.95 * ragged['hlo_flops_per_chip']
@@ -394,24 +400,26 @@ def _vmem_case():
   x = jax.ShapeDtypeStruct((2048, 2880), jnp.bfloat16, sharding=spec)
   w = jax.ShapeDtypeStruct((2880, 2880), jnp.bfloat16, sharding=spec)
   fn = lambda x, w: jnp.tanh(x @ w) @ w
-  return fn, (x, w), lambda kib: ModelConfig(platform='tpu', tpu_scoped_vmem_kib=kib)
+  return fn, (x, w), lambda kib: ModelConfig().with_engine(platform='tpu', tpu_scoped_vmem_kib=kib)
 
 
 def test_the_scoped_vmem_limit_reaches_libtpu_and_its_overflow_names_the_key():
   """XLA:TPU gives each fusion a scoped VMEM limit; a fusion that asks more stops the compile
   (gpt-oss-20b's int4 experts on a v5e did: the error, as libtpu printed it, names
-  model.tpu_scoped_vmem_kib with what was asked). The step's compiler options
+  engine.tpu_scoped_vmem_kib with what was asked). The step's compiler options
   (train_step.compiler_options) carry that key to libtpu, which takes it."""
   from moetrain.model.config import ModelConfig
   from moetrain.training.train_step import compiler_options
 
   assert aot.oom_message(GPT_OSS_VMEM) == (
     'E1001: CompileTimeScopedVmemOom: a fusion asked 16.94 MiB of scoped VMEM, over its 16.00 '
-    'MiB (ragged_dot_general); raise model.tpu_scoped_vmem_kib (e.g. 32768)'
+    'MiB (ragged_dot_general); raise engine.tpu_scoped_vmem_kib (e.g. 32768)'
   )
   fn, args, cfg = _vmem_case()
   assert compiler_options(cfg(32768)) == {'xla_tpu_scoped_vmem_limit_kib': 32768}
-  assert compiler_options(ModelConfig(platform='cpu', tpu_scoped_vmem_kib=32768)) is None
+  assert (
+    compiler_options(ModelConfig().with_engine(platform='cpu', tpu_scoped_vmem_kib=32768)) is None
+  )
   jitted = jax.jit(fn, compiler_options=compiler_options(cfg(32768)))
   aot.compile_fn('f', jitted, args, analyse=False, cache=False)
 

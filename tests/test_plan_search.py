@@ -26,17 +26,17 @@ class FakePlanner:
     self.calls.append((topo, overrides))
     c = tpu_plan.with_overrides(config, overrides)
     t = topology.parse(topo)
-    weights = self.need / t.num_devices * {'none': 1, 'int8': 0.5, 'int4': 0.25}[c.model.quant]
+    weights = self.need / t.num_devices * {'none': 1, 'int8': 0.5, 'int4': 0.25}[c.engine.quant]
     weights *= 1 if c.lora.rank else 3
     rows = c.data.global_batch_size // c.optim.grad_accum_steps / t.num_devices
     remat = {'none': 2, 'full': 1, 'save_moe': 1.5, 'save_dots': 1.5, 'offload': 1}
-    need = weights + rows * GIB * remat[c.model.remat]
+    need = weights + rows * GIB * remat[c.engine.remat]
     report = {'topology': t.cloud_name, 'chips': t.chips, 'overrides': overrides}
     if need > t.chip.hbm_bytes:
       return report | {'fits': False, 'error': 'Ran out of memory on HBM', 'per_chip_bytes': {}}
     step = 10 / c.mesh.shape[2] + c.optim.grad_accum_steps
     step *= {'none': 1, 'full': 1.3, 'save_moe': 1.1, 'save_dots': 1.2, 'offload': 1.3}[
-      c.model.remat
+      c.engine.remat
     ]
     return report | {
       'fits': True,
@@ -71,7 +71,7 @@ def test_search_keeps_the_fastest_plan_with_headroom_and_caches(fake, tmp_path, 
   assert best['fits'] and best['headroom'] >= tpu_plan.HEADROOM
   o = best['overrides']
   assert tuple(o['mesh.shape']) == (1, -1, 4, 1)
-  assert o['model.quant'] in ('int8', 'int4') and o['model.remat'] == 'none'
+  assert o['engine.quant'] in ('int8', 'int4') and o['engine.remat'] == 'none'
   # Every setting one change away from the winner is slower or short of headroom.
   for n in tpu_plan.neighbours(config, 4, o):
     r = planner(config, 'v5e-4', n)
@@ -93,30 +93,30 @@ def test_neighbours_leave_out_what_is_already_set():
       for k in n
     ), n
   names = [tuple(sorted(n)) for n in tpu_plan.neighbours(config, 4, {})]
-  assert ('model.quant',) in names  # QLoRA storage is searched under LoRA only
+  assert ('engine.quant',) in names  # QLoRA storage is searched under LoRA only
   pretrain = longcat_pretrain.get_config()
-  assert all('model.quant' not in n for n in tpu_plan.neighbours(pretrain, 4, {}))
+  assert all('engine.quant' not in n for n in tpu_plan.neighbours(pretrain, 4, {}))
 
 
 def test_across_slices_the_search_proposes_a_stage_per_slice():
   config = longcat_pretrain.get_config()  # 16 rows a step
-  assert not any('model.pipeline_microbatches' in n for n in tpu_plan.neighbours(config, 8, {}))
+  assert not any('engine.pipeline_microbatches' in n for n in tpu_plan.neighbours(config, 8, {}))
   staged = [
-    n for n in tpu_plan.neighbours(config, 8, {}, slices=2) if 'model.pipeline_microbatches' in n
+    n for n in tpu_plan.neighbours(config, 8, {}, slices=2) if 'engine.pipeline_microbatches' in n
   ]
-  assert {n['model.pipeline_microbatches'] for n in staged} == {2, 4, 8}
+  assert {n['engine.pipeline_microbatches'] for n in staged} == {2, 4, 8}
   for n in staged:  # the stage axis across the two slices, everything else inside each
     assert n['mesh.dcn_shape'] == (2, 1, 1, 1, 1) and n['mesh.shape'][0] == 2
   # From a pipelined setting: the expert axis moves within each stage, the circular schedule,
   # and the way back.
   later = tpu_plan.neighbours(config, 8, staged[0], slices=2)
   assert all(n['mesh.shape'][0] == 2 for n in later if 'mesh.rules' in n)
-  assert all(n.get('model.pipeline_repeats', 1) == 1 for n in later)  # 2 layers: no 2 runs
+  assert all(n.get('engine.pipeline_repeats', 1) == 1 for n in later)  # 2 layers: no 2 runs
   config.model.num_layers = 4
-  assert staged[0] | {'model.pipeline_repeats': 2} in tpu_plan.neighbours(config, 8, staged[0], 2)
-  (back,) = [n for n in later if n.get('model.pipeline_microbatches') == 1]
+  assert staged[0] | {'engine.pipeline_repeats': 2} in tpu_plan.neighbours(config, 8, staged[0], 2)
+  (back,) = [n for n in later if n.get('engine.pipeline_microbatches') == 1]
   assert back['mesh.shape'][0] == 1 and back['mesh.dcn_shape'] == tuple(config.mesh.dcn_shape)
-  assert back['model.pipeline_repeats'] == 1
+  assert back['engine.pipeline_repeats'] == 1
 
 
 def test_smallest_bisects_each_method_to_its_smallest_slice(fake, tmp_path):
@@ -147,14 +147,14 @@ def test_smallest_takes_generations_or_slices():
 def test_flags_paste_back_as_the_same_settings():
   """The printed flags, given to the config flag parser as a user pastes them, set the same
   values (a tuple cached as a JSON list prints as the tuple)."""
-  flags = tpu_plan._flags({'mesh.shape': [1, -1, 4, 1], 'model.remat': 'save_moe'})
-  assert flags == "--config.mesh.shape='(1, -1, 4, 1)' --config.model.remat=save_moe"
+  flags = tpu_plan._flags({'mesh.shape': [1, -1, 4, 1], 'engine.remat': 'save_moe'})
+  assert flags == "--config.mesh.shape='(1, -1, 4, 1)' --config.engine.remat=save_moe"
 
 
 def test_step_buffer_arithmetic_of_the_flash_lora_step():
   """The planner's buffer arithmetic for the README's flash LoRA step on v5p-128 (mesh 1x4x16x1,
   one row of 8192 tokens per device): 98304 local assignments, a receive buffer of twice that
-  (model.moe_ep_recv_factor=2; overflow in rounds), 6144 x 2048 experts, 32 of them per shard
+  (engine.moe_ep_recv_factor=2; overflow in rounds), 6144 x 2048 experts, 32 of them per shard
   gathered over fsdp."""
   from moetrain.planner import sizes
   from moetrain.run.startup import build

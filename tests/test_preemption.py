@@ -307,8 +307,8 @@ def test_qlora_from_a_hugging_face_checkpoint_over_two_processes(tmp_path):
   workdir = str(tmp_path / 'run')
   extra = {
     'init.hf_checkpoint': hf_dir,
-    'model.quant': 'int8',
-    'model.dtype': 'float32',
+    'engine.quant': 'int8',
+    'engine.dtype': 'float32',
     'data.seq_len': 32,
     'train.steps': 3,
     'train.eval_every': 3,
@@ -323,7 +323,7 @@ def test_qlora_from_a_hugging_face_checkpoint_over_two_processes(tmp_path):
   from moetrain.tools import evaluate
 
   config = hf_config(hf_dir, steps=3, eval_batches=SETTINGS['train.eval_batches'])
-  config.model.quant = 'int8'
+  config.engine.quant = 'int8'
   config.data.eval_split = EVAL['data.eval_split']
   # Step 0 is the base as loaded (no workdir: the config's initial weights), step 3 the adapters.
   for step, run in ((0, None), (3, workdir)):
@@ -379,8 +379,8 @@ def test_tools_over_two_processes(tmp_path):
 
   # In float32: the two processes reduce in another order than one, and a bfloat16 ulp of the
   # logits is enough to flip a draw at this temperature.
-  prompt, f32 = '12 + 7 =', '--config.model.dtype=float32'
-  config.model.dtype = 'float32'
+  prompt, f32 = '12 + 7 =', '--config.engine.dtype=float32'
+  config.engine.dtype = 'float32'
   model, tok, at = generate.load_run(config, reference)
   ids = [tok.bos_id, *tok.encode(prompt)] if tok.bos_id is not None else tok.encode(prompt)
   for seed in range(20):

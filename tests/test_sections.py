@@ -8,6 +8,7 @@ import pytest
 
 from configs import base
 from moetrain.core import fields
+from moetrain.core.engine import ENGINE_FIELDS
 from moetrain.model.config import PRESETS, ModelConfig
 from moetrain.run import rundir, sections
 from moetrain.run.startup import build
@@ -38,22 +39,24 @@ def test_a_run_of_the_base_config_builds_the_default_dataclasses():
 
 def test_the_key_lists_are_derived_from_the_declarations():
   config = base.get_config()
-  assert set(rundir.engine_fields()) < set(config.model.keys())
+  assert set(ENGINE_FIELDS) == set(config.engine.keys())
+  assert not set(ENGINE_FIELDS) & set(config.model.keys())
   assert set(rundir.stream_fields()) < set(config.data.keys())
   paths = sections.path_fields()
   assert ('data', 'path') in paths and ('init', 'hf_checkpoint') in paths
   assert all(key in config[section] for section, key in paths)
-  # lora, rules and platform are set from other sections, not keys of `model`.
-  assert not {'lora', 'rules', 'platform'} & set(config.model.keys())
+  # lora and engine are set from their sections; rules and platform from the mesh and target.
+  assert not {'lora', 'engine', 'rules', 'platform'} & set(config.model.keys())
+  assert not {'rules', 'platform', 'mesh_shape'} & set(config.engine.keys())
 
 
 def test_declared_checks_name_the_key():
   with pytest.raises(ValueError, match=r'model\.hidden_size=0: must be positive'):
     dataclasses.replace(ModelConfig(), hidden_size=0).validate()
-  with pytest.raises(ValueError, match=r"model\.remat='most' is unknown"):
-    dataclasses.replace(ModelConfig(), remat='most').validate()
-  with pytest.raises(ValueError, match=r'model\.loss_chunk=-1: must be >= 0 \(0 = no chunking\)'):
-    dataclasses.replace(ModelConfig(), loss_chunk=-1).validate()
+  with pytest.raises(ValueError, match=r"engine\.remat='most' is unknown"):
+    ModelConfig().with_engine(remat='most').validate()
+  with pytest.raises(ValueError, match=r'engine\.loss_chunk=-1: must be >= 0 \(0 = no chunking\)'):
+    ModelConfig().with_engine(loss_chunk=-1).validate()
   with pytest.raises(ValueError, match='role='):
     fields.field(0, role='shapes')
   from moetrain.training.optim import OptimConfig

@@ -1,6 +1,5 @@
 """Sharding: the same loss on 1 device and on 8-device meshes; golden per-preset spec tables."""
 
-import dataclasses
 import json
 import os
 
@@ -10,7 +9,7 @@ import optax
 import pytest
 
 from moetrain.core import sharding
-from moetrain.model import quant
+from moetrain.kernels import quant
 from moetrain.run.checkpoint import flatten
 from moetrain.training.train_state import create_sharded, graphdef_of, state_shardings
 from moetrain.training.train_step import StepConfig, loss_fn, token_counts
@@ -39,10 +38,10 @@ def batch(b=8, t=16, vocab=64):
 
 def loss_on(mesh_shape, devices=None, preset='fsdp_ep_tp'):
   mesh = sharding.make_mesh(mesh_shape, devices)
-  cfg = dataclasses.replace(CFG, rules=sharding.Rules.preset(preset)).laid_out('cpu', mesh)
+  cfg = CFG.with_engine(rules=sharding.Rules.preset(preset)).laid_out('cpu', mesh)
   opt = optax.adamw(1e-3)
   with jax.set_mesh(mesh):
-    state = create_sharded(cfg, opt, 0, mesh, cfg.rules)
+    state = create_sharded(cfg, opt, 0, mesh, cfg.engine.rules)
     b = {k: jax.device_put(v, sharding.batch_sharding(mesh)) for k, v in batch().items()}
     f = jax.jit(
       lambda s, b: loss_fn(
@@ -73,14 +72,14 @@ def test_sharded_loss_equals_single_device(single_device_loss, mesh_shape, capfd
 
 
 def spec_table(preset: str) -> dict:
-  cfg = dataclasses.replace(CFG, rules=sharding.Rules.preset(preset))
+  cfg = CFG.with_engine(rules=sharding.Rules.preset(preset))
   mesh = sharding.make_mesh((1, 2, 2, 2))
   abstract = jax.eval_shape(
     lambda: __import__('moetrain.training.train_state', fromlist=['x']).init_state(
       cfg, optax.sgd(1e-3), 0
     )
   )
-  shard = state_shardings(abstract, mesh, cfg.rules)
+  shard = state_shardings(abstract, mesh, cfg.engine.rules)
   tree = {'params': shard.params, 'frozen': shard.frozen, 'moe_bias': shard.moe_bias}
   return {k: str(v.spec) for k, v in flatten(tree).items()}
 
@@ -100,19 +99,21 @@ def test_int4_codes_shard_where_groups_do_not_divide_the_mesh():
   """int4 codes [.., K/g, g/2, ..]: where fsdp does not divide the K/g groups (hidden 32 in
   groups of 16: 2 groups on fsdp=8), the rows within a group take fsdp instead, as int8 and
   float weights shard their K; they decode to the same weight."""
-  cfg = dataclasses.replace(
-    CFG, quant='int4', quant_group_size=16, rules=sharding.Rules.preset('fsdp')
-  )
+  cfg = CFG.with_engine(quant='int4', quant_group_size=16, rules=sharding.Rules.preset('fsdp'))
   init = lambda: __import__('moetrain.training.train_state', fromlist=['x']).init_state(
     cfg, optax.sgd(1e-3), 0
   )
   mesh = sharding.make_mesh((1, 8, 1, 1))
-  specs = flatten(state_shardings(jax.eval_shape(init), mesh, cfg.rules))
+  specs = flatten(state_shardings(jax.eval_shape(init), mesh, cfg.engine.rules))
   for name in ('frozen.layers.mlp_0.gate.kernel.q.value', 'frozen.layers.moe.experts.up.q.value'):
     assert 'fsdp' in specs[name].spec, (name, specs[name].spec)
-  param = quant.make_param(np.random.default_rng(0).normal(size=(32, 48)), ('embed', 'mlp'), cfg)
+  param = quant.make_param(
+    np.random.default_rng(0).normal(size=(32, 48)), ('embed', 'mlp'), cfg.engine
+  )
   t = param.tensor()
-  spec = lambda v: sharding.logical_to_spec(v.axes, v.shape, cfg.rules.weights, dict(mesh.shape))
+  spec = lambda v: sharding.logical_to_spec(
+    v.axes, v.shape, cfg.engine.rules.weights, dict(mesh.shape)
+  )
   placed = quant.QTensor(
     jax.device_put(t.q, jax.sharding.NamedSharding(mesh, spec(param.q))),
     jax.device_put(t.scale, jax.sharding.NamedSharding(mesh, spec(param.scale))),
@@ -125,7 +126,7 @@ def test_int4_codes_shard_where_groups_do_not_divide_the_mesh():
 
 
 def test_projections_take_their_weights_gathered_over_the_batch_axes():
-  """model.gather_weights: a projection's FSDP-sharded weight is constrained whole over the
+  """engine.gather_weights: a projection's FSDP-sharded weight is constrained whole over the
   batch axes before its matmul (one all-gather rather than XLA:TPU's loop over the shards),
   still split over 'tensor'; the lm head is left to XLA."""
   from flax import nnx

@@ -2,8 +2,6 @@
 values and gradients in Pallas' interpreter on CPU, sharded over a mesh, in whole models, and
 lowered for a TPU by XLA's TPU compiler."""
 
-import dataclasses
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -116,7 +114,7 @@ def test_a_model_with_splash_attention_gives_the_xla_paths_logits(kind):
 
 
 def test_auto_picks_splash_only_for_tpu_and_whole_blocks():
-  tpu = dataclasses.replace(TINY, platform='tpu')
+  tpu = TINY.with_engine(platform='tpu')
   assert tpu.splash_attention(4096) and not tpu.splash_attention(100)
   assert not TINY.splash_attention(4096)
-  assert dataclasses.replace(TINY, attention_kernel='splash').splash_attention(100)
+  assert TINY.with_engine(attention_kernel='splash').splash_attention(100)

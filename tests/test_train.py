@@ -115,7 +115,7 @@ def test_resume_continues_bit_for_bit(uninterrupted, tmp_path, capsys):
     ('optim.grad_clip', 0.0, r'optim\.grad_clip: 1\.0 in the checkpointed run, now 0\.0'),
     ('seed', 1, r"frozen base .*'seed 0, .*' in the checkpointed run, now 'seed 1, "),
     (
-      'model.init_std',
+      'engine.init_std',
       0.2,
       r"'seed 0, init_std 0\.02' in the checkpointed run, now 'seed 0, init_std 0\.2'",
     ),

@@ -86,7 +86,7 @@ def test_evaluation_in_micro_batches_equals_the_whole_batch(micro_rows):
 
 def test_gradient_accumulation_sums_bfloat16_gradients_in_float32():
   lora = dataclasses.replace(CFG.lora, param_dtype='bfloat16')  # (float32 by default)
-  cfg = dataclasses.replace(CFG, param_dtype='bfloat16', lora=lora)
+  cfg = dataclasses.replace(CFG, lora=lora).with_engine(param_dtype='bfloat16')
   state = init_state(cfg, optax.sgd(1.0), 0)
   sc = StepConfig(model=cfg, grad_accum_steps=4)
   fn = lambda s, b, r: grads_and_stats(s, graphdef_of(cfg), b, r, sc)
@@ -111,14 +111,14 @@ def _eqns(jaxpr):
 
 
 def test_full_training_stacks_the_layers_weight_gradients_in_the_compute_dtype():
-  """model.cast_weights_once (float32 weights, bfloat16 compute, no LoRA): the backward layer
+  """engine.cast_weights_once (float32 weights, bfloat16 compute, no LoRA): the backward layer
   loop stacks the routed experts' weight gradients in bfloat16, half the bytes, and the step
   still returns them in float32. The loss is the same; each gradient is its per-layer cast's
   within bfloat16 rounding."""
   base = tiny(num_layers=2, dtype='bfloat16', param_dtype='float32')
   got = {}
   for once in (False, True):
-    cfg = dataclasses.replace(base, cast_weights_once=once)
+    cfg = base.with_engine(cast_weights_once=once)
     state = init_state(cfg, optax.sgd(1.0), 0)
     sc = StepConfig(model=cfg)
     fn = lambda s, b, r, sc=sc, cfg=cfg: grads_and_stats(s, graphdef_of(cfg), b, r, sc)
@@ -175,7 +175,7 @@ def test_logged_learning_rate_is_the_one_applied_after_a_skip():
 
 @pytest.mark.parametrize('quant', ['none', 'int4'])  # a QLoRA base: the same parameters
 def test_flash_dry_run_parameter_counts(quant):
-  counts = param_counts(dataclasses.replace(PRESETS['flash'], quant=quant))
+  counts = param_counts(PRESETS['flash'].with_engine(quant=quant))
   assert round(counts['total'] / 1e9, 2) == 560.66
   assert [round(counts['active'][k] / 1e9, 2) for k in (0, 8, 12)] == [18.69, 27.15, 31.38]
 
@@ -189,7 +189,7 @@ def test_dry_run_reports_expert_parallel_receive_buffers():
   assert ex['fixed']['local_rows'] == ex['ragged']['local_rows'] == 4096 * 12
   assert ex['fixed']['recv_rows'] == ex['ragged']['recv_rows'] == 4 * 4096 * 12
   assert ex['ragged']['recv_bytes'] == 4 * 4096 * 12 * cfg.hidden_size * 2  # bfloat16
-  bounded = ep_exchange(dataclasses.replace(cfg, moe_ep_recv_factor=1.5), mesh, 2048, 16)
+  bounded = ep_exchange(cfg.with_engine(moe_ep_recv_factor=1.5), mesh, 2048, 16)
   assert bounded['ragged']['recv_rows'] == 1.5 * 4096 * 12
   assert ep_exchange(cfg, (8, 1, 1, 1), 2048, 16) == {}
 
@@ -197,12 +197,12 @@ def test_dry_run_reports_expert_parallel_receive_buffers():
 def test_dry_run_reports_the_loss_block_per_device():
   """16 x 8192 tokens, LongCat's vocabulary: batch over data x fsdp x expert (8), vocab over
   tensor (2) with fsdp_ep_tp; blocks of 256 positions instead of the whole 8192."""
-  cfg = dataclasses.replace(PRESETS['flash'], rules=Rules.preset('fsdp_ep_tp'), loss_chunk=256)
+  cfg = PRESETS['flash'].with_engine(rules=Rules.preset('fsdp_ep_tp'), loss_chunk=256)
   lb = loss_block(cfg, (1, 2, 4, 2), 8192, 16)
   assert lb['block_shape'] == (2, 256, 131072 // 2)
   assert lb['block_bytes'] == 2 * 256 * 65536 * 4
   assert lb['whole_bytes'] == lb['block_bytes'] * 32
-  whole = loss_block(dataclasses.replace(cfg, loss_chunk=0), (1, 2, 4, 2), 8192, 16)
+  whole = loss_block(cfg.with_engine(loss_chunk=0), (1, 2, 4, 2), 8192, 16)
   assert whole['block_shape'] == (2, 8192, 65536) and whole['block_bytes'] == lb['whole_bytes']
 
 
@@ -283,7 +283,7 @@ def test_float16_trains_with_a_dynamic_loss_scale():
   from moetrain.training import train_state, train_step
 
   opt = optax.sgd(1e-2)
-  f16, f32 = (dataclasses.replace(CFG, dtype=d) for d in ('float16', 'float32'))
+  f16, f32 = (CFG.with_engine(dtype=d) for d in ('float16', 'float32'))
   want, _ = step_fn(f32, 1, opt)(init_state(f32, opt, 0), batch())
   state = init_state(f16, opt, 0)
   assert init_state(f32, opt, 0).loss_scale is None and 'loss_scale' not in want.saved()
@@ -309,7 +309,7 @@ def test_float16_loss_scale_keeps_bfloat16_parameters_and_state():
   (param_dtype bfloat16) to float32: the updated optimizer state no longer matched the skip
   branch's, and the step failed to trace."""
   opt = optax.adam(1e-2)
-  cfg = dataclasses.replace(CFG, dtype='float16', param_dtype='bfloat16')
+  cfg = CFG.with_engine(dtype='float16', param_dtype='bfloat16')
   state = init_state(cfg, opt, 0)
   new, m = step_fn(cfg, 1, opt)(state, batch())
   assert int(new.skipped) == 0 and np.isfinite(float(m['loss']))

@@ -2,7 +2,6 @@
 (the family's: longcat.py, standard.py), streaming load and save (PEFT adapters:
 peft_adapter.py)."""
 
-import dataclasses
 import json
 import os
 import re
@@ -20,6 +19,7 @@ from moetrain.convert import safetensors_io as stio
 from moetrain.convert import stacked_io as sio
 from moetrain.convert.stacked_io import Row
 from moetrain.core import storage
+from moetrain.core.engine import ENGINE_KEYS
 from moetrain.model.config import ModelConfig
 from moetrain.model.transformer import Transformer
 from moetrain.training import train_state
@@ -59,10 +59,12 @@ def read_config(path: str) -> dict:
 
 def config_from_hf(config_json: dict, **overrides) -> ModelConfig:
   """ModelConfig of a config.json of any supported family (its model_type; LongCat-Flash when
-  absent); `overrides` set engine fields (dtype, lora...). Errors name the model.<field>, and
-  say when config.json gave the value."""
+  absent); `overrides` set the derived fields (engine, lora) or single engine keys (dtype, remat,
+  ...). Errors name the model.<field>, and say when config.json gave the value."""
   kw = family_of(config_json.get('model_type', longcat.MODEL_TYPE)).config_from_hf(config_json)
-  cfg = ModelConfig(**{**kw, **overrides})
+  kw = {**kw, **overrides}
+  engine = {k: kw.pop(k) for k in list(kw) if k in ENGINE_KEYS}  # (init_std: initializer_range)
+  cfg = ModelConfig(**kw).with_engine(**engine)
   try:
     cfg.validate('model')
   except ValueError as e:
@@ -73,12 +75,11 @@ def config_from_hf(config_json: dict, **overrides) -> ModelConfig:
   return cfg
 
 
-def check_overrides(path: str, overrides: dict, engine: tuple[str, ...]) -> None:
+def check_overrides(path: str, overrides: dict) -> None:
   """With init.hf_checkpoint the checkpoint's config.json decides the model's shapes: a
-  model.<field> set on the command line (`overrides`: {'model.moe_topk': 20, ...}) that is not
-  an engine field and differs from the checkpoint's is refused, naming both values."""
+  model.<field> set on the command line (`overrides`: {'model.moe_topk': 20, ...}) that differs
+  from the checkpoint's is refused, naming both values (the engine section is the config's)."""
   given = {k.removeprefix('model.'): v for k, v in overrides.items() if k.startswith('model.')}
-  given = {k: v for k, v in given.items() if k not in engine}
   if not given:
     return
   kw = family_of((c := read_config(path)).get('model_type', longcat.MODEL_TYPE)).config_from_hf(c)
@@ -88,7 +89,7 @@ def check_overrides(path: str, overrides: dict, engine: tuple[str, ...]) -> None
       raise ValueError(
         f'--config.model.{key}={value!r}: init.hf_checkpoint={path} gives {key}='
         f"{getattr(base, key)!r} in its config.json, which decides the model's shapes; leave "
-        'it out (only how the model computes may be set: dtype, remat, kernels, ...)'
+        'it out (how the model computes is the engine section: engine.dtype, engine.remat, ...)'
       )
 
 
@@ -150,7 +151,7 @@ def flat_values(tree) -> dict:
 
 
 def _float_shapes(cfg: ModelConfig) -> dict:
-  plain = dataclasses.replace(cfg, quant='none')
+  plain = cfg.with_engine(quant='none')
   return {
     p: x.shape
     for p, x in flat_values(nnx.eval_shape(lambda: Transformer(plain, nnx.Rngs(0)))).items()
@@ -221,8 +222,8 @@ def load_params(path, cfg: ModelConfig, mesh=None, rules=None, dtype=None, seed=
     seed: of the LoRA init (A random, B zero) when cfg.lora is on.
   """
   if dtype is not None:
-    cfg = dataclasses.replace(cfg, param_dtype=jnp.dtype(dtype).name)
-  rules = cfg.rules if rules is None else rules
+    cfg = cfg.with_engine(param_dtype=jnp.dtype(dtype).name)
+  rules = cfg.engine.rules if rules is None else rules
   reader = _reader(stio.Reader(path), cfg)
   graphdef, abstract_state = nnx.split(nnx.eval_shape(lambda: Transformer(cfg, nnx.Rngs(seed))))
   variables = dict(nnx.to_flat_state(abstract_state))
@@ -234,7 +235,9 @@ def load_params(path, cfg: ModelConfig, mesh=None, rules=None, dtype=None, seed=
   values = {}
   for t in rows:
     values.update(
-      sio.load_row(reader, t, abstract, shardings, shapes[t.key], cfg.quant, cfg.quant_group_size)
+      sio.load_row(
+        reader, t, abstract, shardings, shapes[t.key], cfg.engine.quant, cfg.engine.quant_group_size
+      )
     )
   for r in (r for t in rows for r in lora_rows(t) or () if r.key in abstract):
     x = abstract[r.key]
@@ -271,7 +274,7 @@ def _export(flat: dict, t: Row, ix, cfg: ModelConfig, dtype):
   """HF tensor of row t at ix: the kernel (decoded if quantised) plus scale * A @ B if adapted."""
   bits, kernel = 0, flat.get(t.key)
   if kernel is None:
-    bits = 8 if cfg.quant == 'int8' else 4
+    bits = 8 if cfg.engine.quant == 'int8' else 4
     kernel = (flat[t.key + ('q',)], flat[t.key + ('scale',)])
   lo = lora_rows(t)
   lora = tuple(flat[r.key] for r in lo) if lo and lo[0].key in flat else None
@@ -352,7 +355,7 @@ def save_hf(
   (the HF checkpoint the run started from), its MTP head (model.mtp.*, which moetrain does not
   load or train) is copied over unchanged, so that speculative decoding with it still works."""
   flat = flat_values(model_or_state)
-  dt = jnp.dtype(dtype or cfg.param_dtype)
+  dt = jnp.dtype(dtype or cfg.engine.param_dtype)
   items = _export_items(flat, cfg, strict=True)
   specs = [(t.name(ix), shape, _export_dtype(t, dt)) for t, ix, shape in items]
   writable = jax.process_index() == 0

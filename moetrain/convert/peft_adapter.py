@@ -76,7 +76,7 @@ def save(model, cfg: ModelConfig, out_dir: str, base_model: str = '') -> None:
     return _save_fused(flat, rows, cfg, out_dir, base_model)
   saved = rows + _router_rows(cfg)
   items = [(r, ix) for r in saved for ix in r.indices(cfg.n_routed_experts)]
-  dtype = jnp.dtype(cfg.param_dtype)  # the base's dtype, as the merged export
+  dtype = jnp.dtype(cfg.engine.param_dtype)  # the base's dtype, as the merged export
   specs = [
     (r.name(ix), sio.flat_shape(flat[r.key].shape[r.lead :], r.n_in), dtype) for r, ix in items
   ]
@@ -128,7 +128,7 @@ def _save_fused(flat, rows: list[Row], cfg: ModelConfig, out_dir: str, base_mode
   factors padded with zeros and its B scaled."""
 
   rank, scale, e_count = cfg.lora.rank, cfg.lora.scale, cfg.n_routed_experts
-  dtype = jnp.dtype(cfg.param_dtype)
+  dtype = jnp.dtype(cfg.engine.param_dtype)
   host = lambda r, ix: sio.to_flat(sio.to_host(flat[r.key][ix]), r.n_in).astype(np.float32)
   shape = lambda r: sio.flat_shape(flat[r.key].shape[r.lead :], r.n_in)
   # name -> (shape, the tensor's maker): each tensor leaves the device once, when written.

@@ -12,7 +12,7 @@ from jax.experimental import multihost_utils
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from moetrain.model import quant
+from moetrain.kernels import quant
 
 
 @dataclasses.dataclass(frozen=True)

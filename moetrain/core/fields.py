@@ -1,17 +1,16 @@
 """Config keys declared once: each section of the config is a frozen dataclass, and each key a
 field of it with its default, its checks and its role. configs/base.py, the resume checks and
-the validation all read these declarations (moetrain.run.startup.SECTIONS lists the sections)."""
+the validation all read these declarations (moetrain.run.sections.SECTIONS lists the sections)."""
 
 import dataclasses
 import math
 
-# What a key is to the rest of the system:
-#   engine: how the model computes (may change on a resume; with init.hf_checkpoint it comes from
-#     the config, the shapes from the checkpoint);
+# What a key is to the rest of the system (how the model computes, which may change on a resume,
+# is not a role but a section of its own: `engine`, moetrain/core/engine.py):
 #   stream: shapes the training stream a checkpoint's data position points into;
 #   path:   a local path, made absolute before anything reads it;
 #   derived: a dataclass field that is not a config key (set by the code from other keys).
-ROLES = ('engine', 'stream', 'path', 'derived')
+ROLES = ('stream', 'path', 'derived')
 CHECKS = ('positive', 'non_negative')
 
 

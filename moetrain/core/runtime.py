@@ -12,6 +12,8 @@ import sys
 import threading
 import time
 
+from moetrain.core.engine import ENGINE_FIELDS
+
 TUNABLE = 'glibc.malloc.hugetlb'
 THP_SETTING = '/sys/kernel/mm/transparent_hugepage/enabled'
 
@@ -105,6 +107,10 @@ def parse_flags(argv: list[str]) -> list[str]:
   from absl import app
 
   _import_config_packages(argv)
+  if argv is sys.argv:  # (a re-executed process then reads the new key, and says nothing)
+    sys.argv[:] = engine_keys_moved(argv)
+  else:
+    argv = engine_keys_moved(argv)
   try:
     return app.parse_flags_with_usage(argv)
   except ImportError as e:  # a config file whose imports fail
@@ -125,6 +131,20 @@ def parse_flags(argv: list[str]) -> list[str]:
       f'Error: {key}: no such config key ({name!r} is not in its section).{hint} docs/config.md '
       'lists every key with its default'
     ) from None
+
+
+def engine_keys_moved(argv: list[str]) -> list[str]:
+  """argv with each --config.model.<key> of a key the `engine` section now holds (dtype, remat,
+  moe_backend, ...) read as --config.engine.<key>, and a note naming the new key."""
+  out = []
+  for arg in argv:
+    name, eq, value = arg.partition('=')
+    key = name.removeprefix('--config.model.')
+    if name.startswith('--config.model.') and key in ENGINE_FIELDS:
+      print(f'Note: {name} is now --config.engine.{key}', file=sys.stderr)
+      arg = f'--config.engine.{key}{eq}{value}'
+    out.append(arg)
+  return out
 
 
 def _import_config_packages(argv: list[str]) -> None:

@@ -4,10 +4,12 @@ weights on the student's mesh."""
 import dataclasses
 import hashlib
 
-from moetrain.core import fields, storage
+from moetrain.convert import hf
+from moetrain.core import storage
+from moetrain.core.engine import LoraConfig
 from moetrain.data import tokenizer as tokenizer_lib
-from moetrain.model.config import LoraConfig, ModelConfig
-from moetrain.run import rundir
+from moetrain.model.config import ModelConfig
+from moetrain.run import rundir, sections
 
 
 def _check_exists(path: str) -> None:
@@ -23,28 +25,18 @@ def model_config(d, student: ModelConfig) -> ModelConfig:
   platform and mesh) and stored as distill.teacher_quant asks; no LoRA but a run's own."""
   _check_exists(d.teacher)
 
-  engine = {k: getattr(student, k) for k in fields.with_role(ModelConfig, 'engine')}
   saved = rundir.run_config(d.teacher)
   if saved is None:
-    from moetrain.convert import hf
-
-    cfg = hf.config_from_hf(hf.read_config(d.teacher), **engine, lora=LoraConfig())
+    cfg = hf.config_from_hf(hf.read_config(d.teacher), engine=student.engine, lora=LoraConfig())
   else:
     lora = LoraConfig(**saved.get('lora', {}))
     known = {f.name for f in dataclasses.fields(ModelConfig)}
-    own = {k: v for k, v in saved['model'].items() if k in known and k not in engine}
+    own = {k: v for k, v in sections.with_defaults(saved)['model'].items() if k in known}
     own['mlp_only_layers'] = tuple(own.get('mlp_only_layers', ()))
-    cfg = ModelConfig(**own, **engine, lora=lora)
-  quant = d.teacher_quant if d.teacher_quant != 'none' else cfg.quant
-  return dataclasses.replace(
-    cfg,
-    rules=student.rules,
-    platform=student.platform,
-    mesh_shape=student.mesh_shape,
-    quant=quant,
-    remat='none',  # forward only
-    cast_weights_once=False,  # (no gradients to stack)
-  )
+    cfg = ModelConfig(**own, engine=student.engine, lora=lora)
+  quant = d.teacher_quant if d.teacher_quant != 'none' else cfg.engine.quant
+  # forward only: no recompute, and no gradients to stack
+  return cfg.with_engine(quant=quant, remat='none', cast_weights_once=False)
 
 
 def _digest(path: str) -> str:

@@ -2,7 +2,7 @@
 hand-written backward pass, a loop shaped for XLA:CPU, a collective) with a plain reference that
 computes the same function and leaves the gradient to autodiff.
 
-The model calls kernels, never their internals; `model.kernels='reference'` runs every one of
+The model calls kernels, never their internals; `engine.kernels='reference'` runs every one of
 them on its reference (slower; for checking numerics, or on a platform where a fast path
 misbehaves). tests/test_kernels.py checks each fast path's values and gradients against its
 reference, and that every custom VJP in moetrain is a Kernel's fast path.

@@ -1,21 +1,21 @@
 """The routed experts' SwiGLU over dispatched rows, one function per grouped-matmul backend
-(model.moe_backend; dispatch.py places the rows for each and resolve_backend picks one):
+(engine.moe_backend; dispatch.py places the rows for each and resolve_backend picks one):
 ragged_dot (XLA's grouped matmul), megablox (the Pallas TPU kernel), tokamax (its GPU kernels),
 dense (every row against its own expert's gathered weights: the reference), and the CPU engines
 blocked and gathered (rows in blocks of one expert each). The grouped CPU engine is grouped.py."""
 
 import math
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 from absl import logging
 from jax.ad_checkpoint import checkpoint_name
 
-from moetrain.kernels import Kernel, megablox
+from moetrain.core.engine import EngineConfig, LoraConfig
+from moetrain.kernels import Kernel, megablox, quant
 from moetrain.kernels.lora import with_lora
 from moetrain.kernels.rows import take_experts
-from moetrain.model import quant
-from moetrain.model.config import ModelConfig
 
 # Names for the remat policies (model/transformer.py remat_policy): what the experts' backward
 # reads. Saving them spares the backward the forward's routing, exchange and expert matmuls.
@@ -28,62 +28,74 @@ EXPERT_OUTPUT = 'moe_expert_out'
 SWIGLU_ALPHA = 1.702  # gpt-oss's sigmoid slope in its clamped SwiGLU
 
 
-def activation(gate, up, cfg: ModelConfig):
-  """float32 silu(gate) * up, or gpt-oss's clamped form (cfg.swiglu_limit > 0)."""
+class ExpertSpec(NamedTuple):
+  """What the expert kernels need of a model: its engine and adapters, and the routed experts'
+  count, hidden width, SwiGLU clamp (gpt-oss; 0 = none) and whether they carry biases."""
+
+  engine: EngineConfig
+  lora: LoraConfig
+  num_experts: int
+  hidden: int
+  swiglu_limit: float = 0.0
+  bias: bool = False
+
+
+def activation(gate, up, spec: ExpertSpec):
+  """float32 silu(gate) * up, or gpt-oss's clamped form (spec.swiglu_limit > 0)."""
   g, u = gate.astype(jnp.float32), up.astype(jnp.float32)
-  if not cfg.swiglu_limit:
+  if not spec.swiglu_limit:
     return jax.nn.silu(g) * u
-  g = jnp.minimum(g, cfg.swiglu_limit)
-  u = jnp.clip(u, -cfg.swiglu_limit, cfg.swiglu_limit)
+  g = jnp.minimum(g, spec.swiglu_limit)
+  u = jnp.clip(u, -spec.swiglu_limit, spec.swiglu_limit)
   return g * jax.nn.sigmoid(SWIGLU_ALPHA * g) * (u + 1)
 
 
-def biased(mm, x, name: str, cfg: ModelConfig):
-  """mm(x, name) plus, with cfg.expert_bias, each row's expert's bias: the bias [E, 1, out] is
+def biased(mm, x, name: str, spec: ExpertSpec):
+  """mm(x, name) plus, with spec.bias, each row's expert's bias: the bias [E, 1, out] is
   one more expert weight, multiplied by a column of ones, so every backend's grouped matmul
   picks each row's own expert's bias as it picks its weight."""
   y = mm(x, name)
-  if cfg.expert_bias:
+  if spec.bias:
     y = y + mm(jnp.ones_like(x[..., :1]), f'{name}_bias')
   return y
 
 
-def swiglu(x, mm, cfg: ModelConfig):
-  dt = jnp.dtype(cfg.dtype)
+def swiglu(x, mm, spec: ExpertSpec):
+  dt = jnp.dtype(spec.engine.dtype)
   x = checkpoint_name(x, EXPERT_INPUT)  # rows in expert order, after any exchange
-  g = checkpoint_name(biased(mm, x, 'gate', cfg), EXPERT_GATE)
-  u = checkpoint_name(biased(mm, x, 'up', cfg), EXPERT_UP)
-  return biased(mm, activation(g, u, cfg).astype(dt), 'down', cfg)
+  g = checkpoint_name(biased(mm, x, 'gate', spec), EXPERT_GATE)
+  u = checkpoint_name(biased(mm, x, 'up', spec), EXPERT_UP)
+  return biased(mm, activation(g, u, spec).astype(dt), 'down', spec)
 
 
-def ragged_ffn(x_RD, sizes_E, weights, cfg: ModelConfig, rng):
+def ragged_ffn(x_RD, sizes_E, weights, spec: ExpertSpec, rng):
   """XLA's ragged_dot for the expert weights. On TPU the LoRA adapters' thin products take the
   megablox kernel: XLA lowers the gradient of a ragged_dot's weights as a dense product over
   every local expert (kernels/megablox.py)."""
-  dt = jnp.dtype(cfg.dtype)
+  dt = jnp.dtype(spec.engine.dtype)
 
   def mm(x, w):
     return jax.lax.ragged_dot(x, quant.dequant(w, dt), sizes_E, preferred_element_type=dt)
 
   # (The kernel must run inside a shard_map: under expert parallelism, or on one device. With the
   # experts partitioned by XLA instead, the adapters take ragged_dot too.)
-  in_shards = cfg.expert_shards > 1 or math.prod(cfg.mesh_shape) <= 1
-  adapter_mm = _megablox_mm(sizes_E, cfg) if cfg.platform == 'tpu' and in_shards else None
-  return swiglu(x_RD, with_lora(mm, weights, cfg, rng, adapter_mm), cfg)
+  in_shards = spec.engine.expert_shards > 1 or math.prod(spec.engine.mesh_shape) <= 1
+  adapter_mm = _megablox_mm(sizes_E, spec) if spec.engine.platform == 'tpu' and in_shards else None
+  return swiglu(x_RD, with_lora(mm, weights, spec, rng, adapter_mm), spec)
 
 
-def tokamax_ffn(x_RD, sizes_E, weights, cfg: ModelConfig, rng):
+def tokamax_ffn(x_RD, sizes_E, weights, spec: ExpertSpec, rng):
   """tokamax's grouped matmul for every product, the adapters' too, forward and backward: on a
   GPU its Mosaic GPU kernel (sm90/sm100) or its Triton kernel (sm80+), per product
   (tokamax_mm), whose work follows the group sizes where XLA:GPU's ragged_dot is a dense product
   over every expert (bench/RESULTS.md, "GPU: one H100"). Off a GPU it runs tokamax's XLA form
   (the tests)."""
-  dt = jnp.dtype(cfg.dtype)
+  dt = jnp.dtype(spec.engine.dtype)
 
   def mm(x, w):
-    return tokamax_mm(x, quant.dequant(w, dt), sizes_E, dt, cfg)
+    return tokamax_mm(x, quant.dequant(w, dt), sizes_E, dt, spec)
 
-  return swiglu(x_RD, with_lora(mm, weights, cfg, rng), cfg)
+  return swiglu(x_RD, with_lora(mm, weights, spec, rng), spec)
 
 
 # What tokamax_mm chose, by product shape ('x [R, K] @ w [E, K, N] bfloat16' -> implementation,
@@ -91,14 +103,14 @@ def tokamax_ffn(x_RD, sizes_E, weights, cfg: ModelConfig, rng):
 TOKAMAX_CHOICES: dict[str, str] = {}
 
 
-def tokamax_mm(x, w, sizes_E, dt, cfg: ModelConfig):
+def tokamax_mm(x, w, sizes_E, dt, spec: ExpertSpec):
   """One grouped product through tokamax. Off a GPU: its XLA form. On a GPU with
-  cfg.tokamax_implementation='auto': Mosaic GPU, then Triton, whichever first takes this device,
+  spec.tokamax_implementation='auto': Mosaic GPU, then Triton, whichever first takes this device,
   shape and dtype (tokamax raises NotImplementedError at trace time for what a kernel cannot
   do), and its XLA form (dense on XLA:GPU) last, with a warning naming the product and why."""
   import tokamax  # the gpu extra; imported here: importing it probes for TPUs
 
-  if cfg.platform != 'gpu':
+  if spec.engine.platform != 'gpu':
     return tokamax.ragged_dot(x, w, sizes_E, preferred_element_type=dt, implementation='xla')
   # Mosaic GPU's bulk copies need the row count a multiple of its tile (on an H200, 12000 routed
   # rows failed to lower): zero rows past every group change no output row and no gradient.
@@ -108,10 +120,10 @@ def tokamax_mm(x, w, sizes_E, dt, cfg: ModelConfig):
   # groups (the zero experts' and the padding's) and the weight gradient of an expert with no
   # rows. An H200's bfloat16 engine check read NaN gradients there; zero them.
   covered = (jnp.arange(x.shape[0]) < jnp.sum(sizes_E))[:, None]
-  ref = cfg.reference_kernels
+  ref = spec.engine.reference_kernels
   x = zero_grad_where_not(x, covered, reference=ref)
   w = zero_grad_where_not(w, (sizes_E > 0)[:, None, None], reference=ref)
-  y = _tokamax_gpu_mm(x, w, sizes_E, dt, cfg)
+  y = _tokamax_gpu_mm(x, w, sizes_E, dt, spec)
   return jnp.where(covered, y, 0)[:rows]
 
 
@@ -142,14 +154,14 @@ zero_grad_where_not = Kernel(
 )
 
 
-def _tokamax_gpu_mm(x, w, sizes_E, dt, cfg: ModelConfig):
+def _tokamax_gpu_mm(x, w, sizes_E, dt, spec: ExpertSpec):
   import tokamax
 
   key = f'x {list(x.shape)} @ w {list(w.shape)} {jnp.dtype(x.dtype).name}'
-  if cfg.tokamax_implementation != 'auto':
-    TOKAMAX_CHOICES[key] = cfg.tokamax_implementation
+  if spec.engine.tokamax_implementation != 'auto':
+    TOKAMAX_CHOICES[key] = spec.engine.tokamax_implementation
     return tokamax.ragged_dot(
-      x, w, sizes_E, preferred_element_type=dt, implementation=cfg.tokamax_implementation
+      x, w, sizes_E, preferred_element_type=dt, implementation=spec.engine.tokamax_implementation
     )
   why = []
   for impl in ('mosaic', 'triton'):
@@ -175,17 +187,17 @@ def _tokamax_gpu_mm(x, w, sizes_E, dt, cfg: ModelConfig):
   return tokamax.ragged_dot(x, w, sizes_E, preferred_element_type=dt, implementation='xla')
 
 
-def megablox_interpret(cfg: ModelConfig) -> bool:
+def megablox_interpret(spec: ExpertSpec) -> bool:
   """The megablox kernel is Mosaic (TPU) code; elsewhere Pallas interprets it."""
-  return cfg.platform != 'tpu'
+  return spec.engine.platform != 'tpu'
 
 
-def _megablox_mm(sizes_E, cfg: ModelConfig):
+def _megablox_mm(sizes_E, spec: ExpertSpec):
   """mm(x, w): each expert's rows times its w [D_in, D_out]. A LoRA A factor ([E, D, rank]:
   its rank is the last, narrow dimension) runs transposed, so that its copies and gradients keep
   the rank off the TPU's 128 lanes (kernels/megablox.py)."""
-  dt = jnp.dtype(cfg.dtype)
-  interpret, ref = megablox_interpret(cfg), cfg.reference_kernels
+  dt = jnp.dtype(spec.engine.dtype)
+  interpret, ref = megablox_interpret(spec), spec.engine.reference_kernels
 
   def mm(x, w):
     x, w = x.astype(dt), quant.dequant(w, dt)
@@ -196,39 +208,39 @@ def _megablox_mm(sizes_E, cfg: ModelConfig):
   return mm
 
 
-def megablox_ffn(x_RD, sizes_E, weights, cfg: ModelConfig, rng):
+def megablox_ffn(x_RD, sizes_E, weights, spec: ExpertSpec, rng):
   """The Pallas TPU grouped matmul (kernels/megablox.py) for every product, the adapters'
   included. Off TPU the kernel runs in Pallas' interpret mode: slow, but it checks this path on
   CPU. Rows are padded once to a multiple of the row tile (the kernel masks rows past the
   groups: zero-expert assignments, padding)."""
   r = x_RD.shape[0]
   x_PD = jnp.pad(x_RD, ((0, -r % megablox.row_tile(r)), (0, 0)))
-  mm = _megablox_mm(sizes_E, cfg)
-  return swiglu(x_PD, with_lora(mm, weights, cfg, rng), cfg)[:r]
+  mm = _megablox_mm(sizes_E, spec)
+  return swiglu(x_PD, with_lora(mm, weights, spec, rng), spec)[:r]
 
 
-def dense_ffn(x_RD, expert_R, weights, cfg: ModelConfig, rng):
+def dense_ffn(x_RD, expert_R, weights, spec: ExpertSpec, rng):
   """Reference backend: every row multiplies its own expert's gathered weights."""
-  dt = jnp.dtype(cfg.dtype)
-  e_R = jnp.minimum(expert_R, cfg.n_routed_experts - 1)
+  dt = jnp.dtype(spec.engine.dtype)
+  e_R = jnp.minimum(expert_R, spec.num_experts - 1)
 
   def mm(x, w):
     return jnp.einsum('rd,rdf->rf', x, quant.dequant(quant.take(w, e_R), dt))
 
-  return swiglu(x_RD, with_lora(mm, weights, cfg, rng), cfg)
+  return swiglu(x_RD, with_lora(mm, weights, spec, rng), spec)
 
 
-def blocked_ffn(x_UPD, block_expert_U, used, weights, cfg: ModelConfig, rng):
+def blocked_ffn(x_UPD, block_expert_U, used, weights, spec: ExpertSpec, rng):
   """A scan over blocks; blocks past `used` (the padding left by zero-expert assignments) are
   skipped by a cond, so their matmuls never run."""
   n, b, d = x_UPD.shape
-  dt = jnp.dtype(cfg.dtype)
+  dt = jnp.dtype(spec.engine.dtype)
 
   def ffn(x_PD, ex, k):
     w = {name: quant.take(v, ex) for name, v in weights.items()}
     key = None if rng is None else jax.random.fold_in(rng, k)
-    mm = with_lora(lambda x, wt: x @ quant.dequant(wt, dt), w, cfg, key)
-    return swiglu(x_PD, mm, cfg).astype(dt)
+    mm = with_lora(lambda x, wt: x @ quant.dequant(wt, dt), w, spec, key)
+    return swiglu(x_PD, mm, spec).astype(dt)
 
   def body(_, inp):
     x_PD, ex, k = inp
@@ -239,18 +251,18 @@ def blocked_ffn(x_UPD, block_expert_U, used, weights, cfg: ModelConfig, rng):
   return y_UPD.reshape(n * b, d)
 
 
-def gathered_ffn(x_UPD, block_expert_U, weights, cfg: ModelConfig, rng):
+def gathered_ffn(x_UPD, block_expert_U, weights, spec: ExpertSpec, rng):
   n, b, d = x_UPD.shape
-  dt = jnp.dtype(cfg.dtype)
+  dt = jnp.dtype(spec.engine.dtype)
   w_U = {
     name: quant.take(v, block_expert_U)
     if isinstance(v, quant.QTensor)
-    else take_experts(v, block_expert_U, reference=cfg.reference_kernels)
+    else take_experts(v, block_expert_U, reference=spec.engine.reference_kernels)
     for name, v in weights.items()
   }
 
   def mm(x, w):
     return jnp.einsum('UPD,UDF->UPF', x, quant.dequant(w, dt))
 
-  mm = with_lora(mm, w_U, cfg, rng)
-  return swiglu(x_UPD, mm, cfg).reshape(n * b, d)
+  mm = with_lora(mm, w_U, spec, rng)
+  return swiglu(x_UPD, mm, spec).reshape(n * b, d)

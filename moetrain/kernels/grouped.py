@@ -1,4 +1,4 @@
-"""The grouped expert engine, the CPU default (model.moe_backend 'grouped'): the routed experts'
+"""The grouped expert engine, the CPU default (engine.moe_backend 'grouped'): the routed experts'
 SwiGLU over expert-sorted rows as, per expert, a loop over row tiles of its group, each a few 2-D
 matmuls against that expert's weights. Cost follows the routed rows (plus < one tile per expert),
 where ragged_dot's CPU lowering pays for every expert on every row. The row tile is chosen per
@@ -13,10 +13,8 @@ import jax
 import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
-from moetrain.kernels import Kernel, experts, vjp
+from moetrain.kernels import Kernel, experts, quant, vjp
 from moetrain.kernels.lora import with_lora
-from moetrain.model import quant
-from moetrain.model.config import ModelConfig
 
 
 class Groups(NamedTuple):
@@ -65,22 +63,22 @@ def _expert_slice(tree, e):
   return jax.tree.map(lambda v: jax.lax.dynamic_index_in_dim(v, e, keepdims=False), tree)
 
 
-def _tile_fns(cfg: ModelConfig):
+def _tile_fns(spec: experts.ExpertSpec):
   """The expert SwiGLU on one tile in two halves, so the forward loop can keep gate and up for
   the backward instead of recomputing them: (gate, up) = first(w, x); y = second(w, gate, up).
   LoRA dropout keys fold in the tile's first row, so both loops draw the same masks."""
-  dt = jnp.dtype(cfg.dtype)
+  dt = jnp.dtype(spec.engine.dtype)
 
   def mm(w, key):
-    return with_lora(lambda x, wt: x @ quant.dequant(wt, dt), w, cfg, key)
+    return with_lora(lambda x, wt: x @ quant.dequant(wt, dt), w, spec, key)
 
   def first(w, x, key):
     f = mm(w, key)
-    return experts.biased(f, x, 'gate', cfg), experts.biased(f, x, 'up', cfg)
+    return experts.biased(f, x, 'gate', spec), experts.biased(f, x, 'up', spec)
 
   def second(w, gate, up, key):
-    h = experts.activation(gate, up, cfg).astype(dt)
-    return experts.biased(mm(w, key), h, 'down', cfg)
+    h = experts.activation(gate, up, spec).astype(dt)
+    return experts.biased(mm(w, key), h, 'down', spec)
 
   return first, second
 
@@ -89,9 +87,9 @@ def _tile_key(rng, row):
   return None if rng is None else jax.random.fold_in(rng, row)
 
 
-def _ffn_forward(x_PD, w_train, w_frozen, groups, rng, tiles, cfg):
-  first, second = _tile_fns(cfg)
-  f = cfg.expert_ffn_hidden_size
+def _ffn_forward(x_PD, w_train, w_frozen, groups, rng, tiles, spec):
+  first, second = _tile_fns(spec)
+  f = spec.hidden
   p, dt = x_PD.shape[0], x_PD.dtype
   init = (jnp.zeros_like(x_PD), jnp.zeros((p, f), dt), jnp.zeros((p, f), dt))
 
@@ -112,7 +110,9 @@ def _ffn_forward(x_PD, w_train, w_frozen, groups, rng, tiles, cfg):
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6))
-def _expert_ffn(x_PD, w_train, w_frozen, groups: Groups, rng, tiles: tuple, cfg: ModelConfig):
+def _expert_ffn(
+  x_PD, w_train, w_frozen, groups: Groups, rng, tiles: tuple, spec: experts.ExpertSpec
+):
   """The routed experts' SwiGLU (with their LoRA adapters) over expert-sorted rows, sized by the
   dynamic group sizes: per expert, a loop over its group's b-row tiles, each a few 2-D matmuls
   against that expert's weights (sliced once per expert). The CPU backend: cost follows the
@@ -121,17 +121,17 @@ def _expert_ffn(x_PD, w_train, w_frozen, groups: Groups, rng, tiles: tuple, cfg:
   overwrite later (tiles go in row order); the max(tiles) spare rows at the end take the last
   overrun. The tile is tiles[groups.tile], chosen at run time from the group sizes; forward and
   backward use the same one (LoRA dropout keys fold in each tile's first row)."""
-  return _ffn_forward(x_PD, w_train, w_frozen, groups, rng, tiles, cfg)[0]
+  return _ffn_forward(x_PD, w_train, w_frozen, groups, rng, tiles, spec)[0]
 
 
-def _expert_ffn_fwd(x_PD, w_train, w_frozen, groups, rng, tiles, cfg):
+def _expert_ffn_fwd(x_PD, w_train, w_frozen, groups, rng, tiles, spec):
   # symbolic_zeros: each leaf arrives as CustomVJPPrimal(value, perturbed). Weights that no one
   # differentiates (frozen experts under LoRA) get no gradient loop work at all.
   need = {k: p.value for k, p in w_train.items() if p.perturbed}
   rest = {k: p.value for k, p in w_train.items() if not p.perturbed} | vjp.values(w_frozen)
   x_PD, groups, rng = vjp.values((x_PD, groups, rng))
-  y, gate, up = _ffn_forward(x_PD, need, rest, groups, rng, tiles, cfg)
-  # Named as experts.swiglu names them: a remat policy that saves them (model.remat='save_moe',
+  y, gate, up = _ffn_forward(x_PD, need, rest, groups, rng, tiles, spec)
+  # Named as experts.swiglu names them: a remat policy that saves them (engine.remat='save_moe',
   # with the outputs named in dispatch.grouped_layout) spares the backward pass this loop's
   # second run, its matmuls and dequantisation (bench/RESULTS.md, "CPU host plans").
   x_PD = checkpoint_name(x_PD, experts.EXPERT_INPUT)
@@ -139,10 +139,10 @@ def _expert_ffn_fwd(x_PD, w_train, w_frozen, groups, rng, tiles, cfg):
   return y, (x_PD, gate, up, need, rest, groups, rng, dict.fromkeys(w_train))
 
 
-def _expert_ffn_bwd(tiles, cfg, res, g_PD):
+def _expert_ffn_bwd(tiles, spec, res, g_PD):
   x_PD, gate_PF, up_PF, w_train, w_frozen, groups, rng, train_keys = res
   g_PD = vjp.dense(g_PD)
-  first, second = _tile_fns(cfg)
+  first, second = _tile_fns(spec)
   f32 = lambda t: jax.tree.map(lambda v: v.astype(jnp.float32), t)
 
   def open_expert(e):
@@ -191,13 +191,13 @@ def _expert_ffn_bwd(tiles, cfg, res, g_PD):
 _expert_ffn.defvjp(_expert_ffn_fwd, _expert_ffn_bwd, symbolic_zeros=True)
 
 
-def _expert_ffn_reference(x_PD, w_train, w_frozen, groups: Groups, rng, tiles: tuple, cfg):
+def _expert_ffn_reference(x_PD, w_train, w_frozen, groups: Groups, rng, tiles: tuple, spec):
   """Every row of a group against its expert's gathered weights (experts.dense_ffn), rows past
   the groups zero. LoRA dropout masks are drawn per projection over all rows, not per tile: with
   lora.dropout > 0 this agrees with the fast path in distribution, not value by value."""
   ends_E = groups.start + groups.size
   expert_P = jnp.searchsorted(ends_E, jnp.arange(x_PD.shape[0]), side='right')
-  y_PD = experts.dense_ffn(x_PD, expert_P, {**w_train, **w_frozen}, cfg, rng)
+  y_PD = experts.dense_ffn(x_PD, expert_P, {**w_train, **w_frozen}, spec, rng)
   inside_P = expert_P < ends_E.shape[0]  # groups start at row 0 and follow one another
   return jnp.where(inside_P[:, None], y_PD, 0).astype(x_PD.dtype)
 
@@ -216,7 +216,7 @@ def tile_rows(expect: float, most: int = 256) -> int:
 
 
 def tile_candidates(expect: float, requested: int = 0) -> tuple:
-  """The grouped engine's row tiles for groups of about `expect` rows (model.moe_block_size
+  """The grouped engine's row tiles for groups of about `expect` rows (engine.moe_block_size
   fixes one): the tile that fits them, 128 for skewed routing (a group's last tile is padded,
   by b/2 rows on average) and, for groups up to 512 rows, one tile per group (each tile is a loop
   trip: fewer, larger tiles run faster when the groups are even, as under LongCat's balancing).

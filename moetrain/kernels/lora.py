@@ -48,25 +48,25 @@ def lora_dropout(x, rate: float, rng):
   return jnp.where(keep, x / (1.0 - rate), 0).astype(x.dtype)
 
 
-def with_lora(base_mm, weights, cfg, rng, adapter_mm=None):
+def with_lora(base_mm, weights, spec, rng, adapter_mm=None):
   """base_mm(x, weights[name]) plus, where `weights` holds name_lora_a / _lora_b, the adapters'
-  two small matmuls on the same rows (cfg: the ModelConfig, for the LoRA scale, dropout and
-  kernels). Where they are one expert's 2-D factors (the grouped and blocked tiles),
+  two small matmuls on the same rows (spec: anything with the `engine` and `lora` configs, for the
+  LoRA scale, dropout and kernels). Where they are one expert's 2-D factors (the grouped and blocked tiles),
   lora_product runs them; per-expert factors run through adapter_mm (default base_mm)."""
-  reference = cfg.reference_kernels
+  reference = spec.engine.reference_kernels
   adapter_mm = adapter_mm or base_mm
 
   def mm(x, name):
     y = base_mm(x, weights[name])
     if f'{name}_lora_a' in weights:
       key = None if rng is None else jax.random.fold_in(rng, zlib.crc32(name.encode()))
-      xa = lora_dropout(x, cfg.lora.dropout, key)
+      xa = lora_dropout(x, spec.lora.dropout, key)
       a, b = weights[f'{name}_lora_a'], weights[f'{name}_lora_b']
       if a.ndim == 2:
         ab = lora_product(xa, a.astype(xa.dtype), b.astype(xa.dtype), reference=reference)
       else:
         ab = adapter_mm(adapter_mm(xa, a), b)
-      y = y + cfg.lora.scale * ab
+      y = y + spec.lora.scale * ab
     return y
 
   return mm

@@ -67,11 +67,11 @@ def multi_head(
     mask_BTS,
     cfg.attention_scale,
     blocks,
-    cfg.attention_recompute,
+    cfg.engine.attention_recompute,
     sinks_N,
-    reference=cfg.reference_kernels,
+    reference=cfg.engine.reference_kernels,
   )
-  return constrain(out_BNTH.transpose(0, 2, 1, 3), axes.names('BTN') + (None,), cfg.rules)
+  return constrain(out_BNTH.transpose(0, 2, 1, 3), axes.names('BTN') + (None,), cfg.engine.rules)
 
 
 def causal_self_attention(
@@ -82,15 +82,15 @@ def causal_self_attention(
   index order within each segment (packing restarts positions per example, so that is causal
   by position too), a sliding window and sinks (gpt-oss) included."""
   if cfg.splash_attention(q_BTNH.shape[1]):
-    heads = dict(cfg.rules.activations).get('heads')
+    heads = dict(cfg.engine.rules.activations).get('heads')
 
     def run(w: int):
       return splash.splash_attention(
         *(x.transpose(0, 2, 1, 3) for x in (q_BTNH, k_BTNH, v_BTNH)),
         segment_ids_BT,
         cfg.attention_scale,
-        interpret=cfg.platform != 'tpu',
-        mesh_shape=cfg.mesh_shape,
+        interpret=cfg.engine.platform != 'tpu',
+        mesh_shape=cfg.engine.mesh_shape,
         head_axis=heads if isinstance(heads, str) else None,
         window=w,
         sinks_N=sinks_N,
@@ -100,11 +100,11 @@ def causal_self_attention(
       out_BNTH = run(window if isinstance(window, int) else 0)
     else:  # a layer's window under the layer scan: the kernel's mask is static, so one of two
       out_BNTH = jax.lax.cond(window > 0, lambda: run(cfg.sliding_window), lambda: run(0))
-    return constrain(out_BNTH.transpose(0, 2, 1, 3), axes.names('BTN') + (None,), cfg.rules)
+    return constrain(out_BNTH.transpose(0, 2, 1, 3), axes.names('BTN') + (None,), cfg.engine.rules)
   groups = cfg.num_heads // k_BTNH.shape[2]
   k_BTNH, v_BTNH = (jnp.repeat(x, groups, axis=2) for x in (k_BTNH, v_BTNH))
   mask = self_mask(positions_BT, segment_ids_BT, window)
-  return multi_head(q_BTNH, k_BTNH, v_BTNH, mask, cfg, cfg.attention_chunk, sinks_N)
+  return multi_head(q_BTNH, k_BTNH, v_BTNH, mask, cfg, cfg.engine.attention_chunk, sinks_N)
 
 
 class MLA(nnx.Module):

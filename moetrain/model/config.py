@@ -1,30 +1,16 @@
-"""Frozen model configuration and the named presets (tiny for CPU, medium for benches, flash)."""
+"""The network's shape: the `config.model` section (what a checkpoint fixes), and the LongCat
+presets (tiny for CPU, medium for benches, flash). How it runs is the `engine` section
+(moetrain/core/engine.py), attached to a ModelConfig by start-up."""
 
 import dataclasses
 import functools
 import math
-import re
 from typing import NamedTuple
 
+from moetrain.core.engine import EngineConfig, LoraConfig
 from moetrain.core.fields import check, field
-from moetrain.core.sharding import MESH_AXES, Rules, full_shape
 from moetrain.kernels import splash
 
-REMAT_POLICIES = ('none', 'full', 'save_dots', 'save_moe', 'offload')
-MOE_DISPATCH = ('dropless', 'capacity')
-MOE_BACKENDS = (
-  'auto',
-  'ragged_dot',
-  'megablox',
-  'tokamax',
-  'grouped',
-  'blocked',
-  'gathered',
-  'dense',
-)
-MOE_EP_COMM = ('auto', 'fixed', 'ragged')
-TOKAMAX_IMPLEMENTATIONS = ('auto', 'mosaic', 'triton', 'xla')
-QUANT_MODES = ('none', 'int8', 'int4')
 # The families, by the model_type of their Hugging Face config.json.
 MODEL_TYPES = (
   'longcat_flash',
@@ -37,57 +23,8 @@ MODEL_TYPES = (
   'glm4_moe',
   'gpt_oss',
 )
-# LoRA's default targets: every attention projection (MLA or GQA), dense MLP, shared and routed
-# expert, and the output head.
-LORA_TARGETS = (
-  r'attn(_\d)?\.(q|k|v|o|q_a|q_b|kv_a|kv_b)$|(mlp(_\d)?|shared)\.(gate|up|down)$'
-  r'|experts\.(gate|up|down)$|lm_head$'
-)
+
 positive = functools.partial(field, check='positive')
-engine = functools.partial(field, role='engine')
-
-
-@dataclasses.dataclass(frozen=True)
-class LoraConfig:
-  """The `config.lora` section. rank 0 = full fine-tuning / pretraining."""
-
-  rank: int = field(0, check='non_negative', zero='0 = no adapters')  # adapter rank R
-  alpha: float = 16.0  # scale = alpha / rank (or alpha / sqrt(rank) with rslora)
-  rslora: bool = False  # rank-stabilised scaling
-  dropout: float = 0.0  # dropout on the adapter input
-  # Regex over module paths: 'layers.attn_0.q_a', 'layers.mlp_1.up', 'layers.moe.experts.down',
-  # 'lm_head'.
-  targets: str = LORA_TARGETS
-  train_router: bool = False  # also train the router classifier
-  # Storage of the adapters (and so of their optimizer moments), whatever the frozen base's
-  # (model.param_dtype, model.quant): bfloat16 adapters and Adam moments lose small updates.
-  param_dtype: str = field('float32', choices=('bfloat16', 'float32'))
-
-  @property
-  def enabled(self) -> bool:
-    return self.rank > 0
-
-  @property
-  def scale(self) -> float:
-    if not self.enabled:
-      return 0.0
-    return self.alpha / (self.rank**0.5 if self.rslora else self.rank)
-
-  def matches(self, path: str) -> bool:
-    return self.enabled and re.search(self.targets, path) is not None
-
-  def validate(self) -> None:
-    check(self, 'lora')
-    if not self.enabled:
-      return
-    if self.alpha <= 0:
-      raise ValueError(f'lora.alpha={self.alpha}: must be > 0 (the adapters scale by it)')
-    try:
-      re.compile(self.targets)
-    except re.error as e:
-      raise ValueError(f'lora.targets: invalid regex {self.targets!r}: {e}') from None
-    if not 0.0 <= self.dropout < 1.0:
-      raise ValueError(f'lora.dropout={self.dropout}: must be in [0, 1)')
 
 
 def yarn_mscale(factor: float, mscale: float = 1.0) -> float:
@@ -107,8 +44,9 @@ class LayerGroup(NamedTuple):
 class ModelConfig:
   """The `config.model` section: the model's hyper-parameters (the names of the HF configs where
   they have them), the parts the decoder is built from (attention, RoPE, router, layer layout:
-  one decoder serves every family) and how it computes (role 'engine'). The defaults are the
-  'tiny' preset, a small LongCat-Flash."""
+  one decoder serves every family): everything a checkpoint fixes. How it computes is
+  `engine` (the `engine` section, laid out for a platform and mesh by start-up), and its adapters
+  `lora`. The defaults are the 'tiny' preset, a small LongCat-Flash."""
 
   # The family (HF model_type): names the checkpoint layout for import and export. The parts
   # below say what the decoder computes; model/families.py sets them per family.
@@ -204,162 +142,36 @@ class ModelConfig:
   yarn_mscale: float = field(1.0, check='non_negative')
   yarn_mscale_all_dim: float = field(0.0, check='non_negative')
   yarn_truncate: bool = True  # the correction range rounded out to whole dimensions (gpt-oss: not)
-  # Std of the normal of random init before truncation at +-2 std (weights: 0.88 init_std).
-  init_std: float = engine(0.02, check='positive')
-  # Compute dtype (router, norms, softmax and loss stay float32): bfloat16, float32, or float16
-  # (older GPUs) with a dynamic loss scale, logged as loss_scale.
-  dtype: str = engine('bfloat16', choices=('bfloat16', 'float32', 'float16'))
-  param_dtype: str = engine('float32', choices=('bfloat16', 'float32'))  # storage of parameters
-  remat: str = engine('full', choices=REMAT_POLICIES)  # what the backward pass recomputes
-  # Layers as one lax.scan (compile time independent of depth) or unrolled: the scan stacks every
-  # layer's saved activations into [L, ...] buffers and slices them back in the backward pass,
-  # copies an unrolled stack does not make (~5% of a 4-layer CPU step; bench/RESULTS.md).
-  scan_layers: bool = engine(True)
-  # Pipeline parallelism over mesh.shape's 'stage' axis (docs/pipeline.md): micro-batches per
-  # batch flowing through the stages (a multiple of the stage count; 1 = none).
-  pipeline_microbatches: int = engine(1, check='positive')
-  # Runs of layers per stage: > 1 is the circular schedule, each stage holding non-adjacent runs
-  # and every micro-batch passing the stages this many times (a smaller bubble).
-  pipeline_repeats: int = engine(1, check='positive')
-  # Query block of causal self-attention: each block of queries scores only the keys up to its
-  # last position, skipping the upper triangle block by block; 0 = one block (the full square).
-  attention_chunk: int = engine(128, check='non_negative', zero='0 = no chunking')
-  # Causal self-attention's kernel: 'splash' = JAX's fused Pallas TPU kernel (segment ids, GQA,
-  # MLA widths, sliding windows, sinks; the scores never reach HBM), 'xla' = the chunked XLA path below (any platform;
-  # decoding always uses it), 'auto' = splash when compiling for TPU and the sequence is a
-  # multiple of 128, else xla. Off TPU, 'splash' runs in Pallas' interpreter (slow; for tests).
-  attention_kernel: str = engine('auto', choices=('auto', 'splash', 'xla'))
-  # Projections (attention, dense MLP) take their FSDP-sharded weights gathered whole: one
-  # all-gather, then one matmul. Left to XLA:TPU, it loops over the weight's shards (a windowed
-  # einsum) and reads and writes the activations once per trip: Qwen3-30B-A3B full training on
-  # a v5p-32 counted 2.94e12 HBM bytes per chip and step that way, 2.33e12 gathered
-  # (bench/RESULTS.md, "Peer comparison"). The lm head is not gathered.
-  gather_weights: bool = engine(True)
-  # Full training: each run of layers takes its matmul weights (projection kernels, the routed
-  # experts' matrices) cast to model.dtype once, before its layer loop, not layer by layer
-  # inside it. The backward loop then stacks their gradients in model.dtype and casts them to
-  # param_dtype once after it: half of float32's bytes for the largest buffers alive at the
-  # step's peak. Each layer's weight gradient is then rounded to model.dtype, as mixed-precision
-  # autocast gives it (TPU's grouped-matmul kernels return the experts' so anyway); per-layer
-  # casts let XLA keep some in float32. The loss is the same. Mixtral-8x7B full training on a
-  # v5p-32: 56.24 -> 50.84 GiB per chip (bench/RESULTS.md, "Peer comparison"). No effect under
-  # LoRA (the base takes no gradient) or when param_dtype is model.dtype; a distillation
-  # teacher (forward only) keeps the per-layer casts.
-  cast_weights_once: bool = engine(True)
-  # What attention keeps for its backward pass: True = each query's softmax max and sum, the
-  # scores recomputed in the backward (flash-attention style: O(T) instead of O(T * S) memory per
-  # head; as fast as keeping them on this CPU, bench/RESULTS.md); False = the float32 probabilities.
-  attention_recompute: bool = engine(True)
-  # Sequence positions per block of the training/eval loss: the lm head and its cross entropy run
-  # block by block, so only [B, loss_chunk, V] logits exist at a time; 0 = one block.
-  loss_chunk: int = engine(256, check='non_negative', zero='0 = no chunking')
-  moe_dispatch: str = engine('dropless', choices=MOE_DISPATCH)  # or per-expert buffers
-  # Capacity dispatch: each expert's buffer holds factor * K_e / E of the tokens.
-  moe_capacity_factor: float = engine(1.25, check='positive')
-  # The experts' grouped matmul; 'auto' picks per platform (model/dispatch.py resolve_backend).
-  moe_backend: str = engine('auto', choices=MOE_BACKENDS)
-  # tokamax's kernel for moe_backend='tokamax': 'auto' = Mosaic GPU where the device has it
-  # (sm90/sm100), else Triton (sm80+), else its XLA form with a warning; a name = that one only.
-  tokamax_implementation: str = engine('auto', choices=TOKAMAX_IMPLEMENTATIONS)
-  # CPU backends' row tile; 0 = auto (grouped: chosen per batch).
-  moe_block_size: int = engine(0, check='non_negative', zero='0 = chosen per batch')
-  moe_expert_parallel: bool = engine(True)  # shard_map over the 'expert' mesh axis when it is > 1
-  # Token exchange of expert parallelism: 'fixed' all_to_all buffers (any platform), 'ragged'
-  # ragged_all_to_all straight into expert-sorted receive buffers (GPU/TPU; emulated on CPU),
-  # 'auto' = ragged where the platform has it.
-  moe_ep_comm: str = engine('auto', choices=MOE_EP_COMM)
-  # Receive buffer of the ragged exchange (dropless) in local assignments; 0 = ep times them, the
-  # worst case, one exchange. A smaller buffer bounds memory at large ep; what overflows it is
-  # handled by model.moe_ep_overflow.
-  moe_ep_recv_factor: float = engine(0.0, check='non_negative', zero='0 = worst case')
-  # Rows that overflow a bounded receive buffer: 'rounds' exchanges them in further rounds of
-  # the same buffer, run only when some shard's rows overflow (dropless stays dropless: each
-  # extra round recomputes its forward in the backward); 'drop' drops and reports them
-  # (moe/dropped_frac).
-  moe_ep_overflow: str = engine('rounds', choices=('rounds', 'drop'))
-  # K_e, the FFN experts per token that balancing aims at; 0 = uniform, top_k * E / (E + Z).
-  moe_expected_ffn_experts: float = engine(0.0, check='non_negative', zero='0 = uniform routing')
-  # FFN-expert groups of the device-level balance loss; 0 = the expert-parallel shards (the
-  # 'expert' mesh axis when model.moe_expert_parallel, else 1).
-  moe_balance_groups: int = engine(0, check='non_negative', zero='0 = one group per shard')
-  # Balancing, by the family when 'auto': the balance loss (coefficient loss.balance_loss) is
-  # 'device' (LongCat's device-level loss), 'switch' (Switch/Mixtral/Qwen3-MoE: E * sum_e f_e
-  # P_e over the batch, as transformers' load_balancing_loss_func) or 'sequence' (DeepSeek-V3's
-  # sequence-wise loss, per row); the bias controller (loss.bias_update_rate) moves each bias in
-  # proportion to its expert's load error ('proportional', LongCat) or by its sign ('sign',
-  # DeepSeek-V3's gamma rule).
-  moe_balance_loss: str = engine('auto', choices=('auto', 'device', 'switch', 'sequence'))
-  moe_bias_rule: str = engine('auto', choices=('auto', 'proportional', 'sign'))
-  # 'reference' runs every kernel (hand-written backward passes, CPU loops, the ragged exchange;
-  # moetrain/kernels) as plain autodiff code of the same function: slower, for checking numerics.
-  kernels: str = engine('fast', choices=('fast', 'reference'))
-  quant: str = engine('none', choices=QUANT_MODES)  # storage of the frozen base (QLoRA)
-  # int4 group along the input dim (one group where it does not divide).
-  quant_group_size: int = engine(64)
-  # Device layouts of the frozen base (LoRA/QLoRA) in the train step: 'compiler' lets XLA choose
-  # them (the run moves the base into the compiled step's choice once, at its start), 'default'
-  # keeps the standard ones, 'auto' = compiler on TPU with micro-batches (optim.grad_accum_steps
-  # > 1), default otherwise. With the defaults XLA:TPU copies the base into its micro-batch
-  # loop's layout inside every step (flash QLoRA int4: 82.0 -> 63.2 GiB per chip with compiler
-  # layouts); without micro-batches they cost as much or more (bench/RESULTS.md, "The frozen base in layouts the compiler chooses").
-  frozen_layout: str = engine('auto', choices=('auto', 'compiler', 'default'))
-  # XLA:TPU's scoped VMEM limit (a fusion's scratch) for the train and eval steps, in KiB (0: the
-  # compiler's own, 16 MiB on a v5e). A fusion that asks more stops the compile with
-  # CompileTimeScopedVmemOom, which names this key. It does not help where the compiler sizes a
-  # fusion past any limit: XLA's ragged_dot over gpt-oss-20b's 2880-wide int4 experts on a v5e
-  # asked 16.94 of 16 MiB, then 32.46 of 32 (model.moe_backend='megablox' compiles there).
-  tpu_scoped_vmem_kib: int = engine(0)
-  # Derived: set from the `lora` and `mesh` sections and the compile target.
+  # Derived: set from the `lora` section, and the `engine` section laid out by start-up.
   lora: LoraConfig = field(LoraConfig(), role='derived')
-  rules: Rules = field(Rules(), role='derived')  # logical-axis rules (mesh.rules)
-  # The MoE engine is chosen once, from these two, by startup.build: the platform the step is
-  # compiled for ('cpu', 'gpu', 'tpu'; the planner compiles for a TPU on any host) and the
-  # sizes of the mesh axes (data, fsdp, expert, tensor) it runs on; () = one device.
-  platform: str = field('cpu', role='derived')
-  mesh_shape: tuple = field((), role='derived')
+  engine: EngineConfig = field(EngineConfig(), role='derived')
 
   def __post_init__(self):  # configs and config.json give lists; the config must stay hashable
     object.__setattr__(self, 'mlp_only_layers', tuple(self.mlp_only_layers))
     object.__setattr__(self, 'layer_types', tuple(self.layer_types))
 
   @property
-  def reference_kernels(self) -> bool:
-    """model.kernels='reference': every kernel runs its plain-autodiff twin."""
-    return self.kernels == 'reference'
-
-  @property
   def balance_loss_kind(self) -> str:
-    if self.moe_balance_loss != 'auto':
-      return self.moe_balance_loss
+    if self.engine.moe_balance_loss != 'auto':
+      return self.engine.moe_balance_loss
     if self.model_type in ('deepseek_v3', 'deepseek_v2', 'glm4_moe'):
       return 'sequence'
     return 'device' if self.model_type == 'longcat_flash' else 'switch'
 
   @property
   def bias_rule(self) -> str:
-    if self.moe_bias_rule != 'auto':
-      return self.moe_bias_rule
+    if self.engine.moe_bias_rule != 'auto':
+      return self.engine.moe_bias_rule
     return 'sign' if self.model_type in ('deepseek_v3', 'glm4_moe') else 'proportional'
 
-  @property
-  def expert_shards(self) -> int:
-    """How many shards the routed experts are split over: the 'expert' mesh axis when
-    model.moe_expert_parallel is set, else 1."""
-    if not self.moe_expert_parallel or not self.mesh_shape:
-      return 1
-    return dict(zip(MESH_AXES, self.mesh_shape))['expert']
-
-  @property
-  def pipeline_stages(self) -> int:
-    """The 'stage' mesh axis the layers are split over (1: no pipeline)."""
-    return dict(zip(MESH_AXES, self.mesh_shape)).get('stage', 1) if self.mesh_shape else 1
-
   def laid_out(self, platform: str, mesh_shape) -> 'ModelConfig':
-    """This config with the engine's platform and mesh (mesh_shape: sizes, or a Mesh)."""
-    if hasattr(mesh_shape, 'axis_sizes'):
-      mesh_shape = mesh_shape.axis_sizes
-    shape = full_shape(mesh_shape) if mesh_shape else ()
-    return dataclasses.replace(self, platform=platform, mesh_shape=shape)
+    """This config with its engine on `platform` and a mesh (mesh_shape: sizes, or a Mesh)."""
+    return dataclasses.replace(self, engine=self.engine.laid_out(platform, mesh_shape))
+
+  def with_engine(self, **changes) -> 'ModelConfig':
+    """This network computed another way: `changes` to engine keys."""
+    engine = dataclasses.replace(self.engine, **changes)
+    return dataclasses.replace(self, engine=engine)
 
   @property
   def qk_head_dim(self) -> int:
@@ -370,10 +182,9 @@ class ModelConfig:
 
   def splash_attention(self, seq_len: int) -> bool:
     """Whether causal self-attention over seq_len positions runs the splash kernel."""
-
-    if self.attention_kernel == 'auto':
-      return self.platform == 'tpu' and splash.supports(seq_len)
-    return self.attention_kernel == 'splash'
+    if self.engine.attention_kernel == 'auto':
+      return self.engine.platform == 'tpu' and splash.supports(seq_len)
+    return self.engine.attention_kernel == 'splash'
 
   @property
   def attention_scale(self) -> float:
@@ -461,37 +272,33 @@ class ModelConfig:
 
   @property
   def expected_ffn_experts(self) -> float:
-    if self.moe_expected_ffn_experts > 0:
-      return self.moe_expected_ffn_experts
+    if self.engine.moe_expected_ffn_experts > 0:
+      return self.engine.moe_expected_ffn_experts
     return self.moe_topk * self.n_routed_experts / self.num_experts_total
 
   def validate(self, prefix: str = 'model') -> None:
-    def need(ok, key, msg):
+    def need(ok, key, msg):  # key: a model key, or an engine key named with its section
       if not ok:
-        raise ValueError(f'{prefix}.{key}: {msg}')
+        raise ValueError(f'{key if "." in key else f"{prefix}.{key}"}: {msg}')
 
     check(self, prefix)
+    self.engine.validate()
     self._validate_parts(need)
     self._validate_moe(need)
-    need(
-      self.quant != 'int4' or (self.quant_group_size > 0 and self.quant_group_size % 2 == 0),
-      'quant_group_size',
-      f'must be a positive even number for int4, got {self.quant_group_size}',
-    )
-    if self.quant == 'int4':  # codes pack in pairs along each kernel's first input dimension
+    quant = self.engine.quant
+    if quant == 'int4':  # codes pack in pairs along each kernel's first input dimension
       packed = ('hidden_size', 'q_lora_rank', 'kv_lora_rank', 'num_heads')
       widths = ('ffn_hidden_size', 'expert_ffn_hidden_size', 'shared_ffn_hidden_size')
       for field in (*packed, *widths):
         need(
           getattr(self, field) % 2 == 0,
           field,
-          f'{getattr(self, field)} is odd: int4 packs two codes along it; use model.quant=int8',
+          f'{getattr(self, field)} is odd: int4 packs two codes along it; use engine.quant=int8',
         )
-    need(
-      self.quant == 'none' or self.lora.enabled,
-      'quant',
-      'quantised base weights are frozen: set lora.rank > 0 (QLoRA) or quant="none"',
-    )
+    if quant != 'none' and not self.lora.enabled:
+      raise ValueError(
+        'engine.quant: quantised base weights are frozen: set lora.rank > 0 (QLoRA) or quant="none"'
+      )
     self.lora.validate()
 
   def _validate_parts(self, need) -> None:
@@ -562,26 +369,27 @@ class ModelConfig:
       f'(n_routed_experts + zero_expert_num); lower it or add experts',
     )
     need(
-      self.n_routed_experts % max(self.moe_balance_groups, 1) == 0,
-      'moe_balance_groups',
-      f'{self.n_routed_experts} routed experts do not split into {self.moe_balance_groups} groups',
+      self.n_routed_experts % max(self.engine.moe_balance_groups, 1) == 0,
+      'engine.moe_balance_groups',
+      f'{self.n_routed_experts} routed experts do not split into '
+      f'{self.engine.moe_balance_groups} groups',
     )
     need(
       self.expected_ffn_experts <= self.n_routed_experts,
-      'moe_expected_ffn_experts',
+      'engine.moe_expected_ffn_experts',
       f'{self.expected_ffn_experts} is more FFN experts per token than the '
       f'{self.n_routed_experts} routed experts: the bias controller would chase it forever',
     )
     if self.zero_expert_num:
       need(
         self.expected_ffn_experts < self.moe_topk,
-        'moe_expected_ffn_experts',
+        'engine.moe_expected_ffn_experts',
         'must be below moe_topk when zero experts exist',
       )
     else:  # every selection is an FFN expert
       need(
-        self.moe_expected_ffn_experts in (0, self.moe_topk),
-        'moe_expected_ffn_experts',
+        self.engine.moe_expected_ffn_experts in (0, self.moe_topk),
+        'engine.moe_expected_ffn_experts',
         f'without zero experts every token uses moe_topk={self.moe_topk} FFN experts: use 0',
       )
 

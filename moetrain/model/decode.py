@@ -7,7 +7,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from moetrain.model import quant, stages
+from moetrain.kernels import quant
+from moetrain.model import stages
 from moetrain.model.attention import MLA, attention_mask, attention_probs, window_mask
 from moetrain.model.config import ModelConfig
 from moetrain.model.layers import Linear
@@ -33,7 +34,7 @@ class KVCache:
 
 def init_cache(cfg: ModelConfig, batch: int, max_len: int) -> KVCache:
   blocks = 2 if cfg.layer_layout == 'shortcut' else 1
-  dt, lead = jnp.dtype(cfg.dtype), (cfg.num_layers, blocks, batch, max_len)
+  dt, lead = jnp.dtype(cfg.engine.dtype), (cfg.num_layers, blocks, batch, max_len)
   if cfg.attention == 'mla':
     widths = {'c': (cfg.kv_lora_rank,), 'k_pe': (cfg.qk_rope_head_dim,)}
   else:
@@ -104,7 +105,7 @@ def cached_attention(
   if any(windows):  # this layer's (layer: its index, traced under the scan)
     mask_BTS = window_mask(mask_BTS, positions_BT, k_pos_BS, jnp.asarray(windows)[layer])
   # From slot 0 (a prefill) the T queries face their own T keys: causal blocks, as training.
-  chunk = attn.cfg.attention_chunk if isinstance(start, int) and start == 0 else 0
+  chunk = attn.cfg.engine.attention_chunk if isinstance(start, int) and start == 0 else 0
   if isinstance(attn, MLA):
     if absorb:
       out_BTD = attend_absorbed(attn, *q, past['c'], past['k_pe'], mask_BTS)

@@ -11,10 +11,9 @@ import jax
 import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
-from moetrain.kernels import experts, grouped
+from moetrain.kernels import experts, grouped, quant
 from moetrain.kernels.lora import with_lora
 from moetrain.kernels.rows import dispatch_tokens, gather_rows
-from moetrain.model import quant
 from moetrain.model.config import ModelConfig
 
 
@@ -51,6 +50,18 @@ def place(layout: Layout, order_R):
   return asg_P, layout.dest_R[inv_R], layout.kept_R[inv_R]
 
 
+def spec(cfg: ModelConfig) -> experts.ExpertSpec:
+  """The routed experts as the expert kernels see them."""
+  return experts.ExpertSpec(
+    cfg.engine,
+    cfg.lora,
+    cfg.n_routed_experts,
+    cfg.expert_ffn_hidden_size,
+    cfg.swiglu_limit,
+    cfg.expert_bias,
+  )
+
+
 def routed_experts(x_MD, idx_MA, gates_MA, weights, cfg: ModelConfig, rng=None):
   """sum_a gate[m,a] * FFN_{idx[m,a]}(x[m]) over routed (non-zero) experts.
 
@@ -60,10 +71,10 @@ def routed_experts(x_MD, idx_MA, gates_MA, weights, cfg: ModelConfig, rng=None):
   """
   e = cfg.n_routed_experts
   order_R, expert_sorted_R, sizes_E = sort_assignments(idx_MA.reshape(-1), e)
-  layout = make_layout(expert_sorted_R, sizes_E, cfg, cfg.moe_dispatch)
+  layout = make_layout(expert_sorted_R, sizes_E, cfg, cfg.engine.moe_dispatch)
   asg_P, slot_R, kept_R = place(layout, order_R)
-  ref = cfg.reference_kernels
-  x_PD = dispatch_tokens(x_MD.astype(cfg.dtype), asg_P, slot_R, reference=ref)
+  ref = cfg.engine.reference_kernels
+  x_PD = dispatch_tokens(x_MD.astype(cfg.engine.dtype), asg_P, slot_R, reference=ref)
   y_PD = layout.run(x_PD, weights, rng)
   y_RD = gather_rows(y_PD, slot_R, asg_P, reference=ref)
   return combine(y_RD, kept_R, idx_MA, gates_MA, cfg)
@@ -95,34 +106,34 @@ def gpu_engine_warning(cfg: ModelConfig) -> str | None:
   """Where a GPU step's experts would run XLA's ragged_dot (dense over every expert unless its
   cuDNN grouped GEMM applies: bf16/f16 on Ampere or newer with cuDNN >= 9.22), the reason and
   the fix; None elsewhere."""
-  if cfg.platform != 'gpu' or cfg.moe_dispatch == 'capacity':
+  if cfg.engine.platform != 'gpu' or cfg.engine.moe_dispatch == 'capacity':
     return None
   if resolve_backend(cfg) != 'ragged_dot':
     return None
-  chosen = cfg.moe_backend == 'ragged_dot'
-  why = "model.moe_backend='ragged_dot'" if chosen else 'tokamax is not installed'
+  chosen = cfg.engine.moe_backend == 'ragged_dot'
+  why = "engine.moe_backend='ragged_dot'" if chosen else 'tokamax is not installed'
   return (
     f"The routed experts run XLA's ragged_dot on this GPU ({why}): XLA:GPU computes it as a "
     'dense product over every expert unless its cuDNN grouped GEMM applies (bf16/f16, Ampere or '
     "newer, cuDNN >= 9.22). pip install 'moetrain[gpu]' for tokamax's grouped kernels "
-    "(model.moe_backend='tokamax', the default where it is installed)."
+    "(engine.moe_backend='tokamax', the default where it is installed)."
   )
 
 
 def resolve_backend(cfg: ModelConfig, rows: int = 0) -> str:
   """The grouped-matmul backend for `rows` assignments (0 = unknown: a training batch)."""
-  if cfg.moe_backend != 'auto':
-    return cfg.moe_backend
-  if cfg.platform == 'tpu' and not cfg.lora.enabled:
+  if cfg.engine.moe_backend != 'auto':
+    return cfg.engine.moe_backend
+  if cfg.engine.platform == 'tpu' and not cfg.lora.enabled:
     # XLA's TPU compiler lowers ragged_dot's weight gradient as one dense matmul over every row
     # per local expert (G times the FLOPs: 13x the model's for the flash pretraining step);
     # megablox's tgmm computes each expert's from its own rows (bench/RESULTS.md).
     return 'megablox'
-  if cfg.platform == 'gpu' and tokamax_installed():
+  if cfg.engine.platform == 'gpu' and tokamax_installed():
     # XLA:GPU runs ragged_dot as a dense product over every expert unless its cuDNN grouped GEMM
     # applies (bench/RESULTS.md, "GPU: one H100"); tokamax's kernels follow the group sizes.
     return 'tokamax'
-  if cfg.platform != 'cpu':
+  if cfg.engine.platform != 'cpu':
     # A LoRA base's expert weights take no gradient; megablox there is opt-in until it has been
     # timed on a TPU.
     return 'ragged_dot'
@@ -155,19 +166,21 @@ def make_layout(
   if backend == 'grouped':
     g = expected_group(cfg, r) if expect is None else expect
     return grouped_layout(
-      expert_sorted_R, sizes_E, grouped.tile_candidates(g, cfg.moe_block_size), cfg
+      expert_sorted_R, sizes_E, grouped.tile_candidates(g, cfg.engine.moe_block_size), cfg
     )
   # Rows past sum(sizes) are zero-expert assignments.
   ident = identity_layout(expert_sorted_R < e)
   if backend == 'ragged_dot':
-    return ident._replace(run=lambda x, w, rng: experts.ragged_ffn(x, sizes_E, w, cfg, rng))
+    return ident._replace(run=lambda x, w, rng: experts.ragged_ffn(x, sizes_E, w, spec(cfg), rng))
   if backend == 'megablox':
-    return ident._replace(run=lambda x, w, rng: experts.megablox_ffn(x, sizes_E, w, cfg, rng))
+    return ident._replace(run=lambda x, w, rng: experts.megablox_ffn(x, sizes_E, w, spec(cfg), rng))
   if backend == 'tokamax':
-    return ident._replace(run=lambda x, w, rng: experts.tokamax_ffn(x, sizes_E, w, cfg, rng))
+    return ident._replace(run=lambda x, w, rng: experts.tokamax_ffn(x, sizes_E, w, spec(cfg), rng))
   if backend == 'dense':
-    return ident._replace(run=lambda x, w, rng: experts.dense_ffn(x, expert_sorted_R, w, cfg, rng))
-  raise ValueError(f'model.moe_backend={backend!r} is unknown')
+    return ident._replace(
+      run=lambda x, w, rng: experts.dense_ffn(x, expert_sorted_R, w, spec(cfg), rng)
+    )
+  raise ValueError(f'engine.moe_backend={backend!r} is unknown')
 
 
 def block_size(rows: int, experts: int, requested: int) -> int:
@@ -185,7 +198,7 @@ def blocked_layout(sizes_E, r: int, cfg: ModelConfig) -> Layout:
   cost follows the routed rows plus < E*b padding, where ragged_dot's CPU lowering is a dense
   masked matmul that pays for every expert on every row."""
   e = sizes_E.shape[0]
-  b = block_size(r, e, cfg.moe_block_size)
+  b = block_size(r, e, cfg.engine.moe_block_size)
   nblocks = -(-r // b) + e
   blocks_E = -(-sizes_E // b)
   block_end_E = jnp.cumsum(blocks_E)
@@ -207,8 +220,8 @@ def blocked_layout(sizes_E, r: int, cfg: ModelConfig) -> Layout:
   def run(x_PD, weights, rng):
     x_UPD = x_PD.reshape(nblocks, b, -1)
     if resolve_backend(cfg, r) == 'gathered':
-      return experts.gathered_ffn(x_UPD, block_expert, weights, cfg, rng)
-    return experts.blocked_ffn(x_UPD, block_expert, used, weights, cfg, rng)
+      return experts.gathered_ffn(x_UPD, block_expert, weights, spec(cfg), rng)
+    return experts.blocked_ffn(x_UPD, block_expert, used, weights, spec(cfg), rng)
 
   return Layout(src_P, dest_R, valid_R, run)
 
@@ -227,8 +240,8 @@ def grouped_layout(expert_sorted_R, sizes_E, tiles: tuple, cfg: ModelConfig) -> 
 
   def run(x_PD, weights, rng):
     w_train, w_frozen = grouped.split_trainable(weights)
-    ref = cfg.reference_kernels
-    y_PD = grouped.expert_ffn(x_PD, w_train, w_frozen, groups, rng, tiles, cfg, reference=ref)
+    ref = cfg.engine.reference_kernels
+    y_PD = grouped.expert_ffn(x_PD, w_train, w_frozen, groups, rng, tiles, spec(cfg), reference=ref)
     return checkpoint_name(y_PD, experts.EXPERT_OUTPUT)
 
   return Layout(src_P, jnp.where(valid_R, rows, r + spare), valid_R, run)
@@ -238,7 +251,7 @@ def capacity(num_tokens: int, cfg: ModelConfig) -> int:
   """Per-expert buffer: capacity_factor times the rows an FFN expert receives at balance from
   num_tokens tokens (expected_group: the K_e of the balancing targets, over the E experts)."""
   share = expected_group(cfg, num_tokens * cfg.moe_topk)
-  return max(1, math.ceil(cfg.moe_capacity_factor * share))
+  return max(1, math.ceil(cfg.engine.moe_capacity_factor * share))
 
 
 def capacity_layout(expert_sorted_R, sizes_E, c: int, cfg: ModelConfig) -> Layout:
@@ -252,13 +265,13 @@ def capacity_layout(expert_sorted_R, sizes_E, c: int, cfg: ModelConfig) -> Layou
   slot = jnp.arange(e * c)
   ex_P, pos_P = slot // c, slot % c
   src_P = jnp.where(pos_P < sizes_E[ex_P], group_start_E[ex_P] + pos_P, r)
-  dt = jnp.dtype(cfg.dtype)
+  dt = jnp.dtype(cfg.engine.dtype)
 
   def run(x_PD, weights, rng):
     def mm(x, w):
       return jnp.einsum('ECD,EDF->ECF', x, quant.dequant(w, dt))
 
     mm = with_lora(mm, weights, cfg, rng)
-    return experts.swiglu(x_PD.reshape(e, c, -1), mm, cfg).reshape(e * c, -1)
+    return experts.swiglu(x_PD.reshape(e, c, -1), mm, spec(cfg)).reshape(e * c, -1)
 
   return Layout(src_P, jnp.where(kept_R, ex_R * c + pos_R, e * c), kept_R, run)

@@ -23,10 +23,12 @@ def routed_experts(x_MD, idx_MA, gates_MA, weights, cfg: ModelConfig, rng=None):
   """dispatch.routed_experts, expert-parallel (see expert_parallel) when the routed experts are
   split over more than one shard (cfg.expert_shards, from the mesh startup.build laid it out for);
   on each batch shard (per_batch_shard) where the backend is a kernel XLA cannot partition."""
-  if cfg.expert_shards > 1:
+  if cfg.engine.expert_shards > 1:
     return expert_parallel(x_MD, idx_MA, gates_MA, weights, cfg, rng)
-  unpartitioned = dispatch.resolve_backend(cfg) == 'megablox' and cfg.moe_dispatch == 'dropless'
-  if unpartitioned and math.prod(cfg.mesh_shape) > 1:
+  unpartitioned = (
+    dispatch.resolve_backend(cfg) == 'megablox' and cfg.engine.moe_dispatch == 'dropless'
+  )
+  if unpartitioned and math.prod(cfg.engine.mesh_shape) > 1:
     return per_batch_shard(x_MD, idx_MA, gates_MA, weights, cfg, rng)
   return dispatch.routed_experts(x_MD, idx_MA, gates_MA, weights, cfg, rng)
 
@@ -36,7 +38,7 @@ def _sharded(shard, x_MD, idx_MA, gates_MA, weights, cfg: ModelConfig, w_spec, r
   the batch axes, the weights by w_spec (one spec for every leaf, or a tree of them like
   weights'), each shard's dropout key folded with its index. Tokens that the batch shards do not
   divide (a decode step's one per row) are padded with rows for no expert, as moe.py's padding."""
-  sizes = dict(zip(MESH_AXES, cfg.mesh_shape))
+  sizes = dict(zip(MESH_AXES, cfg.engine.mesh_shape))
   batch = tuple(a for a in ('data', 'fsdp', 'expert') if sizes.get(a, 1) > 1)
   tok = jax.sharding.PartitionSpec(batch)
   m, pad = x_MD.shape[0], -x_MD.shape[0] % math.prod(sizes[a] for a in batch)
@@ -79,14 +81,14 @@ EXPERT_LETTERS = {
 def stored_specs(weights, cfg: ModelConfig) -> dict:
   """Each expert weight's PartitionSpec as the rules store it (plain base arrays), P() for the
   rest (LoRA adapters, a quantised base: small, or codes the engine decodes whole)."""
-  sizes = dict(zip(MESH_AXES, cfg.mesh_shape))
+  sizes = dict(zip(MESH_AXES, cfg.engine.mesh_shape))
   whole = jax.sharding.PartitionSpec()
 
   def spec(name, w):
     if name not in EXPERT_LETTERS or not isinstance(w, jax.Array | jax.ShapeDtypeStruct):
       return jax.tree.map(lambda _: whole, w)
     names = axes.names(EXPERT_LETTERS[name], F=axes.EXPERT_MLP)
-    return logical_to_spec(names, w.shape, cfg.rules.weights, sizes)
+    return logical_to_spec(names, w.shape, cfg.engine.rules.weights, sizes)
 
   return {name: spec(name, w) for name, w in weights.items()}
 
@@ -111,7 +113,7 @@ def per_batch_shard(x_MD, idx_MA, gates_MA, weights, cfg: ModelConfig, rng):
   weights enter as the rules store them and are gathered whole in the compute dtype inside
   (gathered), so their gradients leave by reduce-scatter."""
   specs = stored_specs(weights, cfg)
-  dtype = jnp.dtype(cfg.dtype)
+  dtype = jnp.dtype(cfg.engine.dtype)
 
   def shard(x, idx, gates, w, key):
     w = {k: gathered(v, specs[k], dtype) if k in EXPERT_LETTERS else v for k, v in w.items()}
@@ -121,14 +123,14 @@ def per_batch_shard(x_MD, idx_MA, gates_MA, weights, cfg: ModelConfig, rng):
 
 
 def resolve_ep_comm(cfg: ModelConfig) -> str:
-  if cfg.moe_ep_comm != 'auto':
-    return cfg.moe_ep_comm
-  return 'fixed' if cfg.platform == 'cpu' else 'ragged'
+  if cfg.engine.moe_ep_comm != 'auto':
+    return cfg.engine.moe_ep_comm
+  return 'fixed' if cfg.engine.platform == 'cpu' else 'ragged'
 
 
 def expert_parallel(x_MD, idx_MA, gates_MA, weights, cfg: ModelConfig, rng):
   """shard_map over the mesh of cfg.mesh_shape (the one in context, jax.set_mesh): tokens stay sharded over the batch axes, experts over 'expert'.
-  Two token exchanges (model.moe_ep_comm):
+  Two token exchanges (engine.moe_ep_comm):
     fixed:  each shard packs its assignments into [ep, cap, D] send buffers by destination shard
             and all_to_all's them (fixed sizes, so it runs everywhere, XLA:CPU included); the
             receiver sorts what it got by local expert.
@@ -140,7 +142,7 @@ def expert_parallel(x_MD, idx_MA, gates_MA, weights, cfg: ModelConfig, rng):
   the exchange's shards in token order (exactly one device's capacity dispatch of those tokens);
   fixed keeps each expert's first c of every shard's own assignments (GShard's groups; c from
   one shard's tokens), so a skewed shard can drop rows one device would have kept."""
-  ep = dict(zip(MESH_AXES, cfg.mesh_shape))['expert']
+  ep = dict(zip(MESH_AXES, cfg.engine.mesh_shape))['expert']
 
   def shard(x, idx, gates, w, key):
     run = _ep_ragged_shard if resolve_ep_comm(cfg) == 'ragged' else _ep_shard
@@ -156,20 +158,20 @@ def ep_capacity(rows: int, cfg: ModelConfig, ep: int) -> int:
   """Send-buffer rows per destination shard of the fixed exchange, for `rows` local assignments:
   all of them for dropless (no drop is possible); for capacity, each of the destination's
   experts' buffer of dispatch.capacity(this shard's tokens) rows."""
-  if cfg.moe_dispatch == 'dropless':
+  if cfg.engine.moe_dispatch == 'dropless':
     return rows
   return cfg.n_routed_experts // ep * dispatch.capacity(rows // cfg.moe_topk, cfg)
 
 
 def _ep_shard(x_MD, idx_MA, gates_MA, weights, cfg: ModelConfig, ep: int, rng):
-  ref = cfg.reference_kernels
+  ref = cfg.engine.reference_kernels
   d = x_MD.shape[-1]
   e = cfg.n_routed_experts
   e_loc = e // ep
   # Send layout: slots [ep, cap] by destination shard (zero-expert assignments go nowhere).
   order_R, expert_sorted_R, sizes_E = dispatch.sort_assignments(idx_MA.reshape(-1), e)
   cap = ep_capacity(expert_sorted_R.shape[0], cfg, ep)
-  if cfg.moe_dispatch == 'capacity':
+  if cfg.engine.moe_dispatch == 'capacity':
     # Per-expert buffers of this shard's tokens (GShard's groups): slots [E, c] are [ep, e_loc*c]
     # by destination shard. Each expert keeps the first c of each shard's assignments.
     send = dispatch.capacity_layout(expert_sorted_R, sizes_E, cap // e_loc, cfg)
@@ -179,7 +181,7 @@ def _ep_shard(x_MD, idx_MA, gates_MA, weights, cfg: ModelConfig, ep: int, rng):
       jnp.minimum(expert_sorted_R // e_loc, ep), shard_sizes, cap, cfg
     )
   asg_P, slot_R, kept_R = dispatch.place(send, order_R)
-  send_x = dispatch_tokens(x_MD.astype(cfg.dtype), asg_P, slot_R, reference=ref)
+  send_x = dispatch_tokens(x_MD.astype(cfg.engine.dtype), asg_P, slot_R, reference=ref)
   send_e = jnp.take(
     (expert_sorted_R % e_loc).astype(jnp.int32), send.src_P, mode='fill', fill_value=e_loc
   )
@@ -202,10 +204,10 @@ def _ep_shard(x_MD, idx_MA, gates_MA, weights, cfg: ModelConfig, ep: int, rng):
 def ep_recv_rows(rows: int, cfg: ModelConfig, ep: int) -> int:
   """Receive buffer of the ragged exchange, for `rows` local assignments per shard: for capacity,
   the local experts' buffers of dispatch.capacity(all shards' tokens) rows each."""
-  if cfg.moe_dispatch == 'capacity':
+  if cfg.engine.moe_dispatch == 'capacity':
     return cfg.n_routed_experts // ep * ep_expert_capacity(rows, cfg, ep)
-  if cfg.moe_ep_recv_factor:
-    return max(1, min(ep * rows, math.ceil(cfg.moe_ep_recv_factor * rows)))
+  if cfg.engine.moe_ep_recv_factor:
+    return max(1, min(ep * rows, math.ceil(cfg.engine.moe_ep_recv_factor * rows)))
   return ep * rows
 
 
@@ -216,9 +218,9 @@ def ep_expert_capacity(rows: int, cfg: ModelConfig, ep: int) -> int:
 
 def ep_rounds(rows: int, cfg: ModelConfig, ep: int) -> int:
   """Exchange rounds a dropless ragged exchange may need for `rows` local assignments per shard:
-  1 with the worst-case buffer; with a bounded one (model.moe_ep_overflow='rounds') as many as
+  1 with the worst-case buffer; with a bounded one (engine.moe_ep_overflow='rounds') as many as
   the worst case fills (each round runs only where some shard's rows still overflow)."""
-  if cfg.moe_dispatch != 'dropless' or cfg.moe_ep_overflow != 'rounds':
+  if cfg.engine.moe_dispatch != 'dropless' or cfg.engine.moe_ep_overflow != 'rounds':
     return 1
   return -(-ep * rows // ep_recv_rows(rows, cfg, ep))
 
@@ -260,14 +262,14 @@ def _ep_ragged_shard(x_MD, idx_MA, gates_MA, weights, cfg: ModelConfig, ep: int,
   """One shard's side of the ragged exchange: sort by expert, send each group to its expert's
   shard, run the local experts on the (already expert-sorted) rows received, send them back.
   A bounded receive buffer either drops what overflows it or takes it in further rounds."""
-  ref = cfg.reference_kernels
+  ref = cfg.engine.reference_kernels
   e = cfg.n_routed_experts
   e_loc = e // ep
   order_R, expert_sorted_R, sizes_E = dispatch.sort_assignments(idx_MA.reshape(-1), e)
   r = expert_sorted_R.shape[0]
   buf = ep_recv_rows(r, cfg, ep)
   rounds = ep_rounds(r, cfg, ep)
-  cap = ep_expert_capacity(r, cfg, ep) if cfg.moe_dispatch == 'capacity' else 0
+  cap = ep_expert_capacity(r, cfg, ep) if cfg.engine.moe_dispatch == 'capacity' else 0
   counts_GE = jax.lax.all_gather(sizes_E, 'expert')
   me = jax.lax.axis_index('expert')
   ex, kept_E, local_sizes = ragged_plan(counts_GE, me, e_loc, buf, cap)
@@ -278,8 +280,8 @@ def _ep_ragged_shard(x_MD, idx_MA, gates_MA, weights, cfg: ModelConfig, ep: int,
     ex_R = jnp.minimum(expert_sorted_R, e - 1)
     sent_R &= jnp.arange(r) - ex.in_off[ex_R] < kept_E[ex_R]
   asg_P, slot_R, kept_R = dispatch.place(dispatch.identity_layout(sent_R), order_R)
-  send_x = dispatch_tokens(x_MD.astype(cfg.dtype), asg_P, slot_R, reference=ref)
-  emulate = cfg.platform == 'cpu'
+  send_x = dispatch_tokens(x_MD.astype(cfg.engine.dtype), asg_P, slot_R, reference=ref)
+  emulate = cfg.engine.platform == 'cpu'
   expect = dispatch.expected_group(cfg, ep * idx_MA.size)
 
   def exchange(ex: Exchange, local_sizes, send_x, weights, key):

@@ -10,8 +10,8 @@ from flax import nnx
 
 from moetrain.core import axes
 from moetrain.core.sharding import constrain, gather_weight
+from moetrain.kernels import quant
 from moetrain.kernels.lora import lora_dropout, lora_product
-from moetrain.model import quant
 from moetrain.model.config import ModelConfig, yarn_mscale
 
 
@@ -63,17 +63,19 @@ class Linear(nnx.Module):
   ):
     self.eqn, self.path = eqn, path
     names = axes.names(eqn.split('->')[0].split(',')[1])
-    self.compute_dtype = dtype_of(cfg.dtype)
-    self.names, self.rules = names, cfg.rules
-    self.gather = gather and cfg.gather_weights
-    std = cfg.init_std if std is None else std
+    self.compute_dtype = dtype_of(cfg.engine.dtype)
+    self.names, self.rules = names, cfg.engine.rules
+    self.gather = gather and cfg.engine.gather_weights
+    std = cfg.engine.init_std if std is None else std
     n_in = self.n_in = matmul_dims(eqn)
-    self.kernel = quant.drawn_param(rngs, shape, std, names, cfg, n_batch=0, n_in=n_in)
+    self.kernel = quant.drawn_param(rngs, shape, std, names, cfg.engine, n_batch=0, n_in=n_in)
     if bias:  # [prod(out)], as transformers stores it; small, so never sharded or quantised
       out = math.prod(shape[n_in:])
-      self.bias = nnx.Param(jnp.zeros((out,), dtype_of(cfg.param_dtype)), axes=axes.names('O'))
+      self.bias = nnx.Param(
+        jnp.zeros((out,), dtype_of(cfg.engine.param_dtype)), axes=axes.names('O')
+      )
     self.lora_scale, self.lora_dropout = cfg.lora.scale, cfg.lora.dropout
-    self.reference_kernels = cfg.reference_kernels
+    self.reference_kernels = cfg.engine.reference_kernels
     self.has_lora = cfg.lora.matches(path)
     if self.has_lora:
       in_shape, out_shape = shape[:n_in], shape[n_in:]
@@ -113,7 +115,7 @@ class MLP(nnx.Module):
     self.gate = Linear('BTD,DF->BTF', (d, f), cfg, f'{path}.gate', rngs)
     self.up = Linear('BTD,DF->BTF', (d, f), cfg, f'{path}.up', rngs)
     self.down = Linear('BTF,FD->BTD', (f, d), cfg, f'{path}.down', rngs)
-    self.rules = cfg.rules
+    self.rules = cfg.engine.rules
 
   def __call__(self, x_BTD, rng=None):
     h_BTF = jax.nn.silu(self.gate(x_BTD, rng).astype(jnp.float32)) * self.up(x_BTD, rng)
@@ -127,7 +129,9 @@ class RMSNorm(nnx.Module):
   def __init__(self, dim: int, letter: str, eps: float, cfg: ModelConfig):
     """letter: the normalised dimension's (moetrain/core/axes.py)."""
     self.eps = eps
-    self.scale = nnx.Param(jnp.ones((dim,), dtype_of(cfg.param_dtype)), axes=axes.names(letter))
+    self.scale = nnx.Param(
+      jnp.ones((dim,), dtype_of(cfg.engine.param_dtype)), axes=axes.names(letter)
+    )
 
   def __call__(self, x):
     x32 = x.astype(jnp.float32)
@@ -138,10 +142,12 @@ class RMSNorm(nnx.Module):
 
 class Embed(nnx.Module):
   def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
-    self.compute_dtype = dtype_of(cfg.dtype)
-    self.rules = cfg.rules
+    self.compute_dtype = dtype_of(cfg.engine.dtype)
+    self.rules = cfg.engine.rules
     shape = (cfg.vocab_size, cfg.hidden_size)
-    self.embedding = quant.drawn_param(rngs, shape, cfg.init_std, axes.names('VD'), cfg, 1, 1)
+    self.embedding = quant.drawn_param(
+      rngs, shape, cfg.engine.init_std, axes.names('VD'), cfg.engine, 1, 1
+    )
 
   def __call__(self, ids_BT):
     # The table is stored with D sharded (over fsdp): gathered whole along D first, as FSDP does

@@ -5,8 +5,8 @@ import dataclasses
 import jax.numpy as jnp
 from flax import nnx
 
-from moetrain.model import quant
-from moetrain.model.config import LoraConfig
+from moetrain.core.engine import LoraConfig
+from moetrain.kernels import quant
 from moetrain.model.layers import Linear
 from moetrain.model.moe import Experts
 from moetrain.model.transformer import Transformer
@@ -34,9 +34,9 @@ def expert_delta(experts: Experts, name: str):
 def merged(model: Transformer) -> Transformer:
   """A LoRA-free, unquantised float model equal to `model` with its adapters folded in."""
   cfg = model.cfg
-  plain = dataclasses.replace(cfg, lora=LoraConfig(), quant='none')
+  plain = dataclasses.replace(cfg, lora=LoraConfig()).with_engine(quant='none')
   out = nnx.eval_shape(lambda: Transformer(plain, nnx.Rngs(0)))
-  dtype = jnp.dtype(cfg.param_dtype)
+  dtype = jnp.dtype(cfg.engine.param_dtype)
   for path, node in nnx.iter_graph(model):
     if isinstance(node, Linear):
       w = quant.value(node.kernel, jnp.float32)

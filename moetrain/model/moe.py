@@ -7,7 +7,8 @@ import jax.numpy as jnp
 from flax import nnx
 
 from moetrain.core import axes
-from moetrain.model import expert_parallel, quant
+from moetrain.kernels import quant
+from moetrain.model import expert_parallel
 from moetrain.model.config import ModelConfig
 from moetrain.model.layers import MLP, Linear, dtype_of, normal
 
@@ -31,9 +32,11 @@ class Experts(nnx.Module):
     self.lora_names = tuple(n for n in self.NAMES if cfg.lora.matches(f'{path}.{n}'))
     self.lora_scale = cfg.lora.scale
     for n in self.NAMES:
-      setattr(self, n, quant.drawn_param(rngs, shapes[n], cfg.init_std, names[n], cfg, 1))
+      setattr(
+        self, n, quant.drawn_param(rngs, shapes[n], cfg.engine.init_std, names[n], cfg.engine, 1)
+      )
     if cfg.expert_bias:  # [E, 1, out]: a weight of one input, the constant 1 (kernels/experts.py)
-      pdt = dtype_of(cfg.param_dtype)
+      pdt = dtype_of(cfg.engine.param_dtype)
       for n in self.NAMES:
         letters = expert_parallel.EXPERT_LETTERS[f'{n}_bias']
         bias = jnp.zeros((e, 1, shapes[n][2]), pdt)
@@ -109,7 +112,7 @@ class MoE(nnx.Module):
     self.cfg = cfg
     x = cfg.num_experts_total
     self.router = nnx.Param(
-      normal(rngs, (cfg.hidden_size, x), cfg.init_std, jnp.float32), axes=axes.names('DX')
+      normal(rngs, (cfg.hidden_size, x), cfg.engine.init_std, jnp.float32), axes=axes.names('DX')
     )
     if cfg.router_bias:
       self.router_bias = RouterBias(jnp.zeros((x,), jnp.float32), axes=axes.names('X'))
@@ -225,11 +228,11 @@ def balance_loss(onehot_MX, probs_MX, valid_M, rows: int, cfg: ModelConfig):
 
 def device_balance_loss(frac_X, mean_p_X, cfg: ModelConfig):
   """Device-level balance loss (LongCat TR 2.1.2): the FFN experts in D groups (the devices that
-  hold them: model.moe_balance_groups, by default the expert-parallel shards) plus all zero
+  hold them: engine.moe_balance_groups, by default the expert-parallel shards) plus all zero
   experts as one more group; sum_j F_j * P_j / tau_j, where tau_j is the group's target share of
   assignments (K_e/K split over the FFN groups, (K-K_e)/K for the zero group). Equals 1 at target."""
   e, z = cfg.n_routed_experts, cfg.zero_expert_num
-  k, groups = cfg.moe_topk, cfg.moe_balance_groups or cfg.expert_shards
+  k, groups = cfg.moe_topk, cfg.engine.moe_balance_groups or cfg.engine.expert_shards
   k_e = cfg.expected_ffn_experts if z else k
   f_G = jnp.sum(frac_X[:e].reshape(groups, e // groups), axis=-1)
   p_G = jnp.sum(mean_p_X[:e].reshape(groups, e // groups), axis=-1)

@@ -7,7 +7,7 @@ iteration passes the activations on to the next stage with one ppermute (shardin
 The backward pass is autodiff of this scheduled forward: all forwards, then all backwards (GPipe).
 
 Layer l of a group of L layers belongs to repeat r, stage s, slot j with l = (r * S + s) * Lc + j
-(Lc = L / (S * R)): with R = model.pipeline_repeats = 1, stage s holds layers s * Lc ... (s + 1) *
+(Lc = L / (S * R)): with R = engine.pipeline_repeats = 1, stage s holds layers s * Lc ... (s + 1) *
 Lc - 1, as the 'layers' axis of the stored weights is split over 'stage'; with R > 1 (circular)
 each stage holds R non-adjacent runs, and micro-batch m passes stage s for repeat r at iteration
 t = r * M + m + s. Iterations: M * R + S - 1, of which S - 1 are the bubble of every stage.
@@ -48,12 +48,16 @@ STAGE_MICRO_ACT = (STAGE_ACT[0], None, *ACT)  # [S, K, B / M, T, D]: each stage'
 
 def check(cfg: ModelConfig) -> None:
   """The micro-batches must fill the stages and every run of layers must split evenly."""
-  s, m, r = cfg.pipeline_stages, cfg.pipeline_microbatches, cfg.pipeline_repeats
+  s, m, r = (
+    cfg.engine.pipeline_stages,
+    cfg.engine.pipeline_microbatches,
+    cfg.engine.pipeline_repeats,
+  )
   if s == 1 and r == 1:
     return
   if m < s or m % s:
     raise ValueError(
-      f'model.pipeline_microbatches={m} must be a multiple of the {s} pipeline stages '
+      f'engine.pipeline_microbatches={m} must be a multiple of the {s} pipeline stages '
       "(mesh.shape's 'stage' axis): each stage starts with an equal share of the micro-batches, "
       'those of its own rows, and fewer micro-batches than stages leave a stage idle'
     )
@@ -61,28 +65,36 @@ def check(cfg: ModelConfig) -> None:
     if group.count % (s * r):
       raise ValueError(
         f'model.num_layers={cfg.num_layers}: the {group.count} {group.kind} layers of '
-        f"'{group.name}' do not split into {s} pipeline stages x model.pipeline_repeats={r} "
+        f"'{group.name}' do not split into {s} pipeline stages x engine.pipeline_repeats={r} "
         'runs of equal length; change the stage count, the repeats or the layer count'
       )
 
 
 def bubble(cfg: ModelConfig) -> float:
   """The idle share of each stage: (S - 1) / (M * R + S - 1)."""
-  s, m, r = cfg.pipeline_stages, cfg.pipeline_microbatches, cfg.pipeline_repeats
+  s, m, r = (
+    cfg.engine.pipeline_stages,
+    cfg.engine.pipeline_microbatches,
+    cfg.engine.pipeline_repeats,
+  )
   return (s - 1) / (m * r + s - 1)
 
 
 def active(cfg: ModelConfig, rows: int) -> bool:
   """Whether a batch of `rows` runs pipelined (a batch the micro-batches do not divide, such as
   an odd evaluation batch, runs through the stored layers unpipelined: the same result)."""
-  m = cfg.pipeline_microbatches
-  return (cfg.pipeline_stages > 1 or m > 1) and rows % m == 0
+  m = cfg.engine.pipeline_microbatches
+  return (cfg.engine.pipeline_stages > 1 or m > 1) and rows % m == 0
 
 
 def layout(cfg: ModelConfig) -> tuple[int, int]:
   """The order cfg's stacked layers are stored in, as (stages, repeats): (1, 1) is layer order,
   which every schedule without repeats reads."""
-  return (cfg.pipeline_stages, cfg.pipeline_repeats) if cfg.pipeline_repeats > 1 else (1, 1)
+  return (
+    (cfg.engine.pipeline_stages, cfg.engine.pipeline_repeats)
+    if cfg.engine.pipeline_repeats > 1
+    else (1, 1)
+  )
 
 
 def layer_order(count: int, order: tuple[int, int]) -> np.ndarray:
@@ -160,13 +172,17 @@ def run_group(layer, state, extra_L, cfg: ModelConfig, h_BTD, positions_BT, segm
   layer(h_BTD, (layer_state, extra), positions_BT, segment_ids_BT) runs one layer (remat'd);
   extra_L: per-layer data stacked [L, ...] (a tree: the layers' dropout keys or None, their
   attention windows). The micro-batches' io buffer and the fifo: the module's docstring."""
-  s, m, r = cfg.pipeline_stages, cfg.pipeline_microbatches, cfg.pipeline_repeats
+  s, m, r = (
+    cfg.engine.pipeline_stages,
+    cfg.engine.pipeline_microbatches,
+    cfg.engine.pipeline_repeats,
+  )
   count = jax.tree.leaves(state)[0].shape[0]
   lc, k = count // (s * r), m // s
   # Stored order (layer_order): stage s's block holds its runs r = 0 .. R - 1 -> [R, S, Lc, ...].
   w = jax.tree.map(lambda x: jnp.swapaxes(x.reshape(s, r, lc, *x.shape[1:]), 0, 1), state)
   keys = jax.tree.map(lambda x: x.reshape(r, s, lc, *x.shape[1:]), extra_L)
-  io = constrain(to_stages(h_BTD, s, k), STAGE_MICRO_ACT, cfg.rules)
+  io = constrain(to_stages(h_BTD, s, k), STAGE_MICRO_ACT, cfg.engine.rules)
   pos, seg, share_M = micro_ids(positions_BT, segment_ids_BT, cfg)
   first_Y = (jnp.arange(s) == 0)[:, None, None, None]
   last_Y = (jnp.arange(s) == s - 1)[:, None, None, None]
@@ -192,7 +208,7 @@ def run_group(layer, state, extra_L, cfg: ModelConfig, h_BTD, positions_BT, segm
         back_Y = fifo[:, t % (m - s)]
         fifo = fifo.at[:, t % (m - s)].set(moved_Y)
       fresh_Y = jnp.where(t < m, fresh_Y, back_Y)
-    x_Y = constrain(jnp.where(first_Y, fresh_Y, moved_Y), STAGE_ACT, cfg.rules)
+    x_Y = constrain(jnp.where(first_Y, fresh_Y, moved_Y), STAGE_ACT, cfg.engine.rules)
     out_Y, stats = run(per_stage(w, r_Y), x_Y, pos[m_Y], seg[m_Y], per_stage(keys, r_Y))
     io = io.at[:, slot].set(jnp.where(last_Y, out_Y, shift_stages(io[:, slot], s, -1)))
     return (out_Y, io, fifo), (stats, valid_Y, share_M[m_Y], r_Y)
@@ -200,11 +216,13 @@ def run_group(layer, state, extra_L, cfg: ModelConfig, h_BTD, positions_BT, segm
   state_Y = jnp.zeros((s, *io.shape[2:]), io.dtype)
   fifo = None
   if r > 1 and s > 1 and m > s:
-    fifo = constrain(jnp.zeros((s, m - s, *io.shape[2:]), io.dtype), STAGE_MICRO_ACT, cfg.rules)
+    fifo = constrain(
+      jnp.zeros((s, m - s, *io.shape[2:]), io.dtype), STAGE_MICRO_ACT, cfg.engine.rules
+    )
   (_, io, _), (stats, valid, share, repeat) = jax.lax.scan(
     iteration, (state_Y, io, fifo), jnp.arange(m * r + s - 1)
   )
-  h_BTD = constrain(from_stages(jnp.roll(io, 1 - s, axis=1)), ACT, cfg.rules)
+  h_BTD = constrain(from_stages(jnp.roll(io, 1 - s, axis=1)), ACT, cfg.engine.rules)
   if stats is None:
     return h_BTD, None
   return h_BTD, combine_stats(stats, valid, share, repeat, cfg)
@@ -213,10 +231,10 @@ def run_group(layer, state, extra_L, cfg: ModelConfig, h_BTD, positions_BT, segm
 def micro_ids(positions_BT, segment_ids_BT, cfg: ModelConfig):
   """The micro-batches' positions and segment ids [M, B / M, T], whole on every stage (any stage
   runs any micro-batch), and each micro-batch's share of the batch's tokens [M]."""
-  s, m = cfg.pipeline_stages, cfg.pipeline_microbatches
+  s, m = cfg.engine.pipeline_stages, cfg.engine.pipeline_microbatches
   with within_stages():
     pos, seg = (
-      constrain(to_stages(x, s, m // s).reshape(m, -1, x.shape[1]), MICRO_IDS, cfg.rules)
+      constrain(to_stages(x, s, m // s).reshape(m, -1, x.shape[1]), MICRO_IDS, cfg.engine.rules)
       for x in (positions_BT, segment_ids_BT)
     )
   tokens_M = jnp.sum(seg > 0, axis=(1, 2)).astype(jnp.float32)
@@ -236,7 +254,7 @@ def combine_stats(stats, valid_IY, share_IY, r_IY, cfg: ModelConfig) -> dict:
   """Per-layer routing stats from each iteration's per-stage ones ([I, S, Lc, ...]): counts
   summed over the micro-batches, means weighted by each micro-batch's share of the tokens (as
   gradient accumulation adds them), in layer order [R * S * Lc, ...]."""
-  r = cfg.pipeline_repeats
+  r = cfg.engine.pipeline_repeats
   hit_IYR = (r_IY[..., None] == jnp.arange(r)[None, None]) & valid_IY[..., None]
 
   def combine(key, x):

@@ -26,7 +26,7 @@ class ShortcutLayer(nnx.Module):
 
   def __init__(self, cfg: ModelConfig, p: str, rngs: nnx.Rngs):
     d, eps = cfg.hidden_size, cfg.rms_norm_eps
-    self.rules = cfg.rules
+    self.rules = cfg.engine.rules
     self.input_norm_0 = RMSNorm(d, 'D', eps, cfg)
     self.input_norm_1 = RMSNorm(d, 'D', eps, cfg)
     self.post_norm_0 = RMSNorm(d, 'D', eps, cfg)
@@ -72,7 +72,7 @@ class StandardLayer(nnx.Module):
 
   def __init__(self, cfg: ModelConfig, kind: str, p: str, rngs: nnx.Rngs):
     d, eps = cfg.hidden_size, cfg.rms_norm_eps
-    self.rules = cfg.rules
+    self.rules = cfg.engine.rules
     self.input_norm = RMSNorm(d, 'D', eps, cfg)
     self.post_norm = RMSNorm(d, 'D', eps, cfg)
     self.attn = make_attention(cfg, f'{p}.attn', rngs)
@@ -160,10 +160,12 @@ def remat_policy(name: str):
 def matmul_weights_cast(state, cfg: ModelConfig):
   """A run of layers' stacked state with its matmul weights (Linear kernels, the routed experts'
   matrices: what the layers cast to cfg.dtype where they use them) cast to cfg.dtype here, once
-  for the whole stack (model.cast_weights_once); the rest (norms, router, biases, adapters, a
+  for the whole stack (engine.cast_weights_once); the rest (norms, router, biases, adapters, a
   quantised base) as it is."""
-  dt = jnp.dtype(cfg.dtype)
-  if not cfg.cast_weights_once or cfg.lora.enabled or jnp.dtype(cfg.param_dtype) == dt:
+  dt = jnp.dtype(cfg.engine.dtype)
+  if (
+    not cfg.engine.cast_weights_once or cfg.lora.enabled or jnp.dtype(cfg.engine.param_dtype) == dt
+  ):
     return state
 
   def cast(path, x):
@@ -194,7 +196,7 @@ class Transformer(nnx.Module):
     for group in cfg.layer_groups():
       setattr(self, group.name, make_stack(cfg, group, rngs))
     self.final_norm = RMSNorm(cfg.hidden_size, 'D', cfg.rms_norm_eps, cfg)
-    # Not gathered (model.gather_weights): the chunked loss would hold the whole head through it.
+    # Not gathered (engine.gather_weights): the chunked loss would hold the whole head through it.
     shape = (cfg.hidden_size, cfg.vocab_size)
     self.lm_head = Linear('BTD,DV->BTV', shape, cfg, 'lm_head', rngs, gather=False)
 
@@ -203,7 +205,7 @@ class Transformer(nnx.Module):
     h_BTD, aux = self.features(ids_BT, positions_BT, segment_ids_BT, rng)
     with jax.named_scope('lm_head'):
       logits_BTV = self.lm_head(h_BTD, rng).astype(jnp.float32)
-      logits_BTV = constrain(logits_BTV, axes.names('BTV'), self.cfg.rules)
+      logits_BTV = constrain(logits_BTV, axes.names('BTV'), self.cfg.engine.rules)
     return logits_BTV, aux
 
   def features(self, ids_BT, positions_BT=None, segment_ids_BT=None, rng=None):
@@ -216,7 +218,7 @@ class Transformer(nnx.Module):
       positions_BT = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
     if segment_ids_BT is None:
       segment_ids_BT = jnp.ones((b, t), jnp.int32)
-    h_BTD = constrain(self.embed(ids_BT), ACT, self.cfg.rules)
+    h_BTD = constrain(self.embed(ids_BT), ACT, self.cfg.engine.rules)
     h_BTD, stats = self.run_layers(h_BTD, positions_BT, segment_ids_BT, rng)
     z_BT = jax.nn.logsumexp(jnp.abs(h_BTD.astype(jnp.float32)), axis=-1)
     return self.final_norm(h_BTD), {'moe': stats, 'hidden_lse_BT': z_BT}
@@ -242,19 +244,19 @@ class Transformer(nnx.Module):
       layer_state, (layer_rng, window) = xs
       return nnx.merge(graphdef, layer_state)(h, positions_BT, segment_ids_BT, layer_rng, window)
 
-    if self.cfg.remat != 'none':
+    if self.cfg.engine.remat != 'none':
       # Inside a scan of several layers the loop keeps the recompute apart from the forward; a
       # group of one layer (a dense first layer) is a loop XLA unrolls, and unrolled layers
       # have no loop, where CSE could merge the two (JAX's advice: prevent_cse outside scans).
-      single = group.count == 1 or not self.cfg.scan_layers
-      layer = jax.checkpoint(layer, policy=remat_policy(self.cfg.remat), prevent_cse=single)
+      single = group.count == 1 or not self.cfg.engine.scan_layers
+      layer = jax.checkpoint(layer, policy=remat_policy(self.cfg.engine.remat), prevent_cse=single)
     state = matmul_weights_cast(state, self.cfg)
     if stages.active(self.cfg, h_BTD.shape[0]):
       args = (self.cfg, h_BTD, positions_BT, segment_ids_BT)
       return stages.run_group(layer, state, extra_L, *args)
     state = stages.in_layer_order(state, self.cfg)  # (a circular pipeline's stored order)
     body = lambda h, xs: layer(h, xs, positions_BT, segment_ids_BT)
-    if self.cfg.scan_layers:
+    if self.cfg.engine.scan_layers:
       return jax.lax.scan(body, h_BTD, (state, extra_L))
     outs = []
     for i in range(group.count):

@@ -159,7 +159,9 @@ def start_up(setup, mesh) -> tuple[str, int]:
 
   cfg = setup.model
   if setup.hf_checkpoint:
-    plain = dataclasses.replace(cfg, quant='none', lora=dataclasses.replace(cfg.lora, rank=0))
+    plain = dataclasses.replace(cfg, lora=dataclasses.replace(cfg.lora, rank=0)).with_engine(
+      quant='none'
+    )
     model = nnx.eval_shape(lambda: Transformer(plain, nnx.Rngs(0)))
     from moetrain.convert.stacked_io import CHUNK_BYTES
 
@@ -168,10 +170,10 @@ def start_up(setup, mesh) -> tuple[str, int]:
       x = v.get_value()
       stacked = v.get_metadata().get('axes', ('',))[0] == 'layers'
       piece = max(piece, x.size // x.shape[0] if stacked else min(x.size, CHUNK_BYTES // 4))
-    return 'import', piece * 4 * (3 if cfg.quant != 'none' else 2)
+    return 'import', piece * 4 * (3 if cfg.engine.quant != 'none' else 2)
   opt = optim.make_optimizer(setup.optim, setup.train.steps)
   init = lambda: init_state(cfg, opt, setup.seed)
-  out = state_shardings(jax.eval_shape(init), mesh, cfg.rules)
+  out = state_shardings(jax.eval_shape(init), mesh, cfg.engine.rules)
   with jax.set_mesh(mesh):
     m = jax.jit(init, out_shardings=out).lower().compile().memory_analysis()
   return 'random init', m.temp_size_in_bytes
@@ -214,7 +216,7 @@ def host_bytes(setup, mesh, steps: dict, start: tuple, measured: dict, compiled:
 
 def rate_of(setup, host: Host, measured: dict) -> float:
   """FLOP/s of this host's matmuls in the step's compute dtype, scaled by cores for another."""
-  dtype = 'float32' if setup.model.dtype == 'float32' else 'bfloat16'
+  dtype = 'float32' if setup.model.engine.dtype == 'float32' else 'bfloat16'
   return measured['matmul_flops'][dtype] * host.cores / this_cores()
 
 
@@ -263,11 +265,11 @@ def plan(config, topology: str, overrides: dict | None = None, progress=None) ->
     'model_flops_per_step': flops,
     'model_flops_formula': formula,
     'recompute_flops_per_step': again,
-    'recompute_what': f'model.remat={setup.model.remat!r}: {again_what}',
+    'recompute_what': f'engine.remat={setup.engine.remat!r}: {again_what}',
     'hlo_flops_per_chip': train.cost.flops,
     'xla_cost_analysis_flops_per_chip': train.xla_flops,
     'matmul_flops': rate,
-    'matmul_dtype': 'float32' if setup.model.dtype == 'float32' else 'bfloat16',
+    'matmul_dtype': 'float32' if setup.model.engine.dtype == 'float32' else 'bfloat16',
     'est_step_seconds': step_s,
     'est_bound_by': 'compute',
     'est_seconds_by_part': {'compute': step_s},
@@ -338,13 +340,13 @@ def neighbours(config, base: dict) -> list[dict]:
   """Settings one change away from `base` (overrides of `config`): remat policy,
   micro-batches, half the sequence length and, under LoRA, the base's storage."""
   now = tpu_plan.with_overrides(config, base)
-  out = [{'model.remat': r} for r in ('full', 'save_moe', 'save_dots', 'none')]
+  out = [{'engine.remat': r} for r in ('full', 'save_moe', 'save_dots', 'none')]
   rows = now.data.global_batch_size
   out += [{'optim.grad_accum_steps': a} for a in (1, 2, 4, 8) if rows % a == 0]
   if now.data.seq_len >= 256:
     out.append({'data.seq_len': now.data.seq_len // 2})
   if now.lora.rank:
-    out += [{'model.quant': q} for q in ('none', 'int8', 'int4')]
+    out += [{'engine.quant': q} for q in ('none', 'int8', 'int4')]
   value = lambda c, k: c[k.split('.')[0]][k.split('.')[1]]  # noqa: E731
   out = [base | o for o in out if any(value(now, k) != v for k, v in o.items())]
   # Keys back at the config's own value are dropped: the same plan is then cached once.

@@ -3,7 +3,6 @@ adapters), the expert-parallel exchange and loss-block buffers, and the step's l
 arithmetic. Shared by the planner's CLI (tools/plan.py), its TPU compiles (planner/tpu_plan.py)
 and the trainer's --dry_run."""
 
-import dataclasses
 import math
 
 import jax
@@ -23,7 +22,7 @@ def _size(tree) -> int:
 def param_counts(cfg) -> dict:
   """Base parameters (LoRA adapters apart) and those a token activates, by FFN experts used.
   Counted unquantised: a QLoRA base holds the same parameters in fewer bytes."""
-  cfg = dataclasses.replace(cfg, quant='none')
+  cfg = cfg.with_engine(quant='none')
   model = nnx.eval_shape(lambda: Transformer(cfg, nnx.Rngs(0)))
   adapters = _size(nnx.state(model, nnx.LoRAParam))
   base = _size(nnx.state(model, nnx.Param)) - adapters
@@ -44,13 +43,13 @@ def balance_target(cfg) -> float:
 
 def ep_exchange(cfg, mesh_shape, seq_len: int, batch_size: int) -> dict:
   """Per MoE layer and shard, the expert-parallel exchange's receive buffer (rows, and bytes in
-  the compute dtype) for each exchange `model.moe_ep_comm` may use, for `batch_size` rows per
+  the compute dtype) for each exchange `engine.moe_ep_comm` may use, for `batch_size` rows per
   forward pass (a micro-batch under gradient accumulation); {} without expert parallelism.
-  Dropless buffers are sized for the worst case unless bounded (model.moe_ep_recv_factor; then
-  `rounds` is the most rounds of that buffer the exchange may take, model.moe_ep_overflow)."""
+  Dropless buffers are sized for the worst case unless bounded (engine.moe_ep_recv_factor; then
+  `rounds` is the most rounds of that buffer the exchange may take, engine.moe_ep_overflow)."""
   sizes = dict(zip(sharding.MESH_AXES, sharding.full_shape(mesh_shape)))
   ep = sizes.get('expert', 1)
-  if ep <= 1 or not cfg.moe_expert_parallel:
+  if ep <= 1 or not cfg.engine.moe_expert_parallel:
     return {}
   shards = sizes.get('data', 1) * sizes.get('fsdp', 1) * ep
   rows = batch_size * seq_len // shards * cfg.moe_topk  # local assignments
@@ -58,8 +57,8 @@ def ep_exchange(cfg, mesh_shape, seq_len: int, batch_size: int) -> dict:
     'fixed': ep * expert_parallel.ep_capacity(rows, cfg, ep),
     'ragged': expert_parallel.ep_recv_rows(rows, cfg, ep),
   }
-  comms = ('fixed', 'ragged') if cfg.moe_ep_comm == 'auto' else (cfg.moe_ep_comm,)
-  itemsize = jnp.dtype(cfg.dtype).itemsize
+  comms = ('fixed', 'ragged') if cfg.engine.moe_ep_comm == 'auto' else (cfg.engine.moe_ep_comm,)
+  itemsize = jnp.dtype(cfg.engine.dtype).itemsize
   return {
     c: {
       'local_rows': rows,
@@ -76,11 +75,11 @@ def loss_block(cfg, mesh_shape, seq_len: int, batch_size: int) -> dict:
   """The largest activation of the loss: one block of float32 logits, [B, loss_chunk, V], per
   device (after the activation rules shard it over the mesh) for `batch_size` rows per forward
   pass (a micro-batch under gradient accumulation), and the whole-logits size it replaces."""
-  c = cfg.loss_chunk if 0 < cfg.loss_chunk < seq_len else seq_len
+  c = cfg.engine.loss_chunk if 0 < cfg.engine.loss_chunk < seq_len else seq_len
   mesh = jax.sharding.AbstractMesh(sharding.full_shape(mesh_shape), sharding.MESH_AXES)
   shape = (batch_size, c, cfg.vocab_size)
   spec = sharding.logical_to_spec(
-    ('batch', 'seq', 'vocab'), shape, cfg.rules.activations, dict(mesh.shape)
+    ('batch', 'seq', 'vocab'), shape, cfg.engine.rules.activations, dict(mesh.shape)
   )
   local = jax.sharding.NamedSharding(mesh, spec).shard_shape(shape)
   return {
@@ -101,22 +100,24 @@ def step_buffers(cfg, mesh_shape, seq_len: int, batch_size: int) -> dict:
   a slice in place), dequantised for QLoRA. Beside it: the
   layer inputs the scan keeps (one [b, T, D] per layer), one attention block's float32 scores and
   their gradient, one loss block's float32 logits and their gradient. R is the exchange's
-  receive buffer (model.moe_ep_recv_factor) or, without expert parallelism, the local rows; a
+  receive buffer (engine.moe_ep_recv_factor) or, without expert parallelism, the local rows; a
   bounded buffer that takes overflow in rounds holds one more round's rows in the backward."""
   sizes = dict(zip(sharding.MESH_AXES, sharding.full_shape(mesh_shape)))
   shards = sizes['data'] * sizes['fsdp'] * sizes['expert']
   b = max(batch_size // shards, 1)  # rows per device
-  item = jnp.dtype(cfg.dtype).itemsize
+  item = jnp.dtype(cfg.engine.dtype).itemsize
   d, f = cfg.hidden_size, cfg.expert_ffn_hidden_size
   ex = ep_exchange(cfg, mesh_shape, seq_len, batch_size)
   comm = expert_parallel.resolve_ep_comm(cfg) if ex else None
   local = ex[comm]['local_rows'] if ex else b * seq_len * cfg.moe_topk
   recv = ex[comm]['recv_rows'] if ex else local
   ep = sizes['expert'] if ex else 1
-  quant_item = {'none': jnp.dtype(cfg.param_dtype).itemsize, 'int8': 1, 'int4': 0.5}[cfg.quant]
+  quant_item = {'none': jnp.dtype(cfg.engine.param_dtype).itemsize, 'int8': 1, 'int4': 0.5}[
+    cfg.engine.quant
+  ]
   gathered = cfg.n_routed_experts // ep * 3 * d * f
-  gathered *= (item if cfg.quant != 'none' else 0) + quant_item
-  chunk = cfg.attention_chunk if 0 < cfg.attention_chunk < seq_len else seq_len
+  gathered *= (item if cfg.engine.quant != 'none' else 0) + quant_item
+  chunk = cfg.engine.attention_chunk if 0 < cfg.engine.attention_chunk < seq_len else seq_len
   heads = (
     cfg.num_heads // sizes['tensor'] if cfg.num_heads % sizes['tensor'] == 0 else cfg.num_heads
   )
@@ -127,7 +128,7 @@ def step_buffers(cfg, mesh_shape, seq_len: int, batch_size: int) -> dict:
     "the layer's expert weights (gathered over fsdp or sliced; dequantised)": gathered,
   }
   if ex and ex[comm]['rounds'] > 1:
-    # Overflow rounds (model.moe_ep_overflow): one round recomputed with its gradient while the
+    # Overflow rounds (engine.moe_ep_overflow): one round recomputed with its gradient while the
     # first round's buffers are kept for its own backward.
     moe['an overflow round: its received rows, gate/up, SwiGLU and gradients'] = (
       3 * recv * d + 6 * recv * f
@@ -181,21 +182,21 @@ def dry_run(config) -> dict:
   ex = ep_exchange(setup.model, setup.mesh_shape, setup.data.seq_len, micro)
   for comm, e in ex.items():
     print(
-      f'expert-parallel exchange {comm!r} (model.moe_ep_comm), per MoE layer and shard: '
+      f'expert-parallel exchange {comm!r} (engine.moe_ep_comm), per MoE layer and shard: '
       f'{e["local_rows"]} local assignments, receive buffer {e["recv_rows"]} rows = '
       f'{bytes_text(e["recv_bytes"])}'
       + (f', up to {e["rounds"]} rounds where it overflows' if e['rounds'] > 1 else '')
     )
   lb = loss_block(setup.model, setup.mesh_shape, setup.data.seq_len, micro)
   print(
-    f'loss block (model.loss_chunk) per device: float32 logits {list(lb["block_shape"])} = '
+    f'loss block (engine.loss_chunk) per device: float32 logits {list(lb["block_shape"])} = '
     f'{bytes_text(lb["block_bytes"])} (whole logits: {bytes_text(lb["whole_bytes"])})'
   )
   if any(e['worst_case'] for e in ex.values()):
     print(
-      'worst-case (dropless) receive buffers: bound them with model.moe_ep_recv_factor '
+      'worst-case (dropless) receive buffers: bound them with engine.moe_ep_recv_factor '
       '(ragged: what overflows goes in further rounds, still dropless) or '
-      "model.moe_dispatch='capacity'"
+      "engine.moe_dispatch='capacity'"
     )
   return {**counts, 'ep_exchange': ex, 'loss_block': lb}
 
@@ -210,12 +211,16 @@ def pipeline_traffic(setup) -> dict | None:
   the bytes all chips send between slices, activations only (the embedding's and lm head's
   gradients, summed over the stages, come on top)."""
   cfg = setup.model
-  s, m, r = cfg.pipeline_stages, cfg.pipeline_microbatches, cfg.pipeline_repeats
+  s, m, r = (
+    cfg.engine.pipeline_stages,
+    cfg.engine.pipeline_microbatches,
+    cfg.engine.pipeline_repeats,
+  )
   if s == 1:
     return None
   accum = setup.optim.grad_accum_steps
   rows = setup.data.global_batch_size // accum // m
-  act = rows * setup.data.seq_len * cfg.hidden_size * jnp.dtype(cfg.dtype).itemsize
+  act = rows * setup.data.seq_len * cfg.hidden_size * jnp.dtype(cfg.engine.dtype).itemsize
   iterations = m * r + s - 1
   edge = 2 * 2 * accum * iterations * act
   slices = sharding.check_dcn_shape(setup.mesh_dcn, setup.mesh_shape)[0]

@@ -1,7 +1,6 @@
 """The TPU planner behind `moetrain.tools.plan --topology`: compile, estimate, search."""
 
 import concurrent.futures
-import dataclasses
 import hashlib
 import json
 import math
@@ -12,9 +11,9 @@ import pathlib
 import jax
 
 from moetrain.core import hlo_cost, hlo_memory, sharding
+from moetrain.core.engine import REMAT_POLICIES
 from moetrain.core.sharding import full_shape
 from moetrain.model import dispatch, expert_parallel, stages
-from moetrain.model.config import REMAT_POLICIES
 from moetrain.planner import sizes
 from moetrain.planner import topology as topology_lib
 from moetrain.planner.sizes import bytes_text
@@ -65,7 +64,7 @@ def model_flops(setup) -> tuple[float, str]:
 
 
 def recompute_flops(setup) -> tuple[float, str]:
-  """The forward FLOPs the backward pass runs again under model.remat (all devices), which
+  """The forward FLOPs the backward pass runs again under engine.remat (all devices), which
   model_flops leaves out, and what they are: 'full' reruns every layer's forward (the lm head's
   chunked loss is not in a layer), 'save_moe' and 'offload' all of it but the routed experts,
   'save_dots' on a CPU (whose grouped engine is a loop, not a dot) the routed experts and the
@@ -84,7 +83,7 @@ def recompute_flops(setup) -> tuple[float, str]:
     'save_moe': (layers - routed, 'the layers but the routed experts'),
     'offload': (layers - routed, 'the layers but the routed experts'),
     'save_dots': (routed + attention, 'the routed experts and the attention core'),
-  }.get(cfg.remat, (0.0, 'nothing'))
+  }.get(cfg.engine.remat, (0.0, 'nothing'))
   return per_token * setup.data.global_batch_size * setup.data.seq_len, what
 
 
@@ -171,8 +170,8 @@ def engine_of(cfg) -> dict:
   return {
     'moe_backend': dispatch.resolve_backend(cfg),
     'moe_ep_comm': expert_parallel.resolve_ep_comm(cfg),
-    'moe_dispatch': cfg.moe_dispatch,
-    'remat': cfg.remat,
+    'moe_dispatch': cfg.engine.moe_dispatch,
+    'remat': cfg.engine.remat,
   }
 
 
@@ -409,14 +408,14 @@ def neighbours(config, devices: int, base: dict, slices: int = 1) -> list[dict]:
     shape = (stage, 1, -1, e, 1) if stage > 1 else (1, -1, e, 1)
     out.append({'mesh.shape': shape, 'mesh.rules': 'fsdp_ep' if e > 1 else 'fsdp'})
   out += [
-    {'model.moe_dispatch': 'dropless', 'model.moe_ep_recv_factor': f} for f in (0.0, 2.0, 1.25)
+    {'engine.moe_dispatch': 'dropless', 'engine.moe_ep_recv_factor': f} for f in (0.0, 2.0, 1.25)
   ]
-  out.append({'model.moe_dispatch': 'capacity', 'model.moe_capacity_factor': 1.25})
-  out += [{'model.remat': r} for r in ('full', 'save_moe', 'save_dots', 'none')]
+  out.append({'engine.moe_dispatch': 'capacity', 'engine.moe_capacity_factor': 1.25})
+  out += [{'engine.remat': r} for r in ('full', 'save_moe', 'save_dots', 'none')]
   rows = config.data.global_batch_size
   out += [{'optim.grad_accum_steps': a} for a in (1, 2, 4, 8) if rows % a == 0]
   if config.lora.rank:
-    out += [{'model.quant': q} for q in ('none', 'int8', 'int4')]
+    out += [{'engine.quant': q} for q in ('none', 'int8', 'int4')]
   out += pipeline_neighbours(config, now, slices)
   current = lambda k: tuple(now[k]) if isinstance(now[k], tuple) else now[k]  # noqa: E731
   return [base | o for o in out if any(current(k) != v for k, v in o.items())]
@@ -434,18 +433,18 @@ def pipeline_neighbours(config, now, slices: int) -> list[dict]:
   rows = now.data.global_batch_size // now.optim.grad_accum_steps
   staged = {'mesh.shape': (slices, 1, -1, shape[3], 1), 'mesh.dcn_shape': (slices, 1, 1, 1, 1)}
   out = [
-    staged | {'model.pipeline_microbatches': k * slices}
+    staged | {'engine.pipeline_microbatches': k * slices}
     for k in (1, 2, 4)
     if rows % (k * slices) == 0
   ]
   if shape[0] > 1:
     from moetrain.run.startup import model_config
 
-    repeats = 1 if now.model.pipeline_repeats > 1 else 2
+    repeats = 1 if now.model.engine.pipeline_repeats > 1 else 2
     cfg = model_config(now).laid_out('tpu', shape)
     try:
-      stages.check(dataclasses.replace(cfg, pipeline_repeats=repeats))
-      out.append({'model.pipeline_repeats': repeats})
+      stages.check(cfg.with_engine(pipeline_repeats=repeats))
+      out.append({'engine.pipeline_repeats': repeats})
     except ValueError:  # layer runs the repeats do not split
       pass
     unstaged = (1, 1, -1, shape[3], 1)
@@ -454,8 +453,8 @@ def pipeline_neighbours(config, now, slices: int) -> list[dict]:
       {
         'mesh.shape': unstaged,
         'mesh.dcn_shape': dcn,
-        'model.pipeline_microbatches': 1,
-        'model.pipeline_repeats': 1,
+        'engine.pipeline_microbatches': 1,
+        'engine.pipeline_repeats': 1,
       }
     )
   return out
@@ -464,10 +463,10 @@ def pipeline_neighbours(config, now, slices: int) -> list[dict]:
 def drops_tokens(overrides: dict, config) -> bool:
   """Whether these settings bound the tokens an expert receives (overflow is dropped and
   reported as moe/dropped_frac): capacity dispatch, or a bounded receive buffer that drops its
-  overflow (model.moe_ep_overflow='drop'; 'rounds' exchanges it in further rounds)."""
+  overflow (engine.moe_ep_overflow='drop'; 'rounds' exchanges it in further rounds)."""
   m = with_overrides(config, overrides).model
-  bounded = m.moe_ep_recv_factor > 0 and m.moe_ep_overflow == 'drop'
-  return m.moe_dispatch == 'capacity' or bounded
+  bounded = m.engine.moe_ep_recv_factor > 0 and m.engine.moe_ep_overflow == 'drop'
+  return m.engine.moe_dispatch == 'capacity' or bounded
 
 
 def _ok(r: dict) -> bool:
@@ -503,10 +502,10 @@ def _better(r: dict, than: dict) -> bool:
 
 
 METHODS = {
-  'lora': {'model.quant': 'none'},
-  'qlora-int8': {'model.quant': 'int8'},
-  'qlora-int4': {'model.quant': 'int4'},
-  'full': {'lora.rank': 0, 'model.quant': 'none', 'lora.train_router': False},
+  'lora': {'engine.quant': 'none'},
+  'qlora-int8': {'engine.quant': 'int8'},
+  'qlora-int4': {'engine.quant': 'int4'},
+  'full': {'lora.rank': 0, 'engine.quant': 'none', 'lora.train_router': False},
 }
 
 
@@ -568,7 +567,7 @@ def remat_table(config, topology: str, workers: int, cache: str = CACHE) -> list
   One row per policy: the plan, and for those that compiled their bytes and FLOPs as ratios."""
 
   plans = plan_many(
-    config, [(topology, {'model.remat': p}) for p in REMAT_POLICIES], workers, cache
+    config, [(topology, {'engine.remat': p}) for p in REMAT_POLICIES], workers, cache
   )
   by = dict(zip(REMAT_POLICIES, plans))
   ref = by['none'] if 'hlo_flops_per_chip' in by['none'] else None
@@ -620,7 +619,7 @@ def main(
   """The planner's CLI behind tools/plan.py. Every plan is cached by its inputs in `cache`."""
   if remat:
     rows = remat_table(config, topology, workers, cache)
-    print_remat_table(rows, config.model.remat)
+    print_remat_table(rows, config.engine.remat)
     _write(json_path, rows)
     return
   if do_smallest:

@@ -20,14 +20,13 @@ from absl import logging
 
 from moetrain.convert import safetensors_io as stio
 from moetrain.core import storage
-from moetrain.run import checkpoint, rundir
+from moetrain.run import checkpoint
 from moetrain.training import aot
 
 KEY_FILE = 'moetrain_base.json'
 VERSION = 1
 # Engine fields that still change the stored weights; mesh-dependent fields that do not.
 STORED = ('param_dtype', 'quant', 'quant_group_size', 'scan_layers')
-LAYOUT = ('rules', 'platform', 'mesh_shape')
 
 
 def key(setup) -> dict:
@@ -38,12 +37,12 @@ def key(setup) -> dict:
     for n in storage.listdir(hf)
     if stio.is_model_file(n) or n == 'config.json'
   }
-  engine = set(rundir.engine_fields()) - set(STORED)
   model = {
     f.name: getattr(setup.model, f.name)
     for f in dataclasses.fields(setup.model)
-    if f.name not in engine and f.name not in LAYOUT
+    if f.name != 'engine'
   }
+  model |= {k: getattr(setup.model.engine, k) for k in STORED}
   model['lora'] = dataclasses.asdict(model['lora'])
   return json.loads(
     json.dumps(

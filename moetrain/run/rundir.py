@@ -11,20 +11,11 @@ from absl import logging
 from moetrain.core import fields, multihost, runtime, storage
 from moetrain.data import loader
 from moetrain.data import tokenizer as tokenizer_lib
-from moetrain.model.config import ModelConfig
 from moetrain.run import integrity, sections
 from moetrain.training import optim
 
 # (JAX, the model and the data pipeline are imported where used: `python -m moetrain.main` reads
 # the saved steps before it re-executes itself, runtime.start_command.)
-
-
-@functools.cache
-def engine_fields() -> tuple[str, ...]:
-  """How the model computes (may change on a resume); with init.hf_checkpoint these come from the
-  config, the shapes from the checkpoint."""
-
-  return fields.with_role(ModelConfig, 'engine')
 
 
 @functools.cache
@@ -87,7 +78,7 @@ def check_resumable(
 ) -> None:
   """Before resuming from <workdir>/checkpoints, the model and LoRA settings that shape the saved
   state must equal those of the run that saved it (<workdir>/config.json); name any that differ
-  instead of failing deep inside the restore. engine_fields() (how the model computes) may change.
+  instead of failing deep inside the restore. The engine section (how the model computes) may change.
   Changed stream_fields() are allowed, with a warning naming them: the resume is not exact.
   A `tool` (evaluate, export, generate) reads the weights only: other data is its own choice,
   but not another tokenizer."""
@@ -117,14 +108,13 @@ def _was(what: str, saved, now, why: str = '') -> str:
 
 
 def _state_diffs(saved: dict, now: dict) -> list[str]:
-  """The settings that shape the saved state: model and LoRA fields (not engine_fields()),
+  """The settings that shape the saved state: the model and LoRA sections (not the engine),
   gradient clipping (a state of its own) and float16 (a loss scale in the state)."""
   diffs = [
     _was(f'{section}.{key}', saved[section][key], now[section][key])
     for section in ('model', 'lora')
     for key in now[section]
-    if not (section == 'model' and key in engine_fields())
-    and saved[section][key] != now[section][key]
+    if saved[section][key] != now[section][key]
   ]
   clip = lambda c: c['optim']['grad_clip'] > 0
   if clip(saved) != clip(now):
@@ -132,10 +122,10 @@ def _state_diffs(saved: dict, now: dict) -> list[str]:
     diffs.append(
       _was('optim.grad_clip', saved['optim']['grad_clip'], now['optim']['grad_clip'], why)
     )
-  half = lambda c: c['model']['dtype'] == 'float16'
+  half = lambda c: c['engine']['dtype'] == 'float16'
   if half(saved) != half(now):
     why = 'float16 keeps a loss scale in the checkpoint, others none'
-    diffs.append(_was('model.dtype', saved['model']['dtype'], now['model']['dtype'], why))
+    diffs.append(_was('engine.dtype', saved['engine']['dtype'], now['engine']['dtype'], why))
   return diffs
 
 
@@ -145,15 +135,15 @@ def _base_diffs(saved: dict, now: dict) -> list[str]:
   if now['lora']['rank'] <= 0:
     return []
 
-  def base(c):  # what the frozen base is built from (model.param_dtype only rounds it)
+  def base(c):  # what the frozen base is built from (engine.param_dtype only rounds it)
     d = c.get('distill', {})
     if d.get('init_from_teacher'):  # a student's, copied from the teacher on every start
       how = (d['init_from_teacher'], list(d.get('init_layers') or ()), d.get('init_batches'))
       return f'teacher {d["teacher"]} (experts, layers, batches {how}, seed {c["seed"]})'
-    return c['init']['hf_checkpoint'] or f'seed {c["seed"]}, init_std {c["model"]["init_std"]}'
+    return c['init']['hf_checkpoint'] or f'seed {c["seed"]}, init_std {c["engine"]["init_std"]}'
 
   what = (
-    'the frozen base (init.hf_checkpoint, or the seed and model.init_std without one, or '
+    'the frozen base (init.hf_checkpoint, or the seed and engine.init_std without one, or '
     'distill.teacher with distill.init_from_teacher)'
   )
   return [] if base(saved) == base(now) else [_was(what, base(saved), base(now))]

@@ -7,13 +7,15 @@ import functools
 import importlib.util
 import inspect
 
+from absl import logging
 from ml_collections import config_dict
 
 from moetrain.core import fields, sharding
+from moetrain.core.engine import ENGINE_FIELDS, EngineConfig, LoraConfig
 from moetrain.core.fields import field
 from moetrain.data import loader
 from moetrain.distill.config import DistillConfig
-from moetrain.model.config import LoraConfig, ModelConfig
+from moetrain.model.config import ModelConfig
 from moetrain.training import optim
 from moetrain.training.train_step import LossConfig
 
@@ -90,7 +92,7 @@ class InitConfig:
 class MeshConfig:
   """The `config.mesh` section: the device mesh, axes (stage, data, fsdp, expert, tensor); four
   entries (data, fsdp, expert, tensor) mean stage 1. 'stage' > 1 splits the layers into a
-  pipeline (model.pipeline_microbatches, docs/pipeline.md)."""
+  pipeline (engine.pipeline_microbatches, docs/pipeline.md)."""
 
   shape: tuple = (1, -1, 1, 1)  # one entry may be -1 (the remaining devices)
   # Multislice: how many slices each axis spans (over the data-center network), e.g. (2, 1, 1, 1)
@@ -104,6 +106,7 @@ class MeshConfig:
 # dropout; the data order has data.seed) is the one top-level key.
 SECTIONS = {
   'model': ModelConfig,
+  'engine': EngineConfig,
   'lora': LoraConfig,
   'data': loader.DataConfig,
   'init': InitConfig,
@@ -125,8 +128,31 @@ def default_config() -> config_dict.ConfigDict:
   return c
 
 
+def engine_keys_moved(config: dict) -> list[str]:
+  """The engine keys a config (a config.json's dict, or overrides keyed 'model.<key>') holds in
+  the `model` section, as configs did before the `engine` section: moved there, in place.
+  Returns their names."""
+  if 'model' in config and isinstance(config['model'], dict):
+    model = config['model']
+    moved = [k for k in ENGINE_FIELDS if k in model]
+    engine = config.setdefault('engine', {})
+    for k in moved:
+      engine.setdefault(k, model.pop(k))
+    return moved
+  moved = [k for k in list(config) if k.startswith('model.') and k[6:] in ENGINE_FIELDS]
+  for k in moved:
+    config['engine.' + k[6:]] = config.pop(k)
+  return [k[6:] for k in moved]
+
+
 def with_defaults(saved: dict) -> dict:
-  """A run's config.json (a dict) with the keys it lacks (an older run's) at their defaults."""
+  """A run's config.json (a dict) with the keys it lacks (an older run's) at their defaults, and
+  the engine keys an older run kept in `model` read into `engine`."""
+  saved = {k: dict(v) if isinstance(v, dict) else v for k, v in saved.items()}
+  if moved := engine_keys_moved(saved):
+    logging.info(
+      'config.json: model.%s now live in the engine section (engine.<key>)', ', model.'.join(moved)
+    )
   out = {'seed': saved.get('seed', SEED)}
   for name, cls in SECTIONS.items():
     out[name] = {**fields.defaults(cls), **saved.get(name, {})}

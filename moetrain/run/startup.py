@@ -13,13 +13,14 @@ from absl import logging
 from flax import nnx
 
 from moetrain.convert import hf, peft_adapter
-from moetrain.core import axes, fields, runtime, sharding, storage
+from moetrain.core import axes, runtime, sharding, storage
+from moetrain.core.engine import ENGINE_FIELDS, EngineConfig, LoraConfig
 from moetrain.data import loader
 from moetrain.distill import logits as distill_logits
 from moetrain.distill import teacher as teacher_lib
 from moetrain.distill.config import DistillConfig
 from moetrain.model import dispatch, stages
-from moetrain.model.config import LoraConfig, ModelConfig
+from moetrain.model.config import ModelConfig
 from moetrain.model.transformer import Transformer
 from moetrain.run import base_cache, rundir
 from moetrain.run.checkpoint import Checkpointer, data_positions, process_data_state
@@ -67,14 +68,19 @@ FOLLOW_STEPS = -1
 
 
 def model_config(config) -> ModelConfig:
+  """The network of the `model` section (or of init.hf_checkpoint's config.json), its `lora`
+  adapters, and the `engine` section with the mesh's sharding rules."""
   rules = sharding.Rules.preset(config.mesh.rules)
+  model, engine = config.model.to_dict(), config.engine.to_dict()
+  if moved := [k for k in ENGINE_FIELDS if k in model]:  # a config file written before `engine`
+    logging.warning('config.model.%s: now config.engine.<key>', ', config.model.'.join(moved))
+    engine |= {k: model.pop(k) for k in moved}
+  engine = EngineConfig(**engine, rules=rules)
   lora = LoraConfig(**config.lora.to_dict())
   path = config.init.hf_checkpoint
   if not path:
-    return ModelConfig(**config.model.to_dict(), lora=lora, rules=rules)
-
-  engine = {k: config.model[k] for k in fields.with_role(ModelConfig, 'engine')}
-  return hf.config_from_hf(hf.read_config(path), **engine, lora=lora, rules=rules)
+    return ModelConfig(**model, lora=lora, engine=engine)
+  return hf.config_from_hf(hf.read_config(path), engine=engine, lora=lora)
 
 
 def build(
@@ -178,19 +184,19 @@ def check_mesh_fits(model, data, opt, mesh_shape, per_host: int) -> None:
       f'{opt.grad_accum_steps} micro-batches each divisible by the {row_shards} batch shards '
       f'(stage*data*fsdp*expert of mesh.shape={mesh_shape})'
     )
-  m = model.pipeline_microbatches
+  m = model.engine.pipeline_microbatches
   pipelined = sizes['stage'] > 1 or m > 1
   if pipelined and per_micro % m:
     raise ValueError(
       f'data.global_batch_size={data.global_batch_size} must split into optim.grad_accum_steps='
-      f'{opt.grad_accum_steps} x model.pipeline_microbatches={m} micro-batches'
+      f'{opt.grad_accum_steps} x engine.pipeline_microbatches={m} micro-batches'
     )
   if pipelined and model.splash_attention(data.seq_len) and (per_micro // m) % batch_shards:
     # The splash kernel runs in a shard_map over the batch shards, which must split the rows.
     raise ValueError(
       f'data.global_batch_size={data.global_batch_size}: a pipeline micro-batch of '
       f'{per_micro // m} rows (over optim.grad_accum_steps={opt.grad_accum_steps} x '
-      f'model.pipeline_microbatches={m}) does not split over the {batch_shards} batch shards '
+      f'engine.pipeline_microbatches={m}) does not split over the {batch_shards} batch shards '
       f'(data*fsdp*expert of mesh.shape={mesh_shape}) that the splash attention kernel runs '
       'on; raise the batch or lower the micro-batch count'
     )
@@ -299,7 +305,7 @@ def initial_state(setup: Setup, optimizer, mesh) -> TrainState:
   """The state a fresh run starts from: the Hugging Face checkpoint in init.hf_checkpoint
   (streamed into its shardings), else random init from the seed. A LoRA run's frozen base is
   rebuilt this way on every start; checkpoints hold only what trains."""
-  rules = setup.model.rules
+  rules = setup.model.engine.rules
   if not setup.hf_checkpoint and not setup.peft_adapter:
     return create_sharded(setup.model, optimizer, setup.seed, mesh, rules)
 
@@ -380,7 +386,7 @@ def from_teacher(setup: Setup, state: TrainState, mesh, fresh: bool) -> TrainSta
     return state
   cfg = setup.step.teacher or teacher_lib.model_config(d, setup.model)
   with runtime.phase(f'Loading the teacher {d.teacher}'):
-    shardings = state_shardings(abstract_teacher(cfg), mesh, cfg.rules)
+    shardings = state_shardings(abstract_teacher(cfg), mesh, cfg.engine.rules)
     weights = load_teacher(d, cfg, mesh, shardings)
   if init:
     from moetrain.distill import student
@@ -397,7 +403,7 @@ def load_teacher(d: DistillConfig, teacher: ModelConfig, mesh, shardings) -> nnx
   if saved is None:
     from moetrain.convert import hf
 
-    w = hf.load_params(d.teacher, teacher, mesh=mesh, rules=teacher.rules)
+    w = hf.load_params(d.teacher, teacher, mesh=mesh, rules=teacher.engine.rules)
     params, moe_bias, frozen = w.params, w.moe_bias, w.frozen
   else:
     import ml_collections
@@ -417,7 +423,7 @@ def load_teacher(d: DistillConfig, teacher: ModelConfig, mesh, shardings) -> nnx
 def without_repeats(cfg: ModelConfig) -> ModelConfig:
   """cfg reading its stacked layers in layer order (no circular repeats), for weights that leave
   the step: exported, decoded, or copied into a student by layer."""
-  return dataclasses.replace(cfg, pipeline_repeats=1)
+  return cfg.with_engine(pipeline_repeats=1)
 
 
 def tool_setup(config, workdir: str | None) -> Setup:

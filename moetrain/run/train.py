@@ -161,7 +161,7 @@ def start(config, workdir: str, setup: Setup, mesh, ckpt: Checkpointer) -> tuple
   compiled = aot.precompile_train_step(setup, mesh, jitted, abstract, writer.progress)
   optimizer = optim.make_optimizer(setup.optim, t.steps)
   state = restore_or_init(setup, ckpt, optimizer, mesh, train_iter)
-  # The frozen base into the layouts the step takes (model.frozen_layout), once.
+  # The frozen base into the layouts the step takes (engine.frozen_layout), once.
   state = aot.place_frozen(state, compiled.formats)
   eval_fn = aot.eval_step_fn(setup, mesh, compiled.formats)
   step_fn = compiled.executable

@@ -26,9 +26,9 @@ class TrainLog:
   @classmethod
   def create(cls, setup, meter, writer) -> 'TrainLog':
     """The records of a run of `setup` (log_train), with routing stats per expert shard."""
-    # Without model.moe_expert_parallel the experts are not split by shard (nor are the
+    # Without engine.moe_expert_parallel the experts are not split by shard (nor are the
     # balance-loss groups), so there is no shard imbalance to show.
-    expert_shards = setup.model.expert_shards
+    expert_shards = setup.model.engine.expert_shards
     report = functools.partial(
       log_train,
       cfg=setup.model,

@@ -49,7 +49,7 @@ def define_flags():
   flags.DEFINE_string('out', None, 'Output directory.')
   flags.DEFINE_bool('adapter_only', False, 'Write adapter_model.safetensors + adapter_config.json.')
   flags.DEFINE_string(
-    'dtype', None, f'Weight dtype of the merged export {DTYPES}; default the model.param_dtype.'
+    'dtype', None, f'Weight dtype of the merged export {DTYPES}; default the engine.param_dtype.'
   )
   runtime.define_process_flags()
 

@@ -115,9 +115,9 @@ def write(config, out: str, top_k: int = 0, steps_per_shard: int = STEPS_PER_SHA
   stats = {'positions': 0, 'bytes': 0}
   with jax.set_mesh(mesh):
     weights = startup.load_teacher(
-      setup.distill, cfg, mesh, state_shardings(abstract_teacher(cfg), mesh, cfg.rules)
+      setup.distill, cfg, mesh, state_shardings(abstract_teacher(cfg), mesh, cfg.engine.rules)
     )
-    fn, rows = top_k_fn(cfg, k, setup.model.loss_chunk), sharding.batch_sharding(mesh)
+    fn, rows = top_k_fn(cfg, k, setup.model.engine.loss_chunk), sharding.batch_sharding(mesh)
     for shard in range(done, shards):
       path = logits_lib.shard_path(out, process, shard)
       storage.makedirs(storage.dirname(path))

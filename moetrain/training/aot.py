@@ -30,7 +30,7 @@ def abstract_state(setup, mesh):
   abstract = jax.eval_shape(lambda: init_state(setup.model, optimizer, setup.seed))
   if setup.step.teacher is not None:  # online distillation: the teacher's weights come along
     abstract = dataclasses.replace(abstract, teacher=abstract_teacher(setup.step.teacher))
-  shardings = state_shardings(abstract, mesh, setup.model.rules)
+  shardings = state_shardings(abstract, mesh, setup.model.engine.rules)
 
   def sds(a, s):
     if _is_var(a):
@@ -61,10 +61,10 @@ def cached_top_k(setup) -> int:
 
 def compiler_layouts(setup) -> bool:
   """Whether the train step takes the frozen base in layouts the compiler chooses
-  (model.frozen_layout; 'auto': on TPU, with micro-batches)."""
+  (engine.frozen_layout; 'auto': on TPU, with micro-batches)."""
   m = setup.model
-  auto = m.platform == 'tpu' and setup.optim.grad_accum_steps > 1
-  return m.frozen_layout == 'compiler' or (m.frozen_layout == 'auto' and auto)
+  auto = m.engine.platform == 'tpu' and setup.optim.grad_accum_steps > 1
+  return m.engine.frozen_layout == 'compiler' or (m.engine.frozen_layout == 'auto' and auto)
 
 
 def train_step_fn(setup, mesh, shardings):
@@ -89,7 +89,7 @@ def state_formats(executable):
   if jax.tree.leaves(given) != jax.tree.leaves(formats.frozen):
     raise ValueError(
       'the compiled train step returns the frozen base in other layouts than it takes, so the '
-      "next step could not take it: set model.frozen_layout='default'"
+      "next step could not take it: set engine.frozen_layout='default'"
     )
   return formats
 
@@ -184,7 +184,7 @@ def oom_message(error: str) -> str:
     asked = f'a fusion asked {size.group(1)} MiB of scoped VMEM, over its {size.group(2)} MiB'
     twice = 2 * 1024 * round(float(size.group(2)))
   where = f' ({op.group(1).split("/")[-1]})' if op else ''
-  return f'{msg.rstrip(": ")}: {asked}{where}; raise model.tpu_scoped_vmem_kib (e.g. {twice})'
+  return f'{msg.rstrip(": ")}: {asked}{where}; raise engine.tpu_scoped_vmem_kib (e.g. {twice})'
 
 
 def compile_fn(name: str, fn, args, analyse: bool = True, cache: bool = True) -> Compiled:

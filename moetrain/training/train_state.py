@@ -46,7 +46,7 @@ LOSS_SCALE_INIT = 2.0**15  # float16 gradients: the first scale (halved at each 
 
 def initial_loss_scale(cfg: ModelConfig) -> jax.Array | None:
   """float16 compute needs a loss scale (its gradients underflow otherwise); bf16 and f32 none."""
-  if cfg.dtype != 'float16':
+  if cfg.engine.dtype != 'float16':
     return None
   return jnp.asarray([LOSS_SCALE_INIT, 0.0], jnp.float32)
 

@@ -48,7 +48,7 @@ class StepConfig(LossConfig):
 
 def forward_loss(params, moe_bias, frozen, graphdef, batch, rng=None, head_loss=None):
   """(masked NLL sum, correct count, aux) of the model on a batch, the loss chunked along the
-  sequence by model.loss_chunk so that the [B, T, V] logits never exist whole. head_loss
+  sequence by engine.loss_chunk so that the [B, T, V] logits never exist whole. head_loss
   (distillation: distill_head's) adds aux['objective'] and aux['divergence'] (sums)."""
   model = merge_model(graphdef, params, moe_bias, frozen)
   h_BTD, aux = model.features(batch['inputs'], batch['positions'], batch['segment_ids'], rng)
@@ -61,10 +61,10 @@ def forward_loss(params, moe_bias, frozen, graphdef, batch, rng=None, head_loss=
       h_BTD,
       batch['targets'],
       batch['loss_mask'],
-      model.cfg.loss_chunk,
+      model.cfg.engine.loss_chunk,
       rng,
-      model.cfg.rules,
-      model.cfg.reference_kernels,
+      model.cfg.engine.rules,
+      model.cfg.engine.reference_kernels,
     )
   return nll, correct, aux
 
@@ -81,8 +81,10 @@ def distill_head(cfg: StepConfig, teacher_state):
       head = merge_teacher(cfg.teacher, teacher_state).lm_head
       teacher = ('online', head, batch['teacher_h'])
     m = model.cfg
-    args = (batch['targets'], batch['loss_mask'], teacher, cfg.distill, m.loss_chunk, rng)
-    return head_distillation(model.lm_head, h_BTD, *args, m.rules, m.reference_kernels)
+    args = (batch['targets'], batch['loss_mask'], teacher, cfg.distill, m.engine.loss_chunk, rng)
+    return head_distillation(
+      model.lm_head, h_BTD, *args, m.engine.rules, m.engine.reference_kernels
+    )
 
   return head_loss
 
@@ -299,9 +301,9 @@ def jit_train_step(
 
 
 def compiler_options(cfg: ModelConfig) -> dict | None:
-  """XLA options of the model's steps (model.tpu_scoped_vmem_kib on TPU); None: the defaults."""
-  if cfg.platform == 'tpu' and cfg.tpu_scoped_vmem_kib:
-    return {'xla_tpu_scoped_vmem_limit_kib': int(cfg.tpu_scoped_vmem_kib)}
+  """XLA options of the model's steps (engine.tpu_scoped_vmem_kib on TPU); None: the defaults."""
+  if cfg.engine.platform == 'tpu' and cfg.engine.tpu_scoped_vmem_kib:
+    return {'xla_tpu_scoped_vmem_limit_kib': int(cfg.engine.tpu_scoped_vmem_kib)}
   return None
 
 

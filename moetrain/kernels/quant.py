@@ -1,5 +1,5 @@
 """Storage of frozen base weights: plain float parameters, or int8 / int4 for QLoRA.
-(Design: docs/design.md, "moetrain/model/quant.py".)"""
+(Design: docs/design.md, "moetrain/kernels/quant.py".)"""
 
 import dataclasses
 import math
@@ -8,7 +8,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from moetrain.model.config import ModelConfig
+from moetrain.core.engine import EngineConfig
 
 
 class QuantWeight(nnx.Variable):
@@ -87,16 +87,16 @@ def take(w, idx):
   return QTensor(w.q[idx], w.scale[idx], w.bits, w.axis)
 
 
-def make_param(kernel, axes, cfg: ModelConfig, n_batch: int = 0, n_in: int = 1):
-  """A frozen-base kernel: nnx.Param, or a QuantKernel when cfg.quant is int8/int4."""
-  if cfg.quant == 'none':
+def make_param(kernel, axes, engine: EngineConfig, n_batch: int = 0, n_in: int = 1):
+  """A frozen-base kernel: nnx.Param, or a QuantKernel when engine.quant is int8/int4."""
+  if engine.quant == 'none':
     return nnx.Param(kernel, axes=tuple(axes))
-  t = quantize(kernel, _bits(cfg), n_batch, n_in, cfg.quant_group_size)
+  t = quantize(kernel, _bits(engine), n_batch, n_in, engine.quant_group_size)
   return _stored(t, tuple(axes), n_batch, n_in)
 
 
-def _bits(cfg: ModelConfig) -> int:
-  return 8 if cfg.quant == 'int8' else 4
+def _bits(engine: EngineConfig) -> int:
+  return 8 if engine.quant == 'int8' else 4
 
 
 def _stored(t: QTensor, axes: tuple, n_batch: int, n_in: int) -> QuantKernel:
@@ -114,21 +114,21 @@ def _stored(t: QTensor, axes: tuple, n_batch: int, n_in: int) -> QuantKernel:
 SLICE_ELEMENTS = 2**22
 
 
-def drawn_param(rngs, shape, std, axes, cfg: ModelConfig, n_batch: int = 0, n_in: int = 1):
-  """make_param of std times a truncated standard normal in cfg.param_dtype (layers.normal's
+def drawn_param(rngs, shape, std, axes, engine: EngineConfig, n_batch: int = 0, n_in: int = 1):
+  """make_param of std times a truncated standard normal in engine.param_dtype (layers.normal's
   draw). A kernel of more than SLICE_ELEMENTS is drawn and stored in slices one after the other
   (lax.map over keys split from one), along an axis its quantisation does not reduce (the batch
   axis, else the last output axis). XLA:CPU's random draw holds several uint32 buffers of its
   output's size; drawn whole, every kernel of a layer was alive in float32 with those buffers
   (Moonlight's int4 init: 148 GiB of temporaries for a 10 GiB state)."""
-  shape, dtype = tuple(shape), jnp.dtype(cfg.param_dtype)
+  shape, dtype = tuple(shape), jnp.dtype(engine.param_dtype)
   size = math.prod(shape)
 
   def draw(key, s):
     return (std * jax.random.truncated_normal(key, -2.0, 2.0, s)).astype(dtype)
 
   if size <= SLICE_ELEMENTS:
-    return make_param(draw(rngs.params(), shape), axes, cfg, n_batch, n_in)
+    return make_param(draw(rngs.params(), shape), axes, engine, n_batch, n_in)
   ax = 0 if n_batch else len(shape) - 1
   fits = (c for c in range(2, shape[ax]) if shape[ax] % c == 0 and size <= c * SLICE_ELEMENTS)
   n = next(fits, shape[ax])
@@ -137,7 +137,9 @@ def drawn_param(rngs, shape, std, axes, cfg: ModelConfig, n_batch: int = 0, n_in
   def one(key):
     w = draw(key, piece)
     return (
-      w if cfg.quant == 'none' else quantize(w, _bits(cfg), n_batch, n_in, cfg.quant_group_size)
+      w
+      if engine.quant == 'none'
+      else quantize(w, _bits(engine), n_batch, n_in, engine.quant_group_size)
     )
 
   def join(x):  # [n, *slice] -> the slices side by side on their axis (first, or last)
@@ -146,7 +148,7 @@ def drawn_param(rngs, shape, std, axes, cfg: ModelConfig, n_batch: int = 0, n_in
     return x.reshape(*x.shape[:a], -1, *x.shape[a + 2 :])
 
   t = jax.tree.map(join, jax.lax.map(one, jax.random.split(rngs.params(), n)))
-  if cfg.quant == 'none':
+  if engine.quant == 'none':
     return nnx.Param(t, axes=tuple(axes))
   return _stored(t, tuple(axes), n_batch, n_in)
 

@@ -45,10 +45,10 @@ def write_checkpoint(directory: str) -> None:
   from flax import nnx
 
   from moetrain.convert import hf
-  from moetrain.model.config import PRESETS
+  from moetrain.model.config import LONGCAT_PRESETS
   from moetrain.model.transformer import Transformer
 
-  cfg = dataclasses.replace(PRESETS['tiny'], **LARGE).with_engine(
+  cfg = dataclasses.replace(LONGCAT_PRESETS['tiny'], **LARGE).with_engine(
     param_dtype='bfloat16', dtype='bfloat16'
   )
   model = Transformer(cfg, nnx.Rngs(0))

@@ -18,7 +18,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from bench.common import emit, machine
-from moetrain.model.config import PRESETS
+from moetrain.model.config import LONGCAT_PRESETS
 from moetrain.model.decode import decode_step, prefill
 from moetrain.model.transformer import Transformer
 
@@ -36,7 +36,7 @@ def decode_loop(graphdef, state, cache, tok_B, start, *, steps: int, absorb: boo
 
 
 def run(preset: str, batch: int, prompt_len: int, steps: int, repeats: int) -> list[dict]:
-  cfg = PRESETS[preset].with_engine(dtype='float32', param_dtype='float32', remat='none')
+  cfg = LONGCAT_PRESETS[preset].with_engine(dtype='float32', param_dtype='float32', remat='none')
   graphdef, state = nnx.split(Transformer(cfg, nnx.Rngs(0)))
   ids_BT = jax.random.randint(jax.random.key(1), (batch, prompt_len), 0, cfg.vocab_size)
   fill = jax.jit(lambda state, ids: prefill(nnx.merge(graphdef, state), ids, prompt_len + steps))

@@ -18,7 +18,7 @@ from flax import nnx
 
 from bench.common import emit, machine
 from moetrain.convert import hf
-from moetrain.model.config import PRESETS
+from moetrain.model.config import LONGCAT_PRESETS
 from moetrain.model.transformer import Transformer
 
 
@@ -32,7 +32,7 @@ def main():
   if args.repeats < 1:
     ap.error('--repeats must be >= 1')
   args.dir = args.dir or f'/tmp/moetrain_medium_hf_{args.dtype}'  # a cached file per dtype
-  cfg = PRESETS['medium'].with_engine(param_dtype=args.dtype, dtype=args.dtype)
+  cfg = LONGCAT_PRESETS['medium'].with_engine(param_dtype=args.dtype, dtype=args.dtype)
   if not os.path.exists(os.path.join(args.dir, 'config.json')):
     model = Transformer(cfg.with_engine(param_dtype='float32'), nnx.Rngs(0))
     hf.save_hf(model, cfg, args.dir, dtype=jnp.dtype(args.dtype))

@@ -27,7 +27,7 @@ import jax
 from bench.common import emit, machine
 from bench.train_step import build_step
 from moetrain.model import dispatch
-from moetrain.model.config import PRESETS, ModelConfig
+from moetrain.model.config import LONGCAT_PRESETS, ModelConfig
 from moetrain.run import metrics
 
 # ~1.07B active (5.33 FFN experts of 32 + 16 zero, top-8), ~2.5B total parameters.
@@ -109,7 +109,7 @@ def run_one(cfg, batch_size: int, seq: int, steps: int) -> dict:
 
 def main():
   ap = argparse.ArgumentParser()
-  ap.add_argument('--preset', default='mfu1b', choices=['mfu1b', *PRESETS])
+  ap.add_argument('--preset', default='mfu1b', choices=['mfu1b', *LONGCAT_PRESETS])
   ap.add_argument('--batch', default='1,2,4', help='batch sizes, comma-separated, ascending')
   ap.add_argument('--seq', type=int, default=4096)
   ap.add_argument('--steps', type=int, default=10)
@@ -120,9 +120,9 @@ def main():
   ap.add_argument('--capacity_factor', type=float, default=1.25)
   ap.add_argument('--dtype', default='bfloat16')
   ap.add_argument('--scan_layers', type=int, default=1, choices=[0, 1])
-  ap.add_argument('--loss_chunk', type=int, default=PRESETS['medium'].loss_chunk)
+  ap.add_argument('--loss_chunk', type=int, default=LONGCAT_PRESETS['medium'].loss_chunk)
   args = ap.parse_args()
-  base = MFU_1B if args.preset == 'mfu1b' else PRESETS[args.preset]
+  base = MFU_1B if args.preset == 'mfu1b' else LONGCAT_PRESETS[args.preset]
   cfg = base.with_engine(
     dtype=args.dtype,
     remat=args.remat,

@@ -26,7 +26,7 @@ from flax import nnx
 
 from bench.common import emit, machine, time_fn
 from moetrain.model import dispatch
-from moetrain.model.config import PRESETS
+from moetrain.model.config import LONGCAT_PRESETS
 from moetrain.model.moe import MoE
 
 
@@ -51,7 +51,7 @@ def main():
   )
   args = ap.parse_args()
   cfg = (
-    PRESETS['medium']
+    LONGCAT_PRESETS['medium']
     .with_engine(
       dtype=args.dtype,
       moe_backend=args.backend,

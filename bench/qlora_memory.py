@@ -13,7 +13,7 @@ from flax import nnx
 
 from bench.common import emit, machine
 from moetrain.core.engine import LoraConfig
-from moetrain.model.config import PRESETS
+from moetrain.model.config import LONGCAT_PRESETS
 from moetrain.model.transformer import Transformer
 from moetrain.training.train_state import split_model
 
@@ -21,7 +21,7 @@ from moetrain.training.train_state import split_model
 def frozen_bytes(mode: str, group: int):
   lora = LoraConfig(rank=16, targets=r'attn|mlp|experts')
   dtype = 'bfloat16' if mode == 'none' else 'float32'
-  cfg = dataclasses.replace(PRESETS['medium'], lora=lora).with_engine(
+  cfg = dataclasses.replace(LONGCAT_PRESETS['medium'], lora=lora).with_engine(
     quant=mode, quant_group_size=group, param_dtype=dtype
   )
   frozen = jax.jit(lambda: split_model(Transformer(cfg, nnx.Rngs(0)), cfg)[3])()

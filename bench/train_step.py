@@ -29,7 +29,7 @@ import optax
 
 from bench.common import emit, machine
 from moetrain.core.engine import LoraConfig
-from moetrain.model.config import PRESETS
+from moetrain.model.config import LONGCAT_PRESETS
 from moetrain.training.train_state import init_state
 from moetrain.training.train_step import StepConfig, jit_train_step
 
@@ -39,7 +39,7 @@ LORA_TARGETS = r'attn_\d\.(q_a|q_b|kv_a|kv_b|o)$|mlp_\d\.(gate|up|down)$|experts
 def make_step(mode: str, quant: str, dtype: str, remat: str, backend: str, batch=4, seq=512, **kw):
   """The issue's medium config and batch; kw overrides other ModelConfig fields."""
   lora = LoraConfig(rank=16, alpha=32.0, targets=LORA_TARGETS) if mode == 'lora' else LoraConfig()
-  cfg = dataclasses.replace(PRESETS['medium'], lora=lora, **kw).with_engine(
+  cfg = dataclasses.replace(LONGCAT_PRESETS['medium'], lora=lora, **kw).with_engine(
     dtype=dtype, remat=remat, quant=quant, moe_backend=backend
   )
   return build_step(cfg, batch, seq)
@@ -116,15 +116,15 @@ def main():
   ap.add_argument('--steps', type=int, default=5)
   ap.add_argument('--rounds', type=int, default=1, help='alternating moetrain/HF rounds')
   ap.add_argument('--hf', action='store_true')
-  ap.add_argument('--loss_chunk', type=int, default=PRESETS['medium'].loss_chunk)
-  ap.add_argument('--vocab', type=int, default=PRESETS['medium'].vocab_size)
+  ap.add_argument('--loss_chunk', type=int, default=LONGCAT_PRESETS['medium'].loss_chunk)
+  ap.add_argument('--vocab', type=int, default=LONGCAT_PRESETS['medium'].vocab_size)
   ap.add_argument(
     '--scan_layers', type=int, default=0, choices=[0, 1], help='0: unrolled (4 layers: faster)'
   )
   ap.add_argument(
     '--attention_recompute',
     type=int,
-    default=int(PRESETS['medium'].attention_recompute),
+    default=int(LONGCAT_PRESETS['medium'].attention_recompute),
     choices=[0, 1],
     help='1: attention keeps softmax stats and recomputes scores; 0: keeps the probabilities',
   )
@@ -134,7 +134,11 @@ def main():
     '--memory', action='store_true', help="compile only; report the step's temporary bytes"
   )
   args = ap.parse_args()
-  if args.hf and (args.vocab, args.batch, args.seq) != (PRESETS['medium'].vocab_size, 4, 512):
+  if args.hf and (args.vocab, args.batch, args.seq) != (
+    LONGCAT_PRESETS['medium'].vocab_size,
+    4,
+    512,
+  ):
     ap.error('--hf runs the reference at the issue shapes: leave --vocab, --batch, --seq alone')
   shape = dict(
     batch=args.batch,

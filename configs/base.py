@@ -5,7 +5,7 @@ from typing import NamedTuple
 
 from ml_collections import config_dict
 
-from moetrain.model.families import PRESETS
+from moetrain.model.families import MODEL_PRESETS
 from moetrain.run import sections
 
 
@@ -24,11 +24,11 @@ def variant_of(arg: str | None, path: str, default: str = 'tiny') -> str:
 
 
 def set_model(config, variant: str) -> None:
-  """config.model's fields from the preset `variant` (moetrain/model/families.py PRESETS:
+  """config.model's fields from the preset `variant` (moetrain/model/families.py MODEL_PRESETS:
   'tiny', 'medium', 'flash', 'qwen3_30b_a3b', ...)."""
-  if variant not in PRESETS:
-    raise ValueError(f'variant={variant!r} is unknown; choose one of {sorted(PRESETS)}')
-  for k, v in dataclasses.asdict(PRESETS[variant]).items():
+  if variant not in MODEL_PRESETS:
+    raise ValueError(f'variant={variant!r} is unknown; choose one of {sorted(MODEL_PRESETS)}')
+  for k, v in dataclasses.asdict(MODEL_PRESETS[variant]).items():
     if k in config.model:
       config.model[k] = v
 

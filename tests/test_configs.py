@@ -281,14 +281,14 @@ def test_the_demo_starts_from_a_shipped_base_that_copies_but_does_not_reverse():
   reversal the adapters learn is a new skill, not a first language."""
   from moetrain.convert import hf
   from moetrain.data import demo_base, tokenizer
-  from moetrain.model.families import PRESETS
+  from moetrain.model.families import MODEL_PRESETS
   from moetrain.tools import generate
 
   config = load(os.path.join(ROOT, 'configs', 'longcat_lora.py'))
   assert config.init.hf_checkpoint == str(demo_base.DIR)
   setup = startup.build(config, num_devices=8, process_count=1)
   for name in ('hidden_size', 'num_layers', 'n_routed_experts', 'zero_expert_num', 'vocab_size'):
-    assert getattr(setup.model, name) == getattr(PRESETS['tiny'], name), name
+    assert getattr(setup.model, name) == getattr(MODEL_PRESETS['tiny'], name), name
   assert setup.data.tokenizer == str(demo_base.DIR)
   tok = tokenizer.load_tokenizer(demo_base.DIR)
   model = hf.load_model(str(demo_base.DIR))

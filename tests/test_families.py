@@ -550,9 +550,9 @@ RELEASED['glm4_5'] = {  # zai-org/GLM-4.5: what differs from GLM-4.5-Air
 
 @pytest.mark.parametrize('preset', sorted(RELEASED))
 def test_presets_are_the_released_configs(preset):
-  from moetrain.model.families import PRESETS
+  from moetrain.model.families import MODEL_PRESETS
 
-  assert hf.config_from_hf(RELEASED[preset]) == PRESETS[preset]
+  assert hf.config_from_hf(RELEASED[preset]) == MODEL_PRESETS[preset]
 
 
 @pytest.mark.parametrize(
@@ -572,10 +572,10 @@ def test_presets_are_the_released_configs(preset):
   ],
 )
 def test_released_presets_parameter_counts(preset, total, active):
-  from moetrain.model.families import PRESETS
+  from moetrain.model.families import MODEL_PRESETS
   from moetrain.planner.sizes import param_counts
 
-  cfg = PRESETS[preset]
+  cfg = MODEL_PRESETS[preset]
   counts = param_counts(cfg)
   assert round(counts['total'] / 1e9, 2) == total
   assert round(counts['active'][cfg.moe_topk] / 1e9, 2) == active
@@ -632,9 +632,9 @@ def test_gpt_oss_scans_its_alternating_layers_as_one_group():
   """Sliding and full layers are one stacked scan, each layer's window per-layer data: one
   group of 24 for gpt-oss-20b, where one group per layer kept every layer's MoE buffers apart
   (a v5p-8 plan at 403.9 GiB per chip)."""
-  from moetrain.model.families import PRESETS
+  from moetrain.model.families import MODEL_PRESETS
 
-  cfg = PRESETS['gpt_oss_20b']
+  cfg = MODEL_PRESETS['gpt_oss_20b']
   assert [(g.name, g.count) for g in cfg.layer_groups()] == [('layers', 24)]
   assert cfg.layer_windows()[:4] == (128, 0, 128, 0)
 

@@ -101,3 +101,50 @@ def test_the_sharding_rules_speak_the_tables_names():
     rules = sharding.Rules.preset(preset)
     used = {name for name, _ in rules.weights + rules.activations}
     assert used <= axes.WEIGHT_NAMES, (preset, used - axes.WEIGHT_NAMES)
+
+
+# The packages, lowest first: a module imports from its own package or a lower one only. run and
+# distill are one layer (a distillation run reads a teacher's run directory; the run loop
+# distils); the entry points sit above everything.
+LAYERS = (
+  ('core',),
+  ('kernels',),
+  ('model',),
+  ('data',),
+  ('training',),
+  ('convert',),  # (load_model builds the train state's model from a checkpoint)
+  ('run', 'distill'),
+  ('planner',),
+  ('tools', 'main'),
+)
+
+
+def _package(module: str) -> str | None:
+  parts = module.split('.')
+  return parts[1] if parts[0] == 'moetrain' and len(parts) > 1 else None
+
+
+def test_the_tree_is_the_packages_of_the_layers():
+  """`ls moetrain` shows the architecture: every package (and main.py) has its layer."""
+  named = {p for layer in LAYERS for p in layer}
+  found = {p.stem if p.is_file() else p.name for p in ROOT.iterdir() if p.name[0] not in '_.'}
+  assert found == named, (sorted(found - named), sorted(named - found))
+
+
+def test_packages_import_downwards_only():
+  rank = {p: i for i, layer in enumerate(LAYERS) for p in layer}
+  upward = []
+  for path, tree in _modules():
+    here = path.relative_to(ROOT).parts[0].removesuffix('.py')
+    for name in _imports(tree):
+      there = _package(name)
+      if there in rank and rank[there] > rank[here]:
+        upward.append(f'{path.relative_to(ROOT.parent)} imports {name}')
+  assert not upward, upward
+
+
+def test_kernels_import_nothing_from_the_model():
+  """Kernels take the engine (moetrain/core/engine.py) and plain arguments, not a ModelConfig."""
+  for path, tree in _modules(ROOT / 'kernels'):
+    model = sorted(n for n in _imports(tree) if n.startswith('moetrain.model'))
+    assert not model, (path, model)

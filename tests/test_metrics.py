@@ -14,7 +14,7 @@ import pytest
 from tensorboardX.proto import event_pb2
 
 from moetrain.core import sharding
-from moetrain.model.config import PRESETS
+from moetrain.model.families import MODEL_PRESETS
 from moetrain.run import metrics, train_log
 
 
@@ -324,7 +324,7 @@ def test_window_reports_the_steps_since_the_last_log():
 def test_train_log_splits_loads_by_shard_only_under_expert_parallelism():
   mesh = sharding.make_mesh((1, 1, 2, 1), jax.devices()[:2])
   for parallel, shards in ((True, 2), (False, 1)):
-    model = PRESETS['tiny'].with_engine(moe_expert_parallel=parallel)
+    model = MODEL_PRESETS['tiny'].with_engine(moe_expert_parallel=parallel)
     model = model.laid_out('cpu', mesh)
     setup = types.SimpleNamespace(
       model=model,
@@ -361,9 +361,8 @@ def test_nonfinite_streak_counts_skipped_steps_in_a_row():
 def test_flops_per_token_counts_each_attention_block_once(preset):
   """6 x the matmul weights plus causal attention: per attention block (two per LongCat layer,
   one per standard layer) and head, (d_qk + d_v) x T / 2 multiply-adds, x 6 for training."""
-  from moetrain.model.families import PRESETS
 
-  cfg, t = PRESETS[preset], 4096
+  cfg, t = MODEL_PRESETS[preset], 4096
   blocks = cfg.num_layers * (2 if cfg.layer_layout == 'shortcut' else 1)
   d_v = cfg.gqa_head_dim if cfg.attention == 'gqa' else cfg.v_head_dim
   attn = blocks * cfg.num_heads * (cfg.qk_head_dim + d_v) * t / 2

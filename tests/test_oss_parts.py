@@ -13,7 +13,7 @@ from flax import nnx
 from moetrain.kernels import experts
 from moetrain.kernels.attention import attention_core
 from moetrain.model import decode
-from moetrain.model.families import PRESETS
+from moetrain.model.families import MODEL_PRESETS
 from moetrain.model.transformer import Transformer
 from tests.helpers import configured
 
@@ -38,7 +38,7 @@ BIASES = ('sinks', 'bias', 'router_linear_bias', 'gate_bias', 'up_bias', 'down_b
 
 def oss_model(**kw):
   """A tiny model with every gpt-oss part, its biases and sinks drawn at random."""
-  cfg = configured(PRESETS['qwen3_tiny'], **{**PARTS, **kw})
+  cfg = configured(MODEL_PRESETS['qwen3_tiny'], **{**PARTS, **kw})
   cfg.validate()
   model = Transformer(cfg, nnx.Rngs(0))
   for i, (path, var) in enumerate(nnx.to_flat_state(nnx.state(model, nnx.Param))):
@@ -93,7 +93,7 @@ def test_sliding_layers_decode_as_the_full_forward_and_see_only_their_window():
 
 
 def test_clamped_swiglu_by_hand():
-  cfg = dataclasses.replace(PRESETS['qwen3_tiny'], swiglu_limit=7.0)
+  cfg = dataclasses.replace(MODEL_PRESETS['qwen3_tiny'], swiglu_limit=7.0)
   g = jnp.asarray([-9.0, -1.0, 0.5, 6.0, 12.0])
   u = jnp.asarray([-8.0, 0.3, -0.2, 7.5, 1.0])
   gc, uc = np.minimum(g, 7.0), np.clip(u, -7.0, 7.0)

@@ -12,7 +12,7 @@ from flax import nnx
 
 from moetrain.core import sharding
 from moetrain.model import stages
-from moetrain.model.families import PRESETS
+from moetrain.model.families import MODEL_PRESETS
 from moetrain.run.checkpoint import Checkpointer
 from moetrain.training.train_state import create_sharded, graphdef_of
 from moetrain.training.train_step import StepConfig, bias_update, loss_fn, token_counts
@@ -22,10 +22,10 @@ from tests.test_sharding import batch
 LONGCAT = tiny(num_layers=4)
 # Dense layers first: two runs of layers, each pipelined over the stages on its own.
 DEEPSEEK = dataclasses.replace(
-  PRESETS['deepseek_tiny'], num_layers=4, first_k_dense_replace=2
+  MODEL_PRESETS['deepseek_tiny'], num_layers=4, first_k_dense_replace=2
 ).with_engine(dtype='float32', remat='none')
 QWEN3 = dataclasses.replace(
-  PRESETS['qwen3_tiny'], num_layers=4, hidden_size=32, head_dim=8
+  MODEL_PRESETS['qwen3_tiny'], num_layers=4, hidden_size=32, head_dim=8
 ).with_engine(dtype='float32', remat='none')
 
 

@@ -2,15 +2,16 @@
 dataclasses a run builds and the derived key lists cannot disagree."""
 
 import dataclasses
+import json
 import math
 
 import pytest
 
 from configs import base
-from moetrain.core import fields
+from moetrain.core import fields, runtime
 from moetrain.core.engine import ENGINE_FIELDS
-from moetrain.model.config import PRESETS, ModelConfig
-from moetrain.run import rundir, sections
+from moetrain.model.config import LONGCAT_PRESETS, ModelConfig
+from moetrain.run import rundir, sections, startup
 from moetrain.run.startup import build
 
 
@@ -33,7 +34,7 @@ def test_a_run_of_the_base_config_builds_the_default_dataclasses():
   derived = fields.with_role(ModelConfig, 'derived')
   assert (
     dataclasses.replace(setup.model, **{k: getattr(ModelConfig(), k) for k in derived})
-    == (PRESETS['tiny'])
+    == (LONGCAT_PRESETS['tiny'])
   )
 
 
@@ -84,3 +85,46 @@ def test_the_config_reference_is_current():
 
   path = pathlib.Path(__file__).parent.parent / 'docs' / 'config.md'
   assert path.read_text() == sections.reference()
+
+
+def _older(config) -> dict:
+  """config's config.json as runs wrote it before the `engine` section: its keys in `model`."""
+  saved = json.loads(config.to_json_best_effort())
+  saved['model'].update(saved.pop('engine'))
+  return saved
+
+
+def test_an_older_config_json_reads_its_engine_keys_into_the_engine_section(tmp_path):
+  config = base.get_config()
+  config.engine.remat = 'none'
+  saved = _older(config)
+  out = sections.with_defaults(saved)
+  assert out['engine'] == json.loads(config.engine.to_json())
+  assert out['model'] == json.loads(config.model.to_json())
+  assert saved['model']['remat'] == 'none'  # (the dict read is not changed)
+  # A run directory written so resumes, and a tool reads it.
+  run = tmp_path / 'run'
+  (run / 'checkpoints' / '5').mkdir(parents=True)
+  (run / 'config.json').write_text(json.dumps(saved))
+  rundir.check_resumable(config, str(run))
+  assert rundir.tool_config(None, str(run)).engine.remat == 'none'
+  config.model.hidden_size = 64  # the network still may not change
+  with pytest.raises(ValueError, match=r'model\.hidden_size: 128 in the checkpointed run'):
+    rundir.check_resumable(config, str(run))
+
+
+def test_an_older_command_line_key_is_read_into_the_engine_section(capsys):
+  argv = ['main', '--config=c.py', '--config.model.remat=none', '--config.model.hidden_size=64']
+  assert runtime.engine_keys_moved(argv) == [
+    'main',
+    '--config=c.py',
+    '--config.engine.remat=none',
+    '--config.model.hidden_size=64',
+  ]
+  assert capsys.readouterr().err == 'Note: --config.model.remat is now --config.engine.remat\n'
+
+
+def test_an_older_config_file_sets_engine_keys_through_model():
+  config = base.get_config()
+  config.model.remat = 'none'  # (a config file written before the engine section)
+  assert startup.model_config(config).engine.remat == 'none'

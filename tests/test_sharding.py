@@ -84,7 +84,7 @@ def spec_table(preset: str) -> dict:
   return {k: str(v.spec) for k, v in flatten(tree).items()}
 
 
-@pytest.mark.parametrize('preset', sorted(sharding.PRESETS))
+@pytest.mark.parametrize('preset', sorted(sharding.RULE_PRESETS))
 def test_golden_sharding_table(preset):
   path = os.path.join(GOLDEN, f'sharding_{preset}.json')
   table = spec_table(preset)

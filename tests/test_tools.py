@@ -68,10 +68,10 @@ def test_expert_load_after_a_resume(tmp_path):
 def test_routing_statistics_and_the_heatmap_name_the_decoder_layers(tmp_path):
   """With dense layers first (DeepSeek-V3: first_k_dense_replace), the MoE layers' statistics
   are named by their decoder index, as the checkpoint names them, and so are the heatmap's rows."""
-  from moetrain.model.families import PRESETS
+  from moetrain.model.families import MODEL_PRESETS
   from moetrain.run import metrics
 
-  cfg = PRESETS['deepseek_tiny']
+  cfg = MODEL_PRESETS['deepseek_tiny']
   moe_layers = cfg.moe_layer_indices
   assert moe_layers[0] == cfg.first_k_dense_replace > 0
   n, e = len(moe_layers), cfg.num_experts_total

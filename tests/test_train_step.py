@@ -9,7 +9,7 @@ import optax
 import pytest
 
 from moetrain.core.sharding import Rules
-from moetrain.model.config import PRESETS
+from moetrain.model.config import LONGCAT_PRESETS
 from moetrain.planner.sizes import dry_run, ep_exchange, loss_block, param_counts
 from moetrain.training.train_state import graphdef_of, init_state
 from moetrain.training.train_step import StepConfig, eval_step, grads_and_stats, jit_train_step
@@ -175,7 +175,7 @@ def test_logged_learning_rate_is_the_one_applied_after_a_skip():
 
 @pytest.mark.parametrize('quant', ['none', 'int4'])  # a QLoRA base: the same parameters
 def test_flash_dry_run_parameter_counts(quant):
-  counts = param_counts(PRESETS['flash'].with_engine(quant=quant))
+  counts = param_counts(LONGCAT_PRESETS['flash'].with_engine(quant=quant))
   assert round(counts['total'] / 1e9, 2) == 560.66
   assert [round(counts['active'][k] / 1e9, 2) for k in (0, 8, 12)] == [18.69, 27.15, 31.38]
 
@@ -183,7 +183,7 @@ def test_flash_dry_run_parameter_counts(quant):
 def test_dry_run_reports_expert_parallel_receive_buffers():
   """Per MoE layer and shard: 4096 tokens x top-12 local assignments; dropless buffers are ep
   times that; moe_ep_recv_factor bounds the ragged one."""
-  cfg = PRESETS['flash']
+  cfg = LONGCAT_PRESETS['flash']
   mesh = (1, 2, 4, 1)  # 8 shards of a 16 x 2048-token batch
   ex = ep_exchange(cfg, mesh, 2048, 16)
   assert ex['fixed']['local_rows'] == ex['ragged']['local_rows'] == 4096 * 12
@@ -197,7 +197,7 @@ def test_dry_run_reports_expert_parallel_receive_buffers():
 def test_dry_run_reports_the_loss_block_per_device():
   """16 x 8192 tokens, LongCat's vocabulary: batch over data x fsdp x expert (8), vocab over
   tensor (2) with fsdp_ep_tp; blocks of 256 positions instead of the whole 8192."""
-  cfg = PRESETS['flash'].with_engine(rules=Rules.preset('fsdp_ep_tp'), loss_chunk=256)
+  cfg = LONGCAT_PRESETS['flash'].with_engine(rules=Rules.preset('fsdp_ep_tp'), loss_chunk=256)
   lb = loss_block(cfg, (1, 2, 4, 2), 8192, 16)
   assert lb['block_shape'] == (2, 256, 131072 // 2)
   assert lb['block_bytes'] == 2 * 256 * 65536 * 4

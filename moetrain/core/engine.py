@@ -45,7 +45,7 @@ class LoraConfig:
   targets: str = LORA_TARGETS
   train_router: bool = False  # also train the router classifier
   # Storage of the adapters (and so of their optimizer moments), whatever the frozen base's
-  # (model.param_dtype, model.quant): bfloat16 adapters and Adam moments lose small updates.
+  # (engine.param_dtype, engine.quant): bfloat16 adapters and Adam moments lose small updates.
   param_dtype: str = field('float32', choices=('bfloat16', 'float32'))
 
   @property
@@ -112,14 +112,14 @@ class EngineConfig:
   # (bench/RESULTS.md, "Peer comparison"). The lm head is not gathered.
   gather_weights: bool = field(True)
   # Full training: each run of layers takes its matmul weights (projection kernels, the routed
-  # experts' matrices) cast to model.dtype once, before its layer loop, not layer by layer
-  # inside it. The backward loop then stacks their gradients in model.dtype and casts them to
+  # experts' matrices) cast to engine.dtype once, before its layer loop, not layer by layer
+  # inside it. The backward loop then stacks their gradients in engine.dtype and casts them to
   # param_dtype once after it: half of float32's bytes for the largest buffers alive at the
-  # step's peak. Each layer's weight gradient is then rounded to model.dtype, as mixed-precision
+  # step's peak. Each layer's weight gradient is then rounded to engine.dtype, as mixed-precision
   # autocast gives it (TPU's grouped-matmul kernels return the experts' so anyway); per-layer
   # casts let XLA keep some in float32. The loss is the same. Mixtral-8x7B full training on a
   # v5p-32: 56.24 -> 50.84 GiB per chip (bench/RESULTS.md, "Peer comparison"). No effect under
-  # LoRA (the base takes no gradient) or when param_dtype is model.dtype; a distillation
+  # LoRA (the base takes no gradient) or when param_dtype is engine.dtype; a distillation
   # teacher (forward only) keeps the per-layer casts.
   cast_weights_once: bool = field(True)
   # What attention keeps for its backward pass: True = each query's softmax max and sum, the
@@ -146,7 +146,7 @@ class EngineConfig:
   moe_ep_comm: str = field('auto', choices=MOE_EP_COMM)
   # Receive buffer of the ragged exchange (dropless) in local assignments; 0 = ep times them, the
   # worst case, one exchange. A smaller buffer bounds memory at large ep; what overflows it is
-  # handled by model.moe_ep_overflow.
+  # handled by engine.moe_ep_overflow.
   moe_ep_recv_factor: float = field(0.0, check='non_negative', zero='0 = worst case')
   # Rows that overflow a bounded receive buffer: 'rounds' exchanges them in further rounds of
   # the same buffer, run only when some shard's rows overflow (dropless stays dropless: each
@@ -156,7 +156,7 @@ class EngineConfig:
   # K_e, the FFN experts per token that balancing aims at; 0 = uniform, top_k * E / (E + Z).
   moe_expected_ffn_experts: float = field(0.0, check='non_negative', zero='0 = uniform routing')
   # FFN-expert groups of the device-level balance loss; 0 = the expert-parallel shards (the
-  # 'expert' mesh axis when model.moe_expert_parallel, else 1).
+  # 'expert' mesh axis when engine.moe_expert_parallel, else 1).
   moe_balance_groups: int = field(0, check='non_negative', zero='0 = one group per shard')
   # Balancing, by the family when 'auto': the balance loss (coefficient loss.balance_loss) is
   # 'device' (LongCat's device-level loss), 'switch' (Switch/Mixtral/Qwen3-MoE: E * sum_e f_e
@@ -183,7 +183,7 @@ class EngineConfig:
   # compiler's own, 16 MiB on a v5e). A fusion that asks more stops the compile with
   # CompileTimeScopedVmemOom, which names this key. It does not help where the compiler sizes a
   # fusion past any limit: XLA's ragged_dot over gpt-oss-20b's 2880-wide int4 experts on a v5e
-  # asked 16.94 of 16 MiB, then 32.46 of 32 (model.moe_backend='megablox' compiles there).
+  # asked 16.94 of 16 MiB, then 32.46 of 32 (engine.moe_backend='megablox' compiles there).
   tpu_scoped_vmem_kib: int = field(0)
   # Derived: set from the `mesh` section and the compile target.
   rules: Rules = field(Rules(), role='derived')  # logical-axis rules (mesh.rules)

@@ -12,6 +12,7 @@ import sys
 import threading
 import time
 
+from moetrain.core import multihost
 from moetrain.core.engine import ENGINE_FIELDS
 
 TUNABLE = 'glibc.malloc.hugetlb'
@@ -211,7 +212,6 @@ def initialize_distributed(preemption: bool = True, resume_step: int | None = No
       raise app.UsageError(
         '--num_processes needs --process_id and --coordinator_address (or $JAX_COORDINATOR_ADDRESS)'
       )
-  from moetrain.core import multihost
 
   timeout = f.peer_timeout if 'peer_timeout' in f else multihost.PEER_TIMEOUT
   where = f'process {f.process_id} of {f.num_processes}' if explicit else 'this process'

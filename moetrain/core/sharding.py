@@ -77,7 +77,7 @@ def _preset(ep: bool, tp: bool) -> tuple[dict, dict]:
   return w, a
 
 
-PRESETS = {
+RULE_PRESETS = {
   'fsdp': _preset(ep=False, tp=False),
   'fsdp_ep': _preset(ep=True, tp=False),
   'fsdp_ep_tp': _preset(ep=True, tp=True),
@@ -93,9 +93,9 @@ class Rules:
 
   @classmethod
   def preset(cls, name: str) -> 'Rules':
-    if name not in PRESETS:
-      raise ValueError(f'mesh.rules={name!r} is unknown; choose one of {sorted(PRESETS)}')
-    w, a = PRESETS[name]
+    if name not in RULE_PRESETS:
+      raise ValueError(f'mesh.rules={name!r} is unknown; choose one of {sorted(RULE_PRESETS)}')
+    w, a = RULE_PRESETS[name]
     return cls(tuple(w.items()), tuple(a.items()))
 
 
@@ -104,7 +104,7 @@ def check_axes_used(mesh_shape: Sequence[int], rules_name: str) -> None:
   its devices: refused, naming both settings. (An 'expert' axis without expert rules still
   splits the batch.)"""
   sizes = dict(zip(MESH_AXES, full_shape(mesh_shape)))
-  weights, _ = PRESETS[rules_name]
+  weights, _ = RULE_PRESETS[rules_name]
   if sizes['tensor'] > 1 and 'tensor' not in weights.values():
     raise ValueError(
       f"mesh.shape={tuple(mesh_shape)} has a 'tensor' axis of {sizes['tensor']}, but "

@@ -13,8 +13,17 @@ from moetrain.data import chat, sources
 from moetrain.data.sources import Example
 from moetrain.data.tokenizer import Tokenizer
 
-ROW_KEYS = ('inputs', 'targets', 'segment_ids', 'positions', 'loss_mask')
-# Rows also carry how many of their examples were cut to fit; pipeline.py sums and removes it.
+# The batch's schema: each key's dtype, every array shaped [rows, seq_len] (the step's input,
+# training/aot.py abstract_batch, is built from it too).
+ROW_DTYPES = {
+  'inputs': np.int32,
+  'targets': np.int32,
+  'segment_ids': np.int32,
+  'positions': np.int32,
+  'loss_mask': np.float32,
+}
+ROW_KEYS = tuple(ROW_DTYPES)
+# Rows also carry how many of their examples were cut to fit; loader.py sums and removes it.
 TRUNCATED_KEY = 'num_truncated'
 
 

@@ -394,7 +394,7 @@ class ModelConfig:
       )
 
 
-PRESETS = {
+LONGCAT_PRESETS = {
   # LongCat-shaped and small enough for a 2-core CPU.
   'tiny': ModelConfig(),
   # The shapes of the MoE benchmark (issue: hidden 512, 4 layers, 16 + 8 experts, top-4).

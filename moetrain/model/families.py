@@ -10,8 +10,7 @@ their published config.json; a run from `init.hf_checkpoint` takes the shapes fr
 checkpoint's own config.json instead.
 """
 
-from moetrain.model.config import PRESETS as LONGCAT_PRESETS
-from moetrain.model.config import ModelConfig
+from moetrain.model.config import LONGCAT_PRESETS, ModelConfig
 
 # The parts each family's config.json implies without saying (convert/standard.py reads the rest
 # from it and refuses to export a config whose parts differ).
@@ -164,7 +163,7 @@ _GLM = dict(
   num_nextn_predict_layers=1,
 )
 
-PRESETS = {
+MODEL_PRESETS = {
   **LONGCAT_PRESETS,
   # Small enough for a 2-core CPU: the demos and tests of each family.
   'deepseek_tiny': family(

@@ -15,7 +15,9 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from moetrain.convert.stacked_io import CHUNK_BYTES
 from moetrain.core import sharding
+from moetrain.data import packing
 from moetrain.model.transformer import Transformer
 from moetrain.planner import tpu_plan
 from moetrain.run.startup import build
@@ -163,7 +165,6 @@ def start_up(setup, mesh) -> tuple[str, int]:
       quant='none'
     )
     model = nnx.eval_shape(lambda: Transformer(plain, nnx.Rngs(0)))
-    from moetrain.convert.stacked_io import CHUNK_BYTES
 
     piece = 0
     for _, v in nnx.to_flat_state(nnx.state(model)):
@@ -191,7 +192,7 @@ def host_bytes(setup, mesh, steps: dict, start: tuple, measured: dict, compiled:
   ev = steps['eval'].memory if 'eval' in steps else {}
   state, _ = aot.abstract_state(setup, mesh)
   saved = _bytes(state.saved())
-  batch = d.global_batch_size * d.seq_len * len(aot.BATCH_FIELDS) * 4
+  batch = d.global_batch_size * d.seq_len * len(packing.ROW_KEYS) * 4
   parts = {
     'baseline': measured['baseline_rss'] + RUNTIME,
     'compilation': compiled,

@@ -18,7 +18,7 @@ from moetrain.planner import sizes
 from moetrain.planner import topology as topology_lib
 from moetrain.planner.sizes import bytes_text
 from moetrain.run import metrics
-from moetrain.run.startup import build
+from moetrain.run.startup import build, model_config
 from moetrain.training import aot
 
 HEADROOM = 0.10  # --search and --smallest keep plans that leave this much of the HBM free
@@ -438,8 +438,6 @@ def pipeline_neighbours(config, now, slices: int) -> list[dict]:
     if rows % (k * slices) == 0
   ]
   if shape[0] > 1:
-    from moetrain.run.startup import model_config
-
     repeats = 1 if now.model.engine.pipeline_repeats > 1 else 2
     cfg = model_config(now).laid_out('tpu', shape)
     try:

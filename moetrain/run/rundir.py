@@ -9,7 +9,7 @@ import ml_collections
 from absl import logging
 
 from moetrain.core import fields, multihost, runtime, storage
-from moetrain.data import loader
+from moetrain.data import loader, sources
 from moetrain.data import tokenizer as tokenizer_lib
 from moetrain.run import integrity, sections
 from moetrain.training import optim
@@ -277,8 +277,6 @@ def config_json(config, setup) -> str:
   is still checked against)."""
   saved = json.loads(config.to_json_best_effort())
   if setup.hf_checkpoint:
-    from moetrain.core import fields
-
     keys = fields.keys(type(setup.model))
     saved['model_from_checkpoint'] = {k: getattr(setup.model, k) for k in keys}
   return json.dumps(saved, indent=1)
@@ -341,8 +339,6 @@ def data_files(data) -> list[str]:
   gs:// ones) and data.chat_template."""
   files = [data.chat_template] if data.chat_template else []
   if data.source in ('jsonl', 'text'):
-    from moetrain.data import sources
-
     splits = [s for s in (data.train_split, data.eval_split) if s]
     files += [p for s in splits for p in sources.expand_paths(data.path, s)]
   return sorted(set(files))

@@ -99,7 +99,7 @@ class MeshConfig:
   # puts data parallelism across 2 slices, (2, 1, 1, 1, 1) the pipeline's stages; () or all
   # ones = one slice. Divides `shape`.
   dcn_shape: tuple = ()
-  rules: str = field('fsdp_ep_tp', choices=tuple(sharding.PRESETS))  # logical-axis rule preset
+  rules: str = field('fsdp_ep_tp', choices=tuple(sharding.RULE_PRESETS))  # logical-axis rule preset
 
 
 # The config's sections, each a dataclass whose fields are its keys; `seed` (model init and
@@ -151,7 +151,10 @@ def with_defaults(saved: dict) -> dict:
   saved = {k: dict(v) if isinstance(v, dict) else v for k, v in saved.items()}
   if moved := engine_keys_moved(saved):
     logging.info(
-      'config.json: model.%s now live in the engine section (engine.<key>)', ', model.'.join(moved)
+      'config.json: %d keys of its model section (model.%s, ...) are engine keys now, read as '
+      'engine.<key>',
+      len(moved),
+      moved[0],
     )
   out = {'seed': saved.get('seed', SEED)}
   for name, cls in SECTIONS.items():

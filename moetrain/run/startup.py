@@ -9,6 +9,7 @@ import os
 import re
 
 import jax
+import ml_collections
 from absl import logging
 from flax import nnx
 
@@ -17,12 +18,13 @@ from moetrain.core import axes, runtime, sharding, storage
 from moetrain.core.engine import ENGINE_FIELDS, EngineConfig, LoraConfig
 from moetrain.data import loader
 from moetrain.distill import logits as distill_logits
+from moetrain.distill import student
 from moetrain.distill import teacher as teacher_lib
 from moetrain.distill.config import DistillConfig
 from moetrain.model import dispatch, stages
 from moetrain.model.config import ModelConfig
 from moetrain.model.transformer import Transformer
-from moetrain.run import base_cache, rundir
+from moetrain.run import base_cache, rundir, sections
 from moetrain.run.checkpoint import Checkpointer, data_positions, process_data_state
 from moetrain.run.sections import InitConfig, LoopConfig
 from moetrain.training import optim
@@ -41,9 +43,9 @@ from moetrain.training.train_state import (
 from moetrain.training.train_step import StepConfig
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, kw_only=True)
 class Setup:
-  """The ConfigDict turned into the frozen dataclasses the library takes."""
+  """The ConfigDict turned into the frozen dataclasses the library takes (built by keyword)."""
 
   model: ModelConfig
   data: loader.DataConfig
@@ -128,18 +130,18 @@ def build(
     raise ValueError('init.peft_adapter needs lora.rank > 0 (the rank of the adapter)')
   init = InitConfig(**config.init.to_dict())
   return Setup(
-    model,
-    data,
-    opt,
-    step,
-    mesh_shape,
-    config.seed,
-    train,
-    init.hf_checkpoint,
-    init.peft_adapter,
-    mesh_dcn,
-    init.base_cache if init.hf_checkpoint else '',
-    distill,
+    model=model,
+    data=data,
+    optim=opt,
+    step=step,
+    mesh_shape=mesh_shape,
+    mesh_dcn=mesh_dcn,
+    seed=config.seed,
+    train=train,
+    hf_checkpoint=init.hf_checkpoint,
+    peft_adapter=init.peft_adapter,
+    base_cache=init.base_cache if init.hf_checkpoint else '',
+    distill=distill,
   )
 
 
@@ -389,8 +391,6 @@ def from_teacher(setup: Setup, state: TrainState, mesh, fresh: bool) -> TrainSta
     shardings = state_shardings(abstract_teacher(cfg), mesh, cfg.engine.rules)
     weights = load_teacher(d, cfg, mesh, shardings)
   if init:
-    from moetrain.distill import student
-
     # (the teacher's weights are in layer order until `stored`)
     state = student.init_from_teacher(setup, state, without_repeats(cfg), weights, mesh)
   return dataclasses.replace(state, teacher=weights) if setup.step.teacher else state
@@ -401,15 +401,9 @@ def load_teacher(d: DistillConfig, teacher: ModelConfig, mesh, shardings) -> nnx
   Face checkpoint's, or a moetrain run's latest checkpoint (read as its tools read it)."""
   saved = rundir.run_config(d.teacher)
   if saved is None:
-    from moetrain.convert import hf
-
     w = hf.load_params(d.teacher, teacher, mesh=mesh, rules=teacher.engine.rules)
     params, moe_bias, frozen = w.params, w.moe_bias, w.frozen
   else:
-    import ml_collections
-
-    from moetrain.run import sections
-
     config = ml_collections.ConfigDict(sections.with_defaults(saved))
     tsetup = build(rundir.tool_config(config, d.teacher), training=False)
     state = load_latest(

@@ -12,7 +12,7 @@ python -m moetrain.tools.plan --config=configs/deepseek_v3_lora.py --topology=cp
 from absl import app, flags
 
 from moetrain.core import runtime
-from moetrain.planner import tpu_plan
+from moetrain.planner import cpu_plan, tpu_plan
 from moetrain.planner.sizes import dry_run
 
 
@@ -32,8 +32,6 @@ def main(argv):
     dry_run(f.config)
     return
   if f.topology.startswith('cpu'):
-    from moetrain.planner import cpu_plan
-
     if f.smallest or f.remat:
       raise app.UsageError('--smallest and --remat are for TPU slices; a CPU host takes --search')
     cpu_plan.main(f.config, f.topology, f.search, f.json, f.workers)

@@ -13,11 +13,10 @@ from jax.experimental.compilation_cache import compilation_cache
 from jax.experimental.layout import Format, Layout
 
 from moetrain.core import hlo_cost, sharding
+from moetrain.data import packing
 from moetrain.training import optim
 from moetrain.training.train_state import abstract_teacher, graphdef_of, init_state, state_shardings
 from moetrain.training.train_step import compiler_options, eval_step, jit_train_step
-
-BATCH_FIELDS = ('inputs', 'targets', 'positions', 'segment_ids', 'loss_mask')
 
 
 def _is_var(x) -> bool:
@@ -44,8 +43,9 @@ def abstract_batch(rows: int, seq_len: int, mesh, top_k: int = 0) -> dict:
   """The packed batch moetrain.data.packing makes: int32 rows and a float32 loss mask; with
   top_k (distillation from cached logits) the teacher's top-k ids and log-probabilities."""
   s = sharding.batch_sharding(mesh)
-  dtype = lambda k: jnp.float32 if k == 'loss_mask' else jnp.int32
-  out = {k: jax.ShapeDtypeStruct((rows, seq_len), dtype(k), sharding=s) for k in BATCH_FIELDS}
+  out = {
+    k: jax.ShapeDtypeStruct((rows, seq_len), dt, sharding=s) for k, dt in packing.ROW_DTYPES.items()
+  }
   if top_k:
     shape = (rows, seq_len, top_k)
     out['teacher_ids'] = jax.ShapeDtypeStruct(shape, jnp.int32, sharding=s)

@@ -3,8 +3,6 @@ Pallas TPU (Mosaic) lowering with its block-shape rules and emits the collective
 compile. This checks the megablox backend and the ragged expert-parallel exchange as far as they
 can be checked here; it does not run them."""
 
-import dataclasses
-
 import jax
 import jax.numpy as jnp
 import optax
@@ -58,7 +56,7 @@ def test_megablox_lowers_for_tpu():
 
 
 def test_ragged_expert_parallel_lowers_for_tpu():
-  cfg = dataclasses.replace(CFG, **EP).with_engine(moe_backend='megablox')
+  cfg = CFG.with_engine(**EP, moe_backend='megablox')
   text = _export_moe_grad(cfg, 'tpu', (1, 2, 4, 1))
   assert 'ragged_all_to_all' in text and 'tpu_custom_call' in text
 
@@ -73,7 +71,7 @@ def test_expert_adapters_lower_for_tpu_with_the_experts_partitioned_by_xla():
 
 
 def test_ragged_expert_parallel_lowers_for_gpu():
-  cfg = dataclasses.replace(CFG, **EP).with_engine(moe_backend='ragged_dot', platform='gpu')
+  cfg = CFG.with_engine(**EP, moe_backend='ragged_dot', platform='gpu')
   text = _export_moe_grad(cfg, 'cuda', (1, 2, 4, 1))
   # Tokens out and results back, then the gradient's two reverse exchanges.
   calls = [line for line in text.splitlines() if 'custom_call @ragged_all_to_all(' in line]
@@ -85,7 +83,7 @@ def test_sharded_train_step_lowers(platform, backend):
   """The whole LoRA training step (attention, MoE with ragged expert parallelism, loss, AdamW),
   jitted with the state and batch shardings the training loop uses on a (1,2,4,1) mesh."""
   target = {'cuda': 'gpu'}.get(platform, platform)
-  cfg = dataclasses.replace(CFG, **EP).with_engine(moe_backend=backend, platform=target)
+  cfg = CFG.with_engine(**EP, moe_backend=backend, platform=target)
   mesh = sharding.make_mesh((1, 2, 4, 1))
   cfg = with_lora(cfg, rank=8, targets=ALL_TARGETS).laid_out(target, mesh)
   opt = optax.adamw(1e-4)

@@ -62,11 +62,11 @@ def test_shapes_that_the_checkpoint_decides_are_refused_naming_both_values():
 @pytest.mark.parametrize(
   'override, message',
   [
-    ({'dtype': 'float8'}, r"^model\.dtype='float8' is unknown"),
-    ({'remat': 'fulll'}, r"^model\.remat='fulll' is unknown"),
+    ({'dtype': 'float8'}, r"^engine\.dtype='float8' is unknown"),
+    ({'remat': 'fulll'}, r"^engine\.remat='fulll' is unknown"),
   ],
 )
-def test_engine_settings_are_named_as_model_fields(override, message):
+def test_engine_settings_are_named_as_engine_fields(override, message):
   with pytest.raises(ValueError, match=message):
     hf.config_from_hf(hf.read_config(BASE), **override)
 
@@ -83,7 +83,7 @@ def test_the_command_refuses_a_shape_beside_the_checkpoint_in_one_line(tmp_path)
   errors = [line for line in out.stderr.splitlines() if line.startswith('Error:')]
   assert errors == [
     f'Error: --config.model.moe_topk=20: init.hf_checkpoint={BASE} gives moe_topk=3 in its '
-    "config.json, which decides the model's shapes; leave it out (only how the model computes "
-    'may be set: dtype, remat, kernels, ...)'
+    "config.json, which decides the model's shapes; leave it out (how the model computes is the "
+    'engine section: engine.dtype, engine.remat, ...)'
   ]
   assert 'Traceback' not in out.stderr and not os.path.exists(workdir)

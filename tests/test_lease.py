@@ -67,7 +67,7 @@ def test_of_two_runs_taking_over_a_stale_lease_one_wins(tmp_path):
   path = tmp_path / lease.LEASE
   write(path, host='elsewhere', pid=1, heartbeat=0)
   code = (
-    'import sys, time; from moetrain import lease\n'
+    'import sys, time; from moetrain.run import lease\n'
     'try:\n'
     '  lease.Lease(sys.argv[1]).acquire(); print("won", flush=True); time.sleep(5)\n'
     'except lease.LeaseHeld:\n'

@@ -313,9 +313,7 @@ def test_ragged_expert_parallel_drops_exactly_what_it_reports(bound):
   """A receive buffer smaller than the worst case (bounded for dropless with overflow 'drop', or
   sized by the capacity factor) drops overflow; the output is then the single-device dropless
   output with exactly the reported assignments' gates zeroed."""
-  cfg = dataclasses.replace(CFG, **bound).with_engine(
-    rules=sharding.Rules.preset('fsdp_ep_tp'), moe_ep_comm='ragged'
-  )
+  cfg = CFG.with_engine(**bound, rules=sharding.Rules.preset('fsdp_ep_tp'), moe_ep_comm='ragged')
   x, idx, gates, w, y, dropped = route_on_ep_mesh(cfg, seed=7)
   assert 0 < float(dropped.sum()) < float((idx < cfg.n_routed_experts).sum())
   single = cfg.with_engine(moe_expert_parallel=False, moe_dispatch='dropless')

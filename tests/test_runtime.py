@@ -36,7 +36,7 @@ def test_opt_out_and_unsupported_systems(capable, monkeypatch):
 
 def test_reexec_runs_the_same_command_with_the_tunable():
   code = (
-    'import os, sys; from moetrain import runtime; runtime.reexec_with_hugepages(); '
+    'import os, sys; from moetrain.core import runtime; runtime.reexec_with_hugepages(); '
     'print(os.environ.get("GLIBC_TUNABLES", ""), sys.argv[1:])'
   )
   env = {k: v for k, v in os.environ.items() if k != 'GLIBC_TUNABLES'}

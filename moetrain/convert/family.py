@@ -2,6 +2,7 @@
 fields mapping, the checks every config.json gets, and the rows of a group of layers."""
 
 from moetrain.convert.stacked_io import Row
+from moetrain.core.engine import ENGINE_FIELDS
 from moetrain.model.config import LayerGroup
 
 # (HF name, moetrain path, input dims of the kernel). HF stores a Linear as [prod(out), prod(in)],
@@ -54,6 +55,7 @@ def read_fields(c: dict, model_type: str, required: dict, optional: dict, fixed:
 
 def write_fields(cfg, required: dict, optional: dict) -> dict:
   """The config.json keys of `required` and `optional` (read_fields' tables) from cfg."""
-  out = {key: getattr(cfg, field) for key, field in required.items()}
-  out.update({key: getattr(cfg, field) for key, (field, _) in optional.items()})
+  value = lambda f: getattr(cfg.engine if f in ENGINE_FIELDS else cfg, f)  # (init_std)
+  out = {key: value(field) for key, field in required.items()}
+  out.update({key: value(field) for key, (field, _) in optional.items()})
   return out

@@ -83,7 +83,7 @@ def check_overrides(path: str, overrides: dict) -> None:
   if not given:
     return
   kw = family_of((c := read_config(path)).get('model_type', longcat.MODEL_TYPE)).config_from_hf(c)
-  base = ModelConfig(**kw)
+  base = ModelConfig(**{k: v for k, v in kw.items() if k not in ENGINE_KEYS})
   for key, value in given.items():
     if hasattr(base, key) and getattr(base, key) != value:
       raise ValueError(

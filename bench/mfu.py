@@ -120,7 +120,7 @@ def main():
   ap.add_argument('--capacity_factor', type=float, default=1.25)
   ap.add_argument('--dtype', default='bfloat16')
   ap.add_argument('--scan_layers', type=int, default=1, choices=[0, 1])
-  ap.add_argument('--loss_chunk', type=int, default=LONGCAT_PRESETS['medium'].loss_chunk)
+  ap.add_argument('--loss_chunk', type=int, default=LONGCAT_PRESETS['medium'].engine.loss_chunk)
   args = ap.parse_args()
   base = MFU_1B if args.preset == 'mfu1b' else LONGCAT_PRESETS[args.preset]
   cfg = base.with_engine(

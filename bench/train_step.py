@@ -117,7 +117,7 @@ def main():
   ap.add_argument('--steps', type=int, default=5)
   ap.add_argument('--rounds', type=int, default=1, help='alternating moetrain/HF rounds')
   ap.add_argument('--hf', action='store_true')
-  ap.add_argument('--loss_chunk', type=int, default=LONGCAT_PRESETS['medium'].loss_chunk)
+  ap.add_argument('--loss_chunk', type=int, default=LONGCAT_PRESETS['medium'].engine.loss_chunk)
   ap.add_argument('--vocab', type=int, default=LONGCAT_PRESETS['medium'].vocab_size)
   ap.add_argument(
     '--scan_layers', type=int, default=0, choices=[0, 1], help='0: unrolled (4 layers: faster)'

@@ -34,7 +34,7 @@ def test_four_entry_mesh_shapes_mean_stage_one():
   assert sharding.resolve_mesh_shape((2, 1, -1, 2, 1), 8) == (2, 1, 2, 2, 1)
   assert sharding.check_dcn_shape((2, 1, 1, 1), (1, 2, 4, 1, 1)) == (1, 2, 1, 1, 1)
   assert sharding.check_dcn_shape((2, 1, 1, 1, 1), (2, 1, 4, 1, 1)) == (2, 1, 1, 1, 1)
-  assert tiny().laid_out('cpu', (1, 2, 4, 1)).mesh_shape == (1, 1, 2, 4, 1)
+  assert tiny().laid_out('cpu', (1, 2, 4, 1)).engine.mesh_shape == (1, 1, 2, 4, 1)
   mesh = sharding.make_mesh((2, 1, -1, 2, 1))
   assert dict(mesh.shape) == {'stage': 2, 'data': 1, 'fsdp': 2, 'expert': 2, 'tensor': 1}
 

@@ -12,7 +12,6 @@ import threading
 import time
 
 import jax
-from orbax.checkpoint import multihost as ocp_multihost
 
 # How long a host waits for the others: they are in lockstep through the step's collectives
 # anyway, so a long wait means a host died (or is still compiling).
@@ -33,6 +32,8 @@ class Exchange:
   def __call__(self, value: str, round_: int) -> list[str]:
     if jax.process_count() == 1:
       return [value]
+
+    from orbax.checkpoint import multihost as ocp_multihost  # (orbax: slow to import)
 
     client = ocp_multihost.get_jax_distributed_client()
     me = jax.process_index()
@@ -84,6 +85,8 @@ def _say_and_exit(message: str) -> None:
 
 class _Watch:
   def __init__(self, timeout: float):
+
+    from orbax.checkpoint import multihost as ocp_multihost  # (orbax: slow to import)
 
     self.client = ocp_multihost.get_jax_distributed_client()
     self.me, self.count, self.timeout = jax.process_index(), jax.process_count(), timeout

@@ -12,9 +12,6 @@ import sys
 import threading
 import time
 
-from moetrain.core import multihost
-from moetrain.core.engine import ENGINE_FIELDS
-
 TUNABLE = 'glibc.malloc.hugetlb'
 THP_SETTING = '/sys/kernel/mm/transparent_hugepage/enabled'
 
@@ -137,6 +134,8 @@ def parse_flags(argv: list[str]) -> list[str]:
 def engine_keys_moved(argv: list[str]) -> list[str]:
   """argv with each --config.model.<key> of a key the `engine` section now holds (dtype, remat,
   moe_backend, ...) read as --config.engine.<key>, and a note naming the new key."""
+  from moetrain.core.engine import ENGINE_FIELDS
+
   out = []
   for arg in argv:
     name, eq, value = arg.partition('=')
@@ -196,6 +195,8 @@ def initialize_distributed(preemption: bool = True, resume_step: int | None = No
   from absl import app, flags
   from absl import logging as absl_logging
   from jax.experimental import multihost_utils
+
+  from moetrain.core import multihost
 
   f = flags.FLAGS
   explicit = 'num_processes' in f and f.num_processes is not None
@@ -416,6 +417,7 @@ def _leave_the_job(e: Exception) -> None:
   reset by peer") first gives the watch its time to name a peer that died, which then ends the
   process with that line. Then this process stops beating: others that did not fail with it
   stop after --peer_timeout, naming it; others that did meet it in JAX's shutdown at exit."""
+
   multihost = sys.modules.get('moetrain.core.multihost')
   if multihost is None or not multihost.watching():
     return

@@ -438,7 +438,7 @@ def pipeline_neighbours(config, now, slices: int) -> list[dict]:
     if rows % (k * slices) == 0
   ]
   if shape[0] > 1:
-    repeats = 1 if now.model.engine.pipeline_repeats > 1 else 2
+    repeats = 1 if now.engine.pipeline_repeats > 1 else 2
     cfg = model_config(now).laid_out('tpu', shape)
     try:
       stages.check(cfg.with_engine(pipeline_repeats=repeats))

@@ -5,14 +5,9 @@ import functools
 import json
 import os
 
-import ml_collections
 from absl import logging
 
-from moetrain.core import fields, multihost, runtime, storage
-from moetrain.data import loader, sources
-from moetrain.data import tokenizer as tokenizer_lib
-from moetrain.run import integrity, sections
-from moetrain.training import optim
+from moetrain.core import fields, runtime, storage
 
 # (JAX, the model and the data pipeline are imported where used: `python -m moetrain.main` reads
 # the saved steps before it re-executes itself, runtime.start_command.)
@@ -21,6 +16,8 @@ from moetrain.training import optim
 @functools.cache
 def stream_fields() -> tuple[str, ...]:
   """What shapes the training stream a checkpoint's data position points into."""
+
+  from moetrain.data import loader
 
   return fields.with_role(loader.DataConfig, 'stream')
 
@@ -34,6 +31,8 @@ def with_absolute_paths(config):
   """A copy of `config` (a ConfigDict, or a config.json's dict) with its paths absolute (role "path").
   (Older runs wrote them as given, relative to where they ran: taken here as the working
   directory.)"""
+  from moetrain.run import sections
+
   if isinstance(config, dict):
     config = {k: dict(v) if isinstance(v, dict) else v for k, v in config.items()}
   else:
@@ -49,6 +48,8 @@ def tool_config(config, workdir: str | None):
   """`config` (--config), checked against the run in `workdir` as a resume is, or the run's own
   config.json when it is None. A workdir without checkpoints is refused: a tool would otherwise
   read the initial weights."""
+  import ml_collections
+
   if workdir and not saved_steps(workdir):
     raise ValueError(
       f'--workdir={workdir!r} holds no checkpoints ({storage.join(workdir, "checkpoints")}); '
@@ -173,6 +174,8 @@ def checkpoint_tokenizer(path: str) -> str:
   """The tokenizer file of a checkpoint: a Hugging Face directory's own, or the one a moetrain
   run directory trained with (a distillation teacher's)."""
 
+  from moetrain.data import tokenizer as tokenizer_lib
+
   saved = run_config(path)
   if saved is not None:  # as that run read it (a teacher that was itself distilled: its teacher's)
     given = read_tokenizer(_with_defaults(saved))
@@ -184,12 +187,16 @@ def checkpoint_tokenizer(path: str) -> str:
 
 def _with_defaults(saved: dict) -> dict:
 
+  from moetrain.run import sections
+
   return sections.with_defaults(saved)
 
 
 def _tokenizer_diffs(saved: dict, now: dict, workdir: str) -> list[str]:
   """The weights know the run's token ids: another tokenizer makes them read other text (and
   with none given, a tool would train one into the run directory)."""
+
+  from moetrain.data import tokenizer as tokenizer_lib
 
   def tokenizer(c):  # the file it reads: read_tokenizer's, or the run's own
     path = read_tokenizer(c)
@@ -228,6 +235,8 @@ SCHEDULE_FIELDS = (
 def _warn_schedule_changes(saved: dict, now: dict, workdir: str, step: int) -> None:
   """The learning-rate schedule is a function of these settings: a resume that changes one
   (a longer train.steps stretches the cosine) moves the rate from the resumed step on."""
+
+  from moetrain.training import optim
 
   get = lambda d, key: d[key.split('.')[0]][key.split('.')[1]]
   changed = [
@@ -331,12 +340,16 @@ def tokenizer_path(data, workdir: str) -> str:
   """The tokenizer a run reads: data.tokenizer (build() sets the checkpoint's for
   init.hf_checkpoint), else the one trained into the run directory."""
 
+  from moetrain.data import tokenizer as tokenizer_lib
+
   return data.tokenizer or storage.join(run_dir(workdir), tokenizer_lib.SPM_FILE)
 
 
 def data_files(data) -> list[str]:
   """The files the run's data is read from: its splits' files (jsonl, text; local copies of
   gs:// ones) and data.chat_template."""
+  from moetrain.data import sources
+
   files = [data.chat_template] if data.chat_template else []
   if data.source in ('jsonl', 'text'):
     splits = [s for s in (data.train_split, data.eval_split) if s]
@@ -367,6 +380,9 @@ def _changed_tokenizer(was: dict, now: dict) -> str:
 
 def _fingerprinted(workdir: str, data, resuming: bool) -> dict:
   """The run's input record (INPUTS), checked against the recorded one when `resuming`."""
+
+  from moetrain.data import tokenizer as tokenizer_lib
+  from moetrain.run import integrity
 
   was = _recorded(workdir) if resuming else {}
   tokenizer_now = tokenizer_lib.tokenizer_files(tokenizer_path(data, workdir))
@@ -401,6 +417,7 @@ def check_inputs(workdir: str, data, resuming: bool) -> dict | None:
   record are not read again, integrity.fingerprints). On a resume a tokenizer whose content
   changed stops the run naming the file, and changed data files are warned of by name. Returns
   the record for `record_inputs` (None on the other processes, which stop with process 0)."""
+  from moetrain.core import multihost
 
   record, problem = None, ''
   if runtime.is_primary():
@@ -421,6 +438,9 @@ def record_inputs(workdir: str, record: dict | None) -> None:
 def check_tokenizer_content(workdir: str, tokenizer: str) -> None:
   """For a tool reading a run's weights: its tokenizer (data.tokenizer, else init.hf_checkpoint's,
   else the run's own: `tokenizer`='') must still be the one the run recorded."""
+
+  from moetrain.data import tokenizer as tokenizer_lib
+  from moetrain.run import integrity
 
   was = _recorded(workdir).get('tokenizer')
   if was:

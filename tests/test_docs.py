@@ -18,17 +18,7 @@ def _anchor(heading: str) -> str:
 
 
 def _anchors(path: pathlib.Path) -> set[str]:
-  found, seen = set(), {}
-  in_code = False
-  for line in path.read_text().splitlines():
-    if line.startswith('```'):
-      in_code = not in_code
-    elif not in_code and (m := re.match(r'#+ (.*)', line)):
-      base = _anchor(m.group(1))
-      n = seen.get(base, 0)
-      seen[base] = n + 1
-      found.add(base if n == 0 else f'{base}-{n}')
-  return found
+  return {anchor for _, anchor in _headings(path)}
 
 
 def test_readme_and_docs_links_resolve():

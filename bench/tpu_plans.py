@@ -1,6 +1,6 @@
-"""The README's TPU commands compiled for the slices they are planned for (minutes each, on any
-host with libtpu): python -m bench.tpu_plans [--only NAME,...] [--json DIR]. Prints the README
-table's rows; bench/RESULTS.md "TPU plans" holds the results."""
+"""The TPU commands of docs/tpu.md compiled for the slices they are planned for (minutes each, on
+any host with libtpu): python -m bench.tpu_plans [--only NAME,...] [--json DIR]. Prints the rows of
+docs/tpu.md's plan table; bench/RESULTS.md "TPU plans" holds the results."""
 
 import argparse
 import json
@@ -39,8 +39,8 @@ def _kaggle(expert: int) -> dict:
 
 
 PLANS = {
-  # name: (model, config module, config argument, topology, overrides): every TPU command of the
-  # README, each on the slice it names. QLoRA takes fewer chips for the same 64 rows of 8192
+  # name: (model, config module, config argument, topology, overrides): every TPU command of
+  # docs/tpu.md, each on the slice it names. QLoRA takes fewer chips for the same 64 rows of 8192
   # tokens, in micro-batches of one row per chip.
   'lora': flash(longcat_lora, 'v5p-128', {}),
   'qlora-int8': flash(longcat_lora, 'v5p-64', {**INT8, 'optim.grad_accum_steps': 2}),

@@ -28,7 +28,7 @@ import numpy as np
 import optax
 
 from bench.common import emit, machine
-from moetrain.core.engine import ENGINE_FIELDS, LoraConfig
+from moetrain.core.engine import LoraConfig, split_engine_keys
 from moetrain.model.config import LONGCAT_PRESETS
 from moetrain.training.train_state import init_state
 from moetrain.training.train_step import StepConfig, jit_train_step
@@ -39,7 +39,7 @@ LORA_TARGETS = r'attn_\d\.(q_a|q_b|kv_a|kv_b|o)$|mlp_\d\.(gate|up|down)$|experts
 def make_step(mode: str, quant: str, dtype: str, remat: str, backend: str, batch=4, seq=512, **kw):
   """The medium config and batch; kw overrides other model or engine keys."""
   lora = LoraConfig(rank=16, alpha=32.0, targets=LORA_TARGETS) if mode == 'lora' else LoraConfig()
-  engine = {k: kw.pop(k) for k in list(kw) if k in ENGINE_FIELDS}
+  kw, engine = split_engine_keys(kw)
   cfg = dataclasses.replace(LONGCAT_PRESETS['medium'], lora=lora, **kw).with_engine(
     dtype=dtype, remat=remat, quant=quant, moe_backend=backend, **engine
   )

@@ -11,7 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from moetrain.core.engine import ENGINE_KEYS, LORA_TARGETS, LoraConfig
+from moetrain.core.engine import LORA_TARGETS, LoraConfig, split_engine_keys
 from moetrain.model.config import ModelConfig
 from moetrain.model.transformer import Transformer
 
@@ -51,8 +51,8 @@ ALL_TARGETS = LORA_TARGETS  # every projection of every family
 
 def configured(cfg: ModelConfig, **kw) -> ModelConfig:
   """cfg with model keys and engine keys changed, each in its own config."""
-  engine = {k: kw.pop(k) for k in list(kw) if k in ENGINE_KEYS}
-  return dataclasses.replace(cfg, **kw).with_engine(**engine)
+  model, engine = split_engine_keys(kw)
+  return dataclasses.replace(cfg, **model).with_engine(**engine)
 
 
 def tiny(**kw) -> ModelConfig:

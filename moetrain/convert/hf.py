@@ -19,7 +19,7 @@ from moetrain.convert import safetensors_io as stio
 from moetrain.convert import stacked_io as sio
 from moetrain.convert.stacked_io import Row
 from moetrain.core import storage
-from moetrain.core.engine import ENGINE_KEYS
+from moetrain.core.engine import split_engine_keys
 from moetrain.model.config import ModelConfig
 from moetrain.model.transformer import Transformer
 from moetrain.training import train_state
@@ -62,8 +62,7 @@ def config_from_hf(config_json: dict, **overrides) -> ModelConfig:
   absent); `overrides` set the derived fields (engine, lora) or single engine keys (dtype, remat,
   ...). Errors name the model.<field>, and say when config.json gave the value."""
   kw = family_of(config_json.get('model_type', longcat.MODEL_TYPE)).config_from_hf(config_json)
-  kw = {**kw, **overrides}
-  engine = {k: kw.pop(k) for k in list(kw) if k in ENGINE_KEYS}  # (init_std: initializer_range)
+  kw, engine = split_engine_keys({**kw, **overrides})  # (init_std: initializer_range)
   cfg = ModelConfig(**kw).with_engine(**engine)
   try:
     cfg.validate('model')
@@ -83,7 +82,7 @@ def check_overrides(path: str, overrides: dict) -> None:
   if not given:
     return
   kw = family_of((c := read_config(path)).get('model_type', longcat.MODEL_TYPE)).config_from_hf(c)
-  base = ModelConfig(**{k: v for k, v in kw.items() if k not in ENGINE_KEYS})
+  base = ModelConfig(**split_engine_keys(kw)[0])
   for key, value in given.items():
     if hasattr(base, key) and getattr(base, key) != value:
       raise ValueError(

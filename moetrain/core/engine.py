@@ -231,3 +231,10 @@ class EngineConfig:
 ENGINE_FIELDS = keys(EngineConfig)
 # ...and with the derived ones, every field of an EngineConfig.
 ENGINE_KEYS = tuple(f.name for f in dataclasses.fields(EngineConfig))
+
+
+def split_engine_keys(kw: dict) -> tuple[dict, dict]:
+  """kw's keys apart: (the others, those of an EngineConfig). Configs written before the engine
+  section held its keys in `model`; config.json readers and builders take both kinds at once."""
+  engine = {k: v for k, v in kw.items() if k in ENGINE_KEYS}
+  return {k: v for k, v in kw.items() if k not in engine}, engine

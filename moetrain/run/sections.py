@@ -11,7 +11,7 @@ from absl import logging
 from ml_collections import config_dict
 
 from moetrain.core import fields, sharding
-from moetrain.core.engine import ENGINE_FIELDS, EngineConfig, LoraConfig
+from moetrain.core.engine import EngineConfig, LoraConfig, split_engine_keys
 from moetrain.core.fields import field
 from moetrain.data import loader
 from moetrain.distill.config import DistillConfig
@@ -128,34 +128,18 @@ def default_config() -> config_dict.ConfigDict:
   return c
 
 
-def engine_keys_moved(config: dict) -> list[str]:
-  """The engine keys a config (a config.json's dict, or overrides keyed 'model.<key>') holds in
-  the `model` section, as configs did before the `engine` section: moved there, in place.
-  Returns their names."""
-  if 'model' in config and isinstance(config['model'], dict):
-    model = config['model']
-    moved = [k for k in ENGINE_FIELDS if k in model]
-    engine = config.setdefault('engine', {})
-    for k in moved:
-      engine.setdefault(k, model.pop(k))
-    return moved
-  moved = [k for k in list(config) if k.startswith('model.') and k[6:] in ENGINE_FIELDS]
-  for k in moved:
-    config['engine.' + k[6:]] = config.pop(k)
-  return [k[6:] for k in moved]
-
-
 def with_defaults(saved: dict) -> dict:
   """A run's config.json (a dict) with the keys it lacks (an older run's) at their defaults, and
   the engine keys an older run kept in `model` read into `engine`."""
-  saved = {k: dict(v) if isinstance(v, dict) else v for k, v in saved.items()}
-  if moved := engine_keys_moved(saved):
+  model, moved = split_engine_keys(saved.get('model', {}))
+  if moved:
     logging.info(
       'config.json: %d keys of its model section (model.%s, ...) are engine keys now, read as '
       'engine.<key>',
       len(moved),
-      moved[0],
+      next(iter(moved)),
     )
+    saved = saved | {'model': model, 'engine': moved | saved.get('engine', {})}
   out = {'seed': saved.get('seed', SEED)}
   for name, cls in SECTIONS.items():
     out[name] = {**fields.defaults(cls), **saved.get(name, {})}

@@ -15,7 +15,7 @@ from flax import nnx
 
 from moetrain.convert import hf, peft_adapter
 from moetrain.core import axes, runtime, sharding, storage
-from moetrain.core.engine import ENGINE_FIELDS, EngineConfig, LoraConfig
+from moetrain.core.engine import EngineConfig, LoraConfig, split_engine_keys
 from moetrain.data import loader
 from moetrain.distill import logits as distill_logits
 from moetrain.distill import student
@@ -73,11 +73,10 @@ def model_config(config) -> ModelConfig:
   """The network of the `model` section (or of init.hf_checkpoint's config.json), its `lora`
   adapters, and the `engine` section with the mesh's sharding rules."""
   rules = sharding.Rules.preset(config.mesh.rules)
-  model, engine = config.model.to_dict(), config.engine.to_dict()
-  if moved := [k for k in ENGINE_FIELDS if k in model]:  # a config file written before `engine`
+  model, moved = split_engine_keys(config.model.to_dict())
+  if moved:  # a config file written before the engine section
     logging.warning('config.model.%s: now config.engine.<key>', ', config.model.'.join(moved))
-    engine |= {k: model.pop(k) for k in moved}
-  engine = EngineConfig(**engine, rules=rules)
+  engine = EngineConfig(**(config.engine.to_dict() | moved), rules=rules)
   lora = LoraConfig(**config.lora.to_dict())
   path = config.init.hf_checkpoint
   if not path:

@@ -7,7 +7,6 @@ import importlib
 import pathlib
 import pkgutil
 
-import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -265,7 +264,11 @@ def _assert_same_function(make, diff, seed=7):
   fast, ref = jax.jit(make(False)), jax.jit(make(True))
   out, pull = jax.vjp(fast, *diff)
   want, want_pull = jax.vjp(ref, *diff)
-  chex.assert_trees_all_close(out, want, atol=1e-5, rtol=1e-5)
+  # Sums over a contraction: float32 rounding is relative to the output's scale (its order of
+  # summation is the compiler's and the CPU's choice).
+  for got, ref_o in zip(jax.tree.leaves(out), jax.tree.leaves(want), strict=True):
+    scale = max(1.0, float(jnp.abs(ref_o).max()))
+    np.testing.assert_allclose(got, ref_o, atol=1e-5 * scale, rtol=1e-5)
   leaves, tree = jax.tree.flatten(want)
   keys = jax.random.split(jax.random.key(seed), len(leaves))
   cot = jax.tree.unflatten(

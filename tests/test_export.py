@@ -2,6 +2,7 @@
 one (tools/export.py, `publish`; on gs://, `publish_url`, as far as a bucket allows)."""
 
 import errno
+import json
 import os
 import shutil
 
@@ -20,6 +21,12 @@ NEW = {
   'tokenizer.model': b'pieces',
 }
 MINE = {'notes.txt': b'not an export file'}  # left in --out by its owner: stays
+
+
+def _marked(files: dict, kind: str = export.MERGED) -> dict:
+  """`files` as an export writes them: with the marker naming them."""
+  text = json.dumps({'kind': kind, 'files': sorted(files)}, indent=1) + '\n'
+  return {**files, export.MARKER: text.encode()}
 
 
 class Killed(BaseException):
@@ -81,13 +88,13 @@ def test_a_kill_at_any_step_leaves_the_old_export_or_the_new(tmp_path, monkeypat
 
     monkeypatch.setattr(export, '_exchange', refused)
   monkeypatch.setattr(lease, 'pid_alive', lambda pid: False)  # the killed export's process
-  old, new = {**OLD, **MINE}, {**NEW, **MINE}
+  old, new = {**_marked(OLD), **MINE}, {**_marked(NEW), **MINE}
   for n in range(100):
     root = tmp_path / str(n)
     out = str(root / 'exported')
     _write(out, old)
     staging = export._staging(out)
-    _write(staging, NEW)
+    _write(staging, _marked(NEW))
     left, calls = _publish_killed_at(n, STEPS, export.publish, staging, out)
     assert _files(out) in (old, new) or (not exchange and _files(out) == {}), calls
     if left is not Killed:
@@ -111,19 +118,65 @@ def test_a_bucket_never_shows_new_weights_with_the_old_config(tmp_path):
   """An object store has no rename: the earlier config goes first and the new one comes last, so
   a kill leaves the earlier export, no config (nothing loads it as a model), or the new one."""
   staging = str(tmp_path / 'staging')
-  _write(staging, NEW)
+  _write(staging, _marked(NEW))
   steps = [(storage, 'copy'), (storage, 'remove')]
+  drop = lambda files: {k: v for k, v in files.items() if k != export.MARKER}
   for n in range(100):
     out = f'memory://bucket/run{n}'
-    for name, data in {**OLD, **MINE}.items():
+    for name, data in {**_marked(OLD), **MINE}.items():
       storage.write_atomic(storage.join(out, name), data)
     done, calls = _publish_killed_at(n, steps, export.publish_url, staging, out)
     after = {f: storage.open(storage.join(out, f), 'rb').read() for f in storage.listdir(out)}
     if 'config.json' in after:
-      assert after in ({**OLD, **MINE}, {**NEW, **MINE}), calls
+      assert drop(after) in ({**OLD, **MINE}, {**NEW, **MINE}), calls
+    # A rerun after a kill replaces what either export wrote, and nothing of the owner's.
+    assert set(after) - set(MINE) <= export._exported_by(out) | {export.MARKER}, calls
     if done is not Killed:
-      assert after == {**NEW, **MINE}
+      assert after == {**_marked(NEW), **MINE}
       break
-  assert (
-    done is not Killed and n == 1 + len(NEW) + 1
-  )  # the old config, the new files, the stale weights
+  # The old config, the new files, the stale weights, the new config and marker.
+  assert done is not Killed and n == 1 + len(NEW) + 2
+
+
+HUB_COPY = {
+  'config.json': b'{"model_type": "qwen3_moe"}',
+  'generation_config.json': b'{}',
+  'model.safetensors': b'weights',
+  'tokenizer.model': b'pieces',
+  'notes.txt': b'mine',
+}
+
+
+def test_an_export_replaces_only_an_earlier_export_of_its_kind(tmp_path):
+  """A directory that no export wrote (a model copied from the Hub, a user's files) is refused
+  with its files named, as is an export of the other kind; --replace replaces them. Only the
+  files an export wrote (its marker) are replaced: the owner's stay."""
+  hub = str(tmp_path / 'hub')
+  _write(hub, HUB_COPY)
+  for kind in (export.ADAPTER, export.MERGED):
+    with pytest.raises(ValueError, match=r'no export wrote it; it holds config\.json, generation'):
+      export.check_target(hub, kind, replace=False)
+  export.check_target(hub, export.ADAPTER, replace=True)
+  assert _files(hub) == HUB_COPY
+  export.check_target(str(tmp_path / 'new'), export.ADAPTER, replace=False)
+  (tmp_path / 'empty').mkdir()
+  export.check_target(str(tmp_path / 'empty'), export.ADAPTER, replace=False)
+  with pytest.raises(ValueError, match='is a file, not a directory'):
+    export.check_target(os.path.join(hub, 'notes.txt'), export.MERGED, replace=False)
+
+  adapter = {'adapter_config.json': b'{}', 'adapter_model.safetensors': b'lora'}
+  out = str(tmp_path / 'out')
+  _write(out, {**_marked(adapter, export.ADAPTER), **MINE})
+  export.check_target(out, export.ADAPTER, replace=False)
+  message = r'holds a adapter export \(adapter_config\.json, adapter_model\.safetensors\): choose'
+  with pytest.raises(ValueError, match=message.replace('a adapter', 'an? adapter')):
+    export.check_target(out, export.MERGED, replace=False)
+  staging = export._staging(out)
+  _write(staging, _marked(NEW))
+  shutil.rmtree(export.publish(staging, out))
+  assert _files(out) == {**_marked(NEW), **MINE}
+
+  staging = export._staging(hub)  # --replace over a directory no export wrote: all of it goes
+  _write(staging, _marked(adapter, export.ADAPTER))
+  shutil.rmtree(export.publish(staging, hub))
+  assert _files(hub) == _marked(adapter, export.ADAPTER)

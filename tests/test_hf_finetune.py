@@ -103,7 +103,7 @@ def test_adapter_only_export(tmp_path):
   final = train.run(config, workdir)
   out = export.export(config, workdir, str(tmp_path / 'adapter'), adapter_only=True)
   files = sorted(os.listdir(out))
-  assert files == ['adapter_config.json', 'adapter_model.safetensors']
+  assert files == [export.MARKER, 'adapter_config.json', 'adapter_model.safetensors']
   with open(os.path.join(out, 'adapter_config.json')) as f:  # for peft's AutoPeftModel
     assert json.load(f)['base_model_name_or_path'] == config.init.hf_checkpoint
   # The run's config.json says which shapes the checkpoint gave (not the preset's).

@@ -121,7 +121,12 @@ def test_export_guards_its_output(uninterrupted, tmp_path, monkeypatch):  # noqa
     export.export(None, workdir, str(tmp_path / 'x'), dtype='int8')
   # The merged export takes the run's tokenizer along: it loads on its own.
   merged = export.export(None, workdir, str(tmp_path / 'merged'))
-  assert sorted(os.listdir(merged)) == ['config.json', 'model.safetensors', 'tokenizer.model']
+  assert sorted(os.listdir(merged)) == [
+    export.MARKER,
+    'config.json',
+    'model.safetensors',
+    'tokenizer.model',
+  ]
   from moetrain.data.tokenizer import load_tokenizer
 
   text = 'reverse: red fox ='
@@ -129,15 +134,19 @@ def test_export_guards_its_output(uninterrupted, tmp_path, monkeypatch):  # noqa
   out = str(tmp_path / 'adapter')
   export.export(None, workdir, out, adapter_only=True)
   before = {f: os.path.getsize(os.path.join(out, f)) for f in os.listdir(out)}
-  assert sorted(before) == ['adapter_config.json', 'adapter_model.safetensors']
+  assert sorted(before) == [export.MARKER, 'adapter_config.json', 'adapter_model.safetensors']
 
-  # A merged export over an adapter export leaves no adapter file behind (transformers would
-  # read the directory as an adapter); files no export writes stay.
-  (tmp_path / 'again').mkdir()
+  # A merged export over an adapter export takes --replace, and leaves no adapter file behind
+  # (transformers would read the directory as an adapter); files no export wrote stay.
+  again = str(tmp_path / 'again')
+  export.export(None, workdir, again, adapter_only=True)
   (tmp_path / 'again' / 'notes.txt').write_text('mine')
-  export.export(None, workdir, str(tmp_path / 'again'), adapter_only=True)
-  export.export(None, workdir, str(tmp_path / 'again'))
+  export.export(None, workdir, again, adapter_only=True)  # the same kind: replaced
+  with pytest.raises(ValueError, match='holds a adapter export'.replace('a a', 'an? a')):
+    export.export(None, workdir, again)
+  export.export(None, workdir, again, replace=True)
   assert sorted(os.listdir(tmp_path / 'again')) == [
+    export.MARKER,
     'config.json',
     'model.safetensors',
     'notes.txt',
@@ -155,6 +164,28 @@ def test_export_guards_its_output(uninterrupted, tmp_path, monkeypatch):  # noqa
     export.export(None, workdir, out, adapter_only=True)
   assert {f: os.path.getsize(os.path.join(out, f)) for f in os.listdir(out)} == before
   assert sorted(os.listdir(tmp_path)) == ['adapter', 'again', 'merged']
+
+
+def test_an_export_into_a_model_directory_deletes_nothing(uninterrupted, tmp_path):  # noqa: F811
+  """--adapter_only into a copy of a Hugging Face model directory (which no export wrote) is
+  refused in one line naming its files, and leaves them all."""
+  import subprocess
+  import sys
+
+  workdir, _ = uninterrupted
+  hub = tmp_path / 'hub'
+  hub.mkdir()
+  names = ['config.json', 'generation_config.json', 'model.safetensors', 'tokenizer.model']
+  for name in [*names, 'notes.txt']:
+    (hub / name).write_text(name)
+  cmd = [sys.executable, '-m', 'moetrain.tools.export', f'--workdir={workdir}', f'--out={hub}']
+  done = subprocess.run([*cmd, '--adapter_only'], capture_output=True, text=True, timeout=300)
+  assert done.returncode == 1, done.stderr[-2000:]
+  last = done.stderr.strip().splitlines()[-1]
+  assert last.startswith(f'Error: --out={hub} is not empty and no export wrote it'), done.stderr
+  assert all(n in last for n in names) and '--replace' in last
+  assert sorted(os.listdir(hub)) == sorted([*names, 'notes.txt'])
+  assert all((hub / n).read_text() == n for n in os.listdir(hub))
 
 
 def test_remote_code_goes_along_or_its_auto_map_goes(tmp_path):

@@ -39,7 +39,9 @@ def build(out: Path = DIR, steps: int = STEPS) -> None:
       f'--config.train.steps={steps}',
       '--config.train.eval_every=100',
     )
-    _run('moetrain.tools.export', f'--workdir={run}', f'--out={out}', '--dtype=bfloat16')
+    _run(
+      'moetrain.tools.export', f'--workdir={run}', f'--out={out}', '--dtype=bfloat16', '--replace'
+    )
 
 
 if __name__ == '__main__':

@@ -2,11 +2,13 @@
 alone (PEFT layout).
 
   python -m moetrain.tools.export --workdir=runs/longcat_lora --out=exported/ \
-      [--adapter_only] [--dtype=bfloat16] [--config=configs/longcat_lora.py]
+      [--adapter_only] [--dtype=bfloat16] [--config=configs/longcat_lora.py] [--replace]
 
 The run's own config.json is used unless --config is given (it must then match the run). The
 export is written into a directory beside --out, which then takes the place of --out in one
 rename (`publish`): a failed or killed export leaves an earlier export in --out as it was.
+--out must be new, empty, or an earlier export of the same kind (its MARKER file lists what it
+wrote); anything else takes --replace.
 """
 
 import ctypes
@@ -24,7 +26,6 @@ from absl import app, flags
 from ml_collections import config_flags
 
 from moetrain.convert import hf, peft_adapter
-from moetrain.convert import safetensors_io as stio
 from moetrain.core import runtime, storage
 from moetrain.data import chat
 from moetrain.data import tokenizer as tokenizer_lib
@@ -50,6 +51,9 @@ def define_flags():
   flags.DEFINE_bool('adapter_only', False, 'Write adapter_model.safetensors + adapter_config.json.')
   flags.DEFINE_string(
     'dtype', None, f'Weight dtype of the merged export {DTYPES}; default the engine.param_dtype.'
+  )
+  flags.DEFINE_bool(
+    'replace', False, 'Replace an --out that is not an earlier export of the same kind.'
   )
   runtime.define_process_flags()
 
@@ -117,7 +121,9 @@ def base_config(hf_checkpoint: str) -> dict | None:
   return base
 
 
-def export(config, workdir: str, out: str, adapter_only: bool = False, dtype=None) -> str:
+def export(
+  config, workdir: str, out: str, adapter_only: bool = False, dtype=None, replace: bool = False
+) -> str:
   if dtype is not None and dtype not in DTYPES:
     raise ValueError(f'--dtype={dtype!r}: use one of {DTYPES}')
   if dtype is not None and adapter_only:
@@ -128,6 +134,8 @@ def export(config, workdir: str, out: str, adapter_only: bool = False, dtype=Non
   check_out(out, workdir, setup)
   if adapter_only and not setup.model.lora.enabled:
     raise ValueError('--adapter_only needs a LoRA run (lora.rank > 0)')
+  kind = ADAPTER if adapter_only else MERGED
+  check_target(out, kind, replace)
   companions = {} if adapter_only else companion_files(setup, workdir)
   check_tokenizer(companions)
   mesh = setup.make_mesh()
@@ -148,6 +156,8 @@ def export(config, workdir: str, out: str, adapter_only: bool = False, dtype=Non
         if primary:
           for name, source in companions.items():
             storage.copy(source, os.path.join(staging, name))
+    if primary:
+      write_marker(staging, kind)
     if primary and storage.is_url(out):
       publish_url(staging, out)
     elif primary:
@@ -204,32 +214,75 @@ def remove_dead_staging(out: str) -> None:
         shutil.rmtree(path, ignore_errors=True)
 
 
-# Files an export may write (with the model files, stio.is_model_file). An earlier export's are
-# not carried over into the new one: a stale model.safetensors shadows a new sharded index, a
-# stale adapter_config.json makes transformers read a merged export as an adapter, a stale
-# tokenizer.json wins over a new tokenizer.model.
-EXPORT_FILES = (
-  peft_adapter.ADAPTER_FILE,
-  peft_adapter.ADAPTER_CONFIG,
-  'config.json',
-  'generation_config.json',
-  SPM_FILE,
-  *TOKENIZER_FILES,
-)
 CONFIGS = ('config.json', peft_adapter.ADAPTER_CONFIG)  # what makes a directory loadable
+# Written last into every export: its kind and the names it wrote. Only those are replaced by the
+# next export (files of the directory's owner stay), and only an export of the same kind may
+# replace them without --replace: a model directory copied from the Hub, or an adapter export
+# under a merged one, is never taken for something to overwrite.
+MARKER = '.moetrain_export.json'
+MERGED, ADAPTER = 'merged', 'adapter'
+
+
+def write_marker(directory: str, kind: str, names=None) -> None:
+  names = sorted(set(os.listdir(directory) if names is None else names) - {MARKER})
+  text = json.dumps({'kind': kind, 'files': names}, indent=1)
+  storage.write_atomic(storage.join(directory, MARKER), text + '\n')
+
+
+def read_marker(directory: str) -> dict | None:
+  """The marker of an earlier export in `directory` ({'kind', 'files'}), or None."""
+  path = storage.join(directory, MARKER)
+  if not storage.isfile(path):
+    return None
+  try:
+    marker = json.loads(storage.read_text(path))
+  except ValueError:
+    return None
+  if not isinstance(marker, dict) or marker.get('kind') not in (MERGED, ADAPTER):
+    return None
+  files = marker.get('files')
+  if not isinstance(files, list) or not all(isinstance(n, str) for n in files):
+    return None
+  return marker
+
+
+def _listed(names) -> str:
+  names = sorted(names)
+  more = f' and {len(names) - 8} more' if len(names) > 8 else ''
+  return ', '.join(names[:8]) + more
+
+
+def check_target(out: str, kind: str, replace: bool) -> None:
+  """--out must be new, empty, or an earlier export of this kind; --replace allows the rest."""
+  if not storage.exists(out):
+    return
+  if not storage.isdir(out):
+    raise ValueError(f'--out={out} is a file, not a directory')
+  names = storage.listdir(out)
+  marker = read_marker(out)
+  if not names or replace or (marker and marker['kind'] == kind):
+    return
+  if marker:
+    ours = sorted(set(marker['files']) & set(names))
+    raise ValueError(
+      f'--out={out} holds a {marker["kind"]} export ({_listed(ours)}): choose another --out '
+      f'for the {kind} export, or pass --replace to replace those files'
+    )
+  raise ValueError(
+    f'--out={out} is not empty and no export wrote it; it holds {_listed(names)}: choose an '
+    f'empty or new directory, or pass --replace to delete them'
+  )
 
 
 def _exported_by(out: str) -> set[str]:
-  """The names in `out` that an export wrote: EXPORT_FILES, model files, and the remote code
-  its config.json names."""
-  code = set()
-  if storage.isfile(config := storage.join(out, 'config.json')):
-    try:
-      code = set(remote_code_files(json.loads(storage.read_text(config))))
-    except ValueError:
-      pass
-  names = storage.listdir(out)
-  return {n for n in names if stio.is_model_file(n) or n in EXPORT_FILES or n in code}
+  """The names in `out` that the next export replaces: those an earlier export wrote (its
+  marker), or all of them where no export wrote it (check_target let it through: it was empty
+  or --replace was given)."""
+  names = set(storage.listdir(out))
+  marker = read_marker(out)
+  if marker is None:
+    return names
+  return (set(marker['files']) | {MARKER}) & names
 
 
 def _exchange(a: str, b: str) -> None:
@@ -303,15 +356,18 @@ def publish_url(staging: str, out: str) -> None:
   no loader takes for a model (no config), or the new export; never new weights read with an
   old config."""
   new = sorted(os.listdir(staging))
-  stale = _exported_by(out) - set(new) - set(CONFIGS)
+  earlier = _exported_by(out)
+  stale = earlier - set(new) - set(CONFIGS) - {MARKER}
+  # Until the end, the marker names the files of both exports: a rerun after a kill replaces them.
+  write_marker(out, read_marker(staging)['kind'], earlier | set(new))
   first = [n for n in CONFIGS if storage.isfile(storage.join(out, n))]
   for name in first:
     storage.remove(storage.join(out, name))
-  for name in (n for n in new if n not in CONFIGS):
+  for name in (n for n in new if n not in CONFIGS and n != MARKER):
     storage.copy(os.path.join(staging, name), storage.join(out, name))
   for name in sorted(stale):
     storage.remove(storage.join(out, name))
-  for name in (n for n in new if n in CONFIGS):
+  for name in (n for n in new if n in CONFIGS or n == MARKER):
     storage.copy(os.path.join(staging, name), storage.join(out, name))
 
 
@@ -319,7 +375,7 @@ def main(argv):
   runtime.start_command(preemption=False)  # saves nothing: stay killable
   del argv
   f = flags.FLAGS
-  out = export(f.config, f.workdir, f.out, f.adapter_only, f.dtype)
+  out = export(f.config, f.workdir, f.out, f.adapter_only, f.dtype, f.replace)
   if runtime.is_primary():
     print(f'wrote {out}')
 

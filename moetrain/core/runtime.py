@@ -1,6 +1,7 @@
 """Process settings for fast host (CPU) execution, applied by the command-line entry points.
 (Design: docs/design.md, "moetrain/core/runtime.py".)"""
 
+import atexit
 import contextlib
 import functools
 import logging
@@ -240,6 +241,7 @@ def start_command(preemption: bool = True, resume_step: int | None = None) -> No
   cpu_without_accelerators()
   quiet_library_logs()
   quiet_closed_loop_errors()
+  tolerate_closed_output()
   initialize_distributed(preemption, resume_step)
 
 
@@ -327,6 +329,64 @@ def _unless_loop_closed(hook, unraisable) -> None:
   e = unraisable.exc_value
   if not (isinstance(e, RuntimeError) and str(e) == 'Event loop is closed'):
     hook(unraisable)
+
+
+class _ToleratesClosedPipe:
+  """A text stream (stdout, stderr) whose reader may go away: `python -m moetrain.main | tee
+  train.log` and Ctrl-C, which ends tee with the run. A write then fails with EPIPE, and the
+  BrokenPipeError, raised wherever a line was printed (the Ctrl-C handler's own print), ended
+  the run before it saved. From the first EPIPE on, what is written goes to /dev/null;
+  `closed_output` names the stream, for the run to record."""
+
+  def __init__(self, stream, name: str):
+    self._stream, self._name = stream, name
+
+  def write(self, text: str) -> int:
+    try:
+      return self._stream.write(text)
+    except BrokenPipeError:
+      self._closed()
+      return len(text)
+
+  def writelines(self, lines) -> None:
+    for line in lines:
+      self.write(line)
+
+  def flush(self) -> None:
+    try:
+      self._stream.flush()
+    except BrokenPipeError:
+      self._closed()
+
+  def _closed(self) -> None:
+    if self._name not in _CLOSED:
+      _CLOSED.append(self._name)
+      devnull = os.open(os.devnull, os.O_WRONLY)
+      with contextlib.suppress(OSError, ValueError):  # (a stream without a descriptor)
+        os.dup2(devnull, self._stream.fileno())
+      os.close(devnull)
+    with contextlib.suppress(OSError):
+      self._stream.flush()  # (what the pipe did not take: nowhere)
+
+  def __getattr__(self, name: str):
+    return getattr(self._stream, name)
+
+
+_CLOSED = []  # the streams found closed, in order
+
+
+def tolerate_closed_output() -> None:
+  """stdout and stderr tolerate a reader that went away (_ToleratesClosedPipe)."""
+  for name in ('stdout', 'stderr'):
+    stream = getattr(sys, name)
+    if not isinstance(stream, _ToleratesClosedPipe) and hasattr(stream, 'fileno'):
+      setattr(sys, name, _ToleratesClosedPipe(stream, name))
+      atexit.register(getattr(sys, name).flush)  # before the interpreter's own, which would fail
+
+
+def closed_output() -> tuple[str, ...]:
+  """The standard streams whose reader went away ('stdout', 'stderr')."""
+  return tuple(_CLOSED)
 
 
 _STOP = threading.Event()

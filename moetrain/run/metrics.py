@@ -13,7 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 from absl import logging
 
-from moetrain.core import storage
+from moetrain.core import runtime, storage
 from moetrain.model.config import ModelConfig
 
 # Dense bf16 peak FLOP/s per device, by jax device_kind prefix.
@@ -254,6 +254,7 @@ class Writer:
     self.enabled = enabled and jax.process_index() == 0
     self.workdir, self.moe_layers = workdir, moe_layers
     self._jsonl = self._tb = self._wandb = None
+    self._step, self._stdout_closed = 0, False
     if self.enabled:
       storage.makedirs(workdir)
       path = storage.join(workdir, 'metrics.jsonl')
@@ -277,6 +278,7 @@ class Writer:
     finite = {
       k: v if not isinstance(v, float) or math.isfinite(v) else None for k, v in record.items()
     }
+    self._step = record['step']
     self._jsonl.write(json.dumps(finite, allow_nan=False) + '\n')
     self._jsonl.flush()
 
@@ -334,9 +336,18 @@ class Writer:
       self._tb.flush()
 
   def progress(self, line: str) -> None:
-    """A progress line on stdout (once: not also through absl, which writes to stderr)."""
-    if self.enabled:
-      print(line, flush=True)
+    """A progress line on stdout (once: not also through absl, which writes to stderr). Once
+    stdout's reader has gone (`| tee` ended by the Ctrl-C that stops the run), metrics.jsonl
+    says so and takes the lines: {'kind': 'stdout_closed'}, then {'kind': 'message', 'text'}."""
+    if not self.enabled:
+      return
+    print(line, flush=True)
+    if 'stdout' not in runtime.closed_output():
+      return
+    if not self._stdout_closed:
+      self._stdout_closed = True
+      self._record({'step': self._step, 'kind': 'stdout_closed', 'time': time.time()})
+    self._record({'step': self._step, 'kind': 'message', 'time': time.time(), 'text': line})
 
   def close(self) -> None:
     if self.enabled:

@@ -252,3 +252,61 @@ def test_cpu_search_keeps_the_configured_sequence_and_prints_flags(monkeypatch, 
   out = capsys.readouterr().out
   assert "PLAN {'optim.grad_accum_steps': 4}" in out, out
   assert '--config.optim.grad_accum_steps=4' in out
+
+
+def _drop_key(tree, key: str) -> bool:
+  """Removes `key` from the first dict in `tree` that holds it."""
+  if isinstance(tree, dict):
+    if key in tree:
+      del tree[key]
+      return True
+    return any(_drop_key(v, key) for v in tree.values())
+  return False
+
+
+@pytest.mark.parametrize('stored', ['[]', 'null', '{"cut', 'a plan missing a key'])
+def test_a_plan_cache_of_another_shape_is_rebuilt_with_a_note(
+  stored, monkeypatch, capsys, tmp_path
+):
+  """The plan cache holding no JSON object ([], null, cut short) or a plan missing a key: the
+  plan is made again, with a note naming the cache, which is rebuilt."""
+  from moetrain.planner import cpu_plan
+
+  plans = []
+  fake = {'overrides': {}, 'fits': True, 'need_bytes': 2**30}
+  monkeypatch.setattr(cpu_plan, 'plan', lambda *a, **k: plans.append(a) or dict(fake))
+  monkeypatch.setattr(cpu_plan, 'print_plan', lambda r: print('PLAN', r['fits']))
+  config, cache = deepseek_v3_lora.get_config(), tmp_path / 'plans.json'
+  run = lambda: cpu_plan.main(config, 'cpu:16GB', False, '', 1, cache=str(cache))  # noqa: E731
+  run()
+  if stored == 'a plan missing a key':
+    saved = json.loads(cache.read_text())
+    assert _drop_key(saved, 'fits')
+    cache.write_text(json.dumps(saved))
+  else:
+    cache.write_text(stored)
+  capsys.readouterr()
+  run()
+  out, err = capsys.readouterr()
+  assert len(plans) == 2 and 'PLAN True' in out
+  assert f'Note: {cache}' in err and ('planned again' in err or 'rebuilt' in err), err
+  run()  # the rebuilt cache answers
+  out, err = capsys.readouterr()
+  assert len(plans) == 2 and 'answered from the plan cache' in out and not err
+
+
+@pytest.mark.parametrize('stored', ['[]', 'null', 'an entry missing a key'])
+def test_a_host_cache_of_another_shape_is_measured_again(stored, monkeypatch, capsys, tmp_path):
+  from moetrain.planner import cpu_plan
+
+  monkeypatch.setattr(cpu_plan, 'baseline_rss', lambda: 2**30)
+  monkeypatch.setattr(cpu_plan, 'matmul_rate', lambda dtype: 1e11)
+  cache = tmp_path / 'host.json'
+  if stored == 'an entry missing a key':
+    stored = json.dumps({cpu_plan._fingerprint(): {'baseline_rss': 2**30, 'measured': 'then'}})
+  cache.write_text(stored)
+  measured = cpu_plan.host_measurements(str(cache))
+  assert measured['matmul_flops'] == {'float32': 1e11, 'bfloat16': 1e11}
+  assert f'Note: {cache}' in capsys.readouterr().err
+  assert json.loads(cache.read_text())[cpu_plan._fingerprint()] == measured
+  assert cpu_plan.host_measurements(str(cache)) == measured and not capsys.readouterr().err

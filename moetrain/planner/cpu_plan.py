@@ -127,7 +127,13 @@ def host_measurements(cache: str = HOST_CACHE) -> dict:
   try:
     known = json.loads(path.read_text()) if path.exists() else {}
   except ValueError:
+    known = None
+  if not isinstance(known, dict):  # only lost time: measured again
+    print(f'Note: {cache} is not a host cache (damaged?): it is rebuilt', file=sys.stderr)
     known = {}
+  if key in known and not _measured(known[key]):
+    print(f'Note: {cache}: the entry of this host is damaged: measured again', file=sys.stderr)
+    del known[key]
   if key not in known:
     known[key] = {
       'baseline_rss': baseline_rss(),
@@ -139,6 +145,18 @@ def host_measurements(cache: str = HOST_CACHE) -> dict:
     tmp.write_text(json.dumps(known, indent=1))
     tmp.replace(path)
   return known[key]
+
+
+def _measured(entry) -> bool:
+  """Whether a host cache entry holds what host_measurements measures."""
+  if not isinstance(entry, dict) or not _positive(entry.get('baseline_rss')):
+    return False
+  flops = entry.get('matmul_flops')
+  return isinstance(flops, dict) and all(_positive(flops.get(d)) for d in ('float32', 'bfloat16'))
+
+
+def _positive(v) -> bool:
+  return isinstance(v, (int, float)) and not isinstance(v, bool) and v > 0
 
 
 def one_device(config) -> dict:

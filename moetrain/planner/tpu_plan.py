@@ -7,6 +7,7 @@ import math
 import multiprocessing
 import os
 import pathlib
+import sys
 
 import jax
 
@@ -314,19 +315,50 @@ def _cache_key(config, topology: str, overrides: dict, host: str = '') -> str:
   return hashlib.sha256(blob.encode() + code.digest()).hexdigest()
 
 
+def _digest(plan: dict) -> str:
+  return hashlib.sha256(json.dumps(plan, sort_keys=True, default=str).encode()).hexdigest()
+
+
 def _load_cache(path: str) -> dict:
-  path = pathlib.Path(os.path.expanduser(path))
-  try:
-    return json.loads(path.read_text()) if path.exists() else {}
-  except ValueError:  # a damaged cache is only lost time: start a new one
+  """{key: plan} of the cache file `path`. Each plan is stored with the digest of its JSON: one
+  that is not as this code wrote it (edited, of another shape, a key missing) is dropped and
+  planned again, as is a file that is no JSON object ([], null, cut short). A damaged cache is
+  only lost time: it is rebuilt, with a note naming it."""
+  file = pathlib.Path(os.path.expanduser(path))
+  if not file.exists():
     return {}
+  try:
+    stored = json.loads(file.read_text())
+  except ValueError:
+    stored = None
+  if not isinstance(stored, dict):
+    print(f'Note: {path} is not a plan cache (damaged?): it is rebuilt', file=sys.stderr)
+    _save_cache({}, path)
+    return {}
+  plans = {
+    k: e['plan']
+    for k, e in stored.items()
+    if isinstance(e, dict)
+    and isinstance(e.get('plan'), dict)
+    and e.get('sha256') == _digest(e['plan'])
+  }
+  if len(plans) < len(stored):
+    n = len(stored) - len(plans)
+    print(
+      f'Note: {path}: {n} of its {len(stored)} plans are not as written (damaged?): dropped, '
+      'they are planned again',
+      file=sys.stderr,
+    )
+    _save_cache(plans, path)
+  return plans
 
 
 def _save_cache(cache: dict, path: str) -> None:
   path = pathlib.Path(os.path.expanduser(path))
   path.parent.mkdir(parents=True, exist_ok=True)
   tmp = path.with_suffix(f'.{os.getpid()}.tmp')
-  tmp.write_text(json.dumps(cache, default=str))
+  sealed = {k: {'plan': r, 'sha256': _digest(r)} for k, r in cache.items()}
+  tmp.write_text(json.dumps(sealed, default=str))
   tmp.replace(path)
 
 

@@ -14,7 +14,7 @@ from absl import logging
 
 from moetrain.core import storage
 from moetrain.core.fields import check, field
-from moetrain.data import chat, packing, sources
+from moetrain.data import chat, packing, preference, sources
 from moetrain.data import tokenizer as tokenizer_lib
 from moetrain.data.tokenizer import Tokenizer, get_or_train_tokenizer
 
@@ -33,6 +33,10 @@ class DataConfig:
   split name (e.g. 'data/{split}.jsonl'); eval_split='' means there is no eval set."""
 
   source: str = stream('demo', choices=SOURCES)  # where the examples come from
+  # What a record is: 'examples' (text, prompt/completion or chat), or preference records,
+  # 'paired' {prompt, chosen, rejected} or 'unpaired' {prompt, completion, label} (set from
+  # preference.loss; moetrain/data/preference.py).
+  records: str = stream('examples', choices=('examples', *preference.KINDS))
   # jsonl/text file or glob; '{split}' is replaced by the split name.
   path: str = stream('', role=('stream', 'path'))
   tfds_name: str = stream('')  # tfds dataset name (prepared locally; read via tfds.data_source)
@@ -196,7 +200,13 @@ def max_text_bytes(cfg: DataConfig) -> int:
 
 def open_source(cfg: DataConfig, split: str):
   """The random-access record source for one split; an empty split is an error naming it."""
-  if cfg.source == 'demo':
+  if cfg.records != 'examples' and cfg.source in ('demo', 'jsonl'):
+    source = preference.open_pairs(cfg.path or 'demo', split, cfg.records)
+  elif cfg.records != 'examples':
+    raise ValueError(
+      f"data.records={cfg.records!r} reads data.source='demo' or 'jsonl', not {cfg.source!r}"
+    )
+  elif cfg.source == 'demo':
     source = sources.demo_source(split)
   elif cfg.source == 'jsonl':
     paths = sources.expand_paths(cfg.path, split)
@@ -222,7 +232,11 @@ def make_tokenizer(cfg: DataConfig, workdir: str | os.PathLike | None) -> Tokeni
     source = open_source(cfg, cfg.train_split)
     step = max(1, len(source) // MAX_TOKENIZER_EXAMPLES)
     for i in range(0, len(source), step):
-      yield from sources.example_texts(source[i])
+      yield from (
+        preference.texts(source[i])
+        if cfg.records != 'examples'
+        else (sources.example_texts(source[i]))
+      )
 
   try:
     return get_or_train_tokenizer(cfg.tokenizer, workdir, texts, cfg.vocab_size)
@@ -334,22 +348,50 @@ def make_train_iterator(
       f'{process_index} of {process_count}'
     )
   examples = len(ds)
-  check_examples(ds, cfg, chat_format(cfg, tokenizer))
+  if cfg.records == 'examples':
+    check_examples(ds, cfg, chat_format(cfg, tokenizer))
+  else:
+    check_pairs(ds, cfg, tokenizer)
   if cfg.shuffle:
     ds = ds.shuffle(seed=cfg.seed)
   ds = ds.repeat(cfg.num_epochs)
-  rows = packing.pack(
-    tokenized(cfg, tokenizer, ds),
-    seq_len=cfg.seq_len,
-    num_bins=local_batch,
-    pad_id=tokenizer.pad_id,
-  )
+  rows = packed(cfg, tokenizer, ds, local_batch)
   batches = rows.batch(local_batch, drop_remainder=True)
   if cfg.worker_count:
     # Each worker packs its own slice of examples: the stream depends on worker_count, so a
     # checkpoint resumes exactly only with the same worker_count.
     batches = batches.mp_prefetch(grain.MultiprocessingOptions(num_workers=cfg.worker_count))
   return DataIterator(batches, examples=examples)
+
+
+def packed(cfg: DataConfig, tokenizer: Tokenizer, ds: grain.MapDataset, bins: int):
+  """Examples (or preference records) -> packed rows of seq_len tokens."""
+  kw = dict(seq_len=cfg.seq_len, num_bins=bins, pad_id=tokenizer.pad_id)
+  if cfg.records == 'examples':
+    return packing.pack(tokenized(cfg, tokenizer, ds), **kw)
+  fmt = chat_format(cfg, tokenizer)
+  elements = preference.tokenized(
+    ds, tokenizer, seq_len=cfg.seq_len, chat_format=fmt, read_options=READ_OPTIONS
+  )
+  return preference.pack(elements, **kw)
+
+
+def check_pairs(ds: grain.MapDataset, cfg: DataConfig, tokenizer: Tokenizer) -> None:
+  """Tokenizes the first preference records before training (a conversation the chat template
+  cannot render is named) and warns of those too long for a row."""
+  fmt = chat_format(cfg, tokenizer)
+  seen = preference.check_pairs(ds, tokenizer, seq_len=cfg.seq_len, chat_format=fmt)
+  if seen['dropped'] or seen['cut']:
+    logging.warning(
+      '%s: of the first %d preference records, %d are longer than data.seq_len + 1 = %d tokens '
+      "together and lose their prompt's first tokens, and %d have completions too long to fit "
+      'and are dropped: raise data.seq_len to keep them whole',
+      f'data.train_split={cfg.train_split!r}',
+      seen['checked'],
+      seen['cut'],
+      cfg.seq_len + 1,
+      seen['dropped'],
+    )
 
 
 def check_examples(
@@ -455,10 +497,8 @@ def make_eval_batches(
   if not cfg.eval_split:
     return []
   local = cfg.eval_batch_size // process_count
-  ds = tokenized(cfg, tokenizer, grain.MapDataset.source(open_source(cfg, cfg.eval_split)))
-  rows = packing.pack(
-    ds, seq_len=cfg.seq_len, num_bins=cfg.eval_batch_size, pad_id=tokenizer.pad_id
-  )
+  ds = grain.MapDataset.source(open_source(cfg, cfg.eval_split))
+  rows = packed(cfg, tokenizer, ds, cfg.eval_batch_size)
   batches, truncated = [], 0
   for batch in rows.batch(cfg.eval_batch_size):
     if max_batches is not None and len(batches) >= max_batches:

@@ -126,3 +126,34 @@ _head_ce.defvjp(_head_ce_fwd, _head_ce_bwd, symbolic_zeros=True)
 # (each block's weight and input gradients are formed in the forward pass, while its logits
 # exist); the reference is the same scan of blocks differentiated by autodiff.
 head_ce = Kernel('head_ce', _head_ce, _head_ce_primal)
+
+
+def head_token_logprobs(
+  head: nnx.Module, h_BTD, targets_BT, chunk: int, rng=None, rules=None
+) -> tuple[jax.Array, jax.Array]:
+  """(log-probability of each target [B, T], whether it holds the top logit [B, T]) under
+  head(h), float32, in blocks of `chunk` positions (0 = one block): per-sequence objectives
+  (preference tuning) need the log-probabilities apart, not their sum. Each block's logits are
+  recomputed in the backward pass, so the [B, T, V] logits never exist whole. Differentiable
+  in h and the head's float weights by autodiff."""
+  graphdef, state = nnx.split(head)
+  leaves, treedef = jax.tree.flatten(state)
+  logits = _logits_fn((graphdef, treedef, rules or Rules()), rng)
+  mask_BT = jnp.ones(targets_BT.shape, jnp.float32)
+  h_U, t_U, _ = _blocks(h_BTD, targets_BT, mask_BT, chunk)
+
+  @jax.checkpoint
+  def block(leaves, h, t, i):
+    logits_BTV = logits(leaves, h, i)
+    lse_BT = jax.nn.logsumexp(logits_BTV, axis=-1)
+    gold_BT = jnp.take_along_axis(logits_BTV, t[..., None], axis=-1)[..., 0]
+    top = jax.lax.stop_gradient(gold_BT >= jnp.max(logits_BTV, axis=-1))
+    return gold_BT - lse_BT, top
+
+  def step(_, xs):
+    return None, block(leaves, *xs)
+
+  _, (logp_U, top_U) = jax.lax.scan(step, None, (h_U, t_U, jnp.arange(h_U.shape[0])))
+  b, t = targets_BT.shape
+  unblock = lambda x: x.swapaxes(0, 1).reshape(b, -1)[:, :t]
+  return unblock(logp_U), unblock(top_U)

@@ -3,6 +3,8 @@
 import jax
 import numpy as np
 
+from moetrain.training import preference
+
 
 def to_global(batch: dict, sharding) -> dict:
   """A host-local batch as global arrays (each host holds its rows of the batch sharding)."""
@@ -14,8 +16,8 @@ def evaluate(state, batches, eval_fn, batch_sharding) -> dict:
   totals = {'nll_sum': 0.0, 'correct': 0.0, 'tokens': 0.0}
   outs = [eval_fn(state, to_global(b, batch_sharding)) for b in batches]
   for out in jax.device_get(outs):
-    for k in totals:
-      totals[k] += float(out[k])
+    for k in out:
+      totals[k] = totals.get(k, 0.0) + float(out[k])
   if totals['tokens'] == 0:
     raise ValueError(
       'the eval batches hold no scored tokens: every example was cut before its completion '
@@ -23,9 +25,12 @@ def evaluate(state, batches, eval_fn, batch_sharding) -> dict:
     )
   n = totals['tokens']
   loss = totals['nll_sum'] / n
-  return {
+  out = {
     'loss': loss,
     'perplexity': float(np.exp(min(loss, 50.0))),
     'accuracy': totals['correct'] / n,
     'tokens': totals['tokens'],
   }
+  if 'margin' in totals:  # preference tuning's sums (the loss above: of the chosen completions)
+    out |= {k: float(v) for k, v in preference.metrics(totals).items()}
+  return out

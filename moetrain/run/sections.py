@@ -17,6 +17,7 @@ from moetrain.data import loader
 from moetrain.distill.config import DistillConfig
 from moetrain.model.config import ModelConfig
 from moetrain.training import optim
+from moetrain.training.preference import PreferenceConfig
 from moetrain.training.train_step import LossConfig
 
 positive = functools.partial(field, check='positive')
@@ -115,6 +116,7 @@ SECTIONS = {
   'loss': LossConfig,
   'train': LoopConfig,
   'distill': DistillConfig,
+  'preference': PreferenceConfig,
 }
 SEED = 0
 

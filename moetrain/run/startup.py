@@ -28,6 +28,7 @@ from moetrain.run import base_cache, rundir, sections
 from moetrain.run.checkpoint import Checkpointer, data_positions, process_data_state
 from moetrain.run.sections import InitConfig, LoopConfig
 from moetrain.training import optim
+from moetrain.training.preference import PreferenceConfig
 from moetrain.training.train_state import (
   TrainState,
   abstract_teacher,
@@ -110,6 +111,7 @@ def build(
   if config.init.hf_checkpoint and not data.tokenizer:  # the checkpoint's own tokenizer
     data = dataclasses.replace(data, tokenizer=config.init.hf_checkpoint)
   distill, data, teacher = distill_setup(config, model, data, training)
+  pref, data = preference_setup(config, model, data, distill)
   loader.validate(data, process_count)
   if training:
     loader.check_training_data(data)
@@ -121,7 +123,9 @@ def build(
   loss = config.loss.to_dict()
   if loss.get('bias_update_decay_steps') == FOLLOW_STEPS:  # over the whole run
     loss['bias_update_decay_steps'] = config.train.steps
-  step = StepConfig(model=model, grad_accum_steps=opt.grad_accum_steps, **loss, **teacher)
+  step = StepConfig(
+    model=model, grad_accum_steps=opt.grad_accum_steps, **loss, **teacher, preference=pref
+  )
   step.validate()
   check_regexes(model, opt)
   check_lora_rank(model)
@@ -142,6 +146,34 @@ def build(
     base_cache=init.base_cache if init.hf_checkpoint else '',
     distill=distill,
   )
+
+
+def preference_setup(config, model: ModelConfig, data, distill):
+  """(the preference section, or None when off; the data section reading its records)."""
+  pref = PreferenceConfig(**config.get('preference', {}))
+  pref.validate()
+  if not pref.enabled:
+    if data.records != 'examples':
+      raise ValueError(
+        f'data.records={data.records!r} holds preference records: set preference.loss to train '
+        "on them, or data.records='examples'"
+      )
+    return None, data
+  where = f'preference.loss={pref.loss!r}'
+  if distill.enabled:
+    raise ValueError(f'{where} and distill.teacher: a run does one or the other')
+  if pref.needs_reference and not model.lora.enabled:
+    raise ValueError(
+      f'{where} compares with a reference model, which moetrain keeps only under LoRA (the '
+      'same weights with the adapters off): set lora.rank > 0, or use a reference-free loss '
+      "('simpo', 'orpo')"
+    )
+  if pref.needs_reference and model.lora.train_router:
+    raise ValueError(
+      f'{where} with lora.train_router: the reference (the adapters off) would use the trained '
+      'router; train the adapters only (lora.train_router=False)'
+    )
+  return pref, dataclasses.replace(data, records=pref.records)
 
 
 def distill_setup(config, model: ModelConfig, data, training: bool):

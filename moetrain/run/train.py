@@ -202,6 +202,12 @@ def run_eval(step: int, state, job: Job) -> dict:
   job.writer.progress(
     f'eval  step {step}: loss {ev["loss"]:.4f}  ppl {ev["perplexity"]:.2f}  '
     f'accuracy {ev["accuracy"]:.4f}  ({int(ev["tokens"])} tokens)'
+    + (
+      f'  pref: accuracy {ev["pref/accuracy"]:.4f}  margin {ev["pref/margin"]:.3f}  '
+      f'loss {ev["pref/loss"]:.4f}'
+      if 'pref/accuracy' in ev
+      else ''
+    )
   )
   return ev
 
@@ -244,6 +250,12 @@ def loop(job: Job, state: TrainState) -> tuple[TrainState, dict]:
         f'eval accuracy {baseline["accuracy"]:.4f} before training -> {ev["accuracy"]:.4f} at '
         f'step {int(state.step)} (perplexity {baseline["perplexity"]:.2f} -> '
         f'{ev["perplexity"]:.2f})'
+      )
+    if baseline is not None and 'pref/accuracy' in ev:
+      job.writer.progress(
+        f'eval pref/accuracy {baseline["pref/accuracy"]:.4f} before training -> '
+        f'{ev["pref/accuracy"]:.4f} at step {int(state.step)} (margin '
+        f'{baseline["pref/margin"]:.3f} -> {ev["pref/margin"]:.3f})'
       )
   return state, {**last, 'data_ended': True} if stop.data_ended else last
 

@@ -114,7 +114,8 @@ def eval_step_fn(setup, mesh=None, formats=None):
   `formats` (the train step's state_formats) it takes the state as the train step leaves it,
   the frozen base in the layouts the compiler chose for training."""
   micro = setup.data.global_batch_size // setup.optim.grad_accum_steps
-  fn = functools.partial(eval_step, graphdef=graphdef_of(setup.model), micro_rows=micro)
+  graphdef = graphdef_of(setup.model)
+  fn = functools.partial(eval_step, graphdef=graphdef, micro_rows=micro, cfg=setup.step)
   options = compiler_options(setup.model)
   if formats is None:
     return jax.jit(fn, compiler_options=options)

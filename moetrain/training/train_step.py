@@ -16,6 +16,7 @@ from moetrain.kernels.distill import Divergence, head_distillation
 from moetrain.model import stages
 from moetrain.model.config import ModelConfig
 from moetrain.model.moe import ROUTING_COUNTS, finish_routing_stats
+from moetrain.training import preference as preference_lib
 from moetrain.training.train_state import TrainState, graphdef_of, merge_model, merge_teacher
 
 off = functools.partial(field, check='non_negative', zero='0 = off')
@@ -44,6 +45,7 @@ class StepConfig(LossConfig):
   grad_accum_steps: int = 1
   distill: Divergence | None = None  # distillation's loss (None: cross entropy alone)
   teacher: ModelConfig | None = None  # the online teacher (None: cached logits in the batch)
+  preference: preference_lib.PreferenceConfig | None = None  # preference tuning's objective
 
 
 def forward_loss(params, moe_bias, frozen, graphdef, batch, rng=None, head_loss=None):
@@ -100,20 +102,49 @@ def with_teacher(state: TrainState, batch, cfg: StepConfig):
   return {**batch, 'teacher_h': jax.lax.stop_gradient(h_BTD)}
 
 
-def token_counts(batch):
-  """(loss tokens, routed tokens) of a batch: the denominators of the loss and the MoE terms."""
+def token_counts(batch, cfg: 'StepConfig | None' = None):
+  """(loss tokens, routed tokens) of a batch: the denominators of the loss and the MoE terms;
+  with preference tuning, then (elements, scored chosen tokens) (preference.counts)."""
   n_loss = jnp.maximum(batch['loss_mask'].astype(jnp.float32).sum(), 1.0)
   n_routed = jnp.maximum((batch['segment_ids'] > 0).astype(jnp.float32).sum(), 1.0)
+  if cfg is not None and cfg.preference is not None:
+    return (n_loss, n_routed, *preference_lib.counts(batch))
   return n_loss, n_routed
+
+
+def reference_model(params, moe_bias, frozen, graphdef, cfg: 'StepConfig', teacher):
+  """Preference tuning's reference: under LoRA the same weights with the adapters zero (their
+  delta exactly 0, no copy of the base), in full fine-tuning the frozen copy in `teacher`;
+  None for a reference-free loss."""
+  if not cfg.preference.needs_reference:
+    return None
+  if cfg.model.lora.enabled:
+    off = jax.tree.map(jnp.zeros_like, jax.lax.stop_gradient(params))
+    return merge_model(graphdef, off, moe_bias, frozen)
+  return merge_teacher(cfg.teacher, jax.lax.stop_gradient(teacher))
+
+
+def preference_forward(params, moe_bias, frozen, graphdef, batch, rng, totals, cfg, teacher=None):
+  """forward_loss's counterpart for preference tuning: (the objective's share of the batch,
+  aux of the policy's forward, the sums of preference.objective)."""
+  model = merge_model(graphdef, params, moe_bias, frozen)
+  ref = reference_model(params, moe_bias, frozen, graphdef, cfg, teacher)
+  return preference_lib.objective(cfg.preference, model, ref, batch, rng, totals[2:])
 
 
 def loss_fn(params, moe_bias, frozen, graphdef, batch, rng, totals, cfg: StepConfig, teacher=None):
   """Token-mean cross entropy (with distillation: alpha T^2 divergence + (1 - alpha) cross
   entropy) over the whole (global) batch plus the weighted aux losses. `totals` are the full
   batch's token counts, so micro-batch losses add up to the full-batch loss."""
-  n_tokens, n_routed = totals
-  head_loss = None if cfg.distill is None else distill_head(cfg, teacher)
-  nll, correct, aux = forward_loss(params, moe_bias, frozen, graphdef, batch, rng, head_loss)
+  n_tokens, n_routed = totals[:2]
+  pref = None
+  if cfg.preference is not None:
+    args = (params, moe_bias, frozen, graphdef, batch, rng, totals, cfg, teacher)
+    objective, aux, pref = preference_forward(*args)
+    nll, correct = pref['nll_chosen'], pref['correct_chosen']
+  else:
+    head_loss = None if cfg.distill is None else distill_head(cfg, teacher)
+    nll, correct, aux = forward_loss(params, moe_bias, frozen, graphdef, batch, rng, head_loss)
   mask = batch['loss_mask'].astype(jnp.float32)
   moe = aux['moe']
   # This micro-batch's share of the routed tokens, so per-micro-batch MoE means average correctly.
@@ -126,15 +157,17 @@ def loss_fn(params, moe_bias, frozen, graphdef, batch, rng, totals, cfg: StepCon
     + cfg.balance_loss * moe['balance_loss'].mean() * frac
     + cfg.hidden_z_loss * hidden_z
   )
-  loss = aux.get('objective', nll) / n_tokens + aux_loss
+  loss = (aux.get('objective', nll) / n_tokens if pref is None else objective) + aux_loss
   stats = {
     'nll_sum': nll,
     'divergence_sum': aux.get('divergence', jnp.zeros(())),
     'correct': correct,
-    'tokens': mask.sum(),
+    'tokens': mask.sum() if pref is None else pref['tokens_chosen'],
     'hidden_z': hidden_z,
     'moe': {k: v if k in ROUTING_COUNTS else v * frac for k, v in moe.items()},
   }
+  if pref is not None:
+    stats['pref'] = pref
   return loss, stats
 
 
@@ -146,7 +179,7 @@ def grads_and_stats(state: TrainState, graphdef, batch, rng, cfg: StepConfig, sc
   """(loss, stats, grads) of the batch, over cfg.grad_accum_steps micro-batches. With `scale`
   (float16's loss scale) the backward pass runs on scale * loss, so that small gradients do not
   underflow in float16; the loss and gradients returned are unscaled."""
-  totals = token_counts(batch)
+  totals = token_counts(batch, cfg)
 
   def objective(p, b, r):
     args = (state.moe_bias, state.frozen, graphdef, b, r, totals, cfg, state.teacher)
@@ -272,6 +305,7 @@ def train_step(
     'learning_rate': lr_fn(applied),  # the rate this step's update used
     'tokens': stats['tokens'],
     **({'divergence': stats['divergence_sum'] / tokens} if cfg.distill else {}),
+    **(preference_lib.metrics(stats['pref']) if cfg.preference else {}),
     'hidden_z_loss': stats['hidden_z'],
     'skipped': new_state.skipped,
     'moe': stats['moe'],
@@ -307,16 +341,32 @@ def compiler_options(cfg: ModelConfig) -> dict | None:
   return None
 
 
-def eval_step(state: TrainState, batch, *, graphdef, micro_rows: int = 0):
+def eval_step(state: TrainState, batch, *, graphdef, micro_rows: int = 0, cfg=None):
   """Sums of the NLL, correct predictions and scored tokens of `batch`, in forward passes of
   `micro_rows` rows (the train step's micro-batch, so that evaluating needs no more activation
-  memory than training) where they divide the batch; 0 = the whole batch at once."""
-  forward = lambda b: forward_loss(state.params, state.moe_bias, state.frozen, graphdef, b)[:2]
+  memory than training) where they divide the batch; 0 = the whole batch at once. With
+  preference tuning (cfg: the StepConfig), the objective's sums too (of the chosen completions:
+  the NLL, correct and tokens)."""
+  weights = (state.params, state.moe_bias, state.frozen, graphdef)
+  if cfg is not None and cfg.preference is not None:
+
+    def forward(b):
+      ones = (jnp.ones(()),) * 4
+      return preference_forward(*weights, b, None, ones, cfg, state.teacher)[2]
+
+  else:
+
+    def forward(b):
+      nll, correct = forward_loss(*weights, b)[:2]
+      return {'nll_sum': nll, 'correct': correct, 'tokens': b['loss_mask'].sum()}
+
   rows = batch['inputs'].shape[0]
   if micro_rows and rows > micro_rows and rows % micro_rows == 0:
     sums = jax.lax.map(forward, _microbatches(batch, rows // micro_rows))
-    nll, correct = (x.sum() for x in sums)
+    sums = jax.tree.map(lambda x: x.sum(0), sums)
   else:
-    nll, correct = forward(batch)
-  mask = batch['loss_mask'].astype(jnp.float32)
-  return {'nll_sum': nll, 'correct': correct, 'tokens': mask.sum()}
+    sums = forward(batch)
+  if 'nll_chosen' in sums:
+    names = {'nll_chosen': 'nll_sum', 'correct_chosen': 'correct', 'tokens_chosen': 'tokens'}
+    sums = {names.get(k, k): v for k, v in sums.items()}
+  return {k: v.astype(jnp.float32) for k, v in sums.items()}

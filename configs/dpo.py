@@ -1,0 +1,33 @@
+"""Preference tuning (DPO) on the CPU demo: from the LoRA demo's result (the shipped base with
+its reversal adapters merged in; made on first use and cached, moetrain/data/demo_sft.py), new
+LoRA adapters learn to prefer the right reversal of a word list over a plausible wrong one (the
+copy, or the reversal with two neighbours swapped; moetrain/data/preference.py).
+
+  python -m moetrain.main --config=configs/dpo.py                          # DPO
+  python -m moetrain.main --config=configs/dpo.py --config.preference.loss=simpo \\
+      --workdir=runs/simpo                                                  # or ipo, hinge, orpo, kto
+  python -m moetrain.main --config=configs/dpo.py:start=RUN_OR_HF_DIR ...   # another start
+
+Changes from configs/longcat_lora.py: the `preference` section (sigmoid, beta 0.1; the
+reference is the start itself: the new adapters off); preference records of the demo task;
+the expert-bias controller off (the reference routes with the start's biases). docs/preference.md.
+"""
+
+from configs import base, longcat_lora
+from moetrain.data import demo_sft
+
+
+def get_config(arg: str | None = None):
+  args = base.parse_arg(arg)
+  if set(args) - {'start'}:
+    raise ValueError(
+      f'configs/dpo.py: unknown argument(s) {sorted(set(args) - {"start"})}; use start='
+    )
+  config = longcat_lora.get_config()
+  config.init.hf_checkpoint = args.get('start') or str(demo_sft.ensure())
+  config.preference.loss = 'sigmoid'
+  config.preference.beta = 0.1
+  config.loss.bias_update_rate = 0.0
+  config.train.steps = 100
+  config.train.eval_every = 50
+  return config

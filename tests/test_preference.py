@@ -1,0 +1,236 @@
+"""Preference tuning: each loss against NumPy formulas (as TRL writes them), the adapters-off
+reference, the packed pair rows, and a step."""
+
+import json
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+from moetrain.data import chat, demo_base, loader, packing, preference
+from moetrain.data.tokenizer import load_tokenizer
+from moetrain.training import preference as pref
+from moetrain.training.train_state import graphdef_of, init_state, merge_model
+from moetrain.training.train_step import StepConfig, eval_step, grads_and_stats, jit_train_step
+from tests.helpers import perturb_lora, tiny, with_lora
+
+# Sums of log-probabilities of 4 pairs: [pairs, (chosen, rejected, mismatched)].
+POLICY = np.array([[-3.0, -5.0, -4.0], [-6.0, -2.5, -3.0], [-1.0, -1.2, -2.0], [-8.0, -9.5, -7.0]])
+REFERENCE = np.array(
+  [[-3.5, -4.0, -4.2], [-5.0, -3.0, -3.5], [-1.1, -1.0, -2.2], [-8.5, -9.0, -6.0]]
+)
+LENGTHS = np.array([[3.0, 4.0, 2.0], [5.0, 2.0, 3.0], [1.0, 1.0, 2.0], [6.0, 7.0, 4.0]])
+
+
+def _logsig(x):
+  return -np.log1p(np.exp(-x))
+
+
+def _sig(x):
+  return 1 / (1 + np.exp(-x))
+
+
+def numpy_loss(name, beta=0.1, eps=0.0, gamma=0.5, wd=1.0, wu=1.0, labels=None):
+  """TRL's formulas (DPOTrainer.dpo_loss, CPOTrainer simpo, ORPOTrainer.odds_ratio_loss,
+  KTOTrainer.kto_loss) in NumPy, per pair."""
+  pc, pr, pm = POLICY.T
+  rc, rr, rm = REFERENCE.T
+  lc, lr, _ = LENGTHS.T
+  if name == 'sigmoid':
+    z = beta * ((pc - pr) - (rc - rr))
+    return -_logsig(z) * (1 - eps) - _logsig(-z) * eps
+  if name == 'hinge':
+    return np.maximum(0, 1 - beta * ((pc - pr) - (rc - rr)))
+  if name == 'ipo':
+    z = (pc / lc - pr / lr) - (rc / lc - rr / lr)
+    return (z - 1 / (2 * beta)) ** 2
+  if name == 'simpo':
+    z = (pc / lc - pr / lr) - gamma / beta
+    return -_logsig(beta * z) * (1 - eps) - _logsig(-beta * z) * eps
+  if name == 'orpo':
+    c, r = pc / lc, pr / lr
+    log_odds = (c - r) - (np.log1p(-np.exp(c)) - np.log1p(-np.exp(r)))
+    return -beta * _logsig(log_odds)
+  if name == 'kto':
+    kl = max(np.mean(pm - rm), 0.0)
+    good = wd * (1 - _sig(beta * ((pc - rc) - kl)))
+    bad = wu * (1 - _sig(beta * (kl - (pr - rr))))
+    return np.where(labels, good, bad)
+  raise ValueError(name)
+
+
+@pytest.mark.parametrize(
+  'name,kw',
+  [
+    ('sigmoid', {}),
+    ('sigmoid', {'label_smoothing': 0.2}),
+    ('hinge', {'beta': 0.5}),
+    ('ipo', {'beta': 0.3}),
+    ('simpo', {'beta': 2.0, 'gamma': 0.7}),
+    ('orpo', {'beta': 0.25}),
+    ('kto', {'beta': 0.2, 'desirable_weight': 1.5, 'undesirable_weight': 0.7}),
+  ],
+)
+def test_each_loss_equals_its_formula(name, kw):
+  cfg = pref.PreferenceConfig(loss=name, **kw)
+  lengths = LENGTHS.copy()
+  labels = np.array([True, False, True, False])
+  if name == 'kto':  # one completion each: desirable in the chosen slot, else in the rejected
+    lengths[~labels, 0] = 0
+    lengths[labels, 1] = 0
+  loss, rc, rr = pref.pair_losses(cfg, jnp.asarray(POLICY), jnp.asarray(REFERENCE), lengths)
+  np_kw = dict(
+    beta=cfg.beta,
+    eps=cfg.label_smoothing,
+    gamma=cfg.gamma,
+    wd=cfg.desirable_weight,
+    wu=cfg.undesirable_weight,
+    labels=labels,
+  )
+  np.testing.assert_allclose(loss, numpy_loss(name, **np_kw), rtol=1e-5, atol=1e-7)
+  if name not in pref.REFERENCE_FREE:  # the implicit rewards
+    np.testing.assert_allclose(rc, cfg.beta * (POLICY[:, 0] - REFERENCE[:, 0]), rtol=1e-6)
+    np.testing.assert_allclose(rr, cfg.beta * (POLICY[:, 1] - REFERENCE[:, 1]), rtol=1e-6)
+
+
+def test_policy_equal_to_reference_gives_log_2_and_no_margin():
+  cfg = pref.PreferenceConfig(loss='sigmoid', beta=0.3)
+  loss, rc, rr = pref.pair_losses(cfg, jnp.asarray(POLICY), jnp.asarray(POLICY), LENGTHS)
+  np.testing.assert_allclose(loss, np.log(2.0), rtol=1e-6)
+  np.testing.assert_allclose(rc - rr, 0.0, atol=1e-7)
+
+
+TOKENIZER = load_tokenizer(str(demo_base.DIR))
+
+
+def _pair_batch(rows=4, seq_len=64, records='paired'):
+  cfg = loader.DataConfig(
+    records=records, tokenizer=str(demo_base.DIR), global_batch_size=rows, seq_len=seq_len
+  )
+  return next(loader.make_train_iterator(cfg, TOKENIZER))
+
+
+def test_pairs_share_a_row_and_their_prompt_tokens():
+  b = _pair_batch()
+  for r in range(len(b['inputs'])):
+    seg = b['segment_ids'][r]
+    for s in sorted(set(seg[seg > 0]) & set(range(1, 200, 3))):  # each chosen sequence
+      chosen, rejected = b['inputs'][r][seg == s], b['inputs'][r][seg == s + 1]
+      assert len(rejected), 'a pair left its row'
+      n = len(TOKENIZER.encode('reverse: x y z =')) - 4  # the prompt's tokens differ from here
+      np.testing.assert_array_equal(chosen[:n], rejected[:n])
+      # positions restart per sequence, and only completion tokens score
+      np.testing.assert_array_equal(b['positions'][r][seg == s], np.arange(len(chosen)))
+      scored = b['loss_mask'][r][seg == s] > 0
+      assert 0 < scored.sum() < len(chosen) and not scored[0]
+
+
+def test_conversations_tokenize_as_the_template_renders_them():
+  fmt = chat.ChatFormat()
+  prompt = [{'role': 'user', 'content': 'reverse: red fox cup ='}]
+  convo = {
+    'chosen': prompt + [{'role': 'assistant', 'content': 'cup fox red'}],
+    'rejected': prompt + [{'role': 'assistant', 'content': 'red fox cup'}],
+  }
+  pair = preference.to_pair(convo, 'paired', 'x.jsonl:1')
+  assert pair['prompt'] == prompt
+  e = preference.tokenize_element(pair, TOKENIZER, max_len=200, chat_format=fmt)
+  want, _ = packing._tokens({'messages': convo['chosen']}, TOKENIZER, False, fmt)
+  np.testing.assert_array_equal(e['tokens'][e['role'] == 1], want)
+  text = TOKENIZER.decode([int(t) for t, m in zip(e['tokens'], e['is_target']) if m and t > 3])
+  assert 'cup fox red' in text and 'reverse' not in text
+
+
+@pytest.mark.parametrize(
+  'record,message',
+  [
+    ({'prompt': 'p', 'chosen': 'a'}, "no 'rejected'"),
+    ({'prompt': 'p', 'chosen': '', 'rejected': 'b'}, "'chosen' is empty"),
+    ({'prompt': 'p', 'chosen': 'a', 'rejected': 'a'}, 'equals'),
+  ],
+)
+def test_bad_records_are_named_with_their_line(tmp_path, record, message):
+  path = tmp_path / 'train.jsonl'
+  good = {'prompt': 'p', 'chosen': 'a', 'rejected': 'b'}
+  path.write_text(json.dumps(good) + '\n' + json.dumps(record) + '\n')
+  with pytest.raises(ValueError, match=f'train.jsonl:2: .*{message}'):
+    preference.PairSource([str(path)])
+
+
+def test_a_pair_too_long_loses_its_prompts_first_tokens():
+  pair = {'prompt': 'reverse: ' + 'red fox cup ' * 20 + '=', 'chosen': ' a b', 'rejected': ' b a'}
+  e = preference.tokenize_element(pair, TOKENIZER, max_len=60)
+  assert e['truncated'] and 0 < len(e['tokens']) <= 60
+  assert e['tokens'][0] == TOKENIZER.bos_id
+  completion = TOKENIZER.decode([int(t) for t, m in zip(e['tokens'], e['is_target']) if m])
+  assert 'a b' in completion and 'b a' in completion
+
+
+CFG = with_lora(tiny(init_std=0.05, vocab_size=TOKENIZER.vocab_size))
+
+
+def _step_cfg(loss='sigmoid', lora_cfg=CFG, **kw):
+  return StepConfig(
+    model=lora_cfg, preference=pref.PreferenceConfig(loss=loss, **kw), bias_update_rate=0.0
+  )
+
+
+def test_adapters_off_reference_is_the_base_model():
+  state = init_state(CFG, optax.sgd(0.0), 0)
+  graphdef = graphdef_of(CFG)
+  model = merge_model(graphdef, state.params, state.moe_bias, state.frozen)
+  perturb_lora(model, 1, scale=0.3)  # adapters that change the output
+  from flax import nnx
+
+  _, params, _, _ = nnx.split(model, nnx.LoRAParam, ..., ...)
+  b = {k: jnp.asarray(v) for k, v in _pair_batch().items() if k in packing.ROW_KEYS}
+  step = _step_cfg()
+  from moetrain.training.train_step import reference_model
+
+  ref = reference_model(params, state.moe_bias, state.frozen, graphdef, step, None)
+  base = merge_model(graphdef, jax.tree.map(jnp.zeros_like, params), state.moe_bias, state.frozen)
+  got = pref.reference_sums(ref, b)
+  want = pref.reference_sums(base, b)
+  np.testing.assert_array_equal(got, want)
+  adapted = pref.reference_sums(model, b)
+  assert float(jnp.abs(adapted - want).max()) > 1e-3  # (the adapters do change it)
+
+
+@pytest.mark.parametrize('loss', ['sigmoid', 'kto'])
+def test_first_step_at_the_reference(loss):
+  """LoRA's B starts at zero: the policy is its reference, DPO's loss is log 2, the margin 0;
+  accumulation over micro-batches gives the whole batch's loss."""
+  records = 'unpaired' if loss == 'kto' else 'paired'
+  b = {k: v for k, v in _pair_batch(records=records).items() if k in packing.ROW_KEYS}
+  state = init_state(CFG, optax.sgd(0.1), 0)
+  graphdef = graphdef_of(CFG)
+  rng = jax.random.key(0)
+  l1, s1, g1 = grads_and_stats(state, graphdef, b, rng, _step_cfg(loss))
+  m = pref.metrics(s1['pref'])
+  if loss == 'sigmoid':
+    np.testing.assert_allclose(m['pref/loss'], np.log(2.0), rtol=1e-5)
+  np.testing.assert_allclose(m['pref/margin'], 0.0, atol=1e-6)
+  import dataclasses
+
+  two = dataclasses.replace(_step_cfg(loss), grad_accum_steps=2)
+  l2, _, g2 = grads_and_stats(state, graphdef, b, rng, two)
+  np.testing.assert_allclose(l2, l1, rtol=1e-5)
+  norm = lambda g: float(optax.tree.norm(g))
+  assert norm(g1) > 0
+  np.testing.assert_allclose(norm(g2), norm(g1), rtol=1e-4)
+
+
+def test_steps_raise_the_margin_and_eval_reports_it():
+  b = {k: v for k, v in _pair_batch().items() if k in packing.ROW_KEYS}
+  cfg = _step_cfg('sigmoid', beta=0.5)
+  opt = optax.adam(3e-2)
+  state = init_state(CFG, opt, 0)
+  fn = jit_train_step(cfg, opt, lambda s: 3e-2, donate=False)
+  for _ in range(5):
+    state, m = fn(state, b)
+  assert float(m['pref/margin']) > 0 and float(m['pref/accuracy']) > 0.5
+  sums = eval_step(state, b, graphdef=graphdef_of(CFG), cfg=cfg)
+  assert float(pref.metrics(sums)['pref/margin']) > 0
+  assert sums['tokens'] > 0 and sums['nll_sum'] > 0

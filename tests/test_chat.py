@@ -223,3 +223,51 @@ def test_generate_reads_chats_from_the_command_line_or_a_jsonl(tmp_path):
     chat_inputs('', '', str(path))
   path.write_text(json.dumps({'messages': [{'role': 'user', 'content': 'a'}]}) + '\n')
   assert chat_inputs('ignored', '', str(path)) == [[{'role': 'user', 'content': 'a'}]]
+
+
+NESTED = '{% for i in range(100000) %}{% for j in range(100000) %}x{% endfor %}{% endfor %}'
+
+
+@pytest.mark.parametrize(
+  'template, says',
+  [
+    (NESTED, r'took over 0\.5 s \(MAX_RENDER_SECONDS\)'),
+    ('{% for i in range(10**9) %}x{% endfor %}', r'range of 1,000,000,000 items'),
+    ("{{ 'xy' * 10**9 }}", r'repeats 2 items 1,000,000,000 times'),
+    ("{% for i in range(100) %}{{ 'ab' * 10**5 }}{% endfor %}", r'passed 1,048,576 characters'),
+    ('{% macro f() %}{{ f() }}{% endmacro %}{{ f() }}', 'RecursionError'),
+    ('{{ messages + 1 }}', 'TypeError: can only concatenate list'),
+  ],
+)
+def test_a_template_is_bounded_and_its_failures_name_it(template, says, monkeypatch):
+  """A template is code: its rendering is bounded in time and text (a nested loop would fill
+  the memory), and what it raises is one error naming the template and the example."""
+  monkeypatch.setattr(chat, 'MAX_RENDER_SECONDS', 0.5)
+  monkeypatch.setattr(chat, 'MAX_RENDER_CHARS', 2**20)
+  fmt = chat.ChatFormat(template=template, builtin=False, name="data.chat_template='t.jinja'")
+  example = {'messages': [{'role': 'user', 'content': 'hi'}], 'where': 'train.jsonl:3'}
+  example['messages'].append({'role': 'assistant', 'content': 'ok'})
+  with pytest.raises(
+    ValueError, match=rf"^train\.jsonl:3: data\.chat_template='t\.jinja': .*{says}"
+  ):
+    fmt.apply(example)
+
+
+def test_a_templates_unbounded_range_is_one_error_line(tmp_path):
+  template = tmp_path / 'big.jinja'
+  template.write_text('{% for i in range(10**9) %}{{ i }}{% endfor %}')
+  out = run_command(
+    'moetrain.tools.preview_data',
+    '--config=configs/longcat_lora.py',
+    '--config.data.source=jsonl',
+    f'--config.data.path={FIXTURES}/{{split}}.jsonl',
+    '--config.data.train_split=conversations',
+    '--config.data.eval_split=',
+    f'--config.data.tokenizer={TOKENIZER}',
+    f'--config.data.chat_template={template}',
+    '--num=1',
+  )
+  assert out.returncode == 1 and 'Traceback' not in out.stderr, out.stderr
+  (line,) = out.stderr.strip().splitlines()[-1:]
+  assert line.startswith('Error: ') and f"data.chat_template='{template}'" in line, out.stderr
+  assert 'range of 1,000,000,000 items' in line

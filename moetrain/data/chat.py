@@ -18,6 +18,10 @@ The trained tokens are the assistant turns' (data.chat_loss: 'all' of them, or t
 
 A token trains if any character of a trained span falls in it (transformers' char_to_token).
 Tokenizers without a template of their own use BUILTIN, with bos before and eos after the text.
+
+A template is code from a file: each rendering is bounded (MAX_RENDER_CHARS of text,
+MAX_RENDER_SECONDS, ranges of MAX_RANGE items, repetitions and powers within the text limit), and
+whatever it raises is an error naming the template and the example.
 """
 
 from __future__ import annotations
@@ -28,6 +32,7 @@ import functools
 import json
 import re
 import threading
+import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -57,7 +62,11 @@ TOKEN_KEYS = (
   'additional_special_tokens',
 )
 _GENERATION = re.compile(r'\{%-?\s*generation\s*-?%\}')
-_tracked = threading.local()  # the render in progress on this thread: chunks so far, spans
+_tracked = threading.local()  # the render in progress on this thread: chunks, spans, deadline
+# Bounds of one rendering (a template's loops could otherwise fill the memory or never end).
+MAX_RENDER_CHARS = 2**24
+MAX_RENDER_SECONDS = 10.0
+MAX_RANGE = 100_000
 
 
 class _Tracker(jinja2.ext.Extension):
@@ -86,6 +95,64 @@ def _raise(message: str):
   raise jinja2.exceptions.TemplateError(message)
 
 
+def _limit(message: str):
+  raise jinja2.exceptions.TemplateRuntimeError(f'the rendering {message}')
+
+
+def _in_time() -> None:
+  deadline = getattr(_tracked, 'deadline', None)
+  if deadline is not None and time.monotonic() > deadline:
+    _limit(f'took over {MAX_RENDER_SECONDS:g} s (MAX_RENDER_SECONDS)')
+
+
+class _Range:
+  """range() in a template: at most MAX_RANGE items, its loops held to the rendering's time."""
+
+  def __init__(self, *args):
+    self._r = range(*args)
+    if len(self._r) > MAX_RANGE:
+      _limit(f'asked for a range of {len(self._r):,} items (at most MAX_RANGE, {MAX_RANGE:,})')
+
+  def __len__(self) -> int:
+    return len(self._r)
+
+  def __getitem__(self, i):
+    return self._r[i]
+
+  def __contains__(self, x) -> bool:
+    return x in self._r
+
+  def __iter__(self):
+    return _in_time_each(self._r)
+
+  def __reversed__(self):
+    return _in_time_each(reversed(self._r))
+
+
+def _in_time_each(items):
+  for i, x in enumerate(items):
+    if i % 1024 == 0:
+      _in_time()
+    yield x
+
+
+class _Environment(jinja2.sandbox.ImmutableSandboxedEnvironment):
+  """transformers' sandbox, with repetition (`'x' * n`) and powers bounded."""
+
+  intercepted_binops = frozenset({'*', '**'})
+
+  def call_binop(self, context, operator, left, right):
+    if operator == '*':
+      for seq, n in ((left, right), (right, left)):
+        if isinstance(seq, (str, list, tuple)) and isinstance(n, int):
+          if len(seq) * n > MAX_RENDER_CHARS:
+            _limit(f'repeats {len(seq):,} items {n:,} times (at most MAX_RENDER_CHARS)')
+    if operator == '**' and isinstance(left, int) and isinstance(right, int) and abs(left) > 1:
+      if right * abs(left).bit_length() > 4096:
+        _limit(f'raises {left} to the power {right:,}')
+    return super().call_binop(context, operator, left, right)
+
+
 def _tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False) -> str:
   # Jinja's own tojson escapes HTML characters; chat templates expect plain JSON.
   return json.dumps(
@@ -96,10 +163,11 @@ def _tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False
 @functools.lru_cache(maxsize=8)
 def compile_template(source: str) -> jinja2.Template:
   """A template compiled once per process."""
-  env = jinja2.sandbox.ImmutableSandboxedEnvironment(
+  env = _Environment(
     trim_blocks=True, lstrip_blocks=True, extensions=[_Tracker, jinja2.ext.loopcontrols]
   )
   env.filters['tojson'] = _tojson
+  env.globals['range'] = _Range
   env.globals['raise_exception'] = _raise
   env.globals['strftime_now'] = lambda fmt: datetime.datetime.now().strftime(fmt)
   return env.from_string(source)
@@ -113,10 +181,12 @@ def render(
   add_generation_prompt: bool = False,
   variables: Mapping[str, Any] | None = None,
 ) -> tuple[str, list[tuple[int, int]]]:
-  """The rendered text and the character spans of its `{% generation %}` blocks."""
+  """The rendered text and the character spans of its `{% generation %}` blocks. A template
+  that passes the bounds (MAX_RENDER_CHARS, ...) or fails raises a TemplateError."""
   template = compile_template(source)
-  chunks, spans = [], []
+  chunks, spans, size = [], [], 0
   _tracked.chunks, _tracked.spans = chunks, spans
+  _tracked.deadline = time.monotonic() + MAX_RENDER_SECONDS
   try:
     for chunk in template.generate(
       messages=messages,
@@ -126,8 +196,16 @@ def render(
       **(variables or {}),
     ):
       chunks.append(chunk)
+      size += len(chunk)
+      if size > MAX_RENDER_CHARS:
+        _limit(f'passed {MAX_RENDER_CHARS:,} characters (MAX_RENDER_CHARS)')
+      _in_time()
+  except jinja2.TemplateError:
+    raise
+  except Exception as e:  # the template's own failure (a TypeError, a recursion): named
+    raise jinja2.exceptions.TemplateRuntimeError(f'{type(e).__name__}: {e}') from e
   finally:
-    _tracked.chunks = _tracked.spans = None
+    _tracked.chunks = _tracked.spans = _tracked.deadline = None
   return ''.join(chunks), spans
 
 

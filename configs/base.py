@@ -14,13 +14,24 @@ def parse_arg(arg: str | None) -> dict:
   return dict(kv.split('=', 1) for kv in (arg or '').split(',') if kv)
 
 
-def variant_of(arg: str | None, path: str, default: str = 'tiny') -> str:
-  """The model variant an experiment file's argument names (`default` when it names none)."""
+def variant_of(arg: str | None, path: str, default: str = 'tiny', choices=None) -> str:
+  """The model variant an experiment file's argument names (`default` when it names none), one
+  of `choices` (default: the presets of the default's family)."""
   args = parse_arg(arg)
   unknown = set(args) - {'variant'}
   if unknown:
     raise ValueError(f'{path}: unknown argument(s) {sorted(unknown)}; use variant=')
-  return args.get('variant', default)
+  variant = args.get('variant', default)
+  choices = choices or family_variants(default)
+  if variant not in choices:
+    raise ValueError(f'{path}: variant={variant!r} is unknown; choose one of {", ".join(choices)}')
+  return variant
+
+
+def family_variants(preset: str) -> tuple[str, ...]:
+  """The presets of `preset`'s family ('tiny' -> tiny, medium, flash)."""
+  family = MODEL_PRESETS[preset].model_type
+  return tuple(name for name, m in MODEL_PRESETS.items() if m.model_type == family)
 
 
 def set_model(config, variant: str) -> None:

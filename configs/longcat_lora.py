@@ -14,7 +14,8 @@ from moetrain.data import demo_base
 
 
 def get_config(arg: str | None = None):
-  variant = base.variant_of(arg, 'configs/longcat_lora.py', default='demo')
+  demo = ('demo', *base.family_variants('tiny'))
+  variant = base.variant_of(arg, 'configs/longcat_lora.py', default='demo', choices=demo)
   config = base.get_config()
   base.set_model(config, 'tiny' if variant == 'demo' else variant)
   if variant == 'demo':

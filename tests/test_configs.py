@@ -167,6 +167,20 @@ def test_unknown_config_argument_is_refused():
     longcat_lora.get_config('varient=flash')
 
 
+def test_a_mistyped_variant_is_one_line_listing_that_configs_variants():
+  from configs import qwen3_moe_lora
+  from tests.helpers import run_command
+
+  with pytest.raises(ValueError, match="variant='flash' is unknown; choose one of qwen3_tiny, "):
+    qwen3_moe_lora.get_config('variant=flash')
+  out = run_command('moetrain.main', '--config=configs/longcat_lora.py:variant=tiyn', '--dry_run')
+  assert out.returncode == 1 and out.stdout == '', out.stderr
+  assert out.stderr == (
+    'Error: --config=configs/longcat_lora.py:variant=tiyn: configs/longcat_lora.py: '
+    "variant='tiyn' is unknown; choose one of demo, tiny, medium, flash\n"
+  )
+
+
 def test_no_warmup_starts_at_the_full_rate():
   from moetrain.training import optim
 

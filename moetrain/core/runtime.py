@@ -103,7 +103,6 @@ def parse_flags(argv: list[str]) -> list[str]:
   """absl's flag parsing (app.run's flags_parser) that names an unknown --config.<key> instead
   of raising from inside ml_collections. Other flag errors (a missing --config, an unknown flag)
   print absl's one-line usage error, as app.run's own parser does, not a traceback."""
-  from absl import app
 
   _import_config_packages(argv)
   if argv is sys.argv:  # (a re-executed process then reads the new key, and says nothing)
@@ -111,7 +110,7 @@ def parse_flags(argv: list[str]) -> list[str]:
   else:
     argv = engine_keys_moved(argv)
   try:
-    return app.parse_flags_with_usage(argv)
+    return _parse_flags(argv)
   except ImportError as e:  # a config file whose imports fail
     path = next((a.split('=', 1)[1] for a in argv[1:] if a.startswith('--config=')), '?')
     raise SystemExit(f'Error: --config={path}: {e}') from None
@@ -130,6 +129,23 @@ def parse_flags(argv: list[str]) -> list[str]:
       f'Error: {key}: no such config key ({name!r} is not in its section).{hint} docs/config.md '
       'lists every key with its default'
     ) from None
+
+
+def _parse_flags(argv: list[str]) -> list[str]:
+  """absl's parsing; an error that a config file's get_config raised (`:variant=tiyn`) is its
+  one line, not ml_collections' traceback of it inside absl's usage error."""
+  from absl import app, flags
+
+  try:
+    return flags.FLAGS(argv)
+  except flags.Error as e:
+    head, whilst, _ = str(e).partition(': Error whilst parsing config file')
+    cause = e
+    while cause.__context__ is not None:
+      cause = cause.__context__
+    if not whilst or cause is e:
+      return app.parse_flags_with_usage(argv)  # absl's usage error, as app.run prints it
+    raise SystemExit(f'Error: {head.removeprefix("flag ")}: {cause}') from None
 
 
 def engine_keys_moved(argv: list[str]) -> list[str]:

@@ -368,3 +368,26 @@ def test_flops_per_token_counts_each_attention_block_once(preset):
   attn = blocks * cfg.num_heads * (cfg.qk_head_dim + d_v) * t / 2
   want = 6 * (metrics.matmul_params_per_token(cfg, 8) + attn)
   np.testing.assert_allclose(metrics.flops_per_token(cfg, t, 8), want, rtol=1e-12)
+
+
+def test_an_error_before_the_first_record_is_not_followed_by_a_traceback(tmp_path):
+  """A run that fails after its writer opened and before anything was logged (a checkpoint or
+  teacher that does not load) ends on its error alone: TensorBoard's writer starts with the
+  first event, so none is left for the exit to clean up ("can't create new thread at
+  interpreter shutdown")."""
+  import subprocess
+  import sys
+
+  from tests.helpers import ROOT
+
+  code = (
+    'import sys\n'
+    'from moetrain.run import metrics\n'
+    f'w = metrics.Writer({str(tmp_path / "run")!r})\n'
+    "sys.exit('Error: the teacher does not load')\n"
+  )
+  done = subprocess.run(
+    [sys.executable, '-c', code], cwd=ROOT, capture_output=True, text=True, timeout=120
+  )
+  assert done.returncode == 1 and done.stderr.endswith('Error: the teacher does not load\n')
+  assert 'Traceback' not in done.stderr, done.stderr

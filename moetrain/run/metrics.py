@@ -263,14 +263,22 @@ class Writer:
       if resume_step is not None:
         repair_jsonl(path)
       self._jsonl = storage.AppendLog(path)
-      from tensorboardX import SummaryWriter
-
-      purge = None if resume_step is None else resume_step + 1
-      self._tb = SummaryWriter(storage.join(workdir, 'tb'), purge_step=purge)
+      # TensorBoard's writer starts with the first event: a run that fails before it (a
+      # checkpoint or teacher that does not load) leaves none behind, whose exit-time cleanup
+      # would print a traceback after the error ("can't create new thread at interpreter
+      # shutdown").
+      self._purge = None if resume_step is None else resume_step + 1
       if resume_step is not None:
         self._record({'step': resume_step, 'kind': 'resume', 'time': time.time()})
       if wandb and wandb.get('project'):
         self._wandb = WandbRun(workdir, **wandb)
+
+  def _board(self):
+    if self._tb is None:
+      from tensorboardX import SummaryWriter
+
+      self._tb = SummaryWriter(storage.join(self.workdir, 'tb'), purge_step=self._purge)
+    return self._tb
 
   def _record(self, record: dict) -> None:
     # Standard JSON has no NaN or infinity: a non-finite value (a skipped step's loss, the rate
@@ -296,7 +304,7 @@ class Writer:
       if isinstance(v, (int, float)) and math.isfinite(v)  # (the JSONL record keeps the rest)
     }
     for k, v in finite.items():
-      self._tb.add_scalar(k, v, step)
+      self._board().add_scalar(k, v, step)
     if self._wandb is not None:
       self._wandb.log(finite, step)
     if load is not None:
@@ -311,7 +319,7 @@ class Writer:
     used = np.nonzero(counts)[0]
     if not len(used):
       return
-    self._tb.add_histogram_raw(
+    self._board().add_histogram_raw(
       tag,
       min=float(used[0]),
       max=float(used[-1]),
@@ -333,7 +341,8 @@ class Writer:
     every 30 s (storage.AppendLog), TensorBoard's events every 2 minutes."""
     if self.enabled:
       self._jsonl.flush(force=True)
-      self._tb.flush()
+      if self._tb is not None:
+        self._tb.flush()
 
   def progress(self, line: str) -> None:
     """A progress line on stdout (once: not also through absl, which writes to stderr). Once
@@ -352,7 +361,8 @@ class Writer:
   def close(self) -> None:
     if self.enabled:
       self._jsonl.close()
-      self._tb.close()
+      if self._tb is not None:
+        self._tb.close()
       if self._wandb is not None:
         self._wandb.close()
 

@@ -5,12 +5,14 @@ PY ?= $(shell for p in python3.12 python3.13 $${PYENV_ROOT:-$$HOME/.pyenv}/versi
 VENV ?= .venv
 BIN := $(VENV)/bin
 CONFIG ?= configs/longcat_lora.py
+# The container image (Dockerfile) for GKE and xpk: python -m moetrain.tools.launch --image=...
+IMAGE ?= moetrain:latest
 export XLA_PYTHON_CLIENT_PREALLOCATE ?= false
 # Huge-page malloc for XLA:CPU's per-call temporaries (see moetrain/core/runtime.py); the entry points
 # set it themselves by re-executing, this spares them that and covers pytest.
 export GLIBC_TUNABLES ?= glibc.malloc.hugetlb=1
 
-.PHONY: install train test test-slow lint format bench clean
+.PHONY: install train test test-slow lint format bench image clean
 
 # The stamp names the interpreter line, so a venv made by an older Python is made anew.
 STAMP := $(VENV)/.installed-py312
@@ -45,6 +47,9 @@ bench: install
 	$(BIN)/python -m bench.moe_layer
 	$(BIN)/python -m bench.train_step --mode lora
 	$(BIN)/python -m bench.qlora_memory
+
+image:
+	docker build -t $(IMAGE) .
 
 clean:
 	rm -rf runs .pytest_cache

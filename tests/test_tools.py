@@ -97,7 +97,7 @@ def test_tools_read_the_runs_own_config(uninterrupted, tmp_path):  # noqa: F811
   with pytest.raises(ValueError, match=r'(?s)leave --config out.*lora\.alpha: 16\.0 in the'):
     evaluate.evaluate_checkpoint(other, workdir, max_batches=1)
   typo = str(tmp_path / 'typo')
-  with pytest.raises(ValueError, match='holds no checkpoints'):
+  with pytest.raises(ValueError, match='does not exist'):
     export.export(None, typo, str(tmp_path / 'out'))
   assert not os.path.exists(typo)
   with pytest.raises(ValueError, match='--max_batches=0'):
@@ -111,6 +111,18 @@ def test_tools_read_the_runs_own_config(uninterrupted, tmp_path):  # noqa: F811
   saved['data']['path'] = '/gone/{split}.jsonl'
   (older / 'config.json').write_text(json.dumps(saved))
   assert evaluate.evaluate_checkpoint(None, str(older), max_batches=1)['step'] == 6
+
+
+def test_a_mistyped_workdir_is_said_not_to_exist(tmp_path):
+  """A --workdir that is not there is named as missing, not as a run without checkpoints."""
+  from moetrain.run import rundir
+
+  typo = str(tmp_path / 'runs' / 'typo')
+  with pytest.raises(ValueError, match=rf"^--workdir='{typo}' does not exist"):
+    rundir.tool_config(None, typo)
+  os.makedirs(typo)
+  with pytest.raises(ValueError, match='holds no checkpoints'):
+    rundir.tool_config(None, typo)
 
 
 def test_export_guards_its_output(uninterrupted, tmp_path, monkeypatch):  # noqa: F811

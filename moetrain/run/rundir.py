@@ -50,6 +50,8 @@ def tool_config(config, workdir: str | None):
   read the initial weights."""
   import ml_collections
 
+  if workdir and not storage.isdir(workdir):
+    raise ValueError(f'--workdir={workdir!r} does not exist (no run directory there)')
   if workdir and not saved_steps(workdir):
     raise ValueError(
       f'--workdir={workdir!r} holds no checkpoints ({storage.join(workdir, "checkpoints")}); '

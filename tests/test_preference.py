@@ -234,3 +234,48 @@ def test_steps_raise_the_margin_and_eval_reports_it():
   sums = eval_step(state, b, graphdef=graphdef_of(CFG), cfg=cfg)
   assert float(pref.metrics(sums)['pref/margin']) > 0
   assert sums['tokens'] > 0 and sums['nll_sum'] > 0
+
+
+def test_full_fine_tuning_reads_a_frozen_reference():
+  """Without LoRA the reference is the state's frozen copy of the start: at the start the loss
+  is log 2, and after the policy moves the reference stays."""
+  from flax import nnx
+
+  from moetrain.model.transformer import Transformer
+
+  full = tiny(init_std=0.05, vocab_size=TOKENIZER.vocab_size)
+  cfg = StepConfig(
+    model=full,
+    teacher=full.with_engine(remat='none'),
+    preference=pref.PreferenceConfig(loss='sigmoid', beta=0.5),
+    bias_update_rate=0.0,
+  )
+  opt = optax.adam(3e-2)
+  import dataclasses
+
+  state = init_state(full, opt, 0)
+  state = dataclasses.replace(state, teacher=nnx.state(Transformer(full, nnx.Rngs(0))))
+  b = {k: v for k, v in _pair_batch().items() if k in packing.ROW_KEYS}
+  fn = jit_train_step(cfg, opt, lambda s: 3e-2, donate=False)
+  state, m = fn(state, b)
+  np.testing.assert_allclose(m['pref/loss'], np.log(2.0), rtol=1e-5)
+  for _ in range(3):
+    state, m = fn(state, b)
+  assert float(m['pref/margin']) > 0
+
+
+def test_a_reference_needs_lora_or_a_start(tmp_path):
+  from configs import base
+  from moetrain.run import startup
+
+  config = base.get_config()
+  config.lora.rank = 0
+  config.preference.loss = 'sigmoid'
+  with pytest.raises(ValueError, match='init.hf_checkpoint, which is empty'):
+    startup.build(config)
+  config.preference.loss = 'simpo'  # reference-free: every weight trains
+  assert startup.build(config).step.teacher is None
+  config.lora.rank, config.data.records = 4, 'paired'
+  config.preference.loss = ''
+  with pytest.raises(ValueError, match='set preference.loss'):
+    startup.build(config)

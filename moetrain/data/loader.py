@@ -34,8 +34,8 @@ class DataConfig:
 
   source: str = stream('demo', choices=SOURCES)  # where the examples come from
   # What a record is: 'examples' (text, prompt/completion or chat), or preference records,
-  # 'paired' {prompt, chosen, rejected} or 'unpaired' {prompt, completion, label} (set from
-  # preference.loss; moetrain/data/preference.py).
+  # 'paired' {prompt, chosen, rejected} or 'unpaired' {prompt, completion, label}, which
+  # preference.loss sets (docs/preference.md)
   records: str = stream('examples', choices=('examples', *preference.KINDS))
   # jsonl/text file or glob; '{split}' is replaced by the split name.
   path: str = stream('', role=('stream', 'path'))

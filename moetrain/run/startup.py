@@ -111,7 +111,8 @@ def build(
   if config.init.hf_checkpoint and not data.tokenizer:  # the checkpoint's own tokenizer
     data = dataclasses.replace(data, tokenizer=config.init.hf_checkpoint)
   distill, data, teacher = distill_setup(config, model, data, training)
-  pref, data = preference_setup(config, model, data, distill)
+  pref, data, reference = preference_setup(config, model, data, distill)
+  teacher = teacher | reference
   loader.validate(data, process_count)
   if training:
     loader.check_training_data(data)
@@ -149,7 +150,8 @@ def build(
 
 
 def preference_setup(config, model: ModelConfig, data, distill):
-  """(the preference section, or None when off; the data section reading its records)."""
+  """(the preference section, or None when off; the data section reading its records;
+  StepConfig's teacher field for a full fine-tuning's frozen reference)."""
   pref = PreferenceConfig(**config.get('preference', {}))
   pref.validate()
   if not pref.enabled:
@@ -158,22 +160,27 @@ def preference_setup(config, model: ModelConfig, data, distill):
         f'data.records={data.records!r} holds preference records: set preference.loss to train '
         "on them, or data.records='examples'"
       )
-    return None, data
+    return None, data, {}
   where = f'preference.loss={pref.loss!r}'
   if distill.enabled:
     raise ValueError(f'{where} and distill.teacher: a run does one or the other')
+  reference = {}
   if pref.needs_reference and not model.lora.enabled:
-    raise ValueError(
-      f'{where} compares with a reference model, which moetrain keeps only under LoRA (the '
-      'same weights with the adapters off): set lora.rank > 0, or use a reference-free loss '
-      "('simpo', 'orpo')"
-    )
+    if not config.init.hf_checkpoint:
+      raise ValueError(
+        f'{where} in full fine-tuning compares with a frozen copy of the start, '
+        'init.hf_checkpoint, which is empty: give the checkpoint to start from, use LoRA '
+        "(lora.rank > 0; the reference is the adapters off), or a reference-free loss ('simpo', "
+        "'orpo')"
+      )
+    # A frozen copy, forward only (no recompute, no gradients), in the policy's engine.
+    reference = {'teacher': model.with_engine(remat='none', cast_weights_once=False)}
   if pref.needs_reference and model.lora.train_router:
     raise ValueError(
       f'{where} with lora.train_router: the reference (the adapters off) would use the trained '
       'router; train the adapters only (lora.train_router=False)'
     )
-  return pref, dataclasses.replace(data, records=pref.records)
+  return pref, dataclasses.replace(data, records=pref.records), reference
 
 
 def distill_setup(config, model: ModelConfig, data, training: bool):
@@ -415,6 +422,8 @@ def from_teacher(setup: Setup, state: TrainState, mesh, fresh: bool) -> TrainSta
   distill.init_from_teacher asks."""
   d = setup.distill
   init = d.init_from_teacher and (fresh or setup.model.lora.enabled)
+  if setup.step.preference is not None and setup.step.teacher is not None:
+    return with_reference(setup, state, mesh)
   if not d.enabled or not (setup.step.teacher or init):
     return state
   cfg = setup.step.teacher or teacher_lib.model_config(d, setup.model)
@@ -425,6 +434,16 @@ def from_teacher(setup: Setup, state: TrainState, mesh, fresh: bool) -> TrainSta
     # (the teacher's weights are in layer order until `stored`)
     state = student.init_from_teacher(setup, state, without_repeats(cfg), weights, mesh)
   return dataclasses.replace(state, teacher=weights) if setup.step.teacher else state
+
+
+def with_reference(setup: Setup, state: TrainState, mesh) -> TrainState:
+  """Preference tuning in full fine-tuning: the state with its frozen reference, the start
+  (init.hf_checkpoint) read again on every start as an online teacher is."""
+  cfg = setup.step.teacher
+  with runtime.phase(f'Loading the reference {setup.hf_checkpoint}'):
+    shardings = state_shardings(abstract_teacher(cfg), mesh, cfg.engine.rules)
+    ref = DistillConfig(teacher=setup.hf_checkpoint)
+    return dataclasses.replace(state, teacher=load_teacher(ref, cfg, mesh, shardings))
 
 
 def load_teacher(d: DistillConfig, teacher: ModelConfig, mesh, shardings) -> nnx.State:

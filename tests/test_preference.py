@@ -279,3 +279,19 @@ def test_a_reference_needs_lora_or_a_start(tmp_path):
   config.preference.loss = ''
   with pytest.raises(ValueError, match='set preference.loss'):
     startup.build(config)
+
+
+@pytest.mark.slow  # ~5 minutes (more on the first use, which makes the LoRA demo's result)
+def test_the_dpo_demo_prefers_the_reversal_and_keeps_its_accuracy(tmp_path):
+  """docs/preference.md's claim: configs/dpo.py ends with eval pref/accuracy >= 0.9 and the
+  completion accuracy above the start's (the LoRA demo's result)."""
+  from tests.helpers import run_command
+
+  out = run_command('moetrain.main', '--config=configs/dpo.py', f'--workdir={tmp_path}')
+  assert out.returncode == 0, out.stderr[-2000:]
+  records = [json.loads(line) for line in open(tmp_path / 'metrics.jsonl')]
+  evals = [r for r in records if r.get('kind') == 'eval']
+  first, last = evals[0], evals[-1]
+  assert last['step'] == 100
+  assert last['pref/accuracy'] >= 0.9
+  assert last['accuracy'] > first['accuracy']

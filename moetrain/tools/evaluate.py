@@ -66,6 +66,8 @@ def main(argv):
       f'step {out["step"]}: loss {out["loss"]:.6f}  perplexity {out["perplexity"]:.4f}  '
       f'accuracy {out["accuracy"]:.4f}  ({int(out["tokens"])} tokens)'
     )
+    if 'pref/accuracy' in out:  # a preference run: its objective's figures too
+      print('  ' + '  '.join(f'{k} {v:.4f}' for k, v in out.items() if k.startswith('pref/')))
 
 
 if __name__ == '__main__':

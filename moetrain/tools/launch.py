@@ -7,7 +7,7 @@ and slice once the planner has checked that it fits.
     --workdir=gs://bucket/runs/x --image=IMG --xpk --cluster=CLUSTER
 
 Every pod runs tpu_scripts/pod_run.sh from the image (`make image`): python -m moetrain.main with
-the config, its --config.* overrides and the run directory. Design: docs/multihost.md, "GKE".
+the config, its --config.* overrides and the run directory (docs/multihost.md, "GKE and JobSet").
 """
 
 import contextlib

@@ -112,7 +112,6 @@ def build(
     data = dataclasses.replace(data, tokenizer=config.init.hf_checkpoint)
   distill, data, teacher = distill_setup(config, model, data, training)
   pref, data, reference = preference_setup(config, model, data, distill)
-  teacher = teacher | reference
   loader.validate(data, process_count)
   if training:
     loader.check_training_data(data)
@@ -121,13 +120,7 @@ def build(
   train.validate()
   opt.validate(train.steps)
   check_mesh_fits(model, data, opt, mesh_shape, num_devices // process_count)
-  loss = config.loss.to_dict()
-  if loss.get('bias_update_decay_steps') == FOLLOW_STEPS:  # over the whole run
-    loss['bias_update_decay_steps'] = config.train.steps
-  step = StepConfig(
-    model=model, grad_accum_steps=opt.grad_accum_steps, **loss, **teacher, preference=pref
-  )
-  step.validate()
+  step = step_config(config, model, opt, teacher | reference, pref)
   check_regexes(model, opt)
   check_lora_rank(model)
   if config.init.peft_adapter and not model.lora.enabled:
@@ -147,6 +140,18 @@ def build(
     base_cache=init.base_cache if init.hf_checkpoint else '',
     distill=distill,
   )
+
+
+def step_config(config, model: ModelConfig, opt, teacher: dict, pref) -> StepConfig:
+  """The step's config: the loss section, the micro-batches, the teacher (or reference) and
+  the preference objective."""
+  loss = config.loss.to_dict()
+  if loss.get('bias_update_decay_steps') == FOLLOW_STEPS:  # over the whole run
+    loss['bias_update_decay_steps'] = config.train.steps
+  accum = opt.grad_accum_steps
+  step = StepConfig(model=model, grad_accum_steps=accum, **loss, **teacher, preference=pref)
+  step.validate()
+  return step
 
 
 def preference_setup(config, model: ModelConfig, data, distill):

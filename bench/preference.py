@@ -1,6 +1,6 @@
 """Preference tuning on the demo task (configs/dpo.py): per loss, the eval before and after
 training (the chosen completions' next-token accuracy, pref/accuracy, pref/margin), and the
-preference step's time against the supervised step's on the same rows.
+preference step's time and temporary memory against the supervised step's on the same rows.
 
   python -m bench.preference [--losses sigmoid,simpo,orpo] [--steps 100] [--set KEY=VALUE ...]
   python -m bench.preference --losses= --time_steps 20       # the step times alone
@@ -66,7 +66,7 @@ def step_times(steps: int) -> dict:
   from configs import dpo
   from moetrain.data import loader, packing
   from moetrain.run import startup
-  from moetrain.training import train_state
+  from moetrain.training import aot, train_state
   from moetrain.training.train_step import jit_train_step
 
   setup = startup.build(dpo.get_config())
@@ -84,7 +84,9 @@ def step_times(steps: int) -> dict:
   }
   batches = {'preference': pairs, 'supervised': sft}
   times = {k: [] for k in fns}
-  for name, fn in fns.items():  # compile
+  memory = {}
+  for name, fn in fns.items():  # compile, and the compiled program's temporaries
+    memory[name] = aot.memory_of(fn.lower(state, batches[name]).compile())['temporaries']
     jax.block_until_ready(fn(state, batches[name]))
   for _ in range(steps):
     for name, fn in fns.items():
@@ -96,6 +98,7 @@ def step_times(steps: int) -> dict:
     'what': 'step time, same rows',
     **{f'{k}_s': round(v, 4) for k, v in med.items()},
     'ratio': round(med['preference'] / med['supervised'], 3),
+    **{f'{k}_temporaries_mib': round(v / 2**20, 2) for k, v in memory.items()},
     'steps': steps,
   }
 

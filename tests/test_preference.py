@@ -295,3 +295,40 @@ def test_the_dpo_demo_prefers_the_reversal_and_keeps_its_accuracy(tmp_path):
   assert last['step'] == 100
   assert last['pref/accuracy'] >= 0.9
   assert last['accuracy'] > first['accuracy']
+
+
+def _run_config(**train):
+  from tests.test_train import small_config
+
+  config = small_config(**train)
+  config.preference.loss = 'sigmoid'
+  config.loss.bias_update_rate = 0.0
+  config.mesh.shape = (1, 2, 4, 1)  # data, fsdp, expert, tensor: 8 emulated devices
+  return config
+
+
+def test_a_preference_run_on_an_expert_mesh_logs_its_metrics(tmp_path):
+  from moetrain.run import train
+
+  train.run(_run_config(steps=3, checkpoint_every=3), str(tmp_path))
+  records = [json.loads(line) for line in open(tmp_path / 'metrics.jsonl')]
+  steps = [r for r in records if r['kind'] == 'train']
+  evals = [r for r in records if r['kind'] == 'eval']
+  assert [r['step'] for r in steps] == [1, 2, 3]
+  names = ('loss', 'reward_chosen', 'reward_rejected', 'margin', 'accuracy', 'logp_chosen')
+  for r in steps + evals:
+    assert all(np.isfinite(r[f'pref/{k}']) for k in names), r
+  np.testing.assert_allclose(evals[0]['pref/loss'], np.log(2.0), rtol=1e-5)  # the reference
+
+
+@pytest.mark.slow  # ~2 minutes: two runs
+def test_a_preference_run_resumes_bit_for_bit(tmp_path):
+  from moetrain.run import train
+
+  whole, parts = tmp_path / 'whole', tmp_path / 'parts'
+  train.run(_run_config(steps=4, checkpoint_every=2), str(whole))
+  train.run(_run_config(steps=4, checkpoint_every=2, stop_at_step=2), str(parts))
+  train.run(_run_config(steps=4, checkpoint_every=2), str(parts))
+  read = lambda d: [json.loads(x) for x in open(d / 'metrics.jsonl')]
+  pick = lambda d: {r['step']: r['pref/loss'] for r in read(d) if r['kind'] == 'train'}
+  assert pick(whole) == pick(parts) and len(pick(whole)) == 4

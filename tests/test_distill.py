@@ -483,3 +483,129 @@ def test_a_full_students_merged_export_reloads_to_its_logits(run_teacher, tmp_pa
   merged = export.export(None, str(workdir), str(tmp_path / 'merged'))
   got = _logits(hf.load_model(merged, jnp.float32, remat='none'), _ids())
   assert max_err(got, _logits(trained, _ids())) < 1e-5
+
+
+# ---------------------------------------------------------------------------------------------
+# The cached logits' manifest and shards: what makes a cache stale, incomplete or damaged.
+
+
+def _jsonl_setup(tmp_path, **overrides):
+  """The demo distillation on a JSONL training file, its teacher a copy of the demo teacher."""
+  import json
+  import shutil
+
+  from moetrain.data import demo_teacher
+  from moetrain.run import startup
+
+  teacher = tmp_path / 'teacher'
+  if not teacher.exists():
+    shutil.copytree(demo_teacher.DIR, teacher)
+    rows = [{'prompt': f'reverse {i} {i + 1}', 'completion': f'{i + 1} {i}'} for i in range(40)]
+    (tmp_path / 'train.jsonl').write_text(''.join(json.dumps(r) + '\n' for r in rows))
+  paths = {
+    'distill.teacher': str(teacher),
+    'distill.top_k': 4,
+    'data.source': 'jsonl',
+    'data.path': str(tmp_path / '{split}.jsonl'),
+    'data.eval_split': '',
+  }
+  config = _demo_config(**paths, **overrides)
+  return startup.build(config, num_devices=1, process_count=1)
+
+
+def test_a_logits_cache_whose_inputs_changed_in_place_is_refused(tmp_path):
+  """The manifest holds the content of the training files and of the teacher: a shuffled JSONL,
+  or teacher weights rewritten at the same size, make the cache stale, named in one line with
+  the command that rebuilds it."""
+  import json
+
+  from moetrain.distill import logits
+
+  setup = _jsonl_setup(tmp_path)
+  cache = tmp_path / 'cache'
+  cache.mkdir()
+  (cache / logits.MANIFEST).write_text(json.dumps(logits.manifest(setup, 8, 50, 1)))
+  logits.check(setup, str(cache), 1)
+  data = tmp_path / 'train.jsonl'
+  lines = data.read_text().splitlines(keepends=True)
+  data.write_text(''.join(lines[1:] + lines[:1]))  # shuffled: the same size, other order
+  with pytest.raises(ValueError, match=r'train\.jsonl.*changed.*tools\.teacher_logits') as e:
+    logits.check(setup, str(cache), 1)
+  assert '\n' not in str(e.value)
+  data.write_text(''.join(lines))
+  logits.check(setup, str(cache), 1)
+  weights = tmp_path / 'teacher' / 'model.safetensors'
+  blob = bytearray(weights.read_bytes())
+  blob[-8:] = bytes(8)
+  weights.write_bytes(bytes(blob))
+  with pytest.raises(ValueError, match=r'model\.safetensors.*changed.*--out='):
+    logits.check(setup, str(cache), 1)
+
+
+def test_a_logits_cache_of_a_run_teacher_names_its_checkpoint_step(tmp_path):
+  """A run directory as the teacher: the cache is of its latest checkpoint; one that trained
+  further makes it stale."""
+  import dataclasses
+  import json
+
+  from moetrain.distill import logits
+
+  setup = _jsonl_setup(tmp_path)
+  run = tmp_path / 'teacher_run'
+  (run / 'checkpoints' / '2').mkdir(parents=True)
+  (run / 'config.json').write_text(json.dumps({'model': {}, 'train': {}}))
+  setup = dataclasses.replace(setup, distill=dataclasses.replace(setup.distill, teacher=str(run)))
+  cache = tmp_path / 'cache'
+  cache.mkdir()
+  (cache / logits.MANIFEST).write_text(json.dumps(logits.manifest(setup, 8, 50, 1)))
+  logits.check(setup, str(cache), 1)
+  (run / 'checkpoints' / '4').mkdir()
+  with pytest.raises(ValueError, match=r'checkpoint step 4.*step 2'):
+    logits.check(setup, str(cache), 1)
+
+
+def _cache(setup, directory, steps_per_shard=1):
+  """A hand-written cache of `setup`'s logits (zeros, k 4), complete: its shards, their done
+  markers, its manifest."""
+  import json
+
+  from array_record.python.array_record_module import ArrayRecordWriter
+
+  from moetrain.distill import logits
+
+  rows, seq = setup.data.global_batch_size, setup.data.seq_len
+  record = logits.encode(np.ones((rows, seq)), np.zeros((rows, seq, 4)), np.zeros((rows, seq, 4)))
+  steps = setup.train.steps
+  for shard in range(-(-steps // steps_per_shard)):
+    path = logits.shard_path(str(directory), 0, shard)
+    (directory / 'host000').mkdir(parents=True, exist_ok=True)
+    writer = ArrayRecordWriter(path, 'group_size:1')
+    for _ in range(min(steps_per_shard, steps - shard * steps_per_shard)):
+      writer.write(record)
+    writer.close()
+    (directory / 'host000' / f'shard-{shard:05d}.json').write_text('{}')
+  want = logits.manifest(setup, 4, steps_per_shard, 1)
+  (directory / logits.MANIFEST).write_text(json.dumps(want))
+  return want
+
+
+def test_the_writer_replaces_a_stale_cache_and_refuses_one_of_other_settings(tmp_path):
+  import json
+
+  from moetrain.distill import logits
+  from moetrain.tools import teacher_logits
+
+  setup = _jsonl_setup(tmp_path, **{'train.steps': 2, 'optim.warmup_steps': 0})
+  cache = tmp_path / 'cache'
+  want = _cache(setup, cache)
+  teacher_logits._start(str(cache), want, 0)  # this setting's: goes on (nothing to do)
+  assert len(list((cache / 'host000').iterdir())) == 4
+  other = logits.manifest(setup, 8, 1, 1)
+  with pytest.raises(ValueError, match=r'distill\.top_k=4.*choose another --out'):
+    teacher_logits._start(str(cache), other, 0)
+  data = tmp_path / 'train.jsonl'
+  data.write_text(data.read_text().replace('reverse 0 ', 'reverse 00 '))
+  now = logits.manifest(setup, 4, 1, 1)
+  teacher_logits._start(str(cache), now, 0)  # stale: no run can read it, written anew
+  assert not list((cache / 'host000').iterdir())
+  assert json.loads((cache / logits.MANIFEST).read_text()) == now

@@ -2,11 +2,14 @@
 distill.teacher_logits reads them): per host, ArrayRecord shards of STEPS_PER_SHARD records, one
 record per training step holding that host's rows of the step's batch, in the order the trainer
 reads them; each scored position's k token ids (int32) and log-probabilities (float32, at
-temperature 1). manifest.json says what they were written from; a run whose teacher, tokenizer,
-data settings, k or steps differ is refused, naming the field."""
+temperature 1). manifest.json, written once every shard is, says what they were written from; a
+run whose teacher, tokenizer, data (settings or content), k or steps differ is refused, naming
+the field or the file."""
 
+import dataclasses
 import hashlib
 import json
+import os
 
 import grain
 import numpy as np
@@ -15,9 +18,14 @@ from moetrain.convert import safetensors_io as stio
 from moetrain.core import fields, storage
 from moetrain.data import loader
 from moetrain.data import tokenizer as tokenizer_lib
+from moetrain.run import integrity, rundir
 
 MANIFEST = 'manifest.json'
-VERSION = 1
+PENDING = 'manifest.pending.json'  # the manifest of a write under way, until every shard is
+VERSION = 2
+IGNORED = ('stamps', 'steps_per_shard')  # not what the logits are of
+INPUTS = ('data.files', 'distill.teacher')  # contents: changed in place, the logits are stale
+STALE = 'written from other inputs'  # (difference's words for that)
 
 
 def shard_path(directory: str, process: int, shard: int, done: bool = False) -> str:
@@ -32,54 +40,113 @@ def _digest(path: str) -> str:
     return hashlib.sha256(f.read()).hexdigest()
 
 
-def manifest(setup, top_k: int, steps_per_shard: int, process_count: int) -> dict:
-  """What the logits are of: the teacher (its path and files), the tokenizer (its content), the
-  data stream, k, the steps and hosts, the shard size."""
-
-  teacher = setup.distill.teacher
-  files = {
-    n: storage.getsize(storage.join(teacher, n))
-    for n in storage.listdir(teacher)
-    if stio.is_model_file(n) or n == 'config.json'
+def _teacher_files(teacher: str) -> tuple[list[str], dict]:
+  """(the files whose content is the teacher, what else names it): a Hugging Face checkpoint's
+  weights and config; a run directory's config.json and the step of its latest checkpoint."""
+  if rundir.run_config(teacher) is None:
+    names = [n for n in storage.listdir(teacher) if stio.is_model_file(n) or n == 'config.json']
+    return [storage.join(teacher, n) for n in sorted(names)], {}
+  steps = rundir.saved_steps(teacher)
+  return [storage.join(rundir.run_dir(teacher), 'config.json')], {
+    'step': steps[-1] if steps else None
   }
+
+
+def _known(saved: dict) -> dict:
+  """The fingerprints a manifest recorded (integrity.fingerprints' `known`: files whose stamp is
+  unchanged are not read again)."""
+  stamps = saved.get('stamps') or {}
+  teacher = saved.get('distill.teacher') or {}
+  sha = dict(saved.get('data.files') or {})
+  sha |= {storage.join(teacher.get('path', ''), n): h for n, h in teacher.get('files', {}).items()}
+  return {p: {'stamp': stamps[p], 'sha256': h} for p, h in sha.items() if p in stamps}
+
+
+def manifest(setup, top_k: int, steps_per_shard: int, process_count: int, known=None) -> dict:
+  """What the logits are of: the teacher (its path and content), the tokenizer (its content), the
+  data stream (its settings and its training files' content), k, the steps and hosts, the shard
+  size. `known`: a manifest whose fingerprints of unchanged files are taken as they are."""
+  teacher = setup.distill.teacher
+  data_files = rundir.data_files(dataclasses.replace(setup.data, eval_split=''))
+  teacher_files, teacher_more = _teacher_files(teacher)
+  prints = integrity.fingerprints(data_files + teacher_files, _known(known or {}))
   tokenizer = str(tokenizer_lib.tokenizer_file(setup.data.tokenizer) or setup.data.tokenizer)
   stream = {k: getattr(setup.data, k) for k in fields.with_role(loader.DataConfig, 'stream')}
+  files = {os.path.basename(p): prints[p]['sha256'] for p in teacher_files}
   return json.loads(
     json.dumps(
       {
         'version': VERSION,
-        'distill.teacher': {'path': teacher, 'files': files},
+        'distill.teacher': {'path': teacher, 'files': files, **teacher_more},
         'data.tokenizer': _digest(tokenizer),
         **{f'data.{k}': v for k, v in stream.items() if k != 'tokenizer'},
+        'data.files': {p: prints[p]['sha256'] for p in data_files},
         'distill.top_k': top_k,
         'train.steps': setup.train.steps,
         'processes': process_count,
         'steps_per_shard': steps_per_shard,
+        'stamps': {p: e['stamp'] for p, e in prints.items()},
       }
     )
   )
 
 
+def rebuild(directory: str, top_k) -> str:
+  return (
+    "rebuild it: python -m moetrain.tools.teacher_logits --config=<this run's config and "
+    f'overrides> --out={directory} --top_k={top_k}'
+  )
+
+
 def check(setup, directory: str, process_count: int) -> dict:
-  """The manifest of `directory`, refused (one line, naming the field) unless it was written
-  for this run's teacher, tokenizer, data, at least its k and steps, and its host count."""
+  """The manifest of `directory`, refused (one line, naming the field or the file) unless it was
+  written for this run's teacher, tokenizer, data, at least its k and steps, and its host count."""
   where = f'distill.teacher_logits={directory!r}'
   path = storage.join(directory, MANIFEST)
   if not storage.isfile(path):
+    if storage.isfile(storage.join(directory, PENDING)):
+      raise FileNotFoundError(
+        f'{where} is incomplete (its writer stopped before the last shard): rerun python -m '
+        f'moetrain.tools.teacher_logits with the same --config and --out={directory} to finish it'
+      )
     raise FileNotFoundError(
       f'{where} holds no {MANIFEST}: write it with python -m moetrain.tools.teacher_logits'
     )
   saved = json.loads(storage.read_text(path))
-  now = manifest(setup, setup.distill.top_k, saved.get('steps_per_shard', 1), process_count)
-  redo = 'write them again for this run (python -m moetrain.tools.teacher_logits)'
+  now = manifest(setup, setup.distill.top_k, saved.get('steps_per_shard', 1), process_count, saved)
+  if problem := difference(saved, now, at_least=True):
+    raise ValueError(f'{where} was {problem}: {rebuild(directory, saved.get("distill.top_k"))}')
+  return saved
+
+
+def difference(saved: dict, now: dict, at_least: bool = False) -> str:
+  """What makes the logits of manifest `saved` other than those `now` describes, in words ('' if
+  nothing). at_least: a larger k or more steps serve too."""
   for key, want in now.items():
     have = saved.get(key)
-    short = key in ('distill.top_k', 'train.steps') and have is not None and have >= want
-    if have != want and not short and key != 'steps_per_shard':
-      raise ValueError(
-        f'{where} was written for {key}={_said(have)}, this run has {_said(want)}: {redo}'
-      )
-  return saved
+    if key in IGNORED or have == want:
+      continue
+    if at_least and key in ('distill.top_k', 'train.steps') and have is not None and have >= want:
+      continue
+    if key in INPUTS and isinstance(have, dict) and have.get('path') == want.get('path'):
+      return f'{STALE}: {_changed(key, have, want)}'
+    return f'written for {key}={_said(have)}, this run has {_said(want)}'
+  return ''
+
+
+def _changed(key: str, have: dict, want: dict) -> str:
+  """The input whose content differs between two manifests' `key` (INPUTS), in words."""
+  if key == 'data.files':
+    path = next(p for p in sorted(set(have) | set(want)) if have.get(p) != want.get(p))
+    if path not in want or path not in have:
+      return f'the data file {path} is {"no longer" if path in have else "now"} read'
+    return f'the data file {path} changed (its content differs)'
+  teacher = f'distill.teacher={want["path"]!r}'
+  if have.get('step') != want.get('step'):
+    return f'{teacher} is at checkpoint step {want.get("step")}, the logits are of step {have.get("step")}'
+  files, now = have.get('files', {}), want['files']
+  name = next(n for n in sorted(set(files) | set(now)) if files.get(n) != now.get(n))
+  return f'{teacher}: its {name} changed (its content differs)'
 
 
 def _said(value) -> str:

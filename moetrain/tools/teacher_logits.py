@@ -71,20 +71,33 @@ def _setup(config, top_k: int):
   return dataclasses.replace(setup, distill=d), k
 
 
-def _start(out: str, want: dict) -> None:
-  """Writes the manifest, or checks the one a killed run left (it must be this setting's)."""
+def _start(out: str, want: dict, process: int) -> None:
+  """Writes the manifest, or checks the one `out` holds: a killed run's of this setting goes on;
+  one written from inputs that have since changed (stale: no run can use it) is replaced; any
+  other is refused."""
   path = storage.join(out, logits_lib.MANIFEST)
-  if storage.isfile(path):
-    have = json.loads(storage.read_text(path))
-    for key in want:
-      if have.get(key) != want[key]:
-        raise ValueError(
-          f'--out={out!r} holds logits written for another {key} ({have.get(key)!r}); choose '
-          'another --out'
-        )
-  elif runtime.is_primary():
+  have = json.loads(storage.read_text(path)) if storage.isfile(path) else None
+  problem = logits_lib.difference(have, want) if have is not None else ''
+  if problem and not problem.startswith(logits_lib.STALE):
+    raise ValueError(f'--out={out!r} holds logits {problem}; choose another --out')
+  multihost_utils.sync_global_devices('teacher_logits_read')  # (before the primary writes)
+  if problem:
+    _clear(out, process)
+  if runtime.is_primary() and (problem or have is None):
+    if problem:
+      print(f'--out={out} holds logits {problem}: writing them anew', flush=True)
     storage.makedirs(out)
     storage.write_atomic(path, json.dumps(want, indent=1))
+  multihost_utils.sync_global_devices('teacher_logits_start')
+
+
+def _clear(out: str, process: int) -> None:
+  """Removes this host's shards and their done markers."""
+  host = storage.dirname(logits_lib.shard_path(out, process, 0))
+  if storage.isdir(host):
+    for name in storage.listdir(host):
+      if name.startswith('shard-'):
+        storage.remove(storage.join(host, name))
 
 
 def _done(out: str, process: int, shards: int) -> tuple[int, dict | None]:
@@ -102,7 +115,7 @@ def write(config, out: str, top_k: int = 0, steps_per_shard: int = STEPS_PER_SHA
 
   setup, k = _setup(config, top_k)
   process, count = jax.process_index(), jax.process_count()
-  _start(out, logits_lib.manifest(setup, k, steps_per_shard, count))
+  _start(out, logits_lib.manifest(setup, k, steps_per_shard, count), process)
   mesh = setup.make_mesh()
   # The teacher's weights as loaded, in layer order.
   cfg = startup.without_repeats(teacher_lib.model_config(setup.distill, setup.model))

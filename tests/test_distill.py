@@ -609,3 +609,38 @@ def test_the_writer_replaces_a_stale_cache_and_refuses_one_of_other_settings(tmp
   teacher_logits._start(str(cache), now, 0)  # stale: no run can read it, written anew
   assert not list((cache / 'host000').iterdir())
   assert json.loads((cache / logits.MANIFEST).read_text()) == now
+
+
+def test_an_unfinished_or_damaged_logits_shard_is_named(tmp_path):
+  """Completeness is from the done markers (a writer killed in its last shard leaves the file
+  without its marker); a shard cut short is named when the run starts, a record that cannot be
+  read when the step reads it."""
+  from moetrain.distill import logits
+
+  setup = _jsonl_setup(tmp_path, **{'train.steps': 2, 'optim.warmup_steps': 0})
+  cache = tmp_path / 'cache'
+  saved = _cache(setup, cache)
+  rows, seq = setup.data.global_batch_size, setup.data.seq_len
+  batches = lambda: iter([{'inputs': np.zeros((rows, seq), np.int32)}] * 2)
+  got = logits.WithTeacherLogits(batches(), str(cache), saved, 0, 4)
+  assert next(got)['teacher_ids'].shape == (rows, seq, 4)
+  last, marker = (
+    cache / 'host000' / 'shard-00001.array_record',
+    cache / 'host000' / 'shard-00001.json',
+  )
+  marker.unlink()
+  with pytest.raises(FileNotFoundError, match=r'shard-00001\.array_record.*incomplete'):
+    logits.WithTeacherLogits(batches(), str(cache), saved, 0, 4)
+  marker.write_text('{}')
+  whole = last.read_bytes()
+  last.write_bytes(whole[: len(whole) // 3])
+  with pytest.raises(ValueError, match=r'shard-00001\.array_record cannot be read') as e:
+    logits.WithTeacherLogits(batches(), str(cache), saved, 0, 4)
+  assert '\n' not in str(e.value)
+  damaged = bytearray(whole)
+  damaged[200:300] = bytes(100)
+  last.write_bytes(bytes(damaged))
+  got = logits.WithTeacherLogits(batches(), str(cache), saved, 0, 4)
+  next(got)
+  with pytest.raises(ValueError, match=r'shard-00001\.array_record cannot be read.*step 2'):
+    next(got)

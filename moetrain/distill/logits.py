@@ -142,8 +142,8 @@ def _changed(key: str, have: dict, want: dict) -> str:
       return f'the data file {path} is {"no longer" if path in have else "now"} read'
     return f'the data file {path} changed (its content differs)'
   teacher = f'distill.teacher={want["path"]!r}'
-  if have.get('step') != want.get('step'):
-    return f'{teacher} is at checkpoint step {want.get("step")}, the logits are of step {have.get("step")}'
+  if (then := have.get('step')) != (now := want.get('step')):
+    return f'{teacher} is at checkpoint step {now}, the logits are of step {then}'
   files, now = have.get('files', {}), want['files']
   name = next(n for n in sorted(set(files) | set(now)) if files.get(n) != now.get(n))
   return f'{teacher}: its {name} changed (its content differs)'
@@ -179,24 +179,51 @@ def decode(record: bytes, rows: int, seq_len: int, top_k: int) -> tuple[np.ndarr
   return out_ids.reshape(rows, seq_len, top_k), out_logp.reshape(rows, seq_len, top_k)
 
 
+def damaged(path: str, e: Exception, what: str = '') -> str:
+  said = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+  return (
+    f'{path} cannot be read{what} ({said}): the cached teacher logits are damaged; delete it '
+    'and its .json marker and rerun python -m moetrain.tools.teacher_logits to write it (and the '
+    'shards after it) again'
+  )
+
+
+def shards(directory: str, process: int, steps: int, per_shard: int) -> list[str]:
+  """This host's shard files, each whole by its done marker and holding its steps' records
+  (opening a reader reads its index alone); refused naming the first that is not."""
+  from array_record.python.array_record_module import ArrayRecordReader
+
+  paths = []
+  for i in range(-(-steps // per_shard)):
+    path = shard_path(directory, process, i)
+    if not storage.isfile(shard_path(directory, process, i, done=True)):
+      raise FileNotFoundError(
+        f'{path} was not finished: distill.teacher_logits={directory!r} is incomplete (rerun '
+        'python -m moetrain.tools.teacher_logits with the same --config and --out to finish it)'
+      )
+    want = min(per_shard, steps - i * per_shard)
+    try:
+      reader = ArrayRecordReader(path)
+      have = reader.num_records()
+      reader.close()
+    except (RuntimeError, ValueError, OSError) as e:
+      raise ValueError(damaged(path, e)) from e
+    if have < want:
+      raise ValueError(damaged(path, ValueError(f'{have} records of {want}')))
+    paths.append(path)
+  return paths
+
+
 class WithTeacherLogits:
   """The training iterator with each step's cached teacher logits added to its batch (through
   grain's ArrayRecord source, read by step: `step` is the step of the next batch, set on a
   resume). Everything else is the wrapped iterator's."""
 
   def __init__(self, inner, directory: str, saved: dict, process: int, top_k: int):
-
     self.inner, self.top_k, self.step = inner, top_k, 0
     self.per_shard = saved['steps_per_shard']
-    shards = -(-saved['train.steps'] // self.per_shard)
-    paths = [shard_path(directory, process, i) for i in range(shards)]
-    missing = [p for p in paths if not storage.exists(p)]
-    if missing:
-      raise FileNotFoundError(
-        f'{missing[0]} does not exist: distill.teacher_logits={directory!r} is incomplete '
-        '(rerun python -m moetrain.tools.teacher_logits to finish it)'
-      )
-    self.source = grain.sources.ArrayRecordDataSource(paths)
+    self.paths = shards(directory, process, saved['train.steps'], self.per_shard)
+    self.source = grain.sources.ArrayRecordDataSource(self.paths)
 
   def __iter__(self):
     return self
@@ -204,7 +231,11 @@ class WithTeacherLogits:
   def __next__(self) -> dict:
     batch = next(self.inner)
     rows, seq_len = batch['inputs'].shape
-    ids, logp = decode(self.source[self.step], rows, seq_len, self.top_k)
+    try:
+      ids, logp = decode(self.source[self.step], rows, seq_len, self.top_k)
+    except (RuntimeError, ValueError, OSError) as e:
+      path = self.paths[self.step // self.per_shard]
+      raise ValueError(damaged(path, e, f" (step {self.step + 1}'s record)")) from e
     self.step += 1
     return {**batch, 'teacher_ids': ids, 'teacher_logprobs': logp}
 

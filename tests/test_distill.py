@@ -644,3 +644,20 @@ def test_an_unfinished_or_damaged_logits_shard_is_named(tmp_path):
   next(got)
   with pytest.raises(ValueError, match=r'shard-00001\.array_record cannot be read.*step 2'):
     next(got)
+
+
+def test_a_run_directory_without_a_checkpoint_as_teacher_is_refused_before_compiling(tmp_path):
+  """The teacher of a run directory is its latest checkpoint: none is refused by the config
+  checks, naming distill.teacher."""
+  from moetrain.data import demo_teacher
+  from moetrain.run import startup
+
+  run = tmp_path / 'teacher_run'
+  run.mkdir()
+  saved = _demo_config(**{'distill.teacher': '', 'data.tokenizer': str(demo_teacher.DIR)})
+  (run / 'config.json').write_text(saved.to_json_best_effort())
+  config = _demo_config(**{'distill.teacher': str(run)})
+  with pytest.raises(ValueError, match=r'distill\.teacher=.*teacher_run.* no checkpoint'):
+    startup.build(config, num_devices=1, process_count=1)
+  (run / 'checkpoints' / '2').mkdir(parents=True)
+  startup.build(config, num_devices=1, process_count=1)

@@ -28,6 +28,11 @@ def model_config(d, student: ModelConfig) -> ModelConfig:
   saved = rundir.run_config(d.teacher)
   if saved is None:
     cfg = hf.config_from_hf(hf.read_config(d.teacher), engine=student.engine, lora=LoraConfig())
+  elif not rundir.saved_steps(d.teacher):  # (its weights are its latest checkpoint's)
+    raise ValueError(
+      f'distill.teacher={d.teacher!r} is a moetrain run directory with no checkpoint: train it '
+      'to its first checkpoint, or name another teacher'
+    )
   else:
     lora = LoraConfig(**saved.get('lora', {}))
     known = {f.name for f in dataclasses.fields(ModelConfig)}

@@ -608,7 +608,8 @@ def test_the_writer_replaces_a_stale_cache_and_refuses_one_of_other_settings(tmp
   now = logits.manifest(setup, 4, 1, 1)
   teacher_logits._start(str(cache), now, 0)  # stale: no run can read it, written anew
   assert not list((cache / 'host000').iterdir())
-  assert json.loads((cache / logits.MANIFEST).read_text()) == now
+  assert not (cache / logits.MANIFEST).exists()  # (until every shard is written again)
+  assert json.loads((cache / logits.PENDING).read_text()) == now
 
 
 def test_an_unfinished_or_damaged_logits_shard_is_named(tmp_path):
@@ -661,3 +662,36 @@ def test_a_run_directory_without_a_checkpoint_as_teacher_is_refused_before_compi
     startup.build(config, num_devices=1, process_count=1)
   (run / 'checkpoints' / '2').mkdir(parents=True)
   startup.build(config, num_devices=1, process_count=1)
+
+
+def test_a_failed_logits_write_leaves_no_manifest_and_the_corrected_rerun_writes(
+  tmp_path, monkeypatch
+):
+  """The manifest is written once every shard is: a write that failed (here loading its
+  teacher) leaves an unfinished one, which a rerun with other settings replaces."""
+  from moetrain.distill import logits
+  from moetrain.run import startup
+  from moetrain.tools import teacher_logits
+
+  overrides = {'train.steps': 2, 'optim.warmup_steps': 0, 'data.seq_len': 64}
+  config, out = _demo_config(**overrides, **{'data.global_batch_size': 8}), tmp_path / 'cache'
+
+  def fails(*args):
+    raise RuntimeError('the teacher could not be read')
+
+  monkeypatch.setattr(startup, 'load_teacher', fails)
+  with pytest.raises(RuntimeError, match='could not be read'):
+    teacher_logits.write(config, str(out), top_k=8, steps_per_shard=1)
+  assert not (out / logits.MANIFEST).exists() and (out / logits.PENDING).exists()
+
+  def zeros(cfg, k, chunk):  # (the teacher itself is tested elsewhere)
+    return jax.jit(lambda w, b: (jnp.zeros((*b['inputs'].shape, k), jnp.int32),) * 2)
+
+  monkeypatch.setattr(startup, 'load_teacher', lambda *args: None)
+  monkeypatch.setattr(teacher_logits, 'top_k_fn', zeros)
+  teacher_logits.write(config, str(out), top_k=4, steps_per_shard=1)
+  assert not (out / logits.PENDING).exists()
+  setup = startup.build(config, num_devices=1, process_count=1)
+  setup = dataclasses.replace(setup, distill=dataclasses.replace(setup.distill, top_k=4))
+  saved = logits.check(setup, str(out), 1)
+  assert saved['distill.top_k'] == 4 and len(logits.shards(str(out), 0, 2, 1)) == 2

@@ -6,7 +6,8 @@ order its trainer reads them, for distillation without the teacher in the step.
 
 --config is the run's config (its distill.teacher, data and train.steps); k is --top_k, else
 distill.top_k. Each host writes its rows as ArrayRecord shards (moetrain/distill/logits.py); a
-killed run continues after its last whole shard when rerun. Prints the bytes per scored position.
+killed run continues after its last whole shard when rerun; the manifest is written last, and a
+rerun with other settings replaces an unfinished write. Prints the bytes per scored position.
 """
 
 import dataclasses
@@ -71,24 +72,43 @@ def _setup(config, top_k: int):
   return dataclasses.replace(setup, distill=d), k
 
 
+def _read(path: str) -> dict | None:
+  return json.loads(storage.read_text(path)) if storage.isfile(path) else None
+
+
 def _start(out: str, want: dict, process: int) -> None:
-  """Writes the manifest, or checks the one `out` holds: a killed run's of this setting goes on;
-  one written from inputs that have since changed (stale: no run can use it) is replaced; any
-  other is refused."""
-  path = storage.join(out, logits_lib.MANIFEST)
-  have = json.loads(storage.read_text(path)) if storage.isfile(path) else None
-  problem = logits_lib.difference(have, want) if have is not None else ''
-  if problem and not problem.startswith(logits_lib.STALE):
+  """Readies --out for the logits `want` describes. A complete cache of them is kept, and an
+  unfinished write of them (a killed run's) goes on. A complete cache of other settings is
+  refused; one written from inputs that have since changed (stale), or an unfinished write of
+  other settings (a failed run's), is replaced: no run can read either. The manifest is written
+  when every shard is (_finish); until then PENDING holds it."""
+  have = _read(storage.join(out, logits_lib.MANIFEST))
+  pending = _read(storage.join(out, logits_lib.PENDING))
+  problem = logits_lib.difference(have or pending or want, want)
+  if have is not None and problem and not problem.startswith(logits_lib.STALE):
     raise ValueError(f'--out={out!r} holds logits {problem}; choose another --out')
   multihost_utils.sync_global_devices('teacher_logits_read')  # (before the primary writes)
-  if problem:
-    _clear(out, process)
-  if runtime.is_primary() and (problem or have is None):
+  if (have is not None or pending is not None) and not problem:
+    return
+  _clear(out, process)
+  if runtime.is_primary():
     if problem:
-      print(f'--out={out} holds logits {problem}: writing them anew', flush=True)
+      what = 'logits' if have is not None else 'an unfinished write of logits'
+      print(f'--out={out} holds {what} {problem}: writing them anew', flush=True)
     storage.makedirs(out)
-    storage.write_atomic(path, json.dumps(want, indent=1))
+    if have is not None:
+      storage.remove(storage.join(out, logits_lib.MANIFEST))
+    storage.write_atomic(storage.join(out, logits_lib.PENDING), json.dumps(want, indent=1))
   multihost_utils.sync_global_devices('teacher_logits_start')
+
+
+def _finish(out: str, want: dict) -> None:
+  """Every host's shards are whole: the manifest makes the logits readable."""
+  multihost_utils.sync_global_devices('teacher_logits_done')
+  if runtime.is_primary():
+    storage.write_atomic(storage.join(out, logits_lib.MANIFEST), json.dumps(want, indent=1))
+    if storage.isfile(pending := storage.join(out, logits_lib.PENDING)):
+      storage.remove(pending)
 
 
 def _clear(out: str, process: int) -> None:
@@ -115,7 +135,8 @@ def write(config, out: str, top_k: int = 0, steps_per_shard: int = STEPS_PER_SHA
 
   setup, k = _setup(config, top_k)
   process, count = jax.process_index(), jax.process_count()
-  _start(out, logits_lib.manifest(setup, k, steps_per_shard, count), process)
+  want = logits_lib.manifest(setup, k, steps_per_shard, count)
+  _start(out, want, process)
   mesh = setup.make_mesh()
   # The teacher's weights as loaded, in layer order.
   cfg = startup.without_repeats(teacher_lib.model_config(setup.distill, setup.model))
@@ -151,6 +172,7 @@ def write(config, out: str, top_k: int = 0, steps_per_shard: int = STEPS_PER_SHA
       if runtime.is_primary():
         print(f'shard {shard + 1}/{shards} written', flush=True)
   it.close()
+  _finish(out, want)
   stats['bytes_per_position'] = stats['bytes'] / max(stats['positions'], 1)
   return stats
 

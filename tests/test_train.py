@@ -467,3 +467,22 @@ def test_a_preempted_run_logs_the_steps_it_saved(tmp_path, monkeypatch):
   with open(os.path.join(tmp_path, 'metrics.jsonl')) as f:
     (record,) = [r for r in map(json.loads, f) if r['kind'] == 'train']
   assert record['window_steps'] == 2
+
+
+def test_a_fresh_run_that_fails_at_start_up_leaves_no_run_directory(tmp_path, monkeypatch):
+  """A run that fails before its first step (after its start wrote config.json, inputs.json
+  and its tokenizer) removes the directory it created; one that existed before stays."""
+  from moetrain.training import aot
+
+  def fails(*args, **kwargs):
+    raise ValueError('a setting refused at start-up')
+
+  monkeypatch.setattr(aot, 'precompile_train_step', fails)
+  workdir = tmp_path / 'run'
+  with pytest.raises(ValueError, match='refused at start-up'):
+    train.run(small_config(), str(workdir))
+  assert not workdir.exists()
+  workdir.mkdir()
+  with pytest.raises(ValueError, match='refused at start-up'):
+    train.run(small_config(), str(workdir))
+  assert (workdir / 'config.json').exists()

@@ -4,6 +4,7 @@ with), the marker of data that ran out, the steps saved in it and what a run say
 import functools
 import json
 import os
+import shutil
 
 from absl import logging
 
@@ -280,6 +281,35 @@ def saved_steps(workdir: str) -> list[int]:
   if storage.is_url(directory):
     steps = [s for s in steps if storage.exists(storage.join(directory, str(s), COMMITTED))]
   return sorted(steps)
+
+
+# What a run's start writes into its directory before its first step, which a rerun writes
+# again: its lease, config, input fingerprints, trained tokenizer, an empty records file.
+STARTUP_FILES = ('lease.json', 'config.json', 'inputs.json', 'tokenizer.model', 'metrics.jsonl')
+
+
+def created_here(workdir: str) -> bool:
+  """Whether a run in `workdir` will create its directory (a local one, which process 0 makes)."""
+  return not storage.is_url(workdir) and runtime.is_primary() and not os.path.exists(workdir)
+
+
+def remove_unused(workdir: str) -> bool:
+  """Removes the run directory that a failed run created, when it holds nothing but its start's
+  files (STARTUP_FILES, metrics.jsonl empty) and an empty checkpoints/; anything else, a record
+  or a checkpoint in the making among them, keeps it whole. Returns whether it was removed."""
+  path = run_dir(workdir)
+  try:
+    names = set(os.listdir(path))
+    ckpts, metrics = os.path.join(path, 'checkpoints'), os.path.join(path, 'metrics.jsonl')
+    if 'checkpoints' in names and (not os.path.isdir(ckpts) or os.listdir(ckpts)):
+      return False
+    records = os.path.isfile(metrics) and os.path.getsize(metrics) > 0
+    if names - {*STARTUP_FILES, 'checkpoints'} or records:
+      return False
+    shutil.rmtree(path)
+  except OSError:
+    return False
+  return True
 
 
 def config_json(config, setup) -> str:

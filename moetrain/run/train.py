@@ -60,6 +60,7 @@ def run(config, workdir: str) -> dict:
   )
   mesh = setup.make_mesh()
   rundir.check_resumable(config, workdir)
+  created = rundir.created_here(workdir) and jax.process_count() == 1
   # One run per directory: nothing below writes into it before the lease is held (by process
   # 0 for the job; the others learn whether it got it and stop with it when it did not).
   held, refused = None, ''
@@ -72,10 +73,15 @@ def run(config, workdir: str) -> dict:
   if refused:
     raise lease.LeaseHeld(refused)
   try:
-    return _run(config, workdir, setup, mesh)
-  finally:
-    if held is not None:
-      held.release()
+    try:
+      return _run(config, workdir, setup, mesh)
+    finally:
+      if held is not None:
+        held.release()
+  except Exception:
+    if created:  # a fresh run that failed before writing anything a rerun needs leaves nothing
+      rundir.remove_unused(workdir)
+    raise
 
 
 def _run(config, workdir: str, setup: Setup, mesh) -> dict:

@@ -184,54 +184,81 @@ def test_adapters_off_reference_is_the_base_model():
   perturb_lora(model, 1, scale=0.3)  # adapters that change the output
   from flax import nnx
 
-  _, params, _, _ = nnx.split(model, nnx.LoRAParam, ..., ...)
+  params = nnx.state(model, nnx.LoRAParam)
   b = {k: jnp.asarray(v) for k, v in _pair_batch().items() if k in packing.ROW_KEYS}
   step = _step_cfg()
   from moetrain.training.train_step import reference_model
 
-  ref = reference_model(params, state.moe_bias, state.frozen, graphdef, step, None)
-  base = merge_model(graphdef, jax.tree.map(jnp.zeros_like, params), state.moe_bias, state.frozen)
-  got = pref.reference_sums(ref, b)
-  want = pref.reference_sums(base, b)
+  @jax.jit
+  def sums(params, moe_bias, frozen, b):
+    ref = reference_model(params, moe_bias, frozen, graphdef, step, None)
+    base = merge_model(graphdef, jax.tree.map(jnp.zeros_like, params), moe_bias, frozen)
+    adapted = merge_model(graphdef, params, moe_bias, frozen)
+    return [pref.reference_sums(m, b) for m in (ref, base, adapted)]
+
+  got, want, adapted = sums(params, state.moe_bias, state.frozen, b)
   np.testing.assert_array_equal(got, want)
-  adapted = pref.reference_sums(model, b)
   assert float(jnp.abs(adapted - want).max()) > 1e-3  # (the adapters do change it)
 
 
-@pytest.mark.parametrize('loss', ['sigmoid', 'kto'])
-def test_first_step_at_the_reference(loss):
+OPT = optax.adam(3e-2)
+
+
+@pytest.fixture(scope='module')
+def dpo_step():
+  """The DPO step (beta 0.5), compiled once for the tests below, and its first state."""
+  cfg = _step_cfg('sigmoid', beta=0.5)
+  return cfg, jit_train_step(cfg, OPT, lambda s: 3e-2, donate=False), init_state(CFG, OPT, 0)
+
+
+def _rows(records='paired'):
+  return {k: v for k, v in _pair_batch(records=records).items() if k in packing.ROW_KEYS}
+
+
+def test_the_first_step_is_at_the_reference_and_accumulates(dpo_step):
   """LoRA's B starts at zero: the policy is its reference, DPO's loss is log 2, the margin 0;
-  accumulation over micro-batches gives the whole batch's loss."""
-  records = 'unpaired' if loss == 'kto' else 'paired'
-  b = {k: v for k, v in _pair_batch(records=records).items() if k in packing.ROW_KEYS}
-  state = init_state(CFG, optax.sgd(0.1), 0)
-  graphdef = graphdef_of(CFG)
-  rng = jax.random.key(0)
-  l1, s1, g1 = grads_and_stats(state, graphdef, b, rng, _step_cfg(loss))
-  m = pref.metrics(s1['pref'])
-  if loss == 'sigmoid':
-    np.testing.assert_allclose(m['pref/loss'], np.log(2.0), rtol=1e-5)
-  np.testing.assert_allclose(m['pref/margin'], 0.0, atol=1e-6)
+  two micro-batches give the whole batch's loss and gradient (the means over pairs divide by
+  the whole batch's count)."""
   import dataclasses
 
-  two = dataclasses.replace(_step_cfg(loss), grad_accum_steps=2)
-  l2, _, g2 = grads_and_stats(state, graphdef, b, rng, two)
-  np.testing.assert_allclose(l2, l1, rtol=1e-5)
-  norm = lambda g: float(optax.tree.norm(g))
-  assert norm(g1) > 0
-  np.testing.assert_allclose(norm(g2), norm(g1), rtol=1e-4)
+  cfg, fn, state = dpo_step
+  b = _rows()
+  _, m1 = fn(state, b)
+  np.testing.assert_allclose(m1['pref/loss'], np.log(2.0), rtol=1e-5)
+  np.testing.assert_allclose(m1['pref/margin'], 0.0, atol=1e-6)
+  assert float(m1['grad_norm']) > 0
+  two = jit_train_step(
+    dataclasses.replace(cfg, grad_accum_steps=2), OPT, lambda s: 3e-2, donate=False
+  )
+  _, m2 = two(state, b)
+  np.testing.assert_allclose(m2['total_loss'], m1['total_loss'], rtol=1e-5)
+  np.testing.assert_allclose(m2['grad_norm'], m1['grad_norm'], rtol=1e-4)
 
 
-def test_steps_raise_the_margin_and_eval_reports_it():
-  b = {k: v for k, v in _pair_batch().items() if k in packing.ROW_KEYS}
-  cfg = _step_cfg('sigmoid', beta=0.5)
-  opt = optax.adam(3e-2)
-  state = init_state(CFG, opt, 0)
-  fn = jit_train_step(cfg, opt, lambda s: 3e-2, donate=False)
+def test_kto_at_the_reference_has_no_margin():
+  """Unpaired rows (each example with a mismatched one for the KL estimate): at the reference
+  every log-ratio and the KL estimate are 0, so each example's loss is its weight / 2."""
+  graphdef = graphdef_of(CFG)
+  cfg = _step_cfg('kto', desirable_weight=1.0, undesirable_weight=0.5)
+  state = init_state(CFG, OPT, 0)
+  fn = jax.jit(lambda s, b: grads_and_stats(s, graphdef, b, jax.random.key(0), cfg))
+  _, stats, grads = fn(state, _rows('unpaired'))
+  m = pref.metrics(stats['pref'])
+  sums = stats['pref']
+  want = (0.5 * sums['chosen'] + 0.25 * sums['rejected']) / sums['elements']
+  np.testing.assert_allclose(m['pref/loss'], want, rtol=1e-5)
+  np.testing.assert_allclose(m['pref/margin'], 0.0, atol=1e-6)
+  assert sums['chosen'] > 0 and sums['rejected'] > 0
+  assert float(optax.tree.norm(grads)) > 0
+
+
+def test_steps_raise_the_margin_and_eval_reports_it(dpo_step):
+  cfg, fn, state = dpo_step
+  b = _rows()
   for _ in range(5):
     state, m = fn(state, b)
   assert float(m['pref/margin']) > 0 and float(m['pref/accuracy']) > 0.5
-  sums = eval_step(state, b, graphdef=graphdef_of(CFG), cfg=cfg)
+  sums = jax.jit(lambda s, b: eval_step(s, b, graphdef=graphdef_of(CFG), cfg=cfg))(state, b)
   assert float(pref.metrics(sums)['pref/margin']) > 0
   assert sums['tokens'] > 0 and sums['nll_sum'] > 0
 
@@ -307,6 +334,7 @@ def _run_config(**train):
   return config
 
 
+@pytest.mark.slow  # ~1 minute (3 minutes on a loaded VM): a run's two compiles on 8 devices
 def test_a_preference_run_on_an_expert_mesh_logs_its_metrics(tmp_path):
   from moetrain.run import train
 

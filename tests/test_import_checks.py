@@ -1,8 +1,12 @@
 """What an import from a Hugging Face checkpoint refuses, by name: tensors holding NaN or
-infinity (found as they stream), model shapes set beside the checkpoint that decides them, and
-invalid engine settings (named as the model.<field> the user sets)."""
+infinity (found as they stream), model shapes set beside the checkpoint that decides them,
+invalid engine settings (named as the model.<field> the user sets), and config.json shapes or
+safetensors headers the weights contradict (from the headers, before anything is built); and a
+train state or step larger than the devices' memory."""
 
+import json
 import os
+import re
 import shutil
 
 import ml_dtypes
@@ -10,9 +14,12 @@ import numpy as np
 import pytest
 from safetensors.numpy import load_file, save_file
 
+from configs import longcat_lora
 from moetrain.convert import hf
 from moetrain.convert import safetensors_io as stio
 from moetrain.data import demo_base
+from moetrain.run import startup
+from moetrain.training import aot
 from tests.helpers import run_command
 
 BASE = str(demo_base.DIR)
@@ -87,3 +94,59 @@ def test_the_command_refuses_a_shape_beside_the_checkpoint_in_one_line(tmp_path)
     'engine section: engine.dtype, engine.remat, ...)'
   ]
   assert 'Traceback' not in out.stderr and not os.path.exists(workdir)
+
+
+def _base_with(tmp_path, **config_json):
+  base = tmp_path / 'base'
+  shutil.copytree(BASE, base)
+  path = base / 'config.json'
+  path.write_text(json.dumps({**json.loads(path.read_text()), **config_json}))
+  return base
+
+
+def _demo_config(hf_checkpoint):
+  config = longcat_lora.get_config()
+  config.init.hf_checkpoint = str(hf_checkpoint)
+  return config
+
+
+@pytest.mark.parametrize('key, value', [('hidden_size', 10**9), ('expert_ffn_hidden_size', 96)])
+def test_a_config_json_shape_the_weights_lack_is_refused_before_anything_is_built(
+  tmp_path, key, value
+):
+  base = _base_with(tmp_path, **{key: value})
+  with pytest.raises(ValueError) as e:
+    startup.build(_demo_config(base))
+  message = str(e.value)
+  assert message.startswith(
+    f"init.hf_checkpoint={base}: config.json's {key}={value} does not match the weights: "
+  ), message
+  assert 'in model.safetensors, the config implies' in message and '\n' not in message
+
+
+def test_a_state_beyond_the_devices_memory_stops_before_the_compile(monkeypatch):
+  setup = startup.build(longcat_lora.get_config())
+  mesh = setup.make_mesh()
+  state, _ = aot.abstract_state(setup, mesh)
+  need = aot.state_bytes(state)
+  assert 0 < need < 2**30
+  monkeypatch.setattr(aot, 'host_memory', lambda: 8 * (need - 1))  # (8 devices share it)
+
+  def compile_fn(*args, **kwargs):
+    raise AssertionError('compiled')
+
+  monkeypatch.setattr(aot, 'compile_fn', compile_fn)
+  with pytest.raises(ValueError) as e:
+    aot.precompile_train_step(setup, mesh, None, state, progress=lambda line: None)
+  assert re.fullmatch(
+    r"the train state needs [\d.]+ GiB per device, more than this host's [\d.]+ GiB of RAM "
+    r'shared by its 8 devices: it cannot run; .* --search',
+    str(e.value),
+  ), e.value
+  # A compiled step beyond it stops after the compile.
+  monkeypatch.setattr(aot, 'host_memory', lambda: 8 * need)
+  compiled = aot.Compiled('train step', {'total': 10**19}, 0.0, None, 0.0)
+  monkeypatch.setattr(aot, 'compile_fn', lambda *args, **kwargs: compiled)
+  monkeypatch.setattr(aot, 'state_formats', lambda executable: None)
+  with pytest.raises(ValueError, match=r'^the compiled train step needs 9313225746\.15 GiB per'):
+    aot.precompile_train_step(setup, mesh, None, state, progress=lambda line: None)

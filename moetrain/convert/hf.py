@@ -164,6 +164,14 @@ def _shardings(abstract_state, mesh, rules) -> dict:
   return flat_values(train_state.state_shardings(abstract_state, mesh, rules))
 
 
+class ShapeMismatch(ValueError):
+  """A checkpoint tensor whose shape is not the one the config implies."""
+
+  def __init__(self, message: str, name: str, got: tuple, want: tuple):
+    super().__init__(message)
+    self.name, self.got, self.want = name, got, want
+
+
 def check_rows(reader, rows, cfg, shapes: dict) -> list[str]:
   """Raises on a missing or misshapen tensor; returns the checkpoint keys no row uses."""
   expected = set()
@@ -176,10 +184,13 @@ def check_rows(reader, rows, cfg, shapes: dict) -> list[str]:
         raise ValueError(
           f'{name}: missing from {reader.directory} (moetrain {t.path} needs it, shape {want})'
         )
-      if reader.shape(name) != want:
-        raise ValueError(
-          f'{name}: shape {reader.shape(name)} in {reader.directory}, expected '
-          f'{want} for moetrain {t.path}; does config.json match the weights?'
+      if (got := reader.shape(name)) != want:
+        raise ShapeMismatch(
+          f'{name}: shape {got} in {reader.directory}, expected '
+          f'{want} for moetrain {t.path}; does config.json match the weights?',
+          name,
+          got,
+          want,
         )
   skipped = sorted(set(reader.keys()) - expected)
   mtp = set(k for k in skipped if is_mtp(k, cfg))
@@ -201,6 +212,39 @@ def check_rows(reader, rows, cfg, shapes: dict) -> list[str]:
       f'({len(extra)} such tensors); does config.json match the weights?'
     )
   return skipped
+
+
+def check_checkpoint(path: str, cfg: ModelConfig) -> None:
+  """Before anything is built or compiled: every safetensors header of `path` (its length sane,
+  its offsets within the file) and the shape of every tensor the config implies, from the
+  headers alone. A tensor whose shape differs is refused naming config.json's key."""
+  reader = _reader(stio.Reader(path), cfg)
+  try:
+    check_rows(reader, table(cfg), cfg, _float_shapes(cfg))
+  except ShapeMismatch as e:
+    keys = mismatched_keys(read_config(path), e.got, e.want)
+    given = ', '.join(f'{k}={v}' for k, v in keys.items()) or 'a shape'
+    file = getattr(reader, 'files', {}).get(e.name, 'its safetensors')
+    raise ValueError(
+      f"init.hf_checkpoint={path}: config.json's {given} does not match the weights: "
+      f'{e.name} has shape {e.got} in {file}, the config implies {e.want}'
+    ) from None
+
+
+def mismatched_keys(config_json: dict, got: tuple, want: tuple) -> dict:
+  """config.json's integer keys whose value is a dimension `want` has and `got` lacks."""
+  dims = list(got)
+  extra = set()
+  for d in want:
+    if d in dims:
+      dims.remove(d)
+    else:
+      extra.add(d)
+  return {
+    k: v
+    for k, v in config_json.items()
+    if isinstance(v, int) and not isinstance(v, bool) and v in extra
+  }
 
 
 def load_params(path, cfg: ModelConfig, mesh=None, rules=None, dtype=None, seed=0) -> Loaded:

@@ -107,6 +107,8 @@ def build(
   sharding.check_axes_used(mesh_shape, config.mesh.rules)
   model.validate()
   stages.check(model)
+  if config.init.hf_checkpoint:  # the weights' shapes, from the headers, before any compile
+    hf.check_checkpoint(config.init.hf_checkpoint, model)
   data = loader.DataConfig(**config.data.to_dict())
   if config.init.hf_checkpoint and not data.tokenizer:  # the checkpoint's own tokenizer
     data = dataclasses.replace(data, tokenizer=config.init.hf_checkpoint)

@@ -3,6 +3,8 @@ TPU slice described by libtpu, or this host's), from shapes alone: no weights, n
 
 import dataclasses
 import functools
+import math
+import os
 import re
 import time
 
@@ -256,10 +258,50 @@ def device_memory_limit(device) -> int | None:
   return stats.get('bytes_limit')
 
 
+def host_memory() -> int:
+  """This host's RAM in bytes."""
+  return os.sysconf('SC_PAGE_SIZE') * os.sysconf('SC_PHYS_PAGES')
+
+
+def memory_budget(mesh) -> tuple[int, str]:
+  """(bytes one device of `mesh` may hold, what they are): the device's memory, or on a backend
+  that does not say (CPU) this host's RAM shared by its devices of the mesh."""
+  device = mesh.devices.flat[0]
+  if limit := device_memory_limit(device):
+    return limit, f'the {limit / 2**30:.2f} GiB of a {device.device_kind} device'
+  n = sum(d.process_index == jax.process_index() for d in mesh.devices.flat)
+  ram = host_memory()
+  return ram // n, f"this host's {ram / 2**30:.2f} GiB of RAM shared by its {n} devices"
+
+
+def state_bytes(state) -> int:
+  """Bytes of one device's shards of an abstract state (ShapeDtypeStructs with shardings)."""
+  total = 0
+  for x in jax.tree.leaves(state):
+    bits = jnp.iinfo(x.dtype).bits if jnp.issubdtype(x.dtype, jnp.integer) else None
+    bits = bits or jnp.dtype(x.dtype).itemsize * 8
+    total += math.prod(x.sharding.shard_shape(x.shape)) * bits // 8
+  return total
+
+
+def check_fits(what: str, need: int, mesh) -> None:
+  """Refuses, in one line, a plan of `need` bytes per device that no device of `mesh` holds."""
+  limit, where = memory_budget(mesh)
+  if need > limit:
+    raise ValueError(
+      f'{what} needs {need / 2**30:.2f} GiB per device, more than {where}: it cannot run; '
+      'shrink the model or the batch, or plan a setting that fits: python -m '
+      'moetrain.tools.plan --config=... --topology=<slice> --search'
+    )
+
+
 def precompile_train_step(setup, mesh, step_fn, state, progress=print) -> Compiled:
   """Compiles the loop's jitted step from shapes before any weight is read, so that a step that
   does not fit the devices stops the run in seconds with the compiler's numbers, not after a
-  checkpoint import. The loop runs the returned executable. state: abstract_state's."""
+  checkpoint import. The loop runs the returned executable. state: abstract_state's. A state
+  larger than a device's memory (or on CPU, its share of the host's RAM) stops before the
+  compile; a compiled step larger, after it."""
+  check_fits('the train state', state_bytes(state), mesh)
   d = setup.data
   progress(
     f'Compiling the train step for {mesh.devices.size} {mesh.devices.flat[0].platform} devices...'
@@ -280,4 +322,5 @@ def precompile_train_step(setup, mesh, step_fn, state, progress=print) -> Compil
   limit = device_memory_limit(mesh.devices.flat[0])
   of = f' of {limit / 2**30:.2f} GiB' if limit else ''
   progress(f'Compiled in {c.seconds:.0f} s: {c.memory["total"] / 2**30:.2f} GiB per device{of}.')
+  check_fits('the compiled train step', c.memory['total'], mesh)
   return c

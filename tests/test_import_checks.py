@@ -8,6 +8,7 @@ import json
 import os
 import re
 import shutil
+import struct
 
 import ml_dtypes
 import numpy as np
@@ -122,6 +123,29 @@ def test_a_config_json_shape_the_weights_lack_is_refused_before_anything_is_buil
     f"init.hf_checkpoint={base}: config.json's {key}={value} does not match the weights: "
   ), message
   assert 'in model.safetensors, the config implies' in message and '\n' not in message
+
+
+def test_a_hostile_safetensors_header_is_refused_before_anything_is_built(tmp_path):
+  base = _base_with(tmp_path)
+  file = base / stio.SINGLE
+  file.write_bytes(struct.pack('<Q', 2**62) + b'{}')
+  with pytest.raises(ValueError, match=rf'^{file} is not a readable safetensors file: .*too large'):
+    startup.build(_demo_config(base))
+  head = json.dumps({'x': {'dtype': 'F32', 'shape': [1000], 'data_offsets': [0, 4000]}}).encode()
+  file.write_bytes(struct.pack('<Q', len(head)) + head + bytes(16))
+  with pytest.raises(ValueError, match=rf'^{file} is not a readable safetensors file: '):
+    startup.build(_demo_config(base))
+
+
+def test_a_remote_header_is_checked_as_a_local_one(tmp_path):
+  file = tmp_path / stio.SINGLE
+  file.write_bytes(struct.pack('<Q', 2**62) + b'{}')
+  with pytest.raises(ValueError, match=r'header of \d+ bytes in a file of 10 bytes'):
+    stio.RemoteFile(str(file))
+  head = json.dumps({'x': {'dtype': 'F32', 'shape': [1000], 'data_offsets': [0, 4000]}}).encode()
+  file.write_bytes(struct.pack('<Q', len(head)) + head + bytes(16))
+  with pytest.raises(ValueError, match=r"^x: data offsets \[0, 4000\] past the end of the file's"):
+    stio.RemoteFile(str(file))
 
 
 def test_a_state_beyond_the_devices_memory_stops_before_the_compile(monkeypatch):

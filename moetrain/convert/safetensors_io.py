@@ -121,12 +121,20 @@ class RemoteFile:
 
   def __init__(self, path: str):
     self.path = path
+    size = storage.getsize(path)
     (n,) = struct.unpack('<Q', storage.read_range(path, 0, 8))
-    if n > 100 << 20:
-      raise ValueError(f'header of {n} bytes')
+    if n > min(100 << 20, size - 8):
+      raise ValueError(f'header of {n} bytes in a file of {size} bytes')
     self._header = json.loads(storage.read_range(path, 8, 8 + n))
     self._header.pop('__metadata__', None)
     self._start = 8 + n
+    for name, info in self._header.items():  # as safe_open checks a local file's
+      start, end = info['data_offsets']
+      if not 0 <= start <= end <= size - self._start:
+        raise ValueError(
+          f"{name}: data offsets {[start, end]} past the end of the file's "
+          f'{size - self._start} data bytes'
+        )
 
   def keys(self) -> list[str]:
     return sorted(self._header)  # (as safe_open lists them)

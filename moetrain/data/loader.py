@@ -447,25 +447,49 @@ def tokens_per_word(cfg: DataConfig, tokenizer: Tokenizer, sample: int = 64) -> 
   return sum(len(tokenizer.encode(t)) for t in texts) / max(words, 1)
 
 
-def warn_if_tokenizer_is_foreign(cfg: DataConfig, tokenizer: Tokenizer) -> float:
+def warn_if_tokenizer_is_foreign(cfg: DataConfig, tokenizer: Tokenizer, hf_checkpoint='') -> float:
   """A warning, with the fix, when the training text takes many tokens per word: the tokenizer
-  came from elsewhere (the demo's small one, or one trained on other data) and the model would
-  learn spelling instead of the task. Returns the ratio."""
+  came from elsewhere (the demo base's small one, or one trained on other data) and the model
+  would learn spelling instead of the task. hf_checkpoint: init.hf_checkpoint, whose tokenizer a
+  run takes when data.tokenizer is empty, so the fix leaves it out too. Returns the ratio."""
   if cfg.source == 'demo':
     return 0.0
   ratio = tokens_per_word(cfg, tokenizer)
   if ratio > MAX_TOKENS_PER_WORD:
-    origin = f'data.tokenizer={cfg.tokenizer!r}' if cfg.tokenizer else "the run's own tokenizer"
     logging.warning(
       '%s encodes the training text (%s) at %.1f tokens per word: it was made for other text '
-      "(a demo base's small vocabulary reads real words a few letters at a time). Train on a "
-      "base checkpoint's own tokenizer (init.hf_checkpoint, or data.tokenizer pointing at it), "
-      "or let the run train one on this data: data.tokenizer='' with a fresh --workdir.",
-      origin,
+      "(a demo base's small vocabulary reads real words a few letters at a time). Train from a "
+      'base checkpoint made for such text (init.hf_checkpoint, whose tokenizer comes with it), '
+      'or let the run train a tokenizer on this data: %s',
+      tokenizer_origin(cfg, hf_checkpoint),
       cfg.path or cfg.tfds_name,
       ratio,
+      own_tokenizer_fix(cfg, hf_checkpoint),
     )
   return ratio
+
+
+def tokenizer_origin(cfg: DataConfig, hf_checkpoint: str) -> str:
+  if hf_checkpoint and cfg.tokenizer == hf_checkpoint:
+    return f"init.hf_checkpoint={hf_checkpoint!r}'s tokenizer"
+  return f'data.tokenizer={cfg.tokenizer!r}' if cfg.tokenizer else "the run's own tokenizer"
+
+
+def own_tokenizer_fix(cfg: DataConfig, hf_checkpoint: str) -> str:
+  """The flags that make a run train its tokenizer on its data: no data.tokenizer and no
+  checkpoint to take one from, in a run directory without a tokenizer trained on other data."""
+  flags = []
+  if hf_checkpoint:
+    flags.append("--config.init.hf_checkpoint=''")
+  if cfg.tokenizer and cfg.tokenizer != hf_checkpoint:
+    flags.append("--config.data.tokenizer=''")
+  if not flags:
+    return "a fresh --workdir (this one's tokenizer was trained on other data)."
+  base = (
+    ' (a random base: configs/longcat_lora.py:variant=tiny, or configs/longcat_pretrain.py to '
+    'train every weight)'
+  )
+  return ' '.join(flags) + (base if hf_checkpoint else '') + ' with a fresh --workdir.'
 
 
 def _padding_rows(batch: dict[str, np.ndarray], rows: int, pad_id: int) -> dict[str, np.ndarray]:

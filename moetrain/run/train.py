@@ -141,7 +141,7 @@ def start(config, workdir: str, setup: Setup, mesh, ckpt: Checkpointer) -> tuple
     tokenizer = loader.make_tokenizer(setup.data, workdir)
     said['note'] = f' (a vocabulary of {tokenizer.vocab_size})'
   check_tokenizer_fits(tokenizer, setup, workdir)
-  loader.warn_if_tokenizer_is_foreign(setup.data, tokenizer)
+  loader.warn_if_tokenizer_is_foreign(setup.data, tokenizer, setup.hf_checkpoint)
   hosts = {'process_index': jax.process_index(), 'process_count': jax.process_count()}
   train_iter = loader.make_train_iterator(setup.data, tokenizer, **hosts)
   train_iter = distill_logits.attach(setup, train_iter, *hosts.values())  # (cached logits)

@@ -271,3 +271,20 @@ def test_a_templates_unbounded_range_is_one_error_line(tmp_path):
   (line,) = out.stderr.strip().splitlines()[-1:]
   assert line.startswith('Error: ') and f"data.chat_template='{template}'" in line, out.stderr
   assert 'range of 1,000,000,000 items' in line
+
+
+def test_chat_on_a_run_whose_data_held_no_chats_says_so(tmp_path):
+  from moetrain.tools.generate import chat_note
+
+  assert 'holds no chats' in chat_note(loader.DataConfig())  # the demo task: prompt/completion
+  path = tmp_path / 'train.jsonl'
+  path.write_text(json.dumps({'text': 'plain words'}) + '\n')
+  data = loader.DataConfig(source='jsonl', path=str(tmp_path / '{split}.jsonl'))
+  assert chat_note(data).startswith(
+    f"# note: this run's training data (data.path={data.path!r}) holds no chats: "
+  )
+  chat = {'messages': [{'role': 'user', 'content': 'a'}, {'role': 'assistant', 'content': 'b'}]}
+  path.write_text('\n'.join(json.dumps(r) for r in ({'text': 'x'}, chat)) + '\n')
+  assert chat_note(data) == ''
+  missing = loader.DataConfig(source='jsonl', path=str(tmp_path / 'elsewhere/{split}.jsonl'))
+  assert chat_note(missing) == ''  # data not on this host: nothing to say

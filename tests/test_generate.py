@@ -121,6 +121,23 @@ def test_greedy_matches_hf_generate(hf):
   np.testing.assert_array_equal(out[:1], want)
 
 
+def test_prompts_of_one_padded_length_share_one_compilation_and_decode_as_unpadded(hf):
+  """The command line pads each prompt to bucket_length, so that conversations of similar
+  lengths reuse one program; the new tokens are those of the unpadded prompt."""
+  from moetrain.tools.generate import bucket_length, new_tokens, timed_generate
+
+  model, prompt, want = hf
+  assert bucket_length(5) == bucket_length(3) == 32 and bucket_length(33) == 64
+  compiled = {}
+  out, stats = timed_generate(model, prompt[:1], 8, compiled, eos_id=2, bucket=True)
+  assert out.shape == (1, 32 + 8) and not stats['reused']
+  np.testing.assert_array_equal(np.asarray(out)[:, :13], want)  # transformers' greedy ids
+  out, stats = timed_generate(model, prompt[:1, :4], 8, compiled, eos_id=2, bucket=True)
+  assert stats['reused'] and stats['compile_s'] == 0 and len(compiled) == 1
+  unpadded = np.asarray(generate(model, prompt[:1, :4], 8, eos_id=2))
+  assert new_tokens(np.asarray(out), 4, 2, 8) == new_tokens(unpadded, 4, 2)
+
+
 def test_top_p_zero_is_greedy_and_sampling_is_seeded(hf):
   model, prompt, _ = hf
   greedy = generate(model, prompt, 8)

@@ -116,13 +116,14 @@ def cached_attention(
   return out_BTD, KVCache(arrays)
 
 
-def forward(model: Transformer, cache: KVCache, ids_BT, start, *, absorb: bool = False):
+def forward(model: Transformer, cache: KVCache, ids_BT, start, *, absorb=False, last=None):
   """Runs ids_BT at absolute positions start..start+T-1 (the same for every row) through the
   layers: per group of layers a scan over their stacked state like Transformer.run_layers, whose
   carry holds the whole cache so that each attention block writes its T new slots in place.
-  Returns float32 logits of the last position [B, V] and the updated cache. start + T must not
-  exceed cache.max_len. Routing is per token, so this equals the full forward under dropless
-  dispatch; capacity dispatch drops depend on how many tokens share a call."""
+  Returns float32 logits of the last position [B, V] (or of index `last` of the T, may be
+  traced) and the updated cache. start + T must not exceed cache.max_len. Routing is per token,
+  so this equals the full forward under dropless dispatch; capacity dispatch drops depend on how
+  many tokens share a call."""
   b, t = ids_BT.shape
   _check_room(cache, start, t)
   positions_BT = jnp.broadcast_to(start + jnp.arange(t, dtype=jnp.int32), (b, t))
@@ -150,7 +151,8 @@ def forward(model: Transformer, cache: KVCache, ids_BT, start, *, absorb: bool =
 
     layers_L = jnp.arange(group.start, group.start + group.count, dtype=jnp.int32)
     (h_BTD, cache), _ = jax.lax.scan(body, (h_BTD, cache), (state, layers_L))
-  logits_BTV = model.lm_head(model.final_norm(h_BTD[:, -1:]))
+  h_BTD = h_BTD[:, -1:] if last is None else jax.lax.dynamic_slice_in_dim(h_BTD, last, 1, axis=1)
+  logits_BTV = model.lm_head(model.final_norm(h_BTD))
   return logits_BTV[:, 0].astype(jnp.float32), cache
 
 
@@ -169,10 +171,14 @@ def _check_room(cache: KVCache, start, t: int) -> None:
     )
 
 
-def prefill(model: Transformer, ids_BT, max_len: int, *, absorb: bool = False):
-  """A fresh cache of max_len slots filled with the prompt; returns (last logits [B, V], cache)."""
+def prefill(model: Transformer, ids_BT, max_len: int, *, absorb: bool = False, length=None):
+  """A fresh cache of max_len slots filled with the prompt; returns (last logits [B, V], cache).
+  length (may be traced): the prompt is ids_BT[:, :length], right-padded to T so that prompts
+  of several lengths share one compilation; the logits are position length - 1's. The padding's
+  slots are written too, behind the causal mask until decoding overwrites them in order."""
   cache = init_cache(model.cfg, ids_BT.shape[0], max_len)
-  return forward(model, cache, ids_BT, 0, absorb=absorb)
+  last = None if length is None else length - 1
+  return forward(model, cache, ids_BT, 0, absorb=absorb, last=last)
 
 
 def decode_step(model: Transformer, cache: KVCache, token_B, pos, *, absorb: bool = True):

@@ -29,7 +29,7 @@ from ml_collections import config_flags
 from moetrain.convert.hf import load_model
 from moetrain.convert.stacked_io import to_host
 from moetrain.core import runtime, storage
-from moetrain.data import loader
+from moetrain.data import demo_task, loader, sources
 from moetrain.data.tokenizer import load_tokenizer
 from moetrain.model.decode import decode_step, prefill
 from moetrain.run import startup
@@ -53,11 +53,13 @@ def sample_top_p(logits_BV, key, temperature, top_p):
 @functools.partial(jax.jit, static_argnames=('graphdef', 'max_new', 'absorb'))
 def _generate(graphdef, state, prompt_BT, rng, opts: dict, *, max_new: int, absorb: bool):
   """Prefill, then a lax.while_loop of decode steps that exits once every row has emitted eos.
-  opts holds traced scalars: temperature, top_p, eos_id (< 0: none) and vocab (ids >= vocab are
-  never chosen). Returns the ids [B, T + max_new] and the number of tokens per row."""
+  opts holds traced scalars: temperature, top_p, eos_id (< 0: none), vocab (ids >= vocab are
+  never chosen) and length (the prompt is prompt_BT[:, :length], right-padded to T). Returns
+  the ids [B, T + max_new], the new ones from index length on, and the tokens per row."""
   model = nnx.merge(graphdef, state)
-  b, t = prompt_BT.shape
-  logits_BV, cache = prefill(model, prompt_BT, t + max_new)
+  b, padded = prompt_BT.shape
+  t = opts['length']
+  logits_BV, cache = prefill(model, prompt_BT, padded + max_new, length=t)
   eos_id = opts['eos_id']
   fill = jnp.maximum(eos_id, 0)
   ids_BS = jnp.concatenate([prompt_BT, jnp.full((b, max_new), fill, jnp.int32)], axis=1)
@@ -105,17 +107,28 @@ def _args(
   eos_id=None,
   vocab_size=None,
   absorb=True,
+  bucket=False,
 ):
   graphdef, state = nnx.split(model)
   rng = jax.random.key(0) if rng is None else rng
+  prompt = jnp.asarray(prompt_ids, jnp.int32)
+  length = prompt.shape[1]
+  if bucket:  # right-padded, so that prompts of similar lengths share one compilation
+    prompt = jnp.pad(prompt, ((0, 0), (0, bucket_length(length) - length)))
   opts = {
     'temperature': jnp.float32(temperature),
     'top_p': jnp.float32(top_p),
     'eos_id': jnp.int32(-1 if eos_id is None else eos_id),
     'vocab': jnp.int32(model.cfg.vocab_size if vocab_size is None else vocab_size),
+    'length': jnp.int32(length),
   }
-  args = (graphdef, state, jnp.asarray(prompt_ids, jnp.int32), rng, opts)
+  args = (graphdef, state, prompt, rng, opts)
   return args, {'max_new': max_new_tokens, 'absorb': absorb}
+
+
+def bucket_length(n: int) -> int:
+  """The padded length of an n-token prompt: the next power of two, at least 32."""
+  return max(32, 1 << (n - 1).bit_length())
 
 
 def _on_model_mesh(state) -> contextlib.AbstractContextManager:
@@ -166,18 +179,27 @@ def generate(
     return _generate(*args, **static)[0]
 
 
-def timed_generate(model, prompt_ids, max_new_tokens, **kw) -> tuple[jax.Array, dict]:
-  """generate() (same keyword arguments) with compilation, ahead of time, timed apart."""
+def timed_generate(
+  model, prompt_ids, max_new_tokens, compiled: dict | None = None, **kw
+) -> tuple[jax.Array, dict]:
+  """generate() (same keyword arguments) with compilation, ahead of time, timed apart. The ids
+  are [B, P + max_new_tokens], the new ones from the prompt's length on (P >= it with bucket).
+  compiled: the programs of earlier calls on this model, by shape, reused (compile_s 0, reused True)."""
   args, static = _args(model, prompt_ids, max_new_tokens, **kw)
+  compiled = {} if compiled is None else compiled
+  key = (args[0], args[2].shape, tuple(sorted(static.items())))
   with _on_model_mesh(args[1]):
     t0 = time.perf_counter()
-    compiled = _generate.lower(*args, **static).compile()
-    t1 = time.perf_counter()
-    ids, steps = jax.block_until_ready(compiled(*args[1:]))
+    reused = key in compiled
+    if not reused:
+      compiled[key] = _generate.lower(*args, **static).compile()
+    t1 = time.perf_counter() if not reused else t0
+    ids, steps = jax.block_until_ready(compiled[key](*args[1:]))
     t2 = time.perf_counter()
   new = int(steps) * ids.shape[0]
   return ids, {
     'compile_s': t1 - t0,
+    'reused': reused,
     'run_s': t2 - t1,
     'new_tokens': new,
     'tokens_per_s': new / (t2 - t1),
@@ -265,8 +287,11 @@ def main(argv):
     prompts = [(t, prompt_ids(tok, t, f.add_bos and fmt.builtin)) for t in texts]
   if runtime.is_primary():
     print(f'# {source}')
+    if conversations is not None and not f.hf_checkpoint and (note := chat_note(data)):
+      print(note)
+  compiled = {}  # one program per padded prompt length (bucket_length)
   for text, ids in prompts:
-    answer(model, tok, text, ids, f)
+    answer(model, tok, text, ids, f, compiled)
 
 
 def chat_inputs(prompt: str, system: str, path: str) -> list[list[dict]]:
@@ -293,25 +318,72 @@ def chat_inputs(prompt: str, system: str, path: str) -> list[list[dict]]:
   return out
 
 
-def answer(model, tok, text: str, ids: list[int], f) -> None:
-  """Generates from one prompt and prints it with its continuation (on process 0)."""
+def chat_note(data: loader.DataConfig, sample: int = 64) -> str:
+  """A line for --chat on a run whose training data held no chats (the first `sample` records
+  of the train split of a JSONL or demo source; a text source holds none): it was never shown
+  the chat template's turns. '' when it held some, or when that cannot be told."""
+  if data.records != 'examples' or data.source not in ('demo', 'jsonl', 'text'):
+    return ''
+  try:
+    if data.source == 'text' or not data.messages_key:
+      chats = False
+    else:
+      paths = (
+        [str(demo_task.DEMO_DIR / f'{data.train_split}.jsonl')]
+        if data.source == 'demo'
+        else sources.expand_paths(data.path, data.train_split)
+      )
+      chats = any(data.messages_key in record for record in first_records(paths, sample))
+  except (OSError, ValueError):  # the data is not on this host: nothing to say
+    return ''
+  if chats:
+    return ''
+  where = 'the demo task' if data.source == 'demo' else f'data.path={data.path!r}'
+  return (
+    f"# note: this run's training data ({where}) holds no chats: the model was not taught to "
+    'answer the chat template; expect a continuation of the rendered text, not a reply'
+  )
+
+
+def first_records(paths: list[str], n: int):
+  """The JSON objects of the first n non-blank lines of the files, in order."""
+  for path in paths:
+    with open(path, 'rb') as f:
+      for raw in f:
+        if raw.strip():
+          record = json.loads(raw)
+          yield record if isinstance(record, dict) else {}
+          n -= 1
+          if n == 0:
+            return
+
+
+def answer(model, tok, text: str, ids: list[int], f, compiled: dict | None = None) -> None:
+  """Generates from one prompt and prints it with its continuation (on process 0). compiled:
+  the programs of earlier prompts, which one of the same padded length reuses."""
   out, stats = timed_generate(
     model,
     [ids],
     f.max_new_tokens,
+    compiled,
     temperature=f.temperature,
     top_p=f.top_p,
     rng=jax.random.key(f.seed),
     eos_id=tok.eos_id,
     vocab_size=tok.vocab_size,
+    bucket=True,
   )
-  new = new_tokens(to_host(out), len(ids), tok.eos_id)  # to_host on every process: a collective
+  # to_host on every process: a collective
+  new = new_tokens(to_host(out), len(ids), tok.eos_id, f.max_new_tokens)
   if not runtime.is_primary():
     return
   print(text + continuation(tok, ids, new))
   ended = ' and eos' if stats['new_tokens'] > len(new) else ''  # the rate counts eos too
+  compiled_text = (
+    f'compile {stats["compile_s"]:.1f} s' if not stats['reused'] else 'compiled before'
+  )
   print(
-    f'# {len(new)} new tokens{ended}; compile {stats["compile_s"]:.1f} s; prefill + decode '
+    f'# {len(new)} new tokens{ended}; {compiled_text}; prefill + decode '
     f'{stats["run_s"]:.3f} s = {stats["tokens_per_s"]:.1f} tokens/s'
   )
 
@@ -336,9 +408,12 @@ def check_sampling(temperature: float, top_p: float) -> None:
     raise app.UsageError(f'--top_p={top_p} must be in (0, 1]')
 
 
-def new_tokens(ids_BS, prompt_len: int, eos_id: int | None) -> list[int]:
-  """Row 0's generated ids (host array), up to the first eos_id."""
-  new = [int(i) for i in ids_BS[0, prompt_len:]]
+def new_tokens(
+  ids_BS, prompt_len: int, eos_id: int | None, max_new: int | None = None
+) -> list[int]:
+  """Row 0's generated ids (host array), up to the first eos_id (and max_new of them: a padded
+  prompt's ids hold more slots)."""
+  new = [int(i) for i in ids_BS[0, prompt_len:][:max_new]]
   return new[: new.index(eos_id)] if eos_id in new else new
 
 

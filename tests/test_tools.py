@@ -3,6 +3,7 @@
 import json
 import os
 import shutil
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -253,3 +254,23 @@ def test_an_export_removes_what_killed_exports_left_behind(tmp_path):
     (d / 'model.safetensors').write_bytes(b'partial')
   export.remove_dead_staging(str(out))
   assert not left.exists() and live.exists() and other.exists()
+
+
+def test_a_tool_uses_the_runs_compilation_cache(uninterrupted, tmp_path, monkeypatch):  # noqa: F811
+  """A tool compiles through the run's persistent cache (train.compilation_cache), so a random
+  base's initialiser and the eval step compile once across calls, not on every call."""
+  from moetrain.run import startup
+
+  workdir, _ = uninterrupted
+  seen = []
+  monkeypatch.setattr(startup, 'enable_compilation_cache', seen.append)
+  config = json.loads((Path(workdir) / 'config.json').read_text())
+  assert config['train']['compilation_cache'] == ''  # (the test run's: none)
+  startup.tool_setup(None, workdir)
+  assert seen == ['']
+  copy = tmp_path / 'run'
+  shutil.copytree(workdir, copy)
+  config['train']['compilation_cache'] = str(tmp_path / 'cache')
+  (copy / 'config.json').write_text(json.dumps(config))
+  startup.tool_setup(None, str(copy))
+  assert seen[-1] == str(tmp_path / 'cache')

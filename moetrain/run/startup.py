@@ -480,8 +480,13 @@ def without_repeats(cfg: ModelConfig) -> ModelConfig:
 def tool_setup(config, workdir: str | None) -> Setup:
   """The Setup a tool (evaluate, export, generate) reads --workdir's run with: from its own
   <workdir>/config.json when `config` (--config) is None, else from `config`, which must match
-  the run's model, LoRA and frozen base as a resume must (rundir.check_resumable)."""
-  return build(rundir.tool_config(config, workdir), training=False)
+  the run's model, LoRA and frozen base as a resume must (rundir.check_resumable). The tool
+  reads and writes the run's compilation cache (train.compilation_cache), so that its programs
+  (a random base's initialiser, the eval step) compile once across calls."""
+  setup = build(rundir.tool_config(config, workdir), training=False)
+  if workdir:
+    enable_compilation_cache(compilation_cache_dir(setup.train.compilation_cache, workdir))
+  return setup
 
 
 def load_latest(setup: Setup, workdir: str | None, mesh) -> TrainState:

@@ -264,6 +264,9 @@ def test_a_tool_uses_the_runs_compilation_cache(uninterrupted, tmp_path, monkeyp
   workdir, _ = uninterrupted
   seen = []
   monkeypatch.setattr(startup, 'enable_compilation_cache', seen.append)
+  startup.tool_setup(None, workdir)
+  assert not seen  # this process has its cache already (tests/conftest.py): it keeps it
+  monkeypatch.setattr(startup, 'has_compilation_cache', lambda: False)  # a tool's process
   config = json.loads((Path(workdir) / 'config.json').read_text())
   assert config['train']['compilation_cache'] == ''  # (the test run's: none)
   startup.tool_setup(None, workdir)

@@ -484,9 +484,13 @@ def tool_setup(config, workdir: str | None) -> Setup:
   reads and writes the run's compilation cache (train.compilation_cache), so that its programs
   (a random base's initialiser, the eval step) compile once across calls."""
   setup = build(rundir.tool_config(config, workdir), training=False)
-  if workdir:
+  if workdir and not has_compilation_cache():  # (a process with its own cache keeps it)
     enable_compilation_cache(compilation_cache_dir(setup.train.compilation_cache, workdir))
   return setup
+
+
+def has_compilation_cache() -> bool:
+  return bool(jax.config.jax_compilation_cache_dir)
 
 
 def load_latest(setup: Setup, workdir: str | None, mesh) -> TrainState:

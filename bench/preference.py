@@ -6,7 +6,7 @@ preference step's time and temporary memory against the supervised step's on the
   python -m bench.preference --losses= --time_steps 20       # the step times alone
 
 Each loss runs as its own `python -m moetrain.main` in a fresh directory, from the same start
-(the LoRA demo's cached result). The step times: both steps compiled in one process on the
+(the LoRA demo's result, moetrain/data/demo/sft). The step times: both steps compiled in one process on the
 demo's batches (16 rows of 128 tokens of packed pairs; the supervised step trains the same rows
 as next-token prediction, both completions scored), run alternately, medians.
 """

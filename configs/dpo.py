@@ -1,5 +1,5 @@
 """Preference tuning (DPO) on the CPU demo: from the LoRA demo's result (the shipped base with
-its reversal adapters merged in; made on first use and cached, moetrain/data/demo_sft.py), new
+its reversal adapters merged in; shipped, moetrain/data/demo_sft.py), new
 LoRA adapters learn to prefer the right reversal of a word list over a plausible wrong one (the
 copy, or the reversal with two neighbours swapped; moetrain/data/preference.py).
 
@@ -25,7 +25,7 @@ def get_config(arg: str | None = None):
       f'configs/dpo.py: unknown argument(s) {sorted(set(args) - {"start"})}; use start='
     )
   config = longcat_lora.get_config()
-  config.init.hf_checkpoint = args.get('start') or str(demo_sft.ensure())
+  config.init.hf_checkpoint = args.get('start') or str(demo_sft.DIR)
   config.preference.loss = 'sigmoid'
   config.preference.beta = 0.1
   # The chosen completions' NLL beside the DPO loss (RPO): without it both likelihoods fell and

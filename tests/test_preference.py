@@ -308,7 +308,7 @@ def test_a_reference_needs_lora_or_a_start(tmp_path):
     startup.build(config)
 
 
-@pytest.mark.slow  # ~5 minutes (more on the first use, which makes the LoRA demo's result)
+@pytest.mark.slow  # ~5 minutes
 def test_the_dpo_demo_prefers_the_reversal_and_keeps_its_accuracy(tmp_path):
   """docs/preference.md's claim: configs/dpo.py ends with eval pref/accuracy >= 0.9 and the
   completion accuracy above the start's (the LoRA demo's result)."""

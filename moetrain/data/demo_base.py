@@ -33,6 +33,15 @@ def _run(*args: str) -> None:
   subprocess.run([sys.executable, '-m', *args], check=True, env={**os.environ, 'PYTHONPATH': '.'})
 
 
+def train_and_export(workdir: str, out: Path, dtype: str, *main_args: str) -> None:
+  """`python -m moetrain.main main_args` in `workdir`, then its merged export into `out` (the
+  shipped demo checkpoints: the base, the teacher, the preference demo's start)."""
+  _run('moetrain.main', *main_args, f'--workdir={workdir}')
+  _run(
+    'moetrain.tools.export', f'--workdir={workdir}', f'--out={out}', f'--dtype={dtype}', '--replace'
+  )
+
+
 def build(out: Path = DIR, steps: int = STEPS) -> None:
   with tempfile.TemporaryDirectory(prefix='demo_base') as tmp:
     tmp = Path(tmp)
@@ -42,19 +51,16 @@ def build(out: Path = DIR, steps: int = STEPS) -> None:
       (tmp / 'data' / f'{split}.jsonl').write_text(demo_task.to_jsonl(examples))
     texts = [e['prompt'] + e['completion'] for e in copy['train'] + demo_task.generate()['train']]
     tokenizer_lib.train_sentencepiece(texts, 512, tmp / tokenizer_lib.SPM_FILE)
-    run = str(tmp / 'run')
-    _run(
-      'moetrain.main',
+    train_and_export(
+      str(tmp / 'run'),
+      out,
+      'bfloat16',
       '--config=configs/longcat_pretrain.py',
-      f'--workdir={run}',
       '--config.data.source=jsonl',
       f'--config.data.path={tmp}/data/{{split}}.jsonl',
       f'--config.data.tokenizer={tmp / tokenizer_lib.SPM_FILE}',
       f'--config.train.steps={steps}',
       '--config.train.eval_every=200',
-    )
-    _run(
-      'moetrain.tools.export', f'--workdir={run}', f'--out={out}', '--dtype=bfloat16', '--replace'
     )
 
 

@@ -12,9 +12,6 @@ which trains configs/longcat_lora.py's demo and exports it merged. Its eval accu
 and what preference tuning does from it: bench/RESULTS.md, "Preference tuning on the demo task".
 """
 
-import os
-import subprocess
-import sys
 import tempfile
 from pathlib import Path
 
@@ -23,21 +20,14 @@ from moetrain.data import demo_base, demo_task
 DIR = demo_task.DEMO_DIR / 'sft'
 
 
-def _run(*args: str) -> None:
-  subprocess.run([sys.executable, '-m', *args], check=True, env={**os.environ, 'PYTHONPATH': '.'})
-
-
 def build(out: Path = DIR) -> None:
   with tempfile.TemporaryDirectory(prefix='demo_sft') as tmp:
-    run = str(Path(tmp) / 'run')
-    _run(
-      'moetrain.main',
+    demo_base.train_and_export(
+      str(Path(tmp) / 'run'),
+      out,
+      'float32',
       '--config=configs/longcat_lora.py',
-      f'--workdir={run}',
       f'--config.init.hf_checkpoint={demo_base.DIR}',
-    )
-    _run(
-      'moetrain.tools.export', f'--workdir={run}', f'--out={out}', '--dtype=float32', '--replace'
     )
 
 

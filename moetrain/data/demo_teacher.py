@@ -11,9 +11,6 @@ data for STEPS steps and exports it. Its eval accuracy: bench/RESULTS.md, "Disti
 demo task".
 """
 
-import os
-import subprocess
-import sys
 import tempfile
 from pathlib import Path
 
@@ -23,24 +20,17 @@ DIR = demo_task.DEMO_DIR / 'teacher'
 STEPS = 400
 
 
-def _run(*args: str) -> None:
-  subprocess.run([sys.executable, '-m', *args], check=True, env={**os.environ, 'PYTHONPATH': '.'})
-
-
 def build(out: Path = DIR, steps: int = STEPS) -> None:
   with tempfile.TemporaryDirectory(prefix='demo_teacher') as tmp:
-    run = str(Path(tmp) / 'run')
-    _run(
-      'moetrain.main',
+    demo_base.train_and_export(
+      str(Path(tmp) / 'run'),
+      out,
+      'bfloat16',
       '--config=configs/longcat_pretrain.py',
-      f'--workdir={run}',
       f'--config.init.hf_checkpoint={demo_base.DIR}',
       '--config.optim.learning_rate=1e-3',
       f'--config.train.steps={steps}',
       '--config.train.eval_every=100',
-    )
-    _run(
-      'moetrain.tools.export', f'--workdir={run}', f'--out={out}', '--dtype=bfloat16', '--replace'
     )
 
 

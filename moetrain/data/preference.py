@@ -208,7 +208,11 @@ def tokenize_element(
   keep = 1 if tokenizer.bos_id is not None else 0
   cut = -(-over // len(seqs)) if over > 0 else 0  # prompt tokens each sequence loses
   if cut and any(n - keep < cut for _, _, _, n in seqs):
-    return {**packing._piece([], [], True), 'role': np.zeros(0, np.int32), 'pos': np.zeros(0)}
+    return {
+      **packing._piece([], [], True),
+      'role': np.zeros(0, np.int32),
+      'pos': np.zeros(0, np.int32),
+    }
   tokens, target, role, pos = [], [], [], []
   for name, t, m, _ in seqs:
     t, m = t[:keep] + t[keep + cut :], m[:keep] + m[keep + cut :]

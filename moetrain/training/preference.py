@@ -66,24 +66,27 @@ def max_elements(seq_len: int) -> int:
   return seq_len // 2 + 1
 
 
+def _per_sequence(x_BT, segment_ids_BT):
+  """Sums of x over each row's sequences, [B, P, 3] (the last axis: role 1, 2, 3)."""
+  b, t = x_BT.shape
+  n = SEGMENTS_PER_ELEMENT * max_elements(t) + 1
+  ids = (jnp.arange(b)[:, None] * n + segment_ids_BT).reshape(-1)
+  total = jax.ops.segment_sum(x_BT.reshape(-1), ids, num_segments=b * n).reshape(b, n)
+  return total[:, 1:].reshape(b, -1, SEGMENTS_PER_ELEMENT)
+
+
 def sequence_sums(logp_BT, batch):
   """Per row and element: the sums of the scored tokens' log-probabilities and their counts,
   [B, P, 3] each (the last axis: role 1, 2, 3)."""
-  b, t = logp_BT.shape
-  n = SEGMENTS_PER_ELEMENT * max_elements(t) + 1
-  seg_BT = batch['segment_ids']
   mask_BT = batch['loss_mask'].astype(jnp.float32)
-  ids = (jnp.arange(b)[:, None] * n + seg_BT).reshape(-1)
-  total = lambda x: jax.ops.segment_sum(x.reshape(-1), ids, num_segments=b * n).reshape(b, n)
-  as_pairs = lambda x: x[:, 1:].reshape(b, -1, SEGMENTS_PER_ELEMENT)
-  return as_pairs(total(logp_BT * mask_BT)), as_pairs(total(mask_BT))
+  seg_BT = batch['segment_ids']
+  return _per_sequence(logp_BT * mask_BT, seg_BT), _per_sequence(mask_BT, seg_BT)
 
 
 def counts(batch):
-  """(elements with both sequences scored, scored chosen tokens) of a batch: the denominators
-  of the pair means and of the chosen NLL."""
-  zeros = jnp.zeros(batch['loss_mask'].shape, jnp.float32)
-  _, n = sequence_sums(zeros, batch)
+  """(elements with a scored sequence, scored chosen tokens) of a batch: the denominators of
+  the means over elements and of the chosen NLL."""
+  n = _per_sequence(batch['loss_mask'].astype(jnp.float32), batch['segment_ids'])
   present = (n[..., 0] > 0) | (n[..., 1] > 0)
   return jnp.maximum(present.sum().astype(jnp.float32), 1.0), jnp.maximum(n[..., 0].sum(), 1.0)
 

@@ -126,10 +126,11 @@ def reference_model(params, moe_bias, frozen, graphdef, cfg: 'StepConfig', teach
 
 def preference_forward(params, moe_bias, frozen, graphdef, batch, rng, totals, cfg, teacher=None):
   """forward_loss's counterpart for preference tuning: (the objective's share of the batch,
-  aux of the policy's forward, the sums of preference.objective)."""
+  aux of the policy's forward, the sums of preference.objective). totals: the whole batch's
+  (elements, scored chosen tokens), preference.counts."""
   model = merge_model(graphdef, params, moe_bias, frozen)
   ref = reference_model(params, moe_bias, frozen, graphdef, cfg, teacher)
-  return preference_lib.objective(cfg.preference, model, ref, batch, rng, totals[2:])
+  return preference_lib.objective(cfg.preference, model, ref, batch, rng, totals)
 
 
 def loss_fn(params, moe_bias, frozen, graphdef, batch, rng, totals, cfg: StepConfig, teacher=None):
@@ -139,7 +140,7 @@ def loss_fn(params, moe_bias, frozen, graphdef, batch, rng, totals, cfg: StepCon
   n_tokens, n_routed = totals[:2]
   pref = None
   if cfg.preference is not None:
-    args = (params, moe_bias, frozen, graphdef, batch, rng, totals, cfg, teacher)
+    args = (params, moe_bias, frozen, graphdef, batch, rng, totals[2:], cfg, teacher)
     objective, aux, pref = preference_forward(*args)
     nll, correct = pref['nll_chosen'], pref['correct_chosen']
   else:
@@ -350,9 +351,8 @@ def eval_step(state: TrainState, batch, *, graphdef, micro_rows: int = 0, cfg=No
   weights = (state.params, state.moe_bias, state.frozen, graphdef)
   if cfg is not None and cfg.preference is not None:
 
-    def forward(b):
-      ones = (jnp.ones(()),) * 4
-      return preference_forward(*weights, b, None, ones, cfg, state.teacher)[2]
+    def forward(b):  # (the sums only: the objective's denominators do not matter)
+      return preference_forward(*weights, b, None, (1.0, 1.0), cfg, state.teacher)[2]
 
   else:
 

@@ -1,5 +1,15 @@
 """Entry point: python -m moetrain.main --config=configs/longcat_lora.py [--workdir=DIR]."""
 
+import signal
+
+if __name__ == '__main__':
+  # Until the run's own handler takes it over (runtime.handle_stop_signals), Ctrl-C ends the
+  # process at once, nothing written (SIGINT's default action: the shell reports 130). Python's
+  # handler would raise KeyboardInterrupt wherever the main thread is: a traceback during these
+  # imports, and one raised inside a callback (JAX's garbage-collection callback at start-up) is
+  # printed and swallowed, so the run went on.
+  signal.signal(signal.SIGINT, signal.SIG_DFL)
+
 import os
 
 from absl import app, flags
@@ -45,6 +55,5 @@ def main(argv):
 
 
 if __name__ == '__main__':
-  runtime.exit_on_ctrl_c()  # until handle_stop_signals: nothing is written before it
   flags.mark_flags_as_required(['config'])
   app.run(runtime.short_errors(main), flags_parser=runtime.parse_flags)

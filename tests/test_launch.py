@@ -440,7 +440,12 @@ def test_the_image_holds_what_the_pods_run():
   allowed = open(os.path.join(ROOT, '.dockerignore')).read().split()
   for src in sources:  # each is there, and not ignored
     assert os.path.exists(os.path.join(ROOT, src)) and f'!{src}' in allowed, src
-  make = subprocess.run(
-    ['make', '-n', 'image', 'IMAGE=x/y:z'], cwd=ROOT, capture_output=True, text=True
+  env = {k: v for k, v in os.environ.items() if k not in ('MAKEFLAGS', 'MAKELEVEL', 'MFLAGS')}
+  make = subprocess.run(  # (under `make test` a sub-make would print its directory)
+    ['make', '-n', '--no-print-directory', 'image', 'IMAGE=x/y:z'],
+    cwd=ROOT,
+    env=env,
+    capture_output=True,
+    text=True,
   )
   assert make.stdout.strip().splitlines()[-1] == 'docker build -t x/y:z .'

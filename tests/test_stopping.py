@@ -1,7 +1,9 @@
 """Ctrl-C at start-up: before the run's handler is installed it ends the process at once,
 leaving nothing written (the shell reports 130); after, it saves and stops as SIGTERM does
-(tests/test_preemption.py). At 1.5 s a loaded machine is still starting and a quiet one may have
-the handler in place: either outcome is checked for what it must leave."""
+(tests/test_preemption.py). At 0.5 s the interpreter is past its own start-up (a Ctrl-C there
+prints Python's traceback, which no code of ours can prevent) and in the imports; at 1.5 s a loaded
+machine is still starting and a quiet one may have the handler in place: either outcome is checked
+for what it must leave."""
 
 import os
 import signal
@@ -14,7 +16,7 @@ import pytest
 from tests.helpers import ROOT
 
 
-@pytest.mark.parametrize('after', [0.3, 1.5])
+@pytest.mark.parametrize('after', [0.5, 1.5])
 def test_ctrl_c_before_the_handler_ends_the_run_with_nothing_written(tmp_path, after):
   workdir = tmp_path / 'run'
   proc = subprocess.Popen(
@@ -35,7 +37,7 @@ def test_ctrl_c_before_the_handler_ends_the_run_with_nothing_written(tmp_path, a
   proc.send_signal(signal.SIGINT)
   out, err = proc.communicate(timeout=60)
   assert 'Traceback' not in err, (out, err)
-  if after > 1 and proc.returncode == 0:
+  if proc.returncode == 0:
     # On a fast start the handler is in place by then: Ctrl-C is SIGTERM's stop, a resumable save.
     assert 'Preempted: saved step' in out and (workdir / 'checkpoints').is_dir(), (out, err)
     return

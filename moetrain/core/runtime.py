@@ -408,14 +408,6 @@ def closed_output() -> tuple[str, ...]:
 _STOP = threading.Event()
 
 
-def exit_on_ctrl_c() -> None:
-  """Ctrl-C ends the process at once (the default action of SIGINT: the shell reports 130), until
-  handle_stop_signals takes it over. Python's own handler raises KeyboardInterrupt wherever the
-  main thread is, and one raised inside a callback (JAX's garbage-collection callback at
-  start-up) is printed and swallowed: the run went on."""
-  signal.signal(signal.SIGINT, signal.SIG_DFL)
-
-
 def handle_stop_signals() -> None:
   """For a training command's main: SIGTERM (a preemption notice) and a first Ctrl-C ask the
   training loop to save at its next step and stop (`stop_requested`); a second Ctrl-C ends the

@@ -14,6 +14,17 @@ def parse_arg(arg: str | None) -> dict:
   return dict(kv.split('=', 1) for kv in (arg or '').split(',') if kv)
 
 
+def start_of(arg: str | None, path: str) -> str:
+  """The checkpoint a post-training file starts from: its 'start=DIR' argument, or the LoRA
+  demo's result shipped in moetrain/data/demo/sft."""
+  from moetrain.data import demo_sft
+
+  args = parse_arg(arg)
+  if set(args) - {'start'}:
+    raise ValueError(f'{path}: unknown argument(s) {sorted(set(args) - {"start"})}; use start=')
+  return args.get('start') or str(demo_sft.DIR)
+
+
 def variant_of(arg: str | None, path: str, default: str = 'tiny', choices=None) -> str:
   """The model variant an experiment file's argument names (`default` when it names none), one
   of `choices` (default: the presets of the default's family)."""

@@ -15,17 +15,11 @@ the expert-bias controller off (the reference routes with the start's biases). d
 """
 
 from configs import base, longcat_lora
-from moetrain.data import demo_sft
 
 
 def get_config(arg: str | None = None):
-  args = base.parse_arg(arg)
-  if set(args) - {'start'}:
-    raise ValueError(
-      f'configs/dpo.py: unknown argument(s) {sorted(set(args) - {"start"})}; use start='
-    )
   config = longcat_lora.get_config()
-  config.init.hf_checkpoint = args.get('start') or str(demo_sft.DIR)
+  config.init.hf_checkpoint = base.start_of(arg, 'configs/dpo.py')
   config.preference.loss = 'sigmoid'
   config.preference.beta = 0.1
   # The chosen completions' NLL beside the DPO loss (RPO): without it both likelihoods fell and

@@ -93,7 +93,7 @@ def test_group_limited_sigmoid_gates_by_hand():
   layer = nnx.merge(*nnx.split(model.layers))  # 2 MoE layers stacked; route their first
   x = np.random.default_rng(0).standard_normal((5, cfg.hidden_size)).astype(np.float32)
   w, b = layer.moe.router[...][0], layer.moe.router_bias[...][0]
-  _, scores, idx, gates = moe_lib.route(jnp.asarray(x), w, b, cfg)
+  _, scores, idx, gates, _ = moe_lib.route(jnp.asarray(x), w, b, cfg)
   # By hand: sigmoid scores, choice over the best 2 of 4 groups of (score + bias).
   s = 1 / (1 + np.exp(-(x @ np.asarray(w))))
   choice = s + np.asarray(b)

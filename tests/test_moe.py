@@ -147,7 +147,7 @@ def test_capacity_drops_exactly_what_it_reports():
   moe = make_moe(cfg)
   m, d = 64, cfg.hidden_size
   x_MD = jax.random.normal(jax.random.key(3), (m, d))
-  _, _, idx, gates = route(x_MD, moe.router[...], moe.router_bias[...], cfg)
+  _, _, idx, gates, _ = route(x_MD, moe.router[...], moe.router_bias[...], cfg)
   y, dropped = dispatch.routed_experts(x_MD, idx, gates, moe.experts.weights(), cfg)
   # Expected drops: beyond the first C assignments (in token order) of each expert.
   c = dispatch.capacity(m, cfg)
@@ -291,7 +291,7 @@ def route_on_ep_mesh(cfg, seed: int, m: int = 64):
   mesh: (x, idx, gates, weights, y, dropped)."""
   moe = make_moe(cfg)
   x = jax.random.normal(jax.random.key(seed), (m, cfg.hidden_size))
-  _, _, idx, gates = route(x, moe.router[...], moe.router_bias[...], cfg)
+  _, _, idx, gates, _ = route(x, moe.router[...], moe.router_bias[...], cfg)
   mesh = sharding.make_mesh((1, 2, 4, 1))
   w = moe.experts.weights()
   with jax.set_mesh(mesh):
@@ -629,7 +629,7 @@ def test_megablox_without_expert_parallelism_runs_on_each_batch_shard():
   cfg = dataclasses.replace(CFG, **LANES).with_engine(moe_backend='megablox')
   moe = make_moe(cfg)
   x = jax.random.normal(jax.random.key(3), (64, cfg.hidden_size))
-  _, _, idx, gates = route(x, moe.router[...], moe.router_bias[...], cfg)
+  _, _, idx, gates, _ = route(x, moe.router[...], moe.router_bias[...], cfg)
   w = moe.experts.weights()
   loss = lambda y: jnp.sum(jnp.sin(y))
   want, want_g = jax.value_and_grad(

@@ -127,7 +127,7 @@ def test_topk_softmax_router_by_hand():
   _, cfg = oss_model()
   rng = np.random.default_rng(2)
   x, w, b = rng.standard_normal((6, 128)), rng.standard_normal((128, 8)), rng.standard_normal(8)
-  _, _, idx, gates = route(jnp.asarray(x), jnp.asarray(w), None, cfg, jnp.asarray(b))
+  _, _, idx, gates, _ = route(jnp.asarray(x), jnp.asarray(w), None, cfg, jnp.asarray(b))
   logits = x @ w + b
   want_idx = np.argsort(-logits, -1)[:, :2]
   np.testing.assert_array_equal(idx, want_idx)

@@ -33,6 +33,21 @@ def make_example(words: list[str]) -> dict[str, str]:
   return {'prompt': f'reverse: {" ".join(words)} =', 'completion': ' ' + ' '.join(reversed(words))}
 
 
+def reversal_exact(completions: list[str], records: list[dict]) -> list[float]:
+  """The demo's reward for reinforcement learning: 1 for the right reversal, word for word."""
+  return [float(c.split() == r['completion'].split()) for c, r in zip(completions, records)]
+
+
+def reversal_positions(completions: list[str], records: list[dict]) -> list[float]:
+  """Partial credit: the share of the answer's positions holding the right word (a longer or
+  shorter completion is scored against the longer of the two)."""
+  out = []
+  for c, r in zip(completions, records):
+    got, want = c.split(), r['completion'].split()
+    out.append(sum(a == b for a, b in zip(got, want)) / max(len(got), len(want)))
+  return out
+
+
 def generate(
   splits: dict[str, int] = SPLITS, seed: int = SEED, make=None
 ) -> dict[str, list[dict[str, str]]]:

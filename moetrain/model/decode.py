@@ -116,19 +116,23 @@ def cached_attention(
   return out_BTD, KVCache(arrays)
 
 
-def forward(model: Transformer, cache: KVCache, ids_BT, start, *, absorb=False, last=None):
+def forward(
+  model: Transformer, cache: KVCache, ids_BT, start, *, absorb=False, last=None, routes=False
+):
   """Runs ids_BT at absolute positions start..start+T-1 (the same for every row) through the
   layers: per group of layers a scan over their stacked state like Transformer.run_layers, whose
   carry holds the whole cache so that each attention block writes its T new slots in place.
   Returns float32 logits of the last position [B, V] (or of index `last` of the T, may be
   traced) and the updated cache. start + T must not exceed cache.max_len. Routing is per token,
   so this equals the full forward under dropless dispatch; capacity dispatch drops depend on how
-  many tokens share a call."""
+  many tokens share a call. routes: also return the top-k ids each MoE layer chose for the T
+  tokens, [B, T, L, K] int32 (the sampler's record for routing replay)."""
   b, t = ids_BT.shape
   _check_room(cache, start, t)
   positions_BT = jnp.broadcast_to(start + jnp.arange(t, dtype=jnp.int32), (b, t))
   valid_BT = jnp.ones((b, t), bool)
   h_BTD = model.embed(ids_BT)
+  chosen = []
   for group in model.cfg.layer_groups():
     graphdef, state = nnx.split(getattr(model, group.name))
     state = stages.in_layer_order(state, model.cfg)  # (tools load in layer order: a no-op)
@@ -146,14 +150,19 @@ def forward(model: Transformer, cache: KVCache, ids_BT, start, *, absorb=False, 
         )
         return out_BTD
 
-      h_BTD, _ = layer.body(h_BTD, attend, valid_BT, [None] * 5)
-      return (h_BTD, box[0]), None
+      h_BTD, stats = layer.body(h_BTD, attend, valid_BT, [None] * 5)
+      return (h_BTD, box[0]), (stats['routes'] if routes and stats is not None else None)
 
     layers_L = jnp.arange(group.start, group.start + group.count, dtype=jnp.int32)
-    (h_BTD, cache), _ = jax.lax.scan(body, (h_BTD, cache), (state, layers_L))
+    (h_BTD, cache), ids_LBTK = jax.lax.scan(body, (h_BTD, cache), (state, layers_L))
+    if ids_LBTK is not None:
+      chosen.append(ids_LBTK)
   h_BTD = h_BTD[:, -1:] if last is None else jax.lax.dynamic_slice_in_dim(h_BTD, last, 1, axis=1)
   logits_BTV = model.lm_head(model.final_norm(h_BTD))
-  return logits_BTV[:, 0].astype(jnp.float32), cache
+  logits_BV = logits_BTV[:, 0].astype(jnp.float32)
+  if not routes:
+    return logits_BV, cache
+  return logits_BV, cache, jnp.transpose(jnp.concatenate(chosen), (1, 2, 0, 3))
 
 
 def _check_room(cache: KVCache, start, t: int) -> None:

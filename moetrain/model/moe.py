@@ -62,19 +62,25 @@ class Experts(nnx.Module):
     return w
 
 
-def route(x_MD, w_DX, bias_X, cfg: ModelConfig, linear_bias_X=None):
+def route(x_MD, w_DX, bias_X, cfg: ModelConfig, linear_bias_X=None, forced_MA=None):
   """float32 router: scores (softmax or sigmoid of the logits), top-k over score + bias within
   the best expert groups, gates = the chosen scores (renormalised with cfg.norm_topk_prob) times
   routed_scaling_factor. The bias (None: none) and the group limit steer selection only.
   gpt-oss ('topk_softmax'): logits plus linear_bias_X, top-k over them, gates = the softmax of
-  the chosen logits."""
+  the chosen logits.
+
+  Returns (logits, scores, ids, gates, live ids). forced_MA (routing replay: ids recorded in
+  another pass) replaces the top-k's choice: the gates are the live scores (or logits) gathered
+  at the forced ids, so the router keeps its gradient; the live ids are the top-k's own."""
   logits_MX = jnp.dot(x_MD.astype(jnp.float32), w_DX.astype(jnp.float32))
   if linear_bias_X is not None:
     logits_MX = logits_MX + linear_bias_X.astype(jnp.float32)[None, :]
   if cfg.router_score == 'topk_softmax':
-    top_MA, idx_MA = jax.lax.top_k(logits_MX, cfg.moe_topk)
+    _, live_MA = jax.lax.top_k(logits_MX, cfg.moe_topk)
+    idx_MA = live_MA if forced_MA is None else forced_MA
+    top_MA = jnp.take_along_axis(logits_MX, idx_MA, axis=-1)
     gates_MA = jax.nn.softmax(top_MA, axis=-1) * cfg.routed_scaling_factor
-    return logits_MX, jax.nn.softmax(logits_MX, axis=-1), idx_MA, gates_MA
+    return logits_MX, jax.nn.softmax(logits_MX, axis=-1), idx_MA, gates_MA, live_MA
   if cfg.router_score == 'softmax':
     scores_MX = jax.nn.softmax(logits_MX, axis=-1)
   else:
@@ -84,11 +90,12 @@ def route(x_MD, w_DX, bias_X, cfg: ModelConfig, linear_bias_X=None):
     choice_MX = choice_MX + bias_X[None, :]
   if cfg.n_group > 1:
     choice_MX = best_groups(choice_MX, cfg.n_group, cfg.topk_group, cfg.router_group_score)
-  _, idx_MA = jax.lax.top_k(choice_MX, cfg.moe_topk)
+  _, live_MA = jax.lax.top_k(choice_MX, cfg.moe_topk)
+  idx_MA = live_MA if forced_MA is None else forced_MA
   gates_MA = jnp.take_along_axis(scores_MX, idx_MA, axis=-1)
   if cfg.norm_topk_prob:
     gates_MA = gates_MA / (jnp.sum(gates_MA, axis=-1, keepdims=True) + 1e-20)
-  return logits_MX, scores_MX, idx_MA, gates_MA * cfg.routed_scaling_factor
+  return logits_MX, scores_MX, idx_MA, gates_MA * cfg.routed_scaling_factor, live_MA
 
 
 def best_groups(choice_MX, n_group: int, topk_group: int, score: str = 'top2'):
@@ -126,14 +133,20 @@ class MoE(nnx.Module):
         'BTD,DO->BTO', (cfg.hidden_size, 1), cfg, f'{path}.shared_gate', rngs
       )
 
-  def __call__(self, x_BTD, valid_BT, rng=None):
+  def __call__(self, x_BTD, valid_BT, rng=None, routes_BTK=None):
+    """(output [B, T, D], routing stats). routes_BTK: routing replay's forced top-k ids (int32;
+    None: the router chooses). The stats' 'routes' [B, T, K] are the router's own choice (the
+    live top-k, before any replay), padding's the id past every expert."""
     cfg = self.cfg
     b, t, d = x_BTD.shape
     x_MD = x_BTD.reshape(b * t, d)
     valid_M = valid_BT.reshape(b * t).astype(jnp.float32)
     bias_X = self.router_bias[...] if cfg.router_bias else None
     linear_X = self.router_linear_bias[...] if cfg.router_linear_bias else None
-    logits_MX, scores_MX, idx_MA, gates_MA = route(x_MD, self.router[...], bias_X, cfg, linear_X)
+    forced_MA = None if routes_BTK is None else routes_BTK.reshape(b * t, -1).astype(jnp.int32)
+    logits_MX, scores_MX, idx_MA, gates_MA, live_MA = route(
+      x_MD, self.router[...], bias_X, cfg, linear_X, forced_MA
+    )
     # Padding (segment id 0) goes to no expert: it takes no capacity, buffer rows or compute,
     # and gets a zero output. The id past every expert keeps it out of dispatch and of the zero
     # experts' sum alike.
@@ -150,6 +163,8 @@ class MoE(nnx.Module):
     if cfg.router_score == 'sigmoid':  # a distribution, for the entropy and the balance loss
       probs_MX = scores_MX / jnp.sum(scores_MX, axis=-1, keepdims=True)
     stats = routing_stats(logits_MX, probs_MX, idx_MA, valid_M, dropped, cfg, rows=b)
+    live_MA = jnp.where(pad_M1, cfg.num_experts_total, live_MA).astype(jnp.int32)
+    stats['routes'] = live_MA.reshape(b, t, -1)
     y_BTD = y_MD.reshape(b, t, d).astype(x_BTD.dtype)
     if cfg.n_shared_experts:
       s_BTD = self.shared(x_BTD, rng)

@@ -37,7 +37,7 @@ class ShortcutLayer(nnx.Module):
     self.mlp_1 = MLP(cfg, f'{p}.mlp_1', rngs)
     self.moe = MoE(cfg, f'{p}.moe', rngs)
 
-  def __call__(self, h_BTD, positions_BT, segment_ids_BT, rng=None, window=0):
+  def __call__(self, h_BTD, positions_BT, segment_ids_BT, rng=None, window=0, routes_BTK=None):
     del window  # LongCat has no sliding windows
     rngs = [None] * 5 if rng is None else list(jax.random.split(rng, 5))
 
@@ -45,17 +45,18 @@ class ShortcutLayer(nnx.Module):
       mla = (self.attn_0, self.attn_1)[i]
       return mla(x_BTD, positions_BT, segment_ids_BT, rngs[3 * i])
 
-    return self.body(h_BTD, attend, segment_ids_BT > 0, rngs)
+    return self.body(h_BTD, attend, segment_ids_BT > 0, rngs, routes_BTK)
 
-  def body(self, h_BTD, attend, valid_BT, rngs):
+  def body(self, h_BTD, attend, valid_BT, rngs, routes_BTK=None):
     """The ScMoE wiring; attend(i, x_BTD) runs attention block i (full sequence, or against a
-    KV cache in model/decode.py). rngs: 5 keys or Nones (attn_0, moe, mlp_0, attn_1, mlp_1)."""
+    KV cache in model/decode.py). rngs: 5 keys or Nones (attn_0, moe, mlp_0, attn_1, mlp_1).
+    routes_BTK: the MoE's forced top-k ids (routing replay; None: its router chooses)."""
     # Named scopes label the HLO ops, so profiles attribute time to sublayers.
     with jax.named_scope('attn_0'):
       h_BTD = h_BTD + attend(0, self.input_norm_0(h_BTD))
     x_BTD = self.post_norm_0(h_BTD)
     with jax.named_scope('moe'):
-      m_BTD, stats = self.moe(x_BTD, valid_BT, rngs[1])
+      m_BTD, stats = self.moe(x_BTD, valid_BT, rngs[1], routes_BTK)
     m_BTD = checkpoint_name(m_BTD, 'moe_out')
     with jax.named_scope('mlp_0'):
       h_BTD = h_BTD + self.mlp_0(x_BTD, rngs[2])
@@ -81,25 +82,25 @@ class StandardLayer(nnx.Module):
     else:
       self.mlp = MLP(cfg, f'{p}.mlp', rngs)
 
-  def __call__(self, h_BTD, positions_BT, segment_ids_BT, rng=None, window=0):
+  def __call__(self, h_BTD, positions_BT, segment_ids_BT, rng=None, window=0, routes_BTK=None):
     """window: this layer's attention window (0: full; traced under the layer scan)."""
     rngs = [None] * 2 if rng is None else list(jax.random.split(rng, 2))
 
     def attend(i, x_BTD):
       return self.attn(x_BTD, positions_BT, segment_ids_BT, rngs[0], window)
 
-    return self.body(h_BTD, attend, segment_ids_BT > 0, rngs)
+    return self.body(h_BTD, attend, segment_ids_BT > 0, rngs, routes_BTK)
 
-  def body(self, h_BTD, attend, valid_BT, rngs):
+  def body(self, h_BTD, attend, valid_BT, rngs, routes_BTK=None):
     """attend(0, x_BTD) runs the attention (full sequence, or against a KV cache in
-    model/decode.py); rngs: 2 keys or Nones (attention, MoE or MLP). Stats: None in a dense
-    layer."""
+    model/decode.py); rngs: 2 keys or Nones (attention, MoE or MLP); routes_BTK: the MoE's
+    forced top-k ids (routing replay). Stats: None in a dense layer."""
     with jax.named_scope('attn'):
       h_BTD = h_BTD + attend(0, self.input_norm(h_BTD))
     x_BTD, stats = self.post_norm(h_BTD), None
     if hasattr(self, 'moe'):
       with jax.named_scope('moe'):
-        m_BTD, stats = self.moe(x_BTD, valid_BT, rngs[1])
+        m_BTD, stats = self.moe(x_BTD, valid_BT, rngs[1], routes_BTK)
       m_BTD = checkpoint_name(m_BTD, 'moe_out')
     else:
       with jax.named_scope('mlp'):
@@ -208,41 +209,62 @@ class Transformer(nnx.Module):
       logits_BTV = constrain(logits_BTV, axes.names('BTV'), self.cfg.engine.rules)
     return logits_BTV, aux
 
-  def features(self, ids_BT, positions_BT=None, segment_ids_BT=None, rng=None):
+  def features(self, ids_BT, positions_BT=None, segment_ids_BT=None, rng=None, routes_BTLK=None):
     """The lm head's input (the final-normed hidden states [B, T, D]) and aux: the routing stats
-    of the MoE layers stacked on axis 0 (in layer order) and the pre-norm last hidden state's
-    per-token log-sum-exp (for the hidden z-loss). Training takes the loss from here
-    (kernels/cross_entropy.py), never the whole logits."""
+    of the MoE layers stacked on axis 0 (in layer order), the pre-norm last hidden state's
+    per-token log-sum-exp (for the hidden z-loss) and 'routes' [B, T, L, K], the top-k ids each
+    MoE layer's router chose (before any replay; None under pipeline stages). Training takes the
+    loss from here (kernels/cross_entropy.py), never the whole logits.
+
+    routes_BTLK: routing replay, the MoE layers' forced top-k ids (None: the routers choose)."""
     b, t = ids_BT.shape
     if positions_BT is None:
       positions_BT = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
     if segment_ids_BT is None:
       segment_ids_BT = jnp.ones((b, t), jnp.int32)
     h_BTD = constrain(self.embed(ids_BT), ACT, self.cfg.engine.rules)
-    h_BTD, stats = self.run_layers(h_BTD, positions_BT, segment_ids_BT, rng)
+    h_BTD, stats = self.run_layers(h_BTD, positions_BT, segment_ids_BT, rng, routes_BTLK)
     z_BT = jax.nn.logsumexp(jnp.abs(h_BTD.astype(jnp.float32)), axis=-1)
-    return self.final_norm(h_BTD), {'moe': stats, 'hidden_lse_BT': z_BT}
+    routes = stats.pop('routes', None) if stats else None
+    routes = None if routes is None else jnp.transpose(routes, (1, 2, 0, 3))
+    return self.final_norm(h_BTD), {'moe': stats, 'hidden_lse_BT': z_BT, 'routes': routes}
 
-  def run_layers(self, h_BTD, positions_BT, segment_ids_BT, rng):
+  def run_layers(self, h_BTD, positions_BT, segment_ids_BT, rng, routes_BTLK=None):
     cfg = self.cfg
     rngs_L = None if rng is None else jax.random.split(rng, cfg.num_layers)
-    stats = []
+    # The MoE layers' forced ids, layer first: group g's are rows moe_start.. of it.
+    routes_LBTK = None if routes_BTLK is None else jnp.transpose(routes_BTLK, (2, 0, 1, 3))
+    stats, moe_start = [], 0
     for group in cfg.layer_groups():
       group_rngs = None if rng is None else rngs_L[group.start : group.start + group.count]
-      h_BTD, out = self.run_group(group, h_BTD, positions_BT, segment_ids_BT, group_rngs)
+      forced = None
+      if group.kind == 'moe' and routes_LBTK is not None:
+        forced = routes_LBTK[moe_start : moe_start + group.count]
+      args = (h_BTD, positions_BT, segment_ids_BT, group_rngs, forced)
+      h_BTD, out = self.run_group(group, *args)
       if group.kind == 'moe':
         stats.append(out)
+        moe_start += group.count
     return h_BTD, jax.tree.map(lambda *x: jnp.concatenate(x), *stats)
 
-  def run_group(self, group: LayerGroup, h_BTD, positions_BT, segment_ids_BT, rngs_L):
+  def run_group(
+    self, group: LayerGroup, h_BTD, positions_BT, segment_ids_BT, rngs_L, routes_LBTK=None
+  ):
     graphdef, state = nnx.split(getattr(self, group.name))
     windows = self.cfg.layer_windows()[group.start : group.start + group.count]
-    # Per layer: its dropout key (or None) and its attention window.
-    extra_L = (rngs_L, jnp.asarray(windows, jnp.int32))
+    pipelined = stages.active(self.cfg, h_BTD.shape[0])
+    if pipelined and routes_LBTK is not None:
+      raise ValueError('routing replay under pipeline stages (engine.pipeline_stages > 1)')
+    # Per layer: its dropout key (or None), its attention window and its forced routes (or None).
+    extra_L = (rngs_L, jnp.asarray(windows, jnp.int32), routes_LBTK)
 
     def layer(h, xs, positions_BT, segment_ids_BT):
-      layer_state, (layer_rng, window) = xs
-      return nnx.merge(graphdef, layer_state)(h, positions_BT, segment_ids_BT, layer_rng, window)
+      layer_state, (layer_rng, window, routes) = xs
+      module = nnx.merge(graphdef, layer_state)
+      h, stats = module(h, positions_BT, segment_ids_BT, layer_rng, window, routes)
+      if pipelined and stats is not None:  # (the micro-batches' ids are not gathered)
+        stats = {k: v for k, v in stats.items() if k != 'routes'}
+      return h, stats
 
     if self.cfg.engine.remat != 'none':
       # Inside a scan of several layers the loop keeps the recompute apart from the forward; a
@@ -251,7 +273,7 @@ class Transformer(nnx.Module):
       single = group.count == 1 or not self.cfg.engine.scan_layers
       layer = jax.checkpoint(layer, policy=remat_policy(self.cfg.engine.remat), prevent_cse=single)
     state = matmul_weights_cast(state, self.cfg)
-    if stages.active(self.cfg, h_BTD.shape[0]):
+    if pipelined:
       args = (self.cfg, h_BTD, positions_BT, segment_ids_BT)
       return stages.run_group(layer, state, extra_L, *args)
     state = stages.in_layer_order(state, self.cfg)  # (a circular pipeline's stored order)

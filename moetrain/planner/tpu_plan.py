@@ -125,6 +125,8 @@ def plan(config, topology: str, overrides: dict | None = None, progress=None) ->
     'need_step': worst.name,
     'per_chip_bytes': train_c.memory,
     'eval_per_chip_bytes': steps['eval'].memory if 'eval' in steps else None,
+    # An RL run's sampler (its KV cache and the recorded routes beside the weights).
+    'sampler_per_chip_bytes': steps['sampler'].memory if 'sampler' in steps else None,
     'compile_seconds': sum(c.seconds for c in steps.values()),
     'model_flops_per_step': flops,
     'model_flops_formula': formula,
@@ -234,6 +236,9 @@ def print_plan(r: dict) -> None:
     _print_peak(r['peak_buffers'], m['temporaries'])
   if r.get('eval_per_chip_bytes'):
     print(f'eval step per device: total {_gib(r["eval_per_chip_bytes"]["total"])}')
+  if r.get('sampler_per_chip_bytes'):
+    m = r['sampler_per_chip_bytes']
+    print(f'sampler per device: total {_gib(m["total"])} (temporaries {_gib(m["temporaries"])})')
   verdict = 'fits' if r['fits'] else 'DOES NOT FIT'
   print(
     f'needs {_gib(r["need_bytes"])} ({r["need_step"]}, the larger) of '

@@ -3,12 +3,21 @@
 import jax
 import numpy as np
 
+from moetrain.core.sharding import batch_sharding
 from moetrain.training import preference
 
 
 def to_global(batch: dict, sharding) -> dict:
-  """A host-local batch as global arrays (each host holds its rows of the batch sharding)."""
-  return {k: jax.make_array_from_process_local_data(sharding, v) for k, v in batch.items()}
+  """A host-local batch as global arrays (each host holds its rows of the batch sharding); an
+  array that is global already stays as it is."""
+
+  def place(v):
+    if isinstance(v, jax.Array):
+      return v
+    s = sharding if v.ndim == len(sharding.spec) else batch_sharding(sharding.mesh, v.ndim)
+    return jax.make_array_from_process_local_data(s, v)
+
+  return {k: place(v) for k, v in batch.items()}
 
 
 def evaluate(state, batches, eval_fn, batch_sharding) -> dict:

@@ -18,6 +18,7 @@ from moetrain.distill.config import DistillConfig
 from moetrain.model.config import ModelConfig
 from moetrain.training import optim
 from moetrain.training.preference import PreferenceConfig
+from moetrain.training.rl import RLConfig
 from moetrain.training.train_step import LossConfig
 
 positive = functools.partial(field, check='positive')
@@ -117,6 +118,7 @@ SECTIONS = {
   'train': LoopConfig,
   'distill': DistillConfig,
   'preference': PreferenceConfig,
+  'rl': RLConfig,
 }
 SEED = 0
 

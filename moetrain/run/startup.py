@@ -29,6 +29,7 @@ from moetrain.run.checkpoint import Checkpointer, data_positions, process_data_s
 from moetrain.run.sections import InitConfig, LoopConfig
 from moetrain.training import optim
 from moetrain.training.preference import PreferenceConfig
+from moetrain.training.rl import RLConfig
 from moetrain.training.train_state import (
   TrainState,
   abstract_teacher,
@@ -114,15 +115,16 @@ def build(
     data = dataclasses.replace(data, tokenizer=config.init.hf_checkpoint)
   distill, data, teacher = distill_setup(config, model, data, training)
   pref, data, reference = preference_setup(config, model, data, distill)
+  rl, rl_reference = rl_setup(config, model, data, distill, pref, process_count)
   loader.validate(data, process_count)
-  if training:
+  if training and rl is None:  # (RL reads prompts: run/rollouts.py checks them)
     loader.check_training_data(data)
   opt = optim.OptimConfig(**config.optim.to_dict())
   train = LoopConfig(**config.train.to_dict())
   train.validate()
   opt.validate(train.steps)
   check_mesh_fits(model, data, opt, mesh_shape, num_devices // process_count)
-  step = step_config(config, model, opt, teacher | reference, pref)
+  step = step_config(config, model, opt, teacher | reference | rl_reference, pref, rl)
   check_regexes(model, opt)
   check_lora_rank(model)
   if config.init.peft_adapter and not model.lora.enabled:
@@ -144,14 +146,14 @@ def build(
   )
 
 
-def step_config(config, model: ModelConfig, opt, teacher: dict, pref) -> StepConfig:
+def step_config(config, model: ModelConfig, opt, teacher: dict, pref, rl=None) -> StepConfig:
   """The step's config: the loss section, the micro-batches, the teacher (or reference) and
-  the preference objective."""
+  the preference or RL objective."""
   loss = config.loss.to_dict()
   if loss.get('bias_update_decay_steps') == FOLLOW_STEPS:  # over the whole run
     loss['bias_update_decay_steps'] = config.train.steps
   accum = opt.grad_accum_steps
-  step = StepConfig(model=model, grad_accum_steps=accum, **loss, **teacher, preference=pref)
+  step = StepConfig(model=model, grad_accum_steps=accum, **loss, **teacher, preference=pref, rl=rl)
   step.validate()
   return step
 
@@ -172,22 +174,69 @@ def preference_setup(config, model: ModelConfig, data, distill):
   if distill.enabled:
     raise ValueError(f'{where} and distill.teacher: a run does one or the other')
   reference = {}
-  if pref.needs_reference and not model.lora.enabled:
-    if not config.init.hf_checkpoint:
-      raise ValueError(
-        f'{where} in full fine-tuning compares with a frozen copy of the start, '
-        'init.hf_checkpoint, which is empty: give the checkpoint to start from, use LoRA '
-        "(lora.rank > 0; the reference is the adapters off), or a reference-free loss ('simpo', "
-        "'orpo')"
-      )
-    # A frozen copy, forward only (no recompute, no gradients), in the policy's engine.
-    reference = {'teacher': model.with_engine(remat='none', cast_weights_once=False)}
-  if pref.needs_reference and model.lora.train_router:
+  if pref.needs_reference:
+    alternative = "a reference-free loss ('simpo', 'orpo')"
+    reference = reference_setup(config, model, where, alternative)
+  return pref, dataclasses.replace(data, records=pref.records), reference
+
+
+def reference_setup(config, model: ModelConfig, where: str, alternative: str) -> dict:
+  """StepConfig's teacher field for an objective that compares with the start: under LoRA none
+  (the reference is the adapters off; a trained router would leak into it), in full
+  fine-tuning a frozen copy of init.hf_checkpoint, which must be given (`alternative`: the
+  setting that needs none)."""
+  if model.lora.enabled and model.lora.train_router:
     raise ValueError(
       f'{where} with lora.train_router: the reference (the adapters off) would use the trained '
       'router; train the adapters only (lora.train_router=False)'
     )
-  return pref, dataclasses.replace(data, records=pref.records), reference
+  if model.lora.enabled:
+    return {}
+  if not config.init.hf_checkpoint:
+    raise ValueError(
+      f'{where} in full fine-tuning compares with a frozen copy of the start, '
+      'init.hf_checkpoint, which is empty: give the checkpoint to start from, use LoRA '
+      f'(lora.rank > 0; the reference is the adapters off), or {alternative}'
+    )
+  # A frozen copy, forward only (no recompute, no gradients), in the policy's engine.
+  return {'teacher': model.with_engine(remat='none', cast_weights_once=False)}
+
+
+def rl_setup(config, model: ModelConfig, data, distill, pref, process_count: int):
+  """(the rl section, or None when off; StepConfig's teacher field for a full fine-tuning's
+  frozen reference of the KL term)."""
+  rl = RLConfig(**config.get('rl', {}))
+  rl.validate()
+  if not rl.enabled:
+    return None, {}
+  where = f'rl.algorithm={rl.algorithm!r}'
+  if distill.enabled or pref is not None:
+    raise ValueError(f'{where} with distill or preference tuning: a run does one of them')
+  if data.source not in ('demo', 'jsonl') or data.records != 'examples':
+    raise ValueError(f"{where} reads prompts: data.source='demo' or 'jsonl' (records 'examples')")
+  rows = data.global_batch_size // process_count
+  if rows % rl.group_size:
+    raise ValueError(
+      f'{where}: data.global_batch_size={data.global_batch_size} over {process_count} '
+      f'process(es) is {rows} rows each, not a multiple of rl.group_size={rl.group_size} (a '
+      "group's completions share a host)"
+    )
+  if rl.prompts_per_step and rl.prompts_per_step * rl.group_size != data.global_batch_size:
+    raise ValueError(
+      f'rl.prompts_per_step={rl.prompts_per_step} x rl.group_size={rl.group_size} must equal '
+      f'data.global_batch_size={data.global_batch_size} (a row a completion)'
+    )
+  if rl.max_new_tokens >= data.seq_len:
+    raise ValueError(
+      f'rl.max_new_tokens={rl.max_new_tokens} leaves no room for a prompt in '
+      f'data.seq_len={data.seq_len}'
+    )
+  if model.engine.pipeline_stages > 1:
+    raise ValueError(f'{where} under pipeline stages (engine.pipeline_stages > 1): not supported')
+  reference = {}
+  if rl.kl_coef:
+    reference = reference_setup(config, model, f'rl.kl_coef={rl.kl_coef}', 'rl.kl_coef=0')
+  return rl, reference
 
 
 def distill_setup(config, model: ModelConfig, data, training: bool):
@@ -429,7 +478,7 @@ def from_teacher(setup: Setup, state: TrainState, mesh, fresh: bool) -> TrainSta
   distill.init_from_teacher asks."""
   d = setup.distill
   init = d.init_from_teacher and (fresh or setup.model.lora.enabled)
-  if setup.step.preference is not None and setup.step.teacher is not None:
+  if (setup.step.preference or setup.step.rl) is not None and setup.step.teacher is not None:
     return with_reference(setup, state, mesh)
   if not d.enabled or not (setup.step.teacher or init):
     return state
@@ -444,8 +493,8 @@ def from_teacher(setup: Setup, state: TrainState, mesh, fresh: bool) -> TrainSta
 
 
 def with_reference(setup: Setup, state: TrainState, mesh) -> TrainState:
-  """Preference tuning in full fine-tuning: the state with its frozen reference, the start
-  (init.hf_checkpoint) read again on every start as an online teacher is."""
+  """Preference tuning (or RL's KL term) in full fine-tuning: the state with its frozen
+  reference, the start (init.hf_checkpoint) read again on every start as an online teacher is."""
   cfg = setup.step.teacher
   with runtime.phase(f'Loading the reference {setup.hf_checkpoint}'):
     shardings = state_shardings(abstract_teacher(cfg), mesh, cfg.engine.rules)

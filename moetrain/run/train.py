@@ -15,6 +15,7 @@ from moetrain.distill import logits as distill_logits
 from moetrain.model import stages
 from moetrain.run import lease, rundir, train_log
 from moetrain.run import metrics as metrics_lib
+from moetrain.run import rollouts as rollouts_lib
 from moetrain.run.checkpoint import Checkpointer, process_data_state
 from moetrain.run.evaluation import evaluate, to_global
 from moetrain.run.startup import (
@@ -41,6 +42,13 @@ class Job:
   ckpt: Checkpointer
   writer: metrics_lib.Writer
   batch_sharding: jax.sharding.NamedSharding  # of the batches' rows over the mesh
+  rollouts: rollouts_lib.Rollouts | None = None  # reinforcement learning's batches
+
+  @property
+  def evaluates(self) -> bool:
+    return bool(self.eval_batches) or (
+      self.rollouts is not None and self.rollouts.eval_prompts is not None
+    )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -143,13 +151,16 @@ def start(config, workdir: str, setup: Setup, mesh, ckpt: Checkpointer) -> tuple
   check_tokenizer_fits(tokenizer, setup, workdir)
   loader.warn_if_tokenizer_is_foreign(setup.data, tokenizer, setup.hf_checkpoint)
   hosts = {'process_index': jax.process_index(), 'process_count': jax.process_count()}
-  train_iter = loader.make_train_iterator(setup.data, tokenizer, **hosts)
-  train_iter = distill_logits.attach(setup, train_iter, *hosts.values())  # (cached logits)
-  with runtime.phase('Evaluation data') as said:
-    eval_batches = loader.make_eval_batches(
-      setup.data, tokenizer, max_batches=t.eval_batches, **hosts
-    )
-    said['note'] = f' ({len(eval_batches)} batches)'
+  if setup.step.rl is None:
+    train_iter = loader.make_train_iterator(setup.data, tokenizer, **hosts)
+    train_iter = distill_logits.attach(setup, train_iter, *hosts.values())  # (cached logits)
+    with runtime.phase('Evaluation data') as said:
+      eval_batches = loader.make_eval_batches(
+        setup.data, tokenizer, max_batches=t.eval_batches, **hosts
+      )
+      said['note'] = f' ({len(eval_batches)} batches)'
+  else:  # the batches are sampled (the rollouts' prompts, made below)
+    train_iter, eval_batches = rollouts_lib.Stream(), []
   inputs = rundir.check_inputs(workdir, setup.data, resuming=ckpt.latest_step() is not None)
 
   saved_config = rundir.config_json(config, setup)
@@ -171,8 +182,12 @@ def start(config, workdir: str, setup: Setup, mesh, ckpt: Checkpointer) -> tuple
   state = aot.place_frozen(state, compiled.formats)
   eval_fn = aot.eval_step_fn(setup, mesh, compiled.formats)
   step_fn = compiled.executable
+  rollouts = None
+  if setup.step.rl is not None:
+    fmt = loader.chat_format(setup.data, tokenizer)
+    rollouts = rollouts_lib.Rollouts(setup, tokenizer, fmt, batch_sharding, writer)
   job = Job(setup, step_fn, eval_fn, train_iter, eval_batches, ckpt, writer, batch_sharding)
-  return job, state
+  return dataclasses.replace(job, rollouts=rollouts), state
 
 
 def stopped(e: Exception, ckpt: Checkpointer, writer) -> Exception:
@@ -203,6 +218,15 @@ class Evals:
 
 
 def run_eval(step: int, state, job: Job) -> dict:
+  if job.rollouts is not None:  # the rewards of greedy completions of the eval prompts
+    ev = job.rollouts.evaluate(state, step)
+    job.writer.write(step, ev, kind='eval')
+    job.writer.progress(
+      f'eval  step {step}: rl/reward_mean {ev["rl/reward_mean"]:.4f}  '
+      + '  '.join(f'{k} {v:.4f}' for k, v in ev.items() if k.startswith('rl/reward/'))
+      + f'  response_length {ev["rl/response_length"]:.1f}  ({ev["rl/prompts"]} prompts)'
+    )
+    return ev
   ev = evaluate(state, job.eval_batches, job.eval_fn, job.batch_sharding)
   job.writer.write(step, ev, kind='eval')
   job.writer.progress(
@@ -227,15 +251,18 @@ def loop(job: Job, state: TrainState) -> tuple[TrainState, dict]:
   log = train_log.TrainLog.create(job.setup, meter, job.writer)
   evals = Evals(job, meter)
   baseline = None
-  if start_step == 0 and job.eval_batches:  # the baseline that fine-tuning is measured against
+  if start_step == 0 and job.evaluates:  # the baseline that fine-tuning is measured against
     baseline = evals(state, 0, recurring=False)
-  elif job.eval_batches:  # a resumed run: the baseline its first start logged
+  elif job.evaluates:  # a resumed run: the baseline its first start logged
     baseline = logged_baseline(job.writer)
   finite = jax.process_count() > 1 and job.setup.data.num_epochs is not None
   data_ended = multihost.Exchange('data_ended') if finite else None
   stop, saved = Stop(), False
   for step in range(start_step + 1, t.last_step + 1):
-    batch, position = next_batch(job.train_iter, data_ended, step)
+    if job.rollouts is not None:  # sampled with the state's weights
+      batch, position = job.rollouts.batch_for(state, step), None
+    else:
+      batch, position = next_batch(job.train_iter, data_ended, step)
     if batch is None:  # a finite data.num_epochs ran out before train.steps
       stop = save_at_data_end(job, step - 1, start_step, saved, state, position, log)
       break
@@ -248,10 +275,15 @@ def loop(job: Job, state: TrainState) -> tuple[TrainState, dict]:
     job.ckpt.wait()
     job.writer.progress(stop.note)
   last = log.last
-  if (int(state.step) == t.steps or stop.data_ended) and job.eval_batches:
+  if (int(state.step) == t.steps or stop.data_ended) and job.evaluates:
     ev = evals.at(state, int(state.step))  # (this step's already, when it was an eval step)
     last = {**last, **{f'eval_{k}': v for k, v in ev.items()}}
-    if baseline is not None:
+    if baseline is not None and 'rl/reward_mean' in ev:
+      job.writer.progress(
+        f'eval rl/reward_mean {baseline["rl/reward_mean"]:.4f} before training -> '
+        f'{ev["rl/reward_mean"]:.4f} at step {int(state.step)}'
+      )
+    elif baseline is not None:
       job.writer.progress(
         f'eval accuracy {baseline["accuracy"]:.4f} before training -> {ev["accuracy"]:.4f} at '
         f'step {int(state.step)} (perplexity {baseline["perplexity"]:.2f} -> '
@@ -278,7 +310,8 @@ def logged_baseline(writer: metrics_lib.Writer) -> dict | None:
         r = json.loads(line)
       except ValueError:
         continue
-      if r.get('kind') == 'eval' and r.get('step') == 0 and r.get('perplexity') is not None:
+      baseline = r.get('perplexity', r.get('rl/reward_mean'))
+      if r.get('kind') == 'eval' and r.get('step') == 0 and baseline is not None:
         return r
   return None
 
@@ -295,7 +328,9 @@ def train_one(job: Job, state, batch: dict, first: bool, meter, log) -> TrainSta
       meter.skip_step()
   # Throughput (and MFU) count every token the model reads, not only the scored ones.
   if not first:
-    meter.add_tokens(float((batch['segment_ids'] > 0).sum()) * jax.process_count())
+    read = batch['segment_ids'] > 0  # (a rollout batch's is global already)
+    hosts = 1 if isinstance(batch['segment_ids'], jax.Array) else jax.process_count()
+    meter.add_tokens(float(read.sum()) * hosts)
   log.flush()  # the previous log step's metrics, fetched after this step's dispatch
   return state
 
@@ -309,9 +344,7 @@ def log_eval_save(job: Job, state, step: int, log, evals: Evals, meter) -> tuple
   if step % t.log_every == 0 or step == t.last_step or preempted:  # (the resumed run logs after)
     log.mark(step, job.train_iter.num_truncated)
   due = step == t.last_step or preempted or ckpt.due(step)
-  eval_due = bool(job.eval_batches) and (
-    step == t.steps or bool(t.eval_every) and step % t.eval_every == 0
-  )
+  eval_due = job.evaluates and (step == t.steps or bool(t.eval_every) and step % t.eval_every == 0)
   if due or eval_due:
     # The step's own time stays in tokens/s, the save's and the eval's do not; its record is
     # written first, so that a kill during either loses nothing.

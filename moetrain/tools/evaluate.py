@@ -1,4 +1,5 @@
-"""Loss, perplexity and token accuracy of a checkpoint on a dataset, sharded like training.
+"""Loss, perplexity and token accuracy of a checkpoint on a dataset, sharded like training; of an
+RL run's checkpoint, the rewards of greedy completions of the eval prompts (docs/rl.md).
 
   python -m moetrain.tools.evaluate --workdir=runs/longcat_lora
   python -m moetrain.tools.evaluate --config=configs/longcat_lora.py --config.init.hf_checkpoint=DIR
@@ -40,6 +41,8 @@ def evaluate_checkpoint(
   mesh = setup.make_mesh()
   tokenizer = loader.make_tokenizer(setup.data, workdir)
   startup.check_tokenizer_fits(tokenizer, setup)
+  if setup.step.rl is not None:  # an RL run: the rewards of greedy completions of its prompts
+    return rewards_of(setup, workdir, mesh, tokenizer, max_batches)
   batches = loader.make_eval_batches(
     setup.data,
     tokenizer,
@@ -56,12 +59,30 @@ def evaluate_checkpoint(
   return {'step': int(state.step), **out}
 
 
+def rewards_of(setup, workdir, mesh, tokenizer, max_batches: int | None) -> dict:
+  from moetrain.run import rollouts
+
+  if max_batches:
+    setup = dataclasses.replace(
+      setup, train=dataclasses.replace(setup.train, eval_batches=max_batches)
+    )
+  if not setup.data.eval_split:
+    raise ValueError('no eval prompts: set data.eval_split (or --split)')
+  with jax.set_mesh(mesh):
+    state = startup.load_latest(setup, workdir, mesh)
+    fmt = loader.chat_format(setup.data, tokenizer)
+    r = rollouts.Rollouts(setup, tokenizer, fmt, sharding.batch_sharding(mesh))
+    return {'step': int(state.step), **r.evaluate(state, 0)}
+
+
 def main(argv):
   runtime.start_command(preemption=False)  # saves nothing: stay killable
   del argv
   f = flags.FLAGS
   out = evaluate_checkpoint(f.config, f.workdir, f.split, f.max_batches)
-  if runtime.is_primary():
+  if runtime.is_primary() and 'rl/reward_mean' in out:
+    print(f'step {out["step"]}: ' + '  '.join(f'{k} {v:.4f}' for k, v in out.items() if '/' in k))
+  elif runtime.is_primary():
     print(
       f'step {out["step"]}: loss {out["loss"]:.6f}  perplexity {out["perplexity"]:.4f}  '
       f'accuracy {out["accuracy"]:.4f}  ({int(out["tokens"])} tokens)'

@@ -32,22 +32,9 @@ from moetrain.core import runtime, storage
 from moetrain.data import demo_task, loader, sources
 from moetrain.data.tokenizer import load_tokenizer
 from moetrain.model.decode import decode_step, prefill
+from moetrain.model.sampler import sample_top_p
 from moetrain.run import startup
 from moetrain.training.train_state import graphdef_of, merge_model
-
-
-def sample_top_p(logits_BV, key, temperature, top_p):
-  """Nucleus sampling: draws from the smallest set of most likely tokens whose probability
-  reaches top_p; the most likely token is always in it, so top_p -> 0 is greedy."""
-  logits_BV = logits_BV / temperature
-  order_BV = jnp.argsort(-logits_BV, axis=-1)  # stable: ties rank by id, as argmax does
-  sorted_BV = jnp.take_along_axis(logits_BV, order_BV, axis=-1)
-  p_BV = jax.nn.softmax(sorted_BV, axis=-1)
-  before_BV = jnp.cumsum(p_BV, axis=-1) - p_BV
-  first_BV = jnp.arange(p_BV.shape[-1])[None, :] == 0
-  keep_BV = (before_BV < top_p) | first_BV
-  choice_B = jax.random.categorical(key, jnp.where(keep_BV, sorted_BV, -jnp.inf), axis=-1)
-  return jnp.take_along_axis(order_BV, choice_B[:, None], axis=-1)[:, 0]
 
 
 @functools.partial(jax.jit, static_argnames=('graphdef', 'max_new', 'absorb'))

@@ -16,7 +16,9 @@ from jax.experimental.layout import Format, Layout
 
 from moetrain.core import hlo_cost, sharding
 from moetrain.data import packing
+from moetrain.model import sampler
 from moetrain.training import optim
+from moetrain.training import rl as rl_lib
 from moetrain.training.train_state import abstract_teacher, graphdef_of, init_state, state_shardings
 from moetrain.training.train_step import compiler_options, eval_step, jit_train_step
 
@@ -41,9 +43,10 @@ def abstract_state(setup, mesh):
   return jax.tree.map(sds, abstract, shardings, is_leaf=_is_var), shardings
 
 
-def abstract_batch(rows: int, seq_len: int, mesh, top_k: int = 0) -> dict:
+def abstract_batch(rows: int, seq_len: int, mesh, top_k: int = 0, extra=None) -> dict:
   """The packed batch moetrain.data.packing makes: int32 rows and a float32 loss mask; with
-  top_k (distillation from cached logits) the teacher's top-k ids and log-probabilities."""
+  top_k (distillation from cached logits) the teacher's top-k ids and log-probabilities; extra:
+  more fields per row, {name: (shape after the row axis, dtype)} (a rollout batch's)."""
   s = sharding.batch_sharding(mesh)
   out = {
     k: jax.ShapeDtypeStruct((rows, seq_len), dt, sharding=s) for k, dt in packing.ROW_DTYPES.items()
@@ -52,7 +55,29 @@ def abstract_batch(rows: int, seq_len: int, mesh, top_k: int = 0) -> dict:
     shape = (rows, seq_len, top_k)
     out['teacher_ids'] = jax.ShapeDtypeStruct(shape, jnp.int32, sharding=s)
     out['teacher_logprobs'] = jax.ShapeDtypeStruct(shape, jnp.float32, sharding=s)
+  for name, (shape, dt) in (extra or {}).items():
+    rank = sharding.batch_sharding(mesh, 1 + len(shape))
+    out[name] = jax.ShapeDtypeStruct((rows, *shape), dt, sharding=rank)
   return out
+
+
+def train_batch(setup, mesh) -> dict:
+  """The train step's abstract batch: the packed rows, with a distillation's cached logits or a
+  rollout batch's fields (training/rl.py)."""
+  d, rl = setup.data, setup.step.rl
+  extra = None if rl is None else rl_lib.batch_fields(rl, setup.model, d.seq_len)
+  return abstract_batch(d.global_batch_size, d.seq_len, mesh, cached_top_k(setup), extra)
+
+
+def sampler_inputs(setup, mesh) -> tuple:
+  """The sampler's abstract inputs for a rollout of data.global_batch_size rows: the prompts,
+  their lengths, the key and the options."""
+  rows, s = setup.data.global_batch_size, setup.data.seq_len
+  prompt = jax.ShapeDtypeStruct((rows, s + 1), jnp.int32, sharding=sharding.batch_sharding(mesh))
+  lengths = jax.ShapeDtypeStruct((rows,), jnp.int32, sharding=sharding.batch_sharding(mesh, 1))
+  rng = jax.eval_shape(lambda: jax.random.key(0))
+  opts = jax.eval_shape(lambda: sampler.sample_opts(1.0, vocab=setup.model.vocab_size))
+  return prompt, lengths, rng, opts
 
 
 def cached_top_k(setup) -> int:
@@ -80,7 +105,10 @@ def train_step_fn(setup, mesh, shardings):
     shardings = dataclasses.replace(shardings, frozen=auto)
   optimizer = optim.make_optimizer(setup.optim, setup.train.steps)
   lr_fn = optim.schedule(setup.optim, setup.train.steps)
-  return jit_train_step(setup.step, optimizer, lr_fn, shardings, sharding.batch_sharding(mesh))
+  batch = sharding.batch_sharding(mesh)
+  if setup.step.rl is not None:  # fields of other ranks: a sharding each
+    batch = {k: v.sharding for k, v in train_batch(setup, mesh).items()}
+  return jit_train_step(setup.step, optimizer, lr_fn, shardings, batch)
 
 
 def state_formats(executable):
@@ -233,13 +261,24 @@ def compile_steps(setup, mesh, evaluate: bool = True, progress=None) -> dict:
     out['train'] = compile_fn(
       'train step',
       train,
-      (state, abstract_batch(d.global_batch_size, d.seq_len, mesh, cached_top_k(setup))),
+      (state, train_batch(setup, mesh)),
       cache=False,
     )
     say(f'compiled the train step in {time.time() - start:.0f} s')
     train_c = out['train']
     train_c.formats = state_formats(train_c.executable)
-    if evaluate and d.eval_split:
+    if setup.step.rl is not None:  # the rollouts' sampler: the weights and its KV cache
+      say('compiling the sampler...')
+      start = time.time()
+      out['sampler'] = compile_fn(
+        'sampler',
+        rl_lib.jit_sampler(setup.step.rl, setup.model),
+        (*(state.params, state.moe_bias, state.frozen), *sampler_inputs(setup, mesh)),
+        analyse=False,
+        cache=False,
+      )
+      say(f'compiled the sampler in {time.time() - start:.0f} s')
+    if evaluate and d.eval_split and setup.step.rl is None:
       batch = abstract_batch(d.eval_batch_size, d.seq_len, mesh)
       fn = eval_step_fn(setup, mesh, train_c.formats)
       say('compiling the eval step...')
@@ -302,7 +341,6 @@ def precompile_train_step(setup, mesh, step_fn, state, progress=print) -> Compil
   larger than a device's memory (or on CPU, its share of the host's RAM) stops before the
   compile; a compiled step larger, after it."""
   check_fits('the train state', state_bytes(state), mesh)
-  d = setup.data
   progress(
     f'Compiling the train step for {mesh.devices.size} {mesh.devices.flat[0].platform} devices...'
   )
@@ -310,7 +348,7 @@ def precompile_train_step(setup, mesh, step_fn, state, progress=print) -> Compil
     c = compile_fn(
       'train step',
       step_fn,
-      (state, abstract_batch(d.global_batch_size, d.seq_len, mesh, cached_top_k(setup))),
+      (state, train_batch(setup, mesh)),
       analyse=False,
     )
   except OutOfMemory as e:

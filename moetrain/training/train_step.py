@@ -17,6 +17,7 @@ from moetrain.model import stages
 from moetrain.model.config import ModelConfig
 from moetrain.model.moe import ROUTING_COUNTS, finish_routing_stats
 from moetrain.training import preference as preference_lib
+from moetrain.training import rl as rl_lib
 from moetrain.training.train_state import TrainState, graphdef_of, merge_model, merge_teacher
 
 off = functools.partial(field, check='non_negative', zero='0 = off')
@@ -46,6 +47,7 @@ class StepConfig(LossConfig):
   distill: Divergence | None = None  # distillation's loss (None: cross entropy alone)
   teacher: ModelConfig | None = None  # the online teacher (None: cached logits in the batch)
   preference: preference_lib.PreferenceConfig | None = None  # preference tuning's objective
+  rl: rl_lib.RLConfig | None = None  # reinforcement learning's objective (rollout batches)
 
 
 def forward_loss(params, moe_bias, frozen, graphdef, batch, rng=None, head_loss=None):
@@ -104,19 +106,29 @@ def with_teacher(state: TrainState, batch, cfg: StepConfig):
 
 def token_counts(batch, cfg: 'StepConfig | None' = None):
   """(loss tokens, routed tokens) of a batch: the denominators of the loss and the MoE terms;
-  with preference tuning, then (elements, scored chosen tokens) (preference.counts)."""
+  with preference tuning, then (elements, scored chosen tokens) (preference.counts); with RL
+  (scored tokens, completions) (rl.counts)."""
   n_loss = jnp.maximum(batch['loss_mask'].astype(jnp.float32).sum(), 1.0)
   n_routed = jnp.maximum((batch['segment_ids'] > 0).astype(jnp.float32).sum(), 1.0)
   if cfg is not None and cfg.preference is not None:
     return (n_loss, n_routed, *preference_lib.counts(batch))
+  if cfg is not None and cfg.rl is not None:
+    return (n_loss, n_routed, *rl_lib.counts(batch))
   return n_loss, n_routed
 
 
+def needs_reference(cfg: 'StepConfig') -> bool:
+  """Whether the objective compares with a reference: preference tuning's (but SimPO, ORPO), or
+  RL's KL term."""
+  pref = cfg.preference is not None and cfg.preference.needs_reference
+  return pref or (cfg.rl is not None and cfg.rl.kl_coef > 0)
+
+
 def reference_model(params, moe_bias, frozen, graphdef, cfg: 'StepConfig', teacher):
-  """Preference tuning's reference: under LoRA the same weights with the adapters zero (their
-  delta exactly 0, no copy of the base), in full fine-tuning the frozen copy in `teacher`;
-  None for a reference-free loss."""
-  if not cfg.preference.needs_reference:
+  """Preference tuning's and RL's reference: under LoRA the same weights with the adapters zero
+  (their delta exactly 0, no copy of the base), in full fine-tuning the frozen copy in
+  `teacher`; None where the objective needs none (needs_reference)."""
+  if not needs_reference(cfg):
     return None
   if cfg.model.lora.enabled:
     off = jax.tree.map(jnp.zeros_like, jax.lax.stop_gradient(params))
@@ -138,11 +150,15 @@ def loss_fn(params, moe_bias, frozen, graphdef, batch, rng, totals, cfg: StepCon
   entropy) over the whole (global) batch plus the weighted aux losses. `totals` are the full
   batch's token counts, so micro-batch losses add up to the full-batch loss."""
   n_tokens, n_routed = totals[:2]
-  pref = None
+  pref = rl = None
   if cfg.preference is not None:
     args = (params, moe_bias, frozen, graphdef, batch, rng, totals[2:], cfg, teacher)
     objective, aux, pref = preference_forward(*args)
     nll, correct = pref['nll_chosen'], pref['correct_chosen']
+  elif cfg.rl is not None:
+    model = merge_model(graphdef, params, moe_bias, frozen)
+    objective, aux, rl = rl_lib.objective(cfg.rl, model, batch, rng, totals[2:])
+    nll, correct = rl['nll'], rl['correct']
   else:
     head_loss = None if cfg.distill is None else distill_head(cfg, teacher)
     nll, correct, aux = forward_loss(params, moe_bias, frozen, graphdef, batch, rng, head_loss)
@@ -158,7 +174,8 @@ def loss_fn(params, moe_bias, frozen, graphdef, batch, rng, totals, cfg: StepCon
     + cfg.balance_loss * moe['balance_loss'].mean() * frac
     + cfg.hidden_z_loss * hidden_z
   )
-  loss = (aux.get('objective', nll) / n_tokens if pref is None else objective) + aux_loss
+  own = pref is None and rl is None
+  loss = (aux.get('objective', nll) / n_tokens if own else objective) + aux_loss
   stats = {
     'nll_sum': nll,
     'divergence_sum': aux.get('divergence', jnp.zeros(())),
@@ -169,6 +186,8 @@ def loss_fn(params, moe_bias, frozen, graphdef, batch, rng, totals, cfg: StepCon
   }
   if pref is not None:
     stats['pref'] = pref
+  if rl is not None:
+    stats['rl'] = rl
   return loss, stats
 
 
@@ -307,6 +326,7 @@ def train_step(
     'tokens': stats['tokens'],
     **({'divergence': stats['divergence_sum'] / tokens} if cfg.distill else {}),
     **(preference_lib.metrics(stats['pref']) if cfg.preference else {}),
+    **(rl_lib.metrics(stats['rl'], batch, cfg.rl, cfg.model.moe_layer_indices) if cfg.rl else {}),
     'hidden_z_loss': stats['hidden_z'],
     'skipped': new_state.skipped,
     'moe': stats['moe'],
@@ -320,8 +340,8 @@ def jit_train_step(
   cfg: StepConfig, optimizer, lr_fn, shardings=None, batch_sharding=None, donate: bool = True
 ):
   """train_step jitted for cfg.model (graphdef, optimizer and schedule bound). With shardings
-  (the state's), the state keeps them and the batch arrives in batch_sharding. The donated state
-  is updated in place."""
+  (the state's), the state keeps them and the batch arrives in batch_sharding (or a dict of
+  them, a field each). The donated state is updated in place."""
   fn = functools.partial(
     train_step, graphdef=graphdef_of(cfg.model), optimizer=optimizer, lr_fn=lr_fn, cfg=cfg
   )
@@ -329,7 +349,8 @@ def jit_train_step(
   if shardings is not None:
     # The metrics whole on every device: each process fetches them (a pipeline's per-layer
     # routing stats would otherwise stay split over 'stage', across hosts).
-    metrics = None if batch_sharding is None else replicated(batch_sharding.mesh)
+    mesh = None if batch_sharding is None else jax.tree.leaves(batch_sharding)[0].mesh
+    metrics = None if mesh is None else replicated(mesh)
     placed = dict(in_shardings=(shardings, batch_sharding), out_shardings=(shardings, metrics))
   options = compiler_options(cfg.model)
   return jax.jit(fn, donate_argnums=0 if donate else (), compiler_options=options, **placed)

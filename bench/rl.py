@@ -1,0 +1,135 @@
+"""Reinforcement learning on the demo task (configs/grpo.py): the eval reward curve per routing
+replay mode on the same seed, the sampler's agreement with the trainer (rl/sampler_kl_k3,
+rl/router_flip_rate, rl/extreme_token_fraction: means over the run's steps), the step's time
+split (sampling, old-policy pass, updates), and the sampler's tokens/s beside the generate
+tool's loop on the same rows.
+
+  python -m bench.rl [--replay none,r2,r3] [--steps N] [--set KEY=VALUE ...]
+  python -m bench.rl --replay= --sampler_rows 64          # the sampler's speed alone
+
+Each mode runs as its own `python -m moetrain.main` in a fresh directory, from the same start
+(the LoRA demo's result, moetrain/data/demo/sft).
+"""
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+from bench.common import emit, machine
+
+
+def _records(workdir: str) -> list[dict]:
+  return [json.loads(line) for line in open(os.path.join(workdir, 'metrics.jsonl'))]
+
+
+def run_mode(replay: str, steps: int, sets: list[str], tmp: str) -> dict:
+  workdir = os.path.join(tmp, replay)
+  args = [
+    '--config=configs/grpo.py',
+    f'--workdir={workdir}',
+    f'--config.rl.routing_replay={replay}',
+  ]
+  args += ([f'--config.train.steps={steps}'] if steps else []) + [f'--config.{kv}' for kv in sets]
+  t = time.perf_counter()
+  env = {**os.environ, 'PYTHONPATH': '.'}
+  subprocess.run([sys.executable, '-m', 'moetrain.main', *args], check=True, env=env)
+  records = _records(workdir)
+  evals = [r for r in records if r['kind'] == 'eval']
+  train = [r for r in records if r['kind'] == 'train']
+  rollouts = [r for r in records if r['kind'] == 'rollout'][1:]  # (the first compiles)
+  mean = lambda rows, k: round(statistics.fmean(r[k] for r in rows), 5)
+  # A train record's step time: its window's tokens over its tokens/s (the first window, which
+  # compiles, has none).
+  timed = [
+    r for r in train if r.get('tokens_per_sec') and r['tokens_per_sec'] == r['tokens_per_sec']
+  ]
+  return {
+    'replay': replay,
+    'steps': train[-1]['step'],
+    'seconds': round(time.perf_counter() - t, 1),
+    'eval_reward': [(r['step'], round(r['rl/reward_mean'], 4)) for r in evals],
+    'eval_exact': [(r['step'], round(r.get('rl/reward/reversal_exact', -1), 4)) for r in evals],
+    'train_reward_first_last': (train[0]['rl/reward_mean'], train[-1]['rl/reward_mean']),
+    **{
+      k: mean(train, f'rl/{k}')
+      for k in ('sampler_kl_k3', 'router_flip_rate', 'extreme_token_fraction', 'clip_fraction')
+    },
+    'sampling_s': round(statistics.median(r['rl/time/sampling_s'] for r in rollouts), 3),
+    'old_pass_s': round(statistics.median(r['rl/time/old_pass_s'] for r in rollouts), 3),
+    'step_s_windows': [
+      round(r['tokens'] * r.get('window_steps', 1) / r['tokens_per_sec'], 3) for r in timed
+    ][:3],
+  }
+
+
+def sampler_speed(rows: int, new: int, repeats: int) -> dict:
+  """The sampler's and the generate tool's tokens/s on `rows` copies of one demo prompt (the
+  same length: generate's loop needs that), greedy, max `new` tokens, no eos (both run all)."""
+  import jax
+  import jax.numpy as jnp
+  import numpy as np
+  from flax import nnx
+
+  from moetrain.data import demo_sft, demo_task
+  from moetrain.model import sampler
+  from moetrain.tools import generate as gen
+
+  model, tok = gen.load_hf(str(demo_sft.DIR))
+  prompt = json.loads(open(demo_task.DEMO_DIR / 'eval.jsonl').readline())['prompt']
+  ids = gen.prompt_ids(tok, prompt, True)
+  graphdef, state = nnx.split(model)
+  total = len(ids) + new
+  padded = np.zeros((rows, total + 1), np.int32)
+  padded[:, : len(ids)] = ids
+  lengths = jnp.full((rows,), len(ids), jnp.int32)
+  opts = sampler.sample_opts(0.0, vocab=tok.vocab_size)
+
+  def ours():
+    return sampler.sample(
+      graphdef, state, jnp.asarray(padded), lengths, jax.random.key(0), opts, max_new=new
+    ).tokens
+
+  def theirs():
+    return gen.generate(model, [ids] * rows, new)
+
+  out = {}
+  for name, fn in (('sampler', ours), ('generate', theirs)):
+    jax.block_until_ready(fn())
+    times = []
+    for _ in range(repeats):
+      t = time.perf_counter()
+      jax.block_until_ready(fn())
+      times.append(time.perf_counter() - t)
+    out[f'{name}_tokens_per_s'] = round(rows * new / statistics.median(times), 1)
+  # The sampler reads the prompt in token by token (rows of any lengths share its loop); the
+  # generate tool prefills it at once.
+  return {
+    'what': 'sampler speed',
+    'rows': rows,
+    'prompt_tokens': len(ids),
+    'new_tokens': new,
+    **out,
+  }
+
+
+def main():
+  p = argparse.ArgumentParser()
+  p.add_argument('--replay', default='none,r2,r3')
+  p.add_argument('--steps', type=int, default=0, help="0: the config's train.steps")
+  p.add_argument('--sampler_rows', type=int, default=64)
+  p.add_argument('--set', action='append', default=[], help='KEY=VALUE config overrides')
+  a = p.parse_args()
+  with tempfile.TemporaryDirectory(prefix='bench_rl') as tmp:
+    for replay in filter(None, a.replay.split(',')):
+      emit({'bench': 'rl', **run_mode(replay, a.steps, a.set, tmp)} | machine())
+  if a.sampler_rows:
+    emit({'bench': 'rl', **sampler_speed(a.sampler_rows, 12, 5)} | machine())
+
+
+if __name__ == '__main__':
+  main()

@@ -204,6 +204,13 @@ def _gib(n) -> str:
   return bytes_text(n) if n is not None else '?'
 
 
+def _print_other_programs(r: dict) -> None:
+  """The eval step's memory, and an RL run's sampler's (its KV cache, the routes recorded)."""
+  for name, label in (('eval', 'eval step'), ('sampler', 'sampler')):
+    if r.get(f'{name}_per_chip_bytes'):
+      print(f'{label} per device: total {_gib(r[f"{name}_per_chip_bytes"]["total"])}')
+
+
 def print_plan(r: dict) -> None:
   over = _flags(r['overrides'])
   print(
@@ -234,11 +241,7 @@ def print_plan(r: dict) -> None:
     )
   if r.get('peak_buffers'):
     _print_peak(r['peak_buffers'], m['temporaries'])
-  if r.get('eval_per_chip_bytes'):
-    print(f'eval step per device: total {_gib(r["eval_per_chip_bytes"]["total"])}')
-  if r.get('sampler_per_chip_bytes'):
-    m = r['sampler_per_chip_bytes']
-    print(f'sampler per device: total {_gib(m["total"])} (temporaries {_gib(m["temporaries"])})')
+  _print_other_programs(r)
   verdict = 'fits' if r['fits'] else 'DOES NOT FIT'
   print(
     f'needs {_gib(r["need_bytes"])} ({r["need_step"]}, the larger) of '

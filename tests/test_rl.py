@@ -226,6 +226,37 @@ def test_the_sampler_continues_each_prompt_as_generate_does_and_records_its_rout
     )
 
 
+@pytest.mark.parametrize(
+  'name',
+  [
+    'qwen3_moe_three_layer',  # GQA keys and values in the cache, a dense layer between
+    pytest.param('gpt_oss_three_layer', marks=pytest.mark.slow),  # windows, sinks, biased top-k
+    pytest.param('deepseek_v3_three_layer', marks=pytest.mark.slow),  # groups, shared expert
+  ],
+)
+def test_every_familys_sampler_records_the_routes_of_its_forward(name):
+  from moetrain.convert import hf
+  from tests.test_families import fixture
+
+  model = hf.load_model(fixture(name), jnp.float32)
+  rows = np.zeros((2, 15), np.int32)
+  rows[0, :3], rows[1, :6] = [1, 5, 9], [1, 7, 2, 8, 20, 4]
+  lengths = jnp.asarray([3, 6], jnp.int32)
+  graphdef, state = nnx.split(model)
+  opts = sampler.sample_opts(0.8, eos_id=None, vocab=model.cfg.vocab_size)
+  out = sampler.sample(
+    graphdef, state, jnp.asarray(rows), lengths, jax.random.key(1), opts, max_new=6
+  )
+  n_moe = len(model.cfg.moe_layer_indices)
+  assert out.routes.shape == (2, 14, n_moe, model.cfg.moe_topk)
+  _, aux = jit_call(lambda m, ids: m.features(ids), model, out.tokens[:, :14])
+  for i in range(2):
+    fed = int(out.end[i]) - 1
+    np.testing.assert_array_equal(
+      np.asarray(out.routes[i, :fed]), np.asarray(aux['routes'][i, :fed])
+    )
+
+
 def test_sampling_draws_from_the_top_k():
   logits = jnp.log(jnp.asarray([[0.1, 0.5, 0.3, 0.1]] * 256))
   kept = sampler.top_k_only(logits, jnp.int32(2))

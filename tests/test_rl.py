@@ -257,6 +257,39 @@ def test_every_familys_sampler_records_the_routes_of_its_forward(name):
     )
 
 
+@pytest.mark.parametrize('mode', ['int8', pytest.param('int4', marks=pytest.mark.slow)])
+def test_the_sampler_reads_a_quantised_base_through_the_train_states_parts(mode):
+  """QLoRA: the sampler merges the state's adapters, router biases and quantised frozen base
+  (rl.sample_with, no copy) and continues the prompts as generate does on the same model."""
+  from moetrain.tools.generate import generate
+  from moetrain.training.train_state import split_model
+
+  cfg = with_lora(tiny(quant=mode, quant_group_size=8))
+  model, prompts, rows = _greedy_setup(cfg)
+  randomize(model, 2, nnx.LoRAParam, 0.05)
+  _, params, moe_bias, frozen = split_model(model, cfg)
+  fn = rl.jit_sampler(rl.RLConfig(algorithm='grpo', max_new_tokens=4), cfg)
+  lengths = jnp.asarray([len(p) for p in prompts], jnp.int32)
+  opts = sampler.sample_opts(0.0, vocab=cfg.vocab_size)
+  out = fn(params, moe_bias, frozen, jnp.asarray(rows), lengths, jax.random.key(0), opts)
+  for i, p in enumerate(prompts):
+    want = np.asarray(generate(model, [p], 4))[0]
+    np.testing.assert_array_equal(np.asarray(out.tokens[i, : len(p) + 4]), want)
+
+
+def test_full_fine_tuning_with_a_kl_term_needs_its_start():
+  from moetrain.run import startup
+
+  config = _run_config(steps=1)
+  config.lora.rank = 0
+  config.init.hf_checkpoint = ''
+  config.rl.kl_coef = 0.05
+  with pytest.raises(ValueError, match=r'rl.kl_coef=0.05 in full fine-tuning .* or rl.kl_coef=0'):
+    startup.build(config)
+  config.rl.kl_coef = 0.0  # no reference: nothing to load
+  assert startup.build(config).step.teacher is None
+
+
 def test_sampling_draws_from_the_top_k():
   logits = jnp.log(jnp.asarray([[0.1, 0.5, 0.3, 0.1]] * 256))
   kept = sampler.top_k_only(logits, jnp.int32(2))
@@ -329,6 +362,7 @@ def _run_config(**train):
   config.loss.bias_update_rate = 0.0
   config.optim.warmup_steps = 0
   config.mesh.shape = (1, 2, 4, 1)  # data, fsdp, expert, tensor: 8 emulated devices
+  config.optim.grad_accum_steps = 2  # two micro-batches of 8 rows
   return config
 
 

@@ -216,6 +216,14 @@ def test_the_sampler_continues_each_prompt_as_generate_does_and_records_its_rout
     np.testing.assert_array_equal(np.asarray(out.tokens[i, : len(p) + 5]), want)
     assert int(out.end[i]) == len(p) + 5
     assert float(out.logp[i, : len(p)].sum()) == 0 and bool(jnp.all(out.logp[i, len(p) :][:5] < 0))
+  # Both prompts' first 4 tokens at once: the same tokens, routes and (nearly) log-probabilities.
+  fast = sampler.sample(
+    graphdef, state, jnp.asarray(rows), lengths, jax.random.key(0), opts, max_new=5, prefill=4
+  )
+  np.testing.assert_array_equal(np.asarray(fast.tokens), np.asarray(out.tokens))
+  np.testing.assert_array_equal(np.asarray(fast.routes), np.asarray(out.routes))
+  np.testing.assert_allclose(np.asarray(fast.logp), np.asarray(out.logp), atol=1e-5)
+  assert rl.prefill_length(3) == 0 and rl.prefill_length(4) == 4 and rl.prefill_length(13) == 8
   # The routes the full forward of the same tokens chooses, at the positions the sampler fed.
   seq = out.tokens[:, :16]
   _, aux = jit_call(lambda m, ids: m.features(ids), model, seq)

@@ -47,12 +47,45 @@ class Samples(NamedTuple):
   end: jax.Array
 
 
-@functools.partial(jax.jit, static_argnames=('graphdef', 'max_new', 'absorb'))
-def sample(graphdef, state, prompt_BS, length_B, rng, opts: dict, *, max_new: int, absorb=True):
+def _choose(i, logits_BV, rng, opts: dict):
+  """(the token drawn for each row at step i, its log-probability at the temperature)."""
+  greedy = opts['temperature'] <= 0
+  temperature = jnp.where(greedy, 1.0, opts['temperature'])
+  in_vocab_BV = jnp.arange(logits_BV.shape[-1])[None, :] < opts['vocab']
+  logits_BV = jnp.where(in_vocab_BV, logits_BV, -jnp.inf)
+  logp_BV = jax.nn.log_softmax(logits_BV / temperature, axis=-1)
+  key = jax.random.fold_in(rng, i)
+  drawn_B = sample_top_p(top_k_only(logits_BV, opts['top_k']), key, temperature, opts['top_p'])
+  tok_B = jnp.where(greedy, jnp.argmax(logits_BV, axis=-1), drawn_B).astype(jnp.int32)
+  return tok_B, jnp.take_along_axis(logp_BV, tok_B[:, None], axis=-1)[:, 0]
+
+
+def _emit(pos, logits_BV, rows, length_B, limit_B, rng, opts):
+  """Position pos + 1 of every row from the logits at pos: a drawn token where the row's prompt
+  is read and it is not done (eos, or its limit), else the prompt's own. rows: (tokens, logp,
+  end, done)."""
+  tokens, logp, end_B, done_B = rows
+  new_B, lp_B = _choose(pos, logits_BV, rng, opts)
+  gen_B = (pos + 1 >= length_B) & ~done_B & (pos + 1 < limit_B)
+  prompt_B = jax.lax.dynamic_index_in_dim(tokens, pos + 1, axis=1, keepdims=False)
+  put = lambda x, v: jax.lax.dynamic_update_slice_in_dim(x, v[:, None], pos + 1, axis=1)
+  tokens = put(tokens, jnp.where(gen_B, new_B, prompt_B))
+  logp = put(logp, jnp.where(gen_B, lp_B, 0.0))
+  end_B = jnp.where(gen_B, pos + 2, end_B)
+  done_B = done_B | (gen_B & ((new_B == opts['eos_id']) | (pos + 2 >= limit_B)))
+  return tokens, logp, end_B, done_B
+
+
+@functools.partial(jax.jit, static_argnames=('graphdef', 'max_new', 'absorb', 'prefill'))
+def sample(
+  graphdef, state, prompt_BS, length_B, rng, opts: dict, *, max_new: int, absorb=True, prefill=0
+):
   """Completes each row's prompt, prompt_BS[b, :length_B[b]] (right-padded to S + 1 tokens), by
-  up to max_new tokens, stopping a row at eos. One decode step per position for every row: a
-  row whose prompt is longer still reads it in while the others generate, so prompts of any
-  lengths share the loop (and one compilation), which exits once every row is done.
+  up to max_new tokens, stopping a row at eos. The first `prefill` tokens of every row (no
+  prompt may be shorter) run as one forward pass; then one decode step per position for every
+  row: a row whose prompt is longer still reads it in while the others generate, so prompts of
+  any lengths share the loop (and one compilation), which exits once every row is done. The
+  draws depend on the positions alone, not on `prefill`.
 
   opts holds traced scalars: temperature (0: greedy; logp then of temperature 1), top_p, top_k
   (0: off), eos_id (< 0: none) and vocab (ids >= vocab are never chosen)."""
@@ -60,50 +93,31 @@ def sample(graphdef, state, prompt_BS, length_B, rng, opts: dict, *, max_new: in
   b, total = prompt_BS.shape
   s = total - 1
   cache = init_cache(model.cfg, b, s)
-  greedy = opts['temperature'] <= 0
-  temperature = jnp.where(greedy, 1.0, opts['temperature'])
   limit_B = jnp.minimum(length_B + max_new, total)  # a row's tokens at most
   n_moe = len(model.cfg.moe_layer_indices)
   routes = jnp.zeros((b, s, n_moe, model.cfg.moe_topk), jnp.int32)
-
-  def choose(i, logits_BV):
-    in_vocab_BV = jnp.arange(logits_BV.shape[-1])[None, :] < opts['vocab']
-    logits_BV = jnp.where(in_vocab_BV, logits_BV, -jnp.inf)
-    logp_BV = jax.nn.log_softmax(logits_BV / temperature, axis=-1)
-    key = jax.random.fold_in(rng, i)
-    drawn_B = sample_top_p(top_k_only(logits_BV, opts['top_k']), key, temperature, opts['top_p'])
-    tok_B = jnp.where(greedy, jnp.argmax(logits_BV, axis=-1), drawn_B).astype(jnp.int32)
-    return tok_B, jnp.take_along_axis(logp_BV, tok_B[:, None], axis=-1)[:, 0]
+  emit = functools.partial(_emit, length_B=length_B, limit_B=limit_B, rng=rng, opts=opts)
 
   def cond(carry):
-    pos, done_B = carry[0], carry[5]
+    pos, done_B = carry[0], carry[2][3]
     return (pos < s) & ~jnp.all(done_B)
 
   def body(carry):
-    pos, tokens, logp, routes, end_B, done_B, cache = carry
-    tok_B = jax.lax.dynamic_index_in_dim(tokens, pos, axis=1, keepdims=False)
+    pos, routes, rows, cache = carry
+    tok_B = jax.lax.dynamic_index_in_dim(rows[0], pos, axis=1, keepdims=False)
     logits_BV, cache, r_B1LK = forward(
       model, cache, tok_B[:, None], pos, absorb=absorb, routes=True
     )
     routes = jax.lax.dynamic_update_slice_in_dim(routes, r_B1LK, pos, axis=1)
-    new_B, lp_B = choose(pos, logits_BV)
-    # Row b generates token pos + 1 once its prompt is read, until eos or its limit.
-    gen_B = (pos + 1 >= length_B) & ~done_B & (pos + 1 < limit_B)
-    prompt_B = jax.lax.dynamic_index_in_dim(tokens, pos + 1, axis=1, keepdims=False)
-    tokens = jax.lax.dynamic_update_slice_in_dim(
-      tokens, jnp.where(gen_B, new_B, prompt_B)[:, None], pos + 1, axis=1
-    )
-    logp = jax.lax.dynamic_update_slice_in_dim(
-      logp, jnp.where(gen_B, lp_B, 0.0)[:, None], pos + 1, axis=1
-    )
-    end_B = jnp.where(gen_B, pos + 2, end_B)
-    done_B = done_B | (gen_B & ((new_B == opts['eos_id']) | (pos + 2 >= limit_B)))
-    return pos + 1, tokens, logp, routes, end_B, done_B, cache
+    return pos + 1, routes, emit(pos, logits_BV, rows), cache
 
-  logp = jnp.zeros((b, total), jnp.float32)
-  done_B = length_B >= limit_B  # (no room to generate)
-  carry = (jnp.int32(0), prompt_BS, logp, routes, length_B, done_B, cache)
-  _, tokens, logp, routes, end_B, _, _ = jax.lax.while_loop(cond, body, carry)
+  rows = (prompt_BS, jnp.zeros((b, total), jnp.float32), length_B, length_B >= limit_B)
+  if prefill:  # tokens 0 .. prefill - 1 at once, as the training forward runs them
+    logits_BV, cache, r_BPLK = forward(model, cache, prompt_BS[:, :prefill], 0, routes=True)
+    routes = routes.at[:, :prefill].set(r_BPLK)
+    rows = emit(prefill - 1, logits_BV, rows)
+  carry = (jnp.int32(prefill), routes, rows, cache)
+  _, routes, (tokens, logp, end_B, _), _ = jax.lax.while_loop(cond, body, carry)
   return Samples(tokens, logp, routes, end_B)
 
 

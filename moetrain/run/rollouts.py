@@ -133,6 +133,7 @@ class Rollouts:
     self.rows = d.global_batch_size // jax.process_count()  # this process's
     self.current = (None, None)  # (rollout index, batch)
     self.stops = [s for s in self.rl.stop.split('|') if s]
+    self.rounds = 0  # of the hosts' exchange of their shortest prompt
 
   def batch_for(self, state, step: int) -> dict:
     """The update batch of `step` (1-based): a new rollout at the first step of each round of
@@ -172,7 +173,7 @@ class Rollouts:
     )
     g = to_global({'p': rows, 'n': lengths}, self.sharding)
     args = (state.params, state.moe_bias, state.frozen, g['p'], g['n'], key, opts)
-    out = self.sample(*args)
+    out = self.sample(*args, prefill=self.prefill(int(lengths.min())))
     tokens, logp, end = (local_rows(x) for x in (out.tokens, out.logp, out.end))
     texts, ends = [], []
     for b in range(tokens.shape[0]):
@@ -180,6 +181,13 @@ class Rollouts:
       texts.append(text)
       ends.append(lengths[b] + stop)
     return out, (tokens, logp, np.asarray(ends), lengths), texts
+
+  def prefill(self, shortest: int) -> int:
+    """rl.prefill_length of the shortest prompt of every process (they run one program)."""
+    if jax.process_count() > 1:
+      shortest = min(map(int, multihost.Exchange('rl_prefill')(str(shortest), self.rounds)))
+      self.rounds += 1
+    return rl_lib.prefill_length(shortest)
 
   def completion(self, ids) -> tuple[str, int]:
     """(the completion's text, its scored tokens): up to eos, or through the first stop string

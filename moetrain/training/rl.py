@@ -141,11 +141,14 @@ def sampler_model(cfg: 'RLConfig', model):
   return model.with_engine(remat='none')
 
 
-def sample_with(params, moe_bias, frozen, prompt_BS, length_B, rng, opts, *, graphdef, max_new):
+def sample_with(
+  params, moe_bias, frozen, prompt_BS, length_B, rng, opts, prefill=0, *, graphdef, max_new
+):
   """sampler.sample on the train state's weights (the same arrays, no copy), jitted by the
-  caller with graphdef (sampler_model's) and max_new bound."""
+  caller with graphdef (sampler_model's) and max_new bound; prefill (static): the tokens every
+  prompt has, run at once."""
   g, state = nnx.split(merge_model(graphdef, params, moe_bias, frozen))
-  return sampler.sample(g, state, prompt_BS, length_B, rng, opts, max_new=max_new)
+  return sampler.sample(g, state, prompt_BS, length_B, rng, opts, max_new=max_new, prefill=prefill)
 
 
 def jit_sampler(cfg: 'RLConfig', model):
@@ -153,7 +156,13 @@ def jit_sampler(cfg: 'RLConfig', model):
   fn = functools.partial(
     sample_with, graphdef=graphdef_of(sampler_model(cfg, model)), max_new=cfg.max_new_tokens
   )
-  return jax.jit(fn)
+  return jax.jit(fn, static_argnames=('prefill',))
+
+
+def prefill_length(shortest: int) -> int:
+  """The tokens the sampler runs at once for prompts of `shortest` tokens at least: a power of
+  two (one compilation per bucket), 0 below 4."""
+  return 0 if shortest < 4 else 1 << (shortest.bit_length() - 1)
 
 
 def group_advantages(rewards_B, group_size: int, algorithm: str, eps: float = 1e-6):

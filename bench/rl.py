@@ -99,15 +99,17 @@ def sampler_speed(rows: int, new: int, repeats: int) -> dict:
   def theirs():
     return gen.generate(model, [ids] * rows, new)
 
-  out = {}
-  for name, fn in (('sampler', ours), ('generate', theirs)):
-    jax.block_until_ready(fn())
-    times = []
-    for _ in range(repeats):
+  fns = {'sampler': ours, 'generate': theirs}
+  times = {name: [] for name in fns}
+  for fn in fns.values():
+    jax.block_until_ready(fn())  # (compiles)
+  for _ in range(repeats):  # alternately, so that a loaded machine slows both alike
+    for name, fn in fns.items():
       t = time.perf_counter()
       jax.block_until_ready(fn())
-      times.append(time.perf_counter() - t)
-    out[f'{name}_tokens_per_s'] = round(rows * new / statistics.median(times), 1)
+      times[name].append(time.perf_counter() - t)
+  out = {f'{k}_tokens_per_s': round(rows * new / statistics.median(v), 1) for k, v in times.items()}
+  out['ratio'] = round(out['sampler_tokens_per_s'] / out['generate_tokens_per_s'], 3)
   # The sampler runs the prompt's first power-of-two tokens at once and reads the rest token by
   # token (rows of any lengths share its loop); the generate tool prefills the whole prompt.
   return {
@@ -130,7 +132,7 @@ def main():
     for replay in filter(None, a.replay.split(',')):
       emit({'bench': 'rl', **run_mode(replay, a.steps, a.set, tmp)} | machine())
   if a.sampler_rows:
-    emit({'bench': 'rl', **sampler_speed(a.sampler_rows, 12, 5)} | machine())
+    emit({'bench': 'rl', **sampler_speed(a.sampler_rows, 12, 15)} | machine())
 
 
 if __name__ == '__main__':

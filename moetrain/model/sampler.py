@@ -55,8 +55,14 @@ def _choose(i, logits_BV, rng, opts: dict):
   logits_BV = jnp.where(in_vocab_BV, logits_BV, -jnp.inf)
   logp_BV = jax.nn.log_softmax(logits_BV / temperature, axis=-1)
   key = jax.random.fold_in(rng, i)
-  drawn_B = sample_top_p(top_k_only(logits_BV, opts['top_k']), key, temperature, opts['top_p'])
-  tok_B = jnp.where(greedy, jnp.argmax(logits_BV, axis=-1), drawn_B).astype(jnp.int32)
+
+  def draw():  # (the sorts of top-k and top-p only where they apply)
+    kept_BV = jax.lax.cond(
+      opts['top_k'] > 0, lambda: top_k_only(logits_BV, opts['top_k']), lambda: logits_BV
+    )
+    return sample_top_p(kept_BV, key, temperature, opts['top_p'])
+
+  tok_B = jax.lax.cond(greedy, lambda: jnp.argmax(logits_BV, axis=-1), draw).astype(jnp.int32)
   return tok_B, jnp.take_along_axis(logp_BV, tok_B[:, None], axis=-1)[:, 0]
 
 

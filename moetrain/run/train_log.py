@@ -160,6 +160,14 @@ def log_train(
     + (f'  skipped {scalars["skipped"]:,.0f} (non-finite)' if scalars['skipped'] else '')
     + (f'  loss_scale {scalars["loss_scale"]:g}' if 'loss_scale' in scalars else '')
     + (
+      f'  reward {scalars["rl/reward_mean"]:.3f}  sampler_kl {scalars["rl/sampler_kl_k3"]:.2e}'
+      + (
+        f'  flips {scalars["rl/router_flip_rate"]:.3f}' if 'rl/router_flip_rate' in scalars else ''
+      )
+      if 'rl/reward_mean' in scalars
+      else ''
+    )
+    + (
       f'  truncated {scalars["data/truncated_examples"]:,.0f} (longer than data.seq_len + 1)'
       if scalars['data/truncated_examples']
       else ''

@@ -12,7 +12,7 @@ the two disagree on some routes (rl/router_flip_rate), which routing replay remo
 
 Changes from configs/longcat_lora.py: the `rl` section (GRPO, 8 completions of 8 prompts a step,
 temperature 1, up to 12 new tokens, no KL); the rewards (exact match, and the share of words in
-the right place); learning rate 3e-4; 100 steps; the trainer in float32; the expert-bias
+the right place); learning rate 3e-4; 300 steps; the trainer in float32; the expert-bias
 controller off. docs/rl.md.
 """
 
@@ -37,8 +37,8 @@ def get_config(arg: str | None = None):
   config.optim.warmup_steps = 5
   config.data.eval_batch_size = 40
   config.loss.bias_update_rate = 0.0
-  config.train.steps = 100
-  config.train.eval_every = 25
+  config.train.steps = 300
+  config.train.eval_every = 100
   config.train.eval_batches = 5  # the 200 eval prompts
   config.train.log_every = 5
   return config

@@ -213,7 +213,6 @@ class Rollouts:
     records = [self.train_prompts[i] for i in picks]
     key = jax.random.fold_in(jax.random.key(self.setup.seed ^ SAMPLER_SEED), index)
     out, (tokens, logp, ends, lengths), texts = self.generate(state, records, group, key, False)
-    jax.block_until_ready(out.tokens)
     sampled = time.perf_counter()
     rewards = score(self.rewards, texts, [r for r in records for _ in range(group)])
     host = self.rows_of(tokens, logp, ends, lengths, rewards)

@@ -5,6 +5,7 @@ import json
 import os
 import platform
 import statistics
+import subprocess
 import sys
 import time
 
@@ -59,3 +60,26 @@ def emit(record: dict) -> None:
   if experts is not None and experts.TOKAMAX_CHOICES:
     record = {**record, 'tokamax_kernels': dict(experts.TOKAMAX_CHOICES)}
   print(json.dumps(record), flush=True)
+
+
+def run_main(args: list[str]) -> str:
+  """`python -m ARGS...` from the repository root in a subprocess (a fresh JAX each run); its
+  standard output, or CalledProcessError with its standard error."""
+  env = {**os.environ, 'PYTHONPATH': '.'}
+  return subprocess.run(
+    [sys.executable, '-m', *args], check=True, env=env, capture_output=True, text=True
+  ).stdout
+
+
+def run_result(workdir: str) -> dict:
+  """A finished run's last evaluation (loss, accuracy) and its median seconds per step from its
+  metrics.jsonl (the median skips the windows an evaluation or the first compile fell in)."""
+  records = [json.loads(line) for line in open(os.path.join(workdir, 'metrics.jsonl'))]
+  train = [r for r in records if r.get('kind') == 'train']
+  last = [r for r in records if r.get('kind') == 'eval'][-1]
+  times = [(b['time'] - a['time']) / b['window_steps'] for a, b in zip(train, train[1:])]
+  return {
+    'eval_loss': last['loss'],
+    'eval_accuracy': last['accuracy'],
+    'step_seconds': statistics.median(times),
+  }

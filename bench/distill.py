@@ -14,14 +14,11 @@ another's by more than distillation's effect.
 """
 
 import argparse
-import json
 import os
 import statistics
-import subprocess
-import sys
 import tempfile
 
-from bench.common import emit, machine
+from bench.common import emit, machine, run_main, run_result
 
 VARIANTS = {
   'distilled (online, whole vocabulary)': [],
@@ -34,27 +31,6 @@ VARIANTS = {
   'init: teacher layers + most-used experts': ['--config.distill.init_from_teacher=most_used'],
   'init: teacher layers + random experts': ['--config.distill.init_from_teacher=random'],
 }
-
-
-def _run(args: list[str]) -> str:
-  env = {**os.environ, 'PYTHONPATH': '.'}
-  return subprocess.run(
-    [sys.executable, '-m', *args], check=True, env=env, capture_output=True, text=True
-  ).stdout
-
-
-def _result(workdir: str) -> dict:
-  records = [json.loads(line) for line in open(os.path.join(workdir, 'metrics.jsonl'))]
-  train = [r for r in records if r.get('kind') == 'train']
-  last = [r for r in records if r.get('kind') == 'eval'][-1]
-  # Seconds per step between consecutive log records (the median skips the windows an
-  # evaluation or the first compile fell in).
-  times = [(b['time'] - a['time']) / b['window_steps'] for a, b in zip(train, train[1:])]
-  return {
-    'eval_loss': last['loss'],
-    'eval_accuracy': last['accuracy'],
-    'step_seconds': statistics.median(times),
-  }
 
 
 def main():
@@ -73,7 +49,7 @@ def main():
   with tempfile.TemporaryDirectory(prefix='bench_distill') as tmp:
     logits = os.path.join(tmp, 'logits')
     if any('offline' in n for n in variants):
-      out = _run(
+      out = run_main(
         ['moetrain.tools.teacher_logits', '--config=configs/distill.py', f'--out={logits}']
         + [f'--top_k={a.top_k}', *common]
       )
@@ -83,8 +59,8 @@ def main():
       for seed in seeds:
         workdir = os.path.join(tmp, f'{abs(hash(name))}_{seed}')
         args = [x.format(k=a.top_k, logits=logits) for x in extra]
-        _run([*base, f'--workdir={workdir}', f'--config.seed={seed}', *args])
-        runs.append({'seed': seed, **_result(workdir)})
+        run_main([*base, f'--workdir={workdir}', f'--config.seed={seed}', *args])
+        runs.append({'seed': seed, **run_result(workdir)})
         emit({'bench': 'distill', 'variant': name, 'steps': a.steps, 'top_k': a.top_k, **runs[-1]})
       med = {k: statistics.median(r[k] for r in runs) for k in runs[0] if k != 'seed'}
       emit(

@@ -118,6 +118,7 @@ FAMILY_NAMES = {
   'deepseek_v2': 'DeepSeek-V2',
   'glm4_moe': 'GLM-4.5',
   'gpt_oss': 'gpt-oss',
+  'minimax_m2': 'MiniMax-M2',
 }
 
 

@@ -37,7 +37,10 @@ FAMILIES = (
   'deepseek_v2_three_layer',  # MLA, YaRN, softmax router over groups scored by their best
   'glm4_moe_three_layer',  # GQA, half the head rotated, q/k/v biases, DeepSeek-V3 router, MTP
   'gpt_oss_three_layer',  # sinks, sliding / full layers, biased router and experts, clamped SwiGLU
+  'minimax_m2_two_layer',  # whole-projection q/k norms, partial RoPE, sigmoid router + bias
 )
+# Families whose reference is transformers 5.24 (tests/fixtures/make_2026_fixtures.py).
+HF5 = ('minimax_m2_two_layer',)
 # Families whose export round trip and generation run with the slow tests (the default suite's
 # time budget); their logits, loss, routing, gradients and LoRA reach run by default.
 SLOW_EXTRAS = (
@@ -48,6 +51,18 @@ SLOW_EXTRAS = (
   'gpt_oss_three_layer',
 )
 EXTRAS = [pytest.param(n, marks=pytest.mark.slow) if n in SLOW_EXTRAS else n for n in FAMILIES]
+
+
+def reference_python(name: str) -> str:
+  """The reference venv's python for fixture `name` (transformers 4.57.6, or 5.24.0 for HF5),
+  from MOETRAIN_HF_PYTHON / MOETRAIN_HF5_PYTHON; skips the test where it is unset."""
+  var, version = (
+    ('MOETRAIN_HF5_PYTHON', '5.24.0') if name in HF5 else ('MOETRAIN_HF_PYTHON', '4.57.6')
+  )
+  python = os.environ.get(var)
+  if not python:
+    pytest.skip(f'{var} (a python with torch, transformers {version}, peft) is unset')
+  return python
 
 
 def fixture(name: str) -> str:
@@ -217,31 +232,38 @@ def auto(d):
 def logits(m):
   with torch.no_grad():
     return m.eval()(input_ids=ids).logits.numpy()
-peft_model = peft.PeftModel.from_pretrained(auto(base), adapter)
-np.savez(out, merged=logits(auto(merged)), peft=logits(peft_model))
+got = {'merged': logits(auto(merged))}
+if adapter != '-':
+  got['peft'] = logits(peft.PeftModel.from_pretrained(auto(base), adapter))
+np.savez(out, **got)
 """
 
 
 @pytest.mark.parametrize('name', FAMILIES)
 def test_transformers_loads_the_exports(name, tmp_path):
-  """transformers 4.57 loads the merged export, and peft the adapter, with the model's logits.
+  """transformers loads the merged export, and peft the adapter, with the model's logits.
   Needs a reference venv with torch + transformers 4.57.6 + peft (tests/fixtures/
-  make_family_fixtures.py says how to make it), named by MOETRAIN_HF_PYTHON; skipped without:
-    MOETRAIN_HF_PYTHON=/work/hfvenv/bin/python .venv/bin/python -m pytest \\
-      tests/test_families.py -k transformers
+  make_family_fixtures.py says how to make it), named by MOETRAIN_HF_PYTHON, and for the HF5
+  families one with transformers 5.24.0 (make_2026_fixtures.py), MOETRAIN_HF5_PYTHON; skipped
+  without:
+    MOETRAIN_HF_PYTHON=/work/hfvenv/bin/python MOETRAIN_HF5_PYTHON=/work/hfvenv5/bin/python \\
+      .venv/bin/python -m pytest tests/test_families.py -k transformers
   """
   import subprocess
 
-  python = os.environ.get('MOETRAIN_HF_PYTHON')
-  if not python:
-    pytest.skip('MOETRAIN_HF_PYTHON (a python with torch, transformers 4.57.6, peft) is unset')
+  python = reference_python(name)
   ids = reference(name)['input_ids']
   model, cfg = trained_lora_model(name, peft_targets(name))
   want = logits_of(model, ids)
   hf.save_hf(model, cfg, str(tmp_path / 'merged'), dtype=jnp.float32)
-  peft_adapter.save(model, cfg, str(tmp_path / 'adapter'), base_model=fixture(name))
+  # transformers 5 runs every MoE's experts fused ([E, out, in] parameters under mlp.experts),
+  # which a PEFT adapter reaches through target_parameters in that layout: moetrain writes
+  # adapters for 4.57's per-expert modules only, so the HF5 families check the merged export.
+  adapter = '-' if name in HF5 else tmp_path / 'adapter'
+  if name not in HF5:
+    peft_adapter.save(model, cfg, str(adapter), base_model=fixture(name))
   np.save(tmp_path / 'ids.npy', ids)
-  dirs = [tmp_path / 'merged', fixture(name), tmp_path / 'adapter', tmp_path / 'ids.npy']
+  dirs = [tmp_path / 'merged', fixture(name), adapter, tmp_path / 'ids.npy']
   run = subprocess.run(
     [python, '-c', _HF_SCRIPT, *map(str, dirs), str(tmp_path / 'out.npz')],
     capture_output=True,
@@ -249,7 +271,7 @@ def test_transformers_loads_the_exports(name, tmp_path):
   )
   assert run.returncode == 0, run.stderr[-3000:]
   got = np.load(tmp_path / 'out.npz')
-  for kind in ('merged', 'peft'):
+  for kind in got.files:
     err = max_err(got[kind], want)
     print(f'{name}: transformers on the {kind} export: logits {err:.2e}')
     assert err < 1e-5, (kind, err)
@@ -283,9 +305,7 @@ def test_a_peft_adapter_on_fused_experts_loads(tmp_path):
   logits. Needs MOETRAIN_HF_PYTHON, as test_transformers_loads_the_exports."""
   import subprocess
 
-  python = os.environ.get('MOETRAIN_HF_PYTHON')
-  if not python:
-    pytest.skip('MOETRAIN_HF_PYTHON (a python with torch, transformers 4.57.6, peft) is unset')
+  python = reference_python('gpt_oss_three_layer')
   name = 'gpt_oss_three_layer'
   ids = reference(name)['input_ids']
   np.save(tmp_path / 'ids.npy', ids)
@@ -546,6 +566,36 @@ RELEASED['glm4_5'] = {  # zai-org/GLM-4.5: what differs from GLM-4.5-Air
   'routed_scaling_factor': 2.5,
   'use_qk_norm': True,
 }
+# MiniMaxAI/MiniMax-M2 (its quantization_config and auto_map left out; the MTP modules it
+# describes are not loaded).
+RELEASED['minimax_m2'] = {
+  'model_type': 'minimax_m2',
+  'architectures': ['MiniMaxM2ForCausalLM'],
+  'attn_type_list': [1] * 62,
+  'head_dim': 128,
+  'hidden_act': 'silu',
+  'hidden_size': 3072,
+  'intermediate_size': 1536,
+  'max_position_embeddings': 196608,
+  'mtp_transformer_layers': 1,
+  'num_attention_heads': 48,
+  'num_experts_per_tok': 8,
+  'num_hidden_layers': 62,
+  'num_key_value_heads': 8,
+  'num_local_experts': 256,
+  'num_mtp_modules': 3,
+  'qk_norm_type': 'per_layer',
+  'rms_norm_eps': 1e-06,
+  'rope_theta': 5000000,
+  'rotary_dim': 64,
+  'scoring_func': 'sigmoid',
+  'shared_intermediate_size': 0,
+  'tie_word_embeddings': False,
+  'use_mtp': True,
+  'use_qk_norm': True,
+  'use_routing_bias': True,
+  'vocab_size': 200064,
+}
 
 
 @pytest.mark.parametrize('preset', sorted(RELEASED))
@@ -569,6 +619,7 @@ def test_presets_are_the_released_configs(preset):
     ('glm4_5', 352.80, 32.86),
     ('gpt_oss_20b', 20.91, 3.61),  # 20.9B, 3.6B
     ('gpt_oss_120b', 116.83, 5.17),  # 116.8B, 5.1B
+    ('minimax_m2', 228.69, 10.42),  # 230B, 10B (the MTP modules left out)
   ],
 )
 def test_released_presets_parameter_counts(preset, total, active):
@@ -672,9 +723,7 @@ def test_transformers_loads_the_gpt_oss_bf16_export(tmp_path):
   test_transformers_loads_the_exports)."""
   import subprocess
 
-  python = os.environ.get('MOETRAIN_HF_PYTHON')
-  if not python:
-    pytest.skip('MOETRAIN_HF_PYTHON (a python with torch, transformers 4.57.6, peft) is unset')
+  python = reference_python('gpt_oss_mxfp4')
   name = 'gpt_oss_mxfp4'
   cfg16 = hf.config_from_hf(hf.read_config(fixture(name)), dtype='bfloat16')
   hf.save_hf(hf.load_model(fixture(name), jnp.bfloat16), cfg16, str(tmp_path), jnp.bfloat16)

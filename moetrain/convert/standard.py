@@ -1,5 +1,6 @@
 """The Hugging Face layouts of the families built from standard pre-norm layers (transformers
-4.57 `deepseek_v3`, `deepseek_v2`, `qwen3_moe`, `mixtral`, `olmoe`, `qwen2_moe`, `glm4_moe`):
+4.57 `deepseek_v3`, `deepseek_v2`, `qwen3_moe`, `mixtral`, `olmoe`, `qwen2_moe`, `glm4_moe`; 5.24
+`minimax_m2`):
 config.json and the weight-name table. One table builder serves them all: attention rows by kind (MLA, GQA),
 the MoE block's by family."""
 
@@ -38,6 +39,7 @@ class Family:
     write,
     shared='shared_experts',
     router_module='gate',
+    bias_at='gate.',
   ):
     self.model_type, self.architecture = model_type, architecture
     self.required = {**_COMMON_REQUIRED, **required}
@@ -49,6 +51,7 @@ class Family:
     self.shared = shared  # <block>.<shared>: the shared experts' MLP
     # PEFT's modules_to_save name of the router: its module names ending with it are saved whole.
     self.ROUTER_MODULE = router_module
+    self.bias_at = bias_at  # <block>.<bias_at>e_score_correction_bias: under the gate, or beside it
 
   def config_from_hf(self, c: dict) -> dict:
     kw = family.read_fields(c, self.model_type, self.required, self.optional, self.fixed)
@@ -77,10 +80,10 @@ class Family:
     return rows
 
   def moe_entries(self, cfg: ModelConfig) -> list:
-    router = f'{self.block}.gate'  # weight, e_score_correction_bias
-    out = [(f'{router}.weight', 'moe.router', 1)]  # [E, D] <-> [D, E]
+    out = [(f'{self.block}.gate.weight', 'moe.router', 1)]  # [E, D] <-> [D, E]
     if cfg.router_bias:
-      out.append((f'{router}.e_score_correction_bias', 'moe.router_bias', None))
+      bias = f'{self.block}.{self.bias_at}e_score_correction_bias'
+      out.append((bias, 'moe.router_bias', None))
     if cfg.n_shared_experts:
       out += _mlp_entries(f'{self.block}.{self.shared}', 'moe.shared')
     if cfg.shared_expert_gate:  # [1, D] <-> [D, 1]
@@ -464,7 +467,74 @@ GLM4_MOE = Family(
   write=_gqa_write,
 )
 
+
+def _rope_from_hf(c: dict) -> dict:
+  """RoPE's theta and rotated share of each head, from transformers 5's `rope_parameters` or
+  the released config.json's top-level `rope_theta` with `rotary_dim` (or
+  `partial_rotary_factor`). Only unscaled RoPE ('default')."""
+  rp = c.get('rope_parameters') or {}
+  kind = rp.get('rope_type', 'default')
+  if kind != 'default' or c.get('rope_scaling'):
+    raise ValueError(f'config.json rope_parameters={rp!r} is unsupported: only unscaled RoPE')
+  out = {'rope_theta': rp.get('rope_theta', c.get('rope_theta', 5e6))}
+  head_dim = c.get('head_dim') or c['hidden_size'] // c['num_attention_heads']
+  factor = rp.get('partial_rotary_factor', c.get('partial_rotary_factor'))
+  if factor is None and c.get('rotary_dim'):
+    factor = c['rotary_dim'] / head_dim
+  out['partial_rotary_factor'] = 1.0 if factor is None else float(factor)
+  return out
+
+
+def _minimax_m2_read(c: dict, kw: dict) -> dict:
+  layers = c.get('attn_type_list')
+  if layers is not None and set(layers) != {1}:
+    raise ValueError(
+      f'config.json attn_type_list has {sorted(set(layers))}: moetrain implements minimax_m2 '
+      'with full attention (1) in every layer'
+    )
+  return {**_mixtral_read(c, kw), **_rope_from_hf(c)}
+
+
+def _minimax_m2_write(cfg: ModelConfig) -> dict:
+  rope = {
+    'rope_theta': cfg.rope_theta,
+    'partial_rotary_factor': cfg.partial_rotary_factor,
+    'rope_type': 'default',
+  }
+  return {**_gqa_write(cfg), 'rope_parameters': rope, 'rotary_dim': cfg.rotary_dim}
+
+
+MINIMAX_M2 = Family(
+  'minimax_m2',
+  'MiniMaxM2ForCausalLM',
+  required={
+    'num_key_value_heads': 'num_kv_heads',
+    'intermediate_size': 'expert_ffn_hidden_size',
+    'num_local_experts': 'n_routed_experts',
+  },
+  optional={
+    'head_dim': ('head_dim', 0),
+    'rms_norm_eps': ('rms_norm_eps', 1e-6),
+    'initializer_range': ('init_std', 0.02),
+    'max_position_embeddings': ('max_position_embeddings', 196608),
+  },
+  # The released config.json's own keys (transformers 5 drops them): what they must say.
+  fixed={
+    'use_qk_norm': True,
+    'qk_norm_type': 'per_layer',
+    'scoring_func': 'sigmoid',
+    'use_routing_bias': True,
+    'shared_intermediate_size': 0,
+    'sliding_window': None,
+  },
+  block='block_sparse_moe',
+  experts=('w1', 'w3', 'w2'),
+  read=_minimax_m2_read,
+  write=_minimax_m2_write,
+  bias_at='',
+)
+
 FAMILIES = {
   f.model_type: f
-  for f in (QWEN3_MOE, MIXTRAL, DEEPSEEK_V3, OLMOE, QWEN2_MOE, DEEPSEEK_V2, GLM4_MOE)
+  for f in (QWEN3_MOE, MIXTRAL, DEEPSEEK_V3, OLMOE, QWEN2_MOE, DEEPSEEK_V2, GLM4_MOE, MINIMAX_M2)
 }

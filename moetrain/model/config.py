@@ -22,6 +22,7 @@ MODEL_TYPES = (
   'deepseek_v2',
   'glm4_moe',
   'gpt_oss',
+  'minimax_m2',
 )
 
 positive = functools.partial(field, check='positive')

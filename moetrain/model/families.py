@@ -100,6 +100,20 @@ PARTS = {
     'expert_bias': True,
     'swiglu_limit': 7.0,
   },
+  # MiniMax-M2: GQA with q/k norms over the whole projections and RoPE on part of each head,
+  # DeepSeek-V3's sigmoid router with its correction bias in one group, gates renormalised,
+  # Mixtral's expert names; no shared expert, no dense layer.
+  'minimax_m2': {
+    **{k: v for k, v in _GQA.items() if k not in _BIASES},
+    'model_type': 'minimax_m2',
+    'qk_norm': True,
+    'qk_norm_per_head': False,
+    'router_score': 'sigmoid',
+    'router_bias': True,
+    'norm_topk_prob': True,
+    'qkv_bias': False,
+    'o_bias': False,
+  },
 }
 # What the presets of a family share beyond its parts (values its config.json carries).
 _SHAPE = {
@@ -111,6 +125,7 @@ _SHAPE = {
   'deepseek_v2': dict(rms_norm_eps=1e-6, rope_theta=10000.0),
   'glm4_moe': dict(qkv_bias=True, norm_topk_prob=True, partial_rotary_factor=0.5, rope_theta=1e6),
   'gpt_oss': dict(rope_theta=150000.0, rms_norm_eps=1e-5, yarn_truncate=False),
+  'minimax_m2': dict(rope_theta=5e6, rms_norm_eps=1e-6, partial_rotary_factor=0.5),
 }
 
 
@@ -262,6 +277,32 @@ MODEL_PRESETS = {
     moe_topk=2,
     sliding_window=64,
     layer_types=_alternating(2),
+  ),
+  'minimax_m2_tiny': family(
+    'minimax_m2',
+    **_TINY,
+    num_layers=2,
+    num_kv_heads=2,
+    head_dim=32,
+    ffn_hidden_size=64,
+    n_routed_experts=8,
+    moe_topk=2,
+  ),
+  # MiniMaxAI/MiniMax-M2 (and M2.1, M2.5: the same shapes): 229B, 10B active; 48 query heads
+  # of 128 over 8 key/value heads, RoPE on half of each head, top-8 of 256 experts.
+  'minimax_m2': family(
+    'minimax_m2',
+    vocab_size=200064,
+    hidden_size=3072,
+    num_layers=62,
+    num_heads=48,
+    num_kv_heads=8,
+    head_dim=128,
+    ffn_hidden_size=1536,
+    expert_ffn_hidden_size=1536,
+    n_routed_experts=256,
+    moe_topk=8,
+    max_position_embeddings=196608,
   ),
   # openai/gpt-oss-20b: 20.9B, 3.6B active.
   'gpt_oss_20b': family(

@@ -119,6 +119,7 @@ FAMILY_NAMES = {
   'glm4_moe': 'GLM-4.5',
   'gpt_oss': 'gpt-oss',
   'minimax_m2': 'MiniMax-M2',
+  'qwen3_next': 'Qwen3-Next',
 }
 
 

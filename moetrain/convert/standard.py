@@ -1,6 +1,6 @@
 """The Hugging Face layouts of the families built from standard pre-norm layers (transformers
 4.57 `deepseek_v3`, `deepseek_v2`, `qwen3_moe`, `mixtral`, `olmoe`, `qwen2_moe`, `glm4_moe`; 5.24
-`minimax_m2`):
+`minimax_m2`, `qwen3_next`):
 config.json and the weight-name table. One table builder serves them all: attention rows by kind (MLA, GQA),
 the MoE block's by family."""
 
@@ -70,7 +70,7 @@ class Family:
       entries = [
         ('input_layernorm.weight', 'input_norm.scale', None),
         ('post_attention_layernorm.weight', 'post_norm.scale', None),
-        *attention_entries(cfg),
+        *(linear_entries() if group.mixer == 'linear' else attention_entries(cfg)),
       ]
       if group.kind == 'dense':
         rows += family.group_rows(group, entries + _mlp_entries('mlp', 'mlp'))
@@ -107,6 +107,20 @@ class Family:
 
 def _mlp_entries(hf_prefix: str, path: str) -> list:
   return [(f'{hf_prefix}.{n}_proj.weight', f'{path}.{n}.kernel', 1) for n in ('gate', 'up', 'down')]
+
+
+def linear_entries() -> list:
+  """linear_attn.* rows of a Gated DeltaNet layer (Qwen3-Next)."""
+  a = 'linear_attn'
+  return [
+    (f'{a}.in_proj_qkvz.weight', 'attn.in_qkvz.kernel', 1),
+    (f'{a}.in_proj_ba.weight', 'attn.in_ba.kernel', 1),
+    (f'{a}.conv1d.weight', 'attn.conv', None),
+    (f'{a}.dt_bias', 'attn.dt_bias', None),
+    (f'{a}.A_log', 'attn.A_log', None),
+    (f'{a}.norm.weight', 'attn.norm.scale', None),
+    (f'{a}.out_proj.weight', 'attn.out.kernel', 1),
+  ]
 
 
 def attention_entries(cfg: ModelConfig) -> list:
@@ -468,7 +482,7 @@ GLM4_MOE = Family(
 )
 
 
-def _rope_from_hf(c: dict) -> dict:
+def _rope_from_hf(c: dict, theta: float) -> dict:
   """RoPE's theta and rotated share of each head, from transformers 5's `rope_parameters` or
   the released config.json's top-level `rope_theta` with `rotary_dim` (or
   `partial_rotary_factor`). Only unscaled RoPE ('default')."""
@@ -476,7 +490,7 @@ def _rope_from_hf(c: dict) -> dict:
   kind = rp.get('rope_type', 'default')
   if kind != 'default' or c.get('rope_scaling'):
     raise ValueError(f'config.json rope_parameters={rp!r} is unsupported: only unscaled RoPE')
-  out = {'rope_theta': rp.get('rope_theta', c.get('rope_theta', 5e6))}
+  out = {'rope_theta': rp.get('rope_theta', c.get('rope_theta', theta))}
   head_dim = c.get('head_dim') or c['hidden_size'] // c['num_attention_heads']
   factor = rp.get('partial_rotary_factor', c.get('partial_rotary_factor'))
   if factor is None and c.get('rotary_dim'):
@@ -492,7 +506,7 @@ def _minimax_m2_read(c: dict, kw: dict) -> dict:
       f'config.json attn_type_list has {sorted(set(layers))}: moetrain implements minimax_m2 '
       'with full attention (1) in every layer'
     )
-  return {**_mixtral_read(c, kw), **_rope_from_hf(c)}
+  return {**_mixtral_read(c, kw), **_rope_from_hf(c, 5e6)}
 
 
 def _minimax_m2_write(cfg: ModelConfig) -> dict:
@@ -534,7 +548,76 @@ MINIMAX_M2 = Family(
   bias_at='',
 )
 
+_LINEAR = ('num_key_heads', 'num_value_heads', 'key_head_dim', 'value_head_dim', 'conv_kernel_dim')
+
+
+def _qwen3_next_read(c: dict, kw: dict) -> dict:
+  types = c.get('layer_types') or [
+    'full_attention' if (i + 1) % c.get('full_attention_interval', 4) == 0 else 'linear_attention'
+    for i in range(kw['num_layers'])
+  ]
+  return {
+    **_qwen2_read(c, kw),
+    'head_dim': kw['head_dim'] or kw['hidden_size'] // kw['num_heads'],
+    'layer_types': tuple(types),
+    **_rope_from_hf(c, 1e4),
+  }
+
+
+def _qwen3_next_write(cfg: ModelConfig) -> dict:
+  rope = {
+    'rope_theta': cfg.rope_theta,
+    'partial_rotary_factor': cfg.partial_rotary_factor,
+    'rope_type': 'default',
+  }
+  return {
+    **_gqa_write(cfg),
+    'layer_types': list(cfg.layer_types),
+    'mlp_only_layers': list(cfg.mlp_only_layers),
+    'rope_parameters': rope,
+  }
+
+
+QWEN3_NEXT = Family(
+  'qwen3_next',
+  'Qwen3NextForCausalLM',
+  required={
+    'num_key_value_heads': 'num_kv_heads',
+    'intermediate_size': 'ffn_hidden_size',
+    'moe_intermediate_size': 'expert_ffn_hidden_size',
+    'shared_expert_intermediate_size': 'shared_ffn_hidden_size',
+    'num_experts': 'n_routed_experts',
+    **{f'linear_{k}': f'linear_{k}' for k in _LINEAR},
+  },
+  optional={
+    'head_dim': ('head_dim', 0),
+    'norm_topk_prob': ('norm_topk_prob', True),
+    'decoder_sparse_step': ('decoder_sparse_step', 1),
+    'mlp_only_layers': ('mlp_only_layers', ()),
+    'rms_norm_eps': ('rms_norm_eps', 1e-6),
+    'initializer_range': ('init_std', 0.02),
+    'max_position_embeddings': ('max_position_embeddings', 32768),
+  },
+  fixed={},
+  block='mlp',
+  experts=('gate_proj', 'up_proj', 'down_proj'),
+  read=_qwen3_next_read,
+  write=_qwen3_next_write,
+  shared='shared_expert',
+  router_module='mlp.gate',  # 'gate' would also name mlp.shared_expert_gate
+)
+
 FAMILIES = {
   f.model_type: f
-  for f in (QWEN3_MOE, MIXTRAL, DEEPSEEK_V3, OLMOE, QWEN2_MOE, DEEPSEEK_V2, GLM4_MOE, MINIMAX_M2)
+  for f in (
+    QWEN3_MOE,
+    MIXTRAL,
+    DEEPSEEK_V3,
+    OLMOE,
+    QWEN2_MOE,
+    DEEPSEEK_V2,
+    GLM4_MOE,
+    MINIMAX_M2,
+    QWEN3_NEXT,
+  )
 }

@@ -178,13 +178,17 @@ class GQA(nnx.Module):
   RMSNorm over each query and key head (Qwen3), or over the whole q and k projections (OLMoE),
   before RoPE when cfg.qk_norm; biases on q/k/v (cfg.qkv_bias) and o (cfg.o_bias); RoPE on part
   of each head (cfg.partial_rotary_factor, GLM-4.5); a learned sink logit per head
-  (cfg.attention_sinks) and a sliding window (gpt-oss: the layer's, given at each call)."""
+  (cfg.attention_sinks) and a sliding window (gpt-oss: the layer's, given at each call); an
+  output gate per head and feature (cfg.attn_output_gate, Qwen3-Next)."""
 
   def __init__(self, cfg: ModelConfig, path: str, rngs: nnx.Rngs):
     self.cfg = cfg
     d, n, g, h = cfg.hidden_size, cfg.num_heads, cfg.kv_heads, cfg.gqa_head_dim
     qkv = dict(bias=cfg.qkv_bias)
-    self.q = Linear('BTD,DNH->BTNH', (d, n, h), cfg, f'{path}.q', rngs, **qkv)
+    # With attn_output_gate each head's projection is [query H | gate H] (as transformers'
+    # q_proj rows): the gate rides with the query to attend().
+    hq = 2 * h if cfg.attn_output_gate else h
+    self.q = Linear('BTD,DNH->BTNH', (d, n, hq), cfg, f'{path}.q', rngs, **qkv)
     # The key/value heads N_kv are heads too ('heads' shards them like the query heads).
     self.k = Linear('BTD,DNH->BTNH', (d, g, h), cfg, f'{path}.k', rngs, **qkv)
     self.v = Linear('BTD,DNH->BTNH', (d, g, h), cfg, f'{path}.v', rngs, **qkv)
@@ -207,10 +211,27 @@ class GQA(nnx.Module):
   def project(self, x_BTD, positions_BT, rng=None):
     """Queries [B, T, N, H] and the cache content: keys and values [B, T, N_kv, H]."""
     q_BTNH, k_BTNH = self.q(x_BTD, rng), self.k(x_BTD, rng)
+    q_BTNH, gate_BTNH = self.split_gate(q_BTNH)
     if self.cfg.qk_norm:
       q_BTNH, k_BTNH = self.norm_qk(q_BTNH, k_BTNH)
     q_BTNH, k_BTNH = (self.rotate(x, positions_BT) for x in (q_BTNH, k_BTNH))
+    if gate_BTNH is not None:
+      q_BTNH = jnp.concatenate([q_BTNH, gate_BTNH], -1)
     return q_BTNH, k_BTNH, self.v(x_BTD, rng)
+
+  def split_gate(self, q_BTNH):
+    """(queries, output gate or None) of a projection [query | gate] per head."""
+    if not self.cfg.attn_output_gate:
+      return q_BTNH, None
+    h = q_BTNH.shape[-1] // 2
+    return q_BTNH[..., :h], q_BTNH[..., h:]
+
+  def output(self, out_BTNH, gate_BTNH, rng=None):
+    """The o projection of the heads' outputs, gated per feature first (attn_output_gate)."""
+    if gate_BTNH is not None:
+      gate = jax.nn.sigmoid(gate_BTNH.astype(jnp.float32))
+      out_BTNH = (out_BTNH.astype(jnp.float32) * gate).astype(out_BTNH.dtype)
+    return self.o(out_BTNH, rng)
 
   def rotate(self, x_BTNH, positions_BT):
     """RoPE on the first cfg.rotary_dim features of each head (all but GLM-4.5's: all)."""
@@ -223,8 +244,9 @@ class GQA(nnx.Module):
     """Each key/value head serves its N / N_kv consecutive query heads (HF's repeat_kv)."""
     groups = self.cfg.num_heads // self.cfg.kv_heads
     k_BSNH, v_BSNH = (jnp.repeat(x, groups, axis=2) for x in (k_BSNH, v_BSNH))
+    q_BTNH, gate_BTNH = self.split_gate(q_BTNH)
     out_BTNH = multi_head(q_BTNH, k_BSNH, v_BSNH, mask_BTS, self.cfg, causal_chunk, self.sinks_N)
-    return self.o(out_BTNH, rng)
+    return self.output(out_BTNH, gate_BTNH, rng)
 
   @property
   def sinks_N(self):
@@ -232,10 +254,11 @@ class GQA(nnx.Module):
 
   def __call__(self, x_BTD, positions_BT, segment_ids_BT, rng=None, window=0):
     q_BTNH, k_BTNH, v_BTNH = self.project(x_BTD, positions_BT, rng)
+    q_BTNH, gate_BTNH = self.split_gate(q_BTNH)
     out_BTNH = causal_self_attention(
       q_BTNH, k_BTNH, v_BTNH, positions_BT, segment_ids_BT, self.cfg, window, self.sinks_N
     )
-    return self.o(out_BTNH, rng)
+    return self.output(out_BTNH, gate_BTNH, rng)
 
 
 def make_attention(cfg: ModelConfig, path: str, rngs: nnx.Rngs):

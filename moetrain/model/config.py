@@ -23,6 +23,7 @@ MODEL_TYPES = (
   'glm4_moe',
   'gpt_oss',
   'minimax_m2',
+  'qwen3_next',
 )
 
 positive = functools.partial(field, check='positive')
@@ -39,6 +40,9 @@ class LayerGroup(NamedTuple):
   kind: str  # 'moe' or 'dense' (an MLP in place of the MoE)
   start: int  # the first layer's index in the checkpoint (model.layers.{l})
   count: int
+  # The token mixer: 'attention' (softmax attention), or 'linear' (a Gated DeltaNet layer:
+  # Qwen3-Next's 'linear_attention' layer_types).
+  mixer: str = 'attention'
 
 
 @dataclasses.dataclass(frozen=True)
@@ -71,10 +75,27 @@ class ModelConfig:
   # Layers whose queries see only the last sliding_window positions (themselves included): those
   # layer_types names 'sliding_attention'.
   sliding_window: int = field(0, check='non_negative', zero='0 = none')
-  layer_types: tuple = ()  # 'sliding_attention' or 'full_attention' per layer; () = all full
+  # 'sliding_attention', 'full_attention' or 'linear_attention' (a Gated DeltaNet layer in place
+  # of attention: Qwen3-Next) per layer; () = all full.
+  layer_types: tuple = ()
   num_kv_heads: int = field(0, check='non_negative', zero='0 = num_heads')  # GQA key/value heads
   head_dim: int = field(0, check='non_negative', zero='0 = hidden_size / num_heads')  # GQA
   qk_norm: bool = False  # GQA: RMSNorm over each query and key head before RoPE (Qwen3)
+  # GQA: each query head's projection also yields a gate, its output times sigmoid(gate) before
+  # the o projection (Qwen3-Next's gated attention).
+  attn_output_gate: bool = False
+  # Every RMSNorm of the decoder scales by (norm_offset + weight): Qwen3-Next's norms store the
+  # weight's offset from 1 (1.0); the Gated DeltaNet output norm keeps the plain weight.
+  norm_offset: float = field(0.0, check='non_negative')
+  # Gated DeltaNet layers (layer_types 'linear_attention'): key heads (query and key) and value
+  # heads (each key head serves value_heads / key_heads of them), their widths, the short causal
+  # convolution's kernel, and the chunk of the chunked delta rule in training.
+  linear_num_key_heads: int = field(0, check='non_negative')
+  linear_num_value_heads: int = field(0, check='non_negative')
+  linear_key_head_dim: int = field(0, check='non_negative')
+  linear_value_head_dim: int = field(0, check='non_negative')
+  linear_conv_kernel_dim: int = positive(4)
+  delta_chunk: int = positive(64)
   # q/k norm over each head (Qwen3) or over the whole projection, all heads at once (OLMoE).
   qk_norm_per_head: bool = True
   # GQA projection biases: on q, k and v (Qwen2-MoE; OLMoE's attention_bias) and on o (OLMoE's).
@@ -241,14 +262,21 @@ class ModelConfig:
     the (first run of) MoE layers, 'dense_layers' the dense ones; further runs of a kind (layers
     interleaved) are 'layers_1', 'dense_layers_1', ..."""
     groups, seen = [], {}
-    for i, kind in enumerate(self.layer_kinds()):
-      if groups and groups[-1].kind == kind:
+    for i, (kind, mixer) in enumerate(zip(self.layer_kinds(), self.layer_mixers())):
+      if groups and (groups[-1].kind, groups[-1].mixer) == (kind, mixer):
         groups[-1] = groups[-1]._replace(count=groups[-1].count + 1)
         continue
-      n = seen[kind] = seen.get(kind, -1) + 1
-      base = 'layers' if kind == 'moe' else 'dense_layers'
-      groups.append(LayerGroup(base + (f'_{n}' if n else ''), kind, i, 1))
+      n = seen[kind, mixer] = seen.get((kind, mixer), -1) + 1
+      base = ('linear_' if mixer == 'linear' else '') + (
+        'layers' if kind == 'moe' else 'dense_layers'
+      )
+      groups.append(LayerGroup(base + (f'_{n}' if n else ''), kind, i, 1, mixer))
     return tuple(groups)
+
+  def layer_mixers(self) -> tuple[str, ...]:
+    """'attention' or 'linear' (Gated DeltaNet) per decoder layer."""
+    types = self.layer_types or ('full_attention',) * self.num_layers
+    return tuple('linear' if t == 'linear_attention' else 'attention' for t in types)
 
   def layer_windows(self) -> tuple[int, ...]:
     """Each layer's attention window (0: full), per-layer data of the layer scan (gpt-oss's
@@ -302,6 +330,33 @@ class ModelConfig:
       )
     self.lora.validate()
 
+  def _validate_layer_types(self, need) -> None:
+    types = set(self.layer_types) - {'sliding_attention', 'full_attention', 'linear_attention'}
+    need(
+      not types,
+      'layer_types',
+      f'{sorted(types)}: not sliding_attention, full_attention or linear_attention',
+    )
+    need(
+      not self.layer_types or len(self.layer_types) == self.num_layers,
+      'layer_types',
+      f'{len(self.layer_types)} entries for {self.num_layers} layers',
+    )
+    if 'linear_attention' in self.layer_types:
+      self._validate_linear(need)
+
+  def _validate_linear(self, need) -> None:
+    for f in ('linear_num_key_heads', 'linear_num_value_heads', 'linear_key_head_dim'):
+      need(getattr(self, f) > 0, f, 'must be positive for linear_attention layers')
+    need(self.linear_value_head_dim > 0, 'linear_value_head_dim', 'must be positive')
+    need(
+      self.linear_num_value_heads % self.linear_num_key_heads == 0,
+      'linear_num_value_heads',
+      f'{self.linear_num_value_heads} value heads do not split over '
+      f'{self.linear_num_key_heads} key heads',
+    )
+    need(self.layer_layout == 'standard', 'layer_layout', 'linear_attention needs standard layers')
+
   def _validate_parts(self, need) -> None:
     rope = ('qk_rope_head_dim', self.qk_rope_head_dim)
     if self.attention == 'gqa':
@@ -324,13 +379,7 @@ class ModelConfig:
       "LongCat's shortcut layer is built on MLA: use attention='mla' or layer_layout='standard'",
     )
     bad = [i for i in self.mlp_only_layers if not 0 <= i < self.num_layers]
-    types = set(self.layer_types) - {'sliding_attention', 'full_attention'}
-    need(not types, 'layer_types', f'{sorted(types)}: not sliding_attention or full_attention')
-    need(
-      not self.layer_types or len(self.layer_types) == self.num_layers,
-      'layer_types',
-      f'{len(self.layer_types)} entries for {self.num_layers} layers',
-    )
+    self._validate_layer_types(need)
     need(
       self.attention == 'gqa' or not (self.attention_sinks or any(self.layer_windows())),
       'attention',

@@ -1,5 +1,5 @@
 """Incremental decoding against a KV cache: MLA's compressed latent (not per-head K/V), or GQA's
-grouped keys and values."""
+grouped keys and values; a Gated DeltaNet layer's fixed-size state."""
 
 import dataclasses
 
@@ -7,11 +7,12 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from moetrain.kernels import quant
+from moetrain.kernels import delta_rule, quant
 from moetrain.model import stages
 from moetrain.model.attention import MLA, attention_mask, attention_probs, window_mask
 from moetrain.model.config import ModelConfig
 from moetrain.model.layers import Linear
+from moetrain.model.linear_attention import GatedDeltaNet
 from moetrain.model.transformer import Transformer
 
 
@@ -23,13 +24,19 @@ class KVCache:
     MLA: c [L, blocks, B, S, K], the latent after kv_a_norm and alpha_kv; k_pe [..., R], the
       shared rope key after RoPE. Per token and block K + R numbers instead of the N * (P + R +
       V) of expanded keys and values (576 vs 20,480 for LongCat-Flash).
-    GQA: k, v [L, 1, B, S, N_kv, H], keys (normed, after RoPE) and values of the N_kv heads."""
+    GQA: k, v [L, 1, B, S, N_kv, H], keys (normed, after RoPE) and values of the N_kv heads.
+  With Gated DeltaNet layers (Qwen3-Next) also, for those layers: conv [L, B, kernel - 1, C],
+  the last inputs of the short convolution, and delta [L, B, Nv, Dk, Dv], the delta rule's
+  float32 state: a fixed size, whatever the length."""
 
   arrays: dict
 
   @property
   def max_len(self) -> int:
-    return next(iter(self.arrays.values())).shape[3]
+    return next(a for n, a in self.arrays.items() if n in KV_NAMES).shape[3]
+
+
+KV_NAMES = ('c', 'k_pe', 'k', 'v')  # the arrays with a slot per position
 
 
 def init_cache(cfg: ModelConfig, batch: int, max_len: int) -> KVCache:
@@ -39,7 +46,15 @@ def init_cache(cfg: ModelConfig, batch: int, max_len: int) -> KVCache:
     widths = {'c': (cfg.kv_lora_rank,), 'k_pe': (cfg.qk_rope_head_dim,)}
   else:
     widths = {n: (cfg.kv_heads, cfg.gqa_head_dim) for n in ('k', 'v')}
-  return KVCache({n: jnp.zeros((*lead, *w), dt) for n, w in widths.items()})
+  arrays = {n: jnp.zeros((*lead, *w), dt) for n, w in widths.items()}
+  if 'linear' in cfg.layer_mixers():
+    nk, nv = cfg.linear_num_key_heads, cfg.linear_num_value_heads
+    dk, dv = cfg.linear_key_head_dim, cfg.linear_value_head_dim
+    channels = 2 * nk * dk + nv * dv
+    conv = (cfg.num_layers, batch, cfg.linear_conv_kernel_dim - 1, channels)
+    arrays['conv'] = jnp.zeros(conv, jnp.float32)
+    arrays['delta'] = jnp.zeros((cfg.num_layers, batch, nv, dk, dv), jnp.float32)
+  return KVCache(arrays)
 
 
 def effective_kernel(linear: Linear) -> jax.Array:
@@ -90,8 +105,8 @@ def cached_attention(
   q, new = new_entries(attn, x_BTD, positions_BT)
   b, t = positions_BT.shape
   s = start + t if isinstance(start, int) else cache.max_len
-  arrays, past = {}, {}
-  for name, old in cache.arrays.items():
+  arrays, past = dict(cache.arrays), {}
+  for name, old in ((n, a) for n, a in cache.arrays.items() if n in KV_NAMES):
     tail = (0,) * (old.ndim - 4)
     arrays[name] = jax.lax.dynamic_update_slice(
       old, new[name][None, None].astype(old.dtype), (layer, block, 0, start, *tail)
@@ -114,6 +129,32 @@ def cached_attention(
   else:
     out_BTD = attn.attend(*q, past['k'], past['v'], mask_BTS, causal_chunk=chunk)
   return out_BTD, KVCache(arrays)
+
+
+def cached_linear(net: GatedDeltaNet, x_BTD, cache: KVCache, layer, last):
+  """A Gated DeltaNet layer over T new tokens from its cached convolution inputs and state,
+  which it updates: the chunked rule for a prompt, the recurrence for one token. last (a
+  prefill's right-padded prompt: its last real index, may be traced): the tokens after it change
+  neither the state (beta and decay set to no-ops) nor the convolution's inputs. Returns
+  (out_BTD, cache)."""
+  b, t = x_BTD.shape[:2]
+  qkv, z, beta, g = net.inputs(x_BTD)
+  if last is not None:
+    real = (jnp.arange(t) <= last)[None, :, None]
+    beta, g = jnp.where(real, beta, 0.0), jnp.where(real, g, 0.0)
+  conv, delta = cache.arrays['conv'][layer], cache.arrays['delta'][layer]
+  qkv, full = net.convolve(qkv, jnp.ones((b, t), jnp.int32), conv, keep_all=True)
+  kern = conv.shape[1]
+  conv = jax.lax.dynamic_slice_in_dim(full, t if last is None else last + 1, kern, axis=1)
+  q, k, v = net.heads(qkv)
+  if t == 1:
+    o, delta = delta_rule.recurrent(q, k, v, g, beta, delta)
+  else:
+    o, delta = delta_rule.chunked(q, k, v, g, beta, net.cfg.delta_chunk, delta)
+  arrays = dict(cache.arrays)
+  arrays['conv'] = arrays['conv'].at[layer].set(conv)
+  arrays['delta'] = arrays['delta'].at[layer].set(delta)
+  return net.finish(o, z, x_BTD.dtype), KVCache(arrays)
 
 
 def forward(
@@ -145,6 +186,9 @@ def forward(
 
       def attend(i, x_BTD):
         attn = layer.attn if hasattr(layer, 'attn') else (layer.attn_0, layer.attn_1)[i]
+        if isinstance(attn, GatedDeltaNet):
+          out_BTD, box[0] = cached_linear(attn, x_BTD, box[0], layer_index, last)
+          return out_BTD
         out_BTD, box[0] = cached_attention(
           attn, x_BTD, positions_BT, box[0], layer_index, i, start, absorb
         )

@@ -114,6 +114,18 @@ PARTS = {
     'qkv_bias': False,
     'o_bias': False,
   },
+  # Qwen3-Next: Gated DeltaNet layers mixed with gated GQA attention (per-head q/k norm, RoPE on
+  # a quarter of each head) by layer_types; every norm stores its offset from 1; Qwen2-MoE's
+  # softmax router (renormalised) with a gated shared expert.
+  'qwen3_next': {
+    **_GQA,
+    'model_type': 'qwen3_next',
+    'n_shared_experts': 1,
+    'qk_norm': True,
+    'attn_output_gate': True,
+    'norm_offset': 1.0,
+    'shared_expert_gate': True,
+  },
 }
 # What the presets of a family share beyond its parts (values its config.json carries).
 _SHAPE = {
@@ -126,6 +138,7 @@ _SHAPE = {
   'glm4_moe': dict(qkv_bias=True, norm_topk_prob=True, partial_rotary_factor=0.5, rope_theta=1e6),
   'gpt_oss': dict(rope_theta=150000.0, rms_norm_eps=1e-5, yarn_truncate=False),
   'minimax_m2': dict(rope_theta=5e6, rms_norm_eps=1e-6, partial_rotary_factor=0.5),
+  'qwen3_next': dict(norm_topk_prob=True, rms_norm_eps=1e-6, partial_rotary_factor=0.25),
 }
 
 
@@ -142,6 +155,13 @@ _V2_YARN = dict(
   yarn_mscale=0.707,
   yarn_mscale_all_dim=0.707,
 )
+
+
+def _hybrid(n: int, interval: int = 4) -> tuple:
+  """Qwen3-Next's layer_types: every interval-th layer full attention, the others Gated DeltaNet."""
+  return tuple(
+    'full_attention' if (i + 1) % interval == 0 else 'linear_attention' for i in range(n)
+  )
 
 
 def _alternating(n: int) -> tuple:
@@ -303,6 +323,46 @@ MODEL_PRESETS = {
     n_routed_experts=256,
     moe_topk=8,
     max_position_embeddings=196608,
+  ),
+  'qwen3_next_tiny': family(
+    'qwen3_next',
+    **_TINY,
+    num_layers=4,
+    num_kv_heads=2,
+    head_dim=32,
+    ffn_hidden_size=256,
+    shared_ffn_hidden_size=64,
+    n_routed_experts=8,
+    moe_topk=2,
+    linear_num_key_heads=2,
+    linear_num_value_heads=4,
+    linear_key_head_dim=32,
+    linear_value_head_dim=32,
+    layer_types=_hybrid(4),
+  ),
+  # Qwen/Qwen3-Next-80B-A3B (-Instruct, -Thinking): 80B, 3B active; three Gated DeltaNet layers
+  # (16 key heads, 32 value heads of 128) to each gated attention layer (16 query heads of 256
+  # over 2), top-10 of 512 experts plus a shared one.
+  'qwen3_next_80b_a3b': family(
+    'qwen3_next',
+    vocab_size=151936,
+    hidden_size=2048,
+    num_layers=48,
+    num_heads=16,
+    num_kv_heads=2,
+    head_dim=256,
+    ffn_hidden_size=5120,
+    expert_ffn_hidden_size=512,
+    shared_ffn_hidden_size=512,
+    n_routed_experts=512,
+    moe_topk=10,
+    linear_num_key_heads=16,
+    linear_num_value_heads=32,
+    linear_key_head_dim=128,
+    linear_value_head_dim=128,
+    layer_types=_hybrid(48),
+    rope_theta=1e7,
+    max_position_embeddings=262144,
   ),
   # openai/gpt-oss-20b: 20.9B, 3.6B active.
   'gpt_oss_20b': family(

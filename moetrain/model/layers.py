@@ -124,20 +124,23 @@ class MLP(nnx.Module):
 
 
 class RMSNorm(nnx.Module):
-  """w * x * rsqrt(mean(x^2) + eps), in float32, cast back to the input dtype."""
+  """(offset + w) * x * rsqrt(mean(x^2) + eps), in float32, cast back to the input dtype. The
+  offset is cfg.norm_offset (Qwen3-Next stores w - 1; `plain` keeps 0 for a norm that does not)."""
 
-  def __init__(self, dim: int, letter: str, eps: float, cfg: ModelConfig):
+  def __init__(self, dim: int, letter: str, eps: float, cfg: ModelConfig, plain: bool = False):
     """letter: the normalised dimension's (moetrain/core/axes.py)."""
     self.eps = eps
+    self.offset = 0.0 if plain else cfg.norm_offset
     self.scale = nnx.Param(
-      jnp.ones((dim,), dtype_of(cfg.engine.param_dtype)), axes=axes.names(letter)
+      jnp.full((dim,), 1.0 - self.offset, dtype_of(cfg.engine.param_dtype)),
+      axes=axes.names(letter),
     )
 
   def __call__(self, x):
     x32 = x.astype(jnp.float32)
     y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
     scale = self.scale[...].astype(jnp.float32).reshape((1,) * (y.ndim - 1) + (-1,))
-    return (scale * y).astype(x.dtype)
+    return ((scale + self.offset) * y).astype(x.dtype)
 
 
 class Embed(nnx.Module):

@@ -14,6 +14,7 @@ from moetrain.model import stages
 from moetrain.model.attention import MLA, make_attention
 from moetrain.model.config import LayerGroup, ModelConfig
 from moetrain.model.layers import MLP, Embed, Linear, RMSNorm
+from moetrain.model.linear_attention import GatedDeltaNet
 from moetrain.model.moe import Experts, MoE
 
 ACT = axes.names('BTD')
@@ -71,12 +72,15 @@ class StandardLayer(nnx.Module):
   """Pre-norm attention, then a pre-norm MoE (kind 'moe') or dense SwiGLU MLP ('dense'), each
   added to the residual (DeepSeek, Qwen3-MoE, Mixtral)."""
 
-  def __init__(self, cfg: ModelConfig, kind: str, p: str, rngs: nnx.Rngs):
+  def __init__(self, cfg: ModelConfig, kind: str, p: str, rngs: nnx.Rngs, mixer='attention'):
     d, eps = cfg.hidden_size, cfg.rms_norm_eps
     self.rules = cfg.engine.rules
     self.input_norm = RMSNorm(d, 'D', eps, cfg)
     self.post_norm = RMSNorm(d, 'D', eps, cfg)
-    self.attn = make_attention(cfg, f'{p}.attn', rngs)
+    if mixer == 'linear':  # Gated DeltaNet in attention's place (Qwen3-Next)
+      self.attn = GatedDeltaNet(cfg, f'{p}.attn', rngs)
+    else:
+      self.attn = make_attention(cfg, f'{p}.attn', rngs)
     if kind == 'moe':
       self.moe = MoE(cfg, f'{p}.moe', rngs)
     else:
@@ -111,7 +115,7 @@ class StandardLayer(nnx.Module):
 def make_layer(cfg: ModelConfig, group: LayerGroup, rngs: nnx.Rngs):
   if cfg.layer_layout == 'shortcut':
     return ShortcutLayer(cfg, group.name, rngs)
-  return StandardLayer(cfg, group.kind, group.name, rngs)
+  return StandardLayer(cfg, group.kind, group.name, rngs, group.mixer)
 
 
 def make_stack(cfg: ModelConfig, group: LayerGroup, rngs: nnx.Rngs):

@@ -1,0 +1,20 @@
+"""LoRA fine-tuning of Qwen3-Next-family models (Qwen3-Next-80B-A3B: Instruct, Thinking), Gated
+DeltaNet and routed experts included.
+
+  python -m moetrain.main --config=configs/qwen3_next_lora.py                 # tiny, CPU, demo data
+  python -m moetrain.main --config=configs/qwen3_next_lora.py:variant=qwen3_next_80b_a3b \
+    --config.init.hf_checkpoint=/path/to/Qwen3-Next-80B-A3B-Instruct ...
+
+Changes from base: the Qwen3-Next parts (three Gated DeltaNet layers to each gated-attention
+layer, by layer_types; norms that store their offset from 1; a softmax router with a gated shared
+expert); LoRA rank 8 on the attention and Gated DeltaNet projections (in_qkvz, out), the shared
+and routed experts and the head; frozen base and router. Variants: 'qwen3_next_tiny' (the
+default) and 'qwen3_next_80b_a3b' (a run from init.hf_checkpoint takes the shapes from its
+config.json). The delta rule trains chunk by chunk (model.delta_chunk tokens, 64).
+"""
+
+from configs import base
+
+
+def get_config(arg: str | None = None):
+  return base.family_lora(arg, 'configs/qwen3_next_lora.py', 'qwen3_next_tiny', {})[0]

@@ -78,11 +78,11 @@ class Pod(NamedTuple):
   micro_batches: int = 1  # optim.grad_accum_steps
 
 
-def family_lora(arg, path: str, default: str, pods: dict):
+def family_lora(arg, path: str, default: str, pods: dict, choices=None):
   """A family's LoRA config: the `variant` preset (default `default`), LoRA rank 8 (alpha 16)
   on the default targets, and for a variant in `pods` ({variant: Pod}) its TPU slice's mesh,
-  batch and exchange."""
-  variant = variant_of(arg, path, default=default)
+  batch and exchange; `choices`: the variants allowed (default: the default's family's)."""
+  variant = variant_of(arg, path, default=default, choices=choices)
   config = get_config()
   set_model(config, variant)
   config.lora.rank = 8

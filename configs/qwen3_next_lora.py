@@ -1,5 +1,5 @@
-"""LoRA fine-tuning of Qwen3-Next-family models (Qwen3-Next-80B-A3B: Instruct, Thinking), Gated
-DeltaNet and routed experts included.
+"""LoRA fine-tuning of Qwen3-Next-family models (Qwen3-Next-80B-A3B: Instruct, Thinking; and
+Qwen3.5-MoE's language model, Qwen3.5-35B-A3B), Gated DeltaNet and routed experts included.
 
   python -m moetrain.main --config=configs/qwen3_next_lora.py                 # tiny, CPU, demo data
   python -m moetrain.main --config=configs/qwen3_next_lora.py:variant=qwen3_next_80b_a3b \
@@ -9,12 +9,15 @@ Changes from base: the Qwen3-Next parts (three Gated DeltaNet layers to each gat
 layer, by layer_types; norms that store their offset from 1; a softmax router with a gated shared
 expert); LoRA rank 8 on the attention and Gated DeltaNet projections (in_qkvz, out), the shared
 and routed experts and the head; frozen base and router. Variants: 'qwen3_next_tiny' (the
-default) and 'qwen3_next_80b_a3b' (a run from init.hf_checkpoint takes the shapes from its
-config.json). The delta rule trains chunk by chunk (model.delta_chunk tokens, 64).
+default), 'qwen3_next_80b_a3b' and 'qwen3_5_35b_a3b' (a run from init.hf_checkpoint takes the
+shapes from its config.json; a multimodal Qwen3.5 checkpoint gives its language model). The delta rule trains chunk by chunk (model.delta_chunk tokens, 64).
 """
 
 from configs import base
 
+VARIANTS = (*base.family_variants('qwen3_next_tiny'), *base.family_variants('qwen3_5_35b_a3b'))
+
 
 def get_config(arg: str | None = None):
-  return base.family_lora(arg, 'configs/qwen3_next_lora.py', 'qwen3_next_tiny', {})[0]
+  path = 'configs/qwen3_next_lora.py'
+  return base.family_lora(arg, path, 'qwen3_next_tiny', {}, choices=VARIANTS)[0]

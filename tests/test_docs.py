@@ -120,6 +120,7 @@ FAMILY_NAMES = {
   'gpt_oss': 'gpt-oss',
   'minimax_m2': 'MiniMax-M2',
   'qwen3_next': 'Qwen3-Next',
+  'qwen3_5_moe_text': 'Qwen3.5-MoE',
 }
 
 

@@ -1,6 +1,6 @@
 """The Hugging Face layouts of the families built from standard pre-norm layers (transformers
 4.57 `deepseek_v3`, `deepseek_v2`, `qwen3_moe`, `mixtral`, `olmoe`, `qwen2_moe`, `glm4_moe`; 5.24
-`minimax_m2`, `qwen3_next`):
+`minimax_m2`, `qwen3_next`, `qwen3_5_moe_text` and `qwen3_5_moe`'s language model):
 config.json and the weight-name table. One table builder serves them all: attention rows by kind (MLA, GQA),
 the MoE block's by family."""
 
@@ -70,7 +70,7 @@ class Family:
       entries = [
         ('input_layernorm.weight', 'input_norm.scale', None),
         ('post_attention_layernorm.weight', 'post_norm.scale', None),
-        *(linear_entries() if group.mixer == 'linear' else attention_entries(cfg)),
+        *(linear_entries(cfg) if group.mixer == 'linear' else attention_entries(cfg)),
       ]
       if group.kind == 'dense':
         rows += family.group_rows(group, entries + _mlp_entries('mlp', 'mlp'))
@@ -109,12 +109,12 @@ def _mlp_entries(hf_prefix: str, path: str) -> list:
   return [(f'{hf_prefix}.{n}_proj.weight', f'{path}.{n}.kernel', 1) for n in ('gate', 'up', 'down')]
 
 
-def linear_entries() -> list:
-  """linear_attn.* rows of a Gated DeltaNet layer (Qwen3-Next)."""
+def linear_entries(cfg: ModelConfig) -> list:
+  """linear_attn.* rows of a Gated DeltaNet layer (Qwen3-Next's projections, or Qwen3.5's)."""
   a = 'linear_attn'
+  names = ('qkv', 'z', 'b', 'a') if cfg.linear_split_projections else ('qkvz', 'ba')
   return [
-    (f'{a}.in_proj_qkvz.weight', 'attn.in_qkvz.kernel', 1),
-    (f'{a}.in_proj_ba.weight', 'attn.in_ba.kernel', 1),
+    *((f'{a}.in_proj_{n}.weight', f'attn.in_{n}.kernel', 1) for n in names),
     (f'{a}.conv1d.weight', 'attn.conv', None),
     (f'{a}.dt_bias', 'attn.dt_bias', None),
     (f'{a}.A_log', 'attn.A_log', None),
@@ -607,17 +607,113 @@ QWEN3_NEXT = Family(
   router_module='mlp.gate',  # 'gate' would also name mlp.shared_expert_gate
 )
 
+
+class NestedReader:
+  """A multimodal checkpoint's language model read under the text model's names:
+  model.language_model.X as model.X (lm_head.weight as it is); the vision tower's
+  model.visual.* left in keys(), which the load reports as skipped."""
+
+  INNER = 'model.language_model.'
+
+  def __init__(self, reader):
+    self.reader, self.directory = reader, reader.directory
+
+  def _name(self, name: str) -> str:
+    return self.INNER + name.removeprefix('model.') if name.startswith('model.') else name
+
+  def keys(self) -> list[str]:
+    return [
+      'model.' + k.removeprefix(self.INNER) if k.startswith(self.INNER) else k
+      for k in self.reader.keys()
+    ]
+
+  def __contains__(self, name: str) -> bool:
+    return self._name(name) in self.reader
+
+  def shape(self, name: str):
+    return self.reader.shape(self._name(name))
+
+  def dtype(self, name: str):
+    return self.reader.dtype(self._name(name))
+
+  def read(self, name: str, index=None):
+    return self.reader.read(self._name(name), index)
+
+
+class Qwen35Text(Family):
+  """Qwen3.5-MoE's language model: its own checkpoint (qwen3_5_moe_text), or the text_config
+  and model.language_model.* of a multimodal qwen3_5_moe one (the vision tower skipped; exports
+  write the text model alone)."""
+
+  def reader(self, reader, cfg: ModelConfig):
+    if NestedReader.INNER + 'embed_tokens.weight' in reader:
+      return NestedReader(reader)
+    return reader
+
+
+class Qwen35Multimodal(Qwen35Text):
+  def config_from_hf(self, c: dict) -> dict:
+    text = c.get('text_config')
+    if not isinstance(text, dict) or text.get('model_type') != 'qwen3_5_moe_text':
+      raise ValueError(
+        'config.json (qwen3_5_moe) needs a text_config of model_type qwen3_5_moe_text'
+      )
+    return QWEN3_5_MOE_TEXT.config_from_hf(text)
+
+
+def _qwen35_read(c: dict, kw: dict) -> dict:
+  """Its config.json may leave out intermediate_size (no dense layer needs it)."""
+  out = _qwen3_next_read(c, kw)
+  return {**out, 'ffn_hidden_size': kw['ffn_hidden_size'] or kw['expert_ffn_hidden_size']}
+
+
+QWEN3_5_MOE_TEXT = Qwen35Text(
+  'qwen3_5_moe_text',
+  'Qwen3_5MoeForCausalLM',
+  required={k: v for k, v in QWEN3_NEXT.required.items() if k != 'intermediate_size'},
+  optional={
+    **{k: v for k, v in QWEN3_NEXT.optional.items() if k != 'norm_topk_prob'},
+    'intermediate_size': ('ffn_hidden_size', 0),
+  },
+  fixed={},
+  block='mlp',
+  experts=('gate_proj', 'up_proj', 'down_proj'),
+  read=_qwen35_read,
+  write=_qwen3_next_write,
+  shared='shared_expert',
+  router_module='mlp.gate',
+)
+
+
+QWEN3_5_MOE = Qwen35Multimodal(
+  'qwen3_5_moe_text',
+  'Qwen3_5MoeForCausalLM',
+  QWEN3_5_MOE_TEXT.required,
+  QWEN3_5_MOE_TEXT.optional,
+  {},
+  'mlp',
+  ('gate_proj', 'up_proj', 'down_proj'),
+  _qwen35_read,
+  _qwen3_next_write,
+  shared='shared_expert',
+  router_module='mlp.gate',
+)
+
 FAMILIES = {
-  f.model_type: f
-  for f in (
-    QWEN3_MOE,
-    MIXTRAL,
-    DEEPSEEK_V3,
-    OLMOE,
-    QWEN2_MOE,
-    DEEPSEEK_V2,
-    GLM4_MOE,
-    MINIMAX_M2,
-    QWEN3_NEXT,
-  )
+  'qwen3_5_moe': QWEN3_5_MOE,  # read as its language model, qwen3_5_moe_text
+  **{
+    f.model_type: f
+    for f in (
+      QWEN3_MOE,
+      MIXTRAL,
+      DEEPSEEK_V3,
+      OLMOE,
+      QWEN2_MOE,
+      DEEPSEEK_V2,
+      GLM4_MOE,
+      MINIMAX_M2,
+      QWEN3_NEXT,
+      QWEN3_5_MOE_TEXT,
+    )
+  },
 }

@@ -27,7 +27,8 @@ QUANT_MODES = ('none', 'int8', 'int4')
 # LoRA's default targets: every attention projection (MLA or GQA), dense MLP, shared and routed
 # expert, and the output head.
 LORA_TARGETS = (
-  r'attn(_\d)?\.(q|k|v|o|q_a|q_b|kv_a|kv_b|in_qkvz|out)$|(mlp(_\d)?|shared)\.(gate|up|down)$'
+  r'attn(_\d)?\.(q|k|v|o|q_a|q_b|kv_a|kv_b|in_qkvz|in_qkv|in_z|out)$'
+  r'|(mlp(_\d)?|shared)\.(gate|up|down)$'
   r'|experts\.(gate|up|down)$|lm_head$'
 )
 

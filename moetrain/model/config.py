@@ -24,6 +24,7 @@ MODEL_TYPES = (
   'gpt_oss',
   'minimax_m2',
   'qwen3_next',
+  'qwen3_5_moe_text',
 )
 
 positive = functools.partial(field, check='positive')
@@ -96,6 +97,9 @@ class ModelConfig:
   linear_value_head_dim: int = field(0, check='non_negative')
   linear_conv_kernel_dim: int = positive(4)
   delta_chunk: int = positive(64)
+  # Gated DeltaNet's input projections: one per key head group [q | k | v | z] and one [b | a]
+  # (Qwen3-Next), or four apart, q k v of all heads in one (Qwen3.5).
+  linear_split_projections: bool = False
   # q/k norm over each head (Qwen3) or over the whole projection, all heads at once (OLMoE).
   qk_norm_per_head: bool = True
   # GQA projection biases: on q, k and v (Qwen2-MoE; OLMoE's attention_bias) and on o (OLMoE's).

@@ -126,6 +126,19 @@ PARTS = {
     'norm_offset': 1.0,
     'shared_expert_gate': True,
   },
+  # Qwen3.5-MoE's language model: Qwen3-Next's parts with Gated DeltaNet's input projections
+  # apart.
+  'qwen3_5_moe_text': {
+    **_GQA,
+    'model_type': 'qwen3_5_moe_text',
+    'n_shared_experts': 1,
+    'qk_norm': True,
+    'attn_output_gate': True,
+    'norm_offset': 1.0,
+    'shared_expert_gate': True,
+    'linear_split_projections': True,
+    'norm_topk_prob': True,  # always renormalised (not a config.json key)
+  },
 }
 # What the presets of a family share beyond its parts (values its config.json carries).
 _SHAPE = {
@@ -139,6 +152,7 @@ _SHAPE = {
   'gpt_oss': dict(rope_theta=150000.0, rms_norm_eps=1e-5, yarn_truncate=False),
   'minimax_m2': dict(rope_theta=5e6, rms_norm_eps=1e-6, partial_rotary_factor=0.5),
   'qwen3_next': dict(norm_topk_prob=True, rms_norm_eps=1e-6, partial_rotary_factor=0.25),
+  'qwen3_5_moe_text': dict(rms_norm_eps=1e-6, partial_rotary_factor=0.25),
 }
 
 
@@ -363,6 +377,30 @@ MODEL_PRESETS = {
     layer_types=_hybrid(48),
     rope_theta=1e7,
     max_position_embeddings=262144,
+  ),
+  # Qwen/Qwen3.5-35B-A3B's language model, as transformers 5.24's Qwen3_5MoeTextConfig defaults
+  # give it (a run from init.hf_checkpoint takes the release's config.json): Qwen3-Next's layout
+  # with 40 layers and top-8 of 256 experts.
+  'qwen3_5_35b_a3b': family(
+    'qwen3_5_moe_text',
+    vocab_size=248320,
+    hidden_size=2048,
+    num_layers=40,
+    num_heads=16,
+    num_kv_heads=2,
+    head_dim=256,
+    ffn_hidden_size=512,
+    expert_ffn_hidden_size=512,
+    shared_ffn_hidden_size=512,
+    n_routed_experts=256,
+    moe_topk=8,
+    linear_num_key_heads=16,
+    linear_num_value_heads=32,
+    linear_key_head_dim=128,
+    linear_value_head_dim=128,
+    layer_types=_hybrid(40),
+    rope_theta=1e4,
+    max_position_embeddings=32768,
   ),
   # openai/gpt-oss-20b: 20.9B, 3.6B active.
   'gpt_oss_20b': family(

@@ -21,11 +21,15 @@ class GatedDeltaNet(nnx.Module):
     d = cfg.hidden_size
     nk, nv = cfg.linear_num_key_heads, cfg.linear_num_value_heads
     dk, dv = cfg.linear_key_head_dim, cfg.linear_value_head_dim
-    # transformers' in_proj_qkvz rows: per key head [q dk | k dk | v r*dv | z r*dv], r = nv / nk.
-    self.in_qkvz = Linear(
-      'BTD,DO->BTO', (d, 2 * nk * dk + 2 * nv * dv), cfg, f'{path}.in_qkvz', rngs
-    )
-    self.in_ba = Linear('BTD,DO->BTO', (d, 2 * nv), cfg, f'{path}.in_ba', rngs)
+    if cfg.linear_split_projections:  # Qwen3.5: q k v of all heads [q | k | v], z, b, a apart
+      self.in_qkv = Linear('BTD,DO->BTO', (d, 2 * nk * dk + nv * dv), cfg, f'{path}.in_qkv', rngs)
+      self.in_z = Linear('BTD,DO->BTO', (d, nv * dv), cfg, f'{path}.in_z', rngs)
+      self.in_b = Linear('BTD,DO->BTO', (d, nv), cfg, f'{path}.in_b', rngs)
+      self.in_a = Linear('BTD,DO->BTO', (d, nv), cfg, f'{path}.in_a', rngs)
+    else:  # Qwen3-Next's rows: per key head [q dk | k dk | v r*dv | z r*dv] (r = nv / nk), [b | a]
+      shape = (d, 2 * nk * dk + 2 * nv * dv)
+      self.in_qkvz = Linear('BTD,DO->BTO', shape, cfg, f'{path}.in_qkvz', rngs)
+      self.in_ba = Linear('BTD,DO->BTO', (d, 2 * nv), cfg, f'{path}.in_ba', rngs)
     pdt = dtype_of(cfg.engine.param_dtype)
     channels = 2 * nk * dk + nv * dv
     # [channels, 1, kernel], as transformers' depthwise Conv1d stores it.
@@ -47,14 +51,23 @@ class GatedDeltaNet(nnx.Module):
     nk, nv = cfg.linear_num_key_heads, cfg.linear_num_value_heads
     dk, dv, r = cfg.linear_key_head_dim, cfg.linear_value_head_dim, nv // nk
     b, t = x_BTD.shape[:2]
+    if cfg.linear_split_projections:
+      z = self.in_z(x_BTD, rng).reshape(b, t, nv, dv)
+      beta = jax.nn.sigmoid(self.in_b(x_BTD, rng).astype(jnp.float32))
+      a = self.in_a(x_BTD, rng).astype(jnp.float32)
+      return self.in_qkv(x_BTD, rng), z, beta, self.decay(a)
     qkvz = self.in_qkvz(x_BTD, rng).reshape(b, t, nk, 2 * dk + 2 * r * dv)
     q, k, v, z = jnp.split(qkvz, [dk, 2 * dk, 2 * dk + r * dv], axis=-1)
     ba = self.in_ba(x_BTD, rng).reshape(b, t, nk, 2 * r)
     beta = jax.nn.sigmoid(ba[..., :r].reshape(b, t, nv).astype(jnp.float32))
     a = ba[..., r:].reshape(b, t, nv).astype(jnp.float32)
-    g = -jnp.exp(self.A_log[...])[None, None] * jax.nn.softplus(a + self.dt_bias[...][None, None])
     qkv = jnp.concatenate([q.reshape(b, t, -1), k.reshape(b, t, -1), v.reshape(b, t, -1)], -1)
-    return qkv, z.reshape(b, t, nv, dv), beta, g
+    return qkv, z.reshape(b, t, nv, dv), beta, self.decay(a)
+
+  def decay(self, a_BTN):
+    """The delta rule's log decay g = -exp(A_log) softplus(a + dt_bias), float32."""
+    bias = self.dt_bias[...][None, None]
+    return -jnp.exp(self.A_log[...])[None, None] * jax.nn.softplus(a_BTN + bias)
 
   def convolve(self, qkv_BTC, segment_ids_BT, past_BKC=None, keep_all=False):
     """(SiLU of the causal depthwise convolution over time, within each segment; the inputs

@@ -9,13 +9,14 @@ Each variant runs as its own `python -m moetrain.main` in a fresh directory; the
 are the final evaluation's (completion tokens of the demo eval split), the step time the median
 of the logged windows' (metrics.jsonl). Each variant runs once per seed (`config.seed`: the
 student's initialisation and dropout; the data order and the cached logits stay the same); a
-summary record per variant gives the medians, since one seed's 200 steps can differ from
-another's by more than distillation's effect.
+summary record per variant gives the medians, and standard error gets bench/RESULTS.md's table
+of the whole run (each seed's eval loss, the median, the spread).
 """
 
 import argparse
 import os
 import statistics
+import sys
 import tempfile
 
 from bench.common import emit, machine, run_main, run_result
@@ -54,6 +55,7 @@ def main():
         + [f'--top_k={a.top_k}', *common]
       )
       emit({'bench': 'distill', 'what': 'offline logits', 'line': out.strip().splitlines()[-1]})
+    table = []
     for name, extra in variants.items():
       runs = []
       for seed in seeds:
@@ -68,6 +70,26 @@ def main():
         | {f'median_{k}': v for k, v in med.items()}
         | machine()
       )
+      table.append(table_row(name, runs, med))
+  print('\n'.join(table_head(seeds) + table), file=sys.stderr)
+
+
+def table_head(seeds: list[int]) -> list[str]:
+  """bench/RESULTS.md's table of a run of this benchmark (printed to standard error)."""
+  each = ' / '.join(map(str, seeds))
+  return [
+    f'| run | eval loss, seeds {each} | median | min-max | median accuracy |',
+    '|---|---|---|---|---|',
+  ]
+
+
+def table_row(name: str, runs: list[dict], med: dict) -> str:
+  losses = [r['eval_loss'] for r in runs]
+  each = ' / '.join(f'{x:.3f}' for x in losses)
+  return (
+    f'| {name} | {each} | {med["eval_loss"]:.3f} | {min(losses):.3f}-{max(losses):.3f} | '
+    f'{med["eval_accuracy"]:.3f} |'
+  )
 
 
 if __name__ == '__main__':

@@ -581,14 +581,7 @@ def _qwen3_next_write(cfg: ModelConfig) -> dict:
 QWEN3_NEXT = Family(
   'qwen3_next',
   'Qwen3NextForCausalLM',
-  required={
-    'num_key_value_heads': 'num_kv_heads',
-    'intermediate_size': 'ffn_hidden_size',
-    'moe_intermediate_size': 'expert_ffn_hidden_size',
-    'shared_expert_intermediate_size': 'shared_ffn_hidden_size',
-    'num_experts': 'n_routed_experts',
-    **{f'linear_{k}': f'linear_{k}' for k in _LINEAR},
-  },
+  required={**QWEN2_MOE.required, **{f'linear_{k}': f'linear_{k}' for k in _LINEAR}},
   optional={
     'head_dim': ('head_dim', 0),
     'norm_topk_prob': ('norm_topk_prob', True),
@@ -651,14 +644,23 @@ class Qwen35Text(Family):
     return reader
 
 
-class Qwen35Multimodal(Qwen35Text):
+class Qwen35Multimodal:
+  """A multimodal qwen3_5_moe config.json read as its text_config; the rest is the language
+  model's family (Qwen35Text)."""
+
+  def __init__(self, text: Family):
+    self.text = text
+
+  def __getattr__(self, name):
+    return getattr(self.text, name)
+
   def config_from_hf(self, c: dict) -> dict:
     text = c.get('text_config')
     if not isinstance(text, dict) or text.get('model_type') != 'qwen3_5_moe_text':
       raise ValueError(
         'config.json (qwen3_5_moe) needs a text_config of model_type qwen3_5_moe_text'
       )
-    return QWEN3_5_MOE_TEXT.config_from_hf(text)
+    return self.text.config_from_hf(text)
 
 
 def _qwen35_read(c: dict, kw: dict) -> dict:
@@ -685,19 +687,7 @@ QWEN3_5_MOE_TEXT = Qwen35Text(
 )
 
 
-QWEN3_5_MOE = Qwen35Multimodal(
-  'qwen3_5_moe_text',
-  'Qwen3_5MoeForCausalLM',
-  QWEN3_5_MOE_TEXT.required,
-  QWEN3_5_MOE_TEXT.optional,
-  {},
-  'mlp',
-  ('gate_proj', 'up_proj', 'down_proj'),
-  _qwen35_read,
-  _qwen3_next_write,
-  shared='shared_expert',
-  router_module='mlp.gate',
-)
+QWEN3_5_MOE = Qwen35Multimodal(QWEN3_5_MOE_TEXT)
 
 FAMILIES = {
   'qwen3_5_moe': QWEN3_5_MOE,  # read as its language model, qwen3_5_moe_text

@@ -51,6 +51,9 @@ SLOW_EXTRAS = (
   'deepseek_v2_three_layer',
   'glm4_moe_three_layer',
   'gpt_oss_three_layer',
+  'minimax_m2_two_layer',
+  'qwen3_next_four_layer',
+  'qwen3_5_moe_text_four_layer',
 )
 EXTRAS = [pytest.param(n, marks=pytest.mark.slow) if n in SLOW_EXTRAS else n for n in FAMILIES]
 

@@ -521,11 +521,7 @@ def _minimax_m2_write(cfg: ModelConfig) -> dict:
 MINIMAX_M2 = Family(
   'minimax_m2',
   'MiniMaxM2ForCausalLM',
-  required={
-    'num_key_value_heads': 'num_kv_heads',
-    'intermediate_size': 'expert_ffn_hidden_size',
-    'num_local_experts': 'n_routed_experts',
-  },
+  required=MIXTRAL.required,
   optional={
     'head_dim': ('head_dim', 0),
     'rms_norm_eps': ('rms_norm_eps', 1e-6),

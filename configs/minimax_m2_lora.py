@@ -9,14 +9,14 @@ Changes from base: the MiniMax-M2 parts (GQA with q/k norms over the whole proje
 half of each head; a sigmoid router with a correction bias, top-8 of 256 experts renormalised;
 no shared expert, no dense layer); LoRA rank 8 on every attention projection, routed expert and
 the head; frozen base and router. Variants: 'minimax_m2_tiny' (the default) and 'minimax_m2' (a
-QLoRA int4 base on a v5p-16; a run from init.hf_checkpoint takes the shapes from its
-config.json). The released weights are FP8 with block scales: convert them to bfloat16 first.
+QLoRA int4 base meant for a v5p-16, not yet compiled by tools.plan; a run from
+init.hf_checkpoint takes the shapes from its config.json). The released weights are FP8 with block scales: convert them to bfloat16 first.
 The MTP modules are not loaded.
 """
 
 from configs import base
 
-# The real model on the TPU slice it is planned for (README "Model families").
+# The real model's slice (not yet compiled by tools.plan: bench.tpu_plans does not list it).
 PODS = {'minimax_m2': base.Pod('v5p-16', expert=8, seq_len=4096, rows=32, recv_factor=2)}
 
 

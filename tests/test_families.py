@@ -841,13 +841,31 @@ def test_a_hybrid_models_cached_decode_equals_the_full_forward():
   np.testing.assert_allclose(np.stack(got, 1), full[:, 4:-1], atol=1e-5, rtol=1e-5)
 
 
-def test_a_multimodal_qwen3_5_checkpoint_loads_its_language_model():
+def test_a_multimodal_qwen3_5_checkpoint_loads_its_language_model(tmp_path):
   """qwen3_5_moe (Qwen3_5MoeForConditionalGeneration): the text_config and the
   model.language_model.* weights load as qwen3_5_moe_text, with transformers' logits on text;
   the vision tower is skipped, and named."""
-  name = 'qwen3_5_moe_multimodal'
-  ref, cfg = reference(name), f32_config(name)
+  from safetensors.numpy import load_file, save_file
+
+  # The checkpoint: the fixture's config.json (transformers' own, made with the text fixture's
+  # weights inside a vision model: make_2026_fixtures.py checked its logits on text equal the
+  # text model's) and those weights under model.language_model., beside a vision tensor.
+  text, multimodal = 'qwen3_5_moe_text_four_layer', 'qwen3_5_moe_multimodal'
+  tensors = {
+    ('model.language_model.' + k.removeprefix('model.') if k.startswith('model.') else k): v
+    for k, v in load_file(os.path.join(fixture(text), 'model.safetensors')).items()
+  }
+  tensors['model.visual.pos_embed.weight'] = np.zeros((4, 16), np.float32)
+  path = tmp_path / 'checkpoint'
+  path.mkdir()
+  save_file(tensors, str(path / 'model.safetensors'))
+  (path / 'config.json').write_text(open(os.path.join(fixture(multimodal), 'config.json')).read())
+  ref = reference(text)
+  cfg = hf.config_from_hf(hf.read_config(str(path)), dtype='float32', param_dtype='float32')
   assert cfg.model_type == 'qwen3_5_moe_text' and cfg.linear_split_projections
-  model, loaded = build(name, cfg)
-  assert loaded.skipped and all(k.startswith('model.visual.') for k in loaded.skipped)
+  loaded = hf.load_params(str(path), cfg.with_engine(remat='none'))
+  model = train_state.merge_model(
+    train_state.graphdef_of(cfg), loaded.params, loaded.moe_bias, loaded.frozen
+  )
+  assert loaded.skipped == ['model.visual.pos_embed.weight']
   assert max_err(logits_of(model, ref['input_ids']), ref['logits']) < 1e-5

@@ -197,3 +197,24 @@ def test_inputs_from_a_bucket(gcs, tmp_path):
   storage.write_atomic('gs://runs/data/eval.jsonl', '{"text": "changed"}\n')
   with open(storage.local_copy('gs://runs/data/eval.jsonl', cache)) as f:
     assert f.read() == '{"text": "changed"}\n'
+
+
+@pytest.mark.slow  # ~4 minutes: three RL runs
+def test_an_rl_run_in_a_bucket_resumes_exactly(gcs, tmp_path):
+  """An RL run in a gs:// directory, stopped after step 2 and resumed there, samples and trains
+  what an uninterrupted local run does: the prompts and the sampler's keys follow from the
+  rollout's index, the checkpoints from the bucket."""
+  from tests.test_rl import RL_JOB, assert_same_run, rl_steps
+
+  local, workdir = str(tmp_path / 'local'), 'gs://runs/grpo'
+  # An expert axis, as in test_rl's two-process run: on 4 emulated devices with FSDP alone, the
+  # first update once stalled in XLA:CPU's collective rendezvous (the devices in two all-gathers
+  # at once, one device in neither; 1 of 2 runs, the VM busy).
+  mesh, rl = '--config.mesh.shape=(1,-1,2,1)', {'config': 'configs/grpo.py', 'settings': RL_JOB}
+  logs = str(tmp_path / 'gs')
+  Job(local, mesh, **rl).wait(timeout=900)
+  Job(workdir, mesh, '--config.train.stop_at_step=2', log_prefix=logs, **rl).wait(timeout=900)
+  Job(workdir, mesh, log_prefix=logs, **rl).wait(timeout=900)
+  resumes = [r['step'] for r in _records(workdir) if r['kind'] == 'resume']
+  assert resumes == [2]
+  assert_same_run(rl_steps(_records(workdir)), rl_steps(records(local)))

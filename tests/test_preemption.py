@@ -68,16 +68,19 @@ class Job:
     module='moetrain.main',
     hf: str | None = None,
     log_prefix: str | None = None,
+    config: str = 'configs/longcat_lora.py:variant=tiny',
+    settings: dict | None = None,
   ):
-    """log_prefix: where the processes' logs go (default beside `workdir`; a URL's need one)."""
+    """log_prefix: where the processes' logs go (default beside `workdir`; a URL's need one).
+    settings: the overrides every command gets (default SETTINGS)."""
     args = [sys.executable, '-m', module]
     if hf:  # a tool reading a Hugging Face directory instead of a run (logs go next to workdir)
       args.append(f'--hf_checkpoint={hf}')
     else:
       args += [
-        '--config=configs/longcat_lora.py:variant=tiny',
+        f'--config={config}',
         f'--workdir={workdir}',
-        *(f'--config.{k}={v}' for k, v in SETTINGS.items()),
+        *(f'--config.{k}={v}' for k, v in (SETTINGS if settings is None else settings).items()),
         f'--config.train.compilation_cache={os.path.join(ROOT, ".jax_cache")}',
       ]
       if not any(o.startswith('--config.mesh.shape=') for o in overrides):  # a flag given once
@@ -113,16 +116,16 @@ class Job:
       if p.poll() is None:
         p.kill()
 
-  def wait(self, code: int = 0) -> list[str]:
+  def wait(self, code: int = 0, timeout: float = TIMEOUT) -> list[str]:
     """Each process's log; fails on a hang (a host waiting on another) or an exit other than
     `code` (every process must exit with it)."""
-    deadline = time.monotonic() + TIMEOUT
+    deadline = time.monotonic() + timeout
     while any(p.poll() is None for p in self.procs):
       if any(p.poll() not in (None, code) for p in self.procs):
         break  # one failed: the others would wait for it in a collective
       if time.monotonic() > deadline:
         self.kill()
-        pytest.fail(f'a process did not exit within {TIMEOUT} s:\n{self.log(0)[-3000:]}')
+        pytest.fail(f'a process did not exit within {timeout} s:\n{self.log(0)[-3000:]}')
       time.sleep(0.1)
     codes = [p.poll() for p in self.procs]  # None: still running after another failed
     self.kill()

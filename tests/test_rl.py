@@ -11,7 +11,7 @@ import pytest
 from flax import nnx
 
 from moetrain.core import runtime
-from moetrain.model import sampler
+from moetrain.model import dispatch, sampler
 from moetrain.model.moe import MoE
 from moetrain.model.transformer import Transformer
 from moetrain.run import rollouts
@@ -162,7 +162,20 @@ def _moe_out(moe, x, valid, routes):
   return moe(x, valid, None, routes)
 
 
-@pytest.mark.parametrize('engine', ['grouped', 'ragged_dot', 'dense', 'capacity'])
+@pytest.mark.parametrize(
+  'engine',
+  [
+    'grouped',
+    'ragged_dot',
+    'dense',
+    'capacity',
+    'megablox',  # the TPU kernel, in Pallas' interpret mode here
+    pytest.param(
+      'tokamax',  # tokamax's grouped matmul (its XLA form off a GPU)
+      marks=pytest.mark.skipif(not dispatch.tokamax_installed(), reason='tokamax not installed'),
+    ),
+  ],
+)
 def test_forced_routes_are_the_experts_used_and_the_router_learns(engine):
   kw = {'moe_dispatch': 'capacity', 'moe_capacity_factor': 8.0} if engine == 'capacity' else {}
   cfg = tiny(**kw) if engine == 'capacity' else tiny(moe_backend=engine)
@@ -451,3 +464,55 @@ def test_the_grpo_demo_raises_its_eval_reward(tmp_path):
   assert last['step'] == 300
   assert last['rl/reward_mean'] >= first['rl/reward_mean'] + 0.04, (first, last)
   assert last['rl/reward/reversal_exact'] > first['rl/reward/reversal_exact']
+
+
+# The demo's RL run made small: 2 prompts x 4 completions per process and step, two updates per
+# rollout, the sampler's routes replayed; a checkpoint every step.
+RL_JOB = {
+  'data.global_batch_size': 16,
+  'data.eval_batch_size': 8,
+  'rl.group_size': 4,
+  'rl.num_iterations': 2,
+  'rl.routing_replay': 'r3',
+  'train.steps': 4,
+  'train.log_every': 1,
+  'train.eval_every': 4,
+  'train.eval_batches': 2,
+  'train.checkpoint_every': 1,
+  'optim.warmup_steps': 1,
+}
+RL_KEYS = ('loss', 'rl/reward_mean', 'rl/sampler_kl_k3', 'rl/router_flip_rate')
+
+
+def rl_steps(records: list[dict]) -> dict[int, list[float]]:
+  """The last train record of each step (a resumed run redoes steps): RL_KEYS' values."""
+  return {r['step']: [r[k] for k in RL_KEYS] for r in records if r['kind'] == 'train'}
+
+
+def rl_evals(records: list[dict]) -> dict[int, float]:
+  return {r['step']: r['rl/reward_mean'] for r in records if r['kind'] == 'eval'}
+
+
+def assert_same_run(got: dict, want: dict) -> None:
+  assert sorted(got) == sorted(want) and want, (got, want)
+  for step in want:  # the same completions (the rewards are counts); the losses to rounding
+    np.testing.assert_allclose(got[step], want[step], rtol=1e-4, atol=1e-6, err_msg=f'{step}')
+
+
+@pytest.mark.slow  # ~4 minutes: two jobs
+def test_an_rl_run_over_two_processes_samples_and_trains_as_one(tmp_path):
+  """Each process samples its share of the prompts (a group stays on its process) with the
+  run's keys: two processes of two devices draw the completions, rewards and losses that one
+  process of four draws on the same mesh, and evaluate the same."""
+  from tests.test_preemption import Job, records
+
+  one, two = str(tmp_path / 'one'), str(tmp_path / 'two')
+  mesh = '--config.mesh.shape=(1,-1,2,1)'  # experts across the two processes
+  Job(one, mesh, config='configs/grpo.py', settings=RL_JOB, processes=1).wait(timeout=900)
+  Job(two, mesh, config='configs/grpo.py', settings=RL_JOB, processes=2).wait(timeout=900)
+  assert_same_run(rl_steps(records(two)), rl_steps(records(one)))
+  assert len(rl_steps(records(one))) == 4
+  np.testing.assert_allclose(
+    list(rl_evals(records(two)).values()), list(rl_evals(records(one)).values()), rtol=1e-6
+  )
+  assert sorted(rl_evals(records(one))) == [0, 4]

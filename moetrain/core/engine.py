@@ -190,7 +190,7 @@ class EngineConfig:
   rules: Rules = field(Rules(), role='derived')  # logical-axis rules (mesh.rules)
   # The MoE engine is chosen once, from these two, by startup.build: the platform the step is
   # compiled for ('cpu', 'gpu', 'tpu'; the planner compiles for a TPU on any host) and the
-  # sizes of the mesh axes (data, fsdp, expert, tensor) it runs on; () = one device.
+  # sizes of the mesh axes (MESH_AXES, full_shape) it runs on; () = one device.
   platform: str = field('cpu', role='derived')
   mesh_shape: tuple = field((), role='derived')
 
@@ -206,6 +206,11 @@ class EngineConfig:
     if not self.moe_expert_parallel or not self.mesh_shape:
       return 1
     return dict(zip(MESH_AXES, self.mesh_shape))['expert']
+
+  @property
+  def context_shards(self) -> int:
+    """The 'context' mesh axis each row's tokens are split over (1: whole rows on a device)."""
+    return dict(zip(MESH_AXES, self.mesh_shape)).get('context', 1) if self.mesh_shape else 1
 
   @property
   def pipeline_stages(self) -> int:

@@ -12,9 +12,11 @@ import numpy as np
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-# 'stage' (pipeline parallelism, docs/pipeline.md) comes first; a 4-entry mesh.shape or
-# mesh.dcn_shape (data, fsdp, expert, tensor) means stage 1 (full_shape).
-MESH_AXES = ('stage', 'data', 'fsdp', 'expert', 'tensor')
+# 'stage' (pipeline parallelism, docs/pipeline.md) comes first; 'context' splits each row's
+# tokens (docs/context.md). A mesh.shape or mesh.dcn_shape of 5 entries (stage, data, fsdp,
+# expert, tensor) means context 1, of 4 (data, fsdp, expert, tensor) stage 1 too (full_shape).
+MESH_AXES = ('stage', 'data', 'fsdp', 'expert', 'context', 'tensor')
+SHAPE_LENGTHS = (4, 5, 6)
 BATCH_AXES = ('data', 'fsdp', 'expert')
 # A batch's rows split over the stages too: outside the pipelined layers each stage embeds and
 # scores its own rows; inside them the rows of a stage's micro-batch split over BATCH_AXES.
@@ -47,7 +49,9 @@ _WEIGHTS_FSDP = {
 _ACTS_FSDP = {
   'stage': 'stage',  # a pipeline's per-stage buffers (model/pipeline.py)
   'batch': ROW_AXES,
-  'seq': None,
+  # A row's tokens split over 'context'; keys and values are whole on every context shard (the
+  # all-gather of context parallelism, model/attention.py).
+  'seq': 'context',
   'kv_seq': None,
   'embed': None,
   'heads': None,
@@ -148,10 +152,10 @@ def make_mesh(shape: Sequence[int], devices=None, dcn: Sequence[int] = ()) -> ja
 def check_dcn_shape(dcn: Sequence[int], shape: Sequence[int]) -> tuple[int, ...]:
   """mesh.dcn_shape, all ones when empty; each entry must divide its axis of mesh.shape."""
   dcn = tuple(int(d) for d in dcn) or (1,) * len(MESH_AXES)
-  if len(dcn) not in (4, len(MESH_AXES)) or any(d < 1 for d in dcn):
+  if len(dcn) not in SHAPE_LENGTHS or any(d < 1 for d in dcn):
     raise ValueError(
-      f'mesh.dcn_shape={dcn}: give {len(MESH_AXES)} slice counts >= 1 {MESH_AXES} (or 4, '
-      'without stage), or () for one'
+      f'mesh.dcn_shape={dcn}: give {len(MESH_AXES)} slice counts >= 1 {MESH_AXES} (or 5, '
+      'without context; or 4, without stage either), or () for one'
     )
   given, (dcn, shape) = dcn, (full_shape(dcn), full_shape(shape))
   if any(s % d for s, d in zip(shape, dcn)):
@@ -163,17 +167,21 @@ def check_dcn_shape(dcn: Sequence[int], shape: Sequence[int]) -> tuple[int, ...]
 
 
 def full_shape(shape: Sequence[int]) -> tuple[int, ...]:
-  """A mesh shape over all of MESH_AXES: 4 entries (data, fsdp, expert, tensor) mean stage 1,
-  so configs, checkpoints and run directories written before the stage axis keep working."""
+  """A mesh shape over all of MESH_AXES: 5 entries (stage, data, fsdp, expert, tensor) mean
+  context 1 and 4 entries (data, fsdp, expert, tensor) stage 1 too, so configs, checkpoints and
+  run directories written before those axes keep working."""
   shape = tuple(int(s) for s in shape)
-  return (1, *shape) if len(shape) == len(MESH_AXES) - 1 else shape
+  if len(shape) == 4:
+    shape = (1, *shape)
+  return (*shape[:4], 1, shape[4]) if len(shape) == 5 else shape
 
 
 def resolve_mesh_shape(shape: Sequence[int], num_devices: int) -> tuple[int, ...]:
   shape = [int(s) for s in shape]
-  if len(shape) not in (len(MESH_AXES) - 1, len(MESH_AXES)):
+  if len(shape) not in SHAPE_LENGTHS:
     raise ValueError(
-      f'mesh.shape needs {len(MESH_AXES)} entries {MESH_AXES} (or 4, without stage), got {shape}'
+      f'mesh.shape needs {len(MESH_AXES)} entries {MESH_AXES} (or 5, without context; or 4, '
+      f'without stage either), got {shape}'
     )
   shape = list(full_shape(shape))
   if shape.count(-1) > 1:
@@ -270,8 +278,9 @@ def batch_sharding(mesh, ndim: int = 2) -> NamedSharding:
 
 def check_hosts_own_rows(sharding_, rows: int) -> None:
   """Each process loads its own rows of every batch (its 1/process_count slice of the data), so
-  no two processes may hold the same batch rows. When they do (a 'tensor' axis that spans hosts
-  replicates the batch over them), the array the step sees would differ from host to host."""
+  no two processes may hold the same batch rows. When they do (a 'context' or 'tensor' axis that
+  spans hosts replicates the batch over them), the array the step sees would differ from host
+  to host."""
   owner = {}  # batch row -> the first process seen holding it
   for device, index in sharding_.devices_indices_map((rows, 1)).items():
     for row in range(*index[0].indices(rows)):
@@ -280,7 +289,7 @@ def check_hosts_own_rows(sharding_, rows: int) -> None:
         raise ValueError(
           f'processes {first} and {device.process_index} would both hold batch row {row}: the '
           f'batch axes (stage, data, fsdp, expert) must split the batch over the hosts; keep the '
-          "'tensor' axis of mesh.shape within a host"
+          "'context' and 'tensor' axes of mesh.shape within a host"
         )
 
 

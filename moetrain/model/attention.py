@@ -6,6 +6,7 @@ import math
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.sharding import PartitionSpec as P
 
 from moetrain.core import axes
 from moetrain.core.sharding import constrain
@@ -80,7 +81,12 @@ def causal_self_attention(
   """Attention of a packed row over itself (k/v with N_kv heads dividing N): the splash kernel
   where cfg.splash_attention says so, else self_mask and the chunked XLA path. Both are causal in
   index order within each segment (packing restarts positions per example, so that is causal
-  by position too), a sliding window and sinks (gpt-oss) included."""
+  by position too), a sliding window and sinks (gpt-oss) included. With the row split over the
+  'context' mesh axis: context_self_attention (the XLA path, on TPU too)."""
+  if context_split(cfg, q_BTNH.shape[1]):
+    return context_self_attention(
+      q_BTNH, k_BTNH, v_BTNH, positions_BT, segment_ids_BT, cfg, window, sinks_N
+    )
   if cfg.splash_attention(q_BTNH.shape[1]):
     heads = dict(cfg.engine.rules.activations).get('heads')
 
@@ -105,6 +111,70 @@ def causal_self_attention(
   k_BTNH, v_BTNH = (jnp.repeat(x, groups, axis=2) for x in (k_BTNH, v_BTNH))
   mask = self_mask(positions_BT, segment_ids_BT, window)
   return multi_head(q_BTNH, k_BTNH, v_BTNH, mask, cfg, cfg.engine.attention_chunk, sinks_N)
+
+
+def context_split(cfg: ModelConfig, t: int) -> bool:
+  """Whether a row of t tokens runs split over the 'context' mesh axis (docs/context.md): a
+  mesh with one, inside its context (a decode step's single token, or a length the axis does
+  not divide, stays whole)."""
+  c = cfg.engine.context_shards
+  mesh = jax.sharding.get_abstract_mesh()
+  return c > 1 and not mesh.empty and dict(mesh.shape).get('context', 1) == c and t % c == 0
+
+
+def gather_tokens(x_BT, cfg: ModelConfig):
+  """x [B, T, ...] whole on every 'context' shard (an all-gather over that axis): the keys'
+  side of context parallelism. MLA gathers its latent and rope key, before their expansion to
+  per-head keys and values."""
+  return constrain(x_BT, ('batch', 'kv_seq') + (None,) * (x_BT.ndim - 2), cfg.engine.rules)
+
+
+def context_self_attention(
+  q_BTNH, k_BSNH, v_BSNH, positions_BT, segment_ids_BT, cfg: ModelConfig, window=0, sinks_N=None
+):
+  """causal_self_attention with the row's tokens split over the 'context' mesh axis: each
+  shard's queries [B, T / C, N, H] against every shard's keys and values (all-gathered, N_kv
+  heads: what moves is the keys' and values' heads, or MLA's latent, gathered before), by
+  blocks of attention_chunk queries. The causal mask and the packed rows' segments come from
+  the global positions and indices, so the result equals the unsplit path's; each block scores
+  all S keys (the unsplit path skips the upper triangle block by block), so a shard computes
+  up to twice the causal work. Forward and backward: attention_core inside a shard_map over
+  'context' alone (the batch, heads and other axes stay with the compiler)."""
+  groups = cfg.num_heads // k_BSNH.shape[2]
+  k_BSNH, v_BSNH = gather_tokens(k_BSNH, cfg), gather_tokens(v_BSNH, cfg)
+  all_pos, all_seg = gather_tokens(positions_BT, cfg), gather_tokens(segment_ids_BT, cfg)
+  window = jnp.asarray(window, jnp.int32)
+  sinks = () if sinks_N is None else (sinks_N,)
+
+  def shard(q_BTNH, k_BSNH, v_BSNH, pos_BT, seg_BT, pos_BS, seg_BS, window, *sinks):
+    t, s = q_BTNH.shape[1], k_BSNH.shape[1]
+    mask = attention_mask(pos_BT, seg_BT, pos_BS, seg_BS)
+    first = jax.lax.axis_index('context') * t  # this shard's first index in the row
+    in_order = jnp.arange(s)[None, :] <= first + jnp.arange(t)[:, None]
+    mask = window_mask(mask & in_order[None], pos_BT, pos_BS, window)
+    k_BSNH, v_BSNH = (jnp.repeat(x, groups, axis=2) for x in (k_BSNH, v_BSNH))
+    chunk = cfg.engine.attention_chunk
+    step = chunk if 0 < chunk < t else t
+    out_BNTH = attention_core(
+      *(x.transpose(0, 2, 1, 3) for x in (q_BTNH, k_BSNH, v_BSNH)),
+      mask,
+      cfg.attention_scale,
+      tuple((i, min(i + step, t), s) for i in range(0, t, step)),
+      cfg.engine.attention_recompute,
+      *sinks,
+      reference=cfg.engine.reference_kernels,
+    )
+    return out_BNTH.transpose(0, 2, 1, 3)
+
+  split, whole = P(None, 'context'), P()
+  out_BTNH = jax.shard_map(
+    shard,
+    in_specs=(split, whole, whole, split, split, whole, whole, whole, *(whole for _ in sinks)),
+    out_specs=split,
+    axis_names={'context'},
+    check_vma=False,
+  )(q_BTNH, k_BSNH, v_BSNH, positions_BT, segment_ids_BT, all_pos, all_seg, window, *sinks)
+  return constrain(out_BTNH, axes.names('BTN') + (None,), cfg.engine.rules)
 
 
 class MLA(nnx.Module):
@@ -168,6 +238,8 @@ class MLA(nnx.Module):
     del window  # no MLA family has sliding windows
     q_nope, q_pe = self.project_q(x_BTD, positions_BT, rng)
     c_BTK, k_pe = self.latent(x_BTD, positions_BT, rng)
+    if context_split(self.cfg, c_BTK.shape[1]):  # the latent moves, not the heads' keys
+      c_BTK, k_pe = gather_tokens(c_BTK, self.cfg), gather_tokens(k_pe, self.cfg)
     q_BTNH, k_BTNH, v_BTNH = self.heads(q_nope, q_pe, c_BTK, k_pe, rng)
     out_BTNH = causal_self_attention(q_BTNH, k_BTNH, v_BTNH, positions_BT, segment_ids_BT, self.cfg)
     return self.o(out_BTNH, rng)

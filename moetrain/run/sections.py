@@ -92,9 +92,11 @@ class InitConfig:
 
 @dataclasses.dataclass(frozen=True)
 class MeshConfig:
-  """The `config.mesh` section: the device mesh, axes (stage, data, fsdp, expert, tensor); four
-  entries (data, fsdp, expert, tensor) mean stage 1. 'stage' > 1 splits the layers into a
-  pipeline (engine.pipeline_microbatches, docs/pipeline.md)."""
+  """The `config.mesh` section: the device mesh, axes (stage, data, fsdp, expert, context,
+  tensor); five entries (stage, data, fsdp, expert, tensor) mean context 1, four (data, fsdp,
+  expert, tensor) stage 1 too. 'stage' > 1 splits the layers into a pipeline
+  (engine.pipeline_microbatches, docs/pipeline.md); 'context' > 1 splits each row's tokens
+  (docs/context.md)."""
 
   shape: tuple = (1, -1, 1, 1)  # one entry may be -1 (the remaining devices)
   # Multislice: how many slices each axis spans (over the data-center network), e.g. (2, 1, 1, 1)

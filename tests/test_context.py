@@ -1,0 +1,100 @@
+"""Context parallelism (docs/context.md): a row's tokens split over the 'context' mesh axis give
+the loss and gradients of whole rows, on 8 emulated devices, with packed rows, LoRA and the
+attention kinds (MLA with LongCat's zero experts and two attention blocks a layer; GQA; gpt-oss's
+sinks and sliding windows; DeepSeek's groups)."""
+
+import jax
+import numpy as np
+import optax
+import pytest
+
+from moetrain.core import sharding
+from moetrain.training.train_state import create_sharded, graphdef_of
+from moetrain.training.train_step import StepConfig, loss_fn, token_counts
+from tests.helpers import tiny, with_lora
+
+GQA = dict(attention='gqa', layer_layout='standard', num_heads=4, num_kv_heads=2, head_dim=8)
+FAMILIES = {
+  'longcat': dict(),  # MLA, shortcut layers, zero experts, the router's bias
+  'qwen3_moe': GQA | dict(zero_expert_num=0, qk_norm=True),
+  'gpt_oss': GQA
+  | dict(
+    zero_expert_num=0,
+    attention_sinks=True,
+    sliding_window=12,
+    layer_types=('sliding_attention', 'full_attention'),
+    router_score='topk_softmax',
+    router_linear_bias=True,
+    router_bias=False,
+  ),
+  'deepseek_v3': dict(
+    layer_layout='standard', n_group=2, topk_group=1, zero_expert_num=0, router_score='sigmoid'
+  ),
+}
+T = 32
+
+
+def packed_batch(b=8, t=T, vocab=64):
+  """Rows of two packed examples (the second starts at a position no shard boundary meets) and
+  a padded tail on one row."""
+  rng = np.random.default_rng(0)
+  ids = rng.integers(1, vocab, (b, t + 1)).astype(np.int32)
+  cut = 11
+  seg = np.where(np.arange(t) < cut, 1, 2)[None].repeat(b, 0).astype(np.int32)
+  seg[1, -5:] = 0  # padding
+  pos = np.where(np.arange(t) < cut, np.arange(t), np.arange(t) - cut)[None].repeat(b, 0)
+  mask = (seg > 0).astype(np.float32)
+  return {
+    'inputs': ids[:, :-1],
+    'targets': ids[:, 1:],
+    'segment_ids': seg,
+    'positions': pos.astype(np.int32),
+    'loss_mask': mask,
+  }
+
+
+def loss_and_grads(cfg, mesh_shape):
+  """The loss and the adapters' gradients on a mesh of the 8 devices (float32)."""
+  mesh = sharding.make_mesh(mesh_shape)
+  cfg = cfg.with_engine(rules=sharding.Rules.preset('fsdp_ep_tp')).laid_out('cpu', mesh)
+  with jax.set_mesh(mesh):
+    state = create_sharded(cfg, optax.sgd(1e-3), 0, mesh, cfg.engine.rules)
+    b = {k: jax.device_put(v, sharding.batch_sharding(mesh)) for k, v in packed_batch().items()}
+
+    def loss(params):
+      step = StepConfig(model=cfg)
+      return loss_fn(
+        params, state.moe_bias, state.frozen, graphdef_of(cfg), b, None, token_counts(b), step
+      )[0]
+
+    value, grads = jax.jit(jax.value_and_grad(loss))(state.params)
+    return float(value), [np.asarray(g) for g in jax.tree.leaves(grads)]
+
+
+@pytest.mark.parametrize(
+  'family',
+  [
+    'longcat',
+    'qwen3_moe',
+    pytest.param('gpt_oss', marks=pytest.mark.slow),
+    pytest.param('deepseek_v3', marks=pytest.mark.slow),
+  ],
+)
+def test_a_row_split_over_context_gives_the_whole_rows_loss_and_gradients(family):
+  cfg = with_lora(tiny(init_std=0.05, attention_chunk=8, **FAMILIES[family]))
+  want, want_grads = loss_and_grads(cfg, (1, 1, 4, 2, 1, 1))  # fsdp 4 x expert 2
+  for context in (2, 4):
+    got, grads = loss_and_grads(cfg, (1, 1, 4 // context, 2, context, 1))
+    np.testing.assert_allclose(got, want, rtol=1e-5)
+    assert len(grads) == len(want_grads)
+    for g, w in zip(grads, want_grads):
+      np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-6)
+
+
+def test_mesh_shapes_of_four_five_and_six_entries():
+  assert sharding.full_shape((1, 2, 3, 4)) == (1, 1, 2, 3, 1, 4)
+  assert sharding.full_shape((2, 1, 2, 3, 4)) == (2, 1, 2, 3, 1, 4)
+  assert sharding.full_shape((1, 1, 2, 1, 4, 1)) == (1, 1, 2, 1, 4, 1)
+  assert sharding.resolve_mesh_shape((1, 1, -1, 1, 4, 1), 8) == (1, 1, 2, 1, 4, 1)
+  with pytest.raises(ValueError, match=r'mesh.shape needs 6 entries'):
+    sharding.resolve_mesh_shape((1, 2, 4), 8)

@@ -141,6 +141,12 @@ def context_self_attention(
   up to twice the causal work. Forward and backward: attention_core inside a shard_map over
   'context' alone (the batch, heads and other axes stay with the compiler)."""
   groups = cfg.num_heads // k_BSNH.shape[2]
+  dtype = k_BSNH.dtype
+  if cfg.engine.platform == 'cpu':
+    # XLA:CPU aborts compiling the backward's bfloat16 sum over 'context' of what the shards
+    # read whole ("Invalid binary instruction opcode copy", jax 0.12): float32 across the
+    # boundary there.
+    k_BSNH, v_BSNH = k_BSNH.astype(jnp.float32), v_BSNH.astype(jnp.float32)
   k_BSNH, v_BSNH = gather_tokens(k_BSNH, cfg), gather_tokens(v_BSNH, cfg)
   all_pos, all_seg = gather_tokens(positions_BT, cfg), gather_tokens(segment_ids_BT, cfg)
   window = jnp.asarray(window, jnp.int32)
@@ -152,7 +158,7 @@ def context_self_attention(
     first = jax.lax.axis_index('context') * t  # this shard's first index in the row
     in_order = jnp.arange(s)[None, :] <= first + jnp.arange(t)[:, None]
     mask = window_mask(mask & in_order[None], pos_BT, pos_BS, window)
-    k_BSNH, v_BSNH = (jnp.repeat(x, groups, axis=2) for x in (k_BSNH, v_BSNH))
+    k_BSNH, v_BSNH = (jnp.repeat(x.astype(dtype), groups, axis=2) for x in (k_BSNH, v_BSNH))
     chunk = cfg.engine.attention_chunk
     step = chunk if 0 < chunk < t else t
     out_BNTH = attention_core(

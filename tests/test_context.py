@@ -81,7 +81,7 @@ def loss_and_grads(cfg, mesh_shape):
   ],
 )
 def test_a_row_split_over_context_gives_the_whole_rows_loss_and_gradients(family):
-  cfg = with_lora(tiny(init_std=0.05, attention_chunk=8, **FAMILIES[family]))
+  cfg = with_lora(tiny(init_std=0.05, attention_chunk=8, loss_chunk=4, **FAMILIES[family]))
   want, want_grads = loss_and_grads(cfg, (1, 1, 4, 2, 1, 1))  # fsdp 4 x expert 2
   for context in (2, 4):
     got, grads = loss_and_grads(cfg, (1, 1, 4 // context, 2, context, 1))
@@ -98,3 +98,18 @@ def test_mesh_shapes_of_four_five_and_six_entries():
   assert sharding.resolve_mesh_shape((1, 1, -1, 1, 4, 1), 8) == (1, 1, 2, 1, 4, 1)
   with pytest.raises(ValueError, match=r'mesh.shape needs 6 entries'):
     sharding.resolve_mesh_shape((1, 2, 4), 8)
+
+
+def test_loss_blocks_hold_each_shards_own_positions():
+  """With a row split over 4 context shards, loss block j holds positions j*c .. j*c + c - 1 of
+  each shard (so each device scores its own tokens); the blocks' inverse gives the row back."""
+  from moetrain.kernels import cross_entropy
+
+  mesh = sharding.make_mesh((1, 1, 2, 1, 4, 1))
+  x = np.arange(2 * 32, dtype=np.int32).reshape(2, 32)
+  with jax.set_mesh(mesh):
+    blocks = jax.jit(lambda x: cross_entropy._blocks(x, x, x, 2)[0])(x)
+    back = jax.jit(lambda b: cross_entropy._unblock(b, 32, 2))(blocks)
+  assert blocks.shape == (4, 2, 8)  # 4 blocks of 2 positions from each of 4 shards
+  np.testing.assert_array_equal(blocks[1, 0], [2, 3, 10, 11, 18, 19, 26, 27])
+  np.testing.assert_array_equal(back, x)

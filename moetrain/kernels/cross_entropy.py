@@ -27,17 +27,46 @@ def head_cross_entropy(
   return head_ce(leaves, h_BTD, targets_BT, mask_BT, rng, static, chunk, reference=reference)
 
 
+def _context_shards(t: int) -> int:
+  """The 'context' mesh axis's size where it splits a row of t tokens, else 1."""
+  mesh = jax.sharding.get_abstract_mesh()
+  c = 1 if mesh.empty else dict(mesh.shape).get('context', 1)
+  return c if t % c == 0 else 1
+
+
+def _block_size(t: int, chunk: int) -> tuple[int, int]:
+  """(context shards C, positions per shard and block c): a row's blocks hold c positions of
+  each of its C shards."""
+  shards = _context_shards(t)
+  local = t // shards
+  c = chunk if 0 < chunk < local else local
+  return (shards, c) if local % c == 0 else (1, chunk if 0 < chunk < t else t)
+
+
 def _blocks(h_BTD, targets_BT, mask_BT, chunk: int):
-  """[n, B, c, ...] blocks of the sequence (padded with masked positions to a multiple of c)."""
+  """[n, B, C * c, ...] blocks of the sequence (padded with masked positions to a multiple of
+  C * c). With the row split over C 'context' shards, block j holds the j-th c positions of
+  each shard, so every block stays split like the row and each device scores its own tokens."""
   t = targets_BT.shape[1]
-  c = chunk if 0 < chunk < t else t
-  pad = -t % c
+  shards, c = _block_size(t, chunk)
+  pad = -t % (shards * c)
 
   def split(x):
     x = jnp.pad(x, [(0, 0), (0, pad)] + [(0, 0)] * (x.ndim - 2))
-    return x.reshape(x.shape[0], -1, c, *x.shape[2:]).swapaxes(0, 1)
+    x = x.reshape(x.shape[0], shards, -1, c, *x.shape[2:]).transpose(
+      2, 0, 1, 3, *range(4, x.ndim + 2)
+    )
+    return x.reshape(x.shape[0], x.shape[1], shards * c, *x.shape[4:])
 
   return split(h_BTD), split(targets_BT), split(mask_BT)
+
+
+def _unblock(x_U, t: int, chunk: int):
+  """_blocks' inverse: [n, B, C * c, ...] -> [B, t, ...]."""
+  shards, c = _block_size(t, chunk)
+  n, b = x_U.shape[:2]
+  x = x_U.reshape(n, b, shards, c, *x_U.shape[3:]).transpose(1, 2, 0, 3, *range(4, x_U.ndim + 1))
+  return x.reshape(b, n * shards * c, *x_U.shape[3:])[:, :t]
 
 
 def _stats(logits_BTV, targets_BT, mask_BT):
@@ -106,8 +135,7 @@ def _head_ce_fwd(leaves, h_BTD, targets_BT, mask_BT, rng, static, chunk):
   acc = [jnp.zeros(v.shape, jnp.float32) for v in need]
   xs = (h_U, t_U, m_U, jnp.arange(h_U.shape[0]))
   dw, (nll, correct, dh_U) = jax.lax.scan(block, acc, xs)
-  b, t = targets_BT.shape
-  dh_BTD = dh_U.swapaxes(0, 1).reshape(b, -1, h_BTD.shape[-1])[:, :t]
+  dh_BTD = _unblock(dh_U, targets_BT.shape[1], chunk)
   it = iter(dw)
   dw = [next(it).astype(v.dtype) if d else None for v, d in zip(leaves, trained)]
   return (nll.sum(), correct.sum()), (dh_BTD, dw)
@@ -154,6 +182,5 @@ def head_token_logprobs(
     return None, block(leaves, *xs)
 
   _, (logp_U, top_U) = jax.lax.scan(step, None, (h_U, t_U, jnp.arange(h_U.shape[0])))
-  b, t = targets_BT.shape
-  unblock = lambda x: x.swapaxes(0, 1).reshape(b, -1)[:, :t]
-  return unblock(logp_U), unblock(top_U)
+  t = targets_BT.shape[1]
+  return _unblock(logp_U, t, chunk), _unblock(top_U, t, chunk)

@@ -30,13 +30,15 @@ QWEN3 = dataclasses.replace(
 
 
 def test_four_entry_mesh_shapes_mean_stage_one():
-  assert sharding.resolve_mesh_shape((1, -1, 1, 1), 8) == (1, 1, 8, 1, 1)
-  assert sharding.resolve_mesh_shape((2, 1, -1, 2, 1), 8) == (2, 1, 2, 2, 1)
-  assert sharding.check_dcn_shape((2, 1, 1, 1), (1, 2, 4, 1, 1)) == (1, 2, 1, 1, 1)
-  assert sharding.check_dcn_shape((2, 1, 1, 1, 1), (2, 1, 4, 1, 1)) == (2, 1, 1, 1, 1)
-  assert tiny().laid_out('cpu', (1, 2, 4, 1)).engine.mesh_shape == (1, 1, 2, 4, 1)
+  """(Five entries, without 'context', mean context 1: tests/test_context.py.)"""
+  assert sharding.resolve_mesh_shape((1, -1, 1, 1), 8) == (1, 1, 8, 1, 1, 1)
+  assert sharding.resolve_mesh_shape((2, 1, -1, 2, 1), 8) == (2, 1, 2, 2, 1, 1)
+  assert sharding.check_dcn_shape((2, 1, 1, 1), (1, 2, 4, 1, 1)) == (1, 2, 1, 1, 1, 1)
+  assert sharding.check_dcn_shape((2, 1, 1, 1, 1), (2, 1, 4, 1, 1)) == (2, 1, 1, 1, 1, 1)
+  assert tiny().laid_out('cpu', (1, 2, 4, 1)).engine.mesh_shape == (1, 1, 2, 4, 1, 1)
   mesh = sharding.make_mesh((2, 1, -1, 2, 1))
-  assert dict(mesh.shape) == {'stage': 2, 'data': 1, 'fsdp': 2, 'expert': 2, 'tensor': 1}
+  want = {'stage': 2, 'data': 1, 'fsdp': 2, 'expert': 2, 'context': 1, 'tensor': 1}
+  assert dict(mesh.shape) == want
 
 
 def test_a_layer_count_the_stages_do_not_divide_is_refused():

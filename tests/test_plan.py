@@ -278,7 +278,14 @@ def test_a_mesh_whose_axes_split_the_torus_sides():
 
   devices = topology.parse('v5p-512').devices()
   mesh = sharding.make_mesh((1, -1, 16, 1), devices)
-  assert dict(mesh.shape) == {'stage': 1, 'data': 1, 'fsdp': 16, 'expert': 16, 'tensor': 1}
+  assert dict(mesh.shape) == {
+    'stage': 1,
+    'data': 1,
+    'fsdp': 16,
+    'expert': 16,
+    'context': 1,
+    'tensor': 1,
+  }
   assert sorted(d.id for d in mesh.devices.flat) == sorted(d.id for d in devices)
 
 

@@ -1,0 +1,75 @@
+"""Context parallelism on 8 emulated CPU devices: the LoRA demo's step (configs/longcat_lora.py)
+with each row's tokens split over the 'context' axis or not. Two tables:
+
+- the same work (8 rows of --tokens tokens a step) with context 1, 2, 4, 8 and FSDP over the rest
+  of the 8 devices: the compiled step's memory per device and the median step time, the runs
+  interleaved --repeats times (each a fresh process);
+- one long row a step (--long tokens): FSDP alone, where every device holds the whole row,
+  against context 8, where each holds an eighth.
+
+  python -m bench.context --tokens 2048 --long 8192,32768 --steps 6 --repeats 2
+"""
+
+import argparse
+import json
+import os
+import re
+import statistics
+import tempfile
+
+from bench.common import emit, machine, run_main
+
+COMPILED = re.compile(r'Compiled in [\d.]+ s: ([\d.]+) GiB per device')
+
+
+def run(context: int, tokens: int, rows: int, steps: int) -> dict:
+  """One run of the demo step: mesh (1, 1, 8 / context, 1, context, 1)."""
+  with tempfile.TemporaryDirectory(prefix='bench_context') as workdir:
+    out = run_main(
+      [
+        'moetrain.main',
+        '--config=configs/longcat_lora.py',
+        f'--config.mesh.shape=(1,1,{8 // context},1,{context},1)',
+        f'--config.data.seq_len={tokens}',
+        f'--config.data.global_batch_size={rows}',
+        f'--config.train.steps={steps}',
+        '--config.optim.warmup_steps=0',
+        '--config.train.log_every=1',
+        '--config.train.eval_every=0',
+        '--config.data.eval_split=',
+        f'--workdir={workdir}',
+      ]
+    )
+    gib = float(COMPILED.search(out).group(1))
+    records = [json.loads(x) for x in open(os.path.join(workdir, 'metrics.jsonl'))]
+    train = [r for r in records if r.get('kind') == 'train']
+    times = [(b['time'] - a['time']) / b['window_steps'] for a, b in zip(train, train[1:])]
+  return {'gib_per_device': gib, 'step_s': statistics.median(times) if times else None}
+
+
+def main() -> None:
+  p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  p.add_argument('--tokens', type=int, default=2048)
+  p.add_argument('--long', default='8192,32768')
+  p.add_argument('--steps', type=int, default=6)
+  p.add_argument('--repeats', type=int, default=2)
+  args = p.parse_args()
+  os.environ['XLA_FLAGS'] = '--xla_force_host_platform_device_count=8'
+  emit({'machine': machine()})
+  same = {c: [] for c in (1, 2, 4, 8)}
+  for _ in range(args.repeats):
+    for c in same:
+      same[c].append(run(c, args.tokens, 8, args.steps))
+  for c, runs in same.items():
+    step = statistics.median(r['step_s'] for r in runs)
+    emit({'table': 'same work', 'context': c, 'tokens_per_row': args.tokens, 'rows': 8,
+          'gib_per_device': runs[0]['gib_per_device'], 'step_s_median': step,
+          'step_s': [r['step_s'] for r in runs]})  # fmt: skip
+  for tokens in (int(t) for t in args.long.split(',') if t):
+    for c in (1, 8):
+      r = run(c, tokens, 1, args.steps)
+      emit({'table': 'one long row', 'context': c, 'tokens_per_row': tokens, **r})
+
+
+if __name__ == '__main__':
+  main()

@@ -83,12 +83,27 @@ def loss_and_grads(cfg, mesh_shape):
 def test_a_row_split_over_context_gives_the_whole_rows_loss_and_gradients(family):
   cfg = with_lora(tiny(init_std=0.05, attention_chunk=8, loss_chunk=4, **FAMILIES[family]))
   want, want_grads = loss_and_grads(cfg, (1, 1, 4, 2, 1, 1))  # fsdp 4 x expert 2
-  for context in (2, 4):
-    got, grads = loss_and_grads(cfg, (1, 1, 4 // context, 2, context, 1))
+  # context 2 in the rows' order; 2 and 4 with the load balance's dual-chunk order
+  for context, reorder in ((2, False), (2, True), (4, True)):
+    got, grads = loss_and_grads(
+      cfg.with_engine(context_reorder=reorder), (1, 1, 4 // context, 2, context, 1)
+    )
     np.testing.assert_allclose(got, want, rtol=1e-5)
     assert len(grads) == len(want_grads)
     for g, w in zip(grads, want_grads):
       np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-6)
+
+
+def test_the_dual_chunk_order_balances_the_shards():
+  """Shard i holds chunks i and 2C - 1 - i of the row's 2C: every shard's queries see as many
+  earlier keys in all."""
+  from moetrain.model.attention import dual_chunk_order
+
+  order = dual_chunk_order(16, 4)
+  np.testing.assert_array_equal(order[:4], [0, 1, 14, 15])  # shard 0: chunks 0 and 7
+  np.testing.assert_array_equal(np.sort(order), np.arange(16))
+  work = [int((order[i * 4 : (i + 1) * 4] + 1).sum()) for i in range(4)]  # keys seen, causal
+  assert len(set(work)) == 1
 
 
 def test_mesh_shapes_of_four_five_and_six_entries():

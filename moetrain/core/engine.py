@@ -127,6 +127,10 @@ class EngineConfig:
   # scores recomputed in the backward (flash-attention style: O(T) instead of O(T * S) memory per
   # head; as fast as keeping them on this CPU, bench/RESULTS.md); False = the float32 probabilities.
   attention_recompute: bool = field(True)
+  # With a 'context' mesh axis: reorder each row's tokens once at the step's input (dual
+  # chunks: shard i holds chunks i and 2C - 1 - i of 2C), so every shard has equal causal
+  # attention work (docs/context.md). The loss and metrics are unchanged by it.
+  context_reorder: bool = field(True)
   # Sequence positions per block of the training/eval loss: the lm head and its cross entropy run
   # block by block, so only [B, loss_chunk, V] logits exist at a time; 0 = one block.
   loss_chunk: int = field(256, check='non_negative', zero='0 = no chunking')

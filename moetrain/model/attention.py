@@ -5,6 +5,7 @@ import math
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 
@@ -122,6 +123,22 @@ def context_split(cfg: ModelConfig, t: int) -> bool:
   return c > 1 and not mesh.empty and dict(mesh.shape).get('context', 1) == c and t % c == 0
 
 
+def context_reordered(cfg: ModelConfig, t: int) -> bool:
+  """Whether the step's input rows of t tokens are in dual-chunk order (engine.context_reorder,
+  a context split into 2C chunks; not for Gated DeltaNet layers, which read tokens in order)."""
+  c = cfg.engine.context_shards
+  linear = any(m == 'linear' for m in cfg.layer_mixers())
+  return cfg.engine.context_reorder and context_split(cfg, t) and t % (2 * c) == 0 and not linear
+
+
+def dual_chunk_order(t: int, shards: int) -> np.ndarray:
+  """The token order of a row of t under context load balance: the row in 2C chunks, shard i
+  holding chunks i and 2C - 1 - i, so each shard's queries see as many earlier keys as every
+  other's. order[j] = the original index of the token at j."""
+  chunks = np.arange(t).reshape(2 * shards, t // (2 * shards))
+  return np.concatenate([np.concatenate([chunks[i], chunks[-1 - i]]) for i in range(shards)])
+
+
 def gather_tokens(x_BT, cfg: ModelConfig):
   """x [B, T, ...] whole on every 'context' shard (an all-gather over that axis): the keys'
   side of context parallelism. MLA gathers its latent and rope key, before their expansion to
@@ -151,12 +168,21 @@ def context_self_attention(
   all_pos, all_seg = gather_tokens(positions_BT, cfg), gather_tokens(segment_ids_BT, cfg)
   window = jnp.asarray(window, jnp.int32)
   sinks = () if sinks_N is None else (sinks_N,)
+  # The tokens' indices in the row as the data wrote it (dual-chunk order moves them).
+  t_all = q_BTNH.shape[1]
+  index = (
+    dual_chunk_order(t_all, cfg.engine.context_shards) if context_reordered(cfg, t_all) else None
+  )
 
   def shard(q_BTNH, k_BSNH, v_BSNH, pos_BT, seg_BT, pos_BS, seg_BS, window, *sinks):
     t, s = q_BTNH.shape[1], k_BSNH.shape[1]
     mask = attention_mask(pos_BT, seg_BT, pos_BS, seg_BS)
-    first = jax.lax.axis_index('context') * t  # this shard's first index in the row
-    in_order = jnp.arange(s)[None, :] <= first + jnp.arange(t)[:, None]
+    first = jax.lax.axis_index('context') * t  # this shard's first slot in the row
+    k_index, q_index = jnp.arange(s), first + jnp.arange(t)
+    if index is not None:
+      k_index = jnp.asarray(index)
+      q_index = k_index[q_index]
+    in_order = k_index[None, :] <= q_index[:, None]
     mask = window_mask(mask & in_order[None], pos_BT, pos_BS, window)
     k_BSNH, v_BSNH = (jnp.repeat(x.astype(dtype), groups, axis=2) for x in (k_BSNH, v_BSNH))
     chunk = cfg.engine.attention_chunk

@@ -2,15 +2,18 @@
 shortcut-connected MoE layers, or standard pre-norm layers with an MoE or a dense MLP), final norm
 and lm head."""
 
+import functools
+
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
 from moetrain.core import axes
 from moetrain.core.sharding import constrain
 from moetrain.kernels import experts as experts_lib
-from moetrain.model import stages
+from moetrain.model import attention, stages
 from moetrain.model.attention import MLA, make_attention
 from moetrain.model.config import LayerGroup, ModelConfig
 from moetrain.model.layers import MLP, Embed, Linear, RMSNorm
@@ -220,18 +223,40 @@ class Transformer(nnx.Module):
     MoE layer's router chose (before any replay; None under pipeline stages). Training takes the
     loss from here (kernels/cross_entropy.py), never the whole logits.
 
-    routes_BTLK: routing replay, the MoE layers' forced top-k ids (None: the routers choose)."""
+    routes_BTLK: routing replay, the MoE layers' forced top-k ids (None: the routers choose).
+
+    With a context split's load balance (attention.context_reordered) the layers run on the
+    rows in dual-chunk order: the inputs are reordered here (each context shard holds whole
+    rows at this point, so that moves nothing between devices) and the outputs put back in
+    the rows' order."""
     b, t = ids_BT.shape
     if positions_BT is None:
       positions_BT = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
     if segment_ids_BT is None:
       segment_ids_BT = jnp.ones((b, t), jnp.int32)
+    reordered = attention.context_reordered(self.cfg, t)
+    index = attention.dual_chunk_order(t, self.cfg.engine.context_shards) if reordered else None
+
+    def order(x, index=index):  # axis 1 (the tokens) in `index`'s order
+      return x if x is None or index is None else jnp.take(x, index, axis=1)
+
+    ids_BT, positions_BT, segment_ids_BT, routes_BTLK = map(
+      order, (ids_BT, positions_BT, segment_ids_BT, routes_BTLK)
+    )
     h_BTD = constrain(self.embed(ids_BT), ACT, self.cfg.engine.rules)
     h_BTD, stats = self.run_layers(h_BTD, positions_BT, segment_ids_BT, rng, routes_BTLK)
     z_BT = jax.nn.logsumexp(jnp.abs(h_BTD.astype(jnp.float32)), axis=-1)
     routes = stats.pop('routes', None) if stats else None
     routes = None if routes is None else jnp.transpose(routes, (1, 2, 0, 3))
-    return self.final_norm(h_BTD), {'moe': stats, 'hidden_lse_BT': z_BT, 'routes': routes}
+    h_BTD = self.final_norm(h_BTD)
+    if reordered:  # back in the rows' order
+      back = functools.partial(order, index=np.argsort(index))
+      h_BTD, z_BT, routes = (
+        constrain(back(h_BTD), ACT, self.cfg.engine.rules),
+        back(z_BT),
+        back(routes),
+      )
+    return h_BTD, {'moe': stats, 'hidden_lse_BT': z_BT, 'routes': routes}
 
   def run_layers(self, h_BTD, positions_BT, segment_ids_BT, rng, routes_BTLK=None):
     cfg = self.cfg

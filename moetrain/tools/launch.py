@@ -404,7 +404,8 @@ def main(argv):
   else:
     plan = fitting_plan(f.config, s.topology.name, tpu_plan.CACHE)
   saved, mesh = checkpoint_bytes(f.config, s)
-  if plan.get('mesh', mesh) != mesh:
+  # (A plan written before the stage or context axes names neither: both 1.)
+  if {'stage': 1, 'context': 1, **plan.get('mesh', mesh)} != mesh:
     raise runtime.UserError(f'--plan={f.plan} is of the mesh {plan["mesh"]}, this config {mesh}')
   grace = grace_seconds(plan['est_step_seconds'], saved / s.hosts)
   pods = (

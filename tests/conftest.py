@@ -8,9 +8,6 @@ import os
 os.environ['XLA_FLAGS'] = (
   os.environ.get('XLA_FLAGS', '')
   + ' --xla_force_host_platform_device_count=8 --xla_backend_optimization_level=0'
-  # A late device's thread (two workers' 8-device programs on 2 cores): 900 s, not XLA's 40,
-  # before the collective rendezvous aborts the process (moetrain/core/runtime.py).
-  + ' --xla_cpu_collective_call_terminate_timeout_seconds=900'
 ).strip()
 os.environ.setdefault('JAX_PLATFORMS', 'cpu')
 

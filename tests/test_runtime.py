@@ -191,25 +191,19 @@ def test_the_planner_compiles_for_a_tpu_without_libtpu_noise(tmp_path):
   assert 'E0000' not in done.stderr and 'host bounds' not in done.stderr, done.stderr[-2000:]
 
 
-def test_emulated_devices_get_one_collective_order_and_patience(monkeypatch):
+def test_emulated_devices_get_one_collective_order(monkeypatch):
   """Several emulated CPU devices run XLA:CPU's default scheduler (its concurrency-optimised one
-  let them enter collectives in different orders: the rendezvous aborted) and wait 900 s, not
-  40, for a late device (a loaded host's threads); one device and an XLA_FLAGS that already
-  chooses are left alone."""
-  order, patience = runtime.CPU_ONE_COLLECTIVE_ORDER, runtime.CPU_COLLECTIVE_PATIENCE
-  eight = '--xla_force_host_platform_device_count=8'
+  let them enter collectives in different orders: the rendezvous aborted); one device and an
+  XLA_FLAGS that already chooses are left alone."""
   cases = {
-    eight: f'{eight} {order} {patience}',
-    '--xla_force_host_platform_device_count=1': '--xla_force_host_platform_device_count=1',
-    '': '',
-    f'{eight} --xla_cpu_enable_concurrency_optimized_scheduler=true': (
-      f'{eight} --xla_cpu_enable_concurrency_optimized_scheduler=true {patience}'
-    ),
-    f'{eight} --xla_cpu_collective_call_terminate_timeout_seconds=5': (
-      f'{eight} --xla_cpu_collective_call_terminate_timeout_seconds=5 {order}'
-    ),
+    '--xla_force_host_platform_device_count=8': True,
+    '--xla_force_host_platform_device_count=1': False,
+    '': False,
+    '--xla_force_host_platform_device_count=8 '
+    '--xla_cpu_enable_concurrency_optimized_scheduler=true': False,
   }
-  for flags, want in cases.items():
+  for flags, added in cases.items():
     monkeypatch.setenv('XLA_FLAGS', flags)
     runtime.cpu_collective_schedule()
-    assert os.environ['XLA_FLAGS'] == want
+    got = os.environ['XLA_FLAGS']
+    assert got == (f'{flags} {runtime.CPU_ONE_COLLECTIVE_ORDER}'.strip() if added else flags)

@@ -279,29 +279,20 @@ def rocm_grouped_gemm() -> None:
 
 
 CPU_ONE_COLLECTIVE_ORDER = '--xla_cpu_enable_concurrency_optimized_scheduler=false'
-CPU_COLLECTIVE_PATIENCE = '--xla_cpu_collective_call_terminate_timeout_seconds=900'
 
 
 def cpu_collective_schedule() -> None:
-  """Emulated CPU devices (XLA_FLAGS' --xla_force_host_platform_device_count above 1):
-  - with XLA:CPU's concurrency-optimised scheduler the devices entered their collectives in
-    different orders and the collective rendezvous aborted the run ("Termination timeout for
-    `all gather`"; seen with a pipeline's stages, and with gradient accumulation over an FSDP x
-    expert mesh, on 2 of 3 runs); its default scheduler does not;
-  - the rendezvous aborts the process when a device's thread arrives 40 s after the others
-    (its default), which a host running more device threads than it has cores reaches (a
-    2-core VM running 8-device jobs side by side: a device in neither of two all-gathers
-    after 40 s): 900 s.
-  Set before JAX starts its backends; an XLA_FLAGS that already names one is left alone. One
-  device, or real ones, keep the defaults."""
+  """Emulated CPU devices (XLA_FLAGS' --xla_force_host_platform_device_count above 1): with
+  XLA:CPU's concurrency-optimised scheduler the devices entered their collectives in different
+  orders and the collective rendezvous aborted the run ("Termination timeout for `all gather`";
+  seen with a pipeline's stages, and with gradient accumulation over an FSDP x expert mesh, on 2
+  of 3 runs); its default scheduler does not. Set before JAX starts its backends; an XLA_FLAGS
+  that already names it is left alone. One device, or real ones, keep the default."""
   flags = os.environ.get('XLA_FLAGS', '')
   count = re.search(r'--xla_force_host_platform_device_count=(\d+)', flags)
-  if count is None or int(count.group(1)) <= 1:
-    return
-  for flag in (CPU_ONE_COLLECTIVE_ORDER, CPU_COLLECTIVE_PATIENCE):
-    if flag.split('=')[0] not in flags:
-      flags = f'{flags} {flag}'.strip()
-  os.environ['XLA_FLAGS'] = flags
+  emulated = count is not None and int(count.group(1)) > 1
+  if emulated and 'concurrency_optimized_scheduler' not in flags:
+    os.environ['XLA_FLAGS'] = f'{flags} {CPU_ONE_COLLECTIVE_ORDER}'.strip()
 
 
 def cpu_without_accelerators() -> None:

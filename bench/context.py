@@ -8,6 +8,7 @@ with each row's tokens split over the 'context' axis or not. Two tables:
   against context 8, where each holds an eighth.
 
   python -m bench.context --tokens 2048 --long 8192,32768 --steps 6 --repeats 2
+  python -m bench.context --memory_only 4096,16384,65536   # the compiled step's memory only
 """
 
 import argparse
@@ -15,6 +16,8 @@ import json
 import os
 import re
 import statistics
+import subprocess
+import sys
 import tempfile
 
 from bench.common import emit, machine, run_main
@@ -47,15 +50,52 @@ def run(context: int, tokens: int, rows: int, steps: int) -> dict:
   return {'gib_per_device': gib, 'step_s': statistics.median(times) if times else None}
 
 
+def compiled_gib(context: int, tokens: int, rows: int) -> float:
+  """The train step's compiled memory per device for one mesh and row length: the run is stopped
+  once it prints it (no step runs)."""
+  cmd = [
+    sys.executable, '-m', 'moetrain.main', '--config=configs/longcat_lora.py',
+    f'--config.mesh.shape=(1,1,{8 // context},1,{context},1)', f'--config.data.seq_len={tokens}',
+    f'--config.data.global_batch_size={rows}', '--config.optim.warmup_steps=0',
+    '--config.train.steps=1', '--config.train.eval_every=0', '--config.data.eval_split=',
+  ]  # fmt: skip
+  with tempfile.TemporaryDirectory(prefix='bench_context') as workdir:
+    env = {**os.environ, 'PYTHONPATH': '.'}
+    proc = subprocess.Popen(
+      [*cmd, f'--workdir={workdir}'], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+      env=env,
+    )  # fmt: skip
+    try:
+      for line in proc.stdout:
+        if m := COMPILED.search(line):
+          return float(m.group(1))
+    finally:
+      proc.kill()
+      proc.wait()
+  raise RuntimeError(f'no compiled memory printed by {" ".join(cmd)}')
+
+
+def memory_table(lengths: list[int]) -> None:
+  """Per-device memory of one row a step against its length, context 1 (FSDP over 8: every
+  device holds the whole row) to 8."""
+  for tokens in lengths:
+    for c in (1, 2, 4, 8):
+      emit({'table': 'memory', 'tokens_per_row': tokens, 'context': c,
+            'gib_per_device': compiled_gib(c, tokens, 1)})  # fmt: skip
+
+
 def main() -> None:
   p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   p.add_argument('--tokens', type=int, default=2048)
   p.add_argument('--long', default='8192,32768')
   p.add_argument('--steps', type=int, default=6)
   p.add_argument('--repeats', type=int, default=2)
+  p.add_argument('--memory_only', default='', help='row lengths: only the compiled memory table')
   args = p.parse_args()
   os.environ['XLA_FLAGS'] = '--xla_force_host_platform_device_count=8'
   emit({'machine': machine()})
+  if args.memory_only:
+    return memory_table([int(t) for t in args.memory_only.split(',')])
   same = {c: [] for c in (1, 2, 4, 8)}
   for _ in range(args.repeats):
     for c in same:

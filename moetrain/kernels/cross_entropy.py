@@ -11,7 +11,15 @@ from moetrain.kernels import Kernel, vjp
 
 
 def head_cross_entropy(
-  head: nnx.Module, h_BTD, targets_BT, mask_BT, chunk: int, rng=None, rules=None, reference=False
+  head: nnx.Module,
+  h_BTD,
+  targets_BT,
+  mask_BT,
+  chunk: int,
+  rng=None,
+  rules=None,
+  reference=False,
+  context: int = 1,
 ):
   """Masked sums (NLL, tokens whose target holds the top logit) of head(h) against targets.
 
@@ -19,36 +27,30 @@ def head_cross_entropy(
   included); chunk = positions per block (0 = one block). Dropout keys fold in the block index.
   Differentiable in h and in the head's float weights; "correct" is a count (no gradient).
   reference: the same blocks differentiated by autodiff, instead of the fused backward.
+  context: the 'context' mesh axis the rows' tokens are split over (_blocks).
   """
   graphdef, state = nnx.split(head)
   leaves, treedef = jax.tree.flatten(state)
   mask_BT = mask_BT.astype(jnp.float32)
-  static = (graphdef, treedef, rules or Rules())
+  static = (graphdef, treedef, rules or Rules(), context)
   return head_ce(leaves, h_BTD, targets_BT, mask_BT, rng, static, chunk, reference=reference)
 
 
-def _context_shards(t: int) -> int:
-  """The 'context' mesh axis's size where it splits a row of t tokens, else 1."""
-  mesh = jax.sharding.get_abstract_mesh()
-  c = 1 if mesh.empty else dict(mesh.shape).get('context', 1)
-  return c if t % c == 0 else 1
-
-
-def _block_size(t: int, chunk: int) -> tuple[int, int]:
+def _block_size(t: int, chunk: int, shards: int) -> tuple[int, int]:
   """(context shards C, positions per shard and block c): a row's blocks hold c positions of
-  each of its C shards."""
-  shards = _context_shards(t)
+  each of its C shards (C = 1 where the shards do not split t)."""
+  shards = shards if t % shards == 0 else 1
   local = t // shards
   c = chunk if 0 < chunk < local else local
   return (shards, c) if local % c == 0 else (1, chunk if 0 < chunk < t else t)
 
 
-def _blocks(h_BTD, targets_BT, mask_BT, chunk: int):
+def _blocks(h_BTD, targets_BT, mask_BT, chunk: int, shards: int = 1):
   """[n, B, C * c, ...] blocks of the sequence (padded with masked positions to a multiple of
   C * c). With the row split over C 'context' shards, block j holds the j-th c positions of
   each shard, so every block stays split like the row and each device scores its own tokens."""
   t = targets_BT.shape[1]
-  shards, c = _block_size(t, chunk)
+  shards, c = _block_size(t, chunk, shards)
   pad = -t % (shards * c)
 
   def split(x):
@@ -61,9 +63,9 @@ def _blocks(h_BTD, targets_BT, mask_BT, chunk: int):
   return split(h_BTD), split(targets_BT), split(mask_BT)
 
 
-def _unblock(x_U, t: int, chunk: int):
+def _unblock(x_U, t: int, chunk: int, shards: int = 1):
   """_blocks' inverse: [n, B, C * c, ...] -> [B, t, ...]."""
-  shards, c = _block_size(t, chunk)
+  shards, c = _block_size(t, chunk, shards)
   n, b = x_U.shape[:2]
   x = x_U.reshape(n, b, shards, c, *x_U.shape[3:]).transpose(1, 2, 0, 3, *range(4, x_U.ndim + 1))
   return x.reshape(b, n * shards * c, *x_U.shape[3:])[:, :t]
@@ -85,7 +87,7 @@ def _stats(logits_BTV, targets_BT, mask_BT):
 
 
 def _logits_fn(static, rng):
-  graphdef, treedef, rules = static
+  graphdef, treedef, rules = static[:3]
 
   def logits(leaves, x_BTD, i):
     key = None if rng is None else jax.random.fold_in(rng, i)
@@ -97,7 +99,7 @@ def _logits_fn(static, rng):
 
 def _head_ce_primal(leaves, h_BTD, targets_BT, mask_BT, rng, static, chunk):
   logits = _logits_fn(static, rng)
-  h_U, t_U, m_U = _blocks(h_BTD, targets_BT, mask_BT, chunk)
+  h_U, t_U, m_U = _blocks(h_BTD, targets_BT, mask_BT, chunk, static[3])
 
   def block(_, xs):
     h, t, m, i = xs
@@ -123,7 +125,7 @@ def _head_ce_fwd(leaves, h_BTD, targets_BT, mask_BT, rng, static, chunk):
     return [next(it) if d else v for v, d in zip(leaves, trained)]
 
   logits = _logits_fn(static, rng)
-  h_U, t_U, m_U = _blocks(h_BTD, targets_BT, mask_BT, chunk)
+  h_U, t_U, m_U = _blocks(h_BTD, targets_BT, mask_BT, chunk, static[3])
 
   def block(acc, xs):
     h, t, m, i = xs
@@ -135,7 +137,7 @@ def _head_ce_fwd(leaves, h_BTD, targets_BT, mask_BT, rng, static, chunk):
   acc = [jnp.zeros(v.shape, jnp.float32) for v in need]
   xs = (h_U, t_U, m_U, jnp.arange(h_U.shape[0]))
   dw, (nll, correct, dh_U) = jax.lax.scan(block, acc, xs)
-  dh_BTD = _unblock(dh_U, targets_BT.shape[1], chunk)
+  dh_BTD = _unblock(dh_U, targets_BT.shape[1], chunk, static[3])
   it = iter(dw)
   dw = [next(it).astype(v.dtype) if d else None for v, d in zip(leaves, trained)]
   return (nll.sum(), correct.sum()), (dh_BTD, dw)
@@ -157,7 +159,7 @@ head_ce = Kernel('head_ce', _head_ce, _head_ce_primal)
 
 
 def head_token_logprobs(
-  head: nnx.Module, h_BTD, targets_BT, chunk: int, rng=None, rules=None
+  head: nnx.Module, h_BTD, targets_BT, chunk: int, rng=None, rules=None, context: int = 1
 ) -> tuple[jax.Array, jax.Array]:
   """(log-probability of each target [B, T], whether it holds the top logit [B, T]) under
   head(h), float32, in blocks of `chunk` positions (0 = one block): per-sequence objectives
@@ -168,7 +170,7 @@ def head_token_logprobs(
   leaves, treedef = jax.tree.flatten(state)
   logits = _logits_fn((graphdef, treedef, rules or Rules()), rng)
   mask_BT = jnp.ones(targets_BT.shape, jnp.float32)
-  h_U, t_U, _ = _blocks(h_BTD, targets_BT, mask_BT, chunk)
+  h_U, t_U, _ = _blocks(h_BTD, targets_BT, mask_BT, chunk, context)
 
   @jax.checkpoint
   def block(leaves, h, t, i):
@@ -183,4 +185,4 @@ def head_token_logprobs(
 
   _, (logp_U, top_U) = jax.lax.scan(step, None, (h_U, t_U, jnp.arange(h_U.shape[0])))
   t = targets_BT.shape[1]
-  return _unblock(logp_U, t, chunk), _unblock(top_U, t, chunk)
+  return _unblock(logp_U, t, chunk, context), _unblock(top_U, t, chunk, context)

@@ -115,12 +115,11 @@ def causal_self_attention(
 
 
 def context_split(cfg: ModelConfig, t: int) -> bool:
-  """Whether a row of t tokens runs split over the 'context' mesh axis (docs/context.md): a
-  mesh with one, inside its context (a decode step's single token, or a length the axis does
-  not divide, stays whole)."""
+  """Whether a row of t tokens runs split over the 'context' mesh axis (docs/context.md; the
+  engine laid out for a mesh with one, whose context the step runs in): a decode step's single
+  token, or a length the axis does not divide, stays whole."""
   c = cfg.engine.context_shards
-  mesh = jax.sharding.get_abstract_mesh()
-  return c > 1 and not mesh.empty and dict(mesh.shape).get('context', 1) == c and t % c == 0
+  return c > 1 and t % c == 0
 
 
 def context_reordered(cfg: ModelConfig, t: int) -> bool:
@@ -144,6 +143,21 @@ def gather_tokens(x_BT, cfg: ModelConfig):
   side of context parallelism. MLA gathers its latent and rope key, before their expansion to
   per-head keys and values."""
   return constrain(x_BT, ('batch', 'kv_seq') + (None,) * (x_BT.ndim - 2), cfg.engine.rules)
+
+
+def shard_mask(pos_BT, seg_BT, pos_BS, seg_BS, window, index=None):
+  """self_mask of one context shard's T queries over the row's S keys (inside the shard_map):
+  causal in the row's index order too, by the tokens' original indices under dual-chunk order
+  (`index`, dual_chunk_order's; None: the row's own order)."""
+  t, s = pos_BT.shape[1], pos_BS.shape[1]
+  first = jax.lax.axis_index('context') * t  # this shard's first slot in the row
+  k_index, q_index = jnp.arange(s), first + jnp.arange(t)
+  if index is not None:
+    k_index = jnp.asarray(index)
+    q_index = k_index[q_index]
+  in_order = k_index[None, :] <= q_index[:, None]
+  mask = attention_mask(pos_BT, seg_BT, pos_BS, seg_BS) & in_order[None]
+  return window_mask(mask, pos_BT, pos_BS, window)
 
 
 def context_self_attention(
@@ -176,14 +190,7 @@ def context_self_attention(
 
   def shard(q_BTNH, k_BSNH, v_BSNH, pos_BT, seg_BT, pos_BS, seg_BS, window, *sinks):
     t, s = q_BTNH.shape[1], k_BSNH.shape[1]
-    mask = attention_mask(pos_BT, seg_BT, pos_BS, seg_BS)
-    first = jax.lax.axis_index('context') * t  # this shard's first slot in the row
-    k_index, q_index = jnp.arange(s), first + jnp.arange(t)
-    if index is not None:
-      k_index = jnp.asarray(index)
-      q_index = k_index[q_index]
-    in_order = k_index[None, :] <= q_index[:, None]
-    mask = window_mask(mask & in_order[None], pos_BT, pos_BS, window)
+    mask = shard_mask(pos_BT, seg_BT, pos_BS, seg_BS, window, index)
     k_BSNH, v_BSNH = (jnp.repeat(x.astype(dtype), groups, axis=2) for x in (k_BSNH, v_BSNH))
     chunk = cfg.engine.attention_chunk
     step = chunk if 0 < chunk < t else t

@@ -140,7 +140,7 @@ def _forward(model, batch, rng):
   e = model.cfg.engine
   with jax.named_scope('lm_head'):
     logp, top = head_token_logprobs(
-      model.lm_head, h_BTD, batch['targets'], e.loss_chunk, rng, e.rules
+      model.lm_head, h_BTD, batch['targets'], e.loss_chunk, rng, e.rules, e.context_shards
     )
   return logp, top, aux
 

@@ -186,7 +186,7 @@ def token_logprobs(model, batch, rng, temperature: float, routes=None):
   e = model.cfg.engine
   with jax.named_scope('lm_head'):
     logp, top = head_token_logprobs(
-      model.lm_head, h_BTD, batch['targets'], e.loss_chunk, rng, e.rules
+      model.lm_head, h_BTD, batch['targets'], e.loss_chunk, rng, e.rules, e.context_shards
     )
   return logp, top, aux
 

@@ -69,6 +69,7 @@ def forward_loss(params, moe_bias, frozen, graphdef, batch, rng=None, head_loss=
       rng,
       model.cfg.engine.rules,
       model.cfg.engine.reference_kernels,
+      model.cfg.engine.context_shards,
     )
   return nll, correct, aux
 

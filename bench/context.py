@@ -4,8 +4,10 @@ with each row's tokens split over the 'context' axis or not. Two tables:
 - the same work (8 rows of --tokens tokens a step) with context 1, 2, 4, 8 and FSDP over the rest
   of the 8 devices: the compiled step's memory per device and the median step time, the runs
   interleaved --repeats times (each a fresh process);
-- one long row a step (--long tokens): FSDP alone, where every device holds the whole row,
-  against context 8, where each holds an eighth.
+- rows of --long tokens, one per batch shard: FSDP over 8 (8 rows, a whole row on each
+  device) against context 8 (1 row, an eighth of it on each device);
+- with --memory_only: the compiled step's memory per device against the row's length, one row
+  per batch shard (8 / C rows a step), context C = 1, 2, 4, 8.
 
   python -m bench.context --tokens 2048 --long 8192,32768 --steps 6 --repeats 2
   python -m bench.context --memory_only 4096,16384,65536   # the compiled step's memory only
@@ -76,12 +78,12 @@ def compiled_gib(context: int, tokens: int, rows: int) -> float:
 
 
 def memory_table(lengths: list[int]) -> None:
-  """Per-device memory of one row a step against its length, context 1 (FSDP over 8: every
-  device holds the whole row) to 8."""
+  """Per-device memory against the row's length with one row per batch shard (8 / C rows a
+  step, FSDP over 8 / C devices): each device holds 1 / C of a row, context C = 1 to 8."""
   for tokens in lengths:
     for c in (1, 2, 4, 8):
-      emit({'table': 'memory', 'tokens_per_row': tokens, 'context': c,
-            'gib_per_device': compiled_gib(c, tokens, 1)})  # fmt: skip
+      emit({'table': 'memory', 'tokens_per_row': tokens, 'context': c, 'rows': 8 // c,
+            'gib_per_device': compiled_gib(c, tokens, 8 // c)})  # fmt: skip
 
 
 def main() -> None:
@@ -107,8 +109,8 @@ def main() -> None:
           'step_s': [r['step_s'] for r in runs]})  # fmt: skip
   for tokens in (int(t) for t in args.long.split(',') if t):
     for c in (1, 8):
-      r = run(c, tokens, 1, args.steps)
-      emit({'table': 'one long row', 'context': c, 'tokens_per_row': tokens, **r})
+      r = run(c, tokens, 8 // c, args.steps)
+      emit({'table': 'long rows', 'context': c, 'rows': 8 // c, 'tokens_per_row': tokens, **r})
 
 
 if __name__ == '__main__':

@@ -27,24 +27,27 @@ from bench.common import emit, machine, run_main
 COMPILED = re.compile(r'Compiled in [\d.]+ s: ([\d.]+) GiB per device')
 
 
+def demo_args(context: int, tokens: int, rows: int, steps: int, workdir: str) -> list[str]:
+  """`moetrain.main`'s arguments for the demo step on mesh (1, 1, 8 / context, 1, context, 1)."""
+  return [
+    'moetrain.main',
+    '--config=configs/longcat_lora.py',
+    f'--config.mesh.shape=(1,1,{8 // context},1,{context},1)',
+    f'--config.data.seq_len={tokens}',
+    f'--config.data.global_batch_size={rows}',
+    f'--config.train.steps={steps}',
+    '--config.optim.warmup_steps=0',
+    '--config.train.log_every=1',
+    '--config.train.eval_every=0',
+    '--config.data.eval_split=',
+    f'--workdir={workdir}',
+  ]
+
+
 def run(context: int, tokens: int, rows: int, steps: int) -> dict:
-  """One run of the demo step: mesh (1, 1, 8 / context, 1, context, 1)."""
+  """One run of the demo step: its compiled memory per device and median step time."""
   with tempfile.TemporaryDirectory(prefix='bench_context') as workdir:
-    out = run_main(
-      [
-        'moetrain.main',
-        '--config=configs/longcat_lora.py',
-        f'--config.mesh.shape=(1,1,{8 // context},1,{context},1)',
-        f'--config.data.seq_len={tokens}',
-        f'--config.data.global_batch_size={rows}',
-        f'--config.train.steps={steps}',
-        '--config.optim.warmup_steps=0',
-        '--config.train.log_every=1',
-        '--config.train.eval_every=0',
-        '--config.data.eval_split=',
-        f'--workdir={workdir}',
-      ]
-    )
+    out = run_main(demo_args(context, tokens, rows, steps, workdir))
     gib = float(COMPILED.search(out).group(1))
     records = [json.loads(x) for x in open(os.path.join(workdir, 'metrics.jsonl'))]
     train = [r for r in records if r.get('kind') == 'train']
@@ -55,18 +58,12 @@ def run(context: int, tokens: int, rows: int, steps: int) -> dict:
 def compiled_gib(context: int, tokens: int, rows: int) -> float:
   """The train step's compiled memory per device for one mesh and row length: the run is stopped
   once it prints it (no step runs)."""
-  cmd = [
-    sys.executable, '-m', 'moetrain.main', '--config=configs/longcat_lora.py',
-    f'--config.mesh.shape=(1,1,{8 // context},1,{context},1)', f'--config.data.seq_len={tokens}',
-    f'--config.data.global_batch_size={rows}', '--config.optim.warmup_steps=0',
-    '--config.train.steps=1', '--config.train.eval_every=0', '--config.data.eval_split=',
-  ]  # fmt: skip
   with tempfile.TemporaryDirectory(prefix='bench_context') as workdir:
+    cmd = [sys.executable, '-m', *demo_args(context, tokens, rows, 1, workdir)]
     env = {**os.environ, 'PYTHONPATH': '.'}
     proc = subprocess.Popen(
-      [*cmd, f'--workdir={workdir}'], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-      env=env,
-    )  # fmt: skip
+      cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env
+    )
     try:
       for line in proc.stdout:
         if m := COMPILED.search(line):

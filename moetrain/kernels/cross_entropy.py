@@ -98,8 +98,9 @@ def _logits_fn(static, rng):
 
 
 def _head_ce_primal(leaves, h_BTD, targets_BT, mask_BT, rng, static, chunk):
+  """static: (graphdef, treedef, rules, context shards)."""
   logits = _logits_fn(static, rng)
-  h_U, t_U, m_U = _blocks(h_BTD, targets_BT, mask_BT, chunk, static[3])
+  h_U, t_U, m_U = _blocks(h_BTD, targets_BT, mask_BT, chunk, shards=static[3])
 
   def block(_, xs):
     h, t, m, i = xs
@@ -125,7 +126,7 @@ def _head_ce_fwd(leaves, h_BTD, targets_BT, mask_BT, rng, static, chunk):
     return [next(it) if d else v for v, d in zip(leaves, trained)]
 
   logits = _logits_fn(static, rng)
-  h_U, t_U, m_U = _blocks(h_BTD, targets_BT, mask_BT, chunk, static[3])
+  h_U, t_U, m_U = _blocks(h_BTD, targets_BT, mask_BT, chunk, shards=static[3])
 
   def block(acc, xs):
     h, t, m, i = xs
@@ -137,7 +138,7 @@ def _head_ce_fwd(leaves, h_BTD, targets_BT, mask_BT, rng, static, chunk):
   acc = [jnp.zeros(v.shape, jnp.float32) for v in need]
   xs = (h_U, t_U, m_U, jnp.arange(h_U.shape[0]))
   dw, (nll, correct, dh_U) = jax.lax.scan(block, acc, xs)
-  dh_BTD = _unblock(dh_U, targets_BT.shape[1], chunk, static[3])
+  dh_BTD = _unblock(dh_U, targets_BT.shape[1], chunk, shards=static[3])
   it = iter(dw)
   dw = [next(it).astype(v.dtype) if d else None for v, d in zip(leaves, trained)]
   return (nll.sum(), correct.sum()), (dh_BTD, dw)

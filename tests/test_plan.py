@@ -438,3 +438,80 @@ def test_a_fusion_over_a_small_scoped_vmem_limit_stops_the_compile_naming_the_ke
   fn, args, cfg = _vmem_case()
   with pytest.raises(aot.OutOfMemory, match=r'scoped VMEM.*model\.tpu_scoped_vmem_kib'):
     aot.compile_fn('f', jax.jit(fn, compiler_options=compiler_options(cfg(64))), args, cache=False)
+
+
+def test_a_ragged_dot_on_tpu_is_priced_by_its_rows_not_its_groups():
+  """XLA:TPU writes lax.ragged_dot as a convolution over every (group, row) pair that skips the
+  pairs its group mask leaves empty: 2 * M * K * N FLOPs, not G times that (the forward and the
+  input gradient here: the loss is a sum, so the forward's values are not needed)."""
+  from moetrain.core import hlo_cost
+
+  dev = topology.parse('v5e-1').devices()
+  s = jax.sharding.NamedSharding(jax.sharding.Mesh(np.array(dev), ('x',)), jax.P())
+  shapes = [((512, 256), jnp.bfloat16), ((8, 256, 384), jnp.bfloat16), ((8,), jnp.int32)]
+  args = [jax.ShapeDtypeStruct(shape, dt, sharding=s) for shape, dt in shapes]
+  fwd = jax.jit(jax.lax.ragged_dot).lower(*args).compile().as_text()
+  loss = lambda x, w, g: jax.lax.ragged_dot(x, w, g).astype(jnp.float32).sum()
+  grad = jax.jit(jax.grad(loss, argnums=(0, 1))).lower(*args).compile().as_text()
+  one = 2 * 512 * 256 * 384
+  assert hlo_cost.analyse(fwd).flops == one
+  assert hlo_cost.analyse(grad).flops == 2 * one
+
+
+EP_LANES = {
+  'model.hidden_size': 256,
+  'model.expert_ffn_hidden_size': 128,
+  'model.num_layers': 1,
+  'data.seq_len': 256,
+  'data.eval_split': '',
+}
+
+
+def test_grouped_matmuls_are_priced_by_the_rows_routing_sends():
+  """Full training with experts over 2 of 4 chips and a receive buffer of twice the balanced
+  rows (engine.moe_ep_recv_factor=2): every megablox call runs over that buffer, and the plan
+  prices it by the rows a balanced routing sends (each device's tokens x the FFN experts per
+  token, LongCat's zero experts taking none), the rest reported apart."""
+  from moetrain.core import hlo_cost
+
+  seen = []
+  reprice = hlo_cost.routed_rows
+  over = EP_LANES | {'mesh.shape': (1, 2, 2, 1), 'engine.moe_ep_recv_factor': 2}
+  config = tpu_plan.with_overrides(longcat_pretrain.get_config(), over)
+  try:
+    hlo_cost.routed_rows = lambda cost, rows: seen.append(cost) or reprice(cost, rows)
+    r = tpu_plan.plan(config, 'v5e-4')
+  finally:
+    hlo_cost.routed_rows = reprice
+  (cost,) = seen
+  m = config.model
+  b = config.data.global_batch_size // 4  # rows per device: the batch over fsdp x expert
+  local = b * config.data.seq_len * m.moe_topk  # assignments each shard sends
+  routed = (
+    b
+    * config.data.seq_len
+    * m.moe_topk
+    * m.n_routed_experts
+    / (m.n_routed_experts + m.zero_expert_num)
+  )
+  assert r['routed_rows_per_device'] == routed
+  assert {rows for _, rows in cost.grouped} == {2 * local}  # the receive buffer
+  grouped = sum(f for f, _ in cost.grouped)
+  assert r['grouped_padding_flops_per_chip'] == pytest.approx(grouped * (1 - routed / (2 * local)))
+  assert r['hlo_flops_per_chip'] == pytest.approx(cost.flops - r['grouped_padding_flops_per_chip'])
+
+
+@pytest.mark.slow
+def test_expert_parallelism_priced_by_routed_rows_costs_what_fsdp_does():
+  """The same work with the experts over 2 chips (a receive buffer twice the balanced rows) and
+  without an expert axis: priced by routed rows, the two steps count the same FLOPs."""
+  ep = tpu_plan.plan(
+    longcat_pretrain.get_config(),
+    'v5e-4',
+    EP_LANES | {'mesh.shape': (1, 2, 2, 1), 'engine.moe_ep_recv_factor': 2},
+  )
+  fsdp = tpu_plan.plan(
+    longcat_pretrain.get_config(), 'v5e-4', EP_LANES | {'mesh.shape': (1, 4, 1, 1)}
+  )
+  assert ep['grouped_padding_flops_per_chip'] > 0
+  assert ep['hlo_flops_per_chip'] == pytest.approx(fsdp['hlo_flops_per_chip'], rel=1e-6)

@@ -232,12 +232,26 @@ def _matmul_flops(instr: Instr, table: dict) -> float:
     k = math.prod(ops[0][1][int(d)] for d in m.group(1).split(',') if d) if m else 1
     return 2.0 * math.prod(out) * k
   if instr.op == 'convolution' and len(ops) >= 2:
-    return 2.0 * math.prod(out) * _taps(instr, ops[0][1], ops[1][1])
+    return 2.0 * math.prod(out) * _taps(instr, ops[0][1], ops[1][1]) / _ragged_groups(instr)
   if instr.op == 'custom-call' and (kind := _SPLASH.search(instr.name + instr.attrs)):
     return _splash_flops(kind.group(1), ops)
   if instr.op == 'custom-call' and ('ragged-dot' in instr.name or 'gmm' in instr.attrs):
-    return _grouped_flops(instr)
+    grouped = _grouped(instr)
+    return grouped[0] if grouped else 0.0
   return 0.0
+
+
+def _ragged_groups(instr: Instr) -> int:
+  """XLA:TPU writes lax.ragged_dot (forward and both transposes) as a convolution whose output
+  carries the G groups as a spatial dim, every row against every group's weights, and skips
+  the iterations its group mask leaves empty: each row meets one group, G times fewer FLOPs
+  than the convolution's shape. 1 for any other convolution."""
+  if 'ragged_dot_general' not in instr.attrs:
+    return 1
+  labels = re.search(r'->(\w+)', instr.attrs)
+  out = instr.shapes[0][1] if instr.shapes else []
+  spatial = [out[i] for i, c in enumerate(labels.group(1) if labels else '') if c.isdigit()]
+  return spatial[0] if len(spatial) == 1 and len(out) == 3 else 1
 
 
 _SPLASH = re.compile(r'splash_m[hq]a_(fwd|dq|dkv)')
@@ -287,20 +301,24 @@ def _taps(instr: Instr, lhs: list, kernel: list) -> int:
   return i * math.prod(min(-(-s // d), n) for s, d, n in zip(size, dilate, spatial))
 
 
-def _grouped_flops(instr: Instr) -> float:
-  """A grouped matmul kernel (XLA's ragged dot, megablox): [M,K] x [G,K,N] -> [M,N] and its
-  transposes, each 2*M*K*N over the whole row buffer (an upper bound: rows past the groups are
-  skipped by the kernel)."""
+def _grouped(instr: Instr) -> tuple[float, int] | None:
+  """A grouped matmul kernel (XLA's ragged dot, megablox, tokamax): [M,K] x [G,K,N] -> [M,N]
+  and its transposes (the weights' gradient [M,K] x [M,N] -> [G,K,N]). Its FLOPs, 2*M*K*N over
+  the whole row buffer (an upper bound: rows past the groups are skipped by the kernel), and M,
+  the buffer's rows; None for a call that is no grouped matmul."""
   m = re.search(r'operand_layout_constraints=\{(.*?)\}, (?:frontend|metadata|backend)', instr.attrs)
   arrays = (_shapes(m.group(1)) if m else []) + instr.shapes
   arrays = [d for t, d in arrays if t in ('bf16', 'f32', 'f16') and len(d) in (2, 3)]
   threes = [d for d in arrays if len(d) == 3]
   twos = [d for d in arrays if len(d) == 2]
   if len(threes) != 1 or len(twos) < 2:
-    return 0.0
-  g = threes[0][0]
+    return None
+  g, *inner = threes[0]
   prod = math.prod(threes[0]) * math.prod(twos[-2]) * math.prod(twos[-1])
-  return 2.0 * math.sqrt(prod / g)
+  # Each [M, K] array shares one dim with the grouped weights' [K, N]; the other is the rows.
+  a = twos[-1]
+  rows = a[0] if a[1] in inner else a[1]
+  return 2.0 * math.sqrt(prod / g), rows
 
 
 @dataclasses.dataclass
@@ -314,6 +332,12 @@ class Cost:
   # Multislice: bytes handed to the megascale runtime (the cross-slice collectives), by
   # transfer type; dcn_bytes prices them.
   megascale: dict = dataclasses.field(default_factory=dict)
+  # The grouped matmuls, as (FLOPs per call of the program, the rows of their buffer): what
+  # routed_rows reprices.
+  grouped: list = dataclasses.field(default_factory=list)
+  # FLOPs of the grouped matmuls over buffer rows that routing leaves empty (routed_rows; 0 as
+  # analysed, where `flops` counts every buffer whole): an upper bound on what padding costs.
+  grouped_padding_flops: float = 0.0
 
 
 @dataclasses.dataclass
@@ -325,6 +349,7 @@ class MatmulSite:
   op: str
   shapes: list  # the output's [(dtype, dims)]
   operands: list  # the operands' shapes, where the computation defines them
+  rows: int | None = None  # a grouped matmul's row buffer (None for any other matmul)
 
 
 def _matmul_sites(comps: dict, mult: dict):
@@ -336,7 +361,9 @@ def _matmul_sites(comps: dict, mult: dict):
     for instr in instrs:
       if f := _matmul_flops(instr, table):
         ops = [table[o].shapes for o in instr.operands if o in table]
-        yield MatmulSite(runs * f, runs, comp, instr.name, instr.op, instr.shapes, ops)
+        grouped = _grouped(instr) if instr.op == 'custom-call' else None
+        rows = grouped[1] if grouped and not _SPLASH.search(instr.name + instr.attrs) else None
+        yield MatmulSite(runs * f, runs, comp, instr.name, instr.op, instr.shapes, ops, rows)
 
 
 def top_matmuls(text: str, n: int = 20) -> list[MatmulSite]:
@@ -381,7 +408,21 @@ def analyse(text: str, unknown_trips: int = 1) -> Cost:
           coll += n * factor * size
         continue
       hbm += n * _traffic(instr, table, comps)
-  return Cost(flops, hbm, coll, once, loops, unknown, megascale)
+  grouped = [(s.flops, s.rows) for s in sites if s.rows]
+  return Cost(flops, hbm, coll, once, loops, unknown, megascale, grouped)
+
+
+def routed_rows(cost: Cost, rows: float) -> Cost:
+  """`cost` with each grouped matmul priced by the rows routing sends it, `rows` per call (a
+  balanced routing: the tokens a device holds in one forward pass times the FFN experts per
+  token), not by its whole buffer. An expert-parallel exchange's receive buffer holds
+  engine.moe_ep_recv_factor times the balanced rows (the worst case without it), and
+  `analyse` counts every row of it; the difference is reported apart, in
+  grouped_padding_flops, as an upper bound on what an unbalanced routing adds."""
+  padding = sum(f * max(0.0, 1 - rows / m) for f, m in cost.grouped)
+  return dataclasses.replace(
+    cost, flops=cost.flops - padding, grouped_padding_flops=cost.grouped_padding_flops + padding
+  )
 
 
 def dcn_bytes(cost: Cost, slices: int) -> float:

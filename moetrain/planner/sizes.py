@@ -71,6 +71,20 @@ def ep_exchange(cfg, mesh_shape, seq_len: int, batch_size: int) -> dict:
   }
 
 
+def routed_rows(cfg, mesh_shape, seq_len: int, batch_size: int) -> float:
+  """The rows a balanced routing sends each device's grouped expert matmuls in one forward pass
+  of `batch_size` rows (a micro-batch under gradient accumulation): its tokens (the batch split
+  over data, fsdp, expert and context) times the FFN experts per token (LongCat's zero experts
+  take no rows). With expert parallelism each shard receives as many as it sends, whatever its
+  receive buffer holds. Pipeline stages split the micro-batch again: the rows of one of
+  engine.pipeline_microbatches."""
+  sizes = dict(zip(sharding.MESH_AXES, sharding.full_shape(mesh_shape)))
+  shards = sizes['data'] * sizes['fsdp'] * sizes['expert'] * sizes['context']
+  if cfg.engine.pipeline_stages > 1:
+    batch_size = batch_size / cfg.engine.pipeline_microbatches
+  return batch_size * seq_len / shards * cfg.expected_ffn_experts
+
+
 def loss_block(cfg, mesh_shape, seq_len: int, batch_size: int) -> dict:
   """The largest activation of the loss: one block of float32 logits, [B, loss_chunk, V], per
   device (after the activation rules shard it over the mesh) for `batch_size` rows per forward

@@ -114,9 +114,12 @@ def plan(config, topology: str, overrides: dict | None = None, progress=None) ->
   worst = max(steps.values(), key=lambda c: c.memory['total'])
   total = worst.memory['total']
   flops, formula = model_flops(setup)
+  # Grouped expert matmuls priced by the rows routing sends them, not by their buffers.
+  routed = sizes.routed_rows(setup.model, setup.mesh_shape, setup.data.seq_len, micro)
+  cost = hlo_cost.routed_rows(train_c.cost, routed)
   # Bytes per chip and step the train step sends between slices (None on one slice).
-  dcn = hlo_cost.dcn_bytes(train_c.cost, topo.slices) if topo.slices > 1 else None
-  est = estimate(train_c.cost, chip, flops / len(devices), setup.data, dcn)
+  dcn = hlo_cost.dcn_bytes(cost, topo.slices) if topo.slices > 1 else None
+  est = estimate(cost, chip, flops / len(devices), setup.data, dcn)
   return report | {
     'fits': total <= chip.hbm_bytes,
     'headroom': 1 - total / chip.hbm_bytes,
@@ -130,7 +133,11 @@ def plan(config, topology: str, overrides: dict | None = None, progress=None) ->
     'compile_seconds': sum(c.seconds for c in steps.values()),
     'model_flops_per_step': flops,
     'model_flops_formula': formula,
-    'hlo_flops_per_chip': train_c.cost.flops,
+    'hlo_flops_per_chip': cost.flops,
+    # The grouped matmuls' FLOPs over their buffers' rows past the routed ones (not in the
+    # estimate; what an unbalanced routing may add, at most).
+    'grouped_padding_flops_per_chip': cost.grouped_padding_flops,
+    'routed_rows_per_device': routed,
     'xla_cost_analysis_flops_per_chip': train_c.xla_flops,
     'loops': sorted({n for n in train_c.cost.loops.values() if n}, reverse=True),
     # Overflow rounds of a bounded expert exchange: counted zero times in the estimate.
@@ -270,6 +277,13 @@ def print_plan(r: dict) -> None:
       else ''
     )
   )
+  if r.get('grouped_padding_flops_per_chip'):
+    print(
+      f'grouped expert matmuls priced by the {r["routed_rows_per_device"]:.0f} rows routing '
+      f'sends each per forward pass; over their whole buffers they would add '
+      f"{r['grouped_padding_flops_per_chip']:.3e} FLOPs per device (an unbalanced routing's "
+      'upper bound)'
+    )
 
 
 def _print_pipeline(p: dict) -> None:

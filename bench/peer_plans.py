@@ -21,6 +21,8 @@ import subprocess
 import sys
 import time
 
+from bench import peer_recipes
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PEER = os.path.join(ROOT, '.peer', 'maxtext')
 PEER_PACKAGE = 'maxtext[tpu]==0.2.5'
@@ -87,6 +89,28 @@ POINTS = {
     ),
     'As Mixtral; Qwen3-30B-A3B: 48 layers, 128 experts top-8, GQA 32/4 heads with qk-norm.',
   ),
+  'mixtral_8x7b_ep8': Point(
+    'v5p-32',
+    'configs/mixtral_lora.py:variant=mixtral_8x7b',
+    _FULL_TRAINING
+    | {
+      'data.global_batch_size': 32,
+      'data.seq_len': 4096,
+      'mesh.shape': (1, -1, 8, 1),
+      'engine.moe_ep_recv_factor': 2.0,
+    },
+    (
+      'compile_topology=v5p-32',
+      'model_name=mixtral-8x7b',
+      'per_device_batch_size=2',
+      'max_target_length=4096',
+      'ici_expert_parallelism=8',
+      *_MAXTEXT_COMMON,
+    ),
+    'The Mixtral point with the experts over 8 chips and FSDP over 2 (MaxText: '
+    'ici_expert_parallelism=8, its ragged all-to-all and megablox); moetrain bounds its '
+    'receive buffer at twice the balanced rows (overflow in further rounds, still dropless).',
+  ),
 }
 
 
@@ -107,16 +131,20 @@ def ensure_peer() -> str:
   return python
 
 
-def compile_peer(name: str, point: Point, python: str) -> dict:
-  """MaxText's step for the point: its memory and optimized HLO text, via the peer venv."""
+def compile_peer(name: str, point, python: str, libtpu_args: str = '') -> dict:
+  """MaxText's step for the point (or recipe): its memory and optimized HLO text, via the peer
+  venv; libtpu_args: XLA options for libtpu (LIBTPU_INIT_ARGS)."""
   out = os.path.join(OUT, name, 'maxtext')
   env = {k: v for k, v in os.environ.items() if k not in ('PYTHONPATH', 'XLA_FLAGS')}
+  env |= {'JAX_PLATFORMS': 'cpu', 'TPU_SKIP_MDS_QUERY': '1'}
+  if libtpu_args:
+    env['LIBTPU_INIT_ARGS'] = libtpu_args
   start = time.time()
   run = subprocess.run(
     [python, os.path.join(ROOT, 'bench', 'peer_maxtext_compile.py'), out, *point.maxtext],
     capture_output=True,
     text=True,
-    env=env | {'JAX_PLATFORMS': 'cpu', 'TPU_SKIP_MDS_QUERY': '1'},
+    env=env,
   )
   if run.returncode:
     tail = '\n'.join((run.stdout + run.stderr).splitlines()[-20:])
@@ -128,7 +156,7 @@ def compile_peer(name: str, point: Point, python: str) -> dict:
   return {'memory': memory, 'hlo': text, 'seconds': time.time() - start}
 
 
-def compile_ours(name: str, point: Point) -> dict:
+def compile_ours(name: str, point) -> dict:
   """moetrain's step for the point, as the planner compiles it: memory and HLO text (also
   written beside MaxText's), plus the setup (for the model FLOPs, the chip and the batch)."""
   import importlib
@@ -161,18 +189,21 @@ def compile_ours(name: str, point: Point) -> dict:
 
 
 def read(side: dict, setup, chip) -> dict:
-  """One estimator over a side's optimized HLO: hlo_cost's counts and the planner's roofline."""
+  """One estimator over a side's optimized HLO: hlo_cost's counts and the planner's roofline
+  (`setup`: the work, whose tokens and micro-batches price the grouped matmuls)."""
   from moetrain.core import hlo_cost
-  from moetrain.planner import tpu_plan
+  from moetrain.planner import sizes, tpu_plan
 
   m = side['memory']
   total = m['arguments'] + m['outputs'] - m['aliased'] + m['temporaries'] + m['code']
-  cost = hlo_cost.analyse(side['hlo'])
-  grouped = sum(
-    s.flops
-    for s in hlo_cost.top_matmuls(side['hlo'], 10**6)
-    if s.op == 'custom-call' and not hlo_cost._SPLASH.search(s.name)
-  )
+  # Both sides' grouped expert matmuls priced by the rows a balanced routing sends them (the
+  # same work: each device's tokens x top-k), whatever buffer each side runs them over.
+  micro = setup.data.global_batch_size // setup.optim.grad_accum_steps
+  rows = sizes.routed_rows(setup.model, setup.mesh_shape, setup.data.seq_len, micro)
+  # Overflow rounds of a bounded exchange (data-dependent loops) counted zero times, as the
+  # planner does: the estimate is of a step whose routing fits the buffer.
+  cost = hlo_cost.routed_rows(hlo_cost.analyse(side['hlo'], unknown_trips=0), rows)
+  grouped = sum(f for f, _ in cost.grouped) - cost.grouped_padding_flops
   flops, _ = tpu_plan.model_flops(setup)
   est = tpu_plan.estimate(cost, chip, flops / chip_count(setup), setup.data)
   return {
@@ -181,6 +212,7 @@ def read(side: dict, setup, chip) -> dict:
     'total': total,
     'flops': cost.flops,
     'grouped_flops': grouped,
+    'grouped_padding_flops': cost.grouped_padding_flops,
     'hbm_bytes': cost.hbm_bytes,
     'collective_bytes': cost.collective_bytes,
     'step': est['est_step_seconds'],
@@ -204,7 +236,8 @@ def table(name: str, point: Point, columns: dict, hbm: int) -> str:
     ('arguments / temporaries GiB', lambda r: f'{gib(r["arguments"])} / {gib(r["temporaries"])}'),
     ('total GiB (of ' + gib(hbm) + ')', lambda r: gib(r['total'])),
     ('compiled FLOPs', lambda r: f'{r["flops"]:.4g}'),
-    ('grouped expert-matmul FLOPs', lambda r: f'{r["grouped_flops"]:.4g}'),
+    ('grouped expert-matmul FLOPs (routed rows)', lambda r: f'{r["grouped_flops"]:.4g}'),
+    ("their buffers' padding (not in the estimate)", lambda r: f'{r["grouped_padding_flops"]:.3g}'),
     ('counted HBM bytes', lambda r: f'{r["hbm_bytes"]:.3g}'),
     ('collective bytes', lambda r: f'{r["collective_bytes"]:.3g}'),
     (
@@ -249,12 +282,105 @@ def write_results(text: str) -> None:
     f.write(doc[:start] + '\n' + text + '\n' + doc[end:])
 
 
+def best_of(name: str, recipe, found: dict) -> tuple[str, dict]:
+  """moetrain's fastest estimate among `found` ({label: read(...)}, the recipe's own setting)
+  and the recipe's candidates, of those that fit the chip: (label, read(...) of it). Each
+  candidate is read with its own setup (micro-batches change the rows a grouped matmul sees)."""
+  from moetrain.training import aot
+
+  for label, over in recipe.candidates.items():
+    print(f'{name}: compiling moetrain, {label}...', flush=True)
+    try:
+      side = compile_ours(name, dataclasses.replace(recipe, overrides=recipe.overrides | over))
+    except aot.OutOfMemory as e:
+      print(f'  does not fit: {e.message}', flush=True)
+      continue
+    r = read(side, side['setup'], side['chip'])
+    print(f'  {r["total"] / 2**30:.2f} GiB, est. {r["step"]:.3f} s', flush=True)
+    if r['total'] <= side['chip'].hbm_bytes:
+      found[label] = r
+  label = min(found, key=lambda k: found[k]['step'])
+  return label, found[label]
+
+
+def calibrate_recipe(name: str, python: str) -> dict:
+  """Both sides of one published recipe compiled for its slice, and the calibrated record."""
+  recipe = peer_recipes.RECIPES[name]
+  print(f'{name}: compiling MaxText...', flush=True)
+  peer = compile_peer(name, recipe, python, recipe.libtpu_args)
+  print(f'{name}: compiling moetrain, the same work...', flush=True)
+  ours = compile_ours(name, recipe)
+  setup, chip = ours['setup'], ours['chip']
+  maxtext, same = read(peer, setup, chip), read(ours, setup, chip)
+  fits = same['total'] <= chip.hbm_bytes
+  label, best = best_of(name, recipe, {'as the recipe': same} if fits else {})
+  tokens = setup.data.global_batch_size * setup.data.seq_len
+  record = {
+    'recipe': name,
+    'topology': recipe.topology,
+    'published': recipe.published,
+    'maxtext_measured_s': recipe.measured_s,
+    'maxtext_est_s': maxtext['step'],
+    'moetrain_est_s': same['step'],
+    'moetrain_best_est_s': best['step'],
+    'moetrain_best': label,
+    'moetrain_best_overrides': recipe.overrides
+    | ({} if label == 'as the recipe' else recipe.candidates[label]),
+    'tokens_per_step': tokens,
+    'maxtext': maxtext,
+    'moetrain': same,
+    'moetrain_best_plan': best,
+    'maxtext_command': ' '.join(recipe.maxtext),
+    'libtpu_args': recipe.libtpu_args,
+    'versions': versions(),
+  }
+  return record | peer_recipes.calibrate(
+    recipe.measured_s, maxtext['step'], same['step'], best['step'], tokens, recipe.chips
+  )
+
+
+def calibration_table(records: list[dict]) -> str:
+  """bench/RESULTS.md's calibration table."""
+  rows = [
+    '| recipe | MaxText measured | MaxText estimated | factor | moetrain estimated (same work / '
+    'best) | moetrain predicted (same work / best) | tokens/s/chip: MaxText measured, moetrain '
+    'best predicted |',
+    '|---|---|---|---|---|---|---|',
+  ]
+  for r in records:
+    rows.append(
+      f'| {r["recipe"]} ({r["topology"]}) | {r["maxtext_measured_s"]:.3f} s | '
+      f'{r["maxtext_est_s"]:.2f} s | {r["factor"]:.2f} | {r["moetrain_est_s"]:.2f} / '
+      f'{r["moetrain_best_est_s"]:.2f} s ({r["moetrain_best"]}) | '
+      f'{r["moetrain_predicted_s"]:.2f} / {r["moetrain_best_predicted_s"]:.2f} s | '
+      f'{r["maxtext_measured_tokens_per_chip"]:,.0f}, '
+      f'{r["moetrain_best_predicted_tokens_per_chip"]:,.0f} '
+      f'({r["best_over_measured"]:.2f}x) |'
+    )
+  return '\n'.join(rows)
+
+
 def main() -> None:
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument('--points', default=','.join(POINTS))
   parser.add_argument('--write', action='store_true', help='update bench/RESULTS.md')
+  parser.add_argument(
+    '--calibrate',
+    nargs='?',
+    const=','.join(peer_recipes.RECIPES),
+    help="compile MaxText's published recipes (bench/peer_recipes.py) and moetrain's plans of "
+    'the same work; print measured / estimated and the calibrated predictions',
+  )
+  parser.add_argument('--json', help='--calibrate: write the records to this file')
   args = parser.parse_args()
   python = ensure_peer()
+  if args.calibrate:
+    records = [calibrate_recipe(n, python) for n in args.calibrate.split(',')]
+    print(calibration_table(records), flush=True)
+    if args.json:
+      with open(args.json, 'w') as f:
+        json.dump(records, f, indent=1, default=str)
+    return
   sections = []
   for name in args.points.split(','):
     point = POINTS[name]

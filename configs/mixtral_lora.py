@@ -6,7 +6,7 @@
 
 Changes from base: the Mixtral parts (GQA, softmax top-2 router renormalised, the Switch balance
 loss); LoRA rank 8 on every attention projection, routed expert and the head; frozen base and
-router. Variants: 'mixtral_tiny' (the default), 'mixtral_8x7b'.
+router. Variants: 'mixtral_tiny' (the default), 'mixtral_8x7b', 'mixtral_8x22b'.
 """
 
 from configs import base

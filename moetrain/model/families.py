@@ -624,4 +624,19 @@ MODEL_PRESETS = {
     rope_theta=1e6,
     max_position_embeddings=32768,
   ),
+  # mistralai/Mixtral-8x22B-v0.1 (and Instruct).
+  'mixtral_8x22b': family(
+    'mixtral',
+    vocab_size=32768,
+    hidden_size=6144,
+    num_layers=56,
+    num_heads=48,
+    num_kv_heads=8,
+    ffn_hidden_size=16384,
+    expert_ffn_hidden_size=16384,
+    n_routed_experts=8,
+    moe_topk=2,
+    rope_theta=1e6,
+    max_position_embeddings=65536,
+  ),
 }

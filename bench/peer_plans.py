@@ -131,10 +131,13 @@ def ensure_peer() -> str:
   return python
 
 
-def compile_peer(name: str, point, python: str, libtpu_args: str = '') -> dict:
+def compile_peer(name: str, point, python: str, libtpu_args: str = '', reuse: bool = False) -> dict:
   """MaxText's step for the point (or recipe): its memory and optimized HLO text, via the peer
-  venv; libtpu_args: XLA options for libtpu (LIBTPU_INIT_ARGS)."""
+  venv; libtpu_args: XLA options for libtpu (LIBTPU_INIT_ARGS); reuse: read a compile written
+  to OUT/name/maxtext before instead of compiling again."""
   out = os.path.join(OUT, name, 'maxtext')
+  if reuse and (saved := _saved(out)):
+    return saved
   env = {k: v for k, v in os.environ.items() if k not in ('PYTHONPATH', 'XLA_FLAGS')}
   env |= {'JAX_PLATFORMS': 'cpu', 'TPU_SKIP_MDS_QUERY': '1'}
   if libtpu_args:
@@ -156,9 +159,10 @@ def compile_peer(name: str, point, python: str, libtpu_args: str = '') -> dict:
   return {'memory': memory, 'hlo': text, 'seconds': time.time() - start}
 
 
-def compile_ours(name: str, point) -> dict:
+def compile_ours(name: str, point, label: str = 'moetrain', reuse: bool = False) -> dict:
   """moetrain's step for the point, as the planner compiles it: memory and HLO text (also
-  written beside MaxText's), plus the setup (for the model FLOPs, the chip and the batch)."""
+  written beside MaxText's, in OUT/name/label), plus the setup (for the model FLOPs, the chip
+  and the batch). reuse: read a compile written there before instead of compiling again."""
   import importlib
 
   from moetrain.planner import topology, tpu_plan
@@ -171,21 +175,32 @@ def compile_ours(name: str, point) -> dict:
   config = tpu_plan.with_overrides(module.get_config(arg), point.overrides)
   devices = topo.devices()
   setup = build(config, num_devices=len(devices), process_count=1, platform='tpu')
+  out = os.path.join(OUT, name, label.replace(' ', '_').replace(',', ''))
+  side = {'setup': setup, 'chip': topo.chip, 'engine': tpu_plan.engine_of(setup.model)}
+  if reuse and (saved := _saved(out)):
+    return side | saved
   start = time.time()
   steps = aot.compile_steps(setup, setup.make_mesh(devices), evaluate=False)
   train = steps['train']
-  out = os.path.join(OUT, name, 'moetrain')
   os.makedirs(out, exist_ok=True)
+  text = train.executable.as_text()
   with open(os.path.join(out, 'train_step.hlo.txt'), 'w') as f:
-    f.write(train.executable.as_text())
-  return {
-    'memory': train.memory,
-    'hlo': train.executable.as_text(),
-    'seconds': time.time() - start,
-    'setup': setup,
-    'chip': topo.chip,
-    'engine': tpu_plan.engine_of(setup.model),
-  }
+    f.write(text)
+  seconds = time.time() - start
+  with open(os.path.join(out, 'memory.json'), 'w') as f:
+    json.dump({'memory': train.memory, 'seconds': seconds, 'overrides': point.overrides}, f)
+  return side | {'memory': train.memory, 'hlo': text, 'seconds': seconds}
+
+
+def _saved(out: str) -> dict | None:
+  """A compile written to `out` before (train_step.hlo.txt and memory.json), or None."""
+  paths = [os.path.join(out, f) for f in ('train_step.hlo.txt', 'memory.json')]
+  if not all(os.path.exists(p) for p in paths):
+    return None
+  with open(paths[1]) as f:
+    saved = json.load(f)
+  with open(paths[0]) as f:
+    return {'memory': saved['memory'], 'hlo': f.read(), 'seconds': saved.get('seconds', 0.0)}
 
 
 def read(side: dict, setup, chip) -> dict:
@@ -282,7 +297,7 @@ def write_results(text: str) -> None:
     f.write(doc[:start] + '\n' + text + '\n' + doc[end:])
 
 
-def best_of(name: str, recipe, found: dict) -> tuple[str, dict]:
+def best_of(name: str, recipe, found: dict, reuse: bool = False) -> tuple[str, dict]:
   """moetrain's fastest estimate among `found` ({label: read(...)}, the recipe's own setting)
   and the recipe's candidates, of those that fit the chip: (label, read(...) of it). Each
   candidate is read with its own setup (micro-batches change the rows a grouped matmul sees)."""
@@ -291,7 +306,8 @@ def best_of(name: str, recipe, found: dict) -> tuple[str, dict]:
   for label, over in recipe.candidates.items():
     print(f'{name}: compiling moetrain, {label}...', flush=True)
     try:
-      side = compile_ours(name, dataclasses.replace(recipe, overrides=recipe.overrides | over))
+      variant = dataclasses.replace(recipe, overrides=recipe.overrides | over)
+      side = compile_ours(name, variant, label, reuse)
     except aot.OutOfMemory as e:
       print(f'  does not fit: {e.message}', flush=True)
       continue
@@ -303,17 +319,17 @@ def best_of(name: str, recipe, found: dict) -> tuple[str, dict]:
   return label, found[label]
 
 
-def calibrate_recipe(name: str, python: str) -> dict:
+def calibrate_recipe(name: str, python: str, reuse: bool = False) -> dict:
   """Both sides of one published recipe compiled for its slice, and the calibrated record."""
   recipe = peer_recipes.RECIPES[name]
-  print(f'{name}: compiling MaxText...', flush=True)
-  peer = compile_peer(name, recipe, python, recipe.libtpu_args)
   print(f'{name}: compiling moetrain, the same work...', flush=True)
-  ours = compile_ours(name, recipe)
+  ours = compile_ours(name, recipe, reuse=reuse)
   setup, chip = ours['setup'], ours['chip']
-  maxtext, same = read(peer, setup, chip), read(ours, setup, chip)
+  same = read(ours, setup, chip)
   fits = same['total'] <= chip.hbm_bytes
-  label, best = best_of(name, recipe, {'as the recipe': same} if fits else {})
+  label, best = best_of(name, recipe, {'as the recipe': same} if fits else {}, reuse)
+  print(f'{name}: compiling MaxText...', flush=True)
+  maxtext = read(compile_peer(name, recipe, python, recipe.libtpu_args, reuse), setup, chip)
   tokens = setup.data.global_batch_size * setup.data.seq_len
   record = {
     'recipe': name,
@@ -372,10 +388,13 @@ def main() -> None:
     'the same work; print measured / estimated and the calibrated predictions',
   )
   parser.add_argument('--json', help='--calibrate: write the records to this file')
+  parser.add_argument(
+    '--reuse', action='store_true', help='--calibrate: read compiles written to .peer/plans before'
+  )
   args = parser.parse_args()
   python = ensure_peer()
   if args.calibrate:
-    records = [calibrate_recipe(n, python) for n in args.calibrate.split(',')]
+    records = [calibrate_recipe(n, python, args.reuse) for n in args.calibrate.split(',')]
     print(calibration_table(records), flush=True)
     if args.json:
       with open(args.json, 'w') as f:

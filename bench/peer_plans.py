@@ -1,17 +1,23 @@
 """moetrain's training step beside MaxText's on the same work, compiled for a TPU slice on this
 host (libtpu, no TPU), both read by one estimator.
 
-  python -m bench.peer_plans [--points mixtral_8x7b,qwen3_30b_a3b] [--write]
+  python -m bench.peer_plans [--points mixtral_8x7b,qwen3_30b_a3b,mixtral_8x7b_ep8] [--write]
+  python -m bench.peer_plans --calibrate [--json FILE]     # MaxText's published recipes
 
 Each point is full training (float32 weights and Adam moments, bfloat16 compute, remat full,
 dropless experts, scanned layers) of one model with the same batch, mesh and slice on both
 sides. The peer, maxtext[tpu]==0.2.5, is installed on first use into .peer/maxtext (its own
 Python 3.12 venv: about 235 packages), and compiled there by bench/peer_maxtext_compile.py. Both
 optimized HLO modules go through moetrain.core.hlo_cost (FLOPs with loop trip counts, splash and
-grouped-matmul kernels priced, HBM and collective bytes) and the planner's roofline with the
-chip's peak rates; MFU divides the same model FLOPs (moetrain's formula for the model) on both.
---write replaces the table in bench/RESULTS.md ("Peer comparison: MaxText on the same TPU
-step")."""
+grouped-matmul kernels priced by the rows a balanced routing sends them, whatever buffer each
+side runs them over; HBM and collective bytes) and the planner's roofline with the chip's peak
+rates; MFU divides the same model FLOPs (moetrain's formula for the model) on both. --write
+replaces the table in bench/RESULTS.md ("Peer comparison: MaxText on the same TPU step").
+
+--calibrate compiles MaxText's published MoE recipes (bench/peer_recipes.py: the runs whose step
+times Google published, with their configs) and moetrain's plans of the same work, and turns the
+estimates into predictions: measured / MaxText's estimate, times moetrain's estimate. Every
+compile is kept in .peer/plans/NAME/SIDE; --reuse reads them back instead of compiling again."""
 
 import argparse
 import dataclasses
@@ -389,7 +395,9 @@ def main() -> None:
   )
   parser.add_argument('--json', help='--calibrate: write the records to this file')
   parser.add_argument(
-    '--reuse', action='store_true', help='--calibrate: read compiles written to .peer/plans before'
+    '--reuse',
+    action='store_true',
+    help='read compiles written to .peer/plans before instead of compiling again',
   )
   args = parser.parse_args()
   python = ensure_peer()
@@ -404,14 +412,16 @@ def main() -> None:
   for name in args.points.split(','):
     point = POINTS[name]
     print(f'{name}: compiling MaxText...', flush=True)
-    peer = compile_peer(name, point, python)
+    peer = compile_peer(name, point, python, reuse=args.reuse)
     print(f'{name}: compiling moetrain...', flush=True)
-    ours = compile_ours(name, point)
+    ours = compile_ours(name, point, reuse=args.reuse)
     setup, chip = ours['setup'], ours['chip']
     columns = {'moetrain': read(ours, setup, chip)}
     for label, over in point.variants.items():
       variant = dataclasses.replace(point, overrides=point.overrides | over)
-      columns[f'moetrain, {label}'] = read(compile_ours(name, variant), setup, chip)
+      columns[f'moetrain, {label}'] = read(
+        compile_ours(name, variant, label, args.reuse), setup, chip
+      )
     columns['MaxText 0.2.5'] = read(peer, setup, chip)
     rows = table(name, point, columns, chip.hbm_bytes)
     print(rows, flush=True)

@@ -317,10 +317,12 @@ def best_of(name: str, recipe, found: dict, reuse: bool = False) -> tuple[str, d
     except aot.OutOfMemory as e:
       print(f'  does not fit: {e.message}', flush=True)
       continue
-    r = read(side, side['setup'], side['chip'])
+    r = read(side, side['setup'], side['chip']) | {'setup': side['setup'], 'chip': side['chip']}
     print(f'  {r["total"] / 2**30:.2f} GiB, est. {r["step"]:.3f} s', flush=True)
     if r['total'] <= side['chip'].hbm_bytes:
       found[label] = r
+  if not found:
+    raise RuntimeError(f'{name}: no moetrain setting of the work fits {recipe.topology}')
   label = min(found, key=lambda k: found[k]['step'])
   return label, found[label]
 
@@ -328,12 +330,20 @@ def best_of(name: str, recipe, found: dict, reuse: bool = False) -> tuple[str, d
 def calibrate_recipe(name: str, python: str, reuse: bool = False) -> dict:
   """Both sides of one published recipe compiled for its slice, and the calibrated record."""
   recipe = peer_recipes.RECIPES[name]
+  from moetrain.training import aot
+
   print(f'{name}: compiling moetrain, the same work...', flush=True)
-  ours = compile_ours(name, recipe, reuse=reuse)
-  setup, chip = ours['setup'], ours['chip']
-  same = read(ours, setup, chip)
-  fits = same['total'] <= chip.hbm_bytes
+  try:
+    ours = compile_ours(name, recipe, reuse=reuse)
+    same = read(ours, ours['setup'], ours['chip']) | {'setup': ours['setup'], 'chip': ours['chip']}
+    refused = None
+  except aot.OutOfMemory as e:  # the candidates may still fit
+    same, refused = None, e.message
+    print(f'  does not fit: {refused}', flush=True)
+  fits = same is not None and same['total'] <= recipe_chip(recipe).hbm_bytes
   label, best = best_of(name, recipe, {'as the recipe': same} if fits else {}, reuse)
+  # The work's setup (its tokens, for the model FLOPs and the routed rows): the best plan's.
+  setup, chip = best['setup'], best['chip']
   print(f'{name}: compiling MaxText...', flush=True)
   maxtext = read(compile_peer(name, recipe, python, recipe.libtpu_args, reuse), setup, chip)
   tokens = setup.data.global_batch_size * setup.data.seq_len
@@ -343,22 +353,42 @@ def calibrate_recipe(name: str, python: str, reuse: bool = False) -> dict:
     'published': recipe.published,
     'maxtext_measured_s': recipe.measured_s,
     'maxtext_est_s': maxtext['step'],
-    'moetrain_est_s': same['step'],
+    'moetrain_est_s': same['step'] if same else None,
+    'moetrain_refused': refused,
     'moetrain_best_est_s': best['step'],
     'moetrain_best': label,
     'moetrain_best_overrides': recipe.overrides
     | ({} if label == 'as the recipe' else recipe.candidates[label]),
     'tokens_per_step': tokens,
     'maxtext': maxtext,
-    'moetrain': same,
-    'moetrain_best_plan': best,
+    'moetrain': _plain(same),
+    'moetrain_best_plan': _plain(best),
     'maxtext_command': ' '.join(recipe.maxtext),
     'libtpu_args': recipe.libtpu_args,
     'versions': versions(),
   }
   return record | peer_recipes.calibrate(
-    recipe.measured_s, maxtext['step'], same['step'], best['step'], tokens, recipe.chips
+    recipe.measured_s,
+    maxtext['step'],
+    same['step'] if same else None,
+    best['step'],
+    tokens,
+    recipe.chips,
   )
+
+
+def _plain(r: dict | None) -> dict | None:
+  return None if r is None else {k: v for k, v in r.items() if k not in ('setup', 'chip')}
+
+
+def recipe_chip(recipe):
+  from moetrain.planner import topology
+
+  return topology.parse(recipe.topology).chip
+
+
+def _s(seconds: float | None) -> str:
+  return 'does not fit' if seconds is None else f'{seconds:.2f}'
 
 
 def calibration_table(records: list[dict]) -> str:
@@ -372,9 +402,9 @@ def calibration_table(records: list[dict]) -> str:
   for r in records:
     rows.append(
       f'| {r["recipe"]} ({r["topology"]}) | {r["maxtext_measured_s"]:.3f} s | '
-      f'{r["maxtext_est_s"]:.2f} s | {r["factor"]:.2f} | {r["moetrain_est_s"]:.2f} / '
+      f'{r["maxtext_est_s"]:.2f} s | {r["factor"]:.2f} | {_s(r["moetrain_est_s"])} / '
       f'{r["moetrain_best_est_s"]:.2f} s ({r["moetrain_best"]}) | '
-      f'{r["moetrain_predicted_s"]:.2f} / {r["moetrain_best_predicted_s"]:.2f} s | '
+      f'{_s(r["moetrain_predicted_s"])} / {r["moetrain_best_predicted_s"]:.2f} s | '
       f'{r["maxtext_measured_tokens_per_chip"]:,.0f}, '
       f'{r["moetrain_best_predicted_tokens_per_chip"]:,.0f} '
       f'({r["best_over_measured"]:.2f}x) |'

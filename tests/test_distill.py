@@ -695,3 +695,26 @@ def test_a_failed_logits_write_leaves_no_manifest_and_the_corrected_rerun_writes
   setup = dataclasses.replace(setup, distill=dataclasses.replace(setup.distill, top_k=4))
   saved = logits.check(setup, str(out), 1)
   assert saved['distill.top_k'] == 4 and len(logits.shards(str(out), 0, 2, 1)) == 2
+
+
+@pytest.mark.slow  # six runs of the demo: ~10 minutes on 2 cores
+def test_the_distillation_demo_beats_the_student_alone_over_seeds(tmp_path):
+  """The README's two distillation commands (configs/distill.py at its default steps, and the
+  same with distill.alpha=0) over seeds 0-2: the distilled student's median eval loss is below
+  the student alone's (bench/RESULTS.md, "Distillation on the demo task")."""
+  import statistics
+
+  from bench.common import run_main, run_result
+
+  def final(seed: int, *extra: str) -> float:
+    workdir = tmp_path / f'{seed}{"_".join(extra)}'
+    run_main(
+      ['moetrain.main', '--config=configs/distill.py', f'--workdir={workdir}']
+      + [f'--config.seed={seed}', *extra]
+    )
+    return run_result(str(workdir))['eval_loss']
+
+  seeds = (0, 1, 2)
+  distilled = [final(s) for s in seeds]
+  alone = [final(s, '--config.distill.alpha=0') for s in seeds]
+  assert statistics.median(distilled) < statistics.median(alone), (distilled, alone)

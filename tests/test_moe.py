@@ -376,6 +376,26 @@ def test_expert_parallel_capacity_is_per_expert(comm):
   assert 0 < float(dropped.sum()) < float((idx < cfg.n_routed_experts).sum())
 
 
+def test_capacity_without_expert_parallelism_is_per_batch_shard():
+  """Capacity dispatch on a mesh without an expert axis keeps each expert's first C rows of each
+  batch shard's tokens (GShard's groups): exactly one device's capacity dispatch of each shard's
+  tokens. (XLA partitioning the sort instead ran it over the whole batch.)"""
+  cfg = CFG.with_engine(
+    rules=sharding.Rules.preset('fsdp_ep_tp'),
+    moe_expert_parallel=False,
+    moe_dispatch='capacity',
+    moe_capacity_factor=0.75,
+  )
+  x, idx, gates, w, y, dropped = route_on_ep_mesh(cfg, seed=8)
+  parts = [
+    dispatch.routed_experts(xs, ids, gs, w, cfg)
+    for xs, ids, gs in zip(*(jnp.split(a, 8) for a in (x, idx, gates)))
+  ]
+  np.testing.assert_array_equal(dropped, jnp.concatenate([p[1] for p in parts]))
+  np.testing.assert_allclose(y, jnp.concatenate([p[0] for p in parts]), atol=1e-5)
+  assert 0 < float(dropped.sum()) < float((idx < cfg.n_routed_experts).sum())
+
+
 def test_padding_takes_no_expert_capacity():
   """Padding tokens (segment 0) enter no expert: whether they come before or after the real
   tokens changes neither the real tokens' outputs nor what is dropped, and their own output is

@@ -22,11 +22,16 @@ from moetrain.model.config import ModelConfig
 def routed_experts(x_MD, idx_MA, gates_MA, weights, cfg: ModelConfig, rng=None):
   """dispatch.routed_experts, expert-parallel (see expert_parallel) when the routed experts are
   split over more than one shard (cfg.expert_shards, from the mesh startup.build laid it out for);
-  on each batch shard (per_batch_shard) where the backend is a kernel XLA cannot partition."""
+  on each batch shard (per_batch_shard) where the backend is a kernel XLA cannot partition, and
+  for capacity dispatch: each shard's experts keep capacity_factor times that shard's balanced
+  rows (GShard's groups, as the fixed exchange does under expert parallelism). Left to XLA, the
+  capacity sort ran over the whole global batch: Mixtral-8x7B at 32,768 tokens per chip on a
+  v6e-256 asked 1.66 TB of temporaries per chip (bench/RESULTS.md, "Calibration on MaxText's
+  published runs")."""
   if cfg.engine.expert_shards > 1:
     return expert_parallel(x_MD, idx_MA, gates_MA, weights, cfg, rng)
   unpartitioned = (
-    dispatch.resolve_backend(cfg) == 'megablox' and cfg.engine.moe_dispatch == 'dropless'
+    dispatch.resolve_backend(cfg) == 'megablox' or cfg.engine.moe_dispatch == 'capacity'
   )
   if unpartitioned and math.prod(cfg.engine.mesh_shape) > 1:
     return per_batch_shard(x_MD, idx_MA, gates_MA, weights, cfg, rng)
@@ -109,7 +114,8 @@ def gathered(w, spec, dtype):
 
 def per_batch_shard(x_MD, idx_MA, gates_MA, weights, cfg: ModelConfig, rng):
   """The single-device engine on each batch shard's tokens: for megablox, whose Mosaic kernel
-  XLA cannot partition ("Mosaic kernels cannot be automatically partitioned"). The experts'
+  XLA cannot partition ("Mosaic kernels cannot be automatically partitioned"), and for capacity
+  dispatch (its capacity from the shard's tokens). The experts'
   weights enter as the rules store them and are gathered whole in the compute dtype inside
   (gathered), so their gradients leave by reduce-scatter."""
   specs = stored_specs(weights, cfg)

@@ -351,18 +351,20 @@ def test_ragged_expert_parallel_overflow_rounds_are_dropless():
   chex.assert_trees_all_close(got, grads(single, x, gates, w), atol=1e-5, rtol=1e-5)
 
 
-@pytest.mark.parametrize('comm', ['fixed', 'ragged'])
-def test_expert_parallel_capacity_is_per_expert(comm):
-  """Capacity dispatch under expert parallelism keeps per-expert buffers. ragged: each expert
+@pytest.mark.parametrize('comm', ['fixed', 'ragged', 'none'])
+def test_capacity_is_per_expert_and_group(comm):
+  """Capacity dispatch keeps per-expert buffers. Under expert parallelism, ragged: each expert
   keeps the first C assignments of its exchange group's tokens (the ep shards of one fsdp row)
-  in token order, exactly one device's capacity dispatch of those tokens. fixed: each expert
+  in token order, exactly one device's capacity dispatch of those tokens; fixed: each expert
   keeps the first c of every shard's own assignments (GShard's groups), exactly one device's
-  capacity dispatch of each shard's tokens."""
+  capacity dispatch of each shard's tokens. Without it ('none'), the same per batch shard (left
+  to XLA, the sort ran over the whole batch)."""
+  ep = {'moe_ep_comm': comm} if comm != 'none' else {'moe_expert_parallel': False}
   cfg = CFG.with_engine(
     rules=sharding.Rules.preset('fsdp_ep_tp'),
-    moe_ep_comm=comm,
     moe_dispatch='capacity',
     moe_capacity_factor=0.75,
+    **ep,
   )
   x, idx, gates, w, y, dropped = route_on_ep_mesh(cfg, seed=8)
   single = cfg.with_engine(moe_expert_parallel=False)
@@ -370,26 +372,6 @@ def test_expert_parallel_capacity_is_per_expert(comm):
   parts = [
     dispatch.routed_experts(xs, ids, gs, w, single)
     for xs, ids, gs in zip(*(jnp.split(a, groups) for a in (x, idx, gates)))
-  ]
-  np.testing.assert_array_equal(dropped, jnp.concatenate([p[1] for p in parts]))
-  np.testing.assert_allclose(y, jnp.concatenate([p[0] for p in parts]), atol=1e-5)
-  assert 0 < float(dropped.sum()) < float((idx < cfg.n_routed_experts).sum())
-
-
-def test_capacity_without_expert_parallelism_is_per_batch_shard():
-  """Capacity dispatch on a mesh without an expert axis keeps each expert's first C rows of each
-  batch shard's tokens (GShard's groups): exactly one device's capacity dispatch of each shard's
-  tokens. (XLA partitioning the sort instead ran it over the whole batch.)"""
-  cfg = CFG.with_engine(
-    rules=sharding.Rules.preset('fsdp_ep_tp'),
-    moe_expert_parallel=False,
-    moe_dispatch='capacity',
-    moe_capacity_factor=0.75,
-  )
-  x, idx, gates, w, y, dropped = route_on_ep_mesh(cfg, seed=8)
-  parts = [
-    dispatch.routed_experts(xs, ids, gs, w, cfg)
-    for xs, ids, gs in zip(*(jnp.split(a, 8) for a in (x, idx, gates)))
   ]
   np.testing.assert_array_equal(dropped, jnp.concatenate([p[1] for p in parts]))
   np.testing.assert_allclose(y, jnp.concatenate([p[0] for p in parts]), atol=1e-5)

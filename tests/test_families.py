@@ -697,6 +697,7 @@ def test_presets_are_the_released_configs(preset):
     ('minimax_m2', 228.69, 10.42),  # 230B, 10B (the MTP modules left out)
     ('qwen3_next_80b_a3b', 79.67, 3.56),  # 80B, 3B (the MTP layer left out)
     ('qwen3_5_35b_a3b', 34.66, 2.95),  # 35B, 3B (the vision tower and MTP layer left out)
+    ('mixtral_8x22b', 140.63, 38.96),  # 141B, 39B with the embedding's 0.20B
   ],
 )
 def test_released_presets_parameter_counts(preset, total, active):

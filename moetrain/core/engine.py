@@ -135,7 +135,8 @@ class EngineConfig:
   # block by block, so only [B, loss_chunk, V] logits exist at a time; 0 = one block.
   loss_chunk: int = field(256, check='non_negative', zero='0 = no chunking')
   moe_dispatch: str = field('dropless', choices=MOE_DISPATCH)  # or per-expert buffers
-  # Capacity dispatch: each expert's buffer holds factor * K_e / E of the tokens.
+  # Capacity dispatch: each expert's buffer holds factor * K_e / E of the tokens, those of each
+  # batch shard (GShard's groups; on one device, the whole batch).
   moe_capacity_factor: float = field(1.25, check='positive')
   # The experts' grouped matmul; 'auto' picks per platform (model/dispatch.py resolve_backend).
   moe_backend: str = field('auto', choices=MOE_BACKENDS)

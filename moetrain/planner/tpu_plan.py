@@ -266,6 +266,11 @@ def print_plan(r: dict) -> None:
     f'({r["est_bound_by"]}-bound; {parts}), {r["est_tokens_per_sec"]:.0f} tokens/s, '
     f'MFU {100 * r["est_mfu"]:.1f}%'
   )
+  _print_flops(r)
+
+
+def _print_flops(r: dict) -> None:
+  """The model's FLOPs beside the compiled step's, and how the grouped matmuls were priced."""
   print(
     f'model FLOPs {r["model_flops_per_step"]:.3e} per step ({r["model_flops_formula"]}); '
     f'compiled FLOPs per device {r["hlo_flops_per_chip"]:.3e} with loop trip counts '

@@ -340,7 +340,7 @@ def calibrate_recipe(name: str, python: str, reuse: bool = False) -> dict:
   except aot.OutOfMemory as e:  # the candidates may still fit
     same, refused = None, e.message
     print(f'  does not fit: {refused}', flush=True)
-  fits = same is not None and same['total'] <= recipe_chip(recipe).hbm_bytes
+  fits = same is not None and same['total'] <= recipe.chip.hbm_bytes
   label, best = best_of(name, recipe, {'as the recipe': same} if fits else {}, reuse)
   # The work's setup (its tokens, for the model FLOPs and the routed rows): the best plan's.
   setup, chip = best['setup'], best['chip']
@@ -379,12 +379,6 @@ def calibrate_recipe(name: str, python: str, reuse: bool = False) -> dict:
 
 def _plain(r: dict | None) -> dict | None:
   return None if r is None else {k: v for k, v in r.items() if k not in ('setup', 'chip')}
-
-
-def recipe_chip(recipe):
-  from moetrain.planner import topology
-
-  return topology.parse(recipe.topology).chip
 
 
 def _s(seconds: float | None) -> str:

@@ -69,6 +69,13 @@ class Recipe:
   candidates: dict = dataclasses.field(default_factory=dict)
 
   @property
+  def chip(self):
+    """The slice's chip (moetrain.planner.topology.CHIPS): its HBM and peak rates."""
+    from moetrain.planner import topology
+
+    return topology.parse(self.topology).chip
+
+  @property
   def chips(self) -> int:
     from moetrain.planner import topology
 

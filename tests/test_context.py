@@ -126,3 +126,24 @@ def test_loss_blocks_hold_each_shards_own_positions():
   assert blocks.shape == (4, 2, 8)  # 4 blocks of 2 positions from each of 4 shards
   np.testing.assert_array_equal(blocks[1, 0], [2, 3, 10, 11, 18, 19, 26, 27])
   np.testing.assert_array_equal(back, x)
+
+
+@pytest.mark.slow  # ~2 minutes: two runs of the tiny LongCat on 8 emulated devices
+def test_a_run_saved_with_one_context_degree_resumes_with_another(tmp_path):
+  """A run with context 4 checkpoints at step 6; the same run directory resumed from there with
+  no context axis (all 8 devices on fsdp) logs steps 7-12 as the context-4 run did (float32):
+  a checkpoint holds no trace of how rows were split, and the reorder is undone before the
+  loss."""
+  from tests.test_pipeline import logged_losses
+
+  every = ['--config.train.checkpoint_every=6', '--config.train.log_every=1']
+  split = logged_losses(tmp_path / 'run', '(1,1,2,1,4,1)', every)
+  resumed = logged_losses(
+    tmp_path / 'run', '(1,1,8,1,1,1)', [*every, '--config.train.resume_step=6']
+  )
+  loss = lambda lines: {int(s.split()[1]): float(s.split()[3]) for s in lines}
+  want = {step: value for step, value in loss(split).items() if step > 6}
+  got = loss(resumed)
+  assert sorted(got) == sorted(want) == list(range(7, 13))
+  for step, value in want.items():
+    assert got[step] == pytest.approx(value, rel=1e-5), step

@@ -30,6 +30,7 @@ FAMILIES = {
   'deepseek_v3': dict(
     layer_layout='standard', n_group=2, topk_group=1, zero_expert_num=0, router_score='sigmoid'
   ),
+  'longcat_qlora_int4': dict(quant='int4', quant_group_size=8),  # adapters over an int4 base
 }
 T = 32
 
@@ -78,6 +79,7 @@ def loss_and_grads(cfg, mesh_shape):
     'qwen3_moe',
     pytest.param('gpt_oss', marks=pytest.mark.slow),
     pytest.param('deepseek_v3', marks=pytest.mark.slow),
+    pytest.param('longcat_qlora_int4', marks=pytest.mark.slow),
   ],
 )
 def test_a_row_split_over_context_gives_the_whole_rows_loss_and_gradients(family):

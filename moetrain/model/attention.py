@@ -206,11 +206,14 @@ def context_self_attention(
     return out_BNTH.transpose(0, 2, 1, 3)
 
   split, whole = P(None, 'context'), P()
+  # Inside the pipeline's vmap over stages (spmd_axis_name 'stage') the batching rule puts
+  # 'stage' on the stacked axis of every operand: it must be manual here too.
+  manual = {'context', 'stage'} if cfg.engine.pipeline_stages > 1 else {'context'}
   out_BTNH = jax.shard_map(
     shard,
     in_specs=(split, whole, whole, split, split, whole, whole, whole, *(whole for _ in sinks)),
     out_specs=split,
-    axis_names={'context'},
+    axis_names=manual,
     check_vma=False,
   )(q_BTNH, k_BSNH, v_BSNH, positions_BT, segment_ids_BT, all_pos, all_seg, window, *sinks)
   return constrain(out_BTNH, axes.names('BTN') + (None,), cfg.engine.rules)

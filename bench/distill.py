@@ -1,5 +1,5 @@
 """Distillation on the demo task (configs/distill.py): at equal steps, the distilled student vs
-the student alone, online vs offline (cached top-k) teacher logits, three initialisations, the
+the student alone, online vs offline (cached top-k) teacher logits, other initialisations, the
 cached logits' bytes per position, and the distillation step's time vs the student alone's.
 
   python -m bench.distill [--steps 200] [--top_k 64] [--seeds 0,1,2] [--only SUBSTRING,...]
@@ -10,7 +10,8 @@ are the final evaluation's (completion tokens of the demo eval split), the step 
 of the logged windows' (metrics.jsonl). Each variant runs once per seed (`config.seed`: the
 student's initialisation and dropout; the data order and the cached logits stay the same); a
 summary record per variant gives the medians, and standard error gets bench/RESULTS.md's table
-of the whole run (each seed's eval loss, the median, the spread).
+of the whole run (each seed's eval loss, the median, the spread), with the least eval loss any
+model can reach on the task (demo_task.shuffle_entropy).
 """
 
 import argparse
@@ -20,6 +21,7 @@ import sys
 import tempfile
 
 from bench.common import emit, machine, run_main, run_result
+from moetrain.data import demo_task
 
 VARIANTS = {
   'distilled (online, whole vocabulary)': [],
@@ -30,7 +32,8 @@ VARIANTS = {
     '--config.distill.teacher_logits={logits}',
   ],
   'init: teacher layers + most-used experts': ['--config.distill.init_from_teacher=most_used'],
-  'init: teacher layers + random experts': ['--config.distill.init_from_teacher=random'],
+  'from random weights, distilled': ['--config.distill.init_from_teacher='],
+  'from random weights, alone': ['--config.distill.init_from_teacher=', '--config.distill.alpha=0'],
 }
 
 
@@ -71,7 +74,9 @@ def main():
         | machine()
       )
       table.append(table_row(name, runs, med))
+  floor = demo_task.shuffle_entropy(demo_task.generate_shuffle()['eval'])
   print('\n'.join(table_head(seeds) + table), file=sys.stderr)
+  print(f"The task's floor (the eval split's entropy): {floor:.3f}", file=sys.stderr)
 
 
 def table_head(seeds: list[int]) -> list[str]:

@@ -71,6 +71,33 @@ def test_demo_files_regenerate_identically():
     assert shipped == demo_task.to_jsonl(generated[split]).encode()
     assert len(generated[split]) == count
   assert sum(p.stat().st_size for p in demo_task.DEMO_DIR.iterdir()) < 500_000
+  shuffle = demo_task.generate_shuffle()
+  for split in ('train', 'eval'):
+    shipped = (demo_task.SHUFFLE_DIR / f'{split}.jsonl').read_bytes()
+    assert shipped == demo_task.to_jsonl(shuffle[split]).encode()
+    assert len(shuffle[split]) == demo_task.SHUFFLE_SPLITS[split]
+
+
+def test_shuffled_examples_are_orders_of_their_words_and_the_teacher_sees_other_lists():
+  """The distillation demo's task: each completion is the prompt's words in some order (not
+  always the prompt's own); the teacher's split shares no prompt with the student's; the
+  entropy floor counts n! orders over n words and the end of text."""
+  splits = demo_task.generate_shuffle()
+  prompts = {k: {e['prompt'] for e in v} for k, v in splits.items()}
+  assert not prompts['teacher'] & (prompts['train'] | prompts['eval'])
+  assert not prompts['train'] & prompts['eval']
+  same = 0
+  for e in splits['train']:
+    words = _words(e, 'shuffle: ')
+    assert sorted(e['completion'].split()) == sorted(words)
+    same += e['completion'].split() == words
+  assert same < len(splits['train']) / 10
+  three = {'prompt': 'shuffle: a b c =', 'completion': ' c a b'}
+  assert demo_task.shuffle_entropy([three]) == pytest.approx(np.log(6) / 4)
+
+
+def _words(example: dict, prefix: str) -> list[str]:
+  return example['prompt'].removeprefix(prefix).removesuffix(' =').split()
 
 
 def test_demo_examples_are_reversals_and_splits_disjoint():
@@ -78,8 +105,7 @@ def test_demo_examples_are_reversals_and_splits_disjoint():
   prompts = {split: {e['prompt'] for e in examples} for split, examples in generated.items()}
   assert not prompts['train'] & prompts['eval']
   for e in generated['eval']:
-    words = e['prompt'].removeprefix('reverse: ').removesuffix(' =').split()
-    assert e['completion'].split() == words[::-1]
+    assert e['completion'].split() == _words(e, 'reverse: ')[::-1]
 
 
 # Tokenizers.

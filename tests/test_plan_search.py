@@ -7,6 +7,7 @@ import math
 import pytest
 
 from configs import longcat_lora, longcat_pretrain
+from moetrain.core.sharding import full_shape
 from moetrain.planner import topology, tpu_plan
 
 GIB = 2**30
@@ -30,11 +31,12 @@ class FakePlanner:
     weights *= 1 if c.lora.rank else 3
     rows = c.data.global_batch_size // c.optim.grad_accum_steps / t.num_devices
     remat = {'none': 2, 'full': 1, 'save_moe': 1.5, 'save_dots': 1.5, 'offload': 1}
-    need = weights + rows * GIB * remat[c.engine.remat]
+    shape = full_shape(c.mesh.shape)  # a row split over 'context' shares its activations
+    need = weights + rows * GIB * remat[c.engine.remat] / shape[4]
     report = {'topology': t.cloud_name, 'chips': t.chips, 'overrides': overrides}
     if need > t.chip.hbm_bytes:
       return report | {'fits': False, 'error': 'Ran out of memory on HBM', 'per_chip_bytes': {}}
-    step = 10 / c.mesh.shape[2] + c.optim.grad_accum_steps
+    step = 10 / shape[3] + c.optim.grad_accum_steps + 0.5 * (shape[4] - 1)
     step *= {'none': 1, 'full': 1.3, 'save_moe': 1.1, 'save_dots': 1.2, 'offload': 1.3}[
       c.engine.remat
     ]
@@ -168,3 +170,36 @@ def test_step_buffer_arithmetic_of_the_flash_lora_step():
   # Dropless with the bounded buffer: an overflow round's rows beside the first round's.
   assert moe[4] == moe[0] + moe[1]
   assert b['layer_inputs_bytes'] == 28 * 8192 * 6144 * 2
+
+
+def test_the_search_splits_rows_over_context_keeping_the_other_axes():
+  """The context axis in 2, 4, ... shards where the devices left by the stage and expert axes
+  allow it and the row cuts into the load balance's 2C chunks; the expert axis moves with the
+  context axis kept; from a split row, the way back to whole ones."""
+  config = longcat_lora.get_config('variant=tiny')  # rows of 128 tokens
+  shapes = lambda ns: {tuple(n['mesh.shape']) for n in ns if list(n) == ['mesh.shape']}
+  assert shapes(tpu_plan.neighbours(config, 8, {})) == {
+    (1, 1, -1, 1, 2, 1),
+    (1, 1, -1, 1, 4, 1),
+    (1, 1, -1, 1, 8, 1),
+  }
+  split = {'mesh.shape': (1, 1, -1, 2, 2, 1)}  # expert 2 x context 2
+  later = tpu_plan.neighbours(config, 8, split)
+  assert shapes(later) == {(1, -1, 2, 1), (1, 1, -1, 2, 4, 1)}
+  experts = [n['mesh.shape'] for n in later if 'mesh.rules' in n]
+  assert experts and all(s[4] == 2 and s[3] * s[4] <= 8 for s in experts)
+  config.data.seq_len = 20  # 2C chunks: 4 and 8 shards do not cut it
+  assert shapes(tpu_plan.neighbours(config, 8, {})) == {(1, 1, -1, 1, 2, 1)}
+
+
+def test_a_row_too_long_for_a_chip_gets_a_context_axis(fake, tmp_path):
+  """When the activations of a device's rows do not fit (the fake planner: 16 GiB of them under
+  full remat on a v5e chip of 15.75), splitting each row over 'context' fits sooner than
+  micro-batches here (the fake prices a context shard at 0.5 of a step, a micro-batch at 1)."""
+  fake(4)
+  config = longcat_lora.get_config('variant=tiny')
+  config.data.global_batch_size = 64
+  best = tpu_plan.search(config, 'v5e-4', workers=1, cache=str(tmp_path / 'plans.json'))
+  o = best['overrides']
+  assert tpu_plan._ok(best) and full_shape(o['mesh.shape'])[4] == 2
+  assert o.get('optim.grad_accum_steps', 1) == 1

@@ -454,18 +454,21 @@ def _divisors_pow2(n: int, limit: int) -> list[int]:
 
 
 def neighbours(config, devices: int, base: dict, slices: int = 1) -> list[dict]:
-  """Settings one change away from `base` (overrides of `config`): the expert axis, dispatch
-  (dropless unbounded or with a bounded receive buffer, or capacity), remat, micro-batches,
-  under LoRA the base's storage, and across `slices` slices a pipeline stage per slice. Changes
-  to what `base` already has are left out."""
+  """Settings one change away from `base` (overrides of `config`): the expert axis, the context
+  axis, dispatch (dropless unbounded or with a bounded receive buffer, or capacity), remat,
+  micro-batches, under LoRA the base's storage, and across `slices` slices a pipeline stage per
+  slice. Changes to what `base` already has are left out."""
 
   m = config.model
   now = with_overrides(config, base)
-  stage = full_shape(now.mesh.shape)[0]
+  stage, context = full_shape(now.mesh.shape)[0], full_shape(now.mesh.shape)[4]
   out = []
-  for e in _divisors_pow2(m.n_routed_experts, min(devices, m.n_routed_experts)):
-    shape = (stage, 1, -1, e, 1) if stage > 1 else (1, -1, e, 1)
-    out.append({'mesh.shape': shape, 'mesh.rules': 'fsdp_ep' if e > 1 else 'fsdp'})
+  room = devices // (stage * context)
+  for e in _divisors_pow2(m.n_routed_experts, min(room, m.n_routed_experts)):
+    out.append(
+      {'mesh.shape': mesh_shape(stage, e, context), 'mesh.rules': 'fsdp_ep' if e > 1 else 'fsdp'}
+    )
+  out += context_neighbours(now, devices)
   out += [
     {'engine.moe_dispatch': 'dropless', 'engine.moe_ep_recv_factor': f} for f in (0.0, 2.0, 1.25)
   ]
@@ -480,6 +483,28 @@ def neighbours(config, devices: int, base: dict, slices: int = 1) -> list[dict]:
   return [base | o for o in out if any(current(k) != v for k, v in o.items())]
 
 
+def mesh_shape(stage: int, expert: int, context: int) -> tuple:
+  """A mesh.shape of the search: fsdp takes the devices the other axes leave (-1); the short
+  forms while stage or context is 1."""
+  if context > 1:
+    return (stage, 1, -1, expert, context, 1)
+  return (stage, 1, -1, expert, 1) if stage > 1 else (1, -1, expert, 1)
+
+
+def context_neighbours(now, devices: int) -> list[dict]:
+  """Each row's tokens split over 'context' in 2, 4, ... shards (docs/context.md), within what
+  the stage and expert axes leave and while the row cuts into the load balance's 2C chunks;
+  from a split row, back to whole ones. What a row too long for a chip needs."""
+  shape = full_shape(now.mesh.shape)
+  stage, expert, context = shape[0], shape[3], shape[4]
+  free = devices // (stage * expert)
+  return [
+    {'mesh.shape': mesh_shape(stage, expert, c)}
+    for c in _divisors_pow2(free, free)
+    if c != context and now.data.seq_len % (2 * c) == 0
+  ]
+
+
 def pipeline_neighbours(config, now, slices: int) -> list[dict]:
   """Across slices, the layers pipelined with one stage per slice (the stage axis over the
   data-center network, docs/pipeline.md) in S, 2S or 4S micro-batches, keeping the expert axis;
@@ -490,7 +515,10 @@ def pipeline_neighbours(config, now, slices: int) -> list[dict]:
     return []
   shape = full_shape(now.mesh.shape)
   rows = now.data.global_batch_size // now.optim.grad_accum_steps
-  staged = {'mesh.shape': (slices, 1, -1, shape[3], 1), 'mesh.dcn_shape': (slices, 1, 1, 1, 1)}
+  staged = {
+    'mesh.shape': mesh_shape(slices, shape[3], shape[4]),
+    'mesh.dcn_shape': (slices, 1, 1, 1, 1),
+  }
   out = [
     staged | {'engine.pipeline_microbatches': k * slices}
     for k in (1, 2, 4)
@@ -504,7 +532,7 @@ def pipeline_neighbours(config, now, slices: int) -> list[dict]:
       out.append({'engine.pipeline_repeats': repeats})
     except ValueError:  # layer runs the repeats do not split
       pass
-    unstaged = (1, 1, -1, shape[3], 1)
+    unstaged = mesh_shape(1, shape[3], shape[4])
     dcn = tuple(config.mesh.dcn_shape)
     out.append(
       {

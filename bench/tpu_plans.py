@@ -13,10 +13,12 @@ from configs import (
   gpt_oss_lora,
   longcat_lora,
   longcat_pretrain,
+  minimax_m2_lora,
   mixtral_lora,
   olmoe_lora,
   qwen2_moe_lora,
   qwen3_moe_lora,
+  qwen3_next_lora,
 )
 from moetrain.planner import tpu_plan
 
@@ -73,6 +75,9 @@ PLANS = {
       ('glm4.5', 'GLM-4.5', glm4_moe_lora, 'glm4_5'),
       ('gpt-oss-20b', 'gpt-oss-20b', gpt_oss_lora, 'gpt_oss_20b'),
       ('gpt-oss-120b', 'gpt-oss-120b', gpt_oss_lora, 'gpt_oss_120b'),
+      ('qwen3.5-35b', 'Qwen3.5-35B-A3B', qwen3_next_lora, 'qwen3_5_35b_a3b'),
+      ('qwen3-next-80b', 'Qwen3-Next-80B-A3B', qwen3_next_lora, 'qwen3_next_80b_a3b'),
+      ('minimax-m2', 'MiniMax-M2 (QLoRA int4)', minimax_m2_lora, 'minimax_m2'),
     )
   },
   # QLoRA int4 of the families' smaller models on a Kaggle-sized slice (v5e-8: 8 chips of 16 GB),

@@ -16,7 +16,7 @@ The MTP modules are not loaded.
 
 from configs import base
 
-# The real model's slice (not yet compiled by tools.plan: bench.tpu_plans does not list it).
+# The real model's slice. Not compiled yet: `python -m bench.tpu_plans --only minimax-m2` does it.
 PODS = {'minimax_m2': base.Pod('v5p-16', expert=8, seq_len=4096, rows=32, recv_factor=2)}
 
 

@@ -16,8 +16,14 @@ shapes from its config.json; a multimodal Qwen3.5 checkpoint gives its language 
 from configs import base
 
 VARIANTS = (*base.family_variants('qwen3_next_tiny'), *base.family_variants('qwen3_5_35b_a3b'))
+# The real models' slices (bf16 bases: 159 GB and 69 GB), as Qwen3-30B-A3B's. Not compiled yet:
+# `python -m bench.tpu_plans --only qwen3.5-35b,qwen3-next-80b` does it.
+PODS = {
+  'qwen3_next_80b_a3b': base.Pod('v5p-8', expert=4, seq_len=4096, rows=32, recv_factor=1.5),
+  'qwen3_5_35b_a3b': base.Pod('v5p-8', expert=4, seq_len=4096, rows=32, recv_factor=1.5),
+}
 
 
 def get_config(arg: str | None = None):
   path = 'configs/qwen3_next_lora.py'
-  return base.family_lora(arg, path, 'qwen3_next_tiny', {}, choices=VARIANTS)[0]
+  return base.family_lora(arg, path, 'qwen3_next_tiny', PODS, choices=VARIANTS)[0]

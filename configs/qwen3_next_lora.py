@@ -16,11 +16,13 @@ shapes from its config.json; a multimodal Qwen3.5 checkpoint gives its language 
 from configs import base
 
 VARIANTS = (*base.family_variants('qwen3_next_tiny'), *base.family_variants('qwen3_5_35b_a3b'))
-# The real models' slices (bf16 bases: 159 GB and 69 GB), as Qwen3-30B-A3B's. Not compiled yet:
-# `python -m bench.tpu_plans --only qwen3.5-35b,qwen3-next-80b` does it.
+# The real models' slices (bf16 bases: 159 GB and 69 GB), as Qwen3-30B-A3B's but in 2
+# micro-batches: in one pass Qwen3.5-35B-A3B's step needs 97.35 GiB of temporaries alone, over a
+# v5p chip's 95.73 (bench.tpu_plans, 2026-11-29). `python -m bench.tpu_plans --only
+# qwen3.5-35b,qwen3-next-80b` compiles them.
 PODS = {
-  'qwen3_next_80b_a3b': base.Pod('v5p-8', expert=4, seq_len=4096, rows=32, recv_factor=1.5),
-  'qwen3_5_35b_a3b': base.Pod('v5p-8', expert=4, seq_len=4096, rows=32, recv_factor=1.5),
+  'qwen3_next_80b_a3b': base.Pod('v5p-8', 4, 4096, 32, recv_factor=1.5, micro_batches=2),
+  'qwen3_5_35b_a3b': base.Pod('v5p-8', 4, 4096, 32, recv_factor=1.5, micro_batches=2),
 }
 
 

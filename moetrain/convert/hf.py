@@ -14,7 +14,7 @@ from absl import logging
 from flax import nnx
 from jax.sharding import SingleDeviceSharding
 
-from moetrain.convert import gpt_oss, longcat, standard
+from moetrain.convert import compressed_int4, gpt_oss, longcat, standard
 from moetrain.convert import safetensors_io as stio
 from moetrain.convert import stacked_io as sio
 from moetrain.convert.stacked_io import Row
@@ -355,14 +355,20 @@ def is_mtp(key: str, cfg: ModelConfig) -> bool:
   return key.startswith(MTP_PREFIX) or bool(extra)
 
 
-def _export_dtype(t: Row, dtype):
-  # gpt-oss's attention sinks too: the model keeps them float32, as the softmax they join
-  float32 = t.path.endswith((*ROUTER_SUFFIXES, '.attn.sinks'))
+def _export_dtype(t: Row, dtype, quantize: str = ''):
+  # gpt-oss's attention sinks too: the model keeps them float32, as the softmax they join; the
+  # experts of a quantised export are packed from float32 (a base's grid survives)
+  float32 = t.path.endswith((*ROUTER_SUFFIXES, '.attn.sinks')) or bool(quantize and t.experts)
   return jnp.dtype(jnp.float32) if float32 else jnp.dtype(dtype)
 
 
 def _reader(reader, cfg: ModelConfig):
-  """The family's view of a checkpoint (gpt-oss: fused experts read as per-expert pieces)."""
+  """The family's view of a checkpoint (gpt-oss: fused experts read as per-expert pieces), its
+  pack-quantized int4 weights read as weights (Kimi-K2's experts: compressed_int4.py)."""
+  if any(k.endswith('.weight_packed') for k in reader.keys()):
+    reader = compressed_int4.PackedReader(
+      reader, compressed_int4.group_size(read_config(reader.directory))
+    )
   return getattr(family_of(cfg.model_type), 'reader', lambda r, cfg: r)(reader, cfg)
 
 
@@ -390,17 +396,22 @@ def save_hf(
   max_shard_size: int = 5 * 2**30,
   base_config: dict | None = None,
   base_dir: str = '',
+  quantize: str = '',
 ) -> None:
   """Writes config.json and model.safetensors (or shards of at most max_shard_size bytes plus
   the index) in the transformers LongCat-Flash layout: LoRA merged into the base, quantised
   weights decoded, e_score_correction_bias included. One tensor is on the host at a time; with
   several processes all must call it (shards are gathered) and process 0 writes. With base_dir
   (the HF checkpoint the run started from), its MTP head (model.mtp.*, which moetrain does not
-  load or train) is copied over unchanged, so that speculative decoding with it still works."""
+  load or train) is copied over unchanged, so that speculative decoding with it still works.
+  quantize='compressed-int4' writes the routed experts pack-quantized, int4 in groups of 32
+  along the inputs, with their quantization_config (compressed_int4.py), as Kimi-K2 ships."""
+  if quantize not in ('', compressed_int4.EXPORT):
+    raise ValueError(f'quantize={quantize!r}: use {compressed_int4.EXPORT!r} or none')
   flat = flat_values(model_or_state)
   dt = jnp.dtype(dtype or cfg.engine.param_dtype)
   items = _export_items(flat, cfg, strict=True)
-  specs = [(t.name(ix), shape, _export_dtype(t, dt)) for t, ix, shape in items]
+  specs = [(t.name(ix), shape, _export_dtype(t, dt, quantize)) for t, ix, shape in items]
   writable = jax.process_index() == 0
   base = stio.Reader(base_dir) if base_dir else None
   copied = [k for k in base.keys() if is_mtp(k, cfg)] if base else []
@@ -414,8 +425,12 @@ def save_hf(
 
   pieces = specs
   specs, produce = _fuse(cfg, pieces, produce)
+  config = config_to_hf(cfg, dt.name, base_config)
+  if quantize:
+    specs, produce = compressed_int4.pack_specs(specs, produce)
+    config['quantization_config'] = compressed_int4.quantization_config()
 
   stio.write_sharded(out_dir, specs, produce, max_shard_size, writable)
   if writable:
     with open(os.path.join(out_dir, 'config.json'), 'w') as f:
-      json.dump(config_to_hf(cfg, dt.name, base_config), f, indent=2, sort_keys=True)
+      json.dump(config, f, indent=2, sort_keys=True)

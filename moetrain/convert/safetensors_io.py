@@ -17,7 +17,10 @@ INDEX = 'model.safetensors.index.json'
 # Importing ml_dtypes registers bfloat16 with numpy, which lets safe_open(framework='numpy')
 # return bf16 tensors and slices as ml_dtypes arrays instead of failing.
 DTYPES = {'F64': np.float64, 'F32': np.float32, 'F16': np.float16, 'BF16': ml_dtypes.bfloat16}
-DTYPE_NAMES = {np.dtype(v): k for k, v in DTYPES.items()}
+# Integer tensors: read only by name (Reader.read_int: packed int4 codes, their shapes) and
+# written by exports that pack them (compressed_int4.py).
+INT_DTYPES = {'I32': np.int32, 'I64': np.int64}
+DTYPE_NAMES = {np.dtype(v): k for k, v in {**DTYPES, **INT_DTYPES}.items()}
 _SHARD = re.compile(r'^model(-\d{5}-of-\d{5})?\.safetensors(\.index\.json)?$')
 
 
@@ -90,6 +93,19 @@ class Reader:
       )
     return x
 
+  def read_int(self, name: str, index=None) -> np.ndarray:
+    """An integer tensor (or the part `index` selects), which `read` refuses."""
+    if (dt := self.dtype(name)) not in INT_DTYPES:
+      raise ValueError(
+        f'{name} in {self.path(name)}: dtype {dt}, expected one of {sorted(INT_DTYPES)}'
+      )
+    sl = self._slice(name)
+    return np.asarray(sl[tuple(index)] if index else sl[:])
+
+  def path(self, name: str) -> str:
+    """The file that holds tensor `name`."""
+    return storage.join(self.directory, self.files[name])
+
 
 def finite(x: np.ndarray) -> bool:
   """Whether every number of a float array is finite (True for other arrays). bfloat16 is read
@@ -159,7 +175,7 @@ class _RemoteSlice:
     return self.info['dtype']
 
   def __getitem__(self, index) -> np.ndarray:
-    shape, dtype = tuple(self.info['shape']), np.dtype(DTYPES[self.info['dtype']])
+    shape, dtype = tuple(self.info['shape']), np.dtype({**DTYPES, **INT_DTYPES}[self.info['dtype']])
     index = index if isinstance(index, tuple) else (index,)
     start, end = self.info['data_offsets']
     first = index[0] if index else slice(None)

@@ -12,6 +12,7 @@ from jax.experimental import multihost_utils
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from moetrain.convert import compressed_int4
 from moetrain.kernels import quant
 
 
@@ -200,6 +201,11 @@ def load_row(
     make = lambda ix, w=None: quantize(
       _piece(reader, row, ix, piece_shape, float_sh, np.float32, w)
     )
+    if bits == 4 and (g := compressed_int4.exact_group(reader, row, group)):  # codes as stored
+      shapes, dt = [abstract[k].shape[n:] for k in keys], abstract[keys[1]].dtype
+      make = lambda ix, w=None: compressed_int4.exact_piece(
+        reader, row, ix, shapes, piece_sh, g, dt
+      )
   else:
     float_sh = piece_sh[0]
     dt = abstract[row.key].dtype

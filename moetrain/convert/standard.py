@@ -685,8 +685,33 @@ QWEN3_5_MOE_TEXT = Qwen35Text(
 
 QWEN3_5_MOE = Qwen35Multimodal(QWEN3_5_MOE_TEXT)
 
+
+class Alias:
+  """A model_type that names another family's layout under its own name: Kimi-K2's `kimi_k2`
+  is DeepSeek-V3's DeepseekV3ForCausalLM (its release notes: set model_type to deepseek_v3 for
+  a framework that lacks the name). Read as that family; exports write that family's name."""
+
+  def __init__(self, model_type: str, family: Family):
+    self.model_type, self.family = model_type, family
+
+  def __getattr__(self, name):
+    return getattr(self.family, name)
+
+  def config_from_hf(self, c: dict) -> dict:
+    if c.get('model_type') != self.model_type:
+      raise ValueError(
+        f'config.json model_type={c.get("model_type")!r}: expected {self.model_type!r}'
+      )
+    return self.family.config_from_hf({**c, 'model_type': self.family.model_type})
+
+
+# moonshotai/Kimi-K2-Instruct, -Thinking (int4 experts: compressed_int4.py): DeepSeek-V3 with 384
+# experts, one group, YaRN x64.
+KIMI_K2 = Alias('kimi_k2', DEEPSEEK_V3)
+
 FAMILIES = {
   'qwen3_5_moe': QWEN3_5_MOE,  # read as its language model, qwen3_5_moe_text
+  'kimi_k2': KIMI_K2,  # read as deepseek_v3
   **{
     f.model_type: f
     for f in (

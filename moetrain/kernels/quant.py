@@ -53,7 +53,7 @@ def quantize(w, bits: int, n_batch: int, n_in: int, group: int) -> QTensor:
     return QTensor(q, scale, 8, 0)
   ax = n_batch
   k = w.shape[ax]
-  g = group if (k % group == 0 and group % 2 == 0) else k + (k % 2)
+  g = int4_group(k, group)
   if k % g:
     raise ValueError(f'quant_group_size: dimension {k} of shape {w.shape} is odd; int4 needs even')
   wg = w.reshape(*w.shape[:ax], k // g, g, *w.shape[ax + 1 :])
@@ -63,6 +63,12 @@ def quantize(w, bits: int, n_batch: int, n_in: int, group: int) -> QTensor:
   lo = jax.lax.slice_in_dim(codes, 0, g, 2, axis=ax + 1)
   hi = jax.lax.slice_in_dim(codes, 1, g, 2, axis=ax + 1)
   return QTensor(lo | (hi << 4), scale, 4, ax - (w.ndim + 1))
+
+
+def int4_group(k: int, group: int) -> int:
+  """The int4 group that an input dim of k rows gets for quant_group_size `group`: the group
+  where it divides k (and is even), else the whole dim as one group."""
+  return group if (k % group == 0 and group % 2 == 0) else k + (k % 2)
 
 
 def dequant(w, dtype):

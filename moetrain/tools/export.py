@@ -3,6 +3,7 @@ alone (PEFT layout).
 
   python -m moetrain.tools.export --workdir=runs/longcat_lora --out=exported/ \
       [--adapter_only] [--dtype=bfloat16] [--config=configs/longcat_lora.py] [--replace]
+      [--quantize=compressed-int4]
 
 The run's own config.json is used unless --config is given (it must then match the run). The
 export is written into a directory beside --out, which then takes the place of --out in one
@@ -54,6 +55,12 @@ def define_flags():
   )
   flags.DEFINE_bool(
     'replace', False, 'Replace an --out that is not an earlier export of the same kind.'
+  )
+  flags.DEFINE_enum(
+    'quantize',
+    '',
+    ['', 'compressed-int4'],
+    'Merged export: routed experts written pack-quantized int4, groups of 32 (Kimi-K2 layout).',
   )
   runtime.define_process_flags()
 
@@ -122,10 +129,18 @@ def base_config(hf_checkpoint: str) -> dict | None:
 
 
 def export(
-  config, workdir: str, out: str, adapter_only: bool = False, dtype=None, replace: bool = False
+  config,
+  workdir: str,
+  out: str,
+  adapter_only: bool = False,
+  dtype=None,
+  replace: bool = False,
+  quantize: str = '',
 ) -> str:
   if dtype is not None and dtype not in DTYPES:
     raise ValueError(f'--dtype={dtype!r}: use one of {DTYPES}')
+  if quantize and adapter_only:
+    raise ValueError('--quantize applies to the merged export; adapters are not quantised')
   if dtype is not None and adapter_only:
     raise ValueError('--dtype applies to the merged export; adapters keep their training dtype')
   setup = startup.tool_setup(config, workdir)
@@ -151,7 +166,13 @@ def export(
       else:
         base = base_config(setup.hf_checkpoint)
         hf.save_hf(
-          model, setup.model, target, dtype=dtype, base_config=base, base_dir=setup.hf_checkpoint
+          model,
+          setup.model,
+          target,
+          dtype=dtype,
+          base_config=base,
+          base_dir=setup.hf_checkpoint,
+          quantize=quantize,
         )
         if primary:
           for name, source in companions.items():
@@ -375,7 +396,7 @@ def main(argv):
   runtime.start_command(preemption=False)  # saves nothing: stay killable
   del argv
   f = flags.FLAGS
-  out = export(f.config, f.workdir, f.out, f.adapter_only, f.dtype, f.replace)
+  out = export(f.config, f.workdir, f.out, f.adapter_only, f.dtype, f.replace, f.quantize)
   if runtime.is_primary():
     print(f'wrote {out}')
 

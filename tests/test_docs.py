@@ -121,6 +121,8 @@ FAMILY_NAMES = {
   'minimax_m2': 'MiniMax-M2',
   'qwen3_next': 'Qwen3-Next',
   'qwen3_5_moe_text': 'Qwen3.5-MoE',
+  'deepseek_v32': 'DeepSeek-V3.2',
+  'glm_moe_dsa': 'GLM-5',
 }
 
 

@@ -1,5 +1,7 @@
-"""The other families (Qwen3-MoE, Mixtral, DeepSeek-V3/V2, OLMoE, Qwen2-MoE) against transformers
-4.57.6: fixtures made by tests/fixtures/make_family_fixtures.py are the oracle (float32)."""
+"""The other families (Qwen3-MoE, Mixtral, DeepSeek-V3/V2, OLMoE, Qwen2-MoE, ...) against
+transformers 4.57.6, or 5.24.0 for those it brought (HF5: MiniMax-M2, Qwen3-Next, Qwen3.5,
+DeepSeek-V3.2, GLM-5): fixtures made by tests/fixtures/make_family_fixtures.py and
+make_2026_fixtures.py are the oracle (float32)."""
 
 import dataclasses
 import json
@@ -40,9 +42,17 @@ FAMILIES = (
   'minimax_m2_two_layer',  # whole-projection q/k norms, partial RoPE, sigmoid router + bias
   'qwen3_next_four_layer',  # Gated DeltaNet / gated attention layers, offset norms, shared expert
   'qwen3_5_moe_text_four_layer',  # Qwen3-Next's parts, Gated DeltaNet's projections apart
+  'deepseek_v32_three_layer',  # DeepSeek-V3's MLA and router + an indexer keeping 4 of 12 tokens
+  'glm_moe_dsa_three_layer',  # the same in one group, the indexer's RoPE on adjacent pairs
 )
 # Families whose reference is transformers 5.24 (tests/fixtures/make_2026_fixtures.py).
-HF5 = ('minimax_m2_two_layer', 'qwen3_next_four_layer', 'qwen3_5_moe_text_four_layer')
+HF5 = (
+  'minimax_m2_two_layer',
+  'qwen3_next_four_layer',
+  'qwen3_5_moe_text_four_layer',
+  'deepseek_v32_three_layer',
+  'glm_moe_dsa_three_layer',
+)
 # Families whose export round trip and generation run with the slow tests (the default suite's
 # time budget); their logits, loss, routing, gradients and LoRA reach run by default.
 SLOW_EXTRAS = (
@@ -54,6 +64,7 @@ SLOW_EXTRAS = (
   'minimax_m2_two_layer',
   'qwen3_next_four_layer',
   'qwen3_5_moe_text_four_layer',
+  'glm_moe_dsa_three_layer',
 )
 EXTRAS = [pytest.param(n, marks=pytest.mark.slow) if n in SLOW_EXTRAS else n for n in FAMILIES]
 
@@ -673,6 +684,45 @@ RELEASED['minimax_m2'] = {
 }
 
 
+# zai-org/GLM-5's shapes as transformers 5.24's GlmMoeDsaConfig defaults write them.
+RELEASED['glm_5'] = {
+  'model_type': 'glm_moe_dsa',
+  'vocab_size': 154880,
+  'hidden_size': 6144,
+  'intermediate_size': 12288,
+  'moe_intermediate_size': 2048,
+  'num_hidden_layers': 78,
+  'num_attention_heads': 64,
+  'num_key_value_heads': 64,
+  'n_shared_experts': 1,
+  'n_routed_experts': 256,
+  'routed_scaling_factor': 2.5,
+  'kv_lora_rank': 512,
+  'q_lora_rank': 2048,
+  'qk_rope_head_dim': 64,
+  'v_head_dim': 256,
+  'qk_nope_head_dim': 192,
+  'n_group': 1,
+  'topk_group': 1,
+  'num_experts_per_tok': 8,
+  'norm_topk_prob': True,
+  'hidden_act': 'silu',
+  'max_position_embeddings': 202752,
+  'initializer_range': 0.02,
+  'rms_norm_eps': 1e-05,
+  'tie_word_embeddings': False,
+  'rope_parameters': {'rope_theta': 10000.0, 'rope_type': 'default'},
+  'mlp_layer_types': ['dense'] * 3 + ['sparse'] * 75,
+  'attention_bias': False,
+  'index_topk': 2048,
+  'index_head_dim': 128,
+  'index_n_heads': 32,
+  'head_dim': 64,
+  'first_k_dense_replace': 3,
+  'indexer_types': ['full'] * 78,
+}
+
+
 @pytest.mark.parametrize('preset', sorted(RELEASED))
 def test_presets_are_the_released_configs(preset):
   from moetrain.model.families import MODEL_PRESETS
@@ -698,6 +748,9 @@ def test_presets_are_the_released_configs(preset):
     ('qwen3_next_80b_a3b', 79.67, 3.56),  # 80B, 3B (the MTP layer left out)
     ('qwen3_5_35b_a3b', 34.66, 2.95),  # 35B, 3B (the vision tower and MTP layer left out)
     ('mixtral_8x22b', 140.63, 38.96),  # 141B, 39B with the embedding's 0.20B
+    # DeepSeek-V3's 671B, 37B plus the indexers' 0.85B (685B with the MTP layer left out).
+    ('deepseek_v32_671b', 671.88, 37.48),
+    ('glm_5', 743.91, 40.83),  # 744B, 40B
   ],
 )
 def test_released_presets_parameter_counts(preset, total, active):

@@ -1,8 +1,9 @@
 """The Hugging Face layouts of the families built from standard pre-norm layers (transformers
 4.57 `deepseek_v3`, `deepseek_v2`, `qwen3_moe`, `mixtral`, `olmoe`, `qwen2_moe`, `glm4_moe`; 5.24
-`minimax_m2`, `qwen3_next`, `qwen3_5_moe_text` and `qwen3_5_moe`'s language model):
-config.json and the weight-name table. One table builder serves them all: attention rows by kind (MLA, GQA),
-the MoE block's by family."""
+`minimax_m2`, `qwen3_next`, `qwen3_5_moe_text`, `qwen3_5_moe`'s language model, `deepseek_v32`
+and `glm_moe_dsa`): config.json and the weight-name table. One table builder serves them all:
+attention rows by kind (MLA, GQA; MLA's with its sparse attention indexer), the MoE block's by
+family."""
 
 from moetrain.convert import family
 from moetrain.convert.stacked_io import Row
@@ -146,11 +147,22 @@ def attention_entries(cfg: ModelConfig) -> list:
     ]
   else:
     out = [(f'{a}.q_proj.weight', 'attn.q.kernel', 1)]
-  return out + [
+  out += [
     (f'{a}.kv_a_proj_with_mqa.weight', 'attn.kv_a.kernel', 1),
     (f'{a}.kv_a_layernorm.weight', 'attn.kv_a_norm.scale', None),
     (f'{a}.kv_b_proj.weight', 'attn.kv_b.kernel', 1),
     (f'{a}.o_proj.weight', 'attn.o.kernel', 2),
+  ]
+  return out + (_indexer_entries(f'{a}.indexer') if cfg.index_n_heads else [])
+
+
+def _indexer_entries(hf: str) -> list:
+  """The sparse attention indexer's rows (DeepSeek-V3.2's and GLM-5's names)."""
+  out = [(f'{hf}.{n}.weight', f'attn.indexer.{n}.kernel', 1) for n in ('wq_b', 'wk')]
+  return out + [
+    (f'{hf}.k_norm.weight', 'attn.indexer.k_norm.scale', None),
+    (f'{hf}.k_norm.bias', 'attn.indexer.k_norm.bias', None),
+    (f'{hf}.weights_proj.weight', 'attn.indexer.weights_proj.kernel', 1),
   ]
 
 
@@ -597,6 +609,125 @@ QWEN3_NEXT = Family(
 )
 
 
+def _rope_parameters_from_hf(c: dict) -> dict:
+  """RoPE's theta and YaRN from transformers 5's `rope_parameters` or the released config.json's
+  `rope_scaling` beside a top-level `rope_theta` (transformers 5 folds the second into the
+  first on load)."""
+  rp = dict(c.get('rope_parameters') or c.get('rope_scaling') or {})
+  theta = rp.pop('rope_theta', c.get('rope_theta', 10000.0))
+  if rp.get('rope_type', rp.get('type', 'default')) == 'default':
+    return {'rope_theta': theta}
+  return {'rope_theta': theta, **_yarn_from_hf({'rope_scaling': rp})}
+
+
+def _rope_parameters_to_hf(cfg: ModelConfig) -> dict:
+  rs = _yarn_to_hf(cfg)['rope_scaling'] or {'rope_type': 'default'}
+  return {'rope_parameters': {'rope_theta': cfg.rope_theta, **rs}}
+
+
+def _dense_prefix(c: dict, kw: dict) -> int:
+  """first_k_dense_replace, or the dense layers transformers 5's mlp_layer_types lists (which
+  moetrain runs as a dense prefix only)."""
+  types = c.get('mlp_layer_types')
+  if types is None:
+    return kw['first_k_dense_replace']
+  k = types.count('dense')
+  if list(types) != ['dense'] * k + ['sparse'] * (len(types) - k):
+    raise ValueError(
+      f'config.json mlp_layer_types={types!r} is unsupported: moetrain implements dense layers '
+      'first, then MoE layers'
+    )
+  return k
+
+
+def _dsa_read(c: dict, kw: dict) -> dict:
+  return {**_rope_parameters_from_hf(c), 'first_k_dense_replace': _dense_prefix(c, kw)}
+
+
+def _dsa_write(cfg: ModelConfig) -> dict:
+  dense = min(cfg.first_k_dense_replace, cfg.num_layers)
+  return {
+    **_rope_parameters_to_hf(cfg),
+    'head_dim': cfg.qk_rope_head_dim,  # transformers sizes the rotary table from it
+    'num_key_value_heads': cfg.num_heads,
+    'mlp_layer_types': ['dense'] * dense + ['sparse'] * (cfg.num_layers - dense),
+  }
+
+
+def _indexer_types(c: dict) -> list:
+  """GLM-5's per-layer indexer modes as transformers 5.24 derives them: `indexer_types`, else
+  `index_topk_pattern` ('F' full, 'S' shared), else `index_topk_freq` and
+  `index_skip_topk_offset` (every layer full by default)."""
+  if c.get('indexer_types') is not None:
+    return list(c['indexer_types'])
+  pattern = c.get('index_topk_pattern')
+  if isinstance(pattern, str):
+    return [{'F': 'full', 'S': 'shared'}[ch] for ch in pattern]
+  if pattern is not None:
+    return list(pattern)
+  freq, offset = max(c.get('index_topk_freq', 1), 1), c.get('index_skip_topk_offset', 2)
+  return [
+    'full' if max(i - offset + 1, 0) % freq == 0 else 'shared'
+    for i in range(c['num_hidden_layers'])
+  ]
+
+
+def _glm_dsa_read(c: dict, kw: dict) -> dict:
+  shared = [i for i, t in enumerate(_indexer_types(c)) if t != 'full']
+  if shared:
+    raise ValueError(
+      f'config.json indexer_types: layers {shared} reuse an earlier layer\'s top-k ("shared"), '
+      'which moetrain does not implement: every layer runs its own indexer ("full")'
+    )
+  return _dsa_read(c, kw)
+
+
+def _glm_dsa_write(cfg: ModelConfig) -> dict:
+  return {**_dsa_write(cfg), 'indexer_types': ['full'] * cfg.num_layers}
+
+
+_DSA_OPTIONAL = {
+  k: v for k, v in DEEPSEEK_V3.optional.items() if k not in ('q_lora_rank', 'rope_theta')
+}
+_INDEXER = {'index_head_dim': ('index_head_dim', 128), 'index_topk': ('index_topk', 2048)}
+
+# DeepSeek-V3.2 (-Exp): DeepSeek-V3 with a lightning indexer in every layer (transformers 5.24
+# `deepseek_v32`; the q low rank is required).
+DEEPSEEK_V32 = Family(
+  'deepseek_v32',
+  'DeepseekV32ForCausalLM',
+  required={**DEEPSEEK_V3.required, 'q_lora_rank': 'q_lora_rank'},
+  optional={**_DSA_OPTIONAL, **_INDEXER, 'index_n_heads': ('index_n_heads', 64)},
+  fixed={'scoring_func': 'sigmoid', 'topk_method': 'noaux_tc'},
+  block='mlp',
+  experts=('gate_proj', 'up_proj', 'down_proj'),
+  read=_dsa_read,
+  write=_dsa_write,
+)
+
+# GLM-5: DeepSeek-V3.2's layout, one expert group by default, RoPE on adjacent pairs in the
+# indexer too (transformers 5.24 `glm_moe_dsa`).
+GLM_MOE_DSA = Family(
+  'glm_moe_dsa',
+  'GlmMoeDsaForCausalLM',
+  required=DEEPSEEK_V32.required,
+  optional={
+    **_DSA_OPTIONAL,
+    **_INDEXER,
+    'index_n_heads': ('index_n_heads', 32),
+    'n_group': ('n_group', 1),
+    'topk_group': ('topk_group', 1),
+    'rms_norm_eps': ('rms_norm_eps', 1e-5),
+    'max_position_embeddings': ('max_position_embeddings', 202752),
+  },
+  fixed={},
+  block='mlp',
+  experts=('gate_proj', 'up_proj', 'down_proj'),
+  read=_glm_dsa_read,
+  write=_glm_dsa_write,
+)
+
+
 class NestedReader:
   """A multimodal checkpoint's language model read under the text model's names:
   model.language_model.X as model.X (lm_head.weight as it is); the vision tower's
@@ -725,6 +856,8 @@ FAMILIES = {
       MINIMAX_M2,
       QWEN3_NEXT,
       QWEN3_5_MOE_TEXT,
+      DEEPSEEK_V32,
+      GLM_MOE_DSA,
     )
   },
 }

@@ -14,6 +14,7 @@ from moetrain.core.sharding import constrain
 from moetrain.kernels import splash
 from moetrain.kernels.attention import attention_core, masked_scores
 from moetrain.model.config import ModelConfig
+from moetrain.model.indexer import Indexer
 from moetrain.model.layers import Linear, RMSNorm, rope
 
 
@@ -220,7 +221,9 @@ def context_self_attention(
 
 
 class MLA(nnx.Module):
-  """Low-rank q, compressed kv latent c (K) plus one rope key shared by all heads."""
+  """Low-rank q, compressed kv latent c (K) plus one rope key shared by all heads; with
+  cfg.index_n_heads, DeepSeek Sparse Attention: each query attends only to the keys its
+  lightning indexer (model/indexer.py) selects."""
 
   def __init__(self, cfg: ModelConfig, path: str, rngs: nnx.Rngs):
     self.cfg = cfg
@@ -239,6 +242,7 @@ class MLA(nnx.Module):
     # Variance alignment of the low-rank paths (TR eq. 6-7); HF applies them unconditionally.
     self.alpha_q = math.sqrt(d / q) if cfg.mla_scale_q_lora and q else 1.0
     self.alpha_kv = math.sqrt(d / k) if cfg.mla_scale_kv_lora else 1.0
+    self.indexer = Indexer(cfg, f'{path}.indexer', rngs) if cfg.index_n_heads else None
 
   def project_q(self, x_BTD, positions_BT, rng=None):
     if self.cfg.q_lora_rank:
@@ -283,8 +287,27 @@ class MLA(nnx.Module):
     if context_split(self.cfg, c_BTK.shape[1]):  # the latent moves, not the heads' keys
       c_BTK, k_pe = gather_tokens(c_BTK, self.cfg), gather_tokens(k_pe, self.cfg)
     q_BTNH, k_BTNH, v_BTNH = self.heads(q_nope, q_pe, c_BTK, k_pe, rng)
-    out_BTNH = causal_self_attention(q_BTNH, k_BTNH, v_BTNH, positions_BT, segment_ids_BT, self.cfg)
+    if self.sparse(c_BTK.shape[1]):
+      if context_split(self.cfg, c_BTK.shape[1]):
+        raise NotImplementedError('sparse attention (index_n_heads) over a context split')
+      mask = self_mask(positions_BT, segment_ids_BT)
+      mask = self.select(x_BTD, positions_BT, mask, rng)
+      out_BTNH = multi_head(q_BTNH, k_BTNH, v_BTNH, mask, self.cfg, self.cfg.engine.attention_chunk)
+    else:
+      out_BTNH = causal_self_attention(
+        q_BTNH, k_BTNH, v_BTNH, positions_BT, segment_ids_BT, self.cfg
+      )
     return self.o(out_BTNH, rng)
+
+  def sparse(self, s: int) -> bool:
+    """Whether queries over s keys attend to the indexer's selection: with fewer keys than
+    index_topk every query keeps all it sees, the dense path's result, which runs instead."""
+    return self.indexer is not None and s > self.cfg.index_topk
+
+  def select(self, x_BTD, positions_BT, allowed_BTS, rng=None):
+    """allowed_BTS narrowed to the keys the indexer keeps for each query of the row."""
+    qr_BTQ = self.q_a_norm(self.q_a(x_BTD, rng))  # the latent q_b reads (one q_a under jit)
+    return self.indexer(x_BTD, qr_BTQ, positions_BT, allowed_BTS)
 
 
 class GQA(nnx.Module):

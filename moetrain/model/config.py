@@ -25,6 +25,8 @@ MODEL_TYPES = (
   'minimax_m2',
   'qwen3_next',
   'qwen3_5_moe_text',
+  'deepseek_v32',
+  'glm_moe_dsa',
 )
 
 positive = functools.partial(field, check='positive')
@@ -142,6 +144,14 @@ class ModelConfig:
   qk_nope_head_dim: int = positive(32)  # per-head q/k width without RoPE
   qk_rope_head_dim: int = positive(16)  # RoPE part of q; the one rope key all heads share
   v_head_dim: int = positive(32)  # per-head value width
+  # DeepSeek Sparse Attention (DeepSeek-V3.2, GLM-5; model/indexer.py): MLA whose queries each
+  # attend only to the index_topk past tokens a lightning indexer of index_n_heads heads of
+  # index_head_dim scores best, its RoPE on adjacent pairs with index_rope_interleaved (GLM-5) or
+  # on halves (DeepSeek-V3.2).
+  index_n_heads: int = field(0, check='non_negative', zero='0 = dense attention, no indexer')
+  index_head_dim: int = positive(128)
+  index_topk: int = positive(2048)
+  index_rope_interleaved: bool = False
   ffn_hidden_size: int = positive(256)  # dense SwiGLU hidden width
   expert_ffn_hidden_size: int = positive(64)  # routed expert SwiGLU hidden width
   n_routed_experts: int = positive(8)  # FFN experts
@@ -180,7 +190,8 @@ class ModelConfig:
   def balance_loss_kind(self) -> str:
     if self.engine.moe_balance_loss != 'auto':
       return self.engine.moe_balance_loss
-    if self.model_type in ('deepseek_v3', 'deepseek_v2', 'glm4_moe'):
+    sequence = ('deepseek_v3', 'deepseek_v2', 'glm4_moe', 'deepseek_v32', 'glm_moe_dsa')
+    if self.model_type in sequence:
       return 'sequence'
     return 'device' if self.model_type == 'longcat_flash' else 'switch'
 
@@ -188,7 +199,8 @@ class ModelConfig:
   def bias_rule(self) -> str:
     if self.engine.moe_bias_rule != 'auto':
       return self.engine.moe_bias_rule
-    return 'sign' if self.model_type in ('deepseek_v3', 'glm4_moe') else 'proportional'
+    sign = ('deepseek_v3', 'glm4_moe', 'deepseek_v32', 'glm_moe_dsa')
+    return 'sign' if self.model_type in sign else 'proportional'
 
   def laid_out(self, platform: str, mesh_shape) -> 'ModelConfig':
     """This config with its engine on `platform` and a mesh (mesh_shape: sizes, or a Mesh)."""
@@ -389,6 +401,8 @@ class ModelConfig:
       'attention',
       'attention sinks and sliding windows are GQA parts',
     )
+    if self.index_n_heads:
+      self._validate_indexer(need)
     need(not bad, 'mlp_only_layers', f'{bad} are not layers 0..{self.num_layers - 1}')
     need(
       'moe' in self.layer_kinds(),
@@ -413,6 +427,19 @@ class ModelConfig:
       g == 1 or self.topk_group * (e // g) >= self.moe_topk,
       'topk_group',
       f'the {self.topk_group} best groups hold fewer than moe_topk={self.moe_topk} experts',
+    )
+
+  def _validate_indexer(self, need) -> None:
+    need(
+      self.attention == 'mla' and self.layer_layout == 'standard',
+      'index_n_heads',
+      'the sparse attention indexer is built on MLA in standard layers',
+    )
+    need(self.q_lora_rank > 0, 'q_lora_rank', 'the indexer reads the q low-rank latent: > 0')
+    need(
+      self.qk_rope_head_dim <= self.index_head_dim,
+      'index_head_dim',
+      f'must hold the qk_rope_head_dim={self.qk_rope_head_dim} rotated features',
     )
 
   def _validate_moe(self, need) -> None:

@@ -23,7 +23,8 @@ class KVCache:
   have two; slot s of axis 3 holds absolute position s), by name:
     MLA: c [L, blocks, B, S, K], the latent after kv_a_norm and alpha_kv; k_pe [..., R], the
       shared rope key after RoPE. Per token and block K + R numbers instead of the N * (P + R +
-      V) of expanded keys and values (576 vs 20,480 for LongCat-Flash).
+      V) of expanded keys and values (576 vs 20,480 for LongCat-Flash). With sparse attention
+      also index_k [..., H_i], the indexer's key (after its norm and RoPE).
     GQA: k, v [L, 1, B, S, N_kv, H], keys (normed, after RoPE) and values of the N_kv heads.
   With Gated DeltaNet layers (Qwen3-Next) also, for those layers: conv [L, B, kernel - 1, C],
   the last inputs of the short convolution, and delta [L, B, Nv, Dk, Dv], the delta rule's
@@ -36,7 +37,7 @@ class KVCache:
     return next(a for n, a in self.arrays.items() if n in KV_NAMES).shape[3]
 
 
-KV_NAMES = ('c', 'k_pe', 'k', 'v')  # the arrays with a slot per position
+KV_NAMES = ('c', 'k_pe', 'k', 'v', 'index_k')  # the arrays with a slot per position
 
 
 def init_cache(cfg: ModelConfig, batch: int, max_len: int) -> KVCache:
@@ -44,6 +45,8 @@ def init_cache(cfg: ModelConfig, batch: int, max_len: int) -> KVCache:
   dt, lead = jnp.dtype(cfg.engine.dtype), (cfg.num_layers, blocks, batch, max_len)
   if cfg.attention == 'mla':
     widths = {'c': (cfg.kv_lora_rank,), 'k_pe': (cfg.qk_rope_head_dim,)}
+    if cfg.index_n_heads:
+      widths['index_k'] = (cfg.index_head_dim,)
   else:
     widths = {n: (cfg.kv_heads, cfg.gqa_head_dim) for n in ('k', 'v')}
   arrays = {n: jnp.zeros((*lead, *w), dt) for n, w in widths.items()}
@@ -88,7 +91,10 @@ def new_entries(attn, x_BTD, positions_BT):
   """(the queries, {cache name: [B, T, ...] entries of the T tokens})."""
   if isinstance(attn, MLA):
     c_BTK, k_pe_BTH = attn.latent(x_BTD, positions_BT)
-    return attn.project_q(x_BTD, positions_BT), {'c': c_BTK, 'k_pe': k_pe_BTH}
+    new = {'c': c_BTK, 'k_pe': k_pe_BTH}
+    if attn.indexer is not None:
+      new['index_k'] = attn.indexer.keys(x_BTD, positions_BT)
+    return attn.project_q(x_BTD, positions_BT), new
   q_BTNH, k_BTNH, v_BTNH = attn.project(x_BTD, positions_BT)
   return (q_BTNH,), {'k': k_BTNH, 'v': v_BTNH}
 
@@ -121,6 +127,10 @@ def cached_attention(
     mask_BTS = window_mask(mask_BTS, positions_BT, k_pos_BS, jnp.asarray(windows)[layer])
   # From slot 0 (a prefill) the T queries face their own T keys: causal blocks, as training.
   chunk = attn.cfg.engine.attention_chunk if isinstance(start, int) and start == 0 else 0
+  if isinstance(attn, MLA) and attn.sparse(s):  # the indexer's choice among the cached slots
+    qr_BTQ = attn.q_a_norm(attn.q_a(x_BTD))
+    q_BTNH, w_BTN = attn.indexer.queries(x_BTD, qr_BTQ, positions_BT)
+    mask_BTS = attn.indexer.select(q_BTNH, w_BTN, past['index_k'], mask_BTS)
   if isinstance(attn, MLA):
     if absorb:
       out_BTD = attend_absorbed(attn, *q, past['c'], past['k_pe'], mask_BTS)

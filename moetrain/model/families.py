@@ -139,6 +139,22 @@ PARTS = {
     'linear_split_projections': True,
     'norm_topk_prob': True,  # always renormalised (not a config.json key)
   },
+  # DeepSeek-V3.2: DeepSeek-V3's parts with a lightning indexer in every MLA layer (its RoPE on
+  # halves); GLM-5: the same with the indexer's RoPE on adjacent pairs.
+  'deepseek_v32': dict(
+    _MLA,
+    model_type='deepseek_v32',
+    router_score='sigmoid',
+    router_bias=True,
+    index_rope_interleaved=False,
+  ),
+  'glm_moe_dsa': dict(
+    _MLA,
+    model_type='glm_moe_dsa',
+    router_score='sigmoid',
+    router_bias=True,
+    index_rope_interleaved=True,
+  ),
 }
 # What the presets of a family share beyond its parts (values its config.json carries).
 _SHAPE = {
@@ -153,6 +169,8 @@ _SHAPE = {
   'minimax_m2': dict(rope_theta=5e6, rms_norm_eps=1e-6, partial_rotary_factor=0.5),
   'qwen3_next': dict(norm_topk_prob=True, rms_norm_eps=1e-6, partial_rotary_factor=0.25),
   'qwen3_5_moe_text': dict(rms_norm_eps=1e-6, partial_rotary_factor=0.25),
+  'deepseek_v32': dict(norm_topk_prob=True, rms_norm_eps=1e-6),
+  'glm_moe_dsa': dict(norm_topk_prob=True, rms_norm_eps=1e-5),
 }
 
 
@@ -210,6 +228,34 @@ _GLM = dict(
   moe_topk=8,
   max_position_embeddings=131072,
   num_nextn_predict_layers=1,
+)
+
+# deepseek-ai/DeepSeek-V3's shapes (and R1's, V3.2's with an indexer).
+_V3 = dict(
+  vocab_size=129280,
+  hidden_size=7168,
+  num_layers=61,
+  num_heads=128,
+  q_lora_rank=1536,
+  kv_lora_rank=512,
+  qk_nope_head_dim=128,
+  qk_rope_head_dim=64,
+  v_head_dim=128,
+  ffn_hidden_size=18432,
+  expert_ffn_hidden_size=2048,
+  n_routed_experts=256,
+  n_shared_experts=1,
+  moe_topk=8,
+  n_group=8,
+  topk_group=4,
+  first_k_dense_replace=3,
+  routed_scaling_factor=2.5,
+  rope_theta=10000.0,
+  max_position_embeddings=163840,
+  yarn_factor=40.0,
+  yarn_original_max_position=4096,
+  yarn_mscale=1.0,
+  yarn_mscale_all_dim=1.0,
 )
 
 MODEL_PRESETS = {
@@ -550,32 +596,43 @@ MODEL_PRESETS = {
     max_position_embeddings=8192,
   ),
   # deepseek-ai/DeepSeek-V3 (and R1): 671B, 37B active.
-  'deepseek_v3_671b': family(
-    'deepseek_v3',
-    vocab_size=129280,
-    hidden_size=7168,
-    num_layers=61,
-    num_heads=128,
-    q_lora_rank=1536,
+  'deepseek_v3_671b': family('deepseek_v3', **_V3),
+  # deepseek-ai/DeepSeek-V3.2-Exp (and V3.2): DeepSeek-V3's shapes plus a lightning indexer of 64
+  # heads of 128 keeping 2048 tokens per query.
+  'deepseek_v32_671b': family(
+    'deepseek_v32',
+    **_V3,
+    index_n_heads=64,
+    index_head_dim=128,
+    index_topk=2048,
+  ),
+  # zai-org/GLM-5 as transformers 5.24's GlmMoeDsaConfig defaults give it (a run from
+  # init.hf_checkpoint takes the release's config.json): 78 MLA layers of 64 heads (values of
+  # 256), an indexer of 32 heads of 128 keeping 2048 tokens, top-8 of 256 experts plus a shared
+  # one, three dense layers first.
+  'glm_5': family(
+    'glm_moe_dsa',
+    vocab_size=154880,
+    hidden_size=6144,
+    num_layers=78,
+    num_heads=64,
+    q_lora_rank=2048,
     kv_lora_rank=512,
-    qk_nope_head_dim=128,
+    qk_nope_head_dim=192,
     qk_rope_head_dim=64,
-    v_head_dim=128,
-    ffn_hidden_size=18432,
+    v_head_dim=256,
+    ffn_hidden_size=12288,
     expert_ffn_hidden_size=2048,
     n_routed_experts=256,
     n_shared_experts=1,
     moe_topk=8,
-    n_group=8,
-    topk_group=4,
     first_k_dense_replace=3,
     routed_scaling_factor=2.5,
     rope_theta=10000.0,
-    max_position_embeddings=163840,
-    yarn_factor=40.0,
-    yarn_original_max_position=4096,
-    yarn_mscale=1.0,
-    yarn_mscale_all_dim=1.0,
+    max_position_embeddings=202752,
+    index_n_heads=32,
+    index_head_dim=128,
+    index_topk=2048,
   ),
   # Qwen/Qwen3-30B-A3B (and Qwen3-Coder-30B-A3B's shapes).
   'qwen3_30b_a3b': family(

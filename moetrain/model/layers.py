@@ -189,17 +189,18 @@ def rope_frequencies(h: int, cfg: ModelConfig):
   return jnp.asarray(inv_freq, jnp.float32), scale
 
 
-def rope(x_BTNH, positions_BT, cfg: ModelConfig):
+def rope(x_BTNH, positions_BT, cfg: ModelConfig, interleaved: bool | None = None):
   """Rotary embedding: pair i of the H features rotates by pos * rope_theta^(-2i/H). The pairs
   are adjacent features (x[2i], x[2i+1]) with cfg.rope_interleaved (DeepSeek, LongCat), else
   the two halves (x[i], x[i + H/2]) (Qwen, Mixtral). The two are different functions of the
-  same weights (logits off by ~1 on a real checkpoint when mixed up)."""
+  same weights (logits off by ~1 on a real checkpoint when mixed up). `interleaved` overrides
+  the layout (DeepSeek-V3.2's indexer rotates halves inside interleaved MLA)."""
   h = x_BTNH.shape[-1]
   inv_freq, factor = rope_frequencies(h, cfg)
   ang = positions_BT.astype(jnp.float32)[..., None] * inv_freq[None, None, :]  # [B, T, H/2]
   cos, sin = (factor * f(ang)[:, :, None, :] for f in (jnp.cos, jnp.sin))
   x = x_BTNH.astype(jnp.float32)
-  if cfg.rope_interleaved:
+  if cfg.rope_interleaved if interleaved is None else interleaved:
     x = x.reshape(*x_BTNH.shape[:-1], h // 2, 2)
     x0, x1, axis = x[..., 0], x[..., 1], -1
   else:

@@ -83,8 +83,10 @@ def decay_mask(params, exclude: str = ''):
   whose path ('embed.embedding', 'layers.moe.router', 'layers.attn_0.q_a.lora_a', ...)
   the regex `exclude` finds. A Variable's leading 'layers' axis (scan_layers stacks) does not
   count: the mask is decided on the Variables, whose metadata says so, not on their bare
-  arrays."""
-  spared = re.compile(exclude).search if exclude else lambda _: False
+  arrays. The sparse attention indexer (model/indexer.py) is never decayed: no gradient reaches
+  it, so decay would be its only update."""
+  excluded = re.compile(exclude).search if exclude else lambda _: False
+  spared = lambda name: '.indexer.' in name or excluded(name)
 
   def matrix(path, x):
     name = '.'.join(str(getattr(k, 'key', getattr(k, 'idx', k))) for k in path)

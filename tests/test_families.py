@@ -279,12 +279,10 @@ def test_transformers_loads_the_exports(name, tmp_path):
   model, cfg = trained_lora_model(name, peft_targets(name))
   want = logits_of(model, ids)
   hf.save_hf(model, cfg, str(tmp_path / 'merged'), dtype=jnp.float32)
-  # transformers 5 runs every MoE's experts fused ([E, out, in] parameters under mlp.experts),
-  # which a PEFT adapter reaches through target_parameters in that layout: moetrain writes
-  # adapters for 4.57's per-expert modules only, so the HF5 families check the merged export.
-  adapter = '-' if name in HF5 else tmp_path / 'adapter'
-  if name not in HF5:
-    peft_adapter.save(model, cfg, str(adapter), base_model=fixture(name))
+  # transformers 5 runs the HF5 families' experts fused ([E, out, in] parameters under
+  # mlp.experts), which the adapter reaches through target_parameters (fused_lora).
+  adapter = tmp_path / 'adapter'
+  peft_adapter.save(model, cfg, str(adapter), base_model=fixture(name))
   np.save(tmp_path / 'ids.npy', ids)
   dirs = [tmp_path / 'merged', fixture(name), adapter, tmp_path / 'ids.npy']
   run = subprocess.run(

@@ -10,7 +10,7 @@ import re
 
 import numpy as np
 
-from moetrain.convert import standard
+from moetrain.convert import fused_lora, standard
 from moetrain.model.config import ModelConfig
 
 # moetrain's per-expert piece -> (fused tensor, its column slice of the fused tensor's last
@@ -201,7 +201,7 @@ class GptOss(standard.Family):
       (f'mlp.experts.{{e}}.{n}_proj.bias', f'moe.experts.{n}_bias', None) for n in _NAMES
     ]
 
-  PEFT_EXPERTS = False  # PEFT's LoRA targets modules; these experts are parameters
+  PEFT_FUSED = fused_lora.GPT_OSS  # PEFT's LoRA reaches these experts as parameters
 
   def reader(self, reader, cfg: ModelConfig):
     return FusedReader(reader)
@@ -235,55 +235,3 @@ GPT_OSS = GptOss(
   write=_write,
   router_module='router',
 )
-
-
-# ---------------------------------------------------------------------------------------------
-# PEFT adapters of the fused experts
-
-# PEFT's LoRA on a 3-d parameter [E, a, b] (LoraConfig.target_parameters, peft >= 0.17) swaps its
-# two feature axes: in = b, out = a; lora_A [R * E, b] holds expert e's [R, b] at rows e*R..,
-# lora_B [a, R * E] its [a, R] at columns j*E + e, and the update of expert e is
-# scaling * B_e @ A_e ([a, b]). gate_up_proj [E, D, 2F] therefore takes moetrain's gate and up
-# adapters together, at rank 2r: B_e = [gate A | up A] (D x 2r), A_e their B factors on the even
-# (gate) and odd (up) columns; down_proj [E, F, D] takes down's at rank r, padded with zeros to
-# 2r. Every other module's adapter is padded to 2r too, and the scale moves into the B factors
-# (lora_alpha = r = 2r: scaling 1), so that one rank serves the whole adapter exactly.
-FUSED_TARGETS = {'gate_up_proj': ('gate', 'up'), 'down_proj': ('down',)}
-_EXPERT_ROW = re.compile(r'(.*\.mlp\.experts)\.(\d+)\.(gate|up|down)_proj\.lora_([AB])\.weight$')
-
-
-def fused_adapter(pieces: dict, num_experts: int, rank: int, scale: float):
-  """({PEFT tensor name: [R * E, b] or [a, R * E]} of one layer's experts at rank R = 2 * rank,
-  the target_parameters they need). pieces: {(prefix, 'gate'|'up'|'down', 'A'|'B'): per-expert list of PEFT-style factors
-  (A [rank, in], B [out, rank], as every other module's), for the adapted pieces."""
-  big = 2 * rank
-  prefixes = {p for p, _, _ in pieces}
-  targets = [f for f, names in FUSED_TARGETS.items() if any(k[1] in names for k in pieces)]
-  out = {}
-  for prefix in prefixes:
-    for fused in targets:
-      names = FUSED_TARGETS[fused]
-      got = {n: (pieces.get((prefix, n, 'A')), pieces.get((prefix, n, 'B'))) for n in names}
-      a_in = next(a[0].shape[1] for a, _ in got.values() if a is not None)  # D or F
-      b_out = next(b[0].shape[0] for _, b in got.values() if b is not None)  # F or D
-      cols = b_out * len(names)
-      lora_a = np.zeros((num_experts, big, cols), np.float32)
-      lora_b = np.zeros((a_in, big, num_experts), np.float32)
-      for i, n in enumerate(names):
-        a, b = got[n]
-        if a is None:
-          continue
-        for e in range(num_experts):
-          rows = slice(i * rank, (i + 1) * rank)
-          lora_b[:, rows, e] = a[e].T  # moetrain's A [in, rank]: on the input side
-          lora_a[e, rows, i :: len(names)] = scale * b[e].T
-      inner = '.base_layer' if fused == 'gate_up_proj' and len(targets) == 2 else ''
-      out[f'{prefix}{inner}.lora_A.weight'] = lora_a.reshape(num_experts * big, cols)
-      out[f'{prefix}{inner}.lora_B.weight'] = lora_b.reshape(a_in, big * num_experts)
-  return out, [f'mlp.experts.{f}' for f in targets]
-
-
-def split_expert_row(name: str):
-  """(experts prefix, expert, piece, 'A'|'B') of a per-expert adapter row's name, else None."""
-  m = _EXPERT_ROW.match(name)
-  return (m.group(1), int(m.group(2)), m.group(3), m.group(4)) if m else None

@@ -12,7 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from moetrain.convert import gpt_oss
+from moetrain.convert import fused_lora
 from moetrain.convert import safetensors_io as stio
 from moetrain.convert import stacked_io as sio
 from moetrain.convert.hf import (
@@ -41,12 +41,22 @@ def _adapted(flat: dict, cfg: ModelConfig) -> list[Row]:
 
 
 def _router_rows(cfg: ModelConfig) -> list[Row]:
-  """The router's rows under PEFT's prefix (as PeftModel.save_pretrained names modules_to_save)."""
-  return [
-    dataclasses.replace(t, name_template=PEFT_PREFIX + t.name_template)
-    for t in table(cfg)
-    if t.path.endswith(ROUTER_SUFFIXES)
-  ]
+  """The router's rows under PEFT's prefix (as PeftModel.save_pretrained names modules_to_save),
+  in the runtime module of a fused-experts family (MiniMax-M2's block_sparse_moe is mlp)."""
+  fam, rows = family_of(cfg.model_type), []
+  layout = _layout(cfg)
+  for t in table(cfg):
+    if t.path.endswith(ROUTER_SUFFIXES):
+      name = PEFT_PREFIX + t.name_template
+      if layout:
+        name = name.replace(f'.{fam.block}.', f'.{layout.block}.')
+      rows.append(dataclasses.replace(t, name_template=name))
+  return rows
+
+
+def _layout(cfg: ModelConfig):
+  """The family's fused experts (fused_lora.Layout), or None (per-expert modules)."""
+  return getattr(family_of(cfg.model_type), 'PEFT_FUSED', None)
 
 
 def router_module(cfg: ModelConfig) -> str:
@@ -54,9 +64,14 @@ def router_module(cfg: ModelConfig) -> str:
   return family_of(cfg.model_type).ROUTER_MODULE
 
 
+def _module(r: Row) -> str:
+  """The HF module name template of a LoRA row (model.layers.{l}.mlp.up_proj)."""
+  return r.name_template.removeprefix(PEFT_PREFIX).rsplit('.', 2)[0]
+
+
 def _target_modules(rows: list[Row]) -> str:
   """A regex that PEFT full-matches against module names (model.layers.<l>.mlps.0.up_proj...)."""
-  mods = {r.name_template.removeprefix(PEFT_PREFIX).rsplit('.', 2)[0] for r in rows}
+  mods = {_module(r) for r in rows}
   return '|'.join(
     sorted(m.replace('.', r'\.').replace('{l}', r'\d+').replace('{e}', r'\d+') for m in mods)
   )
@@ -71,9 +86,8 @@ def save(model, cfg: ModelConfig, out_dir: str, base_model: str = '') -> None:
   rows = _adapted(flat, cfg)
   if not rows:
     raise ValueError('the model has no LoRA adapters (cfg.lora.rank is 0 or targets match none)')
-  fused = not getattr(family_of(cfg.model_type), 'PEFT_EXPERTS', True)
-  if fused and any(r.experts for r in rows):
-    return _save_fused(flat, rows, cfg, out_dir, base_model)
+  if (layout := _layout(cfg)) and any(r.experts for r in rows):
+    return _save_fused(flat, rows, cfg, out_dir, base_model, layout)
   saved = rows + _router_rows(cfg)
   items = [(r, ix) for r in saved for ix in r.indices(cfg.n_routed_experts)]
   dtype = jnp.dtype(cfg.engine.param_dtype)  # the base's dtype, as the merged export
@@ -122,31 +136,33 @@ def _config(cfg: ModelConfig, rows, base_model: str, rank, alpha, rslora, params
   return config
 
 
-def _save_fused(flat, rows: list[Row], cfg: ModelConfig, out_dir: str, base_model: str) -> None:
-  """gpt-oss: its experts are fused parameters, which PEFT adapts through target_parameters at
-  one rank for the whole adapter (gpt_oss.fused_adapter): rank 2r, scale 1, every module's
+def _save_fused(flat, rows, cfg: ModelConfig, out_dir: str, base_model: str, layout) -> None:
+  """Experts that transformers fuses into parameters, which PEFT adapts through
+  target_parameters (fused_lora.fuse): gate_up_proj at rank 2r, by rank_pattern and
+  alpha_pattern, or (layout.uniform) the whole adapter at rank 2r and scale 1, every module's
   factors padded with zeros and its B scaled."""
-
-  rank, scale, e_count = cfg.lora.rank, cfg.lora.scale, cfg.n_routed_experts
+  rank, e_count, lo = cfg.lora.rank, cfg.n_routed_experts, cfg.lora
+  scale = lo.scale if layout.uniform else 1.0
   dtype = jnp.dtype(cfg.engine.param_dtype)
   host = lambda r, ix: sio.to_flat(sio.to_host(flat[r.key][ix]), r.n_in).astype(np.float32)
   shape = lambda r: sio.flat_shape(flat[r.key].shape[r.lead :], r.n_in)
   # name -> (shape, the tensor's maker): each tensor leaves the device once, when written.
-  tensors, layers, params, modules = {}, {}, set(), set()
-  for r in rows:
+  tensors, layers, params = {}, {}, set()
+  for r in (r for r in rows if not r.experts):
     for ix in r.indices(e_count):
-      name = r.name(ix)
-      if (where := gpt_oss.split_expert_row(name)) is None:
-        a, (d0, d1) = r.name_template.endswith('lora_A.weight'), shape(r)
-        padded = (2 * d0, d1) if a else (d0, 2 * d1)
-        tensors[name] = (padded, functools.partial(_padded, host, r, ix, a, rank, scale))
-        modules.add(r)
-        continue
-      prefix, e, piece, ab = where
+      a, (d0, d1) = r.name_template.endswith('lora_A.weight'), shape(r)
+      make = functools.partial(host, r, ix)
+      if layout.uniform:
+        d0, d1 = (2 * d0, d1) if a else (d0, 2 * d1)
+        make = functools.partial(_padded, host, r, ix, a, rank, scale)
+      tensors[r.name(ix)] = ((d0, d1), make)
+  for r in (r for r in rows if r.experts):
+    for ix in r.indices(e_count):
+      prefix, e, piece, ab = fused_lora.split_row(r.name(ix), r.path, ix, layout)
       layers.setdefault(prefix, {}).setdefault((prefix, piece, ab), [None] * e_count)[e] = (r, ix)
   for pieces in layers.values():
     got = {k: [host(*x) for x in v] for k, v in pieces.items()}
-    fused, targets = gpt_oss.fused_adapter(got, e_count, rank, scale)
+    fused, targets = fused_lora.fuse(got, e_count, rank, layout, scale)
     params.update(targets)
     tensors.update({n: (v.shape, lambda v=v: v) for n, v in fused.items()})
   for r in _router_rows(cfg):
@@ -155,8 +171,18 @@ def _save_fused(flat, rows: list[Row], cfg: ModelConfig, out_dir: str, base_mode
   names = list(tensors)
   specs = [(n, tensors[n][0], dtype) for n in names]
   produce = lambda i: tensors[names[i]][1]().astype(dtype)
-  modules = [r for r in rows if r in modules]
-  config = _config(cfg, modules, base_model, 2 * rank, 2 * rank, False, sorted(params))
+  modules = [r for r in rows if not r.experts]
+  if layout.uniform:
+    config = _config(cfg, modules, base_model, 2 * rank, 2 * rank, False, sorted(params))
+  else:
+    # peft on transformers 5 rewrites target_modules naming an MoE family's expert projections
+    # (gate_proj, ...) into target_parameters for the fused experts, which leaves the shared
+    # experts' and dense MLPs' projections unadapted: those go in as parameters too.
+    mlp = [r for r in modules if _module(r).endswith(fused_lora.MLP_PROJECTIONS)]
+    params.update(_module(r).split('{l}.', 1)[-1] + '.weight' for r in mlp)
+    modules = [r for r in modules if r not in mlp]
+    config = _config(cfg, modules, base_model, rank, lo.alpha, lo.rslora, sorted(params))
+    config.update(fused_lora.patterns(rank, lo.alpha, lo.rslora))
   _write(out_dir, specs, produce, config)
 
 
@@ -174,26 +200,7 @@ def load(model, cfg: ModelConfig, directory: str) -> None:
   them (router_module), in place, keeping their shardings."""
   with open(os.path.join(directory, ADAPTER_CONFIG)) as f:
     c = json.load(f)
-  for key, field, default in (
-    ('r', 'rank', 8),
-    ('lora_alpha', 'alpha', 8),
-    ('use_rslora', 'rslora', False),
-    ('use_dora', None, False),
-  ):
-    want = getattr(cfg.lora, field) if field else default
-    if c.get(key, default) != want:
-      raise ValueError(
-        f'{ADAPTER_CONFIG}: {key}={c.get(key, default)!r} but the model has '
-        f'{f"lora.{field}" if field else key}={want!r}'
-      )
-  # Per-module ranks and scales, or adapters on some layers only: one rank and one alpha for
-  # every module here, so such an adapter would load with the wrong scale (or not at all).
-  for key in ('rank_pattern', 'alpha_pattern', 'layers_to_transform'):
-    if c.get(key) not in (None, [], {}):  # (layers_to_transform=0 means layer 0 alone)
-      raise ValueError(
-        f'{os.path.join(directory, ADAPTER_CONFIG)}: {key}={c[key]!r} is not supported (lora '
-        'has one rank and one alpha for every adapted module, on every layer)'
-      )
+  _check_config(c, cfg, os.path.join(directory, ADAPTER_CONFIG))
   router = router_module(cfg) in (c.get('modules_to_save') or ())
   filt = nnx.LoRAParam
   if router:
@@ -204,8 +211,8 @@ def load(model, cfg: ModelConfig, directory: str) -> None:
   rows = _adapted(flat, cfg) + (_router_rows(cfg) if router else [])
   reader = stio.Reader(directory, single=ADAPTER_FILE, index=None)
   fused_values = {}
-  if c.get('target_parameters'):  # gpt-oss's fused experts (gpt_oss.fused_adapter)
-    fused_values, rows = _load_fused(reader, c['target_parameters'], rows, flat, cfg)
+  if c.get('target_parameters'):  # fused experts (fused_lora)
+    fused_values, rows = _load_fused(reader, c, rows, flat, cfg)
   extra = check_rows(reader, rows, cfg, {p: x.shape for p, x in flat.items()})
   extra = [k for k in extra if k not in fused_values.get('read', ())]
   if extra:
@@ -223,40 +230,63 @@ def load(model, cfg: ModelConfig, directory: str) -> None:
   nnx.update(model, nnx.from_flat_state({p: variables[p].replace(values[p]) for p in values}))
 
 
-def _load_fused(reader, targets: list[str], rows: list[Row], flat, cfg: ModelConfig):
-  """({'values': {path: [..., E, in, r] or [..., E, r, out]}, 'read': fused tensor names}, the
-  rows left to read one by one) for an adapter on gpt-oss's fused experts: expert e's gate and
-  up adapters are the gate_up_proj factors' B_e and A_e's even / odd columns, down's those of
-  down_proj (gpt_oss.fused_adapter's layout, as peft saves it)."""
+def _check_config(c: dict, cfg: ModelConfig, where: str) -> None:
+  """Refuses an adapter_config.json whose rank, alpha or variant differ from cfg.lora's."""
+  for key, field, default in (
+    ('r', 'rank', 8),
+    ('lora_alpha', 'alpha', 8),
+    ('use_rslora', 'rslora', False),
+    ('use_dora', None, False),
+  ):
+    want = getattr(cfg.lora, field) if field else default
+    if c.get(key, default) != want:
+      raise ValueError(
+        f'{ADAPTER_CONFIG}: {key}={c.get(key, default)!r} but the model has '
+        f'{f"lora.{field}" if field else key}={want!r}'
+      )
+  # Per-module ranks and scales, or adapters on some layers only: one rank and one alpha for
+  # every module here, so such an adapter would load with the wrong scale (or not at all). The
+  # one exception: fused gate_up_proj experts at rank 2r and the same scale (fused_lora).
+  lo = cfg.lora
+  fused = fused_lora.patterns(lo.rank, lo.alpha, lo.rslora) if c.get('target_parameters') else {}
+  for key in ('rank_pattern', 'alpha_pattern', 'layers_to_transform'):
+    if c.get(key) not in (None, [], {}, fused.get(key)):  # (layers_to_transform=0: layer 0)
+      raise ValueError(
+        f'{where}: {key}={c[key]!r} is not supported (lora has one rank and one alpha for '
+        'every adapted module, on every layer)'
+      )
 
-  e_count, rank = cfg.n_routed_experts, cfg.lora.rank
-  both = {f'mlp.experts.{f}' for f in gpt_oss.FUSED_TARGETS} <= set(targets)
-  values, read, rest = {}, set(), []
+
+def _load_fused(reader, c: dict, rows: list[Row], flat, cfg: ModelConfig):
+  """({'values': {path: [..., E, in, r] or [..., E, r, out]}, 'read': fused tensor names}, the
+  rows left to read one by one) for an adapter on fused experts (target_parameters): each
+  expert's gate, up and down factors out of gate_up_proj's and down_proj's
+  (fused_lora.unfuse), as fused_lora.fuse writes them or peft saves them."""
+  e_count, rank, layout = cfg.n_routed_experts, cfg.lora.rank, _layout(cfg)
+  targets = c['target_parameters']
+  if layout is None:
+    raise ValueError(
+      f'{reader.directory}: target_parameters {targets}, but {cfg.model_type} has no fused experts'
+    )
+  both = {f'{layout.block}.experts.{f}' for f in fused_lora.TARGETS} <= set(targets)
+  values, read, rest, cache = {}, set(), [], {}
+  get = lambda n: cache[n] if n in cache else cache.setdefault(n, reader.read(n))
   for r in rows:
-    cache = {}
-    get = lambda n, cache=cache: cache[n] if n in cache else cache.setdefault(n, reader.read(n))
-    if not r.experts or gpt_oss.split_expert_row(r.name(r.indices(e_count)[0])) is None:
+    if not r.experts:
       rest.append(r)
       continue
     out = np.zeros(flat[r.key].shape, np.float32)
     for ix in r.indices(e_count):
-      prefix, e, piece, ab = gpt_oss.split_expert_row(r.name(ix))
-      fused = next(f for f, names in gpt_oss.FUSED_TARGETS.items() if piece in names)
-      if f'mlp.experts.{fused}' not in targets:
+      prefix, e, piece, ab = fused_lora.split_row(r.name(ix), r.path, ix, layout)
+      fused = next(f for f, names in fused_lora.TARGETS.items() if piece in names)
+      if f'{layout.block}.experts.{fused}' not in targets:
         raise ValueError(
-          f'{reader.directory}: target_parameters {targets} leave out mlp.experts.{fused}, '
-          f'which lora.targets adapts ({r.path})'
+          f'{reader.directory}: target_parameters {targets} leave out '
+          f'{layout.block}.experts.{fused}, which lora.targets adapts ({r.path})'
         )
       inner = '.base_layer' if fused == 'gate_up_proj' and both else ''
       names = [f'{prefix}{inner}.lora_{x}.weight' for x in 'AB']
       read.update(names)
-      if ab == 'A':  # moetrain's A [in, r]: B_e
-        b_w = get(names[1])
-        out[ix] = b_w.reshape(b_w.shape[0], rank, e_count)[:, :, e]
-      else:  # moetrain's B [r, out]: A_e's columns of this piece
-        a_w = get(names[0])
-        pieces = gpt_oss.FUSED_TARGETS[fused]
-        a_e = a_w.reshape(e_count, rank, a_w.shape[-1])[e]
-        out[ix] = a_e[:, pieces.index(piece) :: len(pieces)]
+      out[ix] = fused_lora.unfuse(*map(get, names), e, e_count, piece, ab, rank, layout)
     values[r.key] = out
   return {'values': values, 'read': read}, rest

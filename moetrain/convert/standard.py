@@ -5,7 +5,7 @@ and `glm_moe_dsa`): config.json and the weight-name table. One table builder ser
 attention rows by kind (MLA, GQA; MLA's with its sparse attention indexer), the MoE block's by
 family."""
 
-from moetrain.convert import family
+from moetrain.convert import family, fused_lora
 from moetrain.convert.stacked_io import Row
 from moetrain.model.config import ModelConfig
 from moetrain.model.families import PARTS
@@ -41,6 +41,7 @@ class Family:
     shared='shared_experts',
     router_module='gate',
     bias_at='gate.',
+    fused=None,
   ):
     self.model_type, self.architecture = model_type, architecture
     self.required = {**_COMMON_REQUIRED, **required}
@@ -53,6 +54,9 @@ class Family:
     # PEFT's modules_to_save name of the router: its module names ending with it are saved whole.
     self.ROUTER_MODULE = router_module
     self.bias_at = bias_at  # <block>.<bias_at>e_score_correction_bias: under the gate, or beside it
+    # How transformers fuses the experts (fused_lora.Layout), which a PEFT adapter then reaches
+    # as parameters; None: per-expert modules.
+    self.PEFT_FUSED = fused
 
   def config_from_hf(self, c: dict) -> dict:
     kw = family.read_fields(c, self.model_type, self.required, self.optional, self.fixed)
@@ -554,6 +558,7 @@ MINIMAX_M2 = Family(
   read=_minimax_m2_read,
   write=_minimax_m2_write,
   bias_at='',
+  fused=fused_lora.HF5,
 )
 
 _LINEAR = ('num_key_heads', 'num_value_heads', 'key_head_dim', 'value_head_dim', 'conv_kernel_dim')
@@ -606,6 +611,7 @@ QWEN3_NEXT = Family(
   write=_qwen3_next_write,
   shared='shared_expert',
   router_module='mlp.gate',  # 'gate' would also name mlp.shared_expert_gate
+  fused=fused_lora.HF5,
 )
 
 
@@ -703,6 +709,7 @@ DEEPSEEK_V32 = Family(
   experts=('gate_proj', 'up_proj', 'down_proj'),
   read=_dsa_read,
   write=_dsa_write,
+  fused=fused_lora.HF5,
 )
 
 # GLM-5: DeepSeek-V3.2's layout, one expert group by default, RoPE on adjacent pairs in the
@@ -725,6 +732,7 @@ GLM_MOE_DSA = Family(
   experts=('gate_proj', 'up_proj', 'down_proj'),
   read=_glm_dsa_read,
   write=_glm_dsa_write,
+  fused=fused_lora.HF5,
 )
 
 
@@ -811,6 +819,7 @@ QWEN3_5_MOE_TEXT = Qwen35Text(
   write=_qwen3_next_write,
   shared='shared_expert',
   router_module='mlp.gate',
+  fused=fused_lora.HF5,
 )
 
 

@@ -2,6 +2,7 @@
 
 import dataclasses
 import functools
+import json
 import os
 import subprocess
 import sys
@@ -225,3 +226,28 @@ def sharded_forward(path: str, make_config, ids):
     ids = jax.device_put(np.concatenate([ids] * 2), sharding.batch_sharding(mesh))
     fwd = jax.jit(lambda p, b, f, x: train_state.merge_model(graphdef, p, b, f)(x)[0])
     return fwd(loaded.params, loaded.moe_bias, loaded.frozen, ids)
+
+
+def write_checkpoint(directory, config: dict, tensors: dict) -> str:
+  """A Hugging Face checkpoint directory: config.json and one model.safetensors of `tensors`
+  (any dtype safetensors_io writes: float8 and int tensors of quantised releases too)."""
+  from moetrain.convert import safetensors_io as stio
+
+  os.makedirs(directory, exist_ok=True)
+  with open(os.path.join(directory, 'config.json'), 'w') as f:
+    json.dump(config, f)
+  items = sorted(tensors.items())
+  specs = [(n, x.shape, x.dtype) for n, x in items]
+  stio.write_file(os.path.join(directory, stio.SINGLE), specs, lambda i: items[i][1])
+  return str(directory)
+
+
+def rewrite(src: str, dst, drop=(), config=None, change=None) -> str:
+  """A copy of checkpoint `src` in `dst`: its tensors as stored but those in `drop`, `change`
+  ({name: array}) replacing or adding tensors, and `config` (default: src's config.json)."""
+  from moetrain.convert import hf
+  from moetrain.convert import safetensors_io as stio
+
+  reader = stio.Reader(src)
+  tensors = {k: reader.read_stored(k) for k in reader.keys() if k not in drop}
+  return write_checkpoint(dst, config or hf.read_config(src), {**tensors, **(change or {})})

@@ -16,7 +16,7 @@ from moetrain.convert import safetensors_io as stio
 from moetrain.convert import stacked_io as sio
 from moetrain.core.engine import LoraConfig
 from moetrain.kernels import quant
-from tests.helpers import ALL_TARGETS
+from tests.helpers import ALL_TARGETS, rewrite, write_checkpoint
 
 GROUP = 32
 LORA = LoraConfig(rank=2, targets=ALL_TARGETS)  # a quantised base is QLoRA's
@@ -50,16 +50,6 @@ def kimi_config() -> dict:
     'moe_intermediate_size': 32,
     'quantization_config': compressed_int4.quantization_config(GROUP),
   }
-
-
-def write_checkpoint(directory, config: dict, tensors: dict) -> str:
-  os.makedirs(directory, exist_ok=True)
-  with open(os.path.join(directory, 'config.json'), 'w') as f:
-    json.dump(config, f)
-  items = sorted(tensors.items())
-  specs = [(n, x.shape, x.dtype) for n, x in items]
-  stio.write_file(os.path.join(directory, stio.SINGLE), specs, lambda i: items[i][1])
-  return str(directory)
 
 
 @pytest.fixture(scope='module')
@@ -152,15 +142,6 @@ def test_int4_of_another_group_size_quantises_again(checkpoints):
     want = dequant_reference(words, s, codes.shape).T
     step = np.abs(want).reshape(-1, 64, want.shape[-1]).max(1, keepdims=True) / 7
     assert (np.abs(w[ix] - want).reshape(step.shape[0], 64, -1) <= 0.5 * step * 1.001).all()
-
-
-def rewrite(src: str, dst, drop=(), config=None) -> str:
-  reader = stio.Reader(src)
-  tensors = {}
-  for k in reader.keys():
-    if k not in drop:
-      tensors[k] = reader.read_int(k) if reader.dtype(k) in stio.INT_DTYPES else reader.read(k)
-  return write_checkpoint(dst, config or hf.read_config(src), tensors)
 
 
 def test_bad_packed_tensors_are_refused_naming_tensor_and_file(checkpoints, tmp_path):

@@ -14,7 +14,7 @@ from absl import logging
 from flax import nnx
 from jax.sharding import SingleDeviceSharding
 
-from moetrain.convert import compressed_int4, gpt_oss, longcat, standard
+from moetrain.convert import block_fp8, compressed_int4, gpt_oss, longcat, standard
 from moetrain.convert import safetensors_io as stio
 from moetrain.convert import stacked_io as sio
 from moetrain.convert.stacked_io import Row
@@ -194,12 +194,6 @@ def check_rows(reader, rows, cfg, shapes: dict) -> list[str]:
         )
   skipped = sorted(set(reader.keys()) - expected)
   mtp = set(k for k in skipped if is_mtp(k, cfg))
-  fp8 = [k for k in skipped if k.endswith('weight_scale_inv')]
-  if fp8:
-    raise ValueError(
-      f'{fp8[0]}: block-quantised (FP8) checkpoints are unsupported; load the '
-      'bf16 release or dequantise first'
-    )
   pattern = re.compile(
     '|'.join(
       re.escape(t.name_template).replace(r'\{l\}', r'\d+').replace(r'\{e\}', r'\d+') for t in rows
@@ -362,13 +356,19 @@ def _export_dtype(t: Row, dtype, quantize: str = ''):
   return jnp.dtype(jnp.float32) if float32 else jnp.dtype(dtype)
 
 
+def _dequantized(reader):
+  """`reader` with a release's quantised weights read as weights: block-scaled FP8
+  (block_fp8.py), pack-quantized int4 (Kimi-K2's experts: compressed_int4.py), the latter
+  outermost so that its codes can be carried into an int4 base unchanged."""
+  file = storage.join(reader.directory, 'config.json')
+  config = read_config(reader.directory) if storage.isfile(file) else {}
+  return compressed_int4.wrap(block_fp8.wrap(reader, config), config)
+
+
 def _reader(reader, cfg: ModelConfig):
   """The family's view of a checkpoint (gpt-oss: fused experts read as per-expert pieces), its
-  pack-quantized int4 weights read as weights (Kimi-K2's experts: compressed_int4.py)."""
-  if any(k.endswith('.weight_packed') for k in reader.keys()):
-    reader = compressed_int4.PackedReader(
-      reader, compressed_int4.group_size(read_config(reader.directory))
-    )
+  quantised weights read as weights (_dequantized)."""
+  reader = _dequantized(reader)
   return getattr(family_of(cfg.model_type), 'reader', lambda r, cfg: r)(reader, cfg)
 
 
@@ -413,9 +413,10 @@ def save_hf(
   items = _export_items(flat, cfg, strict=True)
   specs = [(t.name(ix), shape, _export_dtype(t, dt, quantize)) for t, ix, shape in items]
   writable = jax.process_index() == 0
-  base = stio.Reader(base_dir) if base_dir else None
+  base = _dequantized(stio.Reader(base_dir)) if base_dir else None
   copied = [k for k in base.keys() if is_mtp(k, cfg)] if base else []
-  specs += [(k, base.shape(k), stio.DTYPES[base.dtype(k)]) for k in copied]
+  # (an FP8 release's MTP weights are written dequantised, in the export's dtype)
+  specs += [(k, base.shape(k), stio.DTYPES.get(base.dtype(k), dt)) for k in copied]
 
   def produce(i):
     if i < len(items):

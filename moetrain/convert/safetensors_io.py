@@ -20,7 +20,10 @@ DTYPES = {'F64': np.float64, 'F32': np.float32, 'F16': np.float16, 'BF16': ml_dt
 # Integer tensors: read only by name (Reader.read_int: packed int4 codes, their shapes) and
 # written by exports that pack them (compressed_int4.py).
 INT_DTYPES = {'I32': np.int32, 'I64': np.int64}
-DTYPE_NAMES = {np.dtype(v): k for k, v in {**DTYPES, **INT_DTYPES}.items()}
+# Every dtype a tensor is read in as stored (Reader.read_stored): float8_e4m3fn, which
+# safe_open's numpy backend cannot build (block-scaled FP8 weights: block_fp8.py), and uint8.
+STORED_DTYPES = {**DTYPES, **INT_DTYPES, 'F8_E4M3': ml_dtypes.float8_e4m3fn, 'U8': np.uint8}
+DTYPE_NAMES = {np.dtype(v): k for k, v in STORED_DTYPES.items()}
 _SHARD = re.compile(r'^model(-\d{5}-of-\d{5})?\.safetensors(\.index\.json)?$')
 
 
@@ -50,6 +53,7 @@ class Reader:
     else:
       raise FileNotFoundError(f'{directory} holds neither {single} nor {index}')
     self._handles = {name: _open(storage.join(directory, name)) for name in files}
+    self._ranged = {}  # local files read by byte ranges (read_stored)
     if self.files is None:
       self.files = {k: single for k in self._handles[single].keys()}
 
@@ -81,8 +85,8 @@ class Reader:
     dt = self.dtype(name)
     if dt not in DTYPES:
       raise ValueError(
-        f'{name}: dtype {dt} is not supported (only {sorted(DTYPES)}); '
-        'dequantise FP8/int checkpoints before loading'
+        f'{name} in {self.path(name)}: dtype {dt} is not supported (only {sorted(DTYPES)}; '
+        'float8 weights are read with their weight_scale_inv)'
       )
     sl = self._slice(name)
     x = np.asarray(sl[tuple(index)] if index else sl[:])
@@ -100,6 +104,17 @@ class Reader:
         f'{name} in {self.path(name)}: dtype {dt}, expected one of {sorted(INT_DTYPES)}'
       )
     sl = self._slice(name)
+    return np.asarray(sl[tuple(index)] if index else sl[:])
+
+  def read_stored(self, name: str, index=None) -> np.ndarray:
+    """The tensor (or the part `index` selects) in its stored dtype, whichever of
+    STORED_DTYPES it is, read by byte ranges: only the rows of the first dimension asked for."""
+    file = self.files[name]
+    if not isinstance(handle := self._handles[file], RemoteFile):
+      if file not in self._ranged:  # a local file: its header once, then ranged reads
+        self._ranged[file] = RemoteFile(self.path(name))
+      handle = self._ranged[file]
+    sl = handle.get_slice(name)
     return np.asarray(sl[tuple(index)] if index else sl[:])
 
   def path(self, name: str) -> str:
@@ -133,7 +148,8 @@ def _open(path: str):
 class RemoteFile:
   """A safetensors file in a bucket, read as safe_open reads a local one (keys, get_slice) but
   by byte ranges: the header once, then for each read the rows of the first dimension it selects
-  (the rest is selected on the host). A 5 GB shard is never downloaded whole."""
+  (the rest is selected on the host). A 5 GB shard is never downloaded whole. A local file is
+  read this way too for the dtypes safe_open's numpy backend cannot build (read_stored)."""
 
   def __init__(self, path: str):
     self.path = path
@@ -175,7 +191,7 @@ class _RemoteSlice:
     return self.info['dtype']
 
   def __getitem__(self, index) -> np.ndarray:
-    shape, dtype = tuple(self.info['shape']), np.dtype({**DTYPES, **INT_DTYPES}[self.info['dtype']])
+    shape, dtype = tuple(self.info['shape']), np.dtype(STORED_DTYPES[self.info['dtype']])
     index = index if isinstance(index, tuple) else (index,)
     start, end = self.info['data_offsets']
     first = index[0] if index else slice(None)

@@ -808,6 +808,34 @@ def test_glm_mtp_layer_is_skipped_on_load_and_copied_on_export(tmp_path):
     hf.load_params(fixture(name), dataclasses.replace(cfg, num_nextn_predict_layers=0))
 
 
+@pytest.mark.parametrize('name', ['deepseek_v3_three_layer', 'deepseek_v32_three_layer'])
+def test_deepseek_mtp_layer_is_skipped_on_load(name, tmp_path):
+  """DeepSeek-V3's release (and V3.2's, GLM-5's) stores its MTP layer past the decoder's,
+  model.layers.61.*, with num_nextn_predict_layers 1: the import skips it, as transformers does,
+  and loads the decoder's weights unchanged."""
+  from moetrain.convert import safetensors_io as stio
+  from tests.helpers import rewrite
+
+  base = stio.Reader(fixture(name))
+  config = hf.read_config(fixture(name))
+  last = config['num_hidden_layers'] - 1
+  mtp = {
+    k.replace(f'model.layers.{last}.', f'model.layers.{last + 1}.'): base.read_stored(k)
+    for k in base.keys()
+    if k.startswith(f'model.layers.{last}.')
+  }
+  src = rewrite(
+    fixture(name), tmp_path, config={**config, 'num_nextn_predict_layers': 1}, change=mtp
+  )
+  cfg = hf.config_from_hf(hf.read_config(src), dtype='float32', param_dtype='float32')
+  assert cfg.num_nextn_predict_layers == 1
+  loaded = hf.load_params(src, cfg)
+  assert sorted(loaded.skipped) == sorted(mtp)
+  plain = hf.load_params(fixture(name), f32_config(name))
+  for a, b in zip(jax.tree.leaves(loaded.params), jax.tree.leaves(plain.params)):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
 def test_gpt_oss_scans_its_alternating_layers_as_one_group():
   """Sliding and full layers are one stacked scan, each layer's window per-layer data: one
   group of 24 for gpt-oss-20b, where one group per layer kept every layer's MoE buffers apart

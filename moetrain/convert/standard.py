@@ -375,6 +375,9 @@ DEEPSEEK_V3 = Family(
     'topk_group': ('topk_group', 4),
     'norm_topk_prob': ('norm_topk_prob', True),
     'first_k_dense_replace': ('first_k_dense_replace', 3),
+    # DeepSeek-V3's release stores its MTP layer as model.layers.61.* (skipped on import, copied
+    # by an export from the checkpoint, as GLM-4.5's).
+    'num_nextn_predict_layers': ('num_nextn_predict_layers', 0),
     'rms_norm_eps': ('rms_norm_eps', 1e-6),
     'rope_theta': ('rope_theta', 10000.0),
     'initializer_range': ('init_std', 0.02),

@@ -170,3 +170,76 @@ def test_a_pipeline_beside_the_context_axis_logs_the_losses_of_neither(tmp_path)
   assert got[1] == pytest.approx(want[1], rel=1e-5)
   for step, value in want.items():
     assert got[step] == pytest.approx(value, rel=1e-4), step
+
+
+@pytest.mark.parametrize(
+  'family',
+  [pytest.param('longcat', marks=pytest.mark.slow), 'gpt_oss'],  # longcat: ~70 s
+)
+def test_the_ring_gives_the_all_gathers_and_the_whole_rows_loss_and_gradients(family):
+  """engine.context_attention='ring' over context 2 and 4 with the load balance's order: the
+  loss and gradients of whole rows, and of the all-gather at context 4 (MLA sends its expanded
+  keys and values around; gpt-oss's sliding windows and sinks)."""
+  cfg = with_lora(tiny(init_std=0.05, attention_chunk=8, loss_chunk=4, **FAMILIES[family]))
+  whole = loss_and_grads(cfg, (1, 1, 4, 2, 1, 1))
+  gathered = loss_and_grads(cfg, (1, 1, 1, 2, 4, 1))
+  ring = cfg.with_engine(context_attention='ring')
+  for context, want in ((2, whole), (4, whole), (4, gathered)):
+    got, grads = loss_and_grads(ring, (1, 1, 4 // context, 2, context, 1))
+    np.testing.assert_allclose(got, want[0], rtol=1e-5)
+    assert len(grads) == len(want[1])
+    for g, w in zip(grads, want[1]):
+      np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize('reorder', [False, True])
+def test_the_ring_kernel_gives_whole_row_attention_and_its_gradients(reorder):
+  """Ring attention over 4 context shards (4 query heads over 2 key/value heads, packed rows,
+  a sliding window, sinks), in the rows' order (later shards' blocks skipped) or dual-chunk
+  order: the values and the q, k, v and sinks gradients of the blocked attention over the
+  whole row, by the kernel's backward and by autodiff through its ring (the reference)."""
+  import jax.numpy as jnp
+
+  from moetrain.kernels.attention import attention_core
+  from moetrain.kernels.ring import ring_attention
+  from moetrain.model.attention import dual_chunk_order, ring_mask, self_mask
+
+  c, t, window, scale = 4, T, 12, 0.3
+  rng = np.random.default_rng(1)
+  q, k, v = (rng.normal(size=(2, n, t, 8)).astype(np.float32) for n in (4, 2, 2))
+  sinks = rng.normal(size=4).astype(np.float32)
+  cot = rng.normal(size=(2, 4, t, 8)).astype(np.float32)
+  seg, pos = (packed_batch(2)[key] for key in ('segment_ids', 'positions'))
+  order = dual_chunk_order(t, c) if reorder else np.arange(t)
+  auto = (jax.sharding.AxisType.Auto,)
+  mesh = jax.make_mesh((c,), ('context',), axis_types=auto, devices=jax.devices()[:c])
+  P = jax.sharding.PartitionSpec
+
+  def ring(reference):
+    def shard(q, k, v, pos, seg, index, sinks):
+      meta = (pos, seg, index)
+      args = (q, k, v, (*meta, window), meta, sinks, ring_mask, scale, 4, c)
+      return ring_attention(*args, reference=reference)
+
+    heads, tokens = P(None, None, 'context'), P(None, 'context')
+    specs = (heads, heads, heads, tokens, tokens, P('context'), P())
+    run = jax.shard_map(shard, mesh=mesh, in_specs=specs, out_specs=heads, check_vma=False)
+    back = np.argsort(order)
+
+    def attend(q, k, v, s):  # in the shards' token order and back
+      q, k, v = (x[..., order, :] for x in (q, k, v))
+      return run(q, k, v, pos[:, order], seg[:, order], order, s)[:, :, back]
+
+    return attend
+
+  def whole(q, k, v, s):
+    k, v = (jnp.repeat(x, 2, axis=1) for x in (k, v))
+    return attention_core(q, k, v, self_mask(pos, seg, window), scale, ((0, t, t),), True, s)
+
+  loss = lambda f: lambda *a: jnp.sum(f(*a) * cot)  # noqa: E731
+  want = jax.value_and_grad(loss(whole), argnums=(0, 1, 2, 3))(q, k, v, sinks)
+  for f in (ring(False), ring(True)):
+    got = jax.jit(jax.value_and_grad(loss(f), argnums=(0, 1, 2, 3)))(q, k, v, sinks)
+    np.testing.assert_allclose(f(q, k, v, sinks), whole(q, k, v, sinks), rtol=1e-5, atol=1e-5)
+    for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+      np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-5)

@@ -175,7 +175,7 @@ def test_step_buffer_arithmetic_of_the_flash_lora_step():
 def test_the_search_splits_rows_over_context_keeping_the_other_axes():
   """The context axis in 2, 4, ... shards where the devices left by the stage and expert axes
   allow it and the row cuts into the load balance's 2C chunks; the expert axis moves with the
-  context axis kept; from a split row, the way back to whole ones."""
+  context axis kept; from a split row, the way back to whole ones and the ring."""
   config = longcat_lora.get_config('variant=tiny')  # rows of 128 tokens
   shapes = lambda ns: {tuple(n['mesh.shape']) for n in ns if list(n) == ['mesh.shape']}
   assert shapes(tpu_plan.neighbours(config, 8, {})) == {
@@ -188,6 +188,9 @@ def test_the_search_splits_rows_over_context_keeping_the_other_axes():
   assert shapes(later) == {(1, -1, 2, 1), (1, 1, -1, 2, 4, 1)}
   experts = [n['mesh.shape'] for n in later if 'mesh.rules' in n]
   assert experts and all(s[4] == 2 and s[3] * s[4] <= 8 for s in experts)
+  # A split row's keys also by the ring; a whole row has none to choose.
+  assert split | {'engine.context_attention': 'ring'} in later
+  assert not any('engine.context_attention' in n for n in tpu_plan.neighbours(config, 8, {}))
   config.data.seq_len = 20  # 2C chunks: 4 and 8 shards do not cut it
   assert shapes(tpu_plan.neighbours(config, 8, {})) == {(1, 1, -1, 1, 2, 1)}
 

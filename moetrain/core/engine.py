@@ -131,6 +131,10 @@ class EngineConfig:
   # chunks: shard i holds chunks i and 2C - 1 - i of 2C), so every shard has equal causal
   # attention work (docs/context.md). The loss and metrics are unchanged by it.
   context_reorder: bool = field(True)
+  # With a 'context' mesh axis, how each shard's queries reach the row's keys and values
+  # (docs/context.md): 'all_gather' = every shard's at once (MLA: the latent), 'ring' = one
+  # shard's block at a time, passed around the axis (O(T / C) keys and values a shard, not O(T)).
+  context_attention: str = field('all_gather', choices=('all_gather', 'ring'))
   # Sequence positions per block of the training/eval loss: the lm head and its cross entropy run
   # block by block, so only [B, loss_chunk, V] logits exist at a time; 0 = one block.
   loss_chunk: int = field(256, check='non_negative', zero='0 = no chunking')

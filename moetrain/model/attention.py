@@ -13,6 +13,7 @@ from moetrain.core import axes
 from moetrain.core.sharding import constrain
 from moetrain.kernels import splash
 from moetrain.kernels.attention import attention_core, masked_scores
+from moetrain.kernels.ring import ring_attention
 from moetrain.model.config import ModelConfig
 from moetrain.model.indexer import Indexer
 from moetrain.model.layers import Linear, RMSNorm, rope
@@ -152,13 +153,33 @@ def shard_mask(pos_BT, seg_BT, pos_BS, seg_BS, window, index=None):
   (`index`, dual_chunk_order's; None: the row's own order)."""
   t, s = pos_BT.shape[1], pos_BS.shape[1]
   first = jax.lax.axis_index('context') * t  # this shard's first slot in the row
-  k_index, q_index = jnp.arange(s), first + jnp.arange(t)
+  k_index_S, q_index_T = jnp.arange(s), first + jnp.arange(t)
   if index is not None:
-    k_index = jnp.asarray(index)
-    q_index = k_index[q_index]
-  in_order = k_index[None, :] <= q_index[:, None]
+    k_index_S = jnp.asarray(index)
+    q_index_T = k_index_S[q_index_T]
+  return ring_mask((pos_BT, seg_BT, q_index_T, window), (pos_BS, seg_BS, k_index_S))
+
+
+def ring_mask(q_meta, k_meta):
+  """self_mask of queries over keys from anywhere in the row, each side given as its global
+  positions, segment ids and token indices in the row's own order (q_meta also the window):
+  what a ring's visiting block carries."""
+  pos_BT, seg_BT, q_index_T, window = q_meta
+  pos_BS, seg_BS, k_index_S = k_meta
+  in_order = k_index_S[None, :] <= q_index_T[:, None]
   mask = attention_mask(pos_BT, seg_BT, pos_BS, seg_BS) & in_order[None]
   return window_mask(mask, pos_BT, pos_BS, window)
+
+
+def over_context(shard, cfg: ModelConfig, in_specs):
+  """shard as a shard_map over 'context' (the batch, heads and other axes stay with the
+  compiler), its output split over the tokens. Inside the pipeline's vmap over stages
+  (spmd_axis_name 'stage') the batching rule puts 'stage' on the stacked axis of every operand:
+  it must be manual here too."""
+  manual = {'context', 'stage'} if cfg.engine.pipeline_stages > 1 else {'context'}
+  return jax.shard_map(
+    shard, in_specs=in_specs, out_specs=P(None, 'context'), axis_names=manual, check_vma=False
+  )
 
 
 def context_self_attention(
@@ -171,7 +192,12 @@ def context_self_attention(
   the global positions and indices, so the result equals the unsplit path's; each block scores
   all S keys (the unsplit path skips the upper triangle block by block), so a shard computes
   up to twice the causal work. Forward and backward: attention_core inside a shard_map over
-  'context' alone (the batch, heads and other axes stay with the compiler)."""
+  'context' alone (the batch, heads and other axes stay with the compiler). With
+  engine.context_attention='ring': ring_self_attention."""
+  if cfg.engine.context_attention == 'ring':
+    return ring_self_attention(
+      q_BTNH, k_BSNH, v_BSNH, positions_BT, segment_ids_BT, cfg, window, sinks_N
+    )
   groups = cfg.num_heads // k_BSNH.shape[2]
   dtype = k_BSNH.dtype
   if cfg.engine.platform == 'cpu':
@@ -207,16 +233,53 @@ def context_self_attention(
     return out_BNTH.transpose(0, 2, 1, 3)
 
   split, whole = P(None, 'context'), P()
-  # Inside the pipeline's vmap over stages (spmd_axis_name 'stage') the batching rule puts
-  # 'stage' on the stacked axis of every operand: it must be manual here too.
-  manual = {'context', 'stage'} if cfg.engine.pipeline_stages > 1 else {'context'}
-  out_BTNH = jax.shard_map(
-    shard,
-    in_specs=(split, whole, whole, split, split, whole, whole, whole, *(whole for _ in sinks)),
-    out_specs=split,
-    axis_names=manual,
-    check_vma=False,
-  )(q_BTNH, k_BSNH, v_BSNH, positions_BT, segment_ids_BT, all_pos, all_seg, window, *sinks)
+  specs = (split, whole, whole, split, split, whole, whole, whole, *(whole for _ in sinks))
+  out_BTNH = over_context(shard, cfg, specs)(
+    q_BTNH, k_BSNH, v_BSNH, positions_BT, segment_ids_BT, all_pos, all_seg, window, *sinks
+  )
+  return constrain(out_BTNH, axes.names('BTN') + (None,), cfg.engine.rules)
+
+
+def ring_self_attention(
+  q_BTNH, k_BTNH, v_BTNH, positions_BT, segment_ids_BT, cfg: ModelConfig, window=0, sinks_N=None
+):
+  """context_self_attention as a ring (engine.context_attention='ring'; docs/context.md): each
+  shard keeps its queries and its own keys and values (N_kv heads) and the key/value blocks
+  pass around the 'context' ring, C - 1 ppermutes, each visitor folded into an online softmax
+  (kernels/ring.py), so a shard never holds more than its own block and one visitor: O(T / C)
+  keys and values where the all-gather holds O(T). The blocks carry their positions, segment
+  ids and token indices in the row's own order (dual_chunk_order's under the load balance), and
+  the masks are the all-gather path's."""
+  t, c = q_BTNH.shape[1], cfg.engine.context_shards
+  index_T = dual_chunk_order(t, c) if context_reordered(cfg, t) else np.arange(t)
+  sinks = () if sinks_N is None else (sinks_N,)
+
+  def shard(q_BTNH, k_BTNH, v_BTNH, pos_BT, seg_BT, index_T, window, *sinks):
+    out_BNTH = ring_attention(
+      *(x.transpose(0, 2, 1, 3) for x in (q_BTNH, k_BTNH, v_BTNH)),
+      (pos_BT, seg_BT, index_T, window),
+      (pos_BT, seg_BT, index_T),
+      sinks[0] if sinks else None,
+      ring_mask,
+      cfg.attention_scale,
+      cfg.engine.attention_chunk,
+      c,
+      reference=cfg.engine.reference_kernels,
+    )
+    return out_BNTH.transpose(0, 2, 1, 3)
+
+  split = P(None, 'context')
+  specs = (split, split, split, split, split, P('context'), P(), *(P() for _ in sinks))
+  out_BTNH = over_context(shard, cfg, specs)(
+    q_BTNH,
+    k_BTNH,
+    v_BTNH,
+    positions_BT,
+    segment_ids_BT,
+    jnp.asarray(index_T, jnp.int32),
+    jnp.asarray(window, jnp.int32),
+    *sinks,
+  )
   return constrain(out_BTNH, axes.names('BTN') + (None,), cfg.engine.rules)
 
 
@@ -284,7 +347,8 @@ class MLA(nnx.Module):
     del window  # no MLA family has sliding windows
     q_nope, q_pe = self.project_q(x_BTD, positions_BT, rng)
     c_BTK, k_pe = self.latent(x_BTD, positions_BT, rng)
-    if context_split(self.cfg, c_BTK.shape[1]):  # the latent moves, not the heads' keys
+    if context_split(self.cfg, c_BTK.shape[1]) and self.cfg.engine.context_attention != 'ring':
+      # The all-gather moves the latent, not the heads' keys; the ring moves the heads' keys.
       c_BTK, k_pe = gather_tokens(c_BTK, self.cfg), gather_tokens(k_pe, self.cfg)
     q_BTNH, k_BTNH, v_BTNH = self.heads(q_nope, q_pe, c_BTK, k_pe, rng)
     if self.sparse(c_BTK.shape[1]):

@@ -494,15 +494,21 @@ def mesh_shape(stage: int, expert: int, context: int) -> tuple:
 def context_neighbours(now, devices: int) -> list[dict]:
   """Each row's tokens split over 'context' in 2, 4, ... shards (docs/context.md), within what
   the stage and expert axes leave and while the row cuts into the load balance's 2C chunks;
-  from a split row, back to whole ones. What a row too long for a chip needs."""
+  from a split row, back to whole ones; on a split row, the other way to its keys (the ring,
+  whose shards hold one other shard's keys and values at a time, or the all-gather). What a row
+  too long for a chip needs."""
   shape = full_shape(now.mesh.shape)
   stage, expert, context = shape[0], shape[3], shape[4]
   free = devices // (stage * expert)
-  return [
+  out = [
     {'mesh.shape': mesh_shape(stage, expert, c)}
     for c in _divisors_pow2(free, free)
     if c != context and now.data.seq_len % (2 * c) == 0
   ]
+  if context > 1:
+    other = 'all_gather' if now.engine.context_attention == 'ring' else 'ring'
+    out.append({'engine.context_attention': other})
+  return out
 
 
 def pipeline_neighbours(config, now, slices: int) -> list[dict]:

@@ -225,7 +225,9 @@ def test_generate_reads_chats_from_the_command_line_or_a_jsonl(tmp_path):
   assert chat_inputs('ignored', '', str(path)) == [[{'role': 'user', 'content': 'a'}]]
 
 
-NESTED = '{% for i in range(100000) %}{% for j in range(100000) %}x{% endfor %}{% endfor %}'
+# Loops that write nothing: only the time bound can stop them, however fast the machine (with an
+# 'x' a fast one passed the text bound first).
+NESTED = '{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}'
 
 
 @pytest.mark.parametrize(

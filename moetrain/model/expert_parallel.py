@@ -40,11 +40,12 @@ def routed_experts(x_MD, idx_MA, gates_MA, weights, cfg: ModelConfig, rng=None):
 
 def _sharded(shard, x_MD, idx_MA, gates_MA, weights, cfg: ModelConfig, w_spec, rng):
   """shard(x, idx, gates, w, key) in a shard_map over the mesh in context: tokens sharded over
-  the batch axes, the weights by w_spec (one spec for every leaf, or a tree of them like
-  weights'), each shard's dropout key folded with its index. Tokens that the batch shards do not
+  the batch axes and 'context' (a row's tokens split over it stay split: [B, T] flattened row by
+  row keeps T's shards inner), the weights by w_spec (one spec for every leaf, or a tree of them
+  like weights'), each shard's dropout key folded with its index. Tokens that the shards do not
   divide (a decode step's one per row) are padded with rows for no expert, as moe.py's padding."""
   sizes = dict(zip(MESH_AXES, cfg.engine.mesh_shape))
-  batch = tuple(a for a in ('data', 'fsdp', 'expert') if sizes.get(a, 1) > 1)
+  batch = tuple(a for a in ('data', 'fsdp', 'expert', 'context') if sizes.get(a, 1) > 1)
   tok = jax.sharding.PartitionSpec(batch)
   m, pad = x_MD.shape[0], -x_MD.shape[0] % math.prod(sizes[a] for a in batch)
   if pad:

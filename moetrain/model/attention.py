@@ -10,7 +10,7 @@ from flax import nnx
 from jax.sharding import PartitionSpec as P
 
 from moetrain.core import axes
-from moetrain.core.sharding import constrain
+from moetrain.core.sharding import BATCH_AXES, MESH_AXES, constrain, full_shape
 from moetrain.kernels import splash
 from moetrain.kernels.attention import attention_core, masked_scores
 from moetrain.kernels.ring import ring_attention
@@ -171,14 +171,29 @@ def ring_mask(q_meta, k_meta):
   return window_mask(mask, pos_BT, pos_BS, window)
 
 
+ROWS = 'rows'  # in over_context's specs: the batch's row axes (sharding.BATCH_AXES in use)
+
+
 def over_context(shard, cfg: ModelConfig, in_specs):
-  """shard as a shard_map over 'context' (the batch, heads and other axes stay with the
-  compiler), its output split over the tokens. Inside the pipeline's vmap over stages
-  (spmd_axis_name 'stage') the batching rule puts 'stage' on the stacked axis of every operand:
-  it must be manual here too."""
-  manual = {'context', 'stage'} if cfg.engine.pipeline_stages > 1 else {'context'}
+  """shard as a shard_map over 'context' and the axes the batch's rows split over (a spec's
+  ROWS), its output split over both; heads and the other axes stay with the compiler. Left
+  automatic, the row axes were not kept: the compiler gathered the rows onto every shard (at
+  LongCat-Flash's scale a step of over a terabyte per chip). Inside the pipeline's vmap over
+  stages (spmd_axis_name 'stage') the batching rule puts 'stage' on the stacked axis of every
+  operand: it must be manual here too."""
+  sizes = dict(zip(MESH_AXES, full_shape(cfg.engine.mesh_shape)))
+  rows = tuple(a for a in BATCH_AXES if sizes.get(a, 1) > 1)
+  manual = {'context', *rows} | ({'stage'} if cfg.engine.pipeline_stages > 1 else set())
+
+  def spec(s: P) -> P:
+    return P(rows or None, *s[1:]) if len(s) and s[0] == ROWS else s
+
   return jax.shard_map(
-    shard, in_specs=in_specs, out_specs=P(None, 'context'), axis_names=manual, check_vma=False
+    shard,
+    in_specs=tuple(spec(s) for s in in_specs),
+    out_specs=spec(P(ROWS, 'context')),
+    axis_names=manual,
+    check_vma=False,
   )
 
 
@@ -232,8 +247,8 @@ def context_self_attention(
     )
     return out_BNTH.transpose(0, 2, 1, 3)
 
-  split, whole = P(None, 'context'), P()
-  specs = (split, whole, whole, split, split, whole, whole, whole, *(whole for _ in sinks))
+  split, whole = P(ROWS, 'context'), P(ROWS)
+  specs = (split, whole, whole, split, split, whole, whole, P(), *(P() for _ in sinks))
   out_BTNH = over_context(shard, cfg, specs)(
     q_BTNH, k_BSNH, v_BSNH, positions_BT, segment_ids_BT, all_pos, all_seg, window, *sinks
   )
@@ -268,7 +283,7 @@ def ring_self_attention(
     )
     return out_BNTH.transpose(0, 2, 1, 3)
 
-  split = P(None, 'context')
+  split = P(ROWS, 'context')
   specs = (split, split, split, split, split, P('context'), P(), *(P() for _ in sinks))
   out_BTNH = over_context(shard, cfg, specs)(
     q_BTNH,

@@ -27,6 +27,16 @@ jax.config.update(
 jax.config.update('jax_persistent_cache_min_compile_time_secs', 1e9)
 
 
+@pytest.fixture(autouse=True, scope='module')
+def _release_compiled_programs():
+  """Each module's compiled programs dropped after it: XLA:CPU maps every executable's code, and a
+  worker of the two-worker suite that kept them all passed Linux's 65,530 mappings a process
+  (vm.max_map_count; 17,700 after three test files) and crashed in a later compile (SIGSEGV in
+  backend_compile_and_load)."""
+  yield
+  jax.clear_caches()
+
+
 def pytest_collection_modifyitems(items):
   """The end-to-end subprocess tests (minutes each) first, so that under `-n 2` the two workers
   finish together instead of one starting them last."""

@@ -24,12 +24,18 @@ BLOCK = (128, 128)  # weight_dequant's block where config.json names none
 FORMATS = ('e4m3', 'float8_e4m3fn')  # quantization_config.fmt (DeepSeek's; MiniMax-M2's)
 
 
+def quantization_config(config_json: dict) -> dict:
+  """config.json's quantization_config, its own or (a multimodal checkpoint's) its
+  text_config's; {} without one. Every quantised release reader starts from it."""
+  text = config_json.get('text_config') or {}
+  return config_json.get('quantization_config') or text.get('quantization_config') or {}
+
+
 def block_size(config_json: dict) -> tuple[int, int]:
   """quantization_config.weight_block_size (rows, cols) of config.json's quant_method fp8 config
   (its own or its text_config's); BLOCK without one. Another fmt than float8_e4m3fn, or a block
   size that is not two positive integers, is refused naming the key."""
-  text = config_json.get('text_config') or {}
-  qc = config_json.get('quantization_config') or text.get('quantization_config') or {}
+  qc = quantization_config(config_json)
   if qc.get('quant_method') != 'fp8':
     return BLOCK
   if (fmt := qc.get('fmt', FORMATS[0])) not in FORMATS:

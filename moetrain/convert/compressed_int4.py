@@ -24,6 +24,7 @@ import jax
 import ml_dtypes
 import numpy as np
 
+from moetrain.convert import block_fp8
 from moetrain.kernels import quant
 
 PACK = 8  # int4 codes per int32 word, the first input in the lowest bits
@@ -40,8 +41,7 @@ def group_size(config_json: dict) -> int | None:
   """The group size of config.json's compressed-tensors quantization_config (its own or its
   text_config's); None without one. Anything but pack-quantized symmetric int4 in groups along
   the inputs, weights only, is refused naming the key."""
-  text = config_json.get('text_config') or {}
-  qc = config_json.get('quantization_config') or text.get('quantization_config')
+  qc = block_fp8.quantization_config(config_json)
   if not qc or qc.get('quant_method') != 'compressed-tensors':
     return None
   sizes = set()

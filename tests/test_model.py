@@ -86,14 +86,20 @@ def test_chunked_causal_attention_equals_the_full_square(chunk):
 @pytest.mark.parametrize('recompute', [False, True], ids=['saved_probs', 'recomputed'])
 @pytest.mark.parametrize(
   'blocks',
-  [((0, 4, 4), (4, 8, 8), (8, 11, 11)), ((0, 11, 11),), ((0, 3, 7), (3, 6, 7))],
-  ids=['causal_blocks', 'one_block', 'queries_shorter_than_keys'],
+  [
+    ((0, 4, 4), (4, 8, 8), (8, 11, 11)),
+    ((0, 11, 11),),
+    ((0, 3, 7), (3, 6, 7)),
+    ((0, 2, 9), (2, 4, 9), (4, 6, 9)),
+  ],
+  ids=['causal_blocks', 'one_block', 'queries_shorter_than_keys', 'even_blocks_as_a_loop'],
 )
 def test_attention_core_gradients_equal_autodiff(blocks, recompute):
   """attention_core's hand-written backward (transposed key/value gradients; saved
   probabilities or scores recomputed from the log-sum-exp) equals autodiff of the plain masked
   softmax attention, float32, for causal query blocks with a ragged last block and for T queries
-  against S > T keys (decoding), and for a query that sees no key at all."""
+  against S > T keys (decoding), and for a query that sees no key at all; even blocks over all
+  the keys (a context shard's) run as a lax.scan."""
   t, s = blocks[-1][1], blocks[-1][2]
   ks = jax.random.split(jax.random.key(0), 4)
   q = jax.random.normal(ks[0], (2, 3, t, 6))

@@ -52,35 +52,87 @@ def _scores(q_BNTH, k_BNSH, mask_BTS, scale, block):
   return masked_scores(s_BNTS, mask_BTS[:, start:end, :keys], scale)
 
 
+def _softmax(z_BNTS, sink_1N1):
+  """softmax over the last axis, with the sink's logit if any: (p, row max, row sum)."""
+  max_BNT = jnp.max(z_BNTS, axis=-1)
+  if sink_1N1 is not None:
+    max_BNT = jnp.maximum(max_BNT, sink_1N1)
+  exp_BNTS = jnp.exp(z_BNTS - max_BNT[..., None])
+  sum_BNT = jnp.sum(exp_BNTS, axis=-1)
+  if sink_1N1 is not None:
+    sum_BNT = sum_BNT + jnp.exp(sink_1N1 - max_BNT)
+  return exp_BNTS / sum_BNT[..., None], max_BNT, sum_BNT
+
+
+def uniform(blocks, t: int, s: int) -> bool:
+  """Whether the blocks split the T queries evenly, each scoring all S keys (a context shard's
+  queries against the whole row). Such blocks run as one loop (lax.scan) rather than unrolled:
+  the loop holds one block's [T / n, S] scores and the key and value gradients' running sums.
+  Unrolled, XLA:TPU's scheduler formed the blocks' key-gradient terms ahead of their sum and
+  kept them all: a LongCat-Flash layer with 8,192 queries over 32,768 keys held 45 of those
+  [64, 192, 32768] float32 terms, 68 GB. A causal split skips keys block by block and stays
+  unrolled."""
+  step = blocks[0][1] - blocks[0][0]
+  even = [(i * step, (i + 1) * step, s) for i in range(len(blocks))]
+  return len(blocks) > 1 and t == len(blocks) * step and list(blocks) == even
+
+
+def _in_blocks(x, n: int, axis: int):
+  """x's axis in n equal blocks, the block index leading: [n, ..., size / n, ...]."""
+  shape = x.shape
+  x = x.reshape(*shape[:axis], n, shape[axis] // n, *shape[axis + 1 :])
+  return jnp.moveaxis(x, axis, 0)
+
+
+def _joined(x, axis: int):
+  """_in_blocks' inverse."""
+  x = jnp.moveaxis(x, 0, axis)
+  return x.reshape(*x.shape[:axis], -1, *x.shape[axis + 2 :])
+
+
 def _core_fwd(q_BNTH, k_BNSH, v_BNSH, mask_BTS, scale, blocks, recompute, sinks_N=None):
-  outs, kept = [], []
   sink_1N1 = None if sinks_N is None else sinks_N.astype(jnp.float32)[None, :, None]
+  if uniform(blocks, q_BNTH.shape[2], k_BNSH.shape[2]):
+    return _scan_fwd(q_BNTH, k_BNSH, v_BNSH, mask_BTS, scale, blocks, recompute, sinks_N)
+  outs, kept = [], []
   for block in blocks:
     z_BNTS = _scores(q_BNTH, k_BNSH, mask_BTS, scale, block)
-    max_BNT = jnp.max(z_BNTS, axis=-1)
-    if sink_1N1 is not None:
-      max_BNT = jnp.maximum(max_BNT, sink_1N1)
-    exp_BNTS = jnp.exp(z_BNTS - max_BNT[..., None])
-    sum_BNT = jnp.sum(exp_BNTS, axis=-1)
-    if sink_1N1 is not None:
-      sum_BNT = sum_BNT + jnp.exp(sink_1N1 - max_BNT)
-    p_BNTS = exp_BNTS / sum_BNT[..., None]  # the softmax, from the stats the backward may keep
+    p_BNTS, max_BNT, sum_BNT = _softmax(z_BNTS, sink_1N1)
     outs.append(_dot(p_BNTS.astype(v_BNSH.dtype), v_BNSH[:, :, : block[2]], (3, 2)))
     kept.append((max_BNT, sum_BNT) if recompute else (p_BNTS, max_BNT, sum_BNT))
   out_BNTH = outs[0] if len(outs) == 1 else jnp.concatenate(outs, axis=2)
   return out_BNTH, (q_BNTH, k_BNSH, v_BNSH, out_BNTH, tuple(kept), mask_BTS, sinks_N)
 
 
-def _sink_grad(sinks_N, kept, delta_BNT, blocks):
-  """d sinks: the sink's weight p times (0 - delta), its value being 0, summed over B and T."""
+def _scan_fwd(q_BNTH, k_BNSH, v_BNSH, mask_BTS, scale, blocks, recompute, sinks_N):
+  """_core_fwd of uniform blocks, one block a loop step; kept: the blocks' stats stacked."""
+  n = len(blocks)
+  sink_1N1 = None if sinks_N is None else sinks_N.astype(jnp.float32)[None, :, None]
+
+  def block(_, xs):
+    q_BNtH, mask_BtS = xs
+    z_BNtS = masked_scores(_dot(q_BNtH, k_BNSH, (3, 3), jnp.float32), mask_BtS, scale)
+    p_BNtS, max_BNt, sum_BNt = _softmax(z_BNtS, sink_1N1)
+    out_BNtH = _dot(p_BNtS.astype(v_BNSH.dtype), v_BNSH, (3, 2))
+    return None, (out_BNtH, (max_BNt, sum_BNt) if recompute else (p_BNtS, max_BNt, sum_BNt))
+
+  xs = (_in_blocks(q_BNTH, n, 2), _in_blocks(mask_BTS, n, 1))
+  _, (outs, kept) = jax.lax.scan(block, None, xs)
+  out_BNTH = _joined(outs, 2)
+  return out_BNTH, (q_BNTH, k_BNSH, v_BNSH, out_BNTH, kept, mask_BTS, sinks_N)
+
+
+def _sink_grad(sinks_N, stats):
+  """d sinks: the sink's weight p times (0 - delta), its value being 0, summed over all but
+  the heads. stats: (row max, row sum, delta) triples, heads their second-to-last axis."""
   if sinks_N is None:
     return None
-  sink_1N1 = sinks_N.astype(jnp.float32)[None, :, None]
+  sink_N1 = sinks_N.astype(jnp.float32)[:, None]
   d_N = jnp.zeros(sinks_N.shape, jnp.float32)
-  for (start, end, _), saved in zip(blocks, kept):
-    max_BNT, sum_BNT = saved[-2:]
-    p_BNT = jnp.exp(sink_1N1 - max_BNT) / sum_BNT
-    d_N = d_N - jnp.sum(p_BNT * delta_BNT[:, :, start:end], axis=(0, 2))
+  for max_NT, sum_NT, delta_NT in stats:
+    sink = jnp.expand_dims(sink_N1, tuple(range(max_NT.ndim - 2)))
+    p_NT = jnp.exp(sink - max_NT) / sum_NT
+    d_N = d_N - jnp.sum(jnp.moveaxis(p_NT * delta_NT, -2, 0).reshape(d_N.size, -1), axis=1)
   return d_N.astype(sinks_N.dtype)
 
 
@@ -97,30 +149,59 @@ def _core_bwd(scale, blocks, recompute, res, g_BNTH):
   # d softmax: ds = p * (dp - sum_s p dp), and sum_s p dp = sum_h g o.
   delta_BNT = jnp.sum(g_BNTH.astype(f32) * out_BNTH.astype(f32), axis=-1)
   b, n, hk, hv = *q_BNTH.shape[:2], q_BNTH.shape[3], g_BNTH.shape[3]
-  dq = []
   dk_BNHS, dv_BNHS = jnp.zeros((b, n, hk, s), f32), jnp.zeros((b, n, hv, s), f32)
-  for block, saved in zip(blocks, kept):
-    start, end, keys = block
-    if recompute:  # saved: the block's softmax row max and sum
-      max_BNT, sum_BNT = saved
-      z_BNTS = _scores(q_BNTH, k_BNSH, mask_BTS, scale, block)
-      p_BNTS = jnp.exp(z_BNTS - max_BNT[..., None]) / sum_BNT[..., None]
-    else:  # saved: the block's probabilities (and softmax stats)
-      p_BNTS = saved[0]
-    dp_BNTS = _dot(g_BNTH[:, :, start:end], v_BNSH[:, :, :keys], (3, 3), f32)
-    ds_BNTS = p_BNTS * (dp_BNTS - delta_BNT[:, :, start:end, None]) * scale
-    # Masked scores get no gradient (as through the forward's select), also in a row that sees
-    # no key, whose uniform weights are not zero there.
-    ds_BNTS = jnp.where(mask_BTS[:, None, start:end, :keys], ds_BNTS, 0).astype(q_BNTH.dtype)
-    dq.append(_dot(ds_BNTS, k_BNSH[:, :, :keys], (3, 2)))
-    dk_BNHS = dk_BNHS.at[..., :keys].add(_dot(q_BNTH[:, :, start:end], ds_BNTS, (2, 2), f32))
-    p_BNTS = p_BNTS.astype(v_BNSH.dtype)
-    dv_BNHS = dv_BNHS.at[..., :keys].add(_dot(g_BNTH[:, :, start:end], p_BNTS, (2, 2), f32))
-  dq_BNTH = dq[0] if len(dq) == 1 else jnp.concatenate(dq, axis=2)
+  grads = functools.partial(_block_grads, k_BNSH, v_BNSH, scale, recompute)
+  if uniform(blocks, q_BNTH.shape[2], s):
+
+    def block(carry, xs):
+      dq_BNtH, dk_BNHS, dv_BNHS = grads(*xs)
+      return (carry[0] + dk_BNHS, carry[1] + dv_BNHS), dq_BNtH
+
+    xs = (q_BNTH, g_BNTH, mask_BTS[:, None], delta_BNT)
+    xs = tuple(_in_blocks(x, len(blocks), 2) for x in xs) + (kept,)
+    (dk_BNHS, dv_BNHS), dq = jax.lax.scan(block, (dk_BNHS, dv_BNHS), xs)
+    dq_BNTH = _joined(dq, 2)
+    stats = [(*kept[-2:], _in_blocks(delta_BNT, len(blocks), 2))]
+  else:
+    dq = []
+    for (start, end, keys), saved in zip(blocks, kept):
+      rows = (x[:, :, start:end] for x in (q_BNTH, g_BNTH, mask_BTS[:, None], delta_BNT))
+      dq_BNtH, dk_BNHs, dv_BNHs = grads(*rows, saved, keys)
+      dk_BNHS = dk_BNHS.at[..., :keys].add(dk_BNHs)
+      dv_BNHS = dv_BNHS.at[..., :keys].add(dv_BNHs)
+      dq.append(dq_BNtH)
+    dq_BNTH = dq[0] if len(dq) == 1 else jnp.concatenate(dq, axis=2)
+    stats = [(*saved[-2:], delta_BNT[:, :, a:e]) for (a, e, _), saved in zip(blocks, kept)]
   dk_BNSH = dk_BNHS.transpose(0, 1, 3, 2).astype(k_BNSH.dtype)
   dv_BNSH = dv_BNHS.transpose(0, 1, 3, 2).astype(v_BNSH.dtype)
-  dsinks_N = _sink_grad(sinks_N, kept, delta_BNT, blocks)
-  return dq_BNTH, dk_BNSH, dv_BNSH, None, dsinks_N
+  return dq_BNTH, dk_BNSH, dv_BNSH, None, _sink_grad(sinks_N, stats)
+
+
+def _block_grads(
+  k_BNSH, v_BNSH, scale, recompute, q_BNtH, g_BNtH, mask_B1tS, delta_BNt, saved, keys=None
+):
+  """One block of queries' gradients: (dq, and its terms of dK^T and dV^T over the first
+  `keys` keys). saved: the block's softmax row max and sum (recompute), or its probabilities
+  and those."""
+  f32 = jnp.float32
+  k_BNSH, v_BNSH = k_BNSH[:, :, :keys], v_BNSH[:, :, :keys]
+  mask_B1tS = mask_B1tS[..., :keys]
+  if recompute:
+    max_BNt, sum_BNt = saved
+    s_BNtS = _dot(q_BNtH, k_BNSH, (3, 3), f32)
+    z_BNtS = masked_scores(s_BNtS, mask_B1tS[:, 0], scale)
+    p_BNtS = jnp.exp(z_BNtS - max_BNt[..., None]) / sum_BNt[..., None]
+  else:
+    p_BNtS = saved[0]
+  dp_BNtS = _dot(g_BNtH, v_BNSH, (3, 3), f32)
+  ds_BNtS = p_BNtS * (dp_BNtS - delta_BNt[..., None]) * scale
+  # Masked scores get no gradient (as through the forward's select), also in a row that sees
+  # no key, whose uniform weights are not zero there.
+  ds_BNtS = jnp.where(mask_B1tS, ds_BNtS, 0).astype(q_BNtH.dtype)
+  dq_BNtH = _dot(ds_BNtS, k_BNSH, (3, 2))
+  dk_BNHs = _dot(q_BNtH, ds_BNtS, (2, 2), f32)
+  dv_BNHs = _dot(g_BNtH, p_BNtS.astype(v_BNSH.dtype), (2, 2), f32)
+  return dq_BNtH, dk_BNHs, dv_BNHs
 
 
 _attention_core.defvjp(_core_fwd, _core_bwd)

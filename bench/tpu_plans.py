@@ -9,6 +9,7 @@ import os
 from configs import (
   deepseek_v2_lora,
   deepseek_v3_lora,
+  deepseek_v32_lora,
   glm4_moe_lora,
   gpt_oss_lora,
   longcat_lora,
@@ -78,6 +79,8 @@ PLANS = {
       ('qwen3.5-35b', 'Qwen3.5-35B-A3B', qwen3_next_lora, 'qwen3_5_35b_a3b'),
       ('qwen3-next-80b', 'Qwen3-Next-80B-A3B', qwen3_next_lora, 'qwen3_next_80b_a3b'),
       ('minimax-m2', 'MiniMax-M2 (QLoRA int4)', minimax_m2_lora, 'minimax_m2'),
+      ('deepseek-v3.2', 'DeepSeek-V3.2', deepseek_v32_lora, 'deepseek_v32_671b'),
+      ('glm-5', 'GLM-5 (QLoRA int4)', deepseek_v32_lora, 'glm_5'),
     )
   },
   # QLoRA int4 of the families' smaller models on a Kaggle-sized slice (v5e-8: 8 chips of 16 GB),

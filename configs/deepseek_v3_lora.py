@@ -1,5 +1,5 @@
-"""LoRA fine-tuning of DeepSeek-V3-family models (DeepSeek-V3/R1, Moonlight, Kimi-K2's layout),
-routed and shared experts included.
+"""LoRA fine-tuning of DeepSeek-V3-family models (DeepSeek-V3/R1, Moonlight, Kimi-K2 and the
+language model of Kimi-K2.5/K2.6), routed and shared experts included.
 
   python -m moetrain.main --config=configs/deepseek_v3_lora.py                # tiny, CPU, demo data
   python -m moetrain.main --config=configs/deepseek_v3_lora.py:variant=moonlight_16b_a3b \
@@ -9,7 +9,8 @@ Changes from base: the DeepSeek-V3 parts (MLA, YaRN where the model has it, dens
 sigmoid router over expert groups with a correction bias moved by the sign rule, shared experts,
 the sequence-wise balance loss); LoRA rank 8 on every MLA projection, dense MLP, shared and
 routed expert and the head; frozen base and router. Variants: 'deepseek_tiny' (the default),
-'moonlight_16b_a3b', 'deepseek_v3_671b'.
+'moonlight_16b_a3b', 'deepseek_v3_671b', 'kimi_k2_5' (no slice planned; its int4 experts carry
+into an int4 base unchanged with --config.engine.quant=int4 --config.engine.quant_group_size=32).
 """
 
 from configs import base

@@ -3,15 +3,15 @@ experts included; the real model on a QLoRA int4 base.
 
   python -m moetrain.main --config=configs/minimax_m2_lora.py                 # tiny, CPU, demo data
   python -m moetrain.main --config=configs/minimax_m2_lora.py:variant=minimax_m2 \
-    --config.init.hf_checkpoint=/path/to/MiniMax-M2-bf16 ...
+    --config.init.hf_checkpoint=/path/to/MiniMax-M2 ...
 
 Changes from base: the MiniMax-M2 parts (GQA with q/k norms over the whole projections, RoPE on
 half of each head; a sigmoid router with a correction bias, top-8 of 256 experts renormalised;
 no shared expert, no dense layer); LoRA rank 8 on every attention projection, routed expert and
 the head; frozen base and router. Variants: 'minimax_m2_tiny' (the default) and 'minimax_m2' (a
 QLoRA int4 base meant for a v5p-16, not yet compiled by tools.plan; a run from
-init.hf_checkpoint takes the shapes from its config.json). The released weights are FP8 with block scales: convert them to bfloat16 first.
-The MTP modules are not loaded.
+init.hf_checkpoint takes the shapes from its config.json). The release's FP8 weights with block
+scales are read as they are, dequantised a slice at a time. The MTP modules are not loaded.
 """
 
 from configs import base

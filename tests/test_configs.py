@@ -20,6 +20,12 @@ CONFIGS = sorted(
 VARIANTS = {
   'longcat_lora.py': ['variant=demo', 'variant=tiny', 'variant=medium', 'variant=flash'],
   'longcat_pretrain.py': ['variant=tiny', 'variant=medium', 'variant=flash'],
+  'deepseek_v32_lora.py': [
+    None,
+    'variant=glm_5_tiny',
+    'variant=deepseek_v32_671b',
+    'variant=glm_5',
+  ],
 }
 
 
@@ -34,7 +40,7 @@ def load(path, arg=None):
 def test_config_loads_and_validates(path):
   for arg in VARIANTS.get(os.path.basename(path), [None]):
     config = load(path, arg)
-    devices = 16 if 'flash' in str(arg) else 8
+    devices = 16 if 'flash' in str(arg) or config.mesh.shape[2] == 16 else 8
     setup = startup.build(config, num_devices=devices, process_count=1)
     assert setup.model.num_layers > 0
 
@@ -314,3 +320,18 @@ def test_the_demo_starts_from_a_shipped_base_that_copies_but_does_not_reverse():
 
   assert complete('copy: red fox cup =') == ' red fox cup'
   assert complete('reverse: red fox cup =') != ' cup fox red'
+
+
+@pytest.mark.parametrize('variant', ['deepseek_v32_tiny', 'glm_5_tiny'])
+def test_the_sparse_attention_demos_select_keys(variant):
+  """configs/deepseek_v32_lora.py's tiny variants keep fewer keys per query (index_topk) than
+  every demo example has tokens, so the demo runs the indexer's selection, not dense MLA."""
+  from moetrain.data import demo_base, loader, tokenizer
+
+  config = load(os.path.join(ROOT, 'configs', 'deepseek_v32_lora.py'), f'variant={variant}')
+  setup = startup.build(config, num_devices=8, process_count=1)
+  assert setup.model.index_n_heads > 0
+  tok = tokenizer.load_tokenizer(demo_base.DIR)  # the demo task's own tokenizer
+  ds = loader.open_source(setup.data, 'train')
+  shortest = min(len(tok.encode(ds[i]['prompt'] + ds[i]['completion'])) for i in range(len(ds)))
+  assert setup.model.index_topk < shortest < setup.data.seq_len

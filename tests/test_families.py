@@ -748,6 +748,7 @@ def test_presets_are_the_released_configs(preset):
     ('mixtral_8x22b', 140.63, 38.96),  # 141B, 39B with the embedding's 0.20B
     # DeepSeek-V3's 671B, 37B plus the indexers' 0.85B (685B with the MTP layer left out).
     ('deepseek_v32_671b', 671.88, 37.48),
+    ('kimi_k2_5', 1026.41, 31.69),  # 1T, 32.86B with the embedding's 1.17B (vision tower apart)
     ('glm_5', 743.91, 40.83),  # 744B, 40B
   ],
 )

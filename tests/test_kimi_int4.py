@@ -16,6 +16,7 @@ from moetrain.convert import safetensors_io as stio
 from moetrain.convert import stacked_io as sio
 from moetrain.core.engine import LoraConfig
 from moetrain.kernels import quant
+from moetrain.tools import export
 from tests.helpers import ALL_TARGETS, rewrite, write_checkpoint
 
 GROUP = 32
@@ -191,3 +192,68 @@ def test_packing_matches_the_reference_with_padding():
   words = compressed_int4.pack((codes + 8).astype(np.uint8))
   np.testing.assert_array_equal(words, pack_reference(codes))
   np.testing.assert_array_equal(compressed_int4.unpack(words, 37), codes + 8)
+
+
+def kimi_k25(packed: str, directory) -> str:
+  """Kimi-K2.5's multimodal layout of checkpoint `packed`: config.json's text_config (model_type
+  kimi_k2) beside a vision_config, the quantization_config at the top; the language model's
+  tensors under language_model. (KimiK25ForConditionalGeneration's module), beside a vision
+  tower and projector."""
+  reader = stio.Reader(packed)
+  tensors = {'language_model.' + k: reader.read_stored(k) for k in reader.keys()}
+  tensors['vision_tower.patch_embed.proj.weight'] = np.zeros((8, 3, 2, 2), np.float32)
+  tensors['mm_projector.proj.0.weight'] = np.zeros((8, 8), np.float32)
+  text = {k: v for k, v in kimi_config().items() if k != 'quantization_config'}
+  config = {
+    'model_type': 'kimi_k25',
+    'architectures': ['KimiK25ForConditionalGeneration'],
+    'text_config': text,
+    'vision_config': {'model_type': '', 'patch_size': 2},
+    'media_placeholder_token_id': 120,
+    'quantization_config': compressed_int4.quantization_config(GROUP),
+  }
+  return write_checkpoint(directory, config, tensors)
+
+
+def test_kimi_k25_multimodal_release_loads_its_language_model(checkpoints, tmp_path, monkeypatch):
+  """kimi_k25: the text_config reads as deepseek_v3 and language_model.* as the text model's
+  tensors, the vision tower and projector skipped and named. The int4 experts carry into the
+  int4 base unchanged (no float read of an expert), and the unquantised logits are the flat
+  checkpoint's."""
+  path, _, experts = checkpoints
+  mm = kimi_k25(path, tmp_path / 'kimi_k25')
+  kw = dict(quant='int4', quant_group_size=GROUP, lora=LORA)
+  cfg = hf.config_from_hf(hf.read_config(mm), **kw)
+  assert cfg == hf.config_from_hf(hf.read_config(path), **kw) and cfg.model_type == 'deepseek_v3'
+  float_reads = []
+  real = compressed_int4.PackedReader.read
+  monkeypatch.setattr(
+    compressed_int4.PackedReader,
+    'read',
+    lambda self, n, index=None: float_reads.append(n) or real(self, n, index),
+  )
+  loaded = hf.load_params(mm, cfg)
+  assert not [n for n in float_reads if n in experts]
+  assert loaded.skipped == ['mm_projector.proj.0.weight', 'vision_tower.patch_embed.proj.weight']
+  got, want = hf.flat_values(loaded.frozen), hf.flat_values(hf.load_params(path, cfg).frozen)
+  assert got.keys() == want.keys()
+  for k in want:
+    np.testing.assert_array_equal(np.asarray(got[k]), np.asarray(want[k]), err_msg=str(k))
+  ids = jnp.asarray(np.random.default_rng(3).integers(0, 128, (2, 8)), jnp.int32)
+  a, b = hf.load_model(mm, jnp.float32), hf.load_model(path, jnp.float32)
+  np.testing.assert_array_equal(np.asarray(a(ids)[0]), np.asarray(b(ids)[0]))
+  # The merged export is the language model alone, a deepseek_v3 checkpoint.
+  out = str(tmp_path / 'export')
+  f32 = hf.config_from_hf(hf.read_config(mm), dtype='float32', param_dtype='float32')
+  hf.save_hf(a, f32, out, dtype=jnp.float32, base_config=export.base_config(mm), base_dir=mm)
+  written = hf.read_config(out)
+  assert written['model_type'] == 'deepseek_v3' and 'vision_config' not in written
+  assert not [k for k in stio.Reader(out).keys() if not k.startswith(('model.', 'lm_head.'))]
+  again = hf.load_model(out, jnp.float32)
+  np.testing.assert_array_equal(np.asarray(again(ids)[0]), np.asarray(a(ids)[0]))
+
+
+def test_kimi_k25_needs_a_deepseek_v3_text_config():
+  config = {'model_type': 'kimi_k25', 'text_config': {**kimi_config(), 'model_type': 'qwen3_moe'}}
+  with pytest.raises(ValueError, match='needs a text_config of model_type kimi_k2 or deepseek_v3'):
+    hf.config_from_hf(config)

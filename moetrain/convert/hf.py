@@ -14,7 +14,7 @@ from absl import logging
 from flax import nnx
 from jax.sharding import SingleDeviceSharding
 
-from moetrain.convert import block_fp8, compressed_int4, gpt_oss, longcat, standard
+from moetrain.convert import block_fp8, compressed_int4, gpt_oss, longcat, multimodal, standard
 from moetrain.convert import safetensors_io as stio
 from moetrain.convert import stacked_io as sio
 from moetrain.convert.stacked_io import Row
@@ -30,7 +30,7 @@ from moetrain.training import train_state
 
 def family_of(model_type: str):
   """The module or object that knows a family's config.json and weight names."""
-  families = {**standard.FAMILIES, 'gpt_oss': gpt_oss.GPT_OSS}
+  families = {**standard.FAMILIES, **multimodal.FAMILIES, 'gpt_oss': gpt_oss.GPT_OSS}
   if model_type == longcat.MODEL_TYPE:
     return longcat
   if model_type in families:
@@ -359,9 +359,12 @@ def _export_dtype(t: Row, dtype, quantize: str = ''):
 def _dequantized(reader):
   """`reader` with a release's quantised weights read as weights: block-scaled FP8
   (block_fp8.py), pack-quantized int4 (Kimi-K2's experts: compressed_int4.py), the latter
-  outermost so that its codes can be carried into an int4 base unchanged."""
+  outermost so that its codes can be carried into an int4 base unchanged; a multimodal
+  release's language model under the text model's names beneath both (multimodal.py)."""
   file = storage.join(reader.directory, 'config.json')
   config = read_config(reader.directory) if storage.isfile(file) else {}
+  if top := multimodal.FAMILIES.get(config.get('model_type')):
+    reader = top.nested(reader)
   return compressed_int4.wrap(block_fp8.wrap(reader, config), config)
 
 

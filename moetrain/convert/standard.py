@@ -1,9 +1,9 @@
 """The Hugging Face layouts of the families built from standard pre-norm layers (transformers
 4.57 `deepseek_v3`, `deepseek_v2`, `qwen3_moe`, `mixtral`, `olmoe`, `qwen2_moe`, `glm4_moe`; 5.24
-`minimax_m2`, `qwen3_next`, `qwen3_5_moe_text`, `qwen3_5_moe`'s language model, `deepseek_v32`
-and `glm_moe_dsa`): config.json and the weight-name table. One table builder serves them all:
-attention rows by kind (MLA, GQA; MLA's with its sparse attention indexer), the MoE block's by
-family."""
+`minimax_m2`, `qwen3_next`, `qwen3_5_moe_text`, `deepseek_v32` and `glm_moe_dsa`; Kimi-K2's
+`kimi_k2` read as `deepseek_v3`): config.json and the weight-name table. One table builder serves
+them all: attention rows by kind (MLA, GQA; MLA's with its sparse attention indexer), the MoE
+block's by family. Multimodal releases read as their language model: multimodal.py."""
 
 from moetrain.convert import family, fused_lora
 from moetrain.convert.stacked_io import Row
@@ -739,75 +739,14 @@ GLM_MOE_DSA = Family(
 )
 
 
-class NestedReader:
-  """A multimodal checkpoint's language model read under the text model's names:
-  model.language_model.X as model.X (lm_head.weight as it is); the vision tower's
-  model.visual.* left in keys(), which the load reports as skipped."""
-
-  INNER = 'model.language_model.'
-
-  def __init__(self, reader):
-    self.reader, self.directory = reader, reader.directory
-
-  def _name(self, name: str) -> str:
-    return self.INNER + name.removeprefix('model.') if name.startswith('model.') else name
-
-  def keys(self) -> list[str]:
-    return [
-      'model.' + k.removeprefix(self.INNER) if k.startswith(self.INNER) else k
-      for k in self.reader.keys()
-    ]
-
-  def __contains__(self, name: str) -> bool:
-    return self._name(name) in self.reader
-
-  def shape(self, name: str):
-    return self.reader.shape(self._name(name))
-
-  def dtype(self, name: str):
-    return self.reader.dtype(self._name(name))
-
-  def read(self, name: str, index=None):
-    return self.reader.read(self._name(name), index)
-
-
-class Qwen35Text(Family):
-  """Qwen3.5-MoE's language model: its own checkpoint (qwen3_5_moe_text), or the text_config
-  and model.language_model.* of a multimodal qwen3_5_moe one (the vision tower skipped; exports
-  write the text model alone)."""
-
-  def reader(self, reader, cfg: ModelConfig):
-    if NestedReader.INNER + 'embed_tokens.weight' in reader:
-      return NestedReader(reader)
-    return reader
-
-
-class Qwen35Multimodal:
-  """A multimodal qwen3_5_moe config.json read as its text_config; the rest is the language
-  model's family (Qwen35Text)."""
-
-  def __init__(self, text: Family):
-    self.text = text
-
-  def __getattr__(self, name):
-    return getattr(self.text, name)
-
-  def config_from_hf(self, c: dict) -> dict:
-    text = c.get('text_config')
-    if not isinstance(text, dict) or text.get('model_type') != 'qwen3_5_moe_text':
-      raise ValueError(
-        'config.json (qwen3_5_moe) needs a text_config of model_type qwen3_5_moe_text'
-      )
-    return self.text.config_from_hf(text)
-
-
 def _qwen35_read(c: dict, kw: dict) -> dict:
   """Its config.json may leave out intermediate_size (no dense layer needs it)."""
   out = _qwen3_next_read(c, kw)
   return {**out, 'ffn_hidden_size': kw['ffn_hidden_size'] or kw['expert_ffn_hidden_size']}
 
 
-QWEN3_5_MOE_TEXT = Qwen35Text(
+# Qwen3.5-MoE's language model (a multimodal qwen3_5_moe checkpoint's too: multimodal.py).
+QWEN3_5_MOE_TEXT = Family(
   'qwen3_5_moe_text',
   'Qwen3_5MoeForCausalLM',
   required={k: v for k, v in QWEN3_NEXT.required.items() if k != 'intermediate_size'},
@@ -824,9 +763,6 @@ QWEN3_5_MOE_TEXT = Qwen35Text(
   router_module='mlp.gate',
   fused=fused_lora.HF5,
 )
-
-
-QWEN3_5_MOE = Qwen35Multimodal(QWEN3_5_MOE_TEXT)
 
 
 class Alias:
@@ -853,7 +789,6 @@ class Alias:
 KIMI_K2 = Alias('kimi_k2', DEEPSEEK_V3)
 
 FAMILIES = {
-  'qwen3_5_moe': QWEN3_5_MOE,  # read as its language model, qwen3_5_moe_text
   'kimi_k2': KIMI_K2,  # read as deepseek_v3
   **{
     f.model_type: f

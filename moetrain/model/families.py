@@ -179,6 +179,23 @@ def family(model_type: str, **shape) -> ModelConfig:
 
 
 _TINY = dict(vocab_size=512, hidden_size=128, num_heads=4, expert_ffn_hidden_size=64)
+# The tiny MLA models' shapes (DeepSeek-V3's layout: a dense layer first, a shared expert).
+_MLA_TINY = dict(
+  num_layers=3,
+  first_k_dense_replace=1,
+  q_lora_rank=64,
+  kv_lora_rank=32,
+  qk_nope_head_dim=32,
+  qk_rope_head_dim=16,
+  v_head_dim=32,
+  ffn_hidden_size=256,
+  n_routed_experts=8,
+  n_shared_experts=1,
+  moe_topk=2,
+  routed_scaling_factor=2.5,
+  rope_theta=1e4,
+)
+_INDEXER_TINY = dict(index_n_heads=4, index_head_dim=32, index_topk=8)
 # DeepSeek-V2's long-context RoPE (every release): YaRN x40 over 4096 positions.
 _V2_YARN = dict(
   max_position_embeddings=163840,
@@ -261,25 +278,14 @@ _V3 = dict(
 MODEL_PRESETS = {
   **LONGCAT_PRESETS,
   # Small enough for a 2-core CPU: the demos and tests of each family.
-  'deepseek_tiny': family(
-    'deepseek_v3',
-    **_TINY,
-    num_layers=3,
-    first_k_dense_replace=1,
-    q_lora_rank=64,
-    kv_lora_rank=32,
-    qk_nope_head_dim=32,
-    qk_rope_head_dim=16,
-    v_head_dim=32,
-    ffn_hidden_size=256,
-    n_routed_experts=8,
-    n_shared_experts=1,
-    moe_topk=2,
-    n_group=4,
-    topk_group=2,
-    routed_scaling_factor=2.5,
-    rope_theta=1e4,
+  'deepseek_tiny': family('deepseek_v3', **_TINY, **_MLA_TINY, n_group=4, topk_group=2),
+  # DeepSeek Sparse Attention's: each query keeps the 8 best of the keys it sees, fewer than a
+  # demo example's tokens, so the demos and tests run the selection, not dense attention.
+  'deepseek_v32_tiny': family(
+    'deepseek_v32', **_TINY, **_MLA_TINY, **_INDEXER_TINY, n_group=4, topk_group=2
   ),
+  # GLM-5's: one expert group, values as wide as the queries' two parts (its 192 + 64 = 256).
+  'glm_5_tiny': family('glm_moe_dsa', **_TINY, **{**_MLA_TINY, 'v_head_dim': 48}, **_INDEXER_TINY),
   'qwen3_tiny': family(
     'qwen3_moe',
     **_TINY,
@@ -597,6 +603,27 @@ MODEL_PRESETS = {
   ),
   # deepseek-ai/DeepSeek-V3 (and R1): 671B, 37B active.
   'deepseek_v3_671b': family('deepseek_v3', **_V3),
+  # moonshotai/Kimi-K2.5 (and K2.6): the language model of the multimodal release, Kimi-K2's
+  # shapes: DeepSeek-V3's with 64 heads, top-8 of 384 experts in one group, one dense layer,
+  # YaRN x64 over 4096 positions.
+  'kimi_k2_5': family(
+    'deepseek_v3',
+    **{
+      **_V3,
+      'vocab_size': 163840,
+      'num_heads': 64,
+      'n_routed_experts': 384,
+      'n_group': 1,
+      'topk_group': 1,
+      'first_k_dense_replace': 1,
+      'routed_scaling_factor': 2.827,
+      'rope_theta': 50000.0,
+      'max_position_embeddings': 262144,
+      'yarn_factor': 64.0,
+      'yarn_beta_fast': 1.0,
+      'yarn_beta_slow': 1.0,
+    },
+  ),
   # deepseek-ai/DeepSeek-V3.2-Exp (and V3.2): DeepSeek-V3's shapes plus a lightning indexer of 64
   # heads of 128 keeping 2048 tokens per query.
   'deepseek_v32_671b': family(

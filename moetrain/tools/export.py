@@ -101,7 +101,7 @@ def companion_files(setup: startup.Setup, workdir: str) -> dict[str, str]:
     files[SPM_FILE] = src
   if setup.hf_checkpoint:
     files['generation_config.json'] = j(setup.hf_checkpoint, 'generation_config.json')
-    for name in remote_code_files(hf.read_config(setup.hf_checkpoint)):
+    for name in remote_code_files(text_model_config(setup.hf_checkpoint)):
       files[name] = j(setup.hf_checkpoint, name)
   return {n: p for n, p in files.items() if storage.isfile(p)}
 
@@ -115,13 +115,26 @@ def remote_code_files(config: dict) -> list[str]:
   return sorted({f'{r.rsplit(".", 1)[0]}.py' for r in refs if isinstance(r, str) and '--' not in r})
 
 
+TOKEN_IDS = ('bos_token_id', 'eos_token_id', 'pad_token_id')
+
+
+def text_model_config(hf_checkpoint: str) -> dict:
+  """The base checkpoint's config.json, or a multimodal one's text_config (with the token ids it
+  leaves to the outer config): the export is the language model alone (convert/multimodal.py)."""
+  config = hf.read_config(hf_checkpoint)
+  if not (text := config.get('text_config')):
+    return config
+  return {**{k: config[k] for k in TOKEN_IDS if k in config}, **text}
+
+
 def base_config(hf_checkpoint: str) -> dict | None:
-  """The base checkpoint's config.json for the merged export. Its auto_map (remote code for
-  trust_remote_code=True, as the LongCat-Flash release has) is kept only when the files it names
-  are there to copy: a config pointing at code the export lacks does not load."""
+  """The base checkpoint's config.json for the merged export (text_model_config). Its auto_map
+  (remote code for trust_remote_code=True, as the LongCat-Flash release has) is kept only when
+  the files it names are there to copy: a config pointing at code the export lacks does not
+  load."""
   if not hf_checkpoint:
     return None
-  base = hf.read_config(hf_checkpoint)
+  base = text_model_config(hf_checkpoint)
   code = remote_code_files(base)
   if 'auto_map' in base and not all(storage.isfile(storage.join(hf_checkpoint, n)) for n in code):
     base = {k: v for k, v in base.items() if k != 'auto_map'}

@@ -22,6 +22,11 @@ BATCH_AXES = ('data', 'fsdp', 'expert')
 # scores its own rows; inside them the rows of a stage's micro-batch split over BATCH_AXES.
 ROW_AXES = ('stage', *BATCH_AXES)
 
+# The axes weights are stored over (FSDP, gathered for each use): 'context' too, as in MaxText,
+# since a row split over it leaves each context shard its tokens but, unsharded there, the whole
+# model's weights: LongCat-Flash's 560B over 16 expert shards is 70 GB a chip before any token.
+FSDP_AXES = ('fsdp', 'context')
+
 # Rule tables: logical name -> mesh axes. Names absent from a table are replicated.
 # Sections follow the model: attention / MoE / dense / vocab; weights and activations apart.
 _WEIGHTS_FSDP = {
@@ -30,14 +35,14 @@ _WEIGHTS_FSDP = {
   'head_dim': None,
   # q_b / kv_b's input: without it they (and their optimizer moments) sit whole on every device.
   # q_a / kv_a keep fsdp on 'embed' (an axis is used once per array).
-  'q_lora': 'fsdp',
-  'kv_lora': 'fsdp',
+  'q_lora': FSDP_AXES,
+  'kv_lora': FSDP_AXES,
   # MoE
   'experts': None,
   'expert_mlp': None,
   'router': None,
   # dense
-  'embed': 'fsdp',
+  'embed': FSDP_AXES,
   'mlp': None,
   # A pipeline's stage s stores its own layers (and their optimizer state): consecutive ones, or
   # under a circular schedule its R runs (model/pipeline.py, layer_order).
@@ -72,7 +77,7 @@ def _preset(ep: bool, tp: bool) -> tuple[dict, dict]:
     # gradients are summed over every batch shard anyway. Expert weights keep 'embed' on fsdp
     # ('expert' already holds their first axis).
     for name in ('embed', 'q_lora', 'kv_lora'):
-      w[name] = ('fsdp', 'expert')
+      w[name] = ('fsdp', 'expert', 'context')
   if tp:
     for name in ('heads', 'mlp', 'expert_mlp', 'vocab'):
       w[name] = 'tensor'

@@ -51,7 +51,8 @@ def ep_exchange(cfg, mesh_shape, seq_len: int, batch_size: int) -> dict:
   ep = sizes.get('expert', 1)
   if ep <= 1 or not cfg.engine.moe_expert_parallel:
     return {}
-  shards = sizes.get('data', 1) * sizes.get('fsdp', 1) * ep
+  # A row split over 'context' splits its tokens there too (model/expert_parallel.py).
+  shards = sizes.get('data', 1) * sizes.get('fsdp', 1) * ep * sizes.get('context', 1)
   rows = batch_size * seq_len // shards * cfg.moe_topk  # local assignments
   recv = {
     'fixed': ep * expert_parallel.ep_capacity(rows, cfg, ep),
@@ -123,7 +124,8 @@ def step_buffers(cfg, mesh_shape, seq_len: int, batch_size: int) -> dict:
   d, f = cfg.hidden_size, cfg.expert_ffn_hidden_size
   ex = ep_exchange(cfg, mesh_shape, seq_len, batch_size)
   comm = expert_parallel.resolve_ep_comm(cfg) if ex else None
-  local = ex[comm]['local_rows'] if ex else b * seq_len * cfg.moe_topk
+  t = seq_len // sizes['context']  # a device's tokens of a row
+  local = ex[comm]['local_rows'] if ex else b * t * cfg.moe_topk
   recv = ex[comm]['recv_rows'] if ex else local
   ep = sizes['expert'] if ex else 1
   quant_item = {'none': jnp.dtype(cfg.engine.param_dtype).itemsize, 'int8': 1, 'int4': 0.5}[
@@ -152,7 +154,7 @@ def step_buffers(cfg, mesh_shape, seq_len: int, batch_size: int) -> dict:
     'moe_layer_bytes': sum(moe.values()),
     'recv_rows': recv,
     'local_rows': local,
-    'layer_inputs_bytes': cfg.num_layers * b * seq_len * d * item,
+    'layer_inputs_bytes': cfg.num_layers * b * t * d * item,
     'attention_block_bytes': 2 * b * heads * chunk * seq_len * 4,
     'loss_block_bytes': 2 * loss_block(cfg, mesh_shape, seq_len, batch_size)['block_bytes'],
   }

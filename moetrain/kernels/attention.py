@@ -14,13 +14,20 @@ def masked_scores(s_BNTS, mask_BTS, scale: float):
   return jnp.where(mask_BTS[:, None], s_BNTS * scale, jnp.finfo(jnp.float32).min)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6))
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6, 8))
 def _attention_core(
-  q_BNTH, k_BNSH, v_BNSH, mask_BTS, scale: float, blocks, recompute=True, sinks_N=None
+  q_BNTH, k_BNSH, v_BNSH, mask_BTS, scale: float, blocks, recompute=True, sinks_N=None, mask_fn=None
 ):
   """softmax(scale * q k^T, masked) v, by blocks of queries: block (start, end, keys) takes
   queries [start, end) against keys [0, keys). With sinks_N (gpt-oss), each head's softmax has
   one more logit, sinks_N[n], whose weight goes to no value: the rows' weights sum below 1.
+
+  The mask: [B, T, S] booleans, or with mask_fn (uniform blocks only) a pair (queries' arrays,
+  keys' arrays) from which mask_fn(queries' arrays of a block, keys' arrays) makes each block's
+  [B, t, S] mask inside the loop: the queries' arrays have T as their last axis (positions,
+  segment ids, indices). A context shard at 131,072 keys holds no [T, S] mask then: passed whole,
+  XLA:TPU broadcast it over the heads for every block at once (64 GiB of predicates for
+  LongCat-Flash's 64 heads and 8,192 queries).
 
   What the backward pass keeps: the float32 probabilities (recompute=False: O(T * S) per head,
   no extra work), or only each query's softmax max and sum (recompute=True: O(T); the backward
@@ -36,7 +43,7 @@ def _attention_core(
   generic dot (its left operand is column-major), but for these batched products (a head's
   rows out, a 128-query block contracted) it runs ~1.5x faster there than YNNPACK's batched
   matmul on transposed copies, and needs no copies."""
-  return _core_fwd(q_BNTH, k_BNSH, v_BNSH, mask_BTS, scale, blocks, recompute, sinks_N)[0]
+  return _core_fwd(q_BNTH, k_BNSH, v_BNSH, mask_BTS, scale, blocks, recompute, sinks_N, mask_fn)[0]
 
 
 def _dot(a, b, contract: tuple[int, int], dtype=None):
@@ -90,10 +97,15 @@ def _joined(x, axis: int):
   return x.reshape(*x.shape[:axis], -1, *x.shape[axis + 2 :])
 
 
-def _core_fwd(q_BNTH, k_BNSH, v_BNSH, mask_BTS, scale, blocks, recompute, sinks_N=None):
+def _core_fwd(
+  q_BNTH, k_BNSH, v_BNSH, mask_BTS, scale, blocks, recompute, sinks_N=None, mask_fn=None
+):
   sink_1N1 = None if sinks_N is None else sinks_N.astype(jnp.float32)[None, :, None]
   if uniform(blocks, q_BNTH.shape[2], k_BNSH.shape[2]):
-    return _scan_fwd(q_BNTH, k_BNSH, v_BNSH, mask_BTS, scale, blocks, recompute, sinks_N)
+    args = (q_BNTH, k_BNSH, v_BNSH, mask_BTS, scale, blocks, recompute, sinks_N, mask_fn)
+    return _scan_fwd(*args)
+  if mask_fn is not None:
+    raise ValueError('attention_core: a mask_fn needs even blocks over all the keys')
   outs, kept = [], []
   for block in blocks:
     z_BNTS = _scores(q_BNTH, k_BNSH, mask_BTS, scale, block)
@@ -104,22 +116,42 @@ def _core_fwd(q_BNTH, k_BNSH, v_BNSH, mask_BTS, scale, blocks, recompute, sinks_
   return out_BNTH, (q_BNTH, k_BNSH, v_BNSH, out_BNTH, tuple(kept), mask_BTS, sinks_N)
 
 
-def _scan_fwd(q_BNTH, k_BNSH, v_BNSH, mask_BTS, scale, blocks, recompute, sinks_N):
+def _mask_blocks(mask, n: int, mask_fn):
+  """The mask's per-block part for a loop over n uniform blocks, and block_mask(part) -> that
+  block's [B, t, S] mask: dense, its [n, B, t, S] slices; with mask_fn, the queries' arrays in
+  n blocks each, the keys' arrays shared."""
+  if mask_fn is None:
+    return _in_blocks(mask, n, 1), lambda m: m
+  q_meta, k_meta = mask
+  parts = jax.tree.map(lambda x: _in_blocks(x, n, x.ndim - 1), q_meta)
+  return parts, lambda part: mask_fn(part, k_meta)
+
+
+def _tied(q_BNtH, part):
+  """A block's queries and mask part through an optimization barrier: the mask made from the
+  part then depends, for XLA, on the layer's queries. A mask that depended on the positions
+  alone was the same in every layer, and XLA:TPU hoisted it out of the layer loop and broadcast
+  it over the heads for all blocks at once: 64 GiB of predicates for LongCat-Flash's 64 heads
+  and a shard's 8,192 queries over a 131,072-token row."""
+  return jax.lax.optimization_barrier((q_BNtH, part))
+
+
+def _scan_fwd(q_BNTH, k_BNSH, v_BNSH, mask, scale, blocks, recompute, sinks_N, mask_fn):
   """_core_fwd of uniform blocks, one block a loop step; kept: the blocks' stats stacked."""
   n = len(blocks)
   sink_1N1 = None if sinks_N is None else sinks_N.astype(jnp.float32)[None, :, None]
+  parts, block_mask = _mask_blocks(mask, n, mask_fn)
 
   def block(_, xs):
-    q_BNtH, mask_BtS = xs
-    z_BNtS = masked_scores(_dot(q_BNtH, k_BNSH, (3, 3), jnp.float32), mask_BtS, scale)
+    q_BNtH, part = _tied(*xs)
+    z_BNtS = masked_scores(_dot(q_BNtH, k_BNSH, (3, 3), jnp.float32), block_mask(part), scale)
     p_BNtS, max_BNt, sum_BNt = _softmax(z_BNtS, sink_1N1)
     out_BNtH = _dot(p_BNtS.astype(v_BNSH.dtype), v_BNSH, (3, 2))
     return None, (out_BNtH, (max_BNt, sum_BNt) if recompute else (p_BNtS, max_BNt, sum_BNt))
 
-  xs = (_in_blocks(q_BNTH, n, 2), _in_blocks(mask_BTS, n, 1))
-  _, (outs, kept) = jax.lax.scan(block, None, xs)
+  _, (outs, kept) = jax.lax.scan(block, None, (_in_blocks(q_BNTH, n, 2), parts))
   out_BNTH = _joined(outs, 2)
-  return out_BNTH, (q_BNTH, k_BNSH, v_BNSH, out_BNTH, kept, mask_BTS, sinks_N)
+  return out_BNTH, (q_BNTH, k_BNSH, v_BNSH, out_BNTH, kept, mask, sinks_N)
 
 
 def _sink_grad(sinks_N, stats):
@@ -136,7 +168,7 @@ def _sink_grad(sinks_N, stats):
   return d_N.astype(sinks_N.dtype)
 
 
-def _core_bwd(scale, blocks, recompute, res, g_BNTH):
+def _core_bwd(scale, blocks, recompute, mask_fn, res, g_BNTH):
   q_BNTH, k_BNSH, v_BNSH, out_BNTH, kept, mask_BTS, sinks_N = res
   f32, s = jnp.float32, k_BNSH.shape[2]
   g_BNTH = g_BNTH.astype(v_BNSH.dtype)
@@ -152,21 +184,24 @@ def _core_bwd(scale, blocks, recompute, res, g_BNTH):
   dk_BNHS, dv_BNHS = jnp.zeros((b, n, hk, s), f32), jnp.zeros((b, n, hv, s), f32)
   grads = functools.partial(_block_grads, k_BNSH, v_BNSH, scale, recompute)
   if uniform(blocks, q_BNTH.shape[2], s):
+    parts, block_mask = _mask_blocks(mask_BTS, len(blocks), mask_fn)
 
     def block(carry, xs):
-      dq_BNtH, dk_BNHS, dv_BNHS = grads(*xs)
+      q_BNtH, g_BNtH, delta_BNt, saved, part = xs
+      q_BNtH, part = _tied(q_BNtH, part)
+      dq_BNtH, dk_BNHS, dv_BNHS = grads(q_BNtH, g_BNtH, block_mask(part), delta_BNt, saved)
       return (carry[0] + dk_BNHS, carry[1] + dv_BNHS), dq_BNtH
 
-    xs = (q_BNTH, g_BNTH, mask_BTS[:, None], delta_BNT)
-    xs = tuple(_in_blocks(x, len(blocks), 2) for x in xs) + (kept,)
-    (dk_BNHS, dv_BNHS), dq = jax.lax.scan(block, (dk_BNHS, dv_BNHS), xs)
+    xs = tuple(_in_blocks(x, len(blocks), 2) for x in (q_BNTH, g_BNTH, delta_BNT))
+    (dk_BNHS, dv_BNHS), dq = jax.lax.scan(block, (dk_BNHS, dv_BNHS), (*xs, kept, parts))
     dq_BNTH = _joined(dq, 2)
     stats = [(*kept[-2:], _in_blocks(delta_BNT, len(blocks), 2))]
   else:
     dq = []
     for (start, end, keys), saved in zip(blocks, kept):
-      rows = (x[:, :, start:end] for x in (q_BNTH, g_BNTH, mask_BTS[:, None], delta_BNT))
-      dq_BNtH, dk_BNHs, dv_BNHs = grads(*rows, saved, keys)
+      q_BNtH, g_BNtH, delta_BNt = (x[:, :, start:end] for x in (q_BNTH, g_BNTH, delta_BNT))
+      mask_BtS = mask_BTS[:, start:end, :keys]
+      dq_BNtH, dk_BNHs, dv_BNHs = grads(q_BNtH, g_BNtH, mask_BtS, delta_BNt, saved, keys)
       dk_BNHS = dk_BNHS.at[..., :keys].add(dk_BNHs)
       dv_BNHS = dv_BNHS.at[..., :keys].add(dv_BNHs)
       dq.append(dq_BNtH)
@@ -174,22 +209,22 @@ def _core_bwd(scale, blocks, recompute, res, g_BNTH):
     stats = [(*saved[-2:], delta_BNT[:, :, a:e]) for (a, e, _), saved in zip(blocks, kept)]
   dk_BNSH = dk_BNHS.transpose(0, 1, 3, 2).astype(k_BNSH.dtype)
   dv_BNSH = dv_BNHS.transpose(0, 1, 3, 2).astype(v_BNSH.dtype)
-  return dq_BNTH, dk_BNSH, dv_BNSH, None, _sink_grad(sinks_N, stats)
+  no_mask_grad = jax.tree.map(lambda _: None, mask_BTS)
+  return dq_BNTH, dk_BNSH, dv_BNSH, no_mask_grad, _sink_grad(sinks_N, stats)
 
 
 def _block_grads(
-  k_BNSH, v_BNSH, scale, recompute, q_BNtH, g_BNtH, mask_B1tS, delta_BNt, saved, keys=None
+  k_BNSH, v_BNSH, scale, recompute, q_BNtH, g_BNtH, mask_BtS, delta_BNt, saved, keys=None
 ):
   """One block of queries' gradients: (dq, and its terms of dK^T and dV^T over the first
   `keys` keys). saved: the block's softmax row max and sum (recompute), or its probabilities
   and those."""
   f32 = jnp.float32
   k_BNSH, v_BNSH = k_BNSH[:, :, :keys], v_BNSH[:, :, :keys]
-  mask_B1tS = mask_B1tS[..., :keys]
   if recompute:
     max_BNt, sum_BNt = saved
     s_BNtS = _dot(q_BNtH, k_BNSH, (3, 3), f32)
-    z_BNtS = masked_scores(s_BNtS, mask_B1tS[:, 0], scale)
+    z_BNtS = masked_scores(s_BNtS, mask_BtS, scale)
     p_BNtS = jnp.exp(z_BNtS - max_BNt[..., None]) / sum_BNt[..., None]
   else:
     p_BNtS = saved[0]
@@ -197,7 +232,7 @@ def _block_grads(
   ds_BNtS = p_BNtS * (dp_BNtS - delta_BNt[..., None]) * scale
   # Masked scores get no gradient (as through the forward's select), also in a row that sees
   # no key, whose uniform weights are not zero there.
-  ds_BNtS = jnp.where(mask_B1tS, ds_BNtS, 0).astype(q_BNtH.dtype)
+  ds_BNtS = jnp.where(mask_BtS[:, None], ds_BNtS, 0).astype(q_BNtH.dtype)
   dq_BNtH = _dot(ds_BNtS, k_BNSH, (3, 2))
   dk_BNHs = _dot(q_BNtH, ds_BNtS, (2, 2), f32)
   dv_BNHs = _dot(g_BNtH, p_BNtS.astype(v_BNSH.dtype), (2, 2), f32)
@@ -208,10 +243,11 @@ _attention_core.defvjp(_core_fwd, _core_bwd)
 
 
 def _reference(
-  q_BNTH, k_BNSH, v_BNSH, mask_BTS, scale: float, blocks, recompute=True, sinks_N=None
+  q_BNTH, k_BNSH, v_BNSH, mask_BTS, scale: float, blocks, recompute=True, sinks_N=None, mask_fn=None
 ):
   """The same blocks, differentiated by autodiff (which keeps the probabilities)."""
-  return _core_fwd(q_BNTH, k_BNSH, v_BNSH, mask_BTS, scale, blocks, recompute, sinks_N)[0]
+  args = (q_BNTH, k_BNSH, v_BNSH, mask_BTS, scale, blocks, recompute, sinks_N, mask_fn)
+  return _core_fwd(*args)[0]
 
 
 attention_core = Kernel('attention_core', _attention_core, _reference)

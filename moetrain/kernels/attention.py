@@ -127,13 +127,13 @@ def _mask_blocks(mask, n: int, mask_fn):
   return parts, lambda part: mask_fn(part, k_meta)
 
 
-def _tied(q_BNtH, part):
+def _tied(qb_BNTH, part):
   """A block's queries and mask part through an optimization barrier: the mask made from the
   part then depends, for XLA, on the layer's queries. A mask that depended on the positions
   alone was the same in every layer, and XLA:TPU hoisted it out of the layer loop and broadcast
   it over the heads for all blocks at once: 64 GiB of predicates for LongCat-Flash's 64 heads
   and a shard's 8,192 queries over a 131,072-token row."""
-  return jax.lax.optimization_barrier((q_BNtH, part))
+  return jax.lax.optimization_barrier((qb_BNTH, part))
 
 
 def _scan_fwd(q_BNTH, k_BNSH, v_BNSH, mask, scale, blocks, recompute, sinks_N, mask_fn):
@@ -143,11 +143,11 @@ def _scan_fwd(q_BNTH, k_BNSH, v_BNSH, mask, scale, blocks, recompute, sinks_N, m
   parts, block_mask = _mask_blocks(mask, n, mask_fn)
 
   def block(_, xs):
-    q_BNtH, part = _tied(*xs)
-    z_BNtS = masked_scores(_dot(q_BNtH, k_BNSH, (3, 3), jnp.float32), block_mask(part), scale)
-    p_BNtS, max_BNt, sum_BNt = _softmax(z_BNtS, sink_1N1)
-    out_BNtH = _dot(p_BNtS.astype(v_BNSH.dtype), v_BNSH, (3, 2))
-    return None, (out_BNtH, (max_BNt, sum_BNt) if recompute else (p_BNtS, max_BNt, sum_BNt))
+    qb_BNTH, part = _tied(*xs)
+    zb_BNTS = masked_scores(_dot(qb_BNTH, k_BNSH, (3, 3), jnp.float32), block_mask(part), scale)
+    pb_BNTS, maxb_BNT, sumb_BNT = _softmax(zb_BNTS, sink_1N1)
+    outb_BNTH = _dot(pb_BNTS.astype(v_BNSH.dtype), v_BNSH, (3, 2))
+    return None, (outb_BNTH, (maxb_BNT, sumb_BNT) if recompute else (pb_BNTS, maxb_BNT, sumb_BNT))
 
   _, (outs, kept) = jax.lax.scan(block, None, (_in_blocks(q_BNTH, n, 2), parts))
   out_BNTH = _joined(outs, 2)
@@ -187,10 +187,10 @@ def _core_bwd(scale, blocks, recompute, mask_fn, res, g_BNTH):
     parts, block_mask = _mask_blocks(mask_BTS, len(blocks), mask_fn)
 
     def block(carry, xs):
-      q_BNtH, g_BNtH, delta_BNt, saved, part = xs
-      q_BNtH, part = _tied(q_BNtH, part)
-      dq_BNtH, dk_BNHS, dv_BNHS = grads(q_BNtH, g_BNtH, block_mask(part), delta_BNt, saved)
-      return (carry[0] + dk_BNHS, carry[1] + dv_BNHS), dq_BNtH
+      qb_BNTH, gb_BNTH, deltab_BNT, saved, part = xs
+      qb_BNTH, part = _tied(qb_BNTH, part)
+      dqb_BNTH, dk_BNHS, dv_BNHS = grads(qb_BNTH, gb_BNTH, block_mask(part), deltab_BNT, saved)
+      return (carry[0] + dk_BNHS, carry[1] + dv_BNHS), dqb_BNTH
 
     xs = tuple(_in_blocks(x, len(blocks), 2) for x in (q_BNTH, g_BNTH, delta_BNT))
     (dk_BNHS, dv_BNHS), dq = jax.lax.scan(block, (dk_BNHS, dv_BNHS), (*xs, kept, parts))
@@ -199,12 +199,12 @@ def _core_bwd(scale, blocks, recompute, mask_fn, res, g_BNTH):
   else:
     dq = []
     for (start, end, keys), saved in zip(blocks, kept):
-      q_BNtH, g_BNtH, delta_BNt = (x[:, :, start:end] for x in (q_BNTH, g_BNTH, delta_BNT))
-      mask_BtS = mask_BTS[:, start:end, :keys]
-      dq_BNtH, dk_BNHs, dv_BNHs = grads(q_BNtH, g_BNtH, mask_BtS, delta_BNt, saved, keys)
-      dk_BNHS = dk_BNHS.at[..., :keys].add(dk_BNHs)
-      dv_BNHS = dv_BNHS.at[..., :keys].add(dv_BNHs)
-      dq.append(dq_BNtH)
+      qb_BNTH, gb_BNTH, deltab_BNT = (x[:, :, start:end] for x in (q_BNTH, g_BNTH, delta_BNT))
+      maskb_BTS = mask_BTS[:, start:end, :keys]
+      dqb_BNTH, dkb_BNHS, dvb_BNHS = grads(qb_BNTH, gb_BNTH, maskb_BTS, deltab_BNT, saved, keys)
+      dk_BNHS = dk_BNHS.at[..., :keys].add(dkb_BNHS)
+      dv_BNHS = dv_BNHS.at[..., :keys].add(dvb_BNHS)
+      dq.append(dqb_BNTH)
     dq_BNTH = dq[0] if len(dq) == 1 else jnp.concatenate(dq, axis=2)
     stats = [(*saved[-2:], delta_BNT[:, :, a:e]) for (a, e, _), saved in zip(blocks, kept)]
   dk_BNSH = dk_BNHS.transpose(0, 1, 3, 2).astype(k_BNSH.dtype)
@@ -214,29 +214,29 @@ def _core_bwd(scale, blocks, recompute, mask_fn, res, g_BNTH):
 
 
 def _block_grads(
-  k_BNSH, v_BNSH, scale, recompute, q_BNtH, g_BNtH, mask_BtS, delta_BNt, saved, keys=None
+  k_BNSH, v_BNSH, scale, recompute, qb_BNTH, gb_BNTH, maskb_BTS, deltab_BNT, saved, keys=None
 ):
   """One block of queries' gradients: (dq, and its terms of dK^T and dV^T over the first
   `keys` keys). saved: the block's softmax row max and sum (recompute), or its probabilities
-  and those."""
+  and those. A name whose stem ends in b is the block's part (qb_BNTH: its queries)."""
   f32 = jnp.float32
   k_BNSH, v_BNSH = k_BNSH[:, :, :keys], v_BNSH[:, :, :keys]
   if recompute:
-    max_BNt, sum_BNt = saved
-    s_BNtS = _dot(q_BNtH, k_BNSH, (3, 3), f32)
-    z_BNtS = masked_scores(s_BNtS, mask_BtS, scale)
-    p_BNtS = jnp.exp(z_BNtS - max_BNt[..., None]) / sum_BNt[..., None]
+    maxb_BNT, sumb_BNT = saved
+    sb_BNTS = _dot(qb_BNTH, k_BNSH, (3, 3), f32)
+    zb_BNTS = masked_scores(sb_BNTS, maskb_BTS, scale)
+    pb_BNTS = jnp.exp(zb_BNTS - maxb_BNT[..., None]) / sumb_BNT[..., None]
   else:
-    p_BNtS = saved[0]
-  dp_BNtS = _dot(g_BNtH, v_BNSH, (3, 3), f32)
-  ds_BNtS = p_BNtS * (dp_BNtS - delta_BNt[..., None]) * scale
+    pb_BNTS = saved[0]
+  dpb_BNTS = _dot(gb_BNTH, v_BNSH, (3, 3), f32)
+  dsb_BNTS = pb_BNTS * (dpb_BNTS - deltab_BNT[..., None]) * scale
   # Masked scores get no gradient (as through the forward's select), also in a row that sees
   # no key, whose uniform weights are not zero there.
-  ds_BNtS = jnp.where(mask_BtS[:, None], ds_BNtS, 0).astype(q_BNtH.dtype)
-  dq_BNtH = _dot(ds_BNtS, k_BNSH, (3, 2))
-  dk_BNHs = _dot(q_BNtH, ds_BNtS, (2, 2), f32)
-  dv_BNHs = _dot(g_BNtH, p_BNtS.astype(v_BNSH.dtype), (2, 2), f32)
-  return dq_BNtH, dk_BNHs, dv_BNHs
+  dsb_BNTS = jnp.where(maskb_BTS[:, None], dsb_BNTS, 0).astype(qb_BNTH.dtype)
+  dqb_BNTH = _dot(dsb_BNTS, k_BNSH, (3, 2))
+  dkb_BNHS = _dot(qb_BNTH, dsb_BNTS, (2, 2), f32)
+  dvb_BNHS = _dot(gb_BNTH, pb_BNTS.astype(v_BNSH.dtype), (2, 2), f32)
+  return dqb_BNTH, dkb_BNHS, dvb_BNHS
 
 
 _attention_core.defvjp(_core_fwd, _core_bwd)

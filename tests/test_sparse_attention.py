@@ -1,7 +1,7 @@
 """DeepSeek Sparse Attention (model/indexer.py): the indexer's top-k against NumPy, the dense MLA
-where the selection keeps every token, packed rows, and the cached decode's selection; the
-transformers parity is tests/test_families.py's (deepseek_v32_three_layer,
-glm_moe_dsa_three_layer)."""
+where the selection keeps every token, packed rows, the cached decode's selection, and the
+indexer's KL loss (NumPy, what it trains, off by default); the transformers parity is
+tests/test_families.py's (deepseek_v32_three_layer, glm_moe_dsa_three_layer)."""
 
 import dataclasses
 import os
@@ -13,9 +13,13 @@ import pytest
 from flax import nnx
 
 from moetrain.convert import hf
+from moetrain.core.engine import LoraConfig
 from moetrain.model import decode
-from moetrain.model.indexer import Indexer
+from moetrain.model.attention import head_mean_probs
+from moetrain.model.indexer import Indexer, kl_loss
+from moetrain.run import sections, startup
 from moetrain.training import train_state
+from moetrain.training.train_step import StepConfig, loss_fn, token_counts
 from tests.helpers import max_err
 
 FIXTURE = os.path.join(os.path.dirname(__file__), 'fixtures', 'deepseek_v32_three_layer')
@@ -159,3 +163,100 @@ def test_glm5_layers_sharing_an_earlier_selection_are_refused():
   assert hf.config_from_hf({**c, 'indexer_types': ['full'] * 3}).index_rope_interleaved
   with pytest.raises(ValueError, match=r'layers \[1\] reuse'):
     hf.config_from_hf({**c, 'indexer_types': ['full', 'shared', 'full']})
+
+
+def numpy_kl(q, k, score, keep, valid, scale):
+  """indexer.kl_loss of head_mean_probs, written out in float64: each head's softmax over the
+  kept keys, their mean over heads, and KL(p || softmax(score over the kept keys)) summed over
+  the valid queries."""
+  s = np.where(keep[:, None], np.einsum('btnh,bsnh->bnts', q, k) * scale, -np.inf)
+  p = np.exp(s - s.max(-1, keepdims=True))
+  p = (p / p.sum(-1, keepdims=True)).mean(1)
+  z = np.where(keep, score, -np.inf)
+  logq = z - z.max(-1, keepdims=True)
+  logq = np.where(keep, logq - np.log(np.exp(logq).sum(-1, keepdims=True)), 0)
+  terms = np.where(keep & (p > 0), p * (np.log(np.where(p > 0, p, 1)) - logq), 0)
+  return (terms.sum(-1) * valid).sum()
+
+
+def test_indexer_kl_equals_numpy():
+  """Random heads and indexer scores over two packed segments and padding, each query keeping
+  its 4 best keys: the KL equals the float64 reference, by blocks of 4 queries or whole."""
+  rng = np.random.default_rng(1)
+  b, t, n, h, scale = 2, 14, 3, 8, 0.3
+  q, k = (rng.standard_normal((b, t, n, h)).astype(np.float32) for _ in range(2))
+  score = rng.standard_normal((b, t, t)).astype(np.float32) * 2
+  seg = np.repeat(np.array([[1] * 8 + [2] * 4 + [0] * 2]), b, 0)
+  causal = np.arange(t)[None, :] <= np.arange(t)[:, None]
+  allowed = (seg[:, :, None] == seg[:, None, :]) & causal
+  keep = np.zeros_like(allowed)
+  for i in np.ndindex(b, t):
+    seen = np.flatnonzero(allowed[i])
+    keep[i][seen[np.argsort(-score[i][seen])[:4]]] = True
+  want = numpy_kl(*(x.astype(np.float64) for x in (q, k, score)), keep, seg > 0, scale)
+  for chunk in (4, 0):
+    p = head_mean_probs(jnp.asarray(q), jnp.asarray(k), jnp.asarray(keep), scale, chunk)
+    np.testing.assert_allclose(np.asarray(p).sum(-1), 1, rtol=1e-6)
+    got = kl_loss(p, jnp.asarray(score), jnp.asarray(keep), jnp.asarray(seg > 0))
+    np.testing.assert_allclose(float(got), want, rtol=1e-5)
+  assert want > 0.1
+
+
+def step_grads(model, cfg, weight: float):
+  """(loss, stats, gradients) of loss_fn on the fixture's ids with loss.indexer_kl = weight."""
+  x = ids()
+  batch = {
+    'inputs': x,
+    'targets': np.roll(x, -1, axis=1),
+    'loss_mask': np.ones(x.shape, np.float32),
+    'positions': np.broadcast_to(np.arange(x.shape[1], dtype=np.int32), x.shape),
+    'segment_ids': np.ones(x.shape, np.int32),
+  }
+  graphdef, params, moe_bias, frozen = train_state.split_model(model, cfg)
+  step = StepConfig(model=cfg, indexer_kl=weight)
+  step.validate()
+  args = (moe_bias, frozen, graphdef, batch, None, token_counts(batch), step)
+  grad = jax.value_and_grad(lambda p: loss_fn(p, *args), has_aux=True)
+  (loss, stats), grads = jax.jit(grad)(params)
+  return float(loss), stats, dict(nnx.to_flat_state(grads))
+
+
+@pytest.mark.parametrize('topk', [4, 12])  # the selected top-k; every key (the row's 12)
+def test_indexer_kl_trains_the_indexer_alone(topk):
+  """loss.indexer_kl > 0 adds its weight times the KL to the loss and gives every indexer
+  weight a gradient; every other gradient and the LM loss are those with it off, where the
+  indexer gets none."""
+  off_model, off_cfg = fixture_model(index_topk=topk)
+  on_model, on_cfg = fixture_model(index_topk=topk, train_indexer=True)
+  loss_off, stats_off, g_off = step_grads(off_model, off_cfg, 0.0)
+  loss_on, stats_on, g_on = step_grads(on_model, on_cfg, 0.5)
+  kl = float(stats_on['indexer_kl'])
+  assert kl > 1e-3 and float(stats_off['indexer_kl']) == 0
+  np.testing.assert_allclose(loss_on, loss_off + 0.5 * kl, rtol=1e-6)
+  assert float(stats_on['nll_sum']) == float(stats_off['nll_sum'])
+  indexer = [path for path in g_on if 'indexer' in path]
+  assert len(indexer) == 10  # wq_b, wk, k_norm scale and bias, weights_proj; dense and MoE
+  for path in g_on:
+    if path in indexer:
+      assert not np.any(np.asarray(g_off[path][...])), path
+      # every layer's share of each weight
+      layers = np.asarray(g_on[path][...]).reshape(len(g_on[path][...]), -1)
+      assert np.all(np.abs(layers).max(-1) > 0), path
+    else:
+      np.testing.assert_allclose(g_on[path][...], g_off[path][...], rtol=0, atol=1e-7)
+
+
+def test_indexer_kl_is_off_by_default_and_refused_where_it_cannot_train():
+  """The default config trains no indexer; loss.indexer_kl asks for a model with one, outside
+  LoRA (which keeps it frozen), and sets the model's train_indexer."""
+  config = sections.default_config()
+  assert config.loss.indexer_kl == 0 and not startup.model_config(config).train_indexer
+  config.loss.indexer_kl = 0.1
+  assert startup.model_config(config).train_indexer
+  _, cfg = fixture_model(train_indexer=True)
+  with pytest.raises(ValueError, match='no sparse attention indexer'):
+    StepConfig(model=dataclasses.replace(cfg, index_n_heads=0), indexer_kl=0.1).validate()
+  with pytest.raises(ValueError, match='full fine-tuning'):
+    StepConfig(model=dataclasses.replace(cfg, lora=LoraConfig(rank=4)), indexer_kl=0.1).validate()
+  with pytest.raises(ValueError, match='train_indexer=True'):
+    StepConfig(model=cfg).validate()

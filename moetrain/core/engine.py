@@ -106,6 +106,16 @@ class EngineConfig:
   # decoding always uses it), 'auto' = splash when compiling for TPU and the sequence is a
   # multiple of 128, else xla. Off TPU, 'splash' runs in Pallas' interpreter (slow; for tests).
   attention_kernel: str = field('auto', choices=('auto', 'splash', 'xla'))
+  # Gated DeltaNet's delta rule in training: 'tokamax' = tokamax's Pallas TPU kernel (Kimi Delta
+  # Attention's, forward and backward; kernels/delta_rule_tokamax.py), 'xla' = the chunked XLA
+  # form (any platform; decoding always uses it), 'auto' = tokamax when compiling for a TPU it
+  # declares (v6e and later; it compiles for v5p too) with key heads up to 256 wide and tokamax
+  # installed, else xla. Off TPU, 'tokamax' runs in Pallas' interpreter (slow; for tests).
+  delta_rule_kernel: str = field('auto', choices=('auto', 'tokamax', 'xla'))
+  # The segments a packed row may hold on the tokamax delta rule (each padded to the kernel's
+  # 64-token chunks: up to 63 positions more per segment). A device's rows with more, or with a
+  # log decay below -5 (past the kernel's float32 range), run the XLA form instead, exactly.
+  delta_rule_segments: int = field(8, check='positive')
   # Projections (attention, dense MLP) take their FSDP-sharded weights gathered whole: one
   # all-gather, then one matmul. Left to XLA:TPU, it loops over the weight's shards (a windowed
   # einsum) and reads and writes the activations once per trip: Qwen3-30B-A3B full training on

@@ -199,13 +199,18 @@ def callees(instr) -> list[tuple[str, str]]:
 def _multiplicities(comps: dict, entry: str, unknown_trips: int = 1) -> tuple[dict, dict, list]:
   """How often each computation runs per call of the entry; the fused ones (bodies of fusion
   instructions, whose data movement is the fusion's own); while loops whose trip count was not
-  recognised (counted unknown_trips times)."""
+  recognised (counted unknown_trips times). A conditional with a branch that runs tokamax's
+  delta-rule kernel counts that branch alone: the other is the XLA form for rows past the
+  kernel's limits (kernels/delta_rule_tokamax.py), and the estimate is of rows within them."""
   mult, fused, unknown = {entry: 1}, set(), []
   order = [entry]
   tables = {c: {i.name: i for i in instrs} for c, instrs in comps.items()}
+  runs_kda = _runs_kda(comps)
   for comp in order:  # breadth-first over the call graph
     for instr in comps.get(comp, []):
       refs = callees(instr)
+      if instr.op == 'conditional':
+        refs = [r for r in refs if runs_kda(r[1])] or refs
       trips = 1
       if instr.op == 'while':
         trips = _trip_count(instr, tables[comp], comps)
@@ -224,6 +229,29 @@ def _multiplicities(comps: dict, entry: str, unknown_trips: int = 1) -> tuple[di
   return mult, fused, unknown
 
 
+def _is_kda(instr: Instr):
+  """The name of the tokamax delta-rule kernel `instr` calls, else None."""
+  if instr.op != 'custom-call':
+    return None
+  m = _KDA.search(instr.name) or _KDA.search(instr.attrs)
+  return m.group(0) if m else None
+
+
+def _runs_kda(comps: dict):
+  """computation -> whether it, or one it calls, runs a tokamax delta-rule kernel."""
+  memo = {}
+
+  def runs(comp: str) -> bool:
+    if comp not in memo:
+      memo[comp] = False  # (a cycle is no kernel)
+      memo[comp] = any(
+        _is_kda(i) or any(runs(c) for _, c in callees(i) if c in comps) for i in comps.get(comp, [])
+      )
+    return memo[comp]
+
+  return runs
+
+
 def _matmul_flops(instr: Instr, table: dict) -> float:
   ops = [table[o].shapes[0] for o in instr.operands if o in table and table[o].shapes]
   out = instr.shapes[0][1] if instr.shapes else []
@@ -235,6 +263,8 @@ def _matmul_flops(instr: Instr, table: dict) -> float:
     return 2.0 * math.prod(out) * _taps(instr, ops[0][1], ops[1][1]) / _ragged_groups(instr)
   if instr.op == 'custom-call' and (kind := _SPLASH.search(instr.name + instr.attrs)):
     return _splash_flops(kind.group(1), ops)
+  if kind := _is_kda(instr):
+    return _kda_flops(kind, [d for _, d in instr.shapes])
   if instr.op == 'custom-call' and ('ragged-dot' in instr.name or 'gmm' in instr.attrs):
     grouped = _grouped(instr)
     return grouped[0] if grouped else 0.0
@@ -276,6 +306,41 @@ def _splash_flops(kind: str, operands: list) -> float:
   rows = math.prod(q[:-1])  # batch x heads x T
   qk, pv = _SPLASH_PRODUCTS[kind]
   return 2.0 * rows * k[-2] * (qk * q[-1] + pv * v[-1]) * visited
+
+
+# tokamax's delta-rule kernels (Kimi Delta Attention's, kernels/delta_rule_tokamax.py), by name:
+# their matmul FLOPs per token and head in the chunk C and the key and value widths K and V (as
+# the kernel pads them), counted from the kernels' bodies (tokamax 0.0.17; 0.18 M a token and
+# head forward and 0.43 M backward at C = 64, K = V = 128), and which of their outputs give the
+# token-heads and C (an array [..., C, X]), K and V (their last dims).
+_KDA = re.compile(
+  r'pallas_kda_fwd_intra_fused|chunk_kda_fwd_h_o_varlen|fused_recompute_w_u_vnew_from_h'
+  r'|chunk_kda_bwd_dAv|fused_dhu_wy_intra_cumsum'
+)
+_KDA_KERNELS = {
+  'pallas_kda_fwd_intra_fused': ((0, 1, 0), lambda c, k, v: (7 * c - 1) * k + (c - 1) * (v + c)),
+  'fused_recompute_w_u_vnew_from_h': ((0, 0, 3), lambda c, k, v: 2 * k * v + 2 * c * (k + v)),
+  'chunk_kda_bwd_dAv': ((1, 1, 1), lambda c, k, v: 4 * c * v),
+  'fused_dhu_wy_intra_cumsum': (
+    (0, 0, 2),
+    lambda c, k, v: 12 * k * v + 11 * c * k + 4 * c * v + 4 * c * c,
+  ),
+}
+
+
+def _kda_flops(kind: str, outputs: list) -> float:
+  """A tokamax delta-rule kernel's FLOPs from its outputs' shapes. The forward's state pass
+  (chunk_kda_fwd_h_o_varlen) writes o [H, B, T, V] and states [..., K, V]; its chunk is 64,
+  the only one tokamax takes."""
+  if kind == 'chunk_kda_fwd_h_o_varlen':
+    o, states = outputs[0], [d for d in outputs[1:] if len(d) == 5]
+    k = states[0][-2] if states else o[-1]
+    return 2.0 * math.prod(o[:-1]) * (3 * k * o[-1] + 64 * o[-1])
+  (rows, k, v), per_token = _KDA_KERNELS[kind]
+  if len(outputs) <= max(rows, k, v):
+    return 0.0
+  at = outputs[rows]
+  return math.prod(at[:-1]) * per_token(at[-2], outputs[k][-1], outputs[v][-1])
 
 
 def _taps(instr: Instr, lhs: list, kernel: list) -> int:
@@ -362,7 +427,8 @@ def _matmul_sites(comps: dict, mult: dict):
       if f := _matmul_flops(instr, table):
         ops = [table[o].shapes for o in instr.operands if o in table]
         grouped = _grouped(instr) if instr.op == 'custom-call' else None
-        rows = grouped[1] if grouped and not _SPLASH.search(instr.name + instr.attrs) else None
+        other = _SPLASH.search(instr.name + instr.attrs) or _is_kda(instr)
+        rows = grouped[1] if grouped and not other else None
         yield MatmulSite(runs * f, runs, comp, instr.name, instr.op, instr.shapes, ops, rows)
 
 

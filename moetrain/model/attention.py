@@ -12,11 +12,11 @@ from jax.sharding import PartitionSpec as P
 from moetrain.core import axes
 from moetrain.core.sharding import BATCH_AXES, MESH_AXES, constrain, full_shape
 from moetrain.kernels import splash
-from moetrain.kernels.attention import attention_core, masked_scores
+from moetrain.kernels.attention import attention_core, masked_scores, uniform
 from moetrain.kernels.ring import ring_attention
 from moetrain.model.config import ModelConfig
-from moetrain.model.indexer import Indexer
-from moetrain.model.layers import Linear, RMSNorm, rope
+from moetrain.model.indexer import Indexer, kl_loss, top_k_mask
+from moetrain.model.layers import Linear, RMSNorm, by_blocks, rope
 
 
 def attention_mask(q_pos_BT, q_seg_BT, k_pos_BS, k_seg_BS):
@@ -29,6 +29,19 @@ def attention_mask(q_pos_BT, q_seg_BT, k_pos_BS, k_seg_BS):
 def attention_probs(s_BNTS, mask_BTS, scale: float):
   """Scaled, masked softmax over keys, in float32."""
   return jax.nn.softmax(masked_scores(s_BNTS, mask_BTS, scale), axis=-1)
+
+
+def head_mean_probs(q_BTNH, k_BSNH, mask_BTS, scale: float, chunk: int = 0):
+  """Each query's attention weights summed over heads and L1-normalised (their mean over heads):
+  [B, T, S] float32, without gradient, by blocks of `chunk` queries (0: one block) so that the
+  heads' [B, N, T, S] weights never exist whole (the indexer's KL target, indexer.kl_loss)."""
+  k_BSNH = jax.lax.stop_gradient(k_BSNH)
+
+  def block(q_BTNH, mask_BTS):
+    s_BNTS = jnp.einsum('BTNH,BSNH->BNTS', q_BTNH, k_BSNH, preferred_element_type=jnp.float32)
+    return jnp.mean(attention_probs(s_BNTS, mask_BTS, scale), axis=1)
+
+  return by_blocks(block, (jax.lax.stop_gradient(q_BTNH), mask_BTS), chunk)
 
 
 def window_mask(mask_BTS, q_pos_BT, k_pos_BS, window):
@@ -148,15 +161,23 @@ def gather_tokens(x_BT, cfg: ModelConfig):
 
 
 def shard_mask(pos_BT, seg_BT, pos_BS, seg_BS, window, index=None):
-  """self_mask of one context shard's T queries over the row's S keys (inside the shard_map):
-  causal in the row's index order too, by the tokens' original indices under dual-chunk order
-  (`index`, dual_chunk_order's; None: the row's own order)."""
+  """self_mask of one context shard's T queries over the row's S keys (inside the shard_map),
+  as attention_core's (queries' arrays, keys' arrays) for block_mask: causal in the row's index
+  order too, by the tokens' original indices under dual-chunk order (`index`,
+  dual_chunk_order's; None: the row's own order)."""
   t, s = pos_BT.shape[1], pos_BS.shape[1]
   first = jax.lax.axis_index('context') * t  # this shard's first slot in the row
   k_index_S, q_index_T = jnp.arange(s), first + jnp.arange(t)
   if index is not None:
     k_index_S = jnp.asarray(index)
     q_index_T = k_index_S[q_index_T]
+  return (pos_BT, seg_BT, q_index_T), (pos_BS, seg_BS, k_index_S, window)
+
+
+def block_mask(q_meta, k_meta):
+  """ring_mask of shard_mask's arrays (attention_core's mask_fn: the queries' arrays a block's)."""
+  pos_BT, seg_BT, q_index_T = q_meta
+  pos_BS, seg_BS, k_index_S, window = k_meta
   return ring_mask((pos_BT, seg_BT, q_index_T, window), (pos_BS, seg_BS, k_index_S))
 
 
@@ -232,17 +253,21 @@ def context_self_attention(
 
   def shard(q_BTNH, k_BSNH, v_BSNH, pos_BT, seg_BT, pos_BS, seg_BS, window, *sinks):
     t, s = q_BTNH.shape[1], k_BSNH.shape[1]
-    mask = shard_mask(pos_BT, seg_BT, pos_BS, seg_BS, window, index)
+    meta = shard_mask(pos_BT, seg_BT, pos_BS, seg_BS, window, index)
     k_BSNH, v_BSNH = (jnp.repeat(x.astype(dtype), groups, axis=2) for x in (k_BSNH, v_BSNH))
     chunk = cfg.engine.attention_chunk
     step = chunk if 0 < chunk < t else t
+    blocks = tuple((i, min(i + step, t), s) for i in range(0, t, step))
+    # Even blocks over all the keys: the kernel makes each block's mask in its loop.
+    mask, mask_fn = (meta, block_mask) if uniform(blocks, t, s) else (block_mask(*meta), None)
     out_BNTH = attention_core(
       *(x.transpose(0, 2, 1, 3) for x in (q_BTNH, k_BSNH, v_BSNH)),
       mask,
       cfg.attention_scale,
-      tuple((i, min(i + step, t), s) for i in range(0, t, step)),
+      blocks,
       cfg.engine.attention_recompute,
-      *sinks,
+      sinks[0] if sinks else None,
+      mask_fn,
       reference=cfg.engine.reference_kernels,
     )
     return out_BNTH.transpose(0, 2, 1, 3)
@@ -360,33 +385,52 @@ class MLA(nnx.Module):
 
   def __call__(self, x_BTD, positions_BT, segment_ids_BT, rng=None, window=0):
     del window  # no MLA family has sliding windows
+    return self.forward(x_BTD, positions_BT, segment_ids_BT, rng)[0]
+
+  def forward(self, x_BTD, positions_BT, segment_ids_BT, rng=None):
+    """(the attention's output [B, T, D], the indexer's KL loss summed over the row's tokens:
+    None unless cfg.train_indexer)."""
     q_nope, q_pe = self.project_q(x_BTD, positions_BT, rng)
     c_BTK, k_pe = self.latent(x_BTD, positions_BT, rng)
-    if context_split(self.cfg, c_BTK.shape[1]) and self.cfg.engine.context_attention != 'ring':
+    s = c_BTK.shape[1]
+    split = context_split(self.cfg, s)
+    if split and self.cfg.engine.context_attention != 'ring':
       # The all-gather moves the latent, not the heads' keys; the ring moves the heads' keys.
       c_BTK, k_pe = gather_tokens(c_BTK, self.cfg), gather_tokens(k_pe, self.cfg)
     q_BTNH, k_BTNH, v_BTNH = self.heads(q_nope, q_pe, c_BTK, k_pe, rng)
-    if self.sparse(c_BTK.shape[1]):
-      if context_split(self.cfg, c_BTK.shape[1]):
-        raise NotImplementedError('sparse attention (index_n_heads) over a context split')
-      mask = self_mask(positions_BT, segment_ids_BT)
-      mask = self.select(x_BTD, positions_BT, mask, rng)
-      out_BTNH = multi_head(q_BTNH, k_BTNH, v_BTNH, mask, self.cfg, self.cfg.engine.attention_chunk)
-    else:
+    trains = self.cfg.train_indexer and self.indexer is not None
+    if not (self.sparse(s) or trains):
       out_BTNH = causal_self_attention(
         q_BTNH, k_BTNH, v_BTNH, positions_BT, segment_ids_BT, self.cfg
       )
-    return self.o(out_BTNH, rng)
+      return self.o(out_BTNH, rng), None
+    if split:
+      raise NotImplementedError('the sparse attention indexer (index_n_heads) over a context split')
+    out_BTNH, kl = self.indexed(x_BTD, (q_BTNH, k_BTNH, v_BTNH), positions_BT, segment_ids_BT, rng)
+    return self.o(out_BTNH, rng), kl
+
+  def indexed(self, x_BTD, qkv, positions_BT, segment_ids_BT, rng=None):
+    """(heads' output [B, T, N, H], KL loss or None) of attention with the indexer: over its
+    selection where it selects (sparse), over every key otherwise; the indexer's KL loss
+    (cfg.train_indexer) over the same keys, towards these heads' weights."""
+    cfg = self.cfg
+    qr_BTQ = self.q_a_norm(self.q_a(x_BTD, rng))  # the latent q_b reads (one q_a under jit)
+    score_BTS = self.indexer.row_scores(x_BTD, qr_BTQ, positions_BT, cfg.engine.attention_chunk)
+    keep_BTS = self_mask(positions_BT, segment_ids_BT)
+    if self.sparse(x_BTD.shape[1]):
+      keep_BTS = top_k_mask(jax.lax.stop_gradient(score_BTS), keep_BTS, cfg.index_topk)
+      out_BTNH = multi_head(*qkv, keep_BTS, cfg, cfg.engine.attention_chunk)
+    else:
+      out_BTNH = causal_self_attention(*qkv, positions_BT, segment_ids_BT, cfg)
+    if not cfg.train_indexer:
+      return out_BTNH, None
+    p_BTS = head_mean_probs(*qkv[:2], keep_BTS, cfg.attention_scale, cfg.engine.attention_chunk)
+    return out_BTNH, kl_loss(p_BTS, score_BTS, keep_BTS, segment_ids_BT > 0)
 
   def sparse(self, s: int) -> bool:
     """Whether queries over s keys attend to the indexer's selection: with fewer keys than
     index_topk every query keeps all it sees, the dense path's result, which runs instead."""
     return self.indexer is not None and s > self.cfg.index_topk
-
-  def select(self, x_BTD, positions_BT, allowed_BTS, rng=None):
-    """allowed_BTS narrowed to the keys the indexer keeps for each query of the row."""
-    qr_BTQ = self.q_a_norm(self.q_a(x_BTD, rng))  # the latent q_b reads (one q_a under jit)
-    return self.indexer(x_BTD, qr_BTQ, positions_BT, allowed_BTS)
 
 
 class GQA(nnx.Module):

@@ -9,7 +9,7 @@ from typing import NamedTuple
 
 from moetrain.core.engine import EngineConfig, LoraConfig
 from moetrain.core.fields import check, field
-from moetrain.kernels import splash
+from moetrain.kernels import delta_rule_tokamax, splash
 
 # The families, by the model_type of their Hugging Face config.json.
 MODEL_TYPES = (
@@ -180,6 +180,8 @@ class ModelConfig:
   yarn_truncate: bool = True  # the correction range rounded out to whole dimensions (gpt-oss: not)
   # Derived: set from the `lora` section, and the `engine` section laid out by start-up.
   lora: LoraConfig = field(LoraConfig(), role='derived')
+  # Derived: loss.indexer_kl > 0, the sparse attention indexer trained on its KL loss.
+  train_indexer: bool = field(False, role='derived')
   engine: EngineConfig = field(EngineConfig(), role='derived')
 
   def __post_init__(self):  # configs and config.json give lists; the config must stay hashable
@@ -223,6 +225,14 @@ class ModelConfig:
     if self.engine.attention_kernel == 'auto':
       return self.engine.platform == 'tpu' and splash.supports(seq_len)
     return self.engine.attention_kernel == 'splash'
+
+  def delta_rule_tokamax(self) -> bool:
+    """Whether Gated DeltaNet's delta rule trains on tokamax's kernel (engine.delta_rule_kernel);
+    'auto' asks the TPU being traced for, so call it while tracing."""
+    if self.engine.delta_rule_kernel == 'auto':
+      tpu = self.engine.platform == 'tpu'
+      return tpu and delta_rule_tokamax.supports(self.linear_key_head_dim)
+    return self.engine.delta_rule_kernel == 'tokamax'
 
   @property
   def attention_scale(self) -> float:

@@ -7,7 +7,7 @@ from flax import nnx
 
 from moetrain.core import axes
 from moetrain.model.config import ModelConfig
-from moetrain.model.layers import Linear, dtype_of, rope
+from moetrain.model.layers import Linear, by_blocks, dtype_of, rope
 
 
 class LayerNorm(nnx.Module):
@@ -54,12 +54,12 @@ class Indexer(nnx.Module):
   transformers scores in float32 without the released kernels' Hadamard rotation (orthogonal:
   dot products kept) and FP8 casts, and so does this.
 
-  The selection is an integer top-k: no gradient reaches the indexer, whose weights stay as
-  loaded (frozen; LoRA never targets them). DeepSeek trains it with a KL loss towards the dense
-  attention's distribution, which is not built here. The kept keys become a boolean [B, T, S]
-  mask over dense scores: fine on CPU and XLA at moderate lengths, but the attention's FLOPs and
-  memory stay dense; long rows on TPU want a sparse kernel that gathers each query block's
-  selected keys, which is not built."""
+  The selection is an integer top-k: no gradient of the LM loss reaches the indexer, whose
+  input is detached from the main model. Its weights stay as loaded (frozen; LoRA never targets
+  them) unless loss.indexer_kl trains them on DeepSeek's KL loss (kl_loss). The kept keys become
+  a boolean [B, T, S] mask over dense scores: fine on CPU and XLA at moderate lengths, but the
+  attention's FLOPs and memory stay dense; long rows on TPU want a sparse kernel that gathers
+  each query block's selected keys, which is not built."""
 
   def __init__(self, cfg: ModelConfig, path: str, rngs: nnx.Rngs):
     self.cfg = cfg
@@ -85,18 +85,46 @@ class Indexer(nnx.Module):
     k_BTH = self.k_norm(self.wk(x_BTD))
     return self.rotate(k_BTH[:, :, None], positions_BT)[:, :, 0]
 
-  def scores(self, q_BTNH, w_BTN, k_BSH):
-    """I [B, T, S] of the queries against the keys, float32."""
-    s_BTNS = jnp.einsum('BTNH,BSH->BTNS', q_BTNH, k_BSH.astype(jnp.float32))
-    s_BTNS = jax.nn.relu(s_BTNS * self.cfg.index_head_dim**-0.5)
-    return jnp.einsum('BTN,BTNS->BTS', w_BTN, s_BTNS)
+  def scores(self, q_BTNH, w_BTN, k_BSH, chunk: int = 0):
+    """I [B, T, S] of the queries against the keys, float32, by blocks of `chunk` queries (0:
+    one block), each recomputed in the backward pass: the heads' [B, T, N_i, S] products are
+    never kept whole (the KL loss's backward kept them: 64 GiB a row of 16k tokens)."""
+    k_BSH = k_BSH.astype(jnp.float32)
+
+    def block(q_BTNH, w_BTN):
+      s_BTNS = jnp.einsum('BTNH,BSH->BTNS', q_BTNH, k_BSH)
+      s_BTNS = jax.nn.relu(s_BTNS * self.cfg.index_head_dim**-0.5)
+      return jnp.einsum('BTN,BTNS->BTS', w_BTN, s_BTNS)
+
+    return by_blocks(block, (q_BTNH, w_BTN), chunk, remat=True)
 
   def select(self, q_BTNH, w_BTN, k_BSH, allowed_BTS):
     """The keys each query attends to: boolean [B, T, S] within allowed_BTS."""
     score_BTS = jax.lax.stop_gradient(self.scores(q_BTNH, w_BTN, k_BSH))
     return top_k_mask(score_BTS, allowed_BTS, self.cfg.index_topk)
 
+  def row_scores(self, x_BTD, qr_BTQ, positions_BT, chunk: int = 0):
+    """I [B, T, S] of a row over itself (S = T), float32, differentiable in the indexer's weights:
+    its input is detached from the main model (what trains it is kl_loss alone)."""
+    x_BTD, qr_BTQ = jax.lax.stop_gradient((x_BTD, qr_BTQ))
+    q_BTNH, w_BTN = self.queries(x_BTD, qr_BTQ, positions_BT)
+    return self.scores(q_BTNH, w_BTN, self.keys(x_BTD, positions_BT), chunk)
+
   def __call__(self, x_BTD, qr_BTQ, positions_BT, allowed_BTS):
     """select() of a row over itself."""
-    q_BTNH, w_BTN = self.queries(x_BTD, qr_BTQ, positions_BT)
-    return self.select(q_BTNH, w_BTN, self.keys(x_BTD, positions_BT), allowed_BTS)
+    score_BTS = jax.lax.stop_gradient(self.row_scores(x_BTD, qr_BTQ, positions_BT))
+    return top_k_mask(score_BTS, allowed_BTS, self.cfg.index_topk)
+
+
+def kl_loss(p_BTS, score_BTS, keep_BTS, valid_BT):
+  """The indexer's training loss as DeepSeek-V3.2 releases it, summed over the valid queries:
+  KL(p_t || softmax(I_t)) over the keys keep_BTS gives each query t, where p_t is the main
+  attention's weights summed over heads and L1-normalised (attention.head_mean_probs, taken
+  with the same keep_BTS, no gradient). keep_BTS is what the main attention attends to: every
+  key the query sees where the row is within index_topk (the dense warm-up's form), else its
+  selected top-k set S_t (the sparse stage's form). Float32 scalar."""
+  logq_BTS = jax.nn.log_softmax(jnp.where(keep_BTS, score_BTS, jnp.finfo(jnp.float32).min), -1)
+  p_BTS = jax.lax.stop_gradient(jnp.where(keep_BTS, p_BTS, 0.0))
+  logp_BTS = jnp.log(jnp.where(p_BTS > 0, p_BTS, 1.0))
+  kl_BT = jnp.sum(jnp.where(p_BTS > 0, p_BTS * (logp_BTS - logq_BTS), 0.0), axis=-1)
+  return jnp.sum(kl_BT * valid_BT)

@@ -207,3 +207,21 @@ def rope(x_BTNH, positions_BT, cfg: ModelConfig, interleaved: bool | None = None
     x0, x1, axis = x[..., : h // 2], x[..., h // 2 :], -2
   out = jnp.stack([x0 * cos - x1 * sin, x1 * cos + x0 * sin], axis=axis)
   return out.reshape(x_BTNH.shape).astype(x_BTNH.dtype)
+
+
+def by_blocks(fn, xs, chunk: int, remat: bool = False):
+  """fn(*blocks) over blocks of `chunk` positions of axis 1 of every array of xs (0, or chunk >=
+  the length: one block), its outputs' axis 1 joined back: a loop (lax.map), the last block
+  padded with zeros, its padding cut off. remat: each block recomputed in the backward pass,
+  which keeps only its inputs (not fn's intermediates) of every block."""
+  b, t = xs[0].shape[:2]
+  step = chunk if 0 < chunk < t else t
+  pad = -t % step
+
+  def split(x):  # [B, T, ...] -> [U, B, step, ...]
+    x = jnp.pad(x, ((0, 0), (0, pad)) + ((0, 0),) * (x.ndim - 2))
+    return jnp.moveaxis(x.reshape(b, -1, step, *x.shape[2:]), 1, 0)
+
+  run = jax.checkpoint(fn) if remat else fn
+  out = jax.lax.map(lambda blocks: run(*blocks), tuple(split(x) for x in xs))
+  return jax.tree.map(lambda y: jnp.moveaxis(y, 0, 1).reshape(b, t + pad, *y.shape[3:])[:, :t], out)

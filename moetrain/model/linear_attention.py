@@ -3,14 +3,15 @@
 heads that share them) with an output gate z and the delta rule's beta and decay inputs; a short
 causal depthwise convolution (kernel linear_conv_kernel_dim) and SiLU over the queries, keys and
 values; L2-normalised queries and keys; the gated delta rule (kernels/delta_rule.py, chunked in
-training); an RMSNorm per value head gated by SiLU(z); the output projection. Packed rows: the
-convolution and the rule's state both stop at segment starts."""
+training; on TPU tokamax's Pallas kernel, kernels/delta_rule_tokamax.py); an RMSNorm per value
+head gated by SiLU(z); the output projection. Packed rows: the convolution and the rule's state
+both stop at segment starts."""
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from moetrain.kernels import delta_rule
+from moetrain.kernels import delta_rule, delta_rule_tokamax
 from moetrain.model.config import ModelConfig
 from moetrain.model.layers import Linear, RMSNorm, dtype_of
 
@@ -110,5 +111,20 @@ class GatedDeltaNet(nnx.Module):
     qkv, z, beta, g = self.inputs(x_BTD, rng)
     qkv, _ = self.convolve(qkv, segment_ids_BT)
     q, k, v = self.heads(qkv)
-    o, _ = delta_rule.chunked(q, k, v, g, beta, self.cfg.delta_chunk, None, segment_ids_BT)
+    o, _ = self.rule(q, k, v, g, beta, segment_ids_BT)
     return self.finish(o, z, x_BTD.dtype, rng)
+
+  def rule(self, q, k, v, g, beta, segment_ids_BT):
+    """The training delta rule: (outputs [B, T, Nv, Dv], the final state)."""
+    cfg = self.cfg
+    if not cfg.delta_rule_tokamax():
+      return delta_rule.chunked(q, k, v, g, beta, cfg.delta_chunk, None, segment_ids_BT)
+    heads = dict(cfg.engine.rules.activations).get('heads')
+    return delta_rule_tokamax.chunked(
+      q, k, v, g, beta, None, segment_ids_BT,
+      chunk=cfg.delta_chunk,
+      max_segments=cfg.engine.delta_rule_segments,
+      interpret=cfg.engine.platform != 'tpu',
+      mesh_shape=cfg.engine.mesh_shape,
+      head_axis=heads if isinstance(heads, str) else None,
+    )  # fmt: skip

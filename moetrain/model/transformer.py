@@ -90,13 +90,20 @@ class StandardLayer(nnx.Module):
       self.mlp = MLP(cfg, f'{p}.mlp', rngs)
 
   def __call__(self, h_BTD, positions_BT, segment_ids_BT, rng=None, window=0, routes_BTK=None):
-    """window: this layer's attention window (0: full; traced under the layer scan)."""
+    """window: this layer's attention window (0: full; traced under the layer scan). Stats: the
+    MoE's, plus 'indexer_kl' (the indexer's KL loss summed over the tokens) where it trains."""
     rngs = [None] * 2 if rng is None else list(jax.random.split(rng, 2))
+    kl = []  # what the attention's forward gives beside its output
 
     def attend(i, x_BTD):
+      if isinstance(self.attn, MLA):
+        out_BTD, loss = self.attn.forward(x_BTD, positions_BT, segment_ids_BT, rngs[0])
+        kl.extend([] if loss is None else [loss])
+        return out_BTD
       return self.attn(x_BTD, positions_BT, segment_ids_BT, rngs[0], window)
 
-    return self.body(h_BTD, attend, segment_ids_BT > 0, rngs, routes_BTK)
+    h_BTD, stats = self.body(h_BTD, attend, segment_ids_BT > 0, rngs, routes_BTK)
+    return h_BTD, stats if not kl else {**(stats or {}), 'indexer_kl': kl[0]}
 
   def body(self, h_BTD, attend, valid_BT, rngs, routes_BTK=None):
     """attend(0, x_BTD) runs the attention (full sequence, or against a KV cache in
@@ -220,8 +227,9 @@ class Transformer(nnx.Module):
     """The lm head's input (the final-normed hidden states [B, T, D]) and aux: the routing stats
     of the MoE layers stacked on axis 0 (in layer order), the pre-norm last hidden state's
     per-token log-sum-exp (for the hidden z-loss) and 'routes' [B, T, L, K], the top-k ids each
-    MoE layer's router chose (before any replay; None under pipeline stages). Training takes the
-    loss from here (kernels/cross_entropy.py), never the whole logits.
+    MoE layer's router chose (before any replay; None under pipeline stages); 'indexer_kl' [L_i],
+    each sparse attention indexer's KL loss summed over the tokens (cfg.train_indexer; else
+    None). Training takes the loss from here (kernels/cross_entropy.py), never the whole logits.
 
     routes_BTLK: routing replay, the MoE layers' forced top-k ids (None: the routers choose).
 
@@ -246,7 +254,8 @@ class Transformer(nnx.Module):
     h_BTD = constrain(self.embed(ids_BT), ACT, self.cfg.engine.rules)
     h_BTD, stats = self.run_layers(h_BTD, positions_BT, segment_ids_BT, rng, routes_BTLK)
     z_BT = jax.nn.logsumexp(jnp.abs(h_BTD.astype(jnp.float32)), axis=-1)
-    routes = stats.pop('routes', None) if stats else None
+    kl_L = stats.pop('indexer_kl')
+    routes = stats.pop('routes', None)
     routes = None if routes is None else jnp.transpose(routes, (1, 2, 0, 3))
     h_BTD = self.final_norm(h_BTD)
     if reordered:  # back in the rows' order
@@ -256,14 +265,14 @@ class Transformer(nnx.Module):
         back(z_BT),
         back(routes),
       )
-    return h_BTD, {'moe': stats, 'hidden_lse_BT': z_BT, 'routes': routes}
+    return h_BTD, {'moe': stats, 'hidden_lse_BT': z_BT, 'routes': routes, 'indexer_kl': kl_L}
 
   def run_layers(self, h_BTD, positions_BT, segment_ids_BT, rng, routes_BTLK=None):
     cfg = self.cfg
     rngs_L = None if rng is None else jax.random.split(rng, cfg.num_layers)
     # The MoE layers' forced ids, layer first: group g's are rows moe_start.. of it.
     routes_LBTK = None if routes_BTLK is None else jnp.transpose(routes_BTLK, (2, 0, 1, 3))
-    stats, moe_start = [], 0
+    stats, kl, moe_start = [], [], 0
     for group in cfg.layer_groups():
       group_rngs = None if rng is None else rngs_L[group.start : group.start + group.count]
       forced = None
@@ -271,10 +280,14 @@ class Transformer(nnx.Module):
         forced = routes_LBTK[moe_start : moe_start + group.count]
       args = (h_BTD, positions_BT, segment_ids_BT, group_rngs, forced)
       h_BTD, out = self.run_group(group, *args)
+      if out is not None and 'indexer_kl' in out:
+        out = dict(out)
+        kl.append(out.pop('indexer_kl'))
       if group.kind == 'moe':
         stats.append(out)
         moe_start += group.count
-    return h_BTD, jax.tree.map(lambda *x: jnp.concatenate(x), *stats)
+    stats = jax.tree.map(lambda *x: jnp.concatenate(x), *stats)
+    return h_BTD, {**stats, 'indexer_kl': jnp.concatenate(kl) if kl else None}
 
   def run_group(
     self, group: LayerGroup, h_BTD, positions_BT, segment_ids_BT, rngs_L, routes_LBTK=None
@@ -284,6 +297,8 @@ class Transformer(nnx.Module):
     pipelined = stages.active(self.cfg, h_BTD.shape[0])
     if pipelined and routes_LBTK is not None:
       raise ValueError('routing replay under pipeline stages (engine.pipeline_stages > 1)')
+    if pipelined and self.cfg.train_indexer:
+      raise ValueError('the indexer KL loss under pipeline stages (engine.pipeline_stages > 1)')
     # Per layer: its dropout key (or None), its attention window and its forced routes (or None).
     extra_L = (rngs_L, jnp.asarray(windows, jnp.int32), routes_LBTK)
 

@@ -40,7 +40,7 @@ def key(setup) -> dict:
   model = {
     f.name: getattr(setup.model, f.name)
     for f in dataclasses.fields(setup.model)
-    if f.name != 'engine'
+    if f.name not in ('engine', 'train_indexer')  # (the frozen base is the same either way)
   }
   model |= {k: getattr(setup.model.engine, k) for k in STORED}
   model['lora'] = dataclasses.asdict(model['lora'])

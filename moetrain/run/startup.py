@@ -73,17 +73,19 @@ FOLLOW_STEPS = -1
 
 def model_config(config) -> ModelConfig:
   """The network of the `model` section (or of init.hf_checkpoint's config.json), its `lora`
-  adapters, and the `engine` section with the mesh's sharding rules."""
+  adapters, the `engine` section with the mesh's sharding rules, and whether the loss section
+  trains the sparse attention indexer."""
   rules = sharding.Rules.preset(config.mesh.rules)
   model, moved = split_engine_keys(config.model.to_dict())
   if moved:  # a config file written before the engine section
     logging.warning('config.model.%s: now config.engine.<key>', ', config.model.'.join(moved))
   engine = EngineConfig(**(config.engine.to_dict() | moved), rules=rules)
   lora = LoraConfig(**config.lora.to_dict())
+  derived = dict(lora=lora, engine=engine, train_indexer=config.loss.indexer_kl > 0)
   path = config.init.hf_checkpoint
   if not path:
-    return ModelConfig(**model, lora=lora, engine=engine)
-  return hf.config_from_hf(hf.read_config(path), engine=engine, lora=lora)
+    return ModelConfig(**model, **derived)
+  return hf.config_from_hf(hf.read_config(path), **derived)
 
 
 def build(

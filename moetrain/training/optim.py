@@ -83,8 +83,8 @@ def decay_mask(params, exclude: str = ''):
   whose path ('embed.embedding', 'layers.moe.router', 'layers.attn_0.q_a.lora_a', ...)
   the regex `exclude` finds. A Variable's leading 'layers' axis (scan_layers stacks) does not
   count: the mask is decided on the Variables, whose metadata says so, not on their bare
-  arrays. The sparse attention indexer (model/indexer.py) is never decayed: no gradient reaches
-  it, so decay would be its only update."""
+  arrays. The sparse attention indexer (model/indexer.py) is never decayed: unless
+  loss.indexer_kl trains it no gradient reaches it, so decay would be its only update."""
   excluded = re.compile(exclude).search if exclude else lambda _: False
   spared = lambda name: '.indexer.' in name or excluded(name)
 

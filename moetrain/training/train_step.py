@@ -30,6 +30,10 @@ class LossConfig:
   router_z_loss: float = off(0.0)  # coefficient of mean(logsumexp(router logits)^2)
   balance_loss: float = off(0.0)  # coefficient of the device-level balance loss
   hidden_z_loss: float = off(0.0)  # coefficient of LongCat's hidden z-loss on the last hidden state
+  # coefficient of the sparse attention indexer's KL loss towards the main attention (DeepSeek-V3.2;
+  # model/indexer.py kl_loss), per token and indexer layer; > 0 trains the indexer (full
+  # fine-tuning), whose input is detached: the rest of the model sees the LM loss alone.
+  indexer_kl: float = off(0.0)
   bias_update_rate: float = off(1e-3)  # mu of the proportional expert-bias update
   # Cosine-decay mu to 0 over this many steps; 0 = constant, -1 (in a config) = over train.steps.
   bias_update_decay_steps: int = field(0, check='non_negative', zero='0 = constant')
@@ -48,6 +52,21 @@ class StepConfig(LossConfig):
   teacher: ModelConfig | None = None  # the online teacher (None: cached logits in the batch)
   preference: preference_lib.PreferenceConfig | None = None  # preference tuning's objective
   rl: rl_lib.RLConfig | None = None  # reinforcement learning's objective (rollout batches)
+
+  def validate(self) -> None:
+    super().validate()
+    m, where = self.model, f'loss.indexer_kl={self.indexer_kl}'
+    if self.indexer_kl and not m.index_n_heads:
+      raise ValueError(f'{where}: the model has no sparse attention indexer (index_n_heads=0)')
+    if self.indexer_kl and m.lora.enabled:
+      raise ValueError(
+        f"{where} trains the indexer's weights, which LoRA keeps frozen and its adapters do not "
+        'carry: use full fine-tuning (lora.rank=0), or loss.indexer_kl=0'
+      )
+    if self.indexer_kl and m.engine.pipeline_stages > 1:
+      raise ValueError(f'{where} under pipeline stages (engine.pipeline_stages > 1)')
+    if bool(self.indexer_kl) != m.train_indexer:
+      raise ValueError(f'{where} but model.train_indexer={m.train_indexer}: set one from the other')
 
 
 def forward_loss(params, moe_bias, frozen, graphdef, batch, rng=None, head_loss=None):
@@ -170,10 +189,14 @@ def loss_fn(params, moe_bias, frozen, graphdef, batch, rng, totals, cfg: StepCon
   # Over every token the model reads (prompts included), not only the loss tokens; not padding.
   valid = (batch['segment_ids'] > 0).astype(jnp.float32)
   hidden_z = jnp.sum(aux['hidden_lse_BT'] ** 2 * valid) / n_routed
+  # Per token and indexer layer (the layers' sums over this micro-batch's tokens).
+  kl_L = aux.get('indexer_kl')
+  indexer_kl = jnp.zeros(()) if kl_L is None else kl_L.mean() / n_routed
   aux_loss = (
     cfg.router_z_loss * moe['router_z_loss'].mean() * frac
     + cfg.balance_loss * moe['balance_loss'].mean() * frac
     + cfg.hidden_z_loss * hidden_z
+    + cfg.indexer_kl * indexer_kl
   )
   own = pref is None and rl is None
   loss = (aux.get('objective', nll) / n_tokens if own else objective) + aux_loss
@@ -183,6 +206,7 @@ def loss_fn(params, moe_bias, frozen, graphdef, batch, rng, totals, cfg: StepCon
     'correct': correct,
     'tokens': mask.sum() if pref is None else pref['tokens_chosen'],
     'hidden_z': hidden_z,
+    'indexer_kl': indexer_kl,
     'moe': {k: v if k in ROUTING_COUNTS else v * frac for k, v in moe.items()},
   }
   if pref is not None:
@@ -329,6 +353,7 @@ def train_step(
     **(preference_lib.metrics(stats['pref']) if cfg.preference else {}),
     **(rl_lib.metrics(stats['rl'], batch, cfg.rl, cfg.model.moe_layer_indices) if cfg.rl else {}),
     'hidden_z_loss': stats['hidden_z'],
+    **({'indexer_kl': stats['indexer_kl']} if cfg.indexer_kl else {}),
     'skipped': new_state.skipped,
     'moe': stats['moe'],
   }

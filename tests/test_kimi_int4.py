@@ -84,19 +84,25 @@ def checkpoints(tmp_path_factory):
   return write_checkpoint(base / 'packed', config, quantized), ref, experts
 
 
+def _float_reads(monkeypatch) -> list:
+  """The names the checkpoint reader reads as floats from here on (PackedReader.read's)."""
+  names = []
+  real = compressed_int4.PackedReader.read
+  monkeypatch.setattr(
+    compressed_int4.PackedReader,
+    'read',
+    lambda self, n, index=None: names.append(n) or real(self, n, index),
+  )
+  return names
+
+
 @pytest.mark.parametrize('group', [32, 16])
 def test_int4_base_is_the_releases_codes_and_scales(checkpoints, group, monkeypatch):
   """quant_group_size dividing the checkpoint's group: the QuantKernel's codes are the packed
   nibbles re-laid and its scales the release's (repeated per sub-group), read without a float
   copy of any expert; dequantised, the experts equal the reference exactly."""
   path, _, experts = checkpoints
-  float_reads = []
-  real = compressed_int4.PackedReader.read
-  monkeypatch.setattr(
-    compressed_int4.PackedReader,
-    'read',
-    lambda self, n, index=None: float_reads.append(n) or real(self, n, index),
-  )
+  float_reads = _float_reads(monkeypatch)
   cfg = hf.config_from_hf(hf.read_config(path), quant='int4', quant_group_size=group, lora=LORA)
   flat = hf.flat_values(hf.load_params(path, cfg).frozen)
   assert not [n for n in float_reads if n in experts]
@@ -225,13 +231,7 @@ def test_kimi_k25_multimodal_release_loads_its_language_model(checkpoints, tmp_p
   kw = dict(quant='int4', quant_group_size=GROUP, lora=LORA)
   cfg = hf.config_from_hf(hf.read_config(mm), **kw)
   assert cfg == hf.config_from_hf(hf.read_config(path), **kw) and cfg.model_type == 'deepseek_v3'
-  float_reads = []
-  real = compressed_int4.PackedReader.read
-  monkeypatch.setattr(
-    compressed_int4.PackedReader,
-    'read',
-    lambda self, n, index=None: float_reads.append(n) or real(self, n, index),
-  )
+  float_reads = _float_reads(monkeypatch)
   loaded = hf.load_params(mm, cfg)
   assert not [n for n in float_reads if n in experts]
   assert loaded.skipped == ['mm_projector.proj.0.weight', 'vision_tower.patch_embed.proj.weight']

@@ -59,7 +59,7 @@ def test_every_custom_vjp_is_the_fast_path_of_a_kernel():
   sites = _custom_vjp_sites()
   assert all(s.startswith('moetrain/kernels/') for s in sites), sites
   fast = [k for k in _kernels() if isinstance(k.fast, jax.custom_vjp)]
-  assert len(fast) == len(sites) == 13, (sorted(k.name for k in fast), sites)
+  assert len(fast) == len(sites) == 14, (sorted(k.name for k in fast), sites)
   assert all(k.reference is not k.fast for k in _kernels())
 
 
@@ -237,6 +237,30 @@ def _round_sum():
   return make, (x, w)
 
 
+def _delta_rule_interpreted():
+  """tokamax's delta-rule kernel in Pallas' interpreter against the chunked XLA rule: two
+  packed segments, an initial state."""
+  pytest.importorskip('tokamax')
+  from moetrain.kernels import delta_rule_tokamax
+
+  b, t, h, d = 1, 64, 2, 16
+  ks = jax.random.split(jax.random.key(7), 6)
+  norm = lambda x: x / jnp.linalg.norm(x, axis=-1, keepdims=True)
+  q, k = (norm(jax.random.normal(key, (b, t, h, d))) for key in ks[:2])
+  v = jax.random.normal(ks[2], (b, t, h, d))
+  g = -jax.random.uniform(ks[3], (b, t, h), minval=0.05, maxval=0.5)
+  beta = jax.nn.sigmoid(jax.random.normal(ks[4], (b, t, h)))
+  state = 0.1 * jax.random.normal(ks[5], (b, h, d, d))
+  ordinal = jnp.array([[1] * 40 + [2] * 24], jnp.int32)
+
+  def kernel(*args, reference=False):
+    out, final = delta_rule_tokamax.interpreted_kernel(*args, 4, reference=reference)
+    return out, final
+
+  args = (q, k, v, g, beta, state, ordinal)
+  return _plain(kernel, args, (0, 1, 2, 3, 4, 5)), (q, k, v, g, beta, state)
+
+
 CASES = {
   'round_sum': _round_sum,
   'grouped_matmul_lora_a': _grouped_matmul(128, 8, [3, 0, 21, 8], 37),
@@ -255,6 +279,7 @@ CASES = {
   'head_distill_reverse_kl_top_k': _head_distill('reverse_kl', 5),
   'head_distill_jsd': _head_distill('jsd', 0),
   'expert_ffn': _expert_ffn(False),
+  'delta_rule_interpreted': _delta_rule_interpreted,
   'expert_ffn_adapters_only': _expert_ffn(True),
 }
 

@@ -29,7 +29,7 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 from moetrain.core.sharding import BATCH_AXES, MESH_AXES, full_shape
-from moetrain.kernels import delta_rule
+from moetrain.kernels import Kernel, delta_rule
 
 CHUNK = 64  # the kernel's chunk (tokamax takes no other)
 MAX_KEY_DIM = 256
@@ -90,25 +90,37 @@ def _interpreted():
       tpu_info.get_tpu_info.cache_clear()
 
 
-def _in_interpreter(f):
-  """f, its last argument integer, with its forward and its backward traced in _interpreted:
+@functools.partial(jax.custom_vjp, nondiff_argnums=(7,))
+def _interpreted_kernel(q, k, v, g, beta, state, ordinal, max_segments: int):
+  """_kernel in Pallas' interpreter, its forward and its backward each traced in _interpreted:
   jax traces a backward after the forward, outside any context entered around the call."""
+  with _interpreted():
+    return _kernel(q, k, v, g, beta, state, ordinal, max_segments)
 
-  @jax.custom_vjp
-  def run(*args):
-    with _interpreted():
-      return f(*args)
 
-  def fwd(*args):
-    with _interpreted():
-      return jax.vjp(f, *args)
+def _interpreted_fwd(q, k, v, g, beta, state, ordinal, max_segments):
+  with _interpreted():
+    kernel = functools.partial(_kernel, max_segments=max_segments)
+    return jax.vjp(kernel, q, k, v, g, beta, state, ordinal)
 
-  def bwd(back, ct):
-    with _interpreted():
-      return (*back(ct)[:-1], None)
 
-  run.defvjp(fwd, bwd)
-  return run
+def _interpreted_bwd(max_segments, back, ct):
+  del max_segments
+  with _interpreted():
+    return (*back(ct)[:-1], None)
+
+
+_interpreted_kernel.defvjp(_interpreted_fwd, _interpreted_bwd)
+
+
+def _rule(q, k, v, g, beta, state, ordinal, max_segments: int):
+  """What the kernel computes, as delta_rule.chunked: (outputs, the final state)."""
+  del max_segments
+  return delta_rule.chunked(q, k, v, g, beta, CHUNK, state, ordinal)
+
+
+# The kernel in the interpreter (tests, CPU), and the chunked XLA rule as its reference.
+interpreted_kernel = Kernel('delta_rule_interpreted', _interpreted_kernel, _rule)
 
 
 def _ordinals(segment_ids):
@@ -153,8 +165,10 @@ def _local(q, k, v, g, beta, state, segment_ids, *, chunk, max_segments, interpr
     state = jnp.zeros((b, h, dk, v.shape[-1]), jnp.float32)
   state = state.astype(jnp.float32)
   ordinal = None if segment_ids is None else _ordinals(segment_ids)
-  kernel = functools.partial(_kernel, max_segments=max_segments)
-  kernel = _in_interpreter(kernel) if interpret else kernel
+  if interpret:
+    kernel = lambda *a: interpreted_kernel(*a, max_segments)
+  else:
+    kernel = functools.partial(_kernel, max_segments=max_segments)
 
   def fast(q, k, v, g, beta, state, ordinal):
     # A no-op where the cond takes this branch; under vmap (the pipeline's stages) the cond is a

@@ -260,3 +260,27 @@ def test_indexer_kl_is_off_by_default_and_refused_where_it_cannot_train():
     StepConfig(model=dataclasses.replace(cfg, lora=LoraConfig(rank=4)), indexer_kl=0.1).validate()
   with pytest.raises(ValueError, match='train_indexer=True'):
     StepConfig(model=cfg).validate()
+
+
+def test_each_blocks_selection_made_in_the_loop_equals_the_whole_mask():
+  """With the indexer frozen and rows in even blocks of queries, each block's top-k is made
+  inside the attention's loop (no [T, S] score or mask): logits and gradients equal the
+  whole-mask path's (one block), on packed rows."""
+  row = np.concatenate([ids()[0], ids()[1]])[None]
+  pos = jnp.asarray(np.concatenate([np.arange(12), np.arange(12)])[None], jnp.int32)
+  seg = jnp.asarray(np.repeat([1, 2], 12)[None], jnp.int32)
+  got = {}
+  for chunk in (4, 0):
+    model, _ = fixture_model(attention_chunk=chunk)
+
+    def loss(m):
+      logits = m(jnp.asarray(row), pos, seg)[0]
+      return jnp.mean(jnp.square(logits)), logits
+
+    grads, logits = jax.jit(nnx.grad(loss, has_aux=True))(model)
+    got[chunk] = np.asarray(logits), [np.asarray(g) for g in jax.tree.leaves(grads)]
+  (blocked, g_blocked), (whole, g_whole) = got[4], got[0]
+  np.testing.assert_allclose(blocked, whole, rtol=1e-5, atol=1e-5)
+  assert len(g_blocked) == len(g_whole)
+  for a, b in zip(g_blocked, g_whole):
+    np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)

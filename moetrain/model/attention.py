@@ -1,6 +1,7 @@
 """Attention: multi-head latent attention (MLA; DeepSeek-V2/V3, LongCat-Flash) and grouped-query
 attention (GQA; Qwen3-MoE, Mixtral), over one blocked causal core."""
 
+import functools
 import math
 
 import jax
@@ -15,7 +16,7 @@ from moetrain.kernels import splash
 from moetrain.kernels.attention import attention_core, masked_scores, uniform
 from moetrain.kernels.ring import ring_attention
 from moetrain.model.config import ModelConfig
-from moetrain.model.indexer import Indexer, kl_loss, top_k_mask
+from moetrain.model.indexer import Indexer, index_scores, kl_loss, top_k_mask
 from moetrain.model.layers import Linear, RMSNorm, by_blocks, rope
 
 
@@ -190,6 +191,18 @@ def ring_mask(q_meta, k_meta):
   in_order = k_index_S[None, :] <= q_index_T[:, None]
   mask = attention_mask(pos_BT, seg_BT, pos_BS, seg_BS) & in_order[None]
   return window_mask(mask, pos_BT, pos_BS, window)
+
+
+def selected_mask(topk: int, q_meta, k_meta):
+  """The keys a block of queries attends to under DeepSeek Sparse Attention (attention_core's
+  mask_fn): each query's `topk` best by the indexer among those self_mask lets it see, scored
+  here from the block's indexer queries [B, N_i, H_i, T] and head weights [B, N_i, T] (T last,
+  as the loop splits them) and the row's indexer keys: no [T, S] score or mask exists whole."""
+  pos_BT, seg_BT, q_index_T, q_BNHT, w_BNT = q_meta
+  pos_BS, seg_BS, k_index_S, k_BSH = k_meta
+  allowed_BTS = ring_mask((pos_BT, seg_BT, q_index_T, 0), (pos_BS, seg_BS, k_index_S))
+  score_BTS = index_scores(q_BNHT.transpose(0, 3, 1, 2), w_BNT.transpose(0, 2, 1), k_BSH)
+  return top_k_mask(score_BTS, allowed_BTS, topk)
 
 
 ROWS = 'rows'  # in over_context's specs: the batch's row axes (sharding.BATCH_AXES in use)
@@ -415,6 +428,10 @@ class MLA(nnx.Module):
     (cfg.train_indexer) over the same keys, towards these heads' weights."""
     cfg = self.cfg
     qr_BTQ = self.q_a_norm(self.q_a(x_BTD, rng))  # the latent q_b reads (one q_a under jit)
+    t, chunk = x_BTD.shape[1], cfg.engine.attention_chunk
+    blocks = tuple((i, min(i + chunk, t), t) for i in range(0, t, chunk or t))
+    if self.sparse(t) and not cfg.train_indexer and uniform(blocks, t, t):
+      return self.selected(x_BTD, qr_BTQ, qkv, positions_BT, segment_ids_BT, blocks), None
     score_BTS = self.indexer.row_scores(x_BTD, qr_BTQ, positions_BT, cfg.engine.attention_chunk)
     keep_BTS = self_mask(positions_BT, segment_ids_BT)
     if self.sparse(x_BTD.shape[1]):
@@ -426,6 +443,30 @@ class MLA(nnx.Module):
       return out_BTNH, None
     p_BTS = head_mean_probs(*qkv[:2], keep_BTS, cfg.attention_scale, cfg.engine.attention_chunk)
     return out_BTNH, kl_loss(p_BTS, score_BTS, keep_BTS, segment_ids_BT > 0)
+
+  def selected(self, x_BTD, qr_BTQ, qkv, positions_BT, segment_ids_BT, blocks):
+    """indexed's sparse output with the indexer frozen, over even blocks of queries: each
+    block's selection made inside attention_core's loop (selected_mask) from the indexer's
+    queries, weights and keys, none of them differentiated."""
+    x_BTD, qr_BTQ = jax.lax.stop_gradient((x_BTD, qr_BTQ))
+    iq_BTNH, w_BTN = self.indexer.queries(x_BTD, qr_BTQ, positions_BT)
+    index_T = jnp.arange(x_BTD.shape[1])
+    q_meta = (positions_BT, segment_ids_BT, index_T)
+    q_meta += (iq_BTNH.transpose(0, 2, 3, 1), w_BTN.transpose(0, 2, 1))
+    k_meta = (positions_BT, segment_ids_BT, index_T, self.indexer.keys(x_BTD, positions_BT))
+    out_BNTH = attention_core(
+      *(x.transpose(0, 2, 1, 3) for x in qkv),
+      jax.lax.stop_gradient((q_meta, k_meta)),
+      self.cfg.attention_scale,
+      blocks,
+      self.cfg.engine.attention_recompute,
+      None,
+      functools.partial(selected_mask, self.cfg.index_topk),
+      reference=self.cfg.engine.reference_kernels,
+    )
+    return constrain(
+      out_BNTH.transpose(0, 2, 1, 3), axes.names('BTN') + (None,), self.cfg.engine.rules
+    )
 
   def sparse(self, s: int) -> bool:
     """Whether queries over s keys attend to the indexer's selection: with fewer keys than

@@ -1,6 +1,8 @@
 """DeepSeek Sparse Attention's lightning indexer (DeepSeek-V3.2, GLM-5): which past tokens each
 query of an MLA layer attends to."""
 
+import functools
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
@@ -43,6 +45,14 @@ def top_k_mask(score_BTS, allowed_BTS, k: int):
   return chosen & allowed_BTS  # a short row's top-k also took keys it may not see
 
 
+def index_scores(q_BTNH, w_BTN, k_BSH):
+  """The indexer's I [B, T, S] (Indexer's formula) from its float32 queries, head weights and
+  keys."""
+  s_BTNS = jnp.einsum('BTNH,BSH->BTNS', q_BTNH, k_BSH.astype(jnp.float32))
+  s_BTNS = jax.nn.relu(s_BTNS * k_BSH.shape[-1] ** -0.5)
+  return jnp.einsum('BTN,BTNS->BTS', w_BTN, s_BTNS)
+
+
 class Indexer(nnx.Module):
   """Scores every (query t, key s) pair of an MLA layer and keeps each query's index_topk best:
 
@@ -56,10 +66,11 @@ class Indexer(nnx.Module):
 
   The selection is an integer top-k: no gradient of the LM loss reaches the indexer, whose
   input is detached from the main model. Its weights stay as loaded (frozen; LoRA never targets
-  them) unless loss.indexer_kl trains them on DeepSeek's KL loss (kl_loss). The kept keys become
-  a boolean [B, T, S] mask over dense scores: fine on CPU and XLA at moderate lengths, but the
-  attention's FLOPs and memory stay dense; long rows on TPU want a sparse kernel that gathers
-  each query block's selected keys, which is not built."""
+  them) unless loss.indexer_kl trains them on DeepSeek's KL loss (kl_loss). With the indexer
+  frozen and the row in even blocks of engine.attention_chunk queries, each block's selection
+  is made inside the attention's loop (attention.selected_mask): no [T, S] score or mask exists
+  whole, but each block still scores all S keys densely. A kernel that gathers each query
+  block's selected keys (sparse FLOPs) is not built."""
 
   def __init__(self, cfg: ModelConfig, path: str, rngs: nnx.Rngs):
     self.cfg = cfg
@@ -90,12 +101,7 @@ class Indexer(nnx.Module):
     one block), each recomputed in the backward pass: the heads' [B, T, N_i, S] products are
     never kept whole (the KL loss's backward kept them: 64 GiB a row of 16k tokens)."""
     k_BSH = k_BSH.astype(jnp.float32)
-
-    def block(q_BTNH, w_BTN):
-      s_BTNS = jnp.einsum('BTNH,BSH->BTNS', q_BTNH, k_BSH)
-      s_BTNS = jax.nn.relu(s_BTNS * self.cfg.index_head_dim**-0.5)
-      return jnp.einsum('BTN,BTNS->BTS', w_BTN, s_BTNS)
-
+    block = functools.partial(index_scores, k_BSH=k_BSH)
     return by_blocks(block, (q_BTNH, w_BTN), chunk, remat=True)
 
   def select(self, q_BTNH, w_BTN, k_BSH, allowed_BTS):

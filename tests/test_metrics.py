@@ -1,5 +1,6 @@
 """The run's metrics files across a resume."""
 
+import dataclasses
 import glob
 import json
 import math
@@ -368,6 +369,23 @@ def test_flops_per_token_counts_each_attention_block_once(preset):
   attn = blocks * cfg.num_heads * (cfg.qk_head_dim + d_v) * t / 2
   want = 6 * (metrics.matmul_params_per_token(cfg, 8) + attn)
   np.testing.assert_allclose(metrics.flops_per_token(cfg, t, 8), want, rtol=1e-12)
+
+
+@pytest.mark.parametrize('t', [2048, 8192])
+def test_sparse_attention_flops_count_the_selected_keys_and_the_indexer(t):
+  """DeepSeek-V3.2 (index_topk 2048): position p's queries attend to min(p, 2048) keys, and the
+  indexer's 64 heads score (128 + 1) x p / 2 multiply-adds a token, forward only while frozen;
+  x 3 with its KL loss training it. At 2048 tokens the attention is dense's (T / 2 keys)."""
+  cfg = MODEL_PRESETS['deepseek_v32_671b']
+  keys = t / 2 if t <= 2048 else np.minimum(np.arange(1, t + 1), cfg.index_topk).mean()
+  attn = cfg.num_layers * cfg.num_heads * (cfg.qk_head_dim + cfg.v_head_dim) * keys
+  index = 2 * cfg.num_layers * 64 * 129 * t / 2
+  want = 6 * (metrics.matmul_params_per_token(cfg, 8) + attn) + index
+  np.testing.assert_allclose(metrics.flops_per_token(cfg, t, 8), want, rtol=1e-12)
+  trained = dataclasses.replace(cfg, train_indexer=True)
+  np.testing.assert_allclose(
+    metrics.flops_per_token(trained, t, 8) - metrics.flops_per_token(cfg, t, 8), 2 * index
+  )
 
 
 def test_an_error_before_the_first_record_is_not_followed_by_a_traceback(tmp_path):

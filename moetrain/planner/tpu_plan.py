@@ -45,7 +45,8 @@ def model_flops(setup) -> tuple[float, str]:
   excluded, lm head included), plus causal attention 6 * heads * (d_qk + d_v) * T/2 per token and
   attention block (two per LongCat layer, one per standard layer; forward 2 FLOPs per
   multiply-add, backward twice that, frozen base or not: attention has no weights to skip):
-  metrics.attention_params_equivalent, as the training log's MFU. Remat recomputation is not
+  metrics.attention_params_equivalent (the selected keys under DeepSeek Sparse Attention), plus
+  the indexer's scoring (metrics.indexer_flops_per_token), as the training log's MFU. Remat recomputation is not
   model work."""
 
   cfg = setup.model
@@ -54,12 +55,15 @@ def model_flops(setup) -> tuple[float, str]:
   lora = cfg.lora.enabled
   t = setup.data.seq_len
   attn = 6 * metrics.attention_params_equivalent(cfg, t)
-  per_token = (4 if lora else 6) * n_active + 6 * counts['adapters'] * lora + attn
+  index = metrics.indexer_flops_per_token(cfg, t)
+  per_token = (4 if lora else 6) * n_active + 6 * counts['adapters'] * lora + attn + index
   tokens = setup.data.global_batch_size * t
   formula = (
     f'{"4" if lora else "6"} x {sizes.count_text(n_active)} active'
     + (f' + 6 x {sizes.count_text(counts["adapters"])} adapters' if lora else '')
-    + f' + attention {attn:.3g} FLOP, per token, x {tokens} tokens'
+    + f' + attention {attn:.3g}'
+    + (f' + indexer {index:.3g}' if index else '')
+    + f' FLOP, per token, x {tokens} tokens'
   )
   return per_token * tokens, formula
 

@@ -76,18 +76,43 @@ def flops_per_token(
   cfg: ModelConfig, seq_len: int, ffn_experts: float, train: bool = True
 ) -> float:
   """6 * params for forward+backward matmuls, plus causal attention scores and values (half the
-  T x T square is computed usefully)."""
+  T x T square is computed usefully; under DeepSeek Sparse Attention the selected keys), plus
+  the sparse attention indexer's scoring (indexer_flops_per_token)."""
   mult = 6 if train else 2
-  return mult * (
-    matmul_params_per_token(cfg, ffn_experts) + attention_params_equivalent(cfg, seq_len)
+  attention = attention_params_equivalent(cfg, seq_len)
+  return mult * (matmul_params_per_token(cfg, ffn_experts) + attention) + indexer_flops_per_token(
+    cfg, seq_len, train
   )
+
+
+def mean_keys(cfg: ModelConfig, seq_len: int) -> float:
+  """Keys a query of a causal row of T tokens attends to, on average: T / 2, or under DeepSeek
+  Sparse Attention (cfg.index_n_heads) the mean of min(p, index_topk) over positions p = 1..T."""
+  t, k = seq_len, cfg.index_topk
+  if not cfg.index_n_heads or t <= k:
+    return t / 2
+  return (k * (k + 1) / 2 + (t - k) * k) / t
 
 
 def attention_params_equivalent(cfg: ModelConfig, seq_len: int) -> float:
   """Causal attention's scores and values per token, as a count of weights with the same FLOPs
   (2 per multiply-add): each head of each attention block multiplies its (d_qk + d_v) features
-  with T/2 keys on average."""
-  return cfg.attention_blocks * cfg.num_heads * seq_len * (cfg.qk_head_dim + cfg.value_head_dim) / 2
+  with mean_keys keys (T / 2 dense)."""
+  heads = cfg.attention_blocks * cfg.num_heads * (cfg.qk_head_dim + cfg.value_head_dim)
+  return heads * mean_keys(cfg, seq_len)
+
+
+def indexer_flops_per_token(cfg: ModelConfig, seq_len: int, train: bool = True) -> float:
+  """The lightning indexer's scoring per token (DeepSeek Sparse Attention; 0 without): each
+  block's N_i heads multiply their H_i features with T / 2 keys on average and weigh the heads'
+  scores (N_i multiply-adds a key), 2 FLOPs each. Forward only when frozen (its input is
+  detached: no backward reaches it); x 3 when loss.indexer_kl trains it. Its projections'
+  weights are in matmul_params_per_token."""
+  if not cfg.index_n_heads:
+    return 0.0
+  per_key = cfg.index_n_heads * (cfg.index_head_dim + 1)
+  fwd = 2 * cfg.attention_blocks * per_key * seq_len / 2
+  return fwd * (3 if train and cfg.train_indexer else 1)
 
 
 ROUTING_STATS = (

@@ -243,3 +243,49 @@ def test_the_ring_kernel_gives_whole_row_attention_and_its_gradients(reorder):
     np.testing.assert_allclose(f(q, k, v, sinks), whole(q, k, v, sinks), rtol=1e-5, atol=1e-5)
     for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
       np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize('reorder, window', [(True, 0), (False, 0), (True, 200)])
+def test_the_splash_kernel_over_context_shards_gives_the_blocked_paths_values_and_gradients(
+  reorder, window
+):
+  """On TPU a context split runs the splash kernel (here in Pallas' interpreter) with the whole
+  row's block tables split over 'context': 512-token packed rows over 2 shards, 4 query heads
+  over 2 key/value heads, sinks, in the load balance's order or the row's, with and without a
+  sliding window, give the blocked XLA path's values and q, k, v and sinks gradients."""
+  import jax.numpy as jnp
+
+  from moetrain.model.attention import causal_self_attention, context_splash, dual_chunk_order
+
+  t, b = 512, 4
+  mesh = sharding.make_mesh((1, 1, 4, 1, 2, 1))
+  base = tiny(**GQA, attention_sinks=True).with_engine(
+    rules=sharding.Rules.preset('fsdp_ep_tp'), context_reorder=reorder, dtype='float32'
+  )
+  rng = np.random.default_rng(2)
+  q, k, v = (rng.normal(size=(b, t, n, 8)).astype(np.float32) for n in (4, 2, 2))
+  sinks = rng.normal(size=4).astype(np.float32)
+  cot = rng.normal(size=(b, t, 4, 8)).astype(np.float32)
+  seg = np.where(np.arange(t) < 300, 1, 2)[None].repeat(b, 0).astype(np.int32)
+  seg[1, -40:] = 0
+  pos = np.where(seg == 2, np.arange(t) - 300, np.arange(t)).astype(np.int32)
+  if reorder:  # the rows' positions and segment ids in the shards' order, as the model moves them
+    order = dual_chunk_order(t, 2)
+    pos, seg = pos[:, order], seg[:, order]
+  results = {}
+  with jax.set_mesh(mesh):
+    for kernel in ('splash', 'xla'):
+      cfg = base.with_engine(attention_kernel=kernel).laid_out('cpu', mesh)
+      assert context_splash(cfg, t, window) == (kernel == 'splash')
+
+      def loss(q, k, v, s, cfg=cfg):
+        out = causal_self_attention(q, k, v, pos, seg, cfg, window, s)
+        return jnp.sum(out * cot), out
+
+      grad = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2, 3), has_aux=True))
+      results[kernel] = grad(q, k, v, sinks)
+  (_, got), got_grads = results['splash']
+  (_, want), want_grads = results['xla']
+  np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+  for g, w in zip(got_grads, want_grads, strict=True):
+    np.testing.assert_allclose(g, w, rtol=1e-4, atol=1e-5)

@@ -17,6 +17,7 @@ import functools
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.experimental.pallas.ops.tpu.splash_attention import (
   splash_attention_kernel,
   splash_attention_mask,
@@ -51,12 +52,31 @@ def _kernel(heads: int, t: int, interpret: bool, window: int = 0):
   left as NumPy arrays: they become constants of the program. (make_splash_mha makes them jax
   Arrays, which fails while tracing for an abstract TPU mesh, and which jax 0.12 would pass to
   the step as extra arguments.)"""
-  kernel, mask = _modules()
-
-  b = block_size(t)
+  _, mask = _modules()
   one = mask.LocalMask((t, t), (window - 1, 0), 0) if window else mask.CausalMask((t, t))
+  return _build(mask.MultiHeadMask([one for _ in range(heads)]), block_size(t), interpret)
+
+
+@functools.lru_cache(maxsize=32)
+def _split_kernel(heads: int, t: int, shards: int, order, interpret: bool, window: int = 0):
+  """_kernel's T x T mask with its queries split in `shards` along the row (a context split):
+  each shard's block tables are its own slice, passed into the shard_map sharded over
+  'context' (manual_sharding_spec). order: the token index of each of the row's slots (the load
+  balance's dual-chunk order; None: the row's own order), as the mask's query sequence, so the
+  static tables skip exactly the blocks a shard's reordered queries do not see; the keys come
+  in the row's own order."""
+  _, mask = _modules()
+  one = mask.LocalMask((t, t), (window - 1, 0), 0) if window else mask.CausalMask((t, t))
+  if order is not None:
+    one.q_sequence = np.asarray(order, np.int32)
   causal = mask.MultiHeadMask([one for _ in range(heads)])
-  shards = dict(downcast_smem_data=True, head_shards=1, q_seq_shards=1)
+  return _build(causal, block_size(t // (2 * shards)), interpret, shards)
+
+
+def _build(causal, b: int, interpret: bool, q_shards: int = 1):
+  """The splash kernel over a multi-head static mask, in blocks of b queries and keys."""
+  kernel, _ = _modules()
+  shards = dict(downcast_smem_data=True, head_shards=1, q_seq_shards=q_shards)
   # dq's blocks are the forward's (the same sizes), so it shares the forward's tables.
   fwd, mask_fn = info.process_mask(causal, (b, b), **shards)
   dkv, _ = info.process_mask_dkv(causal, (b, b), shrink_grid=True, **shards)
@@ -134,3 +154,40 @@ def splash_attention(
   return jax.shard_map(local, in_specs=specs, out_specs=qkv, check_vma=False)(
     q_BNTH, k_BNTH, v_BNTH, segment_ids_BT, sinks_N
   )
+
+
+def context_supported(t: int, shards: int) -> bool:
+  """Whether a row of T tokens split over `shards` context shards fits the kernel's blocks: each
+  shard's T / shards queries, and under the dual-chunk order each of its two chunks, a multiple
+  of 128."""
+  return t % (2 * shards * 128) == 0
+
+
+def split_attention(
+  q_BNTH, k_BNSH, v_BNSH, q_seg_BT, k_seg_BS, scale: float, *, kernel, sinks_N=None
+):
+  """splash_attention of one context shard's T queries over the row's S keys and values (row
+  order), inside the shard_map over 'context' whose `kernel` argument is split_kernel's, its
+  block tables sharded over 'context'. Causal in the row's index order, each segment alone."""
+  kernel_mod, _ = _modules()
+  q_BNTH = (q_BNTH.astype(jnp.float32) * scale).astype(q_BNTH.dtype)
+  if sinks_N is not None:
+    sinks_N = sinks_N.astype(jnp.float32)
+
+  def one(q_NTH, k_NSH, v_NSH, q_seg_T, k_seg_S):
+    ids = kernel_mod.SegmentIds(q=q_seg_T, kv=k_seg_S)
+    return kernel(q_NTH, k_NSH, v_NSH, ids, sinks_N)
+
+  segs = (q_seg_BT.astype(jnp.int32), k_seg_BS.astype(jnp.int32))
+  return jax.vmap(one)(q_BNTH, k_BNSH, v_BNSH, *segs)
+
+
+def split_kernel(heads: int, t: int, order, *, interpret: bool, mesh_shape, window: int = 0):
+  """(the kernel for split_attention, its shard_map spec): _split_kernel's for the context axis
+  of mesh_shape (the sizes of MESH_AXES), its block tables and query sequence split over it."""
+  sizes = full_shape(mesh_shape)
+  shards = dict(zip(MESH_AXES, sizes))['context']
+  kernel = _split_kernel(heads, t, shards, order, interpret, window)
+  mesh = jax.sharding.AbstractMesh(tuple(sizes), MESH_AXES)
+  spec = kernel.manual_sharding_spec(jax.sharding.NamedSharding(mesh, P(None, 'context')))
+  return kernel, spec

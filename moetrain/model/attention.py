@@ -224,11 +224,18 @@ def over_context(shard, cfg: ModelConfig, in_specs):
 
   return jax.shard_map(
     shard,
-    in_specs=tuple(spec(s) for s in in_specs),
+    in_specs=jax.tree.map(spec, in_specs, is_leaf=lambda s: isinstance(s, P)),
     out_specs=spec(P(ROWS, 'context')),
     axis_names=manual,
     check_vma=False,
   )
+
+
+def slot_order(cfg: ModelConfig, t: int):
+  """The token index of each slot of a row split over 'context' as the data wrote it (the load
+  balance's dual-chunk order moves them), or None in the row's own order."""
+  c = cfg.engine.context_shards
+  return dual_chunk_order(t, c) if context_reordered(cfg, t) else None
 
 
 def context_self_attention(
@@ -239,10 +246,9 @@ def context_self_attention(
   heads: what moves is the keys' and values' heads, or MLA's latent, gathered before), by
   blocks of attention_chunk queries. The causal mask and the packed rows' segments come from
   the global positions and indices, so the result equals the unsplit path's; each block scores
-  all S keys (the unsplit path skips the upper triangle block by block), so a shard computes
-  up to twice the causal work. Forward and backward: attention_core inside a shard_map over
-  'context' alone (the batch, heads and other axes stay with the compiler). With
-  engine.context_attention='ring': ring_self_attention."""
+  all S keys, up to twice the causal work. attention_core in a shard_map over 'context' and the
+  rows' axes; where whole rows run the splash kernel (TPU), splash_over_context; with
+  engine.context_attention='ring', ring_self_attention."""
   if cfg.engine.context_attention == 'ring':
     return ring_self_attention(
       q_BTNH, k_BSNH, v_BSNH, positions_BT, segment_ids_BT, cfg, window, sinks_N
@@ -256,13 +262,12 @@ def context_self_attention(
     k_BSNH, v_BSNH = k_BSNH.astype(jnp.float32), v_BSNH.astype(jnp.float32)
   k_BSNH, v_BSNH = gather_tokens(k_BSNH, cfg), gather_tokens(v_BSNH, cfg)
   all_pos, all_seg = gather_tokens(positions_BT, cfg), gather_tokens(segment_ids_BT, cfg)
+  index = slot_order(cfg, q_BTNH.shape[1])
+  if context_splash(cfg, q_BTNH.shape[1], window):  # k, v float32 on a CPU, as below
+    kv = (k_BSNH, v_BSNH, segment_ids_BT, all_seg)
+    return splash_over_context(q_BTNH, *kv, cfg, index, window, sinks_N)
   window = jnp.asarray(window, jnp.int32)
   sinks = () if sinks_N is None else (sinks_N,)
-  # The tokens' indices in the row as the data wrote it (dual-chunk order moves them).
-  t_all = q_BTNH.shape[1]
-  index = (
-    dual_chunk_order(t_all, cfg.engine.context_shards) if context_reordered(cfg, t_all) else None
-  )
 
   def shard(q_BTNH, k_BSNH, v_BSNH, pos_BT, seg_BT, pos_BS, seg_BS, window, *sinks):
     t, s = q_BTNH.shape[1], k_BSNH.shape[1]
@@ -293,6 +298,54 @@ def context_self_attention(
   return constrain(out_BTNH, axes.names('BTN') + (None,), cfg.engine.rules)
 
 
+def context_splash(cfg: ModelConfig, t: int, window) -> bool:
+  """Whether a context split of a T-token row runs the splash kernel: where whole rows would
+  (cfg.splash_attention), with each shard's chunks in whole kernel blocks, a window known
+  while tracing (not a layer scan's) and heads not split over a mesh axis (the shard_map
+  over 'context' leaves heads to the compiler, and a Pallas call is opaque to it)."""
+  heads = dict(cfg.engine.rules.activations).get('heads')
+  sizes = dict(zip(MESH_AXES, full_shape(cfg.engine.mesh_shape)))
+  split_heads = isinstance(heads, str) and sizes.get(heads, 1) > 1
+  return (
+    cfg.splash_attention(t)
+    and splash.context_supported(t, cfg.engine.context_shards)
+    and isinstance(window, int)
+    and not split_heads
+  )
+
+
+def splash_over_context(q_BTNH, k_BSNH, v_BSNH, seg_BT, seg_BS, cfg, index, window, sinks_N):
+  """context_self_attention on the splash kernel: each shard's queries over the gathered keys
+  and values put back in the row's order, with the kernel's static block tables for the whole
+  row split over 'context' (kernels/splash.split_kernel; under the dual-chunk order the tables
+  follow each slot's token index), so each shard loads only the key blocks its queries see."""
+  order = None if index is None else tuple(int(i) for i in index)
+  kernel, kernel_spec = splash.split_kernel(
+    cfg.num_heads,
+    q_BTNH.shape[1],
+    order,
+    interpret=cfg.engine.platform != 'tpu',
+    mesh_shape=cfg.engine.mesh_shape,
+    window=window,
+  )
+  back = None if index is None else np.argsort(index)
+  sinks = () if sinks_N is None else (sinks_N,)
+
+  def shard(q_BTNH, k_BSNH, v_BSNH, seg_BT, seg_BS, kernel, *sinks):
+    if back is not None:  # the gathered keys in slot order, to the row's own
+      k_BSNH, v_BSNH, seg_BS = k_BSNH[:, back], v_BSNH[:, back], seg_BS[:, back]
+    qkv = (x.astype(q_BTNH.dtype).transpose(0, 2, 1, 3) for x in (q_BTNH, k_BSNH, v_BSNH))
+    out_BNTH = splash.split_attention(
+      *qkv, seg_BT, seg_BS, cfg.attention_scale, kernel=kernel, sinks_N=sinks[0] if sinks else None
+    )
+    return out_BNTH.transpose(0, 2, 1, 3)
+
+  split, whole = P(ROWS, 'context'), P(ROWS)
+  specs = (split, whole, whole, split, whole, kernel_spec, *(P() for _ in sinks))
+  out_BTNH = over_context(shard, cfg, specs)(q_BTNH, k_BSNH, v_BSNH, seg_BT, seg_BS, kernel, *sinks)
+  return constrain(out_BTNH, axes.names('BTN') + (None,), cfg.engine.rules)
+
+
 def ring_self_attention(
   q_BTNH, k_BTNH, v_BTNH, positions_BT, segment_ids_BT, cfg: ModelConfig, window=0, sinks_N=None
 ):
@@ -304,7 +357,8 @@ def ring_self_attention(
   ids and token indices in the row's own order (dual_chunk_order's under the load balance), and
   the masks are the all-gather path's."""
   t, c = q_BTNH.shape[1], cfg.engine.context_shards
-  index_T = dual_chunk_order(t, c) if context_reordered(cfg, t) else np.arange(t)
+  index_T = slot_order(cfg, t)
+  index_T = np.arange(t) if index_T is None else index_T
   sinks = () if sinks_N is None else (sinks_N,)
 
   def shard(q_BTNH, k_BTNH, v_BTNH, pos_BT, seg_BT, index_T, window, *sinks):

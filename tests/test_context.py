@@ -289,3 +289,19 @@ def test_the_splash_kernel_over_context_shards_gives_the_blocked_paths_values_an
   np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
   for g, w in zip(got_grads, want_grads, strict=True):
     np.testing.assert_allclose(g, w, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.slow  # ~100 s: the interpreter over 512-token rows
+def test_longcat_over_context_shards_on_the_splash_kernel_gives_the_xla_paths_loss_and_gradients(
+  monkeypatch,
+):
+  """The tiny LongCat (MLA: 192-wide keys, 128-wide values; two attention blocks a layer) with
+  512-token packed rows over context 2 on the splash kernel (interpreted) gives the blocked XLA
+  path's loss and adapter gradients."""
+  monkeypatch.setattr(packed_batch, '__defaults__', (8, 512, 64))
+  cfg = with_lora(tiny(init_std=0.05, attention_chunk=128, loss_chunk=64))
+  want, want_grads = loss_and_grads(cfg.with_engine(attention_kernel='xla'), (1, 1, 4, 1, 2, 1))
+  got, grads = loss_and_grads(cfg.with_engine(attention_kernel='splash'), (1, 1, 4, 1, 2, 1))
+  np.testing.assert_allclose(got, want, rtol=1e-5)
+  for g, w in zip(grads, want_grads, strict=True):
+    np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-6)

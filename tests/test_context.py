@@ -295,7 +295,7 @@ def test_the_splash_kernel_over_context_shards_gives_the_blocked_paths_values_an
 def test_longcat_over_context_shards_on_the_splash_kernel_gives_the_xla_paths_loss_and_gradients(
   monkeypatch,
 ):
-  """The tiny LongCat (MLA: 192-wide keys, 128-wide values; two attention blocks a layer) with
+  """The tiny LongCat (MLA: keys wider than values; two attention blocks a layer) with
   512-token packed rows over context 2 on the splash kernel (interpreted) gives the blocked XLA
   path's loss and adapter gradients."""
   monkeypatch.setattr(packed_batch, '__defaults__', (8, 512, 64))

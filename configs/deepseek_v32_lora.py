@@ -12,8 +12,8 @@ attends to (GLM-5: one expert group, the indexer's RoPE on adjacent pairs); LoRA
 MLA projection, dense MLP, shared and routed expert and the head; frozen base, router and
 indexer. Variants: 'deepseek_v32_tiny' (the default) and 'glm_5_tiny' (each query keeps 8 keys,
 fewer than any demo example's tokens: the demos run the selection); 'deepseek_v32_671b' (on
-DeepSeek-V3's v5p-64) and 'glm_5' (a QLoRA int4 base on a v5p-32), neither compiled by
-tools.plan yet (a run from init.hf_checkpoint takes the shapes from its config.json). FP8
+DeepSeek-V3's v5p-64) and 'glm_5' (a QLoRA int4 base on a v5p-32), both planned to fit
+(docs/tpu.md; a run from init.hf_checkpoint takes the shapes from its config.json). FP8
 releases are read as they are. The MTP layer is not loaded.
 """
 
@@ -24,8 +24,8 @@ VARIANTS = (*base.family_variants('deepseek_v32_tiny'), *base.family_variants('g
 # GLM-5's 744B are 372 GB of int4 codes and 47 GB of float32 scales: 26 GB a chip over a
 # v5p-32's 16, beside the 43 GiB of temporaries DeepSeek-V3's step takes per chip in micro-batches
 # of one 4096-token row (bench/RESULTS.md, "Choosing each plan's slice"); over a v5p-16's 8 chips
-# the base alone takes 52 GB. Not compiled yet: `python -m bench.tpu_plans --only
-# deepseek-v3.2,glm-5` does it.
+# the base alone takes 52 GB. `python -m bench.tpu_plans --only deepseek-v3.2,glm-5` compiles
+# them.
 PODS = {
   'deepseek_v32_671b': base.Pod('v5p-64', 16, 4096, 64, recv_factor=2, micro_batches=2),
   'glm_5': base.Pod('v5p-32', 16, 4096, 32, recv_factor=2, micro_batches=2),

@@ -20,8 +20,9 @@ VARIANTS = (*base.family_variants('qwen3_next_tiny'), *base.family_variants('qwe
 # micro-batches: in one pass Qwen3.5-35B-A3B's step needs 97.35 GiB of temporaries alone, over a
 # v5p chip's 95.73 (bench.tpu_plans, 2026-11-29). `python -m bench.tpu_plans --only
 # qwen3.5-35b,qwen3-next-80b` compiles them.
+# Qwen3-Next-80B-A3B needs 98.82 GB of temporaries on a v5p-8; over 8 experts on a v5p-16, 54.64 GiB.
 PODS = {
-  'qwen3_next_80b_a3b': base.Pod('v5p-8', 4, 4096, 32, recv_factor=1.5, micro_batches=2),
+  'qwen3_next_80b_a3b': base.Pod('v5p-16', 8, 4096, 32, recv_factor=1.5, micro_batches=2),
   'qwen3_5_35b_a3b': base.Pod('v5p-8', 4, 4096, 32, recv_factor=1.5, micro_batches=2),
 }
 

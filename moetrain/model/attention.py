@@ -208,16 +208,19 @@ def selected_mask(topk: int, q_meta, k_meta):
 ROWS = 'rows'  # in over_context's specs: the batch's row axes (sharding.BATCH_AXES in use)
 
 
-def over_context(shard, cfg: ModelConfig, in_specs):
+def over_context(shard, cfg: ModelConfig, in_specs, every_axis: bool = False):
   """shard as a shard_map over 'context' and the axes the batch's rows split over (a spec's
   ROWS), its output split over both; heads and the other axes stay with the compiler. Left
   automatic, the row axes were not kept: the compiler gathered the rows onto every shard (at
   LongCat-Flash's scale a step of over a terabyte per chip). Inside the pipeline's vmap over
   stages (spmd_axis_name 'stage') the batching rule puts 'stage' on the stacked axis of every
-  operand: it must be manual here too."""
+  operand: it must be manual here too. every_axis: manual over every mesh axis (a Pallas
+  kernel inside: XLA:TPU cannot partition a Mosaic call over an automatic axis, even of size
+  1), the operands replicated over the axes their specs do not name."""
   sizes = dict(zip(MESH_AXES, full_shape(cfg.engine.mesh_shape)))
   rows = tuple(a for a in BATCH_AXES if sizes.get(a, 1) > 1)
   manual = {'context', *rows} | ({'stage'} if cfg.engine.pipeline_stages > 1 else set())
+  manual = set(MESH_AXES) if every_axis else manual
 
   def spec(s: P) -> P:
     return P(rows or None, *s[1:]) if len(s) and s[0] == ROWS else s
@@ -342,7 +345,8 @@ def splash_over_context(q_BTNH, k_BSNH, v_BSNH, seg_BT, seg_BS, cfg, index, wind
 
   split, whole = P(ROWS, 'context'), P(ROWS)
   specs = (split, whole, whole, split, whole, kernel_spec, *(P() for _ in sinks))
-  out_BTNH = over_context(shard, cfg, specs)(q_BTNH, k_BSNH, v_BSNH, seg_BT, seg_BS, kernel, *sinks)
+  run = over_context(shard, cfg, specs, every_axis=True)
+  out_BTNH = run(q_BTNH, k_BSNH, v_BSNH, seg_BT, seg_BS, kernel, *sinks)
   return constrain(out_BTNH, axes.names('BTN') + (None,), cfg.engine.rules)
 
 

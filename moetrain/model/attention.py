@@ -268,7 +268,8 @@ def context_self_attention(
   index = slot_order(cfg, q_BTNH.shape[1])
   if context_splash(cfg, q_BTNH.shape[1], window):  # k, v float32 on a CPU, as below
     kv = (k_BSNH, v_BSNH, segment_ids_BT, all_seg)
-    return splash_over_context(q_BTNH, *kv, cfg, index, window, sinks_N)
+    static = window if isinstance(window, int) else 0
+    return splash_over_context(q_BTNH, *kv, cfg, index, static, sinks_N)
   window = jnp.asarray(window, jnp.int32)
   sinks = () if sinks_N is None else (sinks_N,)
 
@@ -304,15 +305,15 @@ def context_self_attention(
 def context_splash(cfg: ModelConfig, t: int, window) -> bool:
   """Whether a context split of a T-token row runs the splash kernel: where whole rows would
   (cfg.splash_attention), with each shard's chunks in whole kernel blocks, a window known
-  while tracing (not a layer scan's) and heads not split over a mesh axis (the shard_map
-  over 'context' leaves heads to the compiler, and a Pallas call is opaque to it)."""
+  while tracing (a layer scan's is not, and is 0 where the model has no sliding windows) and
+  heads not split over a mesh axis (the kernel's shard_map leaves them whole)."""
   heads = dict(cfg.engine.rules.activations).get('heads')
   sizes = dict(zip(MESH_AXES, full_shape(cfg.engine.mesh_shape)))
   split_heads = isinstance(heads, str) and sizes.get(heads, 1) > 1
   return (
     cfg.splash_attention(t)
     and splash.context_supported(t, cfg.engine.context_shards)
-    and isinstance(window, int)
+    and (isinstance(window, int) or not cfg.sliding_window)
     and not split_heads
   )
 

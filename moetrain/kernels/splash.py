@@ -11,7 +11,11 @@ reach HBM: on TPU that is most of the chunked XLA attention's traffic (bench/RES
 GQA passes N_kv key/value heads as they are (the kernel maps query head n to kv head
 n // (N / N_kv)); MLA's query/key width 192 and value width 128 differ, which the kernel allows.
 A Pallas call is opaque to XLA's sharding propagation, so it runs in a shard_map: rows over the
-batch axes, heads over 'tensor' where the rules shard heads, each device on its own rows."""
+batch axes, heads over 'tensor' where the rules shard heads, each device on its own rows.
+
+A row split over the 'context' mesh axis (docs/context.md) runs split_attention: each shard's
+queries over the row's gathered keys, with the whole row's block tables split over the shards
+(split_kernel), inside the model's shard_map over every mesh axis."""
 
 import functools
 

@@ -245,23 +245,35 @@ def test_the_ring_kernel_gives_whole_row_attention_and_its_gradients(reorder):
       np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize('reorder, window', [(True, 0), (False, 0), (True, 200), (True, None)])
+@pytest.mark.parametrize(
+  'reorder, window, sliding',
+  [
+    (True, 0, 0),
+    (False, 0, 0),
+    (True, 200, 0),
+    (True, '0', 0),
+    (True, '200', 200),
+    (True, '0', 200),
+  ],
+)
 def test_the_splash_kernel_over_context_shards_gives_the_blocked_paths_values_and_gradients(
-  reorder, window
+  reorder, window, sliding
 ):
   """On TPU a context split runs the splash kernel (here in Pallas' interpreter) with the whole
   row's block tables split over 'context': 512-token packed rows over 2 shards, 4 query heads
   over 2 key/value heads, sinks, in the load balance's order or the row's, with and without a
   sliding window, give the blocked XLA path's values and q, k, v and sinks gradients. A window
-  given as an array (a layer scan's) of a model without sliding windows runs the kernel too."""
+  given as an array (a layer scan's; a string here) picks the kernel with the model's sliding
+  window or the one without."""
   import jax.numpy as jnp
 
   from moetrain.model.attention import causal_self_attention, context_splash, dual_chunk_order
 
   t, b = 512, 4
-  window = jnp.asarray(0, jnp.int32) if window is None else window
+  window = jnp.asarray(int(window), jnp.int32) if isinstance(window, str) else window
   mesh = sharding.make_mesh((1, 1, 4, 1, 2, 1))
-  base = tiny(**GQA, attention_sinks=True).with_engine(
+  layers = dict(sliding_window=sliding, layer_types=('sliding_attention', 'full_attention'))
+  base = tiny(**GQA, attention_sinks=True, **(layers if sliding else {})).with_engine(
     rules=sharding.Rules.preset('fsdp_ep_tp'), context_reorder=reorder, dtype='float32'
   )
   rng = np.random.default_rng(2)
@@ -278,7 +290,7 @@ def test_the_splash_kernel_over_context_shards_gives_the_blocked_paths_values_an
   with jax.set_mesh(mesh):
     for kernel in ('splash', 'xla'):
       cfg = base.with_engine(attention_kernel=kernel).laid_out('cpu', mesh)
-      assert context_splash(cfg, t, window) == (kernel == 'splash')
+      assert context_splash(cfg, t) == (kernel == 'splash')
 
       def loss(q, k, v, s, cfg=cfg):
         out = causal_self_attention(q, k, v, pos, seg, cfg, window, s)

@@ -266,10 +266,9 @@ def context_self_attention(
   k_BSNH, v_BSNH = gather_tokens(k_BSNH, cfg), gather_tokens(v_BSNH, cfg)
   all_pos, all_seg = gather_tokens(positions_BT, cfg), gather_tokens(segment_ids_BT, cfg)
   index = slot_order(cfg, q_BTNH.shape[1])
-  if context_splash(cfg, q_BTNH.shape[1], window):  # k, v float32 on a CPU, as below
+  if context_splash(cfg, q_BTNH.shape[1]):  # k, v float32 on a CPU, as below
     kv = (k_BSNH, v_BSNH, segment_ids_BT, all_seg)
-    static = window if isinstance(window, int) else 0
-    return splash_over_context(q_BTNH, *kv, cfg, index, static, sinks_N)
+    return splash_over_context(q_BTNH, *kv, cfg, index, window, sinks_N)
   window = jnp.asarray(window, jnp.int32)
   sinks = () if sinks_N is None else (sinks_N,)
 
@@ -302,18 +301,16 @@ def context_self_attention(
   return constrain(out_BTNH, axes.names('BTN') + (None,), cfg.engine.rules)
 
 
-def context_splash(cfg: ModelConfig, t: int, window) -> bool:
+def context_splash(cfg: ModelConfig, t: int) -> bool:
   """Whether a context split of a T-token row runs the splash kernel: where whole rows would
-  (cfg.splash_attention), with each shard's chunks in whole kernel blocks, a window known
-  while tracing (a layer scan's is not, and is 0 where the model has no sliding windows) and
-  heads not split over a mesh axis (the kernel's shard_map leaves them whole)."""
+  (cfg.splash_attention), with each shard's chunks in whole kernel blocks and heads not split
+  over a mesh axis (the kernel's shard_map leaves them whole)."""
   heads = dict(cfg.engine.rules.activations).get('heads')
   sizes = dict(zip(MESH_AXES, full_shape(cfg.engine.mesh_shape)))
   split_heads = isinstance(heads, str) and sizes.get(heads, 1) > 1
   return (
     cfg.splash_attention(t)
     and splash.context_supported(t, cfg.engine.context_shards)
-    and (isinstance(window, int) or not cfg.sliding_window)
     and not split_heads
   )
 
@@ -322,32 +319,51 @@ def splash_over_context(q_BTNH, k_BSNH, v_BSNH, seg_BT, seg_BS, cfg, index, wind
   """context_self_attention on the splash kernel: each shard's queries over the gathered keys
   and values put back in the row's order, with the kernel's static block tables for the whole
   row split over 'context' (kernels/splash.split_kernel; under the dual-chunk order the tables
-  follow each slot's token index), so each shard loads only the key blocks its queries see."""
+  follow each slot's token index), so each shard loads only the key blocks its queries see.
+  A window the layer scan gives (an array) picks one of two kernels, the model's sliding
+  window's or none, as whole rows do."""
+  if isinstance(window, int) or not cfg.sliding_window:
+    windows = (window if isinstance(window, int) else 0,)
+  else:
+    windows = (cfg.sliding_window, 0)
   order = None if index is None else tuple(int(i) for i in index)
-  kernel, kernel_spec = splash.split_kernel(
-    cfg.num_heads,
-    q_BTNH.shape[1],
-    order,
-    interpret=cfg.engine.platform != 'tpu',
-    mesh_shape=cfg.engine.mesh_shape,
-    window=window,
-  )
+  built = [
+    splash.split_kernel(
+      cfg.num_heads,
+      q_BTNH.shape[1],
+      order,
+      interpret=cfg.engine.platform != 'tpu',
+      mesh_shape=cfg.engine.mesh_shape,
+      window=w,
+    )
+    for w in windows
+  ]
+  kernels, kernel_specs = tuple(k for k, _ in built), tuple(s for _, s in built)
   back = None if index is None else np.argsort(index)
   sinks = () if sinks_N is None else (sinks_N,)
 
-  def shard(q_BTNH, k_BSNH, v_BSNH, seg_BT, seg_BS, kernel, *sinks):
+  def shard(q_BTNH, k_BSNH, v_BSNH, seg_BT, seg_BS, window, kernels, *sinks):
     if back is not None:  # the gathered keys in slot order, to the row's own
       k_BSNH, v_BSNH, seg_BS = k_BSNH[:, back], v_BSNH[:, back], seg_BS[:, back]
-    qkv = (x.astype(q_BTNH.dtype).transpose(0, 2, 1, 3) for x in (q_BTNH, k_BSNH, v_BSNH))
-    out_BNTH = splash.split_attention(
-      *qkv, seg_BT, seg_BS, cfg.attention_scale, kernel=kernel, sinks_N=sinks[0] if sinks else None
-    )
+    qkv = tuple(x.astype(q_BTNH.dtype).transpose(0, 2, 1, 3) for x in (q_BTNH, k_BSNH, v_BSNH))
+
+    def attend(kernel):
+      sink = sinks[0] if sinks else None
+      return splash.split_attention(
+        *qkv, seg_BT, seg_BS, cfg.attention_scale, kernel=kernel, sinks_N=sink
+      )
+
+    if len(kernels) == 1:
+      out_BNTH = attend(kernels[0])
+    else:
+      out_BNTH = jax.lax.cond(window > 0, lambda: attend(kernels[0]), lambda: attend(kernels[1]))
     return out_BNTH.transpose(0, 2, 1, 3)
 
   split, whole = P(ROWS, 'context'), P(ROWS)
-  specs = (split, whole, whole, split, whole, kernel_spec, *(P() for _ in sinks))
+  specs = (split, whole, whole, split, whole, P(), kernel_specs, *(P() for _ in sinks))
   run = over_context(shard, cfg, specs, every_axis=True)
-  out_BTNH = run(q_BTNH, k_BSNH, v_BSNH, seg_BT, seg_BS, kernel, *sinks)
+  window = jnp.asarray(window, jnp.int32)
+  out_BTNH = run(q_BTNH, k_BSNH, v_BSNH, seg_BT, seg_BS, window, kernels, *sinks)
   return constrain(out_BTNH, axes.names('BTN') + (None,), cfg.engine.rules)
 
 

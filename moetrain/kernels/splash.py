@@ -109,16 +109,27 @@ def _build(causal, b: int, interpret: bool, q_shards: int = 1):
   )
 
 
-def _local(q_BNTH, k_BNTH, v_BNTH, seg_BT, sinks_N, *, interpret: bool, window: int):
+def _rows(kernel, q_BNTH, k_BNSH, v_BNSH, q_seg_BT, k_seg_BS, sinks_N):
+  """`kernel` over each row of the batch, its queries' and keys' segment ids apart."""
   kernel_mod, _ = _modules()
-  n, t = q_BNTH.shape[1], q_BNTH.shape[2]
-  run = _kernel(n, t, interpret, window)
 
-  def one(q_NTH, k_NTH, v_NTH, seg_T):
-    ids = kernel_mod.SegmentIds(q=seg_T, kv=seg_T)
-    return run(q_NTH, k_NTH, v_NTH, ids, sinks_N)
+  def one(q_NTH, k_NSH, v_NSH, q_seg_T, k_seg_S):
+    ids = kernel_mod.SegmentIds(q=q_seg_T, kv=k_seg_S)
+    return kernel(q_NTH, k_NSH, v_NSH, ids, sinks_N)
 
-  return jax.vmap(one)(q_BNTH, k_BNTH, v_BNTH, seg_BT.astype(jnp.int32))
+  segs = (q_seg_BT.astype(jnp.int32), k_seg_BS.astype(jnp.int32))
+  return jax.vmap(one)(q_BNTH, k_BNSH, v_BNSH, *segs)
+
+
+def _scaled(q_BNTH, scale: float, sinks_N):
+  """(q times the softmax's scale, which the kernel does not apply; the sinks in float32)."""
+  q_BNTH = (q_BNTH.astype(jnp.float32) * scale).astype(q_BNTH.dtype)
+  return q_BNTH, None if sinks_N is None else sinks_N.astype(jnp.float32)
+
+
+def _local(q_BNTH, k_BNTH, v_BNTH, seg_BT, sinks_N, *, interpret: bool, window: int):
+  run = _kernel(q_BNTH.shape[1], q_BNTH.shape[2], interpret, window)
+  return _rows(run, q_BNTH, k_BNTH, v_BNTH, seg_BT, seg_BT, sinks_N)
 
 
 def splash_attention(
@@ -144,9 +155,7 @@ def splash_attention(
   the rules shard heads over, or None."""
   # The kernel takes unscaled scores; q scaled first is the same product. Scaled here, outside
   # the shard_map, XLA fuses it into q's producer; inside, it was one more copy of q.
-  q_BNTH = (q_BNTH.astype(jnp.float32) * scale).astype(q_BNTH.dtype)
-  if sinks_N is not None:
-    sinks_N = sinks_N.astype(jnp.float32)
+  q_BNTH, sinks_N = _scaled(q_BNTH, scale, sinks_N)
   local = functools.partial(_local, interpret=interpret, window=window)
   if not mesh_shape:
     return local(q_BNTH, k_BNTH, v_BNTH, segment_ids_BT, sinks_N)
@@ -173,17 +182,8 @@ def split_attention(
   """splash_attention of one context shard's T queries over the row's S keys and values (row
   order), inside the shard_map over 'context' whose `kernel` argument is split_kernel's, its
   block tables sharded over 'context'. Causal in the row's index order, each segment alone."""
-  kernel_mod, _ = _modules()
-  q_BNTH = (q_BNTH.astype(jnp.float32) * scale).astype(q_BNTH.dtype)
-  if sinks_N is not None:
-    sinks_N = sinks_N.astype(jnp.float32)
-
-  def one(q_NTH, k_NSH, v_NSH, q_seg_T, k_seg_S):
-    ids = kernel_mod.SegmentIds(q=q_seg_T, kv=k_seg_S)
-    return kernel(q_NTH, k_NSH, v_NSH, ids, sinks_N)
-
-  segs = (q_seg_BT.astype(jnp.int32), k_seg_BS.astype(jnp.int32))
-  return jax.vmap(one)(q_BNTH, k_BNSH, v_BNSH, *segs)
+  q_BNTH, sinks_N = _scaled(q_BNTH, scale, sinks_N)
+  return _rows(kernel, q_BNTH, k_BNSH, v_BNSH, q_seg_BT, k_seg_BS, sinks_N)
 
 
 def split_kernel(heads: int, t: int, order, *, interpret: bool, mesh_shape, window: int = 0):

@@ -98,7 +98,8 @@ class StandardLayer(nnx.Module):
     def attend(i, x_BTD):
       if isinstance(self.attn, MLA):
         out_BTD, loss = self.attn.forward(x_BTD, positions_BT, segment_ids_BT, rngs[0])
-        kl.extend([] if loss is None else [loss])
+        if loss is not None:
+          kl.append(loss)
         return out_BTD
       return self.attn(x_BTD, positions_BT, segment_ids_BT, rngs[0], window)
 

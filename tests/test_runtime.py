@@ -193,17 +193,19 @@ def test_the_planner_compiles_for_a_tpu_without_libtpu_noise(tmp_path):
 
 def test_emulated_devices_get_one_collective_order(monkeypatch):
   """Several emulated CPU devices run XLA:CPU's default scheduler (its concurrency-optimised one
-  let them enter collectives in different orders: the rendezvous aborted); one device and an
-  XLA_FLAGS that already chooses are left alone."""
+  let them enter collectives in different orders: the rendezvous aborted) and wait 15 minutes
+  at a collective for each other; one device and a flag XLA_FLAGS already sets are left alone."""
+  both = f'{runtime.CPU_ONE_COLLECTIVE_ORDER} {runtime.CPU_COLLECTIVE_PATIENCE}'
+  patience = '--xla_cpu_collective_call_terminate_timeout_seconds=60'
   cases = {
-    '--xla_force_host_platform_device_count=8': True,
-    '--xla_force_host_platform_device_count=1': False,
-    '': False,
-    '--xla_force_host_platform_device_count=8 '
-    '--xla_cpu_enable_concurrency_optimized_scheduler=true': False,
+    '--xla_force_host_platform_device_count=8': f'--xla_force_host_platform_device_count=8 {both}',
+    '--xla_force_host_platform_device_count=1': '--xla_force_host_platform_device_count=1',
+    '': '',
+    '--xla_force_host_platform_device_count=8 --xla_cpu_enable_concurrency_optimized_scheduler=true': '--xla_force_host_platform_device_count=8 --xla_cpu_enable_concurrency_optimized_scheduler=true'
+    f' {runtime.CPU_COLLECTIVE_PATIENCE}',
+    f'--xla_force_host_platform_device_count=8 {patience}': f'--xla_force_host_platform_device_count=8 {patience} {runtime.CPU_ONE_COLLECTIVE_ORDER}',
   }
-  for flags, added in cases.items():
+  for flags, want in cases.items():
     monkeypatch.setenv('XLA_FLAGS', flags)
     runtime.cpu_collective_schedule()
-    got = os.environ['XLA_FLAGS']
-    assert got == (f'{flags} {runtime.CPU_ONE_COLLECTIVE_ORDER}'.strip() if added else flags)
+    assert os.environ['XLA_FLAGS'] == want

@@ -279,20 +279,30 @@ def rocm_grouped_gemm() -> None:
 
 
 CPU_ONE_COLLECTIVE_ORDER = '--xla_cpu_enable_concurrency_optimized_scheduler=false'
+CPU_COLLECTIVE_PATIENCE = '--xla_cpu_collective_call_terminate_timeout_seconds=900'
 
 
 def cpu_collective_schedule() -> None:
-  """Emulated CPU devices (XLA_FLAGS' --xla_force_host_platform_device_count above 1): with
-  XLA:CPU's concurrency-optimised scheduler the devices entered their collectives in different
-  orders and the collective rendezvous aborted the run ("Termination timeout for `all gather`";
-  seen with a pipeline's stages, and with gradient accumulation over an FSDP x expert mesh, on 2
-  of 3 runs); its default scheduler does not. Set before JAX starts its backends; an XLA_FLAGS
-  that already names it is left alone. One device, or real ones, keep the default."""
+  """Emulated CPU devices (XLA_FLAGS' --xla_force_host_platform_device_count above 1):
+
+  - with XLA:CPU's concurrency-optimised scheduler the devices entered their collectives in
+    different orders and the collective rendezvous aborted the run ("Termination timeout for
+    `all gather`"; seen with a pipeline's stages, and with gradient accumulation over an FSDP x
+    expert mesh, on 2 of 3 runs); its default scheduler does not;
+  - the rendezvous gives up on devices that have not arrived after 40 s by default. The emulated
+    devices share the host's cores, so on a small host one can arrive minutes after the others
+    (a context-8 step of 8 x 2,048 tokens on 2 cores aborted so); they get 15 minutes.
+
+  Set before JAX starts its backends; a flag XLA_FLAGS already names is left alone. One device,
+  or real ones, keep the defaults."""
   flags = os.environ.get('XLA_FLAGS', '')
   count = re.search(r'--xla_force_host_platform_device_count=(\d+)', flags)
-  emulated = count is not None and int(count.group(1)) > 1
-  if emulated and 'concurrency_optimized_scheduler' not in flags:
-    os.environ['XLA_FLAGS'] = f'{flags} {CPU_ONE_COLLECTIVE_ORDER}'.strip()
+  if count is None or int(count.group(1)) <= 1:
+    return
+  for flag in (CPU_ONE_COLLECTIVE_ORDER, CPU_COLLECTIVE_PATIENCE):
+    if flag.split('=')[0] not in flags:
+      flags = f'{flags} {flag}'.strip()
+  os.environ['XLA_FLAGS'] = flags
 
 
 def cpu_without_accelerators() -> None:

@@ -62,13 +62,19 @@ def emit(record: dict) -> None:
   print(json.dumps(record), flush=True)
 
 
+class RunFailed(RuntimeError):
+  """A benchmarked command exited non-zero; the message ends with its standard error's tail."""
+
+
 def run_main(args: list[str]) -> str:
   """`python -m ARGS...` from the repository root in a subprocess (a fresh JAX each run); its
-  standard output, or CalledProcessError with its standard error."""
+  standard output, or RunFailed naming the command with the last lines of its standard error."""
   env = {**os.environ, 'PYTHONPATH': '.'}
-  return subprocess.run(
-    [sys.executable, '-m', *args], check=True, env=env, capture_output=True, text=True
-  ).stdout
+  done = subprocess.run([sys.executable, '-m', *args], env=env, capture_output=True, text=True)
+  if done.returncode:
+    tail = '\n'.join(done.stderr.strip().splitlines()[-5:])
+    raise RunFailed(f'python -m {" ".join(args)} exited {done.returncode}:\n{tail}')
+  return done.stdout
 
 
 def run_result(workdir: str) -> dict:

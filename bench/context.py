@@ -7,10 +7,14 @@ with each row's tokens split over the 'context' axis or not. Two tables:
 - rows of --long tokens, one per batch shard: FSDP over 8 (8 rows, a whole row on each
   device) against context 8 (1 row, an eighth of it on each device);
 - with --memory_only: the compiled step's memory per device against the row's length, one row
-  per batch shard (8 / C rows a step), context C = 1, 2, 4, 8.
+  per batch shard (8 / C rows a step), context C = 1, 2, 4, 8;
+- with --tpu TOPOLOGY: the same table from the planner's libtpu compile of Qwen3-30B-A3B's LoRA
+  step (configs/qwen3_moe_lora.py) for a TPU slice, one row per batch shard (chips / C rows),
+  with its estimated step: estimates, not measurements.
 
   python -m bench.context --tokens 2048 --long 8192,32768 --steps 6 --repeats 2
   python -m bench.context --memory_only 4096,16384,65536   # the compiled step's memory only
+  python -m bench.context --tpu v5p-16 --memory_only 8192,32768,131072
 """
 
 import argparse
@@ -22,7 +26,7 @@ import subprocess
 import sys
 import tempfile
 
-from bench.common import emit, machine, run_main
+from bench.common import RunFailed, emit, machine, run_main
 
 COMPILED = re.compile(r'Compiled in [\d.]+ s: ([\d.]+) GiB per device')
 
@@ -45,9 +49,14 @@ def demo_args(context: int, tokens: int, rows: int, steps: int, workdir: str) ->
 
 
 def run(context: int, tokens: int, rows: int, steps: int) -> dict:
-  """One run of the demo step: its compiled memory per device and median step time."""
+  """One run of the demo step: its compiled memory per device and median step time (a failed
+  run: the error's last line, and no figures)."""
   with tempfile.TemporaryDirectory(prefix='bench_context') as workdir:
-    out = run_main(demo_args(context, tokens, rows, steps, workdir))
+    try:
+      out = run_main(demo_args(context, tokens, rows, steps, workdir))
+    except RunFailed as e:
+      print(e, file=sys.stderr, flush=True)
+      return {'gib_per_device': None, 'step_s': None, 'error': str(e).splitlines()[-1]}
     gib = float(COMPILED.search(out).group(1))
     records = [json.loads(x) for x in open(os.path.join(workdir, 'metrics.jsonl'))]
     train = [r for r in records if r.get('kind') == 'train']
@@ -83,6 +92,27 @@ def memory_table(lengths: list[int]) -> None:
             'gib_per_device': compiled_gib(c, tokens, 8 // c)})  # fmt: skip
 
 
+def tpu_table(topology_name: str, lengths: list[int]) -> None:
+  """Per-chip memory and the estimated step against the row's length on a TPU slice, context C =
+  1, 2, 4, 8 with FSDP over the rest, chips / C rows a step: each chip holds 1 / C of a row."""
+  from configs import qwen3_moe_lora
+  from moetrain.planner import topology, tpu_plan
+
+  for tokens in lengths:
+    for c in (1, 2, 4, 8):
+      config = qwen3_moe_lora.get_config('variant=qwen3_30b_a3b')
+      chips = topology.parse(topology_name).chips
+      over = {'mesh.shape': (1, 1, -1, 1, c, 1), 'data.seq_len': tokens,
+              'data.global_batch_size': chips // c, 'data.eval_batch_size': chips // c}  # fmt: skip
+      r = tpu_plan.plan(config, topology_name, over)
+      need = r.get('need_bytes') or (r.get('per_chip_bytes') or {}).get('total')
+      emit({'table': 'tpu memory', 'topology': topology_name, 'tokens_per_row': tokens, 'context': c,
+            'rows': chips // c, 'fits': r.get('fits'),
+            'gib_per_chip': None if need is None else round(need / 2**30, 2),
+            'est_step_s': r.get('est_step_seconds'), 'est_mfu': r.get('est_mfu'),
+            'compile_s': r.get('compile_seconds'), 'error': r.get('error')})  # fmt: skip
+
+
 def main() -> None:
   p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   p.add_argument('--tokens', type=int, default=2048)
@@ -90,9 +120,12 @@ def main() -> None:
   p.add_argument('--steps', type=int, default=6)
   p.add_argument('--repeats', type=int, default=2)
   p.add_argument('--memory_only', default='', help='row lengths: only the compiled memory table')
+  p.add_argument('--tpu', default='', help="a TPU topology: the planner's memory table for it")
   args = p.parse_args()
   os.environ['XLA_FLAGS'] = '--xla_force_host_platform_device_count=8'
   emit({'machine': machine()})
+  if args.tpu:
+    return tpu_table(args.tpu, [int(t) for t in args.memory_only.split(',')])
   if args.memory_only:
     return memory_table([int(t) for t in args.memory_only.split(',')])
   same = {c: [] for c in (1, 2, 4, 8)}
@@ -100,10 +133,12 @@ def main() -> None:
     for c in same:
       same[c].append(run(c, args.tokens, 8, args.steps))
   for c, runs in same.items():
-    step = statistics.median(r['step_s'] for r in runs)
+    good = [r for r in runs if r['step_s'] is not None]
+    step = statistics.median(r['step_s'] for r in good) if good else None
     emit({'table': 'same work', 'context': c, 'tokens_per_row': args.tokens, 'rows': 8,
-          'gib_per_device': runs[0]['gib_per_device'], 'step_s_median': step,
-          'step_s': [r['step_s'] for r in runs]})  # fmt: skip
+          'gib_per_device': good[0]['gib_per_device'] if good else None, 'step_s_median': step,
+          'step_s': [r['step_s'] for r in runs],
+          'errors': [r['error'] for r in runs if 'error' in r]})  # fmt: skip
   for tokens in (int(t) for t in args.long.split(',') if t):
     for c in (1, 8):
       r = run(c, tokens, 8 // c, args.steps)

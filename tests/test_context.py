@@ -3,6 +3,8 @@ the loss and gradients of whole rows, on 8 emulated devices, with packed rows, L
 attention kinds (MLA with LongCat's zero experts and two attention blocks a layer; GQA; gpt-oss's
 sinks and sliding windows; DeepSeek's groups)."""
 
+import re
+
 import jax
 import numpy as np
 import optax
@@ -319,3 +321,34 @@ def test_longcat_over_context_shards_on_the_splash_kernel_gives_the_xla_paths_lo
   np.testing.assert_allclose(got, want, rtol=1e-5)
   for g, w in zip(grads, want_grads, strict=True):
     np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-6)
+
+
+def test_mla_sums_the_latents_gradient_over_context_not_the_heads():
+  """MLA gathers its latent and rope key and each shard expands them to the row's keys and
+  values inside the attention's shard_map: the backward's sums over 'context' are of the latent
+  ([B, S, kv_lora_rank], [B, S, qk_rope_head_dim]), never of the per-head keys and values
+  ([B, S, N, H]), 36x the bytes at LongCat-Flash's shapes."""
+  cfg = with_lora(tiny(init_std=0.05, attention_chunk=8, loss_chunk=4))
+  mesh = sharding.make_mesh((1, 1, 2, 1, 4, 1))
+  cfg = cfg.with_engine(rules=sharding.Rules.preset('fsdp_ep_tp')).laid_out('cpu', mesh)
+  with jax.set_mesh(mesh):
+    state = create_sharded(cfg, optax.sgd(1e-3), 0, mesh, cfg.engine.rules)
+    b = {k: jax.device_put(v, sharding.batch_sharding(mesh)) for k, v in packed_batch().items()}
+
+    def loss(params):
+      step = StepConfig(model=cfg)
+      return loss_fn(
+        params, state.moe_bias, state.frozen, graphdef_of(cfg), b, None, token_counts(b), step
+      )[0]
+
+    hlo = jax.jit(jax.grad(loss)).lower(state.params).compile().as_text()
+  summed = [
+    tuple(int(d) for d in shape.split(',') if d)
+    for line in hlo.splitlines()
+    if ' all-reduce(' in line or ' all-reduce-start(' in line
+    for shape in re.findall(r'f32\[([\d,]*)\]', line.split(' all-reduce')[0])
+  ]
+  n, latent, rope = cfg.num_heads, cfg.kv_lora_rank, cfg.qk_rope_head_dim
+  assert (T, latent) in {s[-2:] for s in summed} and (T, rope) in {s[-2:] for s in summed}
+  heads = {(T, n, cfg.qk_head_dim), (T, n, cfg.v_head_dim)}
+  assert not heads & {s[-3:] for s in summed}, summed

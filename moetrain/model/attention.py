@@ -242,40 +242,40 @@ def slot_order(cfg: ModelConfig, t: int):
 
 
 def context_self_attention(
-  q_BTNH, k_BSNH, v_BSNH, positions_BT, segment_ids_BT, cfg: ModelConfig, window=0, sinks_N=None
+  q_BTNH, k_BSNH, v_BSNH, positions_BT, segment_ids_BT, cfg, window=0, sinks_N=None, expand=None
 ):
   """causal_self_attention with the row's tokens split over the 'context' mesh axis: each
-  shard's queries [B, T / C, N, H] against every shard's keys and values (all-gathered, N_kv
-  heads: what moves is the keys' and values' heads, or MLA's latent, gathered before), by
-  blocks of attention_chunk queries. The causal mask and the packed rows' segments come from
-  the global positions and indices, so the result equals the unsplit path's; each block scores
-  all S keys, up to twice the causal work. attention_core in a shard_map over 'context' and the
-  rows' axes; where whole rows run the splash kernel (TPU), splash_over_context; with
-  engine.context_attention='ring', ring_self_attention."""
+  shard's queries [B, T / C, N, H] against every shard's keys and values, all-gathered, by
+  blocks of attention_chunk queries, the causal mask and packed segments from the global
+  positions and indices (the unsplit path's result; each block scores all S keys, up to twice
+  the causal work): attention_core in a shard_map over 'context' and the rows' axes; the splash
+  kernel where whole rows run it (splash_over_context); ring_self_attention under
+  engine.context_attention='ring'. expand: (fn, operands), k and v being what fn(k, v,
+  *operands) expands inside each shard (MLA's latent and rope key; kv_b's arrays), so that
+  the backward sums the latent's gradient over 'context', not the heads'."""
   if cfg.engine.context_attention == 'ring':
+    assert expand is None, 'the ring passes keys and values, not what makes them'
     return ring_self_attention(
       q_BTNH, k_BSNH, v_BSNH, positions_BT, segment_ids_BT, cfg, window, sinks_N
     )
-  groups = cfg.num_heads // k_BSNH.shape[2]
+  fn, operands = expand or (None, ())
+  groups = 1 if fn else cfg.num_heads // k_BSNH.shape[2]
   dtype = k_BSNH.dtype
-  if cfg.engine.platform == 'cpu':
-    # XLA:CPU aborts compiling the backward's bfloat16 sum over 'context' of what the shards
-    # read whole ("Invalid binary instruction opcode copy", jax 0.12): float32 across the
-    # boundary there.
-    k_BSNH, v_BSNH = k_BSNH.astype(jnp.float32), v_BSNH.astype(jnp.float32)
-  k_BSNH, v_BSNH = gather_tokens(k_BSNH, cfg), gather_tokens(v_BSNH, cfg)
-  all_pos, all_seg = gather_tokens(positions_BT, cfg), gather_tokens(segment_ids_BT, cfg)
+  k_BSNH, v_BSNH = gathered(k_BSNH, cfg), gathered(v_BSNH, cfg)
+  all_seg = gather_tokens(segment_ids_BT, cfg)
   index = slot_order(cfg, q_BTNH.shape[1])
   if context_splash(cfg, q_BTNH.shape[1]):  # k, v float32 on a CPU, as below
     kv = (k_BSNH, v_BSNH, segment_ids_BT, all_seg)
-    return splash_over_context(q_BTNH, *kv, cfg, index, window, sinks_N)
+    return splash_over_context(q_BTNH, *kv, cfg, index, window, sinks_N, (fn, operands))
+  all_pos = gather_tokens(positions_BT, cfg)
   window = jnp.asarray(window, jnp.int32)
   sinks = () if sinks_N is None else (sinks_N,)
 
-  def shard(q_BTNH, k_BSNH, v_BSNH, pos_BT, seg_BT, pos_BS, seg_BS, window, *sinks):
+  def shard(q_BTNH, k_BSNH, v_BSNH, pos_BT, seg_BT, pos_BS, seg_BS, window, operands, *sinks):
     t, s = q_BTNH.shape[1], k_BSNH.shape[1]
     meta = shard_mask(pos_BT, seg_BT, pos_BS, seg_BS, window, index)
-    k_BSNH, v_BSNH = (jnp.repeat(x.astype(dtype), groups, axis=2) for x in (k_BSNH, v_BSNH))
+    k_BSNH, v_BSNH = expanded(fn, k_BSNH.astype(dtype), v_BSNH.astype(dtype), operands)
+    k_BSNH, v_BSNH = (jnp.repeat(x, groups, axis=2) for x in (k_BSNH, v_BSNH))
     chunk = cfg.engine.attention_chunk
     step = chunk if 0 < chunk < t else t
     blocks = tuple((i, min(i + step, t), s) for i in range(0, t, step))
@@ -294,11 +294,25 @@ def context_self_attention(
     return out_BNTH.transpose(0, 2, 1, 3)
 
   split, whole = P(ROWS, 'context'), P(ROWS)
-  specs = (split, whole, whole, split, split, whole, whole, P(), *(P() for _ in sinks))
+  specs = (split, whole, whole, split, split, whole, whole, P(), P(), *(P() for _ in sinks))
   out_BTNH = over_context(shard, cfg, specs)(
-    q_BTNH, k_BSNH, v_BSNH, positions_BT, segment_ids_BT, all_pos, all_seg, window, *sinks
-  )
+    q_BTNH, k_BSNH, v_BSNH, positions_BT, segment_ids_BT, all_pos, all_seg, window, operands,
+    *sinks,
+  )  # fmt: skip
   return constrain(out_BTNH, axes.names('BTN') + (None,), cfg.engine.rules)
+
+
+def gathered(x_BS, cfg: ModelConfig):
+  """gather_tokens of what the shards read whole (keys, values, MLA's latent). XLA:CPU aborts
+  compiling the backward's bfloat16 sum of it over 'context' ("Invalid binary instruction
+  opcode copy", jax 0.12): on a CPU it crosses the shard_map's boundary in float32."""
+  return gather_tokens(x_BS.astype(jnp.float32) if cfg.engine.platform == 'cpu' else x_BS, cfg)
+
+
+def expanded(fn, k_BS, v_BS, operands):
+  """context_self_attention's keys and values inside a shard: fn's of what was gathered (MLA's
+  latent and rope key), or those gathered."""
+  return (k_BS, v_BS) if fn is None else fn(k_BS, v_BS, *operands)
 
 
 def context_splash(cfg: ModelConfig, t: int) -> bool:
@@ -315,13 +329,15 @@ def context_splash(cfg: ModelConfig, t: int) -> bool:
   )
 
 
-def splash_over_context(q_BTNH, k_BSNH, v_BSNH, seg_BT, seg_BS, cfg, index, window, sinks_N):
+def splash_over_context(
+  q_BTNH, k_BSNH, v_BSNH, seg_BT, seg_BS, cfg, index, window, sinks_N, expand=(None, ())
+):
   """context_self_attention on the splash kernel: each shard's queries over the gathered keys
   and values put back in the row's order, with the kernel's static block tables for the whole
   row split over 'context' (kernels/splash.split_kernel; under the dual-chunk order the tables
   follow each slot's token index), so each shard loads only the key blocks its queries see.
   A window the layer scan gives (an array) picks one of two kernels, the model's sliding
-  window's or none, as whole rows do."""
+  window's or none, as whole rows do. expand: context_self_attention's."""
   if isinstance(window, int) or not cfg.sliding_window:
     windows = (window if isinstance(window, int) else 0,)
   else:
@@ -341,11 +357,14 @@ def splash_over_context(q_BTNH, k_BSNH, v_BSNH, seg_BT, seg_BS, cfg, index, wind
   kernels, kernel_specs = tuple(k for k, _ in built), tuple(s for _, s in built)
   back = None if index is None else np.argsort(index)
   sinks = () if sinks_N is None else (sinks_N,)
+  fn, operands = expand
 
-  def shard(q_BTNH, k_BSNH, v_BSNH, seg_BT, seg_BS, window, kernels, *sinks):
+  def shard(q_BTNH, k_BSNH, v_BSNH, seg_BT, seg_BS, window, kernels, operands, *sinks):
     if back is not None:  # the gathered keys in slot order, to the row's own
       k_BSNH, v_BSNH, seg_BS = k_BSNH[:, back], v_BSNH[:, back], seg_BS[:, back]
-    qkv = tuple(x.astype(q_BTNH.dtype).transpose(0, 2, 1, 3) for x in (q_BTNH, k_BSNH, v_BSNH))
+    dtype = q_BTNH.dtype
+    k_BSNH, v_BSNH = expanded(fn, k_BSNH.astype(dtype), v_BSNH.astype(dtype), operands)
+    qkv = tuple(x.astype(dtype).transpose(0, 2, 1, 3) for x in (q_BTNH, k_BSNH, v_BSNH))
 
     def attend(kernel):
       sink = sinks[0] if sinks else None
@@ -360,10 +379,10 @@ def splash_over_context(q_BTNH, k_BSNH, v_BSNH, seg_BT, seg_BS, cfg, index, wind
     return out_BNTH.transpose(0, 2, 1, 3)
 
   split, whole = P(ROWS, 'context'), P(ROWS)
-  specs = (split, whole, whole, split, whole, P(), kernel_specs, *(P() for _ in sinks))
+  specs = (split, whole, whole, split, whole, P(), kernel_specs, P(), *(P() for _ in sinks))
   run = over_context(shard, cfg, specs, every_axis=True)
   window = jnp.asarray(window, jnp.int32)
-  out_BTNH = run(q_BTNH, k_BSNH, v_BSNH, seg_BT, seg_BS, window, kernels, *sinks)
+  out_BTNH = run(q_BTNH, k_BSNH, v_BSNH, seg_BT, seg_BS, window, kernels, operands, *sinks)
   return constrain(out_BTNH, axes.names('BTN') + (None,), cfg.engine.rules)
 
 
@@ -462,14 +481,19 @@ class MLA(nnx.Module):
     """Per-head queries and keys over [nope | rope] features and values from the latent c: one
     score product, the rope key (shared by all heads) broadcast to each (its gradient sums
     over them)."""
-    kv_BSNH = self.kv_b(c_BSK, rng)
+    q_BTNH = jnp.concatenate([q_nope, q_pe.astype(q_nope.dtype)], -1)
+    return q_BTNH, *self.keys_values(c_BSK, k_pe_BSH, self.kv_b.operands(), rng)
+
+  def keys_values(self, c_BSK, k_pe_BSH, operands: tuple, rng=None):
+    """heads' keys and values from the latent c and rope key, kv_b's arrays passed in
+    (`operands`): a context split runs it inside its shard_map."""
+    kv_BSNH = self.kv_b.apply(c_BSK, operands, rng)
     nope = self.cfg.qk_nope_head_dim
     k_nope, v_BSNH = kv_BSNH[..., :nope], kv_BSNH[..., nope:]
     k_pe_BSNH = jnp.broadcast_to(
       k_pe_BSH[:, :, None].astype(k_nope.dtype), (*k_nope.shape[:3], k_pe_BSH.shape[-1])
     )
-    q_BTNH = jnp.concatenate([q_nope, q_pe.astype(q_nope.dtype)], -1)
-    return q_BTNH, jnp.concatenate([k_nope, k_pe_BSNH], -1), v_BSNH
+    return jnp.concatenate([k_nope, k_pe_BSNH], -1), v_BSNH
 
   def __call__(self, x_BTD, positions_BT, segment_ids_BT, rng=None, window=0):
     del window  # no MLA family has sliding windows
@@ -482,12 +506,24 @@ class MLA(nnx.Module):
     c_BTK, k_pe = self.latent(x_BTD, positions_BT, rng)
     s = c_BTK.shape[1]
     split = context_split(self.cfg, s)
-    if split and self.cfg.engine.context_attention != 'ring':
-      # The all-gather moves the latent, not the heads' keys; the ring moves the heads' keys.
-      c_BTK, k_pe = gather_tokens(c_BTK, self.cfg), gather_tokens(k_pe, self.cfg)
-    q_BTNH, k_BTNH, v_BTNH = self.heads(q_nope, q_pe, c_BTK, k_pe, rng)
     trains = self.cfg.train_indexer and self.indexer is not None
-    if not (self.sparse(s) or trains):
+    dense = not (self.sparse(s) or trains)
+    if split and self.cfg.engine.context_attention != 'ring':
+      # The all-gather moves the latent, not the heads' keys (the ring moves the heads' keys).
+      c_BTK, k_pe = gather_tokens(c_BTK, self.cfg), gather_tokens(k_pe, self.cfg)
+      # Each shard expands it to the row's keys and values inside the attention's shard_map, so
+      # the backward sums the latent's gradient over 'context', not the heads' (36x the bytes
+      # for LongCat-Flash). LoRA dropout on kv_b draws its masks outside: inside, every shard
+      # of the rows would draw the same.
+      if dense and (rng is None or not (self.kv_b.has_lora and self.kv_b.lora_dropout)):
+        q_BTNH = jnp.concatenate([q_nope, q_pe.astype(q_nope.dtype)], -1)
+        expand = (self.keys_values, (self.kv_b.operands(),))
+        out_BTNH = context_self_attention(
+          q_BTNH, c_BTK, k_pe, positions_BT, segment_ids_BT, self.cfg, expand=expand
+        )
+        return self.o(out_BTNH, rng), None
+    q_BTNH, k_BTNH, v_BTNH = self.heads(q_nope, q_pe, c_BTK, k_pe, rng)
+    if dense:
       out_BTNH = causal_self_attention(
         q_BTNH, k_BTNH, v_BTNH, positions_BT, segment_ids_BT, self.cfg
       )

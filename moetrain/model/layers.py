@@ -87,23 +87,41 @@ class Linear(nnx.Module):
       self.lora_b = nnx.LoRAParam(b, axes=(*axes.names('J'), *names[n_in:]))
 
   def __call__(self, x, rng=None):
+    return self.apply(x, self.operands(), rng)
+
+  def operands(self) -> tuple:
+    """The product's arrays in the compute dtype: the kernel (dequantised; gathered for use
+    under engine.gather_weights), then LoRA's A and B and the bias where the layer has them."""
     dt = self.compute_dtype
-    lead, n_in = x.shape[: x.ndim - self.n_in], self.n_in
-    x_MI = x.astype(dt).reshape(math.prod(lead), -1)
     w = quant.value(self.kernel, dt)
     if self.gather:
       w = gather_weight(w, self.names, self.rules)
-    out_shape = w.shape[n_in:]
+    ops = (w,)
+    if self.has_lora:
+      ops += (self.lora_a[...].astype(dt), self.lora_b[...].astype(dt))
+    if hasattr(self, 'bias'):
+      ops += (self.bias[...].astype(dt),)
+    return ops
+
+  def apply(self, x, operands: tuple, rng=None):
+    """The layer on x from `operands`' arrays alone, so that a shard_map can run it with them
+    passed in (MLA's expansion of a context split's gathered latent)."""
+    dt = self.compute_dtype
+    lead = x.shape[: x.ndim - self.n_in]
+    x_MI = x.astype(dt).reshape(math.prod(lead), -1)
+    w, *rest = operands
+    out_shape = w.shape[self.n_in :]
     y_MO = x_MI @ w.reshape(x_MI.shape[1], -1)
     if self.has_lora:
+      a, b, *rest = rest
       rng = None if rng is None else jax.random.fold_in(rng, zlib.crc32(self.path.encode()))
-      a_IJ = self.lora_a[...].astype(dt).reshape(x_MI.shape[1], -1)
-      b_JO = self.lora_b[...].astype(dt).reshape(a_IJ.shape[1], -1)
+      a_IJ = a.reshape(x_MI.shape[1], -1)
+      b_JO = b.reshape(a_IJ.shape[1], -1)
       xa_MI = lora_dropout(x_MI, self.lora_dropout, rng)
       ab_MO = lora_product(xa_MI, a_IJ, b_JO, reference=self.reference_kernels)
       y_MO = y_MO + self.lora_scale * ab_MO
-    if hasattr(self, 'bias'):
-      y_MO = y_MO + self.bias[...].astype(dt)[None, :]
+    if rest:
+      y_MO = y_MO + rest[0][None, :]
     return y_MO.reshape(*lead, *out_shape)
 
 

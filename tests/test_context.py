@@ -327,8 +327,10 @@ def test_mla_sums_the_latents_gradient_over_context_not_the_heads():
   """MLA gathers its latent and rope key and each shard expands them to the row's keys and
   values inside the attention's shard_map: the backward's sums over 'context' are of the latent
   ([B, S, kv_lora_rank], [B, S, qk_rope_head_dim]), never of the per-head keys and values
-  ([B, S, N, H]), 36x the bytes at LongCat-Flash's shapes."""
-  cfg = with_lora(tiny(init_std=0.05, attention_chunk=8, loss_chunk=4))
+  ([B, S, N, H]), 36x the bytes at LongCat-Flash's shapes. In bfloat16, as the demo runs: what
+  the shards read whole crosses in float32 on a CPU (XLA:CPU aborts compiling a bfloat16 sum
+  over the axis), kv_b's arrays too."""
+  cfg = with_lora(tiny(init_std=0.05, attention_chunk=8, loss_chunk=4, dtype='bfloat16'))
   mesh = sharding.make_mesh((1, 1, 2, 1, 4, 1))
   cfg = cfg.with_engine(rules=sharding.Rules.preset('fsdp_ep_tp')).laid_out('cpu', mesh)
   with jax.set_mesh(mesh):
@@ -352,3 +354,29 @@ def test_mla_sums_the_latents_gradient_over_context_not_the_heads():
   assert (T, latent) in {s[-2:] for s in summed} and (T, rope) in {s[-2:] for s in summed}
   heads = {(T, n, cfg.qk_head_dim), (T, n, cfg.v_head_dim)}
   assert not heads & {s[-3:] for s in summed}, summed
+
+
+def test_a_split_rows_projections_are_the_whole_rows_bits_in_bfloat16():
+  """Weights are stored over 'context' too and gathered whole for each use: left split there,
+  a projection's input axis made XLA sum partial products over 'context' in bfloat16, and MLA's
+  latent differed from the whole row's by about an ulp on every number."""
+  from flax import nnx
+
+  from moetrain.model.attention import MLA
+  from tests.helpers import randomize
+
+  b, t = 8, 64
+  x = np.random.default_rng(0).normal(size=(b, t, 32)).astype(np.float32)
+  pos = np.broadcast_to(np.arange(t, dtype=np.int32), (b, t))
+  latents = []
+  for shape in ((1, 1, 8, 1, 1, 1), (1, 1, 2, 1, 4, 1)):
+    mesh = sharding.make_mesh(shape)
+    rules = sharding.Rules.preset('fsdp_ep_tp')
+    cfg = tiny(dtype='bfloat16').with_engine(rules=rules).laid_out('cpu', mesh)
+    with jax.set_mesh(mesh):
+      mla = MLA(cfg, 'layers.attn_0', nnx.Rngs(0))
+      randomize(mla, 1, scale=0.1)
+      graph, state = nnx.split(mla)
+      latent = jax.jit(lambda s, x, g=graph: nnx.merge(g, s).latent(x.astype('bfloat16'), pos)[0])
+      latents.append(np.asarray(latent(state, x).astype('float32')))
+  np.testing.assert_array_equal(latents[1], latents[0])

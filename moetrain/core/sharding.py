@@ -251,13 +251,17 @@ def constrain(x: jax.Array, names: tuple[str | None, ...], rules: Rules) -> jax.
 
 
 def gather_weight(w: jax.Array, names: tuple[str | None, ...], rules: Rules) -> jax.Array:
-  """A weight as its layer uses it: whole over the batch axes (FSDP's gather), still split over
-  the others ('tensor', 'expert'); a no-op outside a mesh context."""
+  """A weight as its layer uses it: whole over the batch axes and 'context' (FSDP's gather),
+  still split over 'tensor'; a no-op outside a mesh context. Left split over 'context', a
+  weight's input axis made XLA sum each product's partial results over that axis (in the
+  compute dtype: bfloat16 moved every token's projections by about an ulp) instead of
+  gathering the weight."""
   mesh = jax.sharding.get_abstract_mesh()
   if mesh.empty or not rules.weights:
     return w
+  gathered = (*BATCH_AXES, *FSDP_AXES)
   table = {
-    k: tuple(a for a in ((v,) if isinstance(v, str) else v or ()) if a not in BATCH_AXES)
+    k: tuple(a for a in ((v,) if isinstance(v, str) else v or ()) if a not in gathered)
     for k, v in rules.weights
   }
   spec = logical_to_spec(names, w.shape, tuple(table.items()), dict(mesh.shape))

@@ -260,13 +260,14 @@ def context_self_attention(
     )
   fn, operands = expand or (None, ())
   groups = 1 if fn else cfg.num_heads // k_BSNH.shape[2]
-  dtype = k_BSNH.dtype
+  dtype, dtypes = k_BSNH.dtype, jax.tree.map(lambda x: x.dtype, operands)
   k_BSNH, v_BSNH = gathered(k_BSNH, cfg), gathered(v_BSNH, cfg)
+  operands = jax.tree.map(functools.partial(crossing, cfg=cfg), operands)
   all_seg = gather_tokens(segment_ids_BT, cfg)
   index = slot_order(cfg, q_BTNH.shape[1])
   if context_splash(cfg, q_BTNH.shape[1]):  # k, v float32 on a CPU, as below
     kv = (k_BSNH, v_BSNH, segment_ids_BT, all_seg)
-    return splash_over_context(q_BTNH, *kv, cfg, index, window, sinks_N, (fn, operands))
+    return splash_over_context(q_BTNH, *kv, cfg, index, window, sinks_N, (fn, operands, dtypes))
   all_pos = gather_tokens(positions_BT, cfg)
   window = jnp.asarray(window, jnp.int32)
   sinks = () if sinks_N is None else (sinks_N,)
@@ -274,6 +275,7 @@ def context_self_attention(
   def shard(q_BTNH, k_BSNH, v_BSNH, pos_BT, seg_BT, pos_BS, seg_BS, window, operands, *sinks):
     t, s = q_BTNH.shape[1], k_BSNH.shape[1]
     meta = shard_mask(pos_BT, seg_BT, pos_BS, seg_BS, window, index)
+    operands = jax.tree.map(lambda x, d: x.astype(d), operands, dtypes)
     k_BSNH, v_BSNH = expanded(fn, k_BSNH.astype(dtype), v_BSNH.astype(dtype), operands)
     k_BSNH, v_BSNH = (jnp.repeat(x, groups, axis=2) for x in (k_BSNH, v_BSNH))
     chunk = cfg.engine.attention_chunk
@@ -295,18 +297,22 @@ def context_self_attention(
 
   split, whole = P(ROWS, 'context'), P(ROWS)
   specs = (split, whole, whole, split, split, whole, whole, P(), P(), *(P() for _ in sinks))
-  out_BTNH = over_context(shard, cfg, specs)(
-    q_BTNH, k_BSNH, v_BSNH, positions_BT, segment_ids_BT, all_pos, all_seg, window, operands,
-    *sinks,
-  )  # fmt: skip
+  args = (positions_BT, segment_ids_BT, all_pos, all_seg, window, operands, *sinks)
+  out_BTNH = over_context(shard, cfg, specs)(q_BTNH, k_BSNH, v_BSNH, *args)
   return constrain(out_BTNH, axes.names('BTN') + (None,), cfg.engine.rules)
 
 
+def crossing(x, cfg: ModelConfig):
+  """x as it enters a shard_map that reads it whole on every 'context' shard (gathered keys,
+  values or MLA's latent; kv_b's arrays). XLA:CPU aborts compiling the backward's bfloat16 sum
+  of it over the axis ("Invalid binary instruction opcode copy", jax 0.12): on a CPU it
+  crosses in float32, and the shard casts it back."""
+  return x.astype(jnp.float32) if cfg.engine.platform == 'cpu' else x
+
+
 def gathered(x_BS, cfg: ModelConfig):
-  """gather_tokens of what the shards read whole (keys, values, MLA's latent). XLA:CPU aborts
-  compiling the backward's bfloat16 sum of it over 'context' ("Invalid binary instruction
-  opcode copy", jax 0.12): on a CPU it crosses the shard_map's boundary in float32."""
-  return gather_tokens(x_BS.astype(jnp.float32) if cfg.engine.platform == 'cpu' else x_BS, cfg)
+  """gather_tokens of what the shards read whole, as it crosses (`crossing`)."""
+  return gather_tokens(crossing(x_BS, cfg), cfg)
 
 
 def expanded(fn, k_BS, v_BS, operands):
@@ -330,14 +336,15 @@ def context_splash(cfg: ModelConfig, t: int) -> bool:
 
 
 def splash_over_context(
-  q_BTNH, k_BSNH, v_BSNH, seg_BT, seg_BS, cfg, index, window, sinks_N, expand=(None, ())
+  q_BTNH, k_BSNH, v_BSNH, seg_BT, seg_BS, cfg, index, window, sinks_N, expand=(None, (), ())
 ):
   """context_self_attention on the splash kernel: each shard's queries over the gathered keys
   and values put back in the row's order, with the kernel's static block tables for the whole
   row split over 'context' (kernels/splash.split_kernel; under the dual-chunk order the tables
   follow each slot's token index), so each shard loads only the key blocks its queries see.
   A window the layer scan gives (an array) picks one of two kernels, the model's sliding
-  window's or none, as whole rows do. expand: context_self_attention's."""
+  window's or none, as whole rows do. expand: context_self_attention's, and the operands'
+  dtypes inside."""
   if isinstance(window, int) or not cfg.sliding_window:
     windows = (window if isinstance(window, int) else 0,)
   else:
@@ -357,12 +364,13 @@ def splash_over_context(
   kernels, kernel_specs = tuple(k for k, _ in built), tuple(s for _, s in built)
   back = None if index is None else np.argsort(index)
   sinks = () if sinks_N is None else (sinks_N,)
-  fn, operands = expand
+  fn, operands, dtypes = expand
 
   def shard(q_BTNH, k_BSNH, v_BSNH, seg_BT, seg_BS, window, kernels, operands, *sinks):
     if back is not None:  # the gathered keys in slot order, to the row's own
       k_BSNH, v_BSNH, seg_BS = k_BSNH[:, back], v_BSNH[:, back], seg_BS[:, back]
     dtype = q_BTNH.dtype
+    operands = jax.tree.map(lambda x, d: x.astype(d), operands, dtypes)
     k_BSNH, v_BSNH = expanded(fn, k_BSNH.astype(dtype), v_BSNH.astype(dtype), operands)
     qkv = tuple(x.astype(dtype).transpose(0, 2, 1, 3) for x in (q_BTNH, k_BSNH, v_BSNH))
 

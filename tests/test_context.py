@@ -56,22 +56,30 @@ def packed_batch(b=8, t=T, vocab=64):
   }
 
 
-def loss_and_grads(cfg, mesh_shape):
-  """The loss and the adapters' gradients on a mesh of the 8 devices (float32)."""
+def adapter_loss(cfg, mesh_shape):
+  """(the loss of packed_batch as a function of the params, the params, the mesh) on a mesh of
+  the 8 devices."""
   mesh = sharding.make_mesh(mesh_shape)
   cfg = cfg.with_engine(rules=sharding.Rules.preset('fsdp_ep_tp')).laid_out('cpu', mesh)
   with jax.set_mesh(mesh):
     state = create_sharded(cfg, optax.sgd(1e-3), 0, mesh, cfg.engine.rules)
     b = {k: jax.device_put(v, sharding.batch_sharding(mesh)) for k, v in packed_batch().items()}
 
-    def loss(params):
-      step = StepConfig(model=cfg)
-      return loss_fn(
-        params, state.moe_bias, state.frozen, graphdef_of(cfg), b, None, token_counts(b), step
-      )[0]
+  def loss(params):
+    step = StepConfig(model=cfg)
+    return loss_fn(
+      params, state.moe_bias, state.frozen, graphdef_of(cfg), b, None, token_counts(b), step
+    )[0]
 
-    value, grads = jax.jit(jax.value_and_grad(loss))(state.params)
-    return float(value), [np.asarray(g) for g in jax.tree.leaves(grads)]
+  return loss, state.params, mesh
+
+
+def loss_and_grads(cfg, mesh_shape):
+  """The loss and the adapters' gradients on a mesh of the 8 devices (float32)."""
+  loss, params, mesh = adapter_loss(cfg, mesh_shape)
+  with jax.set_mesh(mesh):
+    value, grads = jax.jit(jax.value_and_grad(loss))(params)
+  return float(value), [np.asarray(g) for g in jax.tree.leaves(grads)]
 
 
 @pytest.mark.parametrize(
@@ -331,19 +339,9 @@ def test_mla_sums_the_latents_gradient_over_context_not_the_heads():
   the shards read whole crosses in float32 on a CPU (XLA:CPU aborts compiling a bfloat16 sum
   over the axis), kv_b's arrays too."""
   cfg = with_lora(tiny(init_std=0.05, attention_chunk=8, loss_chunk=4, dtype='bfloat16'))
-  mesh = sharding.make_mesh((1, 1, 2, 1, 4, 1))
-  cfg = cfg.with_engine(rules=sharding.Rules.preset('fsdp_ep_tp')).laid_out('cpu', mesh)
+  loss, params, mesh = adapter_loss(cfg, (1, 1, 2, 1, 4, 1))
   with jax.set_mesh(mesh):
-    state = create_sharded(cfg, optax.sgd(1e-3), 0, mesh, cfg.engine.rules)
-    b = {k: jax.device_put(v, sharding.batch_sharding(mesh)) for k, v in packed_batch().items()}
-
-    def loss(params):
-      step = StepConfig(model=cfg)
-      return loss_fn(
-        params, state.moe_bias, state.frozen, graphdef_of(cfg), b, None, token_counts(b), step
-      )[0]
-
-    hlo = jax.jit(jax.grad(loss)).lower(state.params).compile().as_text()
+    hlo = jax.jit(jax.grad(loss)).lower(params).compile().as_text()
   summed = [
     tuple(int(d) for d in shape.split(',') if d)
     for line in hlo.splitlines()

@@ -275,8 +275,7 @@ def context_self_attention(
   def shard(q_BTNH, k_BSNH, v_BSNH, pos_BT, seg_BT, pos_BS, seg_BS, window, operands, *sinks):
     t, s = q_BTNH.shape[1], k_BSNH.shape[1]
     meta = shard_mask(pos_BT, seg_BT, pos_BS, seg_BS, window, index)
-    operands = jax.tree.map(lambda x, d: x.astype(d), operands, dtypes)
-    k_BSNH, v_BSNH = expanded(fn, k_BSNH.astype(dtype), v_BSNH.astype(dtype), operands)
+    k_BSNH, v_BSNH = expanded(fn, k_BSNH, v_BSNH, operands, dtype, dtypes)
     k_BSNH, v_BSNH = (jnp.repeat(x, groups, axis=2) for x in (k_BSNH, v_BSNH))
     chunk = cfg.engine.attention_chunk
     step = chunk if 0 < chunk < t else t
@@ -315,9 +314,12 @@ def gathered(x_BS, cfg: ModelConfig):
   return gather_tokens(crossing(x_BS, cfg), cfg)
 
 
-def expanded(fn, k_BS, v_BS, operands):
-  """context_self_attention's keys and values inside a shard: fn's of what was gathered (MLA's
-  latent and rope key), or those gathered."""
+def expanded(fn, k_BS, v_BS, operands, dtype, dtypes):
+  """context_self_attention's keys and values inside a shard: what crossed (`crossing`) back in
+  `dtype` and the operands in `dtypes`, then fn's of them (MLA's latent and rope key), or those
+  gathered."""
+  k_BS, v_BS = k_BS.astype(dtype), v_BS.astype(dtype)
+  operands = jax.tree.map(lambda x, d: x.astype(d), operands, dtypes)
   return (k_BS, v_BS) if fn is None else fn(k_BS, v_BS, *operands)
 
 
@@ -370,8 +372,7 @@ def splash_over_context(
     if back is not None:  # the gathered keys in slot order, to the row's own
       k_BSNH, v_BSNH, seg_BS = k_BSNH[:, back], v_BSNH[:, back], seg_BS[:, back]
     dtype = q_BTNH.dtype
-    operands = jax.tree.map(lambda x, d: x.astype(d), operands, dtypes)
-    k_BSNH, v_BSNH = expanded(fn, k_BSNH.astype(dtype), v_BSNH.astype(dtype), operands)
+    k_BSNH, v_BSNH = expanded(fn, k_BSNH, v_BSNH, operands, dtype, dtypes)
     qkv = tuple(x.astype(dtype).transpose(0, 2, 1, 3) for x in (q_BTNH, k_BSNH, v_BSNH))
 
     def attend(kernel):

@@ -48,7 +48,10 @@ class Linear(nnx.Module):
 
   It runs as 2-D matmuls over the flattened tokens: with the batch and sequence dimensions kept
   apart, the weight-gradient contractions (over both) made XLA:CPU transpose the activation
-  gradients through slow strided fusions, 3x the time of the LoRA MLP (bench/RESULTS.md)."""
+  gradients through slow strided fusions, 3x the time of the LoRA MLP (bench/RESULTS.md). Not
+  under a context split (`flat` False): there both axes are sharded (rows over the batch axes,
+  tokens over 'context'), the partitioner could not split their merge and gathered the tokens,
+  and every projection ran on whole rows on each context shard (C times its FLOPs)."""
 
   def __init__(
     self,
@@ -66,6 +69,7 @@ class Linear(nnx.Module):
     self.compute_dtype = dtype_of(cfg.engine.dtype)
     self.names, self.rules = names, cfg.engine.rules
     self.gather = gather and cfg.engine.gather_weights
+    self.flat = cfg.engine.context_shards == 1
     std = cfg.engine.init_std if std is None else std
     n_in = self.n_in = matmul_dims(eqn)
     self.kernel = quant.drawn_param(rngs, shape, std, names, cfg.engine, n_batch=0, n_in=n_in)
@@ -97,8 +101,12 @@ class Linear(nnx.Module):
     if self.gather:
       w = gather_weight(w, self.names, self.rules)
     ops = (w,)
-    if self.has_lora:
-      ops += (self.lora_a[...].astype(dt), self.lora_b[...].astype(dt))
+    if self.has_lora:  # gathered like the kernel, so no product sums partial results
+      n, rank = self.n_in, axes.names('J')
+      lora = ((self.lora_a, (*self.names[:n], *rank)), (self.lora_b, (*rank, *self.names[n:])))
+      for p, names in lora:
+        x = p[...].astype(dt)
+        ops += (gather_weight(x, names, self.rules) if self.gather else x,)
     if hasattr(self, 'bias'):
       ops += (self.bias[...].astype(dt),)
     return ops
@@ -108,20 +116,21 @@ class Linear(nnx.Module):
     passed in (MLA's expansion of a context split's gathered latent)."""
     dt = self.compute_dtype
     lead = x.shape[: x.ndim - self.n_in]
-    x_MI = x.astype(dt).reshape(math.prod(lead), -1)
+    # M: the tokens in one axis, or under a context split the leading axes as they are.
+    x_MI = x.astype(dt).reshape(*((math.prod(lead),) if self.flat else lead), -1)
     w, *rest = operands
     out_shape = w.shape[self.n_in :]
-    y_MO = x_MI @ w.reshape(x_MI.shape[1], -1)
+    y_MO = x_MI @ w.reshape(x_MI.shape[-1], -1)
     if self.has_lora:
       a, b, *rest = rest
       rng = None if rng is None else jax.random.fold_in(rng, zlib.crc32(self.path.encode()))
-      a_IJ = a.reshape(x_MI.shape[1], -1)
+      a_IJ = a.reshape(x_MI.shape[-1], -1)
       b_JO = b.reshape(a_IJ.shape[1], -1)
       xa_MI = lora_dropout(x_MI, self.lora_dropout, rng)
-      ab_MO = lora_product(xa_MI, a_IJ, b_JO, reference=self.reference_kernels)
-      y_MO = y_MO + self.lora_scale * ab_MO
+      reference = self.reference_kernels or not self.flat  # the fast kernel's bwd is 2-D
+      y_MO = y_MO + self.lora_scale * lora_product(xa_MI, a_IJ, b_JO, reference=reference)
     if rest:
-      y_MO = y_MO + rest[0][None, :]
+      y_MO = y_MO + rest[0]
     return y_MO.reshape(*lead, *out_shape)
 
 

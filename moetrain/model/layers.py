@@ -101,12 +101,8 @@ class Linear(nnx.Module):
     if self.gather:
       w = gather_weight(w, self.names, self.rules)
     ops = (w,)
-    if self.has_lora:  # gathered like the kernel, so no product sums partial results
-      n, rank = self.n_in, axes.names('J')
-      lora = ((self.lora_a, (*self.names[:n], *rank)), (self.lora_b, (*rank, *self.names[n:])))
-      for p, names in lora:
-        x = p[...].astype(dt)
-        ops += (gather_weight(x, names, self.rules) if self.gather else x,)
+    if self.has_lora:
+      ops += (self.lora_a[...].astype(dt), self.lora_b[...].astype(dt))
     if hasattr(self, 'bias'):
       ops += (self.bias[...].astype(dt),)
     return ops

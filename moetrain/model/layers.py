@@ -125,8 +125,8 @@ class Linear(nnx.Module):
       xa_MI = lora_dropout(x_MI, self.lora_dropout, rng)
       reference = self.reference_kernels or not self.flat  # the fast kernel's bwd is 2-D
       y_MO = y_MO + self.lora_scale * lora_product(xa_MI, a_IJ, b_JO, reference=reference)
-    if rest:
-      y_MO = y_MO + rest[0]
+    if rest:  # the bias [O], over every leading axis
+      y_MO = y_MO + rest[0].reshape(*(1,) * (y_MO.ndim - 1), -1)
     return y_MO.reshape(*lead, *out_shape)
 
 

@@ -193,8 +193,10 @@ def test_the_planner_compiles_for_a_tpu_without_libtpu_noise(tmp_path):
 
 def test_emulated_devices_get_one_collective_order(monkeypatch):
   """Several emulated CPU devices run XLA:CPU's default scheduler (its concurrency-optimised one
-  let them enter collectives in different orders: the rendezvous aborted) and wait 15 minutes
-  at a collective for each other; one device and a flag XLA_FLAGS already sets are left alone."""
+  let them enter collectives in different orders: the rendezvous aborted), wait 15 minutes at a
+  collective for each other and get 8 worker threads each (NPROC: with one each, collectives
+  waiting for a late device held every worker); one device, a flag XLA_FLAGS already sets and
+  an NPROC already set are left alone."""
   both = f'{runtime.CPU_ONE_COLLECTIVE_ORDER} {runtime.CPU_COLLECTIVE_PATIENCE}'
   patience = '--xla_cpu_collective_call_terminate_timeout_seconds=60'
   cases = {
@@ -207,5 +209,10 @@ def test_emulated_devices_get_one_collective_order(monkeypatch):
   }
   for flags, want in cases.items():
     monkeypatch.setenv('XLA_FLAGS', flags)
+    monkeypatch.delenv('NPROC', raising=False)
     runtime.cpu_collective_schedule()
     assert os.environ['XLA_FLAGS'] == want
+    assert os.environ.get('NPROC') == ('64' if 'count=8' in flags else None)
+  monkeypatch.setenv('NPROC', '12')
+  runtime.cpu_collective_schedule()
+  assert os.environ['NPROC'] == '12'

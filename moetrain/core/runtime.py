@@ -280,6 +280,7 @@ def rocm_grouped_gemm() -> None:
 
 CPU_ONE_COLLECTIVE_ORDER = '--xla_cpu_enable_concurrency_optimized_scheduler=false'
 CPU_COLLECTIVE_PATIENCE = '--xla_cpu_collective_call_terminate_timeout_seconds=900'
+CPU_THREADS_PER_DEVICE = 8
 
 
 def cpu_collective_schedule() -> None:
@@ -291,10 +292,17 @@ def cpu_collective_schedule() -> None:
     expert mesh, on 2 of 3 runs); its default scheduler does not;
   - the rendezvous gives up on devices that have not arrived after 40 s by default. The emulated
     devices share the host's cores, so on a small host one can arrive minutes after the others
-    (a context-8 step of 8 x 2,048 tokens on 2 cores aborted so); they get 15 minutes.
+    (a context-8 step of 8 x 2,048 tokens on 2 cores aborted so); they get 15 minutes;
+  - the devices share one pool of worker threads, by default one a device, and a device runs
+    its independent collectives at once, each holding a worker while it waits for the other
+    devices. When the waiting collectives hold every worker, a device that has not reached them
+    gets no thread to run on and the step hangs for good (8 x 512-token LoRA steps over FSDP 8:
+    all 8 workers waiting at two all-gathers, devices 6 and 7 at neither). XLA sizes its pools
+    from the NPROC variable: they get CPU_THREADS_PER_DEVICE a device (idle threads cost no
+    CPU).
 
-  Set before JAX starts its backends; a flag XLA_FLAGS already names is left alone. One device,
-  or real ones, keep the defaults."""
+  Set before JAX starts its backends; a flag XLA_FLAGS already names, or an NPROC already set,
+  is left alone. One device, or real ones, keep the defaults."""
   flags = os.environ.get('XLA_FLAGS', '')
   count = re.search(r'--xla_force_host_platform_device_count=(\d+)', flags)
   if count is None or int(count.group(1)) <= 1:
@@ -303,6 +311,7 @@ def cpu_collective_schedule() -> None:
     if flag.split('=')[0] not in flags:
       flags = f'{flags} {flag}'.strip()
   os.environ['XLA_FLAGS'] = flags
+  os.environ.setdefault('NPROC', str(CPU_THREADS_PER_DEVICE * int(count.group(1))))
 
 
 def cpu_without_accelerators() -> None:

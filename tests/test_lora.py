@@ -32,15 +32,17 @@ def test_merged_model_equals_adapted_model(mode):
 
 
 @pytest.mark.parametrize('dtype', ['float32', 'bfloat16'])
-def test_lora_product_gradients_equal_autodiff(dtype):
-  """The adapters' product with its hand-written backward (transposed thin factors) against
+@pytest.mark.parametrize('lead', [(48,), (4, 12)])
+def test_lora_product_gradients_equal_autodiff(dtype, lead):
+  """The adapters' product with its hand-written backward (transposed thin factors; one
+  contraction over the leading axes where they stay apart, as under a context split) against
   autodiff of (x a) b: outputs and all three gradients, in the inputs' dtypes."""
   keys = jax.random.split(jax.random.key(0), 4)
   dt = jnp.dtype(dtype)
-  x = jax.random.normal(keys[0], (48, 24)).astype(dt)
+  x = jax.random.normal(keys[0], (*lead, 24)).astype(dt)
   a = jax.random.normal(keys[1], (24, 4)).astype(dt)
   b = jax.random.normal(keys[2], (4, 40)).astype(dt)
-  g = jax.random.normal(keys[3], (48, 40)).astype(dt)
+  g = jax.random.normal(keys[3], (*lead, 40)).astype(dt)
   y, pull = jax.vjp(lora_product, x, a, b)
   want_y, want_pull = jax.vjp(lambda x, a, b: (x @ a) @ b, x, a, b)
   tol = 1e-5 if dtype == 'float32' else 2e-2
@@ -50,6 +52,28 @@ def test_lora_product_gradients_equal_autodiff(dtype):
     assert got.dtype == dt
     scale = float(jnp.abs(f32(want)).max())
     np.testing.assert_allclose(f32(got), f32(want), rtol=tol, atol=tol * scale)
+
+
+@pytest.mark.parametrize('lead', [(48,), (4, 12)])
+def test_float32_adapters_get_float32_gradients_of_a_bfloat16_product(lead):
+  """float32 adapters (lora.param_dtype's default) on bfloat16 tokens: the product runs in
+  bfloat16, and the adapters' gradients are summed over the tokens in float32, never rounded to
+  bfloat16 (a mesh's sum over its devices then runs in float32 too): the float32 autodiff of
+  the same bfloat16 product, to float32's precision."""
+  keys = jax.random.split(jax.random.key(1), 4)
+  x = jax.random.normal(keys[0], (*lead, 24)).astype(jnp.bfloat16)
+  a = jax.random.normal(keys[1], (24, 4))
+  b = jax.random.normal(keys[2], (4, 40))
+  g = jax.random.normal(keys[3], (*lead, 40)).astype(jnp.bfloat16)
+  _, pull = jax.vjp(lora_product, x, a, b)
+  dx, da, db = jax.jit(pull)(g)
+  assert (dx.dtype, da.dtype, db.dtype) == (jnp.bfloat16, jnp.float32, jnp.float32)
+  bf = lambda t: t.astype(jnp.bfloat16).astype(jnp.float32)
+  x32, g32 = x.astype(jnp.float32).reshape(-1, 24), g.astype(jnp.float32).reshape(-1, 40)
+  h32 = bf(x32 @ bf(a))  # the forward's bfloat16 h
+  dh32 = bf(g32 @ bf(b).T)
+  np.testing.assert_allclose(da, x32.T @ dh32, rtol=1e-5, atol=1e-4)
+  np.testing.assert_allclose(db, h32.T @ g32, rtol=1e-5, atol=1e-4)
 
 
 def test_gradients_reach_only_adapters():

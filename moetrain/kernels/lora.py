@@ -9,36 +9,53 @@ import jax.numpy as jnp
 from moetrain.kernels import Kernel
 
 
+def _reference(x_MI, a_IJ, b_JO):
+  dt = x_MI.dtype
+  return (x_MI @ a_IJ.astype(dt)) @ b_JO.astype(dt)
+
+
 @jax.custom_vjp
 def _lora_product(x_MI, a_IJ, b_JO):
-  return (x_MI @ a_IJ) @ b_JO
+  return _reference(x_MI, a_IJ, b_JO)
 
 
 def _lora_fwd(x_MI, a_IJ, b_JO):
-  h_MJ = x_MI @ a_IJ
-  return h_MJ @ b_JO, (x_MI, a_IJ, b_JO, h_MJ)
+  h_MJ = x_MI @ a_IJ.astype(x_MI.dtype)
+  return h_MJ @ b_JO.astype(x_MI.dtype), (x_MI, a_IJ, b_JO, h_MJ)
 
 
 def _lora_bwd(res, g_MO):
   x_MI, a_IJ, b_JO, h_MJ = res
-  g_MO = g_MO.astype(h_MJ.dtype)
+  dt = x_MI.dtype
+  g_MO = g_MO.astype(dt)
+  a_c, b_c = a_IJ.astype(dt), b_JO.astype(dt)
+  if x_MI.ndim > 2:  # leading axes kept apart (a context split): one contraction over them
+    dh_MJ = g_MO @ b_c.T
+    lead = ''.join(chr(ord('a') + i) for i in range(x_MI.ndim - 1))
+    da_IJ = jnp.einsum(f'{lead}i,{lead}j->ij', x_MI, dh_MJ, preferred_element_type=a_IJ.dtype)
+    db_JO = jnp.einsum(f'{lead}j,{lead}o->jo', h_MJ, g_MO, preferred_element_type=b_JO.dtype)
+    return dh_MJ @ a_c.T, da_IJ, db_JO
   # The barriers keep XLA from folding the transposes back into the products: into x^T dh
   # again, or, where the forward is recomputed in the same loop (the grouped MoE engine), into a
   # product a^T x^T that forms h^T directly, which is a generic dot too.
-  dh_MJ, h_MJ = jax.lax.optimization_barrier((g_MO @ b_JO.T, h_MJ))
+  dh_MJ, h_MJ = jax.lax.optimization_barrier((g_MO @ b_c.T, h_MJ))
   dh_JM, h_JM = jax.lax.optimization_barrier((dh_MJ.T, h_MJ.T))
-  da_JI = jax.lax.optimization_barrier(dh_JM @ x_MI)
-  return dh_MJ @ a_IJ.T, da_JI.T.astype(a_IJ.dtype), (h_JM @ g_MO).astype(b_JO.dtype)
+  da_JI = jax.lax.optimization_barrier(jnp.matmul(dh_JM, x_MI, preferred_element_type=a_IJ.dtype))
+  db_JO = jnp.matmul(h_JM, g_MO, preferred_element_type=b_JO.dtype)
+  return dh_MJ @ a_c.T, da_JI.T, db_JO
 
 
 _lora_product.defvjp(_lora_fwd, _lora_bwd)
 
-# (x @ a) @ b for 2-D LoRA factors x [M, I], a [I, J], b [J, O]. Autodiff forms dA = x^T dh and
-# dB = h^T g, which contract the token rows of both operands; XLA:CPU runs that form in its
-# generic dot, and for these thin shapes (rank 16) at 8-15 GFLOP/s: 8% of the single-core LoRA
-# step went there (bench/RESULTS.md). The fast backward transposes the thin [M, J] factors first
-# (cheap: J rows) and forms dA^T = dh^T x and dB = h^T g, ordinary products on the fast path.
-lora_product = Kernel('lora_product', _lora_product, lambda x, a, b: (x @ a) @ b)
+# (x @ a) @ b for LoRA factors x [..., I], a [I, J], b [J, O], in x's dtype. The adapters' gradients
+# are summed over the tokens in the adapters' own dtype (float32 by default: lora.param_dtype), so
+# a mesh that splits the tokens another way sums them in float32, not in bfloat16's ulps.
+# Autodiff forms dA = x^T dh and dB = h^T g, which contract the token rows of both operands;
+# XLA:CPU runs that form in its generic dot, and for these thin shapes (rank 16) at 8-15
+# GFLOP/s: 8% of the single-core LoRA step went there (bench/RESULTS.md). The fast backward of a
+# 2-D x transposes the thin [M, J] factors first (cheap: J rows) and forms dA^T = dh^T x and
+# dB = h^T g, ordinary products on the fast path.
+lora_product = Kernel('lora_product', _lora_product, _reference)
 
 
 def lora_dropout(x, rate: float, rng):
@@ -63,7 +80,7 @@ def with_lora(base_mm, weights, spec, rng, adapter_mm=None):
       xa = lora_dropout(x, spec.lora.dropout, key)
       a, b = weights[f'{name}_lora_a'], weights[f'{name}_lora_b']
       if a.ndim == 2:
-        ab = lora_product(xa, a.astype(xa.dtype), b.astype(xa.dtype), reference=reference)
+        ab = lora_product(xa, a, b, reference=reference)
       else:
         ab = adapter_mm(adapter_mm(xa, a), b)
       y = y + spec.lora.scale * ab

@@ -94,15 +94,16 @@ class Linear(nnx.Module):
     return self.apply(x, self.operands(), rng)
 
   def operands(self) -> tuple:
-    """The product's arrays in the compute dtype: the kernel (dequantised; gathered for use
-    under engine.gather_weights), then LoRA's A and B and the bias where the layer has them."""
+    """The product's arrays: the kernel in the compute dtype (dequantised; gathered for use
+    under engine.gather_weights), then LoRA's A and B as stored (lora_product casts them and
+    returns their gradients in their own dtype), and the bias in the compute dtype."""
     dt = self.compute_dtype
     w = quant.value(self.kernel, dt)
     if self.gather:
       w = gather_weight(w, self.names, self.rules)
     ops = (w,)
     if self.has_lora:
-      ops += (self.lora_a[...].astype(dt), self.lora_b[...].astype(dt))
+      ops += (self.lora_a[...], self.lora_b[...])
     if hasattr(self, 'bias'):
       ops += (self.bias[...].astype(dt),)
     return ops
@@ -123,8 +124,8 @@ class Linear(nnx.Module):
       a_IJ = a.reshape(x_MI.shape[-1], -1)
       b_JO = b.reshape(a_IJ.shape[1], -1)
       xa_MI = lora_dropout(x_MI, self.lora_dropout, rng)
-      reference = self.reference_kernels or not self.flat  # the fast kernel's bwd is 2-D
-      y_MO = y_MO + self.lora_scale * lora_product(xa_MI, a_IJ, b_JO, reference=reference)
+      lora_MO = lora_product(xa_MI, a_IJ, b_JO, reference=self.reference_kernels)
+      y_MO = y_MO + self.lora_scale * lora_MO
     if rest:  # the bias [O], over every leading axis
       y_MO = y_MO + rest[0].reshape(*(1,) * (y_MO.ndim - 1), -1)
     return y_MO.reshape(*lead, *out_shape)

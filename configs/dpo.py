@@ -24,7 +24,7 @@ def get_config(arg: str | None = None):
   config.preference.beta = 0.1
   # The chosen completions' NLL beside the DPO loss (RPO): without it both likelihoods fell and
   # the eval completion accuracy with them (0.8338 -> 0.6133 at step 100, pref/accuracy 0.95);
-  # with it 0.8338 -> 0.8702, pref/accuracy 0.94 (bench/RESULTS.md, "Preference tuning on the
+  # with it 0.8338 -> 0.8604, pref/accuracy 0.95 (bench/RESULTS.md, "Preference tuning on the
   # demo task").
   config.preference.sft_weight = 1.0
   config.loss.bias_update_rate = 0.0

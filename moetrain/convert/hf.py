@@ -1,5 +1,5 @@
 """Hugging Face checkpoints of every family <-> moetrain: config.json, the weight-name table
-(the family's: longcat.py, standard.py), streaming load and save (PEFT adapters:
+(the family's: longcat.py, standard.py, hybrid.py), streaming load and save (PEFT adapters:
 peft_adapter.py)."""
 
 import json
@@ -14,7 +14,15 @@ from absl import logging
 from flax import nnx
 from jax.sharding import SingleDeviceSharding
 
-from moetrain.convert import block_fp8, compressed_int4, gpt_oss, longcat, multimodal, standard
+from moetrain.convert import (
+  block_fp8,
+  compressed_int4,
+  gpt_oss,
+  hybrid,
+  longcat,
+  multimodal,
+  standard,
+)
 from moetrain.convert import safetensors_io as stio
 from moetrain.convert import stacked_io as sio
 from moetrain.convert.stacked_io import Row
@@ -30,7 +38,12 @@ from moetrain.training import train_state
 
 def family_of(model_type: str):
   """The module or object that knows a family's config.json and weight names."""
-  families = {**standard.FAMILIES, **multimodal.FAMILIES, 'gpt_oss': gpt_oss.GPT_OSS}
+  families = {
+    **standard.FAMILIES,
+    **hybrid.FAMILIES,
+    **multimodal.FAMILIES,
+    'gpt_oss': gpt_oss.GPT_OSS,
+  }
   if model_type == longcat.MODEL_TYPE:
     return longcat
   if model_type in families:

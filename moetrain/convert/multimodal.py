@@ -8,7 +8,7 @@ model whole under language_model. (language_model.model.*, language_model.lm_hea
 beside vision_tower.* and mm_projector.*, its routed experts int4 as Kimi-K2-Thinking's
 (compressed_int4.py). Exports write the language model alone, as its text family."""
 
-from moetrain.convert import standard
+from moetrain.convert import hybrid, standard
 
 
 class NestedReader:
@@ -84,7 +84,7 @@ class Multimodal:
 
 QWEN3_5_MOE = Multimodal(
   'qwen3_5_moe',
-  standard.QWEN3_5_MOE_TEXT,
+  hybrid.QWEN3_5_MOE_TEXT,
   ('qwen3_5_moe_text',),
   'model.language_model.',
   'model.',

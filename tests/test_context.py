@@ -3,17 +3,21 @@ the loss and gradients of whole rows, on 8 emulated devices, with packed rows, L
 attention kinds (MLA with LongCat's zero experts and two attention blocks a layer; GQA; gpt-oss's
 sinks and sliding windows; DeepSeek's groups)."""
 
+import os
 import re
+import subprocess
+import sys
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
 
 from moetrain.core import sharding
-from moetrain.training.train_state import create_sharded, graphdef_of
+from moetrain.training.train_state import create_sharded, graphdef_of, merge_model
 from moetrain.training.train_step import StepConfig, loss_fn, token_counts
-from tests.helpers import tiny, with_lora
+from tests.helpers import ROOT, tiny, with_lora
 
 GQA = dict(attention='gqa', layer_layout='standard', num_heads=4, num_kv_heads=2, head_dim=8)
 FAMILIES = {
@@ -398,3 +402,49 @@ def test_a_split_rows_projections_are_the_whole_rows_bits_in_bfloat16():
       latent = jax.jit(lambda s, x, g=graph: nnx.merge(g, s).latent(x.astype('bfloat16'), pos)[0])
       latents.append(np.asarray(latent(state, x).astype('float32')))
   np.testing.assert_array_equal(latents[1], latents[0])
+
+
+def final_hidden_states(cfg, mesh_shape, t: int):
+  """The final hidden states [B, T, D] (float32) of packed_batch's rows of t tokens on a mesh of
+  the 8 devices."""
+  mesh = sharding.make_mesh(mesh_shape)
+  cfg = cfg.with_engine(rules=sharding.Rules.preset('fsdp_ep_tp')).laid_out('cpu', mesh)
+  with jax.set_mesh(mesh):
+    state = create_sharded(cfg, optax.sgd(1e-3), 0, mesh, cfg.engine.rules)
+    put = lambda x: jax.device_put(x, sharding.batch_sharding(mesh))
+    b = {k: put(v) for k, v in packed_batch(t=t).items()}
+
+    def features(params):
+      model = merge_model(graphdef_of(cfg), params, state.moe_bias, state.frozen)
+      return model.features(b['inputs'], b['positions'], b['segment_ids'])[0]
+
+    return np.asarray(jax.jit(features)(state.params).astype(jnp.float32))
+
+
+def print_split_bitwise(family: str) -> None:
+  """Prints 'bit-equal N of M': the tokens whose final hidden state context 4 x FSDP 2 gives
+  bit for bit as FSDP 8 does, bfloat16, LoRA, 8 rows of 128 tokens (run in a process of its own
+  XLA flags). The tiny model is widened to 128 (experts 64): at width 32 XLA's default matched
+  too."""
+  sizes = dict(hidden_size=128, ffn_hidden_size=64, expert_ffn_hidden_size=64)
+  cfg = with_lora(tiny(init_std=0.05, dtype='bfloat16', **sizes, **FAMILIES[family]))
+  meshes = ((1, 1, 8, 1, 1, 1), (1, 1, 2, 1, 4, 1))
+  whole, split = (final_hidden_states(cfg, m, 128) for m in meshes)
+  print(f'bit-equal {int((whole == split).all(-1).sum())} of {whole.shape[0] * whole.shape[1]}')
+
+
+@pytest.mark.slow  # ~1 minute: two compiles in a process of its own
+def test_without_excess_precision_a_split_forward_is_the_whole_rows_bit_for_bit():
+  """docs/context.md's check of a split in bfloat16: with --xla_allow_excess_precision=false
+  (XLA:CPU otherwise rounds bfloat16 chains where its fusions end, which another mesh's
+  collectives move) the split's final hidden states are FSDP 8's, bit for bit (GQA; with XLA's
+  default 953 of the 1,024 tokens were, when measured)."""
+  code = 'from tests.test_context import print_split_bitwise; print_split_bitwise("qwen3_moe")'
+  flags = '--xla_force_host_platform_device_count=8 --xla_allow_excess_precision=false'
+  env = {**os.environ, 'XLA_FLAGS': flags, 'JAX_PLATFORMS': 'cpu', 'PYTHONPATH': str(ROOT)}
+  out = subprocess.run(
+    [sys.executable, '-c', code], cwd=ROOT, env=env, capture_output=True, text=True
+  )
+  assert out.returncode == 0, out.stderr[-2000:]
+  n, total = map(int, re.search(r'bit-equal (\d+) of (\d+)', out.stdout).groups())
+  assert n == total, out.stdout

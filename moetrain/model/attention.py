@@ -493,10 +493,11 @@ class MLA(nnx.Module):
     q_BTNH = jnp.concatenate([q_nope, q_pe.astype(q_nope.dtype)], -1)
     return q_BTNH, *self.keys_values(c_BSK, k_pe_BSH, self.kv_b.operands(), rng)
 
-  def keys_values(self, c_BSK, k_pe_BSH, operands: tuple, rng=None):
+  def keys_values(self, c_BSK, k_pe_BSH, operands: tuple, rng=None, local: bool = False):
     """heads' keys and values from the latent c and rope key, kv_b's arrays passed in
-    (`operands`): a context split runs it inside its shard_map."""
-    kv_BSNH = self.kv_b.apply(c_BSK, operands, rng)
+    (`operands`): a context split runs it inside its shard_map (`local`: on the shard's own
+    arrays, where its tokens flatten into one axis for kv_b's 2-D product)."""
+    kv_BSNH = self.kv_b.apply(c_BSK, operands, rng, flat=True if local else None)
     nope = self.cfg.qk_nope_head_dim
     k_nope, v_BSNH = kv_BSNH[..., :nope], kv_BSNH[..., nope:]
     k_pe_BSNH = jnp.broadcast_to(
@@ -526,7 +527,7 @@ class MLA(nnx.Module):
       # of the rows would draw the same.
       if dense and (rng is None or not (self.kv_b.has_lora and self.kv_b.lora_dropout)):
         q_BTNH = jnp.concatenate([q_nope, q_pe.astype(q_nope.dtype)], -1)
-        expand = (self.keys_values, (self.kv_b.operands(),))
+        expand = (functools.partial(self.keys_values, local=True), (self.kv_b.operands(),))
         out_BTNH = context_self_attention(
           q_BTNH, c_BTK, k_pe, positions_BT, segment_ids_BT, self.cfg, expand=expand
         )

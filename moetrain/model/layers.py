@@ -108,13 +108,16 @@ class Linear(nnx.Module):
       ops += (self.bias[...].astype(dt),)
     return ops
 
-  def apply(self, x, operands: tuple, rng=None):
+  def apply(self, x, operands: tuple, rng=None, flat: bool | None = None):
     """The layer on x from `operands`' arrays alone, so that a shard_map can run it with them
-    passed in (MLA's expansion of a context split's gathered latent)."""
+    passed in (MLA's expansion of a context split's gathered latent). flat: whether the leading
+    axes merge into one (default self.flat); inside a shard_map, where x is the shard's own,
+    they can whatever the split."""
     dt = self.compute_dtype
     lead = x.shape[: x.ndim - self.n_in]
+    flat = self.flat if flat is None else flat
     # M: the tokens in one axis, or under a context split the leading axes as they are.
-    x_MI = x.astype(dt).reshape(*((math.prod(lead),) if self.flat else lead), -1)
+    x_MI = x.astype(dt).reshape(*((math.prod(lead),) if flat else lead), -1)
     w, *rest = operands
     out_shape = w.shape[self.n_in :]
     y_MO = x_MI @ w.reshape(x_MI.shape[-1], -1)

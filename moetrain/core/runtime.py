@@ -298,8 +298,9 @@ def cpu_collective_schedule() -> None:
     devices. When the waiting collectives hold every worker, a device that has not reached them
     gets no thread to run on and the step hangs for good (8 x 512-token LoRA steps over FSDP 8:
     all 8 workers waiting at two all-gathers, devices 6 and 7 at neither). XLA sizes its pools
-    from the NPROC variable: they get CPU_THREADS_PER_DEVICE a device (idle threads cost no
-    CPU).
+    from the NPROC variable: they get CPU_THREADS_PER_DEVICE a device. That costs some speed
+    (the 8 x 2,048-token demo step over FSDP 8 on 2 cores: 6-15% fewer tokens/s than with 8
+    workers, bench/RESULTS.md); a hang costs the run.
 
   Set before JAX starts its backends; a flag XLA_FLAGS already names, or an NPROC already set,
   is left alone. One device, or real ones, keep the defaults."""

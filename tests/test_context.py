@@ -110,6 +110,48 @@ def test_a_row_split_over_context_gives_the_whole_rows_loss_and_gradients(family
       np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-6)
 
 
+def logprobs_and_grads(cfg, mesh_shape, forced=None):
+  """Per-token log-probabilities, top-1 hits and routes of packed_batch (training/logprobs.py,
+  in the rows' order) and the adapters' gradients of a weighted sum of the log-probabilities
+  (weights that differ per token, so a misplaced token shows) on a mesh of the 8 devices;
+  forced: routing replay's routes."""
+  from moetrain.training.logprobs import token_logprobs
+
+  mesh = sharding.make_mesh(mesh_shape)
+  cfg = cfg.with_engine(rules=sharding.Rules.preset('fsdp_ep_tp')).laid_out('cpu', mesh)
+  batch = packed_batch()
+  weights = np.random.default_rng(1).normal(size=batch['targets'].shape).astype(np.float32)
+  with jax.set_mesh(mesh):
+    state = create_sharded(cfg, optax.sgd(1e-3), 0, mesh, cfg.engine.rules)
+    b = {k: jax.device_put(v, sharding.batch_sharding(mesh)) for k, v in batch.items()}
+
+    def weighted(params):
+      model = merge_model(graphdef_of(cfg), params, state.moe_bias, state.frozen)
+      logp, top, aux = token_logprobs(model, b, None, routes=forced)
+      return jnp.sum(logp * weights), (logp, top, aux['routes'])
+
+    grads, out = jax.jit(jax.grad(weighted, has_aux=True))(state.params)
+  return jax.device_get(out), [np.asarray(g) for g in jax.tree.leaves(grads)]
+
+
+@pytest.mark.parametrize('family', ['longcat', pytest.param('qwen3_moe', marks=pytest.mark.slow)])
+def test_a_split_rows_token_log_probabilities_come_back_in_the_rows_order(family):
+  """Preference tuning's and RL's per-token term under the load balance: the hidden states
+  stay in the shards' order and the targets move to them; the log-probabilities, top-1 hits
+  and the routers' choices come back in the rows' order, with their gradients, and so do those
+  of a replay of the routes (r3)."""
+  cfg = with_lora(tiny(init_std=0.05, attention_chunk=8, loss_chunk=4, **FAMILIES[family]))
+  (want, want_top, routes), want_grads = logprobs_and_grads(cfg, (1, 1, 4, 2, 1, 1))
+  replay = routes[:, :, :, ::-1]  # the same sets, in another order: logits unchanged
+  for forced in (None, replay):
+    (got, top, got_routes), grads = logprobs_and_grads(cfg, (1, 1, 1, 2, 4, 1), forced)
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+    np.testing.assert_array_equal(top, want_top)
+    np.testing.assert_array_equal(np.sort(got_routes, -1), np.sort(routes, -1))
+    for g, w in zip(grads, want_grads):  # a sum's, not a mean's: atol at float32's scale
+      np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-6 * np.abs(w).max())
+
+
 @pytest.mark.parametrize('family', ['longcat', pytest.param('qwen3_moe', marks=pytest.mark.slow)])
 def test_a_context_shard_projects_only_its_own_tokens(family):
   """A context split's compiled step does about FSDP's work per device: flattened to 2-D
@@ -168,8 +210,7 @@ def test_loss_blocks_hold_each_shards_own_positions():
 def test_a_run_saved_with_one_context_degree_resumes_with_another(tmp_path):
   """A run with context 4 checkpoints at step 6; the same run directory resumed from there with
   no context axis (all 8 devices on fsdp) logs steps 7-12 as the context-4 run did (float32):
-  a checkpoint holds no trace of how rows were split, and the reorder is undone before the
-  loss."""
+  a checkpoint holds no trace of how rows were split, nor the loss of the shards' order."""
   from tests.test_pipeline import logged_losses
 
   every = ['--config.train.checkpoint_every=6', '--config.train.log_every=1']

@@ -241,6 +241,14 @@ def slot_order(cfg: ModelConfig, t: int):
   return dual_chunk_order(t, c) if context_reordered(cfg, t) else None
 
 
+def in_slots(x_BT, index, back: bool = False):
+  """x [B, T, ...] with its tokens (axis 1) in the context shards' order (slot_order's index;
+  None: x as it is); back: from that order to the row's own."""
+  if x_BT is None or index is None:
+    return x_BT
+  return jnp.take(x_BT, np.argsort(index) if back else index, axis=1)
+
+
 def context_self_attention(
   q_BTNH, k_BSNH, v_BSNH, positions_BT, segment_ids_BT, cfg, window=0, sinks_N=None, expand=None
 ):

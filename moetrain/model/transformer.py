@@ -6,7 +6,6 @@ import functools
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
@@ -224,7 +223,9 @@ class Transformer(nnx.Module):
       logits_BTV = constrain(logits_BTV, axes.names('BTV'), self.cfg.engine.rules)
     return logits_BTV, aux
 
-  def features(self, ids_BT, positions_BT=None, segment_ids_BT=None, rng=None, routes_BTLK=None):
+  def features(
+    self, ids_BT, positions_BT=None, segment_ids_BT=None, rng=None, routes_BTLK=None, slots=False
+  ):
     """The lm head's input (the final-normed hidden states [B, T, D]) and aux: the routing stats
     of the MoE layers stacked on axis 0 (in layer order), the pre-norm last hidden state's
     per-token log-sum-exp (for the hidden z-loss) and 'routes' [B, T, L, K], the top-k ids each
@@ -237,20 +238,17 @@ class Transformer(nnx.Module):
     With a context split's load balance (attention.context_reordered) the layers run on the
     rows in dual-chunk order: the inputs are reordered here (each context shard holds whole
     rows at this point, so that moves nothing between devices) and the outputs put back in
-    the rows' order."""
+    the rows' order. slots: the hidden states stay in the shards' order
+    (attention.slot_order's), where the loss moves its targets to them instead: a row's
+    hidden states then never cross the context shards; the aux stays in the rows' order."""
     b, t = ids_BT.shape
     if positions_BT is None:
       positions_BT = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
     if segment_ids_BT is None:
       segment_ids_BT = jnp.ones((b, t), jnp.int32)
-    reordered = attention.context_reordered(self.cfg, t)
-    index = attention.dual_chunk_order(t, self.cfg.engine.context_shards) if reordered else None
-
-    def order(x, index=index):  # axis 1 (the tokens) in `index`'s order
-      return x if x is None or index is None else jnp.take(x, index, axis=1)
-
-    ids_BT, positions_BT, segment_ids_BT, routes_BTLK = map(
-      order, (ids_BT, positions_BT, segment_ids_BT, routes_BTLK)
+    index = attention.slot_order(self.cfg, t)
+    ids_BT, positions_BT, segment_ids_BT, routes_BTLK = (
+      attention.in_slots(x, index) for x in (ids_BT, positions_BT, segment_ids_BT, routes_BTLK)
     )
     h_BTD = constrain(self.embed(ids_BT), ACT, self.cfg.engine.rules)
     h_BTD, stats = self.run_layers(h_BTD, positions_BT, segment_ids_BT, rng, routes_BTLK)
@@ -259,13 +257,10 @@ class Transformer(nnx.Module):
     routes = stats.pop('routes', None)
     routes = None if routes is None else jnp.transpose(routes, (1, 2, 0, 3))
     h_BTD = self.final_norm(h_BTD)
-    if reordered:  # back in the rows' order
-      back = functools.partial(order, index=np.argsort(index))
-      h_BTD, z_BT, routes = (
-        constrain(back(h_BTD), ACT, self.cfg.engine.rules),
-        back(z_BT),
-        back(routes),
-      )
+    if index is not None:  # back in the rows' order
+      back = functools.partial(attention.in_slots, index=index, back=True)
+      z_BT, routes = back(z_BT), back(routes)
+      h_BTD = h_BTD if slots else constrain(back(h_BTD), ACT, self.cfg.engine.rules)
     return h_BTD, {'moe': stats, 'hidden_lse_BT': z_BT, 'routes': routes, 'indexer_kl': kl_L}
 
   def run_layers(self, h_BTD, positions_BT, segment_ids_BT, rng, routes_BTLK=None):

@@ -15,7 +15,7 @@ import jax.numpy as jnp
 
 from moetrain.core.fields import check, field
 from moetrain.data.preference import ROLES, SEGMENTS_PER_ELEMENT
-from moetrain.kernels.cross_entropy import head_token_logprobs
+from moetrain.training.logprobs import token_logprobs
 
 LOSSES = ('', 'sigmoid', 'ipo', 'hinge', 'simpo', 'orpo', 'kto')
 REFERENCE_FREE = ('simpo', 'orpo')
@@ -134,20 +134,9 @@ def pair_losses(cfg: PreferenceConfig, policy, reference, lengths):
   return loss, beta * (pc - rc), beta * (pr - rr)
 
 
-def _forward(model, batch, rng):
-  """(log-probabilities of the targets [B, T], top-1 hits [B, T], the forward's aux)."""
-  h_BTD, aux = model.features(batch['inputs'], batch['positions'], batch['segment_ids'], rng)
-  e = model.cfg.engine
-  with jax.named_scope('lm_head'):
-    logp, top = head_token_logprobs(
-      model.lm_head, h_BTD, batch['targets'], e.loss_chunk, rng, e.rules, e.context_shards
-    )
-  return logp, top, aux
-
-
 def reference_sums(reference_model, batch):
   """The reference's sequence sums, outside the gradient (no dropout)."""
-  logp, _, _ = _forward(reference_model, batch, None)
+  logp, _, _ = token_logprobs(reference_model, batch, None)
   return jax.lax.stop_gradient(sequence_sums(logp, batch)[0])
 
 
@@ -155,7 +144,7 @@ def objective(cfg: PreferenceConfig, model, reference_model, batch, rng, totals)
   """(the loss's share of this (micro-)batch, aux of the policy's forward, sums for the
   metrics). totals: (elements, scored chosen tokens) of the whole batch (counts)."""
   n_pairs, n_chosen = totals
-  logp_BT, top_BT, aux = _forward(model, batch, rng)
+  logp_BT, top_BT, aux = token_logprobs(model, batch, rng)
   policy, lengths = sequence_sums(logp_BT, batch)
   reference = None if reference_model is None else reference_sums(reference_model, batch)
   loss_P, reward_c, reward_r = pair_losses(cfg, policy, reference, lengths)

@@ -20,8 +20,8 @@ import jax.numpy as jnp
 from flax import nnx
 
 from moetrain.core.fields import check, field
-from moetrain.kernels.cross_entropy import head_token_logprobs
 from moetrain.model import sampler
+from moetrain.training.logprobs import token_logprobs
 from moetrain.training.train_state import graphdef_of, merge_model
 
 ALGORITHMS = ('', 'grpo', 'gspo', 'dapo', 'dr_grpo')
@@ -173,22 +173,6 @@ def group_advantages(rewards_B, group_size: int, algorithm: str, eps: float = 1e
   if algorithm != 'dr_grpo':
     centred = centred / (r.std(axis=1, keepdims=True) + eps)
   return centred.reshape(-1)
-
-
-def token_logprobs(model, batch, rng, temperature: float, routes=None):
-  """(log pi of each target at the sampling temperature [B, T], whether it holds the top logit
-  [B, T], the forward's aux)."""
-  h_BTD, aux = model.features(
-    batch['inputs'], batch['positions'], batch['segment_ids'], rng, routes_BTLK=routes
-  )
-  if temperature != 1.0:  # the head is linear: head(h / T) = logits / T
-    h_BTD = h_BTD / jnp.asarray(temperature, h_BTD.dtype)
-  e = model.cfg.engine
-  with jax.named_scope('lm_head'):
-    logp, top = head_token_logprobs(
-      model.lm_head, h_BTD, batch['targets'], e.loss_chunk, rng, e.rules, e.context_shards
-    )
-  return logp, top, aux
 
 
 def counts(batch):

@@ -13,7 +13,7 @@ from moetrain.core.fields import check, field
 from moetrain.core.sharding import replicated
 from moetrain.kernels.cross_entropy import head_cross_entropy
 from moetrain.kernels.distill import Divergence, head_distillation
-from moetrain.model import stages
+from moetrain.model import attention, stages
 from moetrain.model.config import ModelConfig
 from moetrain.model.moe import ROUTING_COUNTS, finish_routing_stats
 from moetrain.training import preference as preference_lib
@@ -74,16 +74,21 @@ def forward_loss(params, moe_bias, frozen, graphdef, batch, rng=None, head_loss=
   sequence by engine.loss_chunk so that the [B, T, V] logits never exist whole. head_loss
   (distillation: distill_head's) adds aux['objective'] and aux['divergence'] (sums)."""
   model = merge_model(graphdef, params, moe_bias, frozen)
-  h_BTD, aux = model.features(batch['inputs'], batch['positions'], batch['segment_ids'], rng)
-  with jax.named_scope('lm_head'):
-    if head_loss is not None:
+  inputs = (batch['inputs'], batch['positions'], batch['segment_ids'], rng)
+  if head_loss is not None:
+    h_BTD, aux = model.features(*inputs)
+    with jax.named_scope('lm_head'):
       objective, nll, divergence, correct = head_loss(model, h_BTD, batch, rng)
-      return nll, correct, {**aux, 'objective': objective, 'divergence': divergence}
+    return nll, correct, {**aux, 'objective': objective, 'divergence': divergence}
+  # The hidden states stay in a context split's slot order; the targets and mask move instead.
+  index = attention.slot_order(model.cfg, batch['inputs'].shape[1])
+  h_BTD, aux = model.features(*inputs, slots=True)
+  with jax.named_scope('lm_head'):
     nll, correct = head_cross_entropy(
       model.lm_head,
       h_BTD,
-      batch['targets'],
-      batch['loss_mask'],
+      attention.in_slots(batch['targets'], index),
+      attention.in_slots(batch['loss_mask'], index),
       model.cfg.engine.loss_chunk,
       rng,
       model.cfg.engine.rules,

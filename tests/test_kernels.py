@@ -20,6 +20,7 @@ from moetrain.kernels import (
   cross_entropy,
   distill,
   exchange,
+  experts,
   grouped,
   lora,
   megablox,
@@ -59,7 +60,7 @@ def test_every_custom_vjp_is_the_fast_path_of_a_kernel():
   sites = _custom_vjp_sites()
   assert all(s.startswith('moetrain/kernels/') for s in sites), sites
   fast = [k for k in _kernels() if isinstance(k.fast, jax.custom_vjp)]
-  assert len(fast) == len(sites) == 14, (sorted(k.name for k in fast), sites)
+  assert len(fast) == len(sites) == 15, (sorted(k.name for k in fast), sites)
   assert all(k.reference is not k.fast for k in _kernels())
 
 
@@ -213,6 +214,17 @@ def _grouped_matmul(k, n, sizes, m, transposed=False):
   return case
 
 
+def _ragged_adapter():
+  """A LoRA factor per expert, float32 on float32 rows (the values and gradients the reference's
+  to float32's precision; the bfloat16 case is tests/test_lora.py's), one group empty and rows
+  past the groups."""
+  sizes_E = jnp.array([3, 0, 21, 8], jnp.int32)
+  x = jax.random.normal(jax.random.key(12), (37, 24))
+  w = jax.random.normal(jax.random.key(13), (4, 24, 8))
+  args = (x, w, sizes_E, jnp.dtype(jnp.float32))
+  return _plain(experts.ragged_adapter, args, (0, 1)), (x, w)
+
+
 def _round_sum():
   """Rounds 1 .. n-1 of a round function nonlinear in its arrays and in k, n (traced) below the
   static bound; integer arrays among the inputs, not differentiated and differentiated (a
@@ -263,6 +275,7 @@ def _delta_rule_interpreted():
 
 CASES = {
   'round_sum': _round_sum,
+  'ragged_adapter': _ragged_adapter,
   'grouped_matmul_lora_a': _grouped_matmul(128, 8, [3, 0, 21, 8], 37),
   'grouped_matmul_lora_a_transposed': _grouped_matmul(256, 8, [3, 0, 150, 40], 200, True),
   'grouped_matmul_lora_b': _grouped_matmul(8, 256, [3, 0, 150, 40], 200),

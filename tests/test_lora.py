@@ -76,6 +76,34 @@ def test_float32_adapters_get_float32_gradients_of_a_bfloat16_product(lead):
   np.testing.assert_allclose(db, h32.T @ g32, rtol=1e-5, atol=1e-4)
 
 
+@pytest.mark.parametrize('kernel', ['ragged_dot', 'megablox'])
+def test_float32_expert_adapters_get_float32_gradients_of_a_bfloat16_product(kernel):
+  """The routed experts' LoRA factors [E, I, O] (float32) on bfloat16 rows, through ragged_dot
+  (kernels/experts.ragged_adapter) and the Pallas TPU kernel (interpreted here): each expert's
+  gradient summed over its own rows in float32, the float32 autodiff of the same bfloat16
+  product to float32's precision; the rows' gradient in bfloat16."""
+  from moetrain.kernels import experts, megablox
+
+  keys = jax.random.split(jax.random.key(2), 3)
+  sizes = jnp.array([5, 0, 40, 19], jnp.int32)
+  x = jax.random.normal(keys[0], (64, 128)).astype(jnp.bfloat16)
+  w = jax.random.normal(keys[1], (4, 128, 8))
+  g = jax.random.normal(keys[2], (64, 8)).astype(jnp.bfloat16)
+  if kernel == 'ragged_dot':
+    fn = lambda x, w: experts.ragged_adapter(x, w, sizes, jnp.dtype(jnp.bfloat16))
+  else:
+    fn = lambda x, w: megablox.grouped_matmul(x, w, sizes, False, True)
+  y, pull = jax.vjp(fn, x, w)
+  dx, dw = jax.jit(pull)(g)
+  assert (y.dtype, dx.dtype, dw.dtype) == (jnp.bfloat16, jnp.bfloat16, jnp.float32)
+  x32, g32 = x.astype(jnp.float32), g.astype(jnp.float32)
+  ends = np.cumsum(np.asarray(sizes))
+  for e, (start, end) in enumerate(zip(ends - np.asarray(sizes), ends)):
+    want = x32[start:end].T @ g32[start:end]
+    np.testing.assert_allclose(dw[e], want, rtol=1e-5, atol=1e-4)
+  assert not np.any(np.asarray(dw[1]))  # no rows: no gradient
+
+
 def test_gradients_reach_only_adapters():
   cfg = with_lora(tiny())
   opt = optax.adamw(1e-2)

@@ -15,6 +15,7 @@ reference, and that every custom VJP in moetrain is a Kernel's fast path.
   grouped.expert_ffn                                           the CPU grouped expert engine
   exchange.ragged_exchange                                     expert parallelism's ragged all-to-all
   experts.zero_grad_where_not                                  a cotangent zeroed outside a mask
+  experts.ragged_adapter                                       an expert LoRA factor, float32 gradients
   delta_rule_tokamax.interpreted_kernel                        tokamax's delta rule, interpreted
 The expert backends that need no backward of their own (ragged_dot, megablox, blocked,
 gathered) are in experts.py."""

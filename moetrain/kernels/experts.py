@@ -80,8 +80,49 @@ def ragged_ffn(x_RD, sizes_E, weights, spec: ExpertSpec, rng):
   # (The kernel must run inside a shard_map: under expert parallelism, or on one device. With the
   # experts partitioned by XLA instead, the adapters take ragged_dot too.)
   in_shards = spec.engine.expert_shards > 1 or math.prod(spec.engine.mesh_shape) <= 1
-  adapter_mm = _megablox_mm(sizes_E, spec) if spec.engine.platform == 'tpu' and in_shards else None
+  if spec.engine.platform == 'tpu' and in_shards:
+    adapter_mm = _megablox_mm(sizes_E, spec, adapters=True)
+  else:
+    ref = spec.engine.reference_kernels
+    adapter_mm = lambda x, w: ragged_adapter(x, w, sizes_E, dt, reference=ref)  # noqa: E731
   return swiglu(x_RD, with_lora(mm, weights, spec, rng, adapter_mm), spec)
+
+
+def _ragged_adapter_reference(x_RI, w_EIO, sizes_E, dt):
+  return jax.lax.ragged_dot(x_RI, w_EIO.astype(dt), sizes_E, preferred_element_type=dt)
+
+
+_ragged_adapter = jax.custom_vjp(_ragged_adapter_reference, nondiff_argnums=(3,))
+
+
+def _ragged_adapter_fwd(x_RI, w_EIO, sizes_E, dt):
+  return _ragged_adapter_reference(x_RI, w_EIO, sizes_E, dt), (x_RI, w_EIO, sizes_E)
+
+
+def _ragged_adapter_bwd(dt, res, g_RO):
+  x_RI, w_EIO, sizes_E = res
+  g_RO = g_RO.astype(dt)
+  w_EOI = jnp.swapaxes(w_EIO, 1, 2).astype(dt)
+  dx = jax.lax.ragged_dot(g_RO, w_EOI, sizes_E, preferred_element_type=dt).astype(x_RI.dtype)
+  # Per expert over its own rows, x^T g: the rows are the ragged (contracting) dimension.
+  dims = jax.lax.RaggedDotDimensionNumbers(
+    dot_dimension_numbers=(([0], [0]), ([], [])),
+    lhs_ragged_dimensions=[0],
+    rhs_group_dimensions=[],
+  )
+  dw = jax.lax.ragged_dot_general(
+    x_RI.astype(dt), g_RO, sizes_E, dims, preferred_element_type=w_EIO.dtype
+  )
+  return dx, dw, None
+
+
+_ragged_adapter.defvjp(_ragged_adapter_fwd, _ragged_adapter_bwd)
+
+# Each expert's rows x [R, I] times its LoRA factor w [E, I, O] as stored (float32 by default),
+# cast to dt for the product. The fast path's gradient of w is summed over the expert's rows in
+# w's own dtype; autodiff of the cast product (the reference) returns it in dt, bfloat16's
+# rounding before the cast back and before a mesh's sum over its devices.
+ragged_adapter = Kernel('ragged_adapter', _ragged_adapter, _ragged_adapter_reference)
 
 
 def tokamax_ffn(x_RD, sizes_E, weights, spec: ExpertSpec, rng):
@@ -192,15 +233,17 @@ def megablox_interpret(spec: ExpertSpec) -> bool:
   return spec.engine.platform != 'tpu'
 
 
-def _megablox_mm(sizes_E, spec: ExpertSpec):
+def _megablox_mm(sizes_E, spec: ExpertSpec, adapters: bool = False):
   """mm(x, w): each expert's rows times its w [D_in, D_out]. A LoRA A factor ([E, D, rank]:
   its rank is the last, narrow dimension) runs transposed, so that its copies and gradients keep
-  the rank off the TPU's 128 lanes (kernels/megablox.py)."""
+  the rank off the TPU's 128 lanes (kernels/megablox.py). adapters: the LoRA factors, passed as
+  stored (float32 by default): the kernel casts them and returns their gradients in their own
+  dtype."""
   dt = jnp.dtype(spec.engine.dtype)
   interpret, ref = megablox_interpret(spec), spec.engine.reference_kernels
 
   def mm(x, w):
-    x, w = x.astype(dt), quant.dequant(w, dt)
+    x, w = x.astype(dt), (w if adapters else quant.dequant(w, dt))
     thin = w.shape[2] < 128 and w.shape[1] >= 128
     w = jnp.swapaxes(w, 1, 2) if thin else w
     return megablox.grouped_matmul(x, w, sizes_E, thin, interpret, reference=ref)
@@ -215,8 +258,8 @@ def megablox_ffn(x_RD, sizes_E, weights, spec: ExpertSpec, rng):
   groups: zero-expert assignments, padding)."""
   r = x_RD.shape[0]
   x_PD = jnp.pad(x_RD, ((0, -r % megablox.row_tile(r)), (0, 0)))
-  mm = _megablox_mm(sizes_E, spec)
-  return swiglu(x_PD, with_lora(mm, weights, spec, rng), spec)[:r]
+  mm, adapter_mm = _megablox_mm(sizes_E, spec), _megablox_mm(sizes_E, spec, adapters=True)
+  return swiglu(x_PD, with_lora(mm, weights, spec, rng, adapter_mm), spec)[:r]
 
 
 def dense_ffn(x_RD, expert_R, weights, spec: ExpertSpec, rng):

@@ -53,6 +53,7 @@ def _product(x_MK, w, sizes_G, transposed: bool, interpret: bool):
   n = w.shape[1 if transposed else 2]
   tiling = (row_tile(m), lane_tile(k), lane_tile(n))
   x = _padded(x_MK, tiling[0])
+  w = w.astype(x_MK.dtype)
   y = _backend().gmm(
     x, w, sizes_G, x_MK.dtype, tiling, transpose_rhs=transposed, interpret=interpret
   )
@@ -87,12 +88,17 @@ _gmm_vjp.defvjp(_gmm_fwd, _gmm_bwd, symbolic_zeros=True)
 def _reference(x_MK, w, sizes_G, transposed, interpret):
   del interpret
   w_GKN = jnp.swapaxes(w, 1, 2) if transposed else w
-  return jax.lax.ragged_dot(x_MK, w_GKN, sizes_G, preferred_element_type=x_MK.dtype)
+  return jax.lax.ragged_dot(
+    x_MK, w_GKN.astype(x_MK.dtype), sizes_G, preferred_element_type=x_MK.dtype
+  )
 
 
 # x [M, K] (rows sorted by group; rows past sum(sizes) give zeros) times each group's
 # w [K, N] (w [G, K, N]), or w[g]^T with transposed=True (w [G, N, K]: a LoRA A factor kept with
 # its rank second-minor, since a rank minor is padded to 128 TPU lanes: 16x the bytes at rank 8,
-# for the factor's bf16 copy and its float32 gradient accumulated over the layers), in x's dtype
-# (w: the same dtype). interpret: Pallas' interpreter (off TPU: slow; the CPU tests).
+# for the factor's bf16 copy and its float32 gradient accumulated over the layers), in x's dtype.
+# w is cast to x's dtype inside, and its gradient (tgmm) accumulates and comes out in w's own
+# dtype: float32 LoRA factors get float32 gradients, summed over the expert's rows without a
+# bfloat16 rounding (and a mesh then sums them in float32). interpret: Pallas' interpreter (off
+# TPU: slow; the CPU tests).
 grouped_matmul = Kernel('grouped_matmul', _gmm_vjp, _reference)

@@ -253,8 +253,8 @@ def test_a_pipeline_beside_the_context_axis_logs_the_losses_of_neither(tmp_path)
 )
 def test_the_ring_gives_the_all_gathers_and_the_whole_rows_loss_and_gradients(family):
   """engine.context_attention='ring' over context 2 and 4 with the load balance's order: the
-  loss and gradients of whole rows, and of the all-gather at context 4 (MLA sends its expanded
-  keys and values around; gpt-oss's sliding windows and sinks)."""
+  loss and gradients of whole rows, and of the all-gather at context 4 (MLA sends its latent
+  around, expanded on each receiving shard; gpt-oss's sliding windows and sinks)."""
   cfg = with_lora(tiny(init_std=0.05, attention_chunk=8, loss_chunk=4, **FAMILIES[family]))
   whole = loss_and_grads(cfg, (1, 1, 4, 2, 1, 1))
   gathered = loss_and_grads(cfg, (1, 1, 1, 2, 4, 1))
@@ -293,7 +293,7 @@ def test_the_ring_kernel_gives_whole_row_attention_and_its_gradients(reorder):
   def ring(reference):
     def shard(q, k, v, pos, seg, index, sinks):
       meta = (pos, seg, index)
-      args = (q, k, v, (*meta, window), meta, sinks, ring_mask, scale, 4, c)
+      args = (q, k, v, (*meta, window), meta, sinks, (), ring_mask, scale, 4, c, None)
       return ring_attention(*args, reference=reference)
 
     heads, tokens = P(None, None, 'context'), P(None, 'context')
@@ -318,6 +318,69 @@ def test_the_ring_kernel_gives_whole_row_attention_and_its_gradients(reorder):
     np.testing.assert_allclose(f(q, k, v, sinks), whole(q, k, v, sinks), rtol=1e-5, atol=1e-5)
     for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
       np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-5)
+
+
+def test_the_ring_kernel_expands_a_latent_on_each_receiving_shard():
+  """MLA's ring: the blocks carry a latent [B, S, K] and a rope key [B, S, H_r], and each shard
+  expands every visitor with the weights it is given (kv_b: [K, N, nope + v]); dual-chunk
+  order over 4 shards, packed rows. The values and the gradients of the queries, the latent,
+  the rope key and the weights are those of attention over the whole row's expanded keys, by
+  the kernel's backward (the latent's gradients travel back with it; the weights' are summed
+  over the shards) and by autodiff through its ring."""
+  import jax.numpy as jnp
+
+  from moetrain.kernels.attention import attention_core
+  from moetrain.kernels.ring import ring_attention
+  from moetrain.model.attention import dual_chunk_order, ring_mask, self_mask
+
+  c, t, n, kr, nope, rope, hv, scale = 4, T, 4, 6, 8, 4, 8, 0.3
+  rng = np.random.default_rng(2)
+  q = rng.normal(size=(2, n, t, nope + rope)).astype(np.float32)
+  lat, k_pe = rng.normal(size=(2, t, kr)).astype(np.float32), rng.normal(size=(2, t, rope))
+  k_pe = k_pe.astype(np.float32)
+  w = rng.normal(size=(kr, n, nope + hv)).astype(np.float32) / 3
+  cot = rng.normal(size=(2, n, t, hv)).astype(np.float32)
+  seg, pos = (packed_batch(2)[key] for key in ('segment_ids', 'positions'))
+  order = dual_chunk_order(t, c)
+  auto = (jax.sharding.AxisType.Auto,)
+  mesh = jax.make_mesh((c,), ('context',), axis_types=auto, devices=jax.devices()[:c])
+  P = jax.sharding.PartitionSpec
+
+  def expand(lat_BSK, k_pe_BSH, w):  # -> keys and values [B, N, S, H]
+    kv_BSNH = jnp.einsum('bsk,knh->bsnh', lat_BSK, w)
+    k_pe_BSNH = jnp.broadcast_to(k_pe_BSH[:, :, None], (*kv_BSNH.shape[:3], rope))
+    k_BSNH = jnp.concatenate([kv_BSNH[..., :nope], k_pe_BSNH], -1)
+    return k_BSNH.transpose(0, 2, 1, 3), kv_BSNH[..., nope:].transpose(0, 2, 1, 3)
+
+  def ring(reference):
+    def shard(q, lat, k_pe, pos, seg, index, w):
+      meta = (pos, seg, index)
+      args = (q, lat, k_pe, (*meta, 0), meta, None, w, ring_mask, scale, 8, c, expand)
+      return ring_attention(*args, reference=reference)
+
+    heads, tokens = P(None, None, 'context'), P(None, 'context')
+    specs = (heads, tokens, tokens, tokens, tokens, P('context'), P())
+    run = jax.shard_map(shard, mesh=mesh, in_specs=specs, out_specs=heads, check_vma=False)
+    back = np.argsort(order)
+
+    def attend(q, lat, k_pe, w):  # in the shards' token order and back
+      q, (lat, k_pe) = q[:, :, order], (x[:, order] for x in (lat, k_pe))
+      return run(q, lat, k_pe, pos[:, order], seg[:, order], order, w)[:, :, back]
+
+    return attend
+
+  def whole(q, lat, k_pe, w):
+    k, v = expand(lat, k_pe, w)
+    return attention_core(q, k, v, self_mask(pos, seg, 0), scale, ((0, t, t),), True, None)
+
+  loss = lambda f: lambda *a: jnp.sum(f(*a) * cot)  # noqa: E731
+  args = (q, lat, k_pe, w)
+  want = jax.value_and_grad(loss(whole), argnums=(0, 1, 2, 3))(*args)
+  for f in (ring(False), ring(True)):
+    got = jax.jit(jax.value_and_grad(loss(f), argnums=(0, 1, 2, 3)))(*args)
+    np.testing.assert_allclose(f(*args), whole(*args), rtol=1e-5, atol=1e-5)
+    for g, w_ in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+      np.testing.assert_allclose(g, w_, rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize(

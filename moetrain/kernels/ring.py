@@ -30,6 +30,16 @@ def _heads(kv, groups: int):
   return jnp.repeat(k_BNSH, groups, axis=1), jnp.repeat(v_BNSH, groups, axis=1), k_meta
 
 
+def _expanded(kv, expand, ops):
+  """A visiting block as its keys and values [B, N_kv, S, H] and mask side: the block itself,
+  or expand(a, b, ops) of what it carries (MLA: its latent and rope key, expanded by kv_b's
+  arrays `ops` on the receiving shard)."""
+  if expand is None:
+    return kv
+  k_BNSH, v_BNSH = expand(kv[0], kv[1], ops)
+  return k_BNSH, v_BNSH, kv[2]
+
+
 def _start(q_BNTH, v_BNSH, sinks_N):
   """The online softmax before any key: running max, sum and unnormalised output [B, N, T, H]
   (float32). A sink (gpt-oss) starts the max and adds its one weight to the sum, which is how
@@ -68,21 +78,26 @@ def _fold(parts, bounds, q_BNTH, kv, q_meta, mask_fn, scale: float):
   return tuple(out)
 
 
-def _ring_fwd(q_BNTH, k_BNSH, v_BNSH, q_meta, k_meta, sinks_N, mask_fn, scale, chunk, shards):
+def _ring_fwd(
+  q_BNTH, k_BNSH, v_BNSH, q_meta, k_meta, sinks_N, ops, mask_fn, scale, chunk, shards, expand
+):
   bounds = _bounds(q_BNTH.shape[2], chunk)
-  parts = tuple(_start(q_BNTH[:, :, a:b], v_BNSH, sinks_N) for a, b in bounds)
+  v_like = jax.eval_shape(lambda kv: _expanded(kv, expand, ops)[1], (k_BNSH, v_BNSH, k_meta))
+  parts = tuple(_start(q_BNTH[:, :, a:b], v_like, sinks_N) for a, b in bounds)
+
+  def fold(parts, kv):
+    return _fold(parts, bounds, q_BNTH, _expanded(kv, expand, ops), q_meta, mask_fn, scale)
 
   def step(carry, _):  # the next block's transfer does not wait on this one's products
     parts, kv = carry
-    parts = _fold(parts, bounds, q_BNTH, kv, q_meta, mask_fn, scale)
-    return (parts, _pass_on(kv, shards)), None
+    return (fold(parts, kv), _pass_on(kv, shards)), None
 
   (parts, kv), _ = jax.lax.scan(step, (parts, (k_BNSH, v_BNSH, k_meta)), length=shards - 1)
-  parts = _fold(parts, bounds, q_BNTH, kv, q_meta, mask_fn, scale)
+  parts = fold(parts, kv)
   max_BNT, sum_BNT, acc_BNTH = (jnp.concatenate(xs, axis=2) for xs in zip(*parts, strict=True))
-  out_BNTH = (acc_BNTH / sum_BNT[..., None]).astype(v_BNSH.dtype)
+  out_BNTH = (acc_BNTH / sum_BNT[..., None]).astype(v_like.dtype)
   lse_BNT = max_BNT + jnp.log(sum_BNT)
-  return out_BNTH, (q_BNTH, k_BNSH, v_BNSH, q_meta, k_meta, sinks_N, out_BNTH, lse_BNT)
+  return out_BNTH, (q_BNTH, k_BNSH, v_BNSH, q_meta, k_meta, sinks_N, ops, out_BNTH, lse_BNT)
 
 
 def _block_grads(q_BNTH, g_BNTH, lse_BNT, delta_BNT, kv, q_meta, mask_fn, scale, bounds):
@@ -121,28 +136,43 @@ def _block_grads(q_BNTH, g_BNTH, lse_BNT, delta_BNT, kv, q_meta, mask_fn, scale,
   return jnp.concatenate(dq, axis=2), per_kv(dk_BNSH), per_kv(dv_BNSH)
 
 
-def _ring_bwd(mask_fn, scale, chunk, shards, res, g_BNTH):
-  q_BNTH, k_BNSH, v_BNSH, q_meta, k_meta, sinks_N, out_BNTH, lse_BNT = res
-  g_BNTH = g_BNTH.astype(v_BNSH.dtype)
+def _ring_bwd(mask_fn, scale, chunk, shards, expand, res, g_BNTH):
+  q_BNTH, k_BNSH, v_BNSH, q_meta, k_meta, sinks_N, ops, out_BNTH, lse_BNT = res
+  g_BNTH = g_BNTH.astype(out_BNTH.dtype)
   delta_BNT = jnp.sum(g_BNTH.astype(F32) * out_BNTH.astype(F32), axis=-1)
   bounds = _bounds(q_BNTH.shape[2], chunk)
+  f32 = lambda t: jax.tree.map(lambda x: jnp.zeros(x.shape, F32), t)  # noqa: E731
 
   def grads(kv):
-    args = (q_BNTH, g_BNTH, lse_BNT, delta_BNT, kv, q_meta, mask_fn, scale, bounds)
-    return _block_grads(*args)
+    """A visitor's share of dq, then the gradients of what it carries and of `ops` (float32):
+    its keys' and values', or, through expand's VJP, its latent's and kv_b's."""
+    if expand is None:
+      args = (q_BNTH, g_BNTH, lse_BNT, delta_BNT, kv, q_meta, mask_fn, scale, bounds)
+      dq_part, dk_BNSH, dv_BNSH = _block_grads(*args)
+      return dq_part, (dk_BNSH, dv_BNSH), ()
+    (k_BNSH, v_BNSH), pull = jax.vjp(expand, kv[0], kv[1], ops)
+    args = (q_BNTH, g_BNTH, lse_BNT, delta_BNT, (k_BNSH, v_BNSH, kv[2]), q_meta, mask_fn, scale)
+    dq_part, dk_BNSH, dv_BNSH = _block_grads(*args, bounds)
+    da, db, dops = pull((dk_BNSH.astype(k_BNSH.dtype), dv_BNSH.astype(v_BNSH.dtype)))
+    return dq_part, (da, db), dops
 
-  def step(carry, _):  # each block's gradients travel with it
-    dq_BNTH, kv, dkv = carry
-    dq_part, dk_BNSH, dv_BNSH = grads(kv)
-    dkv = (dkv[0] + dk_BNSH, dkv[1] + dv_BNSH)
-    return (dq_BNTH + dq_part, _pass_on(kv, shards), _pass_on(dkv, shards)), None
+  def add(total, part):
+    return jax.tree.map(lambda t, p: t + p.astype(F32), total, part)
+
+  def step(carry, _):  # each block's gradients travel with it; kv_b's stay
+    dq_BNTH, kv, dkv, dops = carry
+    dq_part, dkv_part, dops_part = grads(kv)
+    dkv = add(dkv, dkv_part)
+    carry = (dq_BNTH + dq_part, _pass_on(kv, shards), _pass_on(dkv, shards), add(dops, dops_part))
+    return carry, None
 
   dkv = (jnp.zeros(k_BNSH.shape, F32), jnp.zeros(v_BNSH.shape, F32))
-  carry = (jnp.zeros(q_BNTH.shape, F32), (k_BNSH, v_BNSH, k_meta), dkv)
-  (dq_BNTH, kv, dkv), _ = jax.lax.scan(step, carry, length=shards - 1)
-  dq_part, dk_BNSH, dv_BNSH = grads(kv)
+  carry = (jnp.zeros(q_BNTH.shape, F32), (k_BNSH, v_BNSH, k_meta), dkv, f32(ops))
+  (dq_BNTH, kv, dkv, dops), _ = jax.lax.scan(step, carry, length=shards - 1)
+  dq_part, dkv_part, dops_part = grads(kv)
   # The last visitor's gradients, one step more: back at the shard that owns the block.
-  dk_BNSH, dv_BNSH = _pass_on((dkv[0] + dk_BNSH, dkv[1] + dv_BNSH), shards)
+  dk_BNSH, dv_BNSH = _pass_on(add(dkv, dkv_part), shards)
+  dops = jax.tree.map(lambda d, x: d.astype(x.dtype), add(dops, dops_part), ops)
   dsinks_N = None
   if sinks_N is not None:  # the sink's weight times (0 - delta), its value being 0
     p_BNT = jnp.exp(sinks_N.astype(F32)[None, :, None] - lse_BNT)
@@ -154,12 +184,24 @@ def _ring_bwd(mask_fn, scale, chunk, shards, res, g_BNTH):
     None,
     None,
     dsinks_N,
+    dops,
   )
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7, 8, 9))
+@functools.partial(jax.custom_vjp, nondiff_argnums=(7, 8, 9, 10, 11))
 def _ring_attention(
-  q_BNTH, k_BNSH, v_BNSH, q_meta, k_meta, sinks_N, mask_fn, scale: float, chunk: int, shards: int
+  q_BNTH,
+  k_BNSH,
+  v_BNSH,
+  q_meta,
+  k_meta,
+  sinks_N,
+  ops,
+  mask_fn,
+  scale: float,
+  chunk: int,
+  shards: int,
+  expand=None,
 ):
   """softmax(scale * q k^T, masked) v of one context shard's queries [B, N, T, H] over the row's
   keys, inside a shard_map manual over 'context': the shard's own keys and values [B, N_kv, S,
@@ -174,18 +216,25 @@ def _ring_attention(
   (O(T) per shard, T = the row / shards), recomputes each visiting block's scores (flash
   attention's backward, whatever engine.attention_recompute says: nothing else is kept), and
   sends each block around again with its key and value gradients, which arrive at the owner
-  after one more step."""
-  return _ring_fwd(q_BNTH, k_BNSH, v_BNSH, q_meta, k_meta, sinks_N, mask_fn, scale, chunk, shards)[
-    0
-  ]
+  after one more step.
+
+  expand(k, v, ops) -> (keys, values) [B, N, S, H]: the blocks carry what makes the keys and
+  values instead, each receiving shard expanding every visitor (MLA: the latent [B, S, K] and
+  rope key [B, S, H_r] by kv_b's arrays `ops`, 576 numbers a LongCat-Flash token where its heads
+  take 20,480). The backward expands each visitor again, turns its key and value gradients
+  into its latent's through expand's VJP (they travel back with it) and sums `ops`'s on the
+  shard (the caller's shard_map sums them over the axis)."""
+  args = (q_BNTH, k_BNSH, v_BNSH, q_meta, k_meta, sinks_N, ops)
+  return _ring_fwd(*args, mask_fn, scale, chunk, shards, expand)[0]
 
 
-def _reference(q_BNTH, k_BNSH, v_BNSH, q_meta, k_meta, sinks_N, mask_fn, scale, chunk, shards):
+def _reference(
+  q_BNTH, k_BNSH, v_BNSH, q_meta, k_meta, sinks_N, ops, mask_fn, scale, chunk, shards, expand=None
+):
   """The same ring, differentiated by autodiff: the scan keeps every step's visiting block and
   scores, O(row) keys and values per shard, and transposes the ppermutes."""
-  return _ring_fwd(q_BNTH, k_BNSH, v_BNSH, q_meta, k_meta, sinks_N, mask_fn, scale, chunk, shards)[
-    0
-  ]
+  args = (q_BNTH, k_BNSH, v_BNSH, q_meta, k_meta, sinks_N, ops)
+  return _ring_fwd(*args, mask_fn, scale, chunk, shards, expand)[0]
 
 
 _ring_attention.defvjp(_ring_fwd, _ring_bwd)

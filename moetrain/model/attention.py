@@ -262,9 +262,8 @@ def context_self_attention(
   *operands) expands inside each shard (MLA's latent and rope key; kv_b's arrays), so that
   the backward sums the latent's gradient over 'context', not the heads'."""
   if cfg.engine.context_attention == 'ring':
-    assert expand is None, 'the ring passes keys and values, not what makes them'
     return ring_self_attention(
-      q_BTNH, k_BSNH, v_BSNH, positions_BT, segment_ids_BT, cfg, window, sinks_N
+      q_BTNH, k_BSNH, v_BSNH, positions_BT, segment_ids_BT, cfg, window, sinks_N, expand
     )
   fn, operands = expand or (None, ())
   groups = 1 if fn else cfg.num_heads // k_BSNH.shape[2]
@@ -404,7 +403,15 @@ def splash_over_context(
 
 
 def ring_self_attention(
-  q_BTNH, k_BTNH, v_BTNH, positions_BT, segment_ids_BT, cfg: ModelConfig, window=0, sinks_N=None
+  q_BTNH,
+  k_BTNH,
+  v_BTNH,
+  positions_BT,
+  segment_ids_BT,
+  cfg: ModelConfig,
+  window=0,
+  sinks_N=None,
+  expand=None,
 ):
   """context_self_attention as a ring (engine.context_attention='ring'; docs/context.md): each
   shard keeps its queries and its own keys and values (N_kv heads) and the key/value blocks
@@ -412,28 +419,41 @@ def ring_self_attention(
   (kernels/ring.py), so a shard never holds more than its own block and one visitor: O(T / C)
   keys and values where the all-gather holds O(T). The blocks carry their positions, segment
   ids and token indices in the row's own order (dual_chunk_order's under the load balance), and
-  the masks are the all-gather path's."""
+  the masks are the all-gather path's. expand: context_self_attention's (MLA), the blocks then
+  carrying the shard's latent and rope key (k and v here), each receiving shard expanding them
+  (kernels/ring.py)."""
   t, c = q_BTNH.shape[1], cfg.engine.context_shards
   index_T = slot_order(cfg, t)
   index_T = np.arange(t) if index_T is None else index_T
   sinks = () if sinks_N is None else (sinks_N,)
+  fn, operands = expand or (None, ())
+  dtypes = jax.tree.map(lambda x: x.dtype, operands)
+  operands = jax.tree.map(functools.partial(crossing, cfg=cfg), operands)
+  heads = lambda x: x.transpose(0, 2, 1, 3)  # noqa: E731  [B, T, N, H] <-> [B, N, T, H]
 
-  def shard(q_BTNH, k_BTNH, v_BTNH, pos_BT, seg_BT, index_T, window, *sinks):
+  def expand_heads(k_BS, v_BS, ops):  # a visitor's keys and values [B, N, S, H]
+    return tuple(map(heads, expanded(fn, k_BS, v_BS, ops, k_BS.dtype, dtypes)))
+
+  def shard(q_BTNH, k_BT, v_BT, pos_BT, seg_BT, index_T, window, operands, *sinks):
+    kv = (k_BT, v_BT) if fn else (heads(k_BT), heads(v_BT))
     out_BNTH = ring_attention(
-      *(x.transpose(0, 2, 1, 3) for x in (q_BTNH, k_BTNH, v_BTNH)),
+      heads(q_BTNH),
+      *kv,
       (pos_BT, seg_BT, index_T, window),
       (pos_BT, seg_BT, index_T),
       sinks[0] if sinks else None,
+      operands,
       ring_mask,
       cfg.attention_scale,
       cfg.engine.attention_chunk,
       c,
+      expand_heads if fn else None,
       reference=cfg.engine.reference_kernels,
     )
-    return out_BNTH.transpose(0, 2, 1, 3)
+    return heads(out_BNTH)
 
   split = P(ROWS, 'context')
-  specs = (split, split, split, split, split, P('context'), P(), *(P() for _ in sinks))
+  specs = (split, split, split, split, split, P('context'), P(), P(), *(P() for _ in sinks))
   out_BTNH = over_context(shard, cfg, specs)(
     q_BTNH,
     k_BTNH,
@@ -442,6 +462,7 @@ def ring_self_attention(
     segment_ids_BT,
     jnp.asarray(index_T, jnp.int32),
     jnp.asarray(window, jnp.int32),
+    operands,
     *sinks,
   )
   return constrain(out_BTNH, axes.names('BTN') + (None,), cfg.engine.rules)
@@ -526,13 +547,15 @@ class MLA(nnx.Module):
     split = context_split(self.cfg, s)
     trains = self.cfg.train_indexer and self.indexer is not None
     dense = not (self.sparse(s) or trains)
-    if split and self.cfg.engine.context_attention != 'ring':
-      # The all-gather moves the latent, not the heads' keys (the ring moves the heads' keys).
-      c_BTK, k_pe = gather_tokens(c_BTK, self.cfg), gather_tokens(k_pe, self.cfg)
-      # Each shard expands it to the row's keys and values inside the attention's shard_map, so
-      # the backward sums the latent's gradient over 'context', not the heads' (36x the bytes
-      # for LongCat-Flash). LoRA dropout on kv_b draws its masks outside: inside, every shard
-      # of the rows would draw the same.
+    if split:
+      # The all-gather and the ring move the latent, not the heads' keys: each shard expands it
+      # to keys and values inside the attention's shard_map (the all-gather: the row's; the
+      # ring: each visitor's), so the backward sums the latent's gradient over 'context', not
+      # the heads' (36x the bytes for LongCat-Flash). LoRA dropout on kv_b draws its masks
+      # outside: inside, every shard of the rows would draw the same (then the all-gather
+      # expands the gathered latent outside, and the ring sends the heads).
+      if self.cfg.engine.context_attention != 'ring':
+        c_BTK, k_pe = gather_tokens(c_BTK, self.cfg), gather_tokens(k_pe, self.cfg)
       if dense and (rng is None or not (self.kv_b.has_lora and self.kv_b.lora_dropout)):
         q_BTNH = jnp.concatenate([q_nope, q_pe.astype(q_nope.dtype)], -1)
         expand = (functools.partial(self.keys_values, local=True), (self.kv_b.operands(),))

@@ -326,7 +326,8 @@ def test_the_ring_kernel_expands_a_latent_on_each_receiving_shard():
   order over 4 shards, packed rows. The values and the gradients of the queries, the latent,
   the rope key and the weights are those of attention over the whole row's expanded keys, by
   the kernel's backward (the latent's gradients travel back with it; the weights' are summed
-  over the shards) and by autodiff through its ring."""
+  over the shards) and by autodiff through its ring; query blocks of 3, 3 and 2 of a shard's 8
+  (blocks of unequal size)."""
   import jax.numpy as jnp
 
   from moetrain.kernels.attention import attention_core
@@ -355,7 +356,7 @@ def test_the_ring_kernel_expands_a_latent_on_each_receiving_shard():
   def ring(reference):
     def shard(q, lat, k_pe, pos, seg, index, w):
       meta = (pos, seg, index)
-      args = (q, lat, k_pe, (*meta, 0), meta, None, w, ring_mask, scale, 8, c, expand)
+      args = (q, lat, k_pe, (*meta, 0), meta, None, w, ring_mask, scale, 3, c, expand)
       return ring_attention(*args, reference=reference)
 
     heads, tokens = P(None, None, 'context'), P(None, 'context')

@@ -426,46 +426,52 @@ def ring_self_attention(
   index_T = slot_order(cfg, t)
   index_T = np.arange(t) if index_T is None else index_T
   sinks = () if sinks_N is None else (sinks_N,)
-  fn, operands = expand or (None, ())
-  dtypes = jax.tree.map(lambda x: x.dtype, operands)
-  operands = jax.tree.map(functools.partial(crossing, cfg=cfg), operands)
-  heads = lambda x: x.transpose(0, 2, 1, 3)  # noqa: E731  [B, T, N, H] <-> [B, N, T, H]
-
-  def expand_heads(k_BS, v_BS, ops):  # a visitor's keys and values [B, N, S, H]
-    return tuple(map(heads, expanded(fn, k_BS, v_BS, ops, k_BS.dtype, dtypes)))
+  expand_heads, operands = ring_expansion(expand, cfg)
 
   def shard(q_BTNH, k_BT, v_BT, pos_BT, seg_BT, index_T, window, operands, *sinks):
-    kv = (k_BT, v_BT) if fn else (heads(k_BT), heads(v_BT))
+    kv = (k_BT, v_BT) if expand_heads else (_heads(k_BT), _heads(v_BT))
+    meta = (pos_BT, seg_BT, index_T)
     out_BNTH = ring_attention(
-      heads(q_BTNH),
+      _heads(q_BTNH),
       *kv,
-      (pos_BT, seg_BT, index_T, window),
-      (pos_BT, seg_BT, index_T),
+      (*meta, window),
+      meta,
       sinks[0] if sinks else None,
       operands,
       ring_mask,
       cfg.attention_scale,
       cfg.engine.attention_chunk,
       c,
-      expand_heads if fn else None,
+      expand_heads,
       reference=cfg.engine.reference_kernels,
     )
-    return heads(out_BNTH)
+    return _heads(out_BNTH)
 
   split = P(ROWS, 'context')
   specs = (split, split, split, split, split, P('context'), P(), P(), *(P() for _ in sinks))
-  out_BTNH = over_context(shard, cfg, specs)(
-    q_BTNH,
-    k_BTNH,
-    v_BTNH,
-    positions_BT,
-    segment_ids_BT,
-    jnp.asarray(index_T, jnp.int32),
-    jnp.asarray(window, jnp.int32),
-    operands,
-    *sinks,
-  )
+  index_T, window = jnp.asarray(index_T, jnp.int32), jnp.asarray(window, jnp.int32)
+  args = (positions_BT, segment_ids_BT, index_T, window, operands, *sinks)
+  out_BTNH = over_context(shard, cfg, specs)(q_BTNH, k_BTNH, v_BTNH, *args)
   return constrain(out_BTNH, axes.names('BTN') + (None,), cfg.engine.rules)
+
+
+def _heads(x):
+  """[B, T, N, H] <-> [B, N, T, H]."""
+  return x.transpose(0, 2, 1, 3)
+
+
+def ring_expansion(expand, cfg: ModelConfig):
+  """(the ring kernel's expand, or None; its operands as they cross into the shard_map) of
+  context_self_attention's `expand` (MLA: kv_b's arrays, `crossing`, cast back inside)."""
+  fn, operands = expand or (None, ())
+  if fn is None:
+    return None, ()
+  dtypes = jax.tree.map(lambda x: x.dtype, operands)
+
+  def expand_heads(k_BS, v_BS, ops):  # a visitor's keys and values [B, N, S, H]
+    return tuple(map(_heads, expanded(fn, k_BS, v_BS, ops, k_BS.dtype, dtypes)))
+
+  return expand_heads, jax.tree.map(functools.partial(crossing, cfg=cfg), operands)
 
 
 class MLA(nnx.Module):

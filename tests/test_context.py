@@ -267,6 +267,40 @@ def test_the_ring_gives_the_all_gathers_and_the_whole_rows_loss_and_gradients(fa
       np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-6)
 
 
+def ring_over(c, order, pos, seg, kv_axis, kernel, reference, sinks):
+  """The ring kernel (kernels/ring.py) in a shard_map over the first c devices, as a function of
+  (q [B, N, T, H], k, v, extra) in the rows' own order: the tokens are put in `order` and the
+  output back. kv_axis: k's and v's token axis (2: per-head [B, N, S, H]; 1: MLA's latent and
+  rope key [B, S, ...]); kernel: (window, scale, query chunk, expand); extra: the sinks
+  (`sinks`) or expand's operands."""
+  from moetrain.kernels.ring import ring_attention
+  from moetrain.model.attention import ring_mask
+
+  window, scale, chunk, expand = kernel
+  P = jax.sharding.PartitionSpec
+  auto = (jax.sharding.AxisType.Auto,)
+  mesh = jax.make_mesh((c,), ('context',), axis_types=auto, devices=jax.devices()[:c])
+
+  def shard(q, k, v, pos, seg, index, extra):
+    meta = (pos, seg, index)
+    ops = (extra, ()) if sinks else (None, extra)  # (sinks, expand's operands)
+    args = (q, k, v, (*meta, window), meta, *ops, ring_mask, scale, chunk, c, expand)
+    return ring_attention(*args, reference=reference)
+
+  heads, tokens = P(None, None, 'context'), P(None, 'context')
+  kv = heads if kv_axis == 2 else tokens
+  specs = (heads, kv, kv, tokens, tokens, P('context'), P())
+  run = jax.shard_map(shard, mesh=mesh, in_specs=specs, out_specs=heads, check_vma=False)
+  take = lambda x, axis: jnp.take(x, order, axis=axis)  # noqa: E731
+
+  def attend(q, k, v, extra):
+    q, k, v = take(q, 2), take(k, kv_axis), take(v, kv_axis)
+    out = run(q, k, v, take(pos, 1), take(seg, 1), order, extra)
+    return out[:, :, np.argsort(order)]
+
+  return attend
+
+
 @pytest.mark.parametrize('reorder', [False, True])
 def test_the_ring_kernel_gives_whole_row_attention_and_its_gradients(reorder):
   """Ring attention over 4 context shards (4 query heads over 2 key/value heads, packed rows,
@@ -276,8 +310,7 @@ def test_the_ring_kernel_gives_whole_row_attention_and_its_gradients(reorder):
   import jax.numpy as jnp
 
   from moetrain.kernels.attention import attention_core
-  from moetrain.kernels.ring import ring_attention
-  from moetrain.model.attention import dual_chunk_order, ring_mask, self_mask
+  from moetrain.model.attention import dual_chunk_order, self_mask
 
   c, t, window, scale = 4, T, 12, 0.3
   rng = np.random.default_rng(1)
@@ -287,25 +320,10 @@ def test_the_ring_kernel_gives_whole_row_attention_and_its_gradients(reorder):
   seg, pos = (packed_batch(2)[key] for key in ('segment_ids', 'positions'))
   order = dual_chunk_order(t, c) if reorder else np.arange(t)
   auto = (jax.sharding.AxisType.Auto,)
-  mesh = jax.make_mesh((c,), ('context',), axis_types=auto, devices=jax.devices()[:c])
-  P = jax.sharding.PartitionSpec
+  jax.make_mesh((c,), ('context',), axis_types=auto, devices=jax.devices()[:c])
 
-  def ring(reference):
-    def shard(q, k, v, pos, seg, index, sinks):
-      meta = (pos, seg, index)
-      args = (q, k, v, (*meta, window), meta, sinks, (), ring_mask, scale, 4, c, None)
-      return ring_attention(*args, reference=reference)
-
-    heads, tokens = P(None, None, 'context'), P(None, 'context')
-    specs = (heads, heads, heads, tokens, tokens, P('context'), P())
-    run = jax.shard_map(shard, mesh=mesh, in_specs=specs, out_specs=heads, check_vma=False)
-    back = np.argsort(order)
-
-    def attend(q, k, v, s):  # in the shards' token order and back
-      q, k, v = (x[..., order, :] for x in (q, k, v))
-      return run(q, k, v, pos[:, order], seg[:, order], order, s)[:, :, back]
-
-    return attend
+  def ring(reference):  # (q, k, v, sinks)
+    return ring_over(c, order, pos, seg, 2, (window, scale, 4, None), reference, sinks=True)
 
   def whole(q, k, v, s):
     k, v = (jnp.repeat(x, 2, axis=1) for x in (k, v))
@@ -331,8 +349,7 @@ def test_the_ring_kernel_expands_a_latent_on_each_receiving_shard():
   import jax.numpy as jnp
 
   from moetrain.kernels.attention import attention_core
-  from moetrain.kernels.ring import ring_attention
-  from moetrain.model.attention import dual_chunk_order, ring_mask, self_mask
+  from moetrain.model.attention import dual_chunk_order, self_mask
 
   c, t, n, kr, nope, rope, hv, scale = 4, T, 4, 6, 8, 4, 8, 0.3
   rng = np.random.default_rng(2)
@@ -344,8 +361,7 @@ def test_the_ring_kernel_expands_a_latent_on_each_receiving_shard():
   seg, pos = (packed_batch(2)[key] for key in ('segment_ids', 'positions'))
   order = dual_chunk_order(t, c)
   auto = (jax.sharding.AxisType.Auto,)
-  mesh = jax.make_mesh((c,), ('context',), axis_types=auto, devices=jax.devices()[:c])
-  P = jax.sharding.PartitionSpec
+  jax.make_mesh((c,), ('context',), axis_types=auto, devices=jax.devices()[:c])
 
   def expand(lat_BSK, k_pe_BSH, w):  # -> keys and values [B, N, S, H]
     kv_BSNH = jnp.einsum('bsk,knh->bsnh', lat_BSK, w)
@@ -353,22 +369,8 @@ def test_the_ring_kernel_expands_a_latent_on_each_receiving_shard():
     k_BSNH = jnp.concatenate([kv_BSNH[..., :nope], k_pe_BSNH], -1)
     return k_BSNH.transpose(0, 2, 1, 3), kv_BSNH[..., nope:].transpose(0, 2, 1, 3)
 
-  def ring(reference):
-    def shard(q, lat, k_pe, pos, seg, index, w):
-      meta = (pos, seg, index)
-      args = (q, lat, k_pe, (*meta, 0), meta, None, w, ring_mask, scale, 3, c, expand)
-      return ring_attention(*args, reference=reference)
-
-    heads, tokens = P(None, None, 'context'), P(None, 'context')
-    specs = (heads, tokens, tokens, tokens, tokens, P('context'), P())
-    run = jax.shard_map(shard, mesh=mesh, in_specs=specs, out_specs=heads, check_vma=False)
-    back = np.argsort(order)
-
-    def attend(q, lat, k_pe, w):  # in the shards' token order and back
-      q, (lat, k_pe) = q[:, :, order], (x[:, order] for x in (lat, k_pe))
-      return run(q, lat, k_pe, pos[:, order], seg[:, order], order, w)[:, :, back]
-
-    return attend
+  def ring(reference):  # (q, latent, rope key, kv_b's weights)
+    return ring_over(c, order, pos, seg, 1, (0, scale, 3, expand), reference, sinks=False)
 
   def whole(q, lat, k_pe, w):
     k, v = expand(lat, k_pe, w)

@@ -139,7 +139,8 @@ class EngineConfig:
   attention_recompute: bool = field(True)
   # With a 'context' mesh axis: reorder each row's tokens once at the step's input (dual
   # chunks: shard i holds chunks i and 2C - 1 - i of 2C), so every shard has equal causal
-  # attention work (docs/context.md). The loss and metrics are unchanged by it.
+  # attention work; the loss's targets and mask move to that order, the hidden states never
+  # move back (docs/context.md). The loss and metrics are unchanged by it.
   context_reorder: bool = field(True)
   # With a 'context' mesh axis, how each shard's queries reach the row's keys and values
   # (docs/context.md): 'all_gather' = every shard's at once (MLA: the latent), 'ring' = one

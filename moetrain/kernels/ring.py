@@ -141,7 +141,7 @@ def _ring_bwd(mask_fn, scale, chunk, shards, expand, res, g_BNTH):
   g_BNTH = g_BNTH.astype(out_BNTH.dtype)
   delta_BNT = jnp.sum(g_BNTH.astype(F32) * out_BNTH.astype(F32), axis=-1)
   bounds = _bounds(q_BNTH.shape[2], chunk)
-  f32 = lambda t: jax.tree.map(lambda x: jnp.zeros(x.shape, F32), t)  # noqa: E731
+  zeros32 = lambda t: jax.tree.map(lambda x: jnp.zeros(x.shape, F32), t)  # noqa: E731
 
   def grads(kv):
     """A visitor's share of dq, then the gradients of what it carries and of `ops` (float32):
@@ -167,7 +167,7 @@ def _ring_bwd(mask_fn, scale, chunk, shards, expand, res, g_BNTH):
     return carry, None
 
   dkv = (jnp.zeros(k_BNSH.shape, F32), jnp.zeros(v_BNSH.shape, F32))
-  carry = (jnp.zeros(q_BNTH.shape, F32), (k_BNSH, v_BNSH, k_meta), dkv, f32(ops))
+  carry = (jnp.zeros(q_BNTH.shape, F32), (k_BNSH, v_BNSH, k_meta), dkv, zeros32(ops))
   (dq_BNTH, kv, dkv, dops), _ = jax.lax.scan(step, carry, length=shards - 1)
   dq_part, dkv_part, dops_part = grads(kv)
   # The last visitor's gradients, one step more: back at the shard that owns the block.

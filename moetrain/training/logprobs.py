@@ -13,13 +13,20 @@ from moetrain.kernels.cross_entropy import head_token_logprobs
 from moetrain.model import attention
 
 
-def token_logprobs(model, batch, rng, temperature: float = 1.0, routes=None):
-  """(log pi of each target at the sampling temperature [B, T], whether it holds the top logit
-  [B, T], the forward's aux). routes: routing replay's forced top-k ids [B, T, L, K]."""
-  index = attention.slot_order(model.cfg, batch['inputs'].shape[1])
+def slot_features(model, batch, rng=None, routes=None):
+  """(the final hidden states [B, T, D] in the context shards' order, the forward's aux, that
+  order: attention.slot_order's index, None where the rows keep theirs); the loss moves its
+  per-token arrays to it (attention.in_slots). routes: routing replay's forced top-k ids."""
   h_BTD, aux = model.features(
     batch['inputs'], batch['positions'], batch['segment_ids'], rng, routes, slots=True
   )
+  return h_BTD, aux, attention.slot_order(model.cfg, batch['inputs'].shape[1])
+
+
+def token_logprobs(model, batch, rng, temperature: float = 1.0, routes=None):
+  """(log pi of each target at the sampling temperature [B, T], whether it holds the top logit
+  [B, T], the forward's aux). routes: routing replay's forced top-k ids [B, T, L, K]."""
+  h_BTD, aux, index = slot_features(model, batch, rng, routes)
   if temperature != 1.0:  # the head is linear: head(h / T) = logits / T
     h_BTD = h_BTD / jnp.asarray(temperature, h_BTD.dtype)
   e = model.cfg.engine

@@ -18,6 +18,7 @@ from moetrain.model.config import ModelConfig
 from moetrain.model.moe import ROUTING_COUNTS, finish_routing_stats
 from moetrain.training import preference as preference_lib
 from moetrain.training import rl as rl_lib
+from moetrain.training.logprobs import slot_features
 from moetrain.training.train_state import TrainState, graphdef_of, merge_model, merge_teacher
 
 off = functools.partial(field, check='non_negative', zero='0 = off')
@@ -74,15 +75,13 @@ def forward_loss(params, moe_bias, frozen, graphdef, batch, rng=None, head_loss=
   sequence by engine.loss_chunk so that the [B, T, V] logits never exist whole. head_loss
   (distillation: distill_head's) adds aux['objective'] and aux['divergence'] (sums)."""
   model = merge_model(graphdef, params, moe_bias, frozen)
-  inputs = (batch['inputs'], batch['positions'], batch['segment_ids'], rng)
   if head_loss is not None:
-    h_BTD, aux = model.features(*inputs)
+    h_BTD, aux = model.features(batch['inputs'], batch['positions'], batch['segment_ids'], rng)
     with jax.named_scope('lm_head'):
       objective, nll, divergence, correct = head_loss(model, h_BTD, batch, rng)
     return nll, correct, {**aux, 'objective': objective, 'divergence': divergence}
   # The hidden states stay in a context split's slot order; the targets and mask move instead.
-  index = attention.slot_order(model.cfg, batch['inputs'].shape[1])
-  h_BTD, aux = model.features(*inputs, slots=True)
+  h_BTD, aux, index = slot_features(model, batch, rng)
   with jax.named_scope('lm_head'):
     nll, correct = head_cross_entropy(
       model.lm_head,

@@ -555,3 +555,45 @@ def test_without_excess_precision_a_split_forward_is_the_whole_rows_bit_for_bit(
   assert out.returncode == 0, out.stderr[-2000:]
   n, total = map(int, re.search(r'bit-equal (\d+) of (\d+)', out.stdout).groups())
   assert n == total, out.stdout
+
+
+def test_the_ring_holds_one_query_blocks_terms_at_a_time_in_a_layer_scan():
+  """The ring's compiled loss and gradients over two layers in a lax.scan (bfloat16), the
+  positions and segments the same for every layer as in the model, on 4 shards of 1,024 tokens,
+  query blocks of 128: a shard's temporaries stay within its own arrays and a few blocks'
+  scores (36 MiB). Two ways they did not: JAX's partial evaluation of the layer scan hoisted
+  what depends on the positions alone out of the loop, every ring step's and query block's mask
+  broadcast over the heads, all kept (123 MiB; the tiny LongCat's step on a v5p-8 needed 6x the
+  all-gather's temporaries); and the backward formed every query block's key and value gradient
+  terms before summing them (62 MiB with that alone)."""
+  from moetrain.kernels.ring import ring_attention
+  from moetrain.model.attention import ring_mask
+
+  c, t, n, h, chunk = 4, 4096, 4, 128, 128
+  P = jax.sharding.PartitionSpec
+  mesh = jax.make_mesh((c,), ('context',), devices=jax.devices()[:c])
+
+  def shard(q, k, v, pos, seg, index):
+    meta = (pos, seg, index)
+    return ring_attention(q, k, v, (*meta, 0), meta, None, (), ring_mask, 0.1, chunk, c, None)
+
+  heads, tokens = P(None, None, 'context'), P(None, 'context')
+  specs = (heads, heads, heads, tokens, tokens, P('context'))
+  attend = jax.shard_map(shard, mesh=mesh, in_specs=specs, out_specs=heads, check_vma=False)
+
+  def loss(w_L3, x_BNTH, *meta):
+    def layer(x, w):
+      return x + attend(x * w[0], x * w[1], x * w[2], *meta), None
+
+    return jnp.sum(jax.lax.scan(layer, x_BNTH, w_L3)[0].astype(jnp.float32) ** 2)
+
+  like = lambda shape, dtype, spec: jax.ShapeDtypeStruct(  # noqa: E731
+    shape, dtype, sharding=jax.sharding.NamedSharding(mesh, spec)
+  )
+  args = (like((2, 3), jnp.bfloat16, P()), like((1, n, t, h), jnp.bfloat16, heads))
+  meta = (like((1, t), jnp.int32, tokens),) * 2 + (like((t,), jnp.int32, P('context')),)
+  compiled = jax.jit(jax.grad(loss)).lower(*args, *meta).compile()
+  temp = compiled.memory_analysis().temp_size_in_bytes
+  shard_f32 = n * (t // c) * h * 4  # a shard's queries (keys, values, output) in float32
+  block_scores = n * chunk * (t // c) * 4  # a query block's [N, chunk, S] float32 terms
+  assert temp <= 16 * shard_f32 + 4 * block_scores, f'{temp / 2**20:.1f} MiB'

@@ -81,6 +81,10 @@ def _fold(parts, bounds, q_BNTH, kv, q_meta, mask_fn, scale: float):
 def _ring_fwd(
   q_BNTH, k_BNSH, v_BNSH, q_meta, k_meta, sinks_N, ops, mask_fn, scale, chunk, shards, expand
 ):
+  # The masks' inputs tied to the queries: a layer scan's partial evaluation hoists out of the
+  # loop what depends only on its invariants (the positions are every layer's), and here that
+  # was each ring step's and query block's mask broadcast over the heads, all kept at once.
+  q_meta, k_meta, q_BNTH = jax.lax.optimization_barrier((q_meta, k_meta, q_BNTH))
   bounds = _bounds(q_BNTH.shape[2], chunk)
   v_like = jax.eval_shape(lambda kv: _expanded(kv, expand, ops)[1], (k_BNSH, v_BNSH, k_meta))
   parts = tuple(_start(q_BNTH[:, :, a:b], v_like, sinks_N) for a, b in bounds)
@@ -108,11 +112,13 @@ def _block_grads(q_BNTH, g_BNTH, lse_BNT, delta_BNT, kv, q_meta, mask_fn, scale,
   k_BNSH, v_BNSH, k_meta = _heads(kv, groups)
   mask_BTS = mask_fn(q_meta, k_meta)
   b, n, s = *q_BNTH.shape[:2], k_BNSH.shape[2]
-  zeros = lambda h: jnp.zeros((b, n, s, h), F32)  # noqa: E731
-  dq, dk_BNSH, dv_BNSH = [], zeros(k_BNSH.shape[3]), zeros(v_BNSH.shape[3])
+  dq, dkv = (
+    [],
+    (jnp.zeros((b, n, s, k_BNSH.shape[3]), F32), jnp.zeros((b, n, s, v_BNSH.shape[3]), F32)),
+  )
   for start, end in bounds:
 
-    def block(start=start, end=end):
+    def block(dkv, start=start, end=end):
       q_part, g_part = q_BNTH[:, :, start:end], g_BNTH[:, :, start:end]
       s_BNTS = _dot(q_part, k_BNSH, (3, 3), F32)
       z_BNTS = masked_scores(s_BNTS, mask_BTS[:, start:end], scale)
@@ -121,17 +127,18 @@ def _block_grads(q_BNTH, g_BNTH, lse_BNT, delta_BNT, kv, q_meta, mask_fn, scale,
       ds_BNTS = p_BNTS * (dp_BNTS - delta_BNT[:, :, start:end, None]) * scale
       ds_BNTS = jnp.where(mask_BTS[:, None, start:end], ds_BNTS, 0).astype(q_BNTH.dtype)
       dq_BNTH = _dot(ds_BNTS, k_BNSH, (3, 2), F32)
-      dk_part = _dot(ds_BNTS, q_part, (2, 2), F32)
-      return dq_BNTH, dk_part, _dot(p_BNTS.astype(v_BNSH.dtype), g_part, (2, 2), F32)
+      dk_BNSH = dkv[0] + _dot(ds_BNTS, q_part, (2, 2), F32)
+      return dq_BNTH, (dk_BNSH, dkv[1] + _dot(p_BNTS.astype(v_BNSH.dtype), g_part, (2, 2), F32))
 
-    empty = lambda start=start, end=end: (  # noqa: E731
+    empty = lambda dkv, start=start, end=end: (  # noqa: E731
       jnp.zeros((b, n, end - start, q_BNTH.shape[3]), F32),
-      zeros(k_BNSH.shape[3]),
-      zeros(v_BNSH.shape[3]),
+      dkv,
     )
-    dq_BNTH, dk_part, dv_part = jax.lax.cond(jnp.any(mask_BTS[:, start:end]), block, empty)
+    # The running sums go through the cond: one pair of [B, N, S, H] buffers, not a block's
+    # terms each (XLA kept every block's, all live at once, before summing them).
+    dq_BNTH, dkv = jax.lax.cond(jnp.any(mask_BTS[:, start:end]), block, empty, dkv)
     dq.append(dq_BNTH)
-    dk_BNSH, dv_BNSH = dk_BNSH + dk_part, dv_BNSH + dv_part
+  dk_BNSH, dv_BNSH = dkv
   per_kv = lambda x: x.reshape(b, n // groups, groups, *x.shape[2:]).sum(2)  # noqa: E731
   return jnp.concatenate(dq, axis=2), per_kv(dk_BNSH), per_kv(dv_BNSH)
 

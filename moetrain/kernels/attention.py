@@ -129,10 +129,11 @@ def _mask_blocks(mask, n: int, mask_fn):
 
 def _tied(qb_BNTH, part):
   """A block's queries and mask part through an optimization barrier: the mask made from the
-  part then depends, for XLA, on the layer's queries. A mask that depended on the positions
-  alone was the same in every layer, and XLA:TPU hoisted it out of the layer loop and broadcast
-  it over the heads for all blocks at once: 64 GiB of predicates for LongCat-Flash's 64 heads
-  and a shard's 8,192 queries over a 131,072-token row."""
+  part then depends on the layer's queries. A mask that depended on the positions alone was the
+  same in every layer, and JAX's partial evaluation of the layer scan (its loop-invariant
+  residuals) computed it before the loop, broadcast over the heads for all blocks at once, and
+  kept it: 64 GiB of predicates for LongCat-Flash's 64 heads and a shard's 8,192 queries over a
+  131,072-token row. kernels/ring.py ties its masks' inputs the same way."""
   return jax.lax.optimization_barrier((qb_BNTH, part))
 
 

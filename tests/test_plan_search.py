@@ -96,6 +96,11 @@ def test_neighbours_leave_out_what_is_already_set():
     ), n
   names = [tuple(sorted(n)) for n in tpu_plan.neighbours(config, 4, {})]
   assert ('engine.quant',) in names  # QLoRA storage is searched under LoRA only
+  # Under LoRA 'auto' runs ragged_dot on TPU: megablox (each batch shard's own rows) is one
+  # change away, and from it ragged_dot.
+  assert {'engine.moe_backend': 'megablox'} in tpu_plan.neighbours(config, 4, {})
+  back = tpu_plan.neighbours(config, 4, {'engine.moe_backend': 'megablox'})
+  assert {'engine.moe_backend': 'ragged_dot'} in back
   pretrain = longcat_pretrain.get_config()
   assert all('engine.quant' not in n for n in tpu_plan.neighbours(pretrain, 4, {}))
 

@@ -459,9 +459,9 @@ def _divisors_pow2(n: int, limit: int) -> list[int]:
 
 def neighbours(config, devices: int, base: dict, slices: int = 1) -> list[dict]:
   """Settings one change away from `base` (overrides of `config`): the expert axis, the context
-  axis, dispatch (dropless unbounded or with a bounded receive buffer, or capacity), remat,
-  micro-batches, under LoRA the base's storage, and across `slices` slices a pipeline stage per
-  slice. Changes to what `base` already has are left out."""
+  axis, the experts' backend, dispatch (dropless unbounded or with a bounded receive buffer, or
+  capacity), remat, micro-batches, under LoRA the base's storage, and across `slices` slices a
+  pipeline stage per slice. Changes to what `base` already has are left out."""
 
   m = config.model
   now = with_overrides(config, base)
@@ -473,6 +473,7 @@ def neighbours(config, devices: int, base: dict, slices: int = 1) -> list[dict]:
       {'mesh.shape': mesh_shape(stage, e, context), 'mesh.rules': 'fsdp_ep' if e > 1 else 'fsdp'}
     )
   out += context_neighbours(now, devices)
+  out += backend_neighbours(now)
   out += [
     {'engine.moe_dispatch': 'dropless', 'engine.moe_ep_recv_factor': f} for f in (0.0, 2.0, 1.25)
   ]
@@ -513,6 +514,20 @@ def context_neighbours(now, devices: int) -> list[dict]:
     other = 'all_gather' if now.engine.context_attention == 'ring' else 'ring'
     out.append({'engine.context_attention': other})
   return out
+
+
+def backend_neighbours(now) -> list[dict]:
+  """The routed experts' other TPU backend: megablox (each batch shard's own rows against the
+  experts gathered whole) where 'auto' runs ragged_dot (under LoRA), and back. Without an
+  expert axis XLA partitions ragged_dot itself, and it ran every chip's routed rows on each chip
+  against the experts split on their input axis: HBM and ICI bytes that an expert axis, or
+  megablox's local rows, avoid (bench/RESULTS.md, "Context parallelism"). Megablox gathers
+  each layer's experts whole, which large experts without an expert axis cannot afford."""
+  cfg = model_config(now).laid_out('tpu', full_shape(now.mesh.shape))
+  backend = dispatch.resolve_backend(cfg)
+  if backend not in ('ragged_dot', 'megablox'):
+    return []
+  return [{'engine.moe_backend': 'megablox' if backend == 'ragged_dot' else 'ragged_dot'}]
 
 
 def pipeline_neighbours(config, now, slices: int) -> list[dict]:

@@ -107,15 +107,14 @@ def _ring_fwd(
 def _block_grads(q_BNTH, g_BNTH, lse_BNT, delta_BNT, kv, q_meta, mask_fn, scale, bounds):
   """A visiting block's share of dq [B, N, T, H], and its keys' and values' gradients at their
   N_kv heads (float32): the scores recomputed from q and the kept log-sum-exp, query block by
-  query block, a query block that sees none of the keys skipped."""
+  query block, a query block that sees none of the keys skipped; each block adds its terms to
+  one pair of running sums."""
   groups = q_BNTH.shape[1] // kv[0].shape[1]
   k_BNSH, v_BNSH, k_meta = _heads(kv, groups)
   mask_BTS = mask_fn(q_meta, k_meta)
   b, n, s = *q_BNTH.shape[:2], k_BNSH.shape[2]
-  dq, dkv = (
-    [],
-    (jnp.zeros((b, n, s, k_BNSH.shape[3]), F32), jnp.zeros((b, n, s, v_BNSH.shape[3]), F32)),
-  )
+  zeros = lambda h: jnp.zeros((b, n, s, h), F32)  # noqa: E731
+  dq, dkv = [], (zeros(k_BNSH.shape[3]), zeros(v_BNSH.shape[3]))
   for start, end in bounds:
 
     def block(dkv, start=start, end=end):
@@ -127,8 +126,10 @@ def _block_grads(q_BNTH, g_BNTH, lse_BNT, delta_BNT, kv, q_meta, mask_fn, scale,
       ds_BNTS = p_BNTS * (dp_BNTS - delta_BNT[:, :, start:end, None]) * scale
       ds_BNTS = jnp.where(mask_BTS[:, None, start:end], ds_BNTS, 0).astype(q_BNTH.dtype)
       dq_BNTH = _dot(ds_BNTS, k_BNSH, (3, 2), F32)
-      dk_BNSH = dkv[0] + _dot(ds_BNTS, q_part, (2, 2), F32)
-      return dq_BNTH, (dk_BNSH, dkv[1] + _dot(p_BNTS.astype(v_BNSH.dtype), g_part, (2, 2), F32))
+      dk_sum, dv_sum = dkv
+      dk_sum = dk_sum + _dot(ds_BNTS, q_part, (2, 2), F32)
+      dv_sum = dv_sum + _dot(p_BNTS.astype(v_BNSH.dtype), g_part, (2, 2), F32)
+      return dq_BNTH, (dk_sum, dv_sum)
 
     empty = lambda dkv, start=start, end=end: (  # noqa: E731
       jnp.zeros((b, n, end - start, q_BNTH.shape[3]), F32),

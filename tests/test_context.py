@@ -319,8 +319,6 @@ def test_the_ring_kernel_gives_whole_row_attention_and_its_gradients(reorder):
   cot = rng.normal(size=(2, 4, t, 8)).astype(np.float32)
   seg, pos = (packed_batch(2)[key] for key in ('segment_ids', 'positions'))
   order = dual_chunk_order(t, c) if reorder else np.arange(t)
-  auto = (jax.sharding.AxisType.Auto,)
-  jax.make_mesh((c,), ('context',), axis_types=auto, devices=jax.devices()[:c])
 
   def ring(reference):  # (q, k, v, sinks)
     return ring_over(c, order, pos, seg, 2, (window, scale, 4, None), reference, sinks=True)
@@ -360,8 +358,6 @@ def test_the_ring_kernel_expands_a_latent_on_each_receiving_shard():
   cot = rng.normal(size=(2, n, t, hv)).astype(np.float32)
   seg, pos = (packed_batch(2)[key] for key in ('segment_ids', 'positions'))
   order = dual_chunk_order(t, c)
-  auto = (jax.sharding.AxisType.Auto,)
-  jax.make_mesh((c,), ('context',), axis_types=auto, devices=jax.devices()[:c])
 
   def expand(lat_BSK, k_pe_BSH, w):  # -> keys and values [B, N, S, H]
     kv_BSNH = jnp.einsum('bsk,knh->bsnh', lat_BSK, w)

@@ -133,7 +133,7 @@ def _tied(qb_BNTH, part):
   same in every layer, and JAX's partial evaluation of the layer scan (its loop-invariant
   residuals) computed it before the loop, broadcast over the heads for all blocks at once, and
   kept it: 64 GiB of predicates for LongCat-Flash's 64 heads and a shard's 8,192 queries over a
-  131,072-token row. kernels/ring.py ties its masks' inputs the same way."""
+  131,072-token row. kernels/ring.py ties its masks' inputs with it too."""
   return jax.lax.optimization_barrier((qb_BNTH, part))
 
 

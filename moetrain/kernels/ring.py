@@ -7,7 +7,7 @@ import jax
 import jax.numpy as jnp
 
 from moetrain.kernels import Kernel
-from moetrain.kernels.attention import _dot, masked_scores
+from moetrain.kernels.attention import _dot, _tied, masked_scores
 
 F32 = jnp.float32
 
@@ -81,10 +81,9 @@ def _fold(parts, bounds, q_BNTH, kv, q_meta, mask_fn, scale: float):
 def _ring_fwd(
   q_BNTH, k_BNSH, v_BNSH, q_meta, k_meta, sinks_N, ops, mask_fn, scale, chunk, shards, expand
 ):
-  # The masks' inputs tied to the queries: a layer scan's partial evaluation hoists out of the
-  # loop what depends only on its invariants (the positions are every layer's), and here that
-  # was each ring step's and query block's mask broadcast over the heads, all kept at once.
-  q_meta, k_meta, q_BNTH = jax.lax.optimization_barrier((q_meta, k_meta, q_BNTH))
+  # As attention_core's blocks (_tied): otherwise the layer scan's partial evaluation kept every
+  # ring step's and query block's mask, made from the positions alone, broadcast over the heads.
+  q_BNTH, (q_meta, k_meta) = _tied(q_BNTH, (q_meta, k_meta))
   bounds = _bounds(q_BNTH.shape[2], chunk)
   v_like = jax.eval_shape(lambda kv: _expanded(kv, expand, ops)[1], (k_BNSH, v_BNSH, k_meta))
   parts = tuple(_start(q_BNTH[:, :, a:b], v_like, sinks_N) for a, b in bounds)

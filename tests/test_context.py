@@ -383,6 +383,61 @@ def test_the_ring_kernel_expands_a_latent_on_each_receiving_shard():
 
 
 @pytest.mark.parametrize(
+  'c, reorder', [(2, True), (2, False), pytest.param(4, True, marks=pytest.mark.slow)]
+)
+def test_the_splash_ring_gives_whole_row_attention_and_its_gradients(c, reorder):
+  """The ring on the splash kernel (kernels/ring_splash.py, here in Pallas' interpreter) over c
+  shards of 256-token slices, 4 query heads over 2 key/value heads, packed rows with padding,
+  sinks: the values and q, k, v and sinks gradients of softmax attention over the whole row,
+  by the kernel's backward (the splash kernel's, given the row's log-sum-exp) and by autodiff
+  through its all-gathered reference."""
+  from moetrain.kernels.ring_splash import ring_splash_attention
+  from moetrain.model.attention import dual_chunk_order
+
+  t, b = 256 * c, 2
+  rng = np.random.default_rng(3)
+  q, k, v = (rng.normal(size=(b, n, t, 8)).astype(np.float32) for n in (4, 2, 2))
+  sinks = rng.normal(size=4).astype(np.float32)
+  cot = rng.normal(size=(b, 4, t, 8)).astype(np.float32)
+  seg = np.where(np.arange(t) < t * 3 // 5, 1, 2)[None].repeat(b, 0).astype(np.int32)
+  seg[1, -40:] = 0
+  order = dual_chunk_order(t, c) if reorder else np.arange(t)
+  P = jax.sharding.PartitionSpec
+  auto = (jax.sharding.AxisType.Auto,)
+  mesh = jax.make_mesh((c,), ('context',), axis_types=auto, devices=jax.devices()[:c])
+  heads, tokens = P(None, None, 'context'), P(None, 'context')
+
+  def ring(reference):
+    def shard(q, k, v, seg, sinks):
+      args = (q, k, v, seg, sinks, (), c, reorder, None, True)
+      return ring_splash_attention(*args, reference=reference)
+
+    specs = (heads, heads, heads, tokens, P())
+    run = jax.shard_map(shard, mesh=mesh, in_specs=specs, out_specs=heads, check_vma=False)
+    take = lambda x, axis: jnp.take(x, order, axis=axis)  # noqa: E731
+    return lambda q, k, v, s: run(take(q, 2), take(k, 2), take(v, 2), take(seg, 1), s)[
+      :, :, np.argsort(order)
+    ]
+
+  def whole(q, k, v, s):
+    k, v = (jnp.repeat(x, 2, axis=1) for x in (k, v))
+    mask = (seg[:, :, None] == seg[:, None]) & np.tril(np.ones((t, t), bool))
+    z = jnp.where(mask[:, None], jnp.einsum('bnth,bnsh->bnts', q, k), -jnp.inf)
+    z = jnp.concatenate([z, jnp.broadcast_to(s[None, :, None, None], (*z.shape[:3], 1))], -1)
+    return jnp.einsum('bnts,bnsh->bnth', jax.nn.softmax(z, -1)[..., :t], v)
+
+  loss = lambda f: lambda *a: jnp.sum(f(*a) * cot)  # noqa: E731
+  want = jax.value_and_grad(loss(whole), argnums=(0, 1, 2, 3))(q, k, v, sinks)
+  for f in (ring(False), ring(True)):
+    got = jax.jit(jax.value_and_grad(loss(f), argnums=(0, 1, 2, 3)))(q, k, v, sinks)
+    np.testing.assert_allclose(
+      jax.jit(f)(q, k, v, sinks), whole(q, k, v, sinks), rtol=1e-5, atol=1e-5
+    )
+    for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+      np.testing.assert_allclose(g, w, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize(
   'reorder, window, sliding',
   [
     (True, 0, 0),
@@ -440,6 +495,29 @@ def test_the_splash_kernel_over_context_shards_gives_the_blocked_paths_values_an
   np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
   for g, w in zip(got_grads, want_grads, strict=True):
     np.testing.assert_allclose(g, w, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize(
+  'family',
+  ['qwen3_moe', pytest.param('longcat', marks=pytest.mark.slow)],  # longcat: ~100 s
+)
+def test_the_ring_on_the_splash_kernel_gives_the_xla_paths_loss_and_gradients(family, monkeypatch):
+  """engine.context_attention='ring' where the splash kernel runs (here interpreted): 512-token
+  packed rows over context 2 in the load balance's order take the splash ring
+  (kernels/ring_splash.py; LongCat's MLA sends its latent around) and give the all-gather's
+  loss and adapter gradients on the blocked XLA path."""
+  from moetrain.model.attention import ring_splash
+
+  monkeypatch.setattr(packed_batch, '__defaults__', (8, 512, 64))
+  cfg = with_lora(tiny(init_std=0.05, attention_chunk=128, loss_chunk=64, **FAMILIES[family]))
+  mesh = (1, 1, 4, 1, 2, 1)
+  want, want_grads = loss_and_grads(cfg.with_engine(attention_kernel='xla'), mesh)
+  ring = cfg.with_engine(attention_kernel='splash', context_attention='ring')
+  assert ring_splash(ring.laid_out('cpu', sharding.make_mesh(mesh)), 512)
+  got, grads = loss_and_grads(ring, mesh)
+  np.testing.assert_allclose(got, want, rtol=1e-5)
+  for g, w in zip(grads, want_grads, strict=True):
+    np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-6)
 
 
 @pytest.mark.slow  # ~100 s: the interpreter over 512-token rows

@@ -60,7 +60,7 @@ def test_every_custom_vjp_is_the_fast_path_of_a_kernel():
   sites = _custom_vjp_sites()
   assert all(s.startswith('moetrain/kernels/') for s in sites), sites
   fast = [k for k in _kernels() if isinstance(k.fast, jax.custom_vjp)]
-  assert len(fast) == len(sites) == 15, (sorted(k.name for k in fast), sites)
+  assert len(fast) == len(sites) == 16, (sorted(k.name for k in fast), sites)
   assert all(k.reference is not k.fast for k in _kernels())
 
 

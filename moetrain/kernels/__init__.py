@@ -11,6 +11,7 @@ reference, and that every custom VJP in moetrain is a Kernel's fast path.
   lora.lora_product                                            a LoRA adapter's two products
   attention.attention_core                                     blocked softmax attention
   ring.ring_attention                                          context shards' attention, a ring
+  ring_splash.ring_splash_attention                            the same ring on the splash kernel
   cross_entropy.head_ce (head_cross_entropy calls it)          the lm head's chunked loss
   grouped.expert_ffn                                           the CPU grouped expert engine
   exchange.ragged_exchange                                     expert parallelism's ragged all-to-all

@@ -18,6 +18,64 @@ def _pass_on(x, shards: int):
   return jax.lax.ppermute(x, 'context', [(i, (i + 1) % shards) for i in range(shards)])
 
 
+def around(fold, state, kv, shards: int):
+  """state with every shard's block folded in, fold(state, kv, s) of the block that left its
+  shard s steps ago (s = 0: the shard's own), each block passed on beside its products (the
+  transfer does not wait on them)."""
+
+  def step(carry, s):
+    state, kv = carry
+    return (fold(state, kv, s), _pass_on(kv, shards)), None
+
+  (state, kv), _ = jax.lax.scan(step, (state, kv), jnp.arange(shards - 1))
+  return fold(state, kv, shards - 1)
+
+
+def around_back(grads, q_shape, kv, dops, shards: int):
+  """The backward's ring: (dq, the shard's block's gradients, dops), float32, summed over the
+  visitors; grads(kv, s) -> (dq part, gradients of what kv carries, dops part) of the block
+  that left its shard s steps ago. Each block's gradients travel with it and arrive back at
+  its owner one step after its last visit; dops (kv_b's) stay on the shard."""
+
+  def add(total, part):
+    return jax.tree.map(lambda t, p: t + p.astype(F32), total, part)
+
+  def step(carry, s):
+    dq_BNTH, kv, dkv, dops = carry
+    dq_part, dkv_part, dops_part = grads(kv, s)
+    dkv = add(dkv, dkv_part)
+    carry = (dq_BNTH + dq_part, _pass_on(kv, shards), _pass_on(dkv, shards), add(dops, dops_part))
+    return carry, None
+
+  dkv = tuple(jnp.zeros(x.shape, F32) for x in kv[:2])
+  carry = (jnp.zeros(q_shape, F32), kv, dkv, dops)
+  (dq_BNTH, kv, dkv, dops), _ = jax.lax.scan(step, carry, jnp.arange(shards - 1))
+  dq_part, dkv_part, dops_part = grads(kv, shards - 1)
+  # The last visitor's gradients, one step more: back at the shard that owns the block.
+  return dq_BNTH + dq_part, _pass_on(add(dkv, dkv_part), shards), add(dops, dops_part)
+
+
+def through_expand(block_grads, kv, expand, ops):
+  """A visitor's (dq part, gradients of what it carries, gradients of `ops`), float32:
+  block_grads(keys, values, k_side) -> (dq part, dk, dv) of its keys and values, taken back
+  through expand's VJP when the block carries what makes them (MLA's latent; kv_b's `ops`)."""
+  if expand is None:
+    dq_part, dk_BNSH, dv_BNSH = block_grads(*kv)
+    return dq_part, (dk_BNSH, dv_BNSH), ()
+  (k_BNSH, v_BNSH), pull = jax.vjp(expand, kv[0], kv[1], ops)
+  dq_part, dk_BNSH, dv_BNSH = block_grads(k_BNSH, v_BNSH, kv[2])
+  da, db, dops = pull((dk_BNSH.astype(k_BNSH.dtype), dv_BNSH.astype(v_BNSH.dtype)))
+  return dq_part, (da, db), dops
+
+
+def sink_grads(sinks_N, lse_BNT, delta_BNT):
+  """d sinks (gpt-oss), or None: each sink's weight times (0 - delta), its value being 0."""
+  if sinks_N is None:
+    return None
+  p_BNT = jnp.exp(sinks_N.astype(F32)[None, :, None] - lse_BNT)
+  return (-jnp.sum(p_BNT * delta_BNT, axis=(0, 2))).astype(sinks_N.dtype)
+
+
 def _bounds(t: int, chunk: int) -> tuple:
   step = chunk if 0 < chunk < t else t
   return tuple((i, min(i + step, t)) for i in range(0, t, step))
@@ -88,15 +146,10 @@ def _ring_fwd(
   v_like = jax.eval_shape(lambda kv: _expanded(kv, expand, ops)[1], (k_BNSH, v_BNSH, k_meta))
   parts = tuple(_start(q_BNTH[:, :, a:b], v_like, sinks_N) for a, b in bounds)
 
-  def fold(parts, kv):
+  def fold(parts, kv, _):
     return _fold(parts, bounds, q_BNTH, _expanded(kv, expand, ops), q_meta, mask_fn, scale)
 
-  def step(carry, _):  # the next block's transfer does not wait on this one's products
-    parts, kv = carry
-    return (fold(parts, kv), _pass_on(kv, shards)), None
-
-  (parts, kv), _ = jax.lax.scan(step, (parts, (k_BNSH, v_BNSH, k_meta)), length=shards - 1)
-  parts = fold(parts, kv)
+  parts = around(fold, parts, (k_BNSH, v_BNSH, k_meta), shards)
   max_BNT, sum_BNT, acc_BNTH = (jnp.concatenate(xs, axis=2) for xs in zip(*parts, strict=True))
   out_BNTH = (acc_BNTH / sum_BNT[..., None]).astype(v_like.dtype)
   lse_BNT = max_BNT + jnp.log(sum_BNT)
@@ -150,47 +203,24 @@ def _ring_bwd(mask_fn, scale, chunk, shards, expand, res, g_BNTH):
   bounds = _bounds(q_BNTH.shape[2], chunk)
   zeros32 = lambda t: jax.tree.map(lambda x: jnp.zeros(x.shape, F32), t)  # noqa: E731
 
-  def grads(kv):
-    """A visitor's share of dq, then the gradients of what it carries and of `ops` (float32):
-    its keys' and values', or, through expand's VJP, its latent's and kv_b's."""
-    if expand is None:
-      args = (q_BNTH, g_BNTH, lse_BNT, delta_BNT, kv, q_meta, mask_fn, scale, bounds)
-      dq_part, dk_BNSH, dv_BNSH = _block_grads(*args)
-      return dq_part, (dk_BNSH, dv_BNSH), ()
-    (k_BNSH, v_BNSH), pull = jax.vjp(expand, kv[0], kv[1], ops)
-    args = (q_BNTH, g_BNTH, lse_BNT, delta_BNT, (k_BNSH, v_BNSH, kv[2]), q_meta, mask_fn, scale)
-    dq_part, dk_BNSH, dv_BNSH = _block_grads(*args, bounds)
-    da, db, dops = pull((dk_BNSH.astype(k_BNSH.dtype), dv_BNSH.astype(v_BNSH.dtype)))
-    return dq_part, (da, db), dops
+  def grads(kv, _):
+    def block(k_BNSH, v_BNSH, k_meta):
+      args = (q_BNTH, g_BNTH, lse_BNT, delta_BNT, (k_BNSH, v_BNSH, k_meta), q_meta, mask_fn)
+      return _block_grads(*args, scale, bounds)
 
-  def add(total, part):
-    return jax.tree.map(lambda t, p: t + p.astype(F32), total, part)
+    return through_expand(block, kv, expand, ops)
 
-  def step(carry, _):  # each block's gradients travel with it; kv_b's stay
-    dq_BNTH, kv, dkv, dops = carry
-    dq_part, dkv_part, dops_part = grads(kv)
-    dkv = add(dkv, dkv_part)
-    carry = (dq_BNTH + dq_part, _pass_on(kv, shards), _pass_on(dkv, shards), add(dops, dops_part))
-    return carry, None
-
-  dkv = (jnp.zeros(k_BNSH.shape, F32), jnp.zeros(v_BNSH.shape, F32))
-  carry = (jnp.zeros(q_BNTH.shape, F32), (k_BNSH, v_BNSH, k_meta), dkv, zeros32(ops))
-  (dq_BNTH, kv, dkv, dops), _ = jax.lax.scan(step, carry, length=shards - 1)
-  dq_part, dkv_part, dops_part = grads(kv)
-  # The last visitor's gradients, one step more: back at the shard that owns the block.
-  dk_BNSH, dv_BNSH = _pass_on(add(dkv, dkv_part), shards)
-  dops = jax.tree.map(lambda d, x: d.astype(x.dtype), add(dops, dops_part), ops)
-  dsinks_N = None
-  if sinks_N is not None:  # the sink's weight times (0 - delta), its value being 0
-    p_BNT = jnp.exp(sinks_N.astype(F32)[None, :, None] - lse_BNT)
-    dsinks_N = (-jnp.sum(p_BNT * delta_BNT, axis=(0, 2))).astype(sinks_N.dtype)
+  dq_BNTH, (dk_BNSH, dv_BNSH), dops = around_back(
+    grads, q_BNTH.shape, (k_BNSH, v_BNSH, k_meta), zeros32(ops), shards
+  )
+  dops = jax.tree.map(lambda d, x: d.astype(x.dtype), dops, ops)
   return (
-    (dq_BNTH + dq_part).astype(q_BNTH.dtype),
+    dq_BNTH.astype(q_BNTH.dtype),
     dk_BNSH.astype(k_BNSH.dtype),
     dv_BNSH.astype(v_BNSH.dtype),
     None,
     None,
-    dsinks_N,
+    sink_grads(sinks_N, lse_BNT, delta_BNT),
     dops,
   )
 

@@ -77,8 +77,9 @@ def _split_kernel(heads: int, t: int, shards: int, order, interpret: bool, windo
   return _build(causal, block_size(t // (2 * shards)), interpret, shards)
 
 
-def _build(causal, b: int, interpret: bool, q_shards: int = 1):
-  """The splash kernel over a multi-head static mask, in blocks of b queries and keys."""
+def _build(causal, b: int, interpret: bool, q_shards: int = 1, residuals: bool = False):
+  """The splash kernel over a multi-head static mask, in blocks of b queries and keys;
+  residuals: it also returns each query's log-sum-exp (not differentiable then)."""
   kernel, _ = _modules()
   shards = dict(downcast_smem_data=True, head_shards=1, q_seq_shards=q_shards)
   # dq's blocks are the forward's (the same sizes), so it shares the forward's tables.
@@ -100,7 +101,7 @@ def _build(causal, b: int, interpret: bool, q_shards: int = 1):
     dkv,
     block_sizes=sizes,
     is_mqa=False,
-    save_residuals=False,
+    save_residuals=residuals,
     mask_value=kernel.DEFAULT_MASK_VALUE,
     attn_logits_soft_cap=None,
     residual_checkpoint_name=None,

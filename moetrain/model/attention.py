@@ -15,6 +15,7 @@ from moetrain.core.sharding import BATCH_AXES, MESH_AXES, constrain, full_shape
 from moetrain.kernels import splash
 from moetrain.kernels.attention import attention_core, masked_scores, uniform
 from moetrain.kernels.ring import ring_attention
+from moetrain.kernels.ring_splash import ring_splash_attention
 from moetrain.model.config import ModelConfig
 from moetrain.model.indexer import Indexer, index_scores, kl_loss, top_k_mask
 from moetrain.model.layers import Linear, RMSNorm, by_blocks, rope
@@ -423,6 +424,8 @@ def ring_self_attention(
   carrying the shard's latent and rope key (k and v here), each receiving shard expanding them
   (kernels/ring.py)."""
   t, c = q_BTNH.shape[1], cfg.engine.context_shards
+  if ring_splash(cfg, t):
+    return splash_ring(q_BTNH, k_BTNH, v_BTNH, segment_ids_BT, cfg, sinks_N, expand)
   index_T = slot_order(cfg, t)
   index_T = np.arange(t) if index_T is None else index_T
   sinks = () if sinks_N is None else (sinks_N,)
@@ -452,6 +455,38 @@ def ring_self_attention(
   index_T, window = jnp.asarray(index_T, jnp.int32), jnp.asarray(window, jnp.int32)
   args = (positions_BT, segment_ids_BT, index_T, window, operands, *sinks)
   out_BTNH = over_context(shard, cfg, specs)(q_BTNH, k_BTNH, v_BTNH, *args)
+  return constrain(out_BTNH, axes.names('BTN') + (None,), cfg.engine.rules)
+
+
+def ring_splash(cfg: ModelConfig, t: int) -> bool:
+  """Whether a ring over the context shards of a T-token row runs the splash kernel: where the
+  all-gather would (context_splash), and with no sliding window (between two shards a window's
+  mask is not one of the three whole-block masks kernels/ring_splash.py has)."""
+  return context_splash(cfg, t) and not cfg.sliding_window
+
+
+def splash_ring(q_BTNH, k_BTNH, v_BTNH, segment_ids_BT, cfg: ModelConfig, sinks_N, expand):
+  """ring_self_attention on the splash kernel (kernels/ring_splash.py): each visiting block's
+  scores in the kernel, never in HBM; the shard_map manual over every mesh axis, a Pallas
+  call being opaque to XLA's partitioner."""
+  c, reordered = cfg.engine.context_shards, slot_order(cfg, q_BTNH.shape[1]) is not None
+  q_BTNH, sinks_N = splash._scaled(q_BTNH, cfg.attention_scale, sinks_N)  # fused into q's producer
+  sinks = () if sinks_N is None else (sinks_N,)
+  expand_heads, operands = ring_expansion(expand, cfg)
+  interpret = cfg.engine.platform != 'tpu'
+
+  def shard(q_BTNH, k_BT, v_BT, seg_BT, operands, *sinks):
+    kv = (k_BT, v_BT) if expand_heads else (_heads(k_BT), _heads(v_BT))
+    args = (_heads(q_BTNH), *kv, seg_BT.astype(jnp.int32), sinks[0] if sinks else None, operands)
+    out_BNTH = ring_splash_attention(
+      *args, c, reordered, expand_heads, interpret, reference=cfg.engine.reference_kernels
+    )
+    return _heads(out_BNTH)
+
+  split = P(ROWS, 'context')
+  specs = (split, split, split, split, P(), *(P() for _ in sinks))
+  run = over_context(shard, cfg, specs, every_axis=True)
+  out_BTNH = run(q_BTNH, k_BTNH, v_BTNH, segment_ids_BT, operands, *sinks)
   return constrain(out_BTNH, axes.names('BTN') + (None,), cfg.engine.rules)
 
 

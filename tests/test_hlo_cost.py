@@ -1,6 +1,7 @@
 """FLOPs counted from optimized HLO with loop trip counts (moetrain/core/hlo_cost.py)."""
 
 import os
+import re
 
 import jax
 import jax.numpy as jnp
@@ -80,6 +81,34 @@ def test_splash_kernels_are_priced_as_causal_attention():
   assert sites['splash_mha_fwd'] == one(192) + one(128)
   assert sites['splash_mha_dq'] == 2 * one(192) + one(128)
   assert sites['splash_mha_dkv'] == 2 * one(192) + 2 * one(128)
+
+
+def test_a_splash_call_under_the_full_mask_scope_is_priced_whole():
+  """kernels/ring_splash.py runs its whole-mask calls under FULL_MASK_SCOPE: every block of the
+  grid is priced (the fixture's 4 of 4, where a causal one's are 3)."""
+  text = open(SPLASH_HLO).read()
+  scoped = re.sub(
+    r'(op_name="[^"]*)(splash_mha_fwd)', rf'\1{hlo_cost.FULL_MASK_SCOPE}/\2', text, count=0
+  )
+  assert scoped != text
+
+  def fwd(t):
+    sites = hlo_cost.top_matmuls(t)
+    return next(s.flops for s in sites if s.name.startswith('splash_mha_fwd'))
+
+  assert fwd(scoped) == pytest.approx(fwd(text) / 0.75)
+
+
+def test_a_conditional_counts_its_costliest_branch():
+  """One branch of a conditional runs: its FLOPs are the larger branch's, not the sum."""
+
+  def f(p, x, w):
+    return jax.lax.cond(p, lambda: (x @ w) @ w, lambda: x @ w)
+
+  args = (True, jnp.ones((16, 32)), jnp.ones((32, 32)))
+  text = jax.jit(f).lower(*args).compile().as_text()
+  assert ' conditional(' in text
+  assert hlo_cost.analyse(text).flops == 2 * (2 * 16 * 32 * 32)
 
 
 def test_a_windowed_einsum_loop_counts_its_stride():

@@ -199,8 +199,10 @@ def callees(instr) -> list[tuple[str, str]]:
 def _multiplicities(comps: dict, entry: str, unknown_trips: int = 1) -> tuple[dict, dict, list]:
   """How often each computation runs per call of the entry; the fused ones (bodies of fusion
   instructions, whose data movement is the fusion's own); while loops whose trip count was not
-  recognised (counted unknown_trips times). A conditional with a branch that runs tokamax's
-  delta-rule kernel counts that branch alone: the other is the XLA form for rows past the
+  recognised (counted unknown_trips times). A conditional runs one branch: it counts its
+  costliest (by FLOPs), an upper bound on each run (kernels/ring_splash.py's steps run one of
+  three kernels of equal work; a skipping branch costs nothing). One with a branch that runs
+  tokamax's delta-rule kernel counts that branch: the other is the XLA form for rows past the
   kernel's limits (kernels/delta_rule_tokamax.py), and the estimate is of rows within them."""
   mult, fused, unknown = {entry: 1}, set(), []
   order = [entry]
@@ -209,8 +211,8 @@ def _multiplicities(comps: dict, entry: str, unknown_trips: int = 1) -> tuple[di
   for comp in order:  # breadth-first over the call graph
     for instr in comps.get(comp, []):
       refs = callees(instr)
-      if instr.op == 'conditional':
-        refs = [r for r in refs if runs_kda(r[1])] or refs
+      if instr.op == 'conditional' and refs:
+        refs = [r for r in refs if runs_kda(r[1])] or [_costliest(comps, refs, unknown_trips)]
       trips = 1
       if instr.op == 'while':
         trips = _trip_count(instr, tables[comp], comps)
@@ -227,6 +229,16 @@ def _multiplicities(comps: dict, entry: str, unknown_trips: int = 1) -> tuple[di
           order.append(callee)
         mult[callee] = mult.get(callee, 0) + n
   return mult, fused, unknown
+
+
+def _costliest(comps: dict, branches: list, unknown_trips: int):
+  """The (kind, computation) of the branch whose calls, loops counted, have the most FLOPs."""
+
+  def flops(branch):
+    mult = _multiplicities(comps, branch[1], unknown_trips)[0]
+    return sum(s.flops for s in _matmul_sites(comps, mult))
+
+  return max(branches, key=flops)
 
 
 def _is_kda(instr: Instr):
@@ -262,7 +274,7 @@ def _matmul_flops(instr: Instr, table: dict) -> float:
   if instr.op == 'convolution' and len(ops) >= 2:
     return 2.0 * math.prod(out) * _taps(instr, ops[0][1], ops[1][1]) / _ragged_groups(instr)
   if instr.op == 'custom-call' and (kind := _SPLASH.search(instr.name + instr.attrs)):
-    return _splash_flops(kind.group(1), ops)
+    return _splash_flops(kind.group(1), ops, full=FULL_MASK_SCOPE in instr.attrs)
   if kind := _is_kda(instr):
     return _kda_flops(kind, [d for _, d in instr.shapes])
   if instr.op == 'custom-call' and ('ragged-dot' in instr.name or 'gmm' in instr.attrs):
@@ -285,24 +297,28 @@ def _ragged_groups(instr: Instr) -> int:
 
 
 _SPLASH = re.compile(r'splash_m[hq]a_(fwd|dq|dkv)')
+# The named scope of splash calls whose mask is whole (every block seen): kernels/ring_splash.py's
+# blocks from other shards.
+FULL_MASK_SCOPE = 'splash_full_mask'
 # A splash kernel's matmuls per visited block, as (q/k-width products, v-width products): the
 # forward's q k^T and p v; dq recomputes q k^T, forms dO v^T and ds k; dkv recomputes q k^T,
 # forms dO v^T, p^T dO and ds^T q.
 _SPLASH_PRODUCTS = {'fwd': (1, 1), 'dq': (2, 1), 'dkv': (2, 2)}
 
 
-def _splash_flops(kind: str, operands: list) -> float:
+def _splash_flops(kind: str, operands: list, full: bool = False) -> float:
   """A splash attention kernel (JAX's Pallas TPU kernel; moetrain's and MaxText's): its operands
   are the block tables (int8 [heads, q blocks, kv blocks]) and then q [..., T, H_qk],
   k [..., S, H_qk], v [..., S, H_v]. Priced as causal (both sides train causal LMs): of an
-  n x n block grid, n (n + 1) / 2 blocks are visited."""
+  n x n block grid, n (n + 1) / 2 blocks are visited; full (a call under FULL_MASK_SCOPE):
+  every block."""
   floats = [d for t, d in operands if t in ('bf16', 'f32', 'f16') and len(d) >= 2]
   tables = [d for t, d in operands if t == 's8' and len(d) == 3]
   if len(floats) < 3:
     return 0.0
   q, k, v = floats[:3]
   n = max(tables[0][1:]) if tables else 1
-  visited = (n + 1) / (2 * n)
+  visited = 1.0 if full else (n + 1) / (2 * n)
   rows = math.prod(q[:-1])  # batch x heads x T
   qk, pv = _SPLASH_PRODUCTS[kind]
   return 2.0 * rows * k[-2] * (qk * q[-1] + pv * v[-1]) * visited

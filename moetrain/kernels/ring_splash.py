@@ -17,6 +17,7 @@ backward reads the softmax's normalisation only through those two). That pass is
 function of the kernel's module (`_splash_attention_bwd`); tests/test_context.py checks it in
 Pallas' interpreter against this module's reference."""
 
+import contextlib
 import functools
 
 import jax
@@ -26,6 +27,7 @@ from jax.experimental.pallas.ops.tpu.splash_attention import (
   splash_attention_mask,
 )
 
+from moetrain.core.hlo_cost import FULL_MASK_SCOPE
 from moetrain.kernels import Kernel
 from moetrain.kernels import splash as splash_lib
 from moetrain.kernels.ring import _expanded, around, around_back, sink_grads, through_expand
@@ -36,8 +38,9 @@ WHOLE = slice(None)
 
 @functools.lru_cache(maxsize=16)
 def _kernels(heads: int, t: int, reordered: bool, interpret: bool):
-  """((own, earlier, later) kernels with residuals, their (query, key) slot spans) for a
-  shard's t queries and heads; later is None where nothing of a later shard is seen."""
+  """((own, earlier, later) kernels with residuals, their spans: (query slots, key slots,
+  whether the mask is whole)) for a shard's t queries and heads; later is None where nothing
+  of a later shard is seen."""
   mask, h = splash_attention_mask, t // 2
   b = splash_lib.block_size(h if reordered else t)
 
@@ -46,10 +49,17 @@ def _kernels(heads: int, t: int, reordered: bool, interpret: bool):
 
   own = build(mask.CausalMask((t, t)))
   if not reordered:
-    return (own, build(mask.FullMask((t, t))), None), ((WHOLE, WHOLE), (WHOLE, WHOLE), None)
+    spans = ((WHOLE, WHOLE, False), (WHOLE, WHOLE, True), None)
+    return (own, build(mask.FullMask((t, t))), None), spans
   earlier, later = build(mask.FullMask((t, h))), build(mask.FullMask((h, t)))
-  spans = ((WHOLE, WHOLE), (WHOLE, slice(0, h)), (slice(h, None), WHOLE))
+  spans = ((WHOLE, WHOLE, False), (WHOLE, slice(0, h), True), (slice(h, None), WHOLE, True))
   return (own, earlier, later), spans
+
+
+def _scope(full: bool):
+  """A whole mask's calls under hlo_cost's FULL_MASK_SCOPE: the planner prices them whole (a
+  causal one's blocks are half seen)."""
+  return jax.named_scope(FULL_MASK_SCOPE) if full else contextlib.nullcontext()
 
 
 def _forward(kernel, q_BNTH, k_BNSH, v_BNSH, q_seg_BT, k_seg_BS):
@@ -104,10 +114,11 @@ def _case(s, shards: int):
 def _fold_in(state, kernel, span, q_BNTH, q_seg_BT, kv):
   """state (log-sum-exp [B, N, T], output [B, N, T, H], float32) with a visitor's keys over
   span (query slots, key slots) folded in."""
-  (qs, ks), (k_BNSH, v_BNSH, k_seg_BS) = span, kv
+  (qs, ks, full), (k_BNSH, v_BNSH, k_seg_BS) = span, kv
   lse_BNT, acc_BNTH = state
   args = (q_BNTH[:, :, qs], k_BNSH[:, :, ks], v_BNSH[:, :, ks], q_seg_BT[:, qs], k_seg_BS[:, ks])
-  out_BNTH, part_BNT = _forward(kernel, *args)
+  with _scope(full):
+    out_BNTH, part_BNT = _forward(kernel, *args)
   new_BNT = jnp.logaddexp(lse_BNT[:, :, qs], part_BNT)
   old = jnp.exp(lse_BNT[:, :, qs] - new_BNT)[..., None] * acc_BNTH[:, :, qs]
   acc = old + jnp.exp(part_BNT - new_BNT)[..., None] * out_BNTH.astype(F32)
@@ -149,10 +160,11 @@ def _ring_fwd(q_BNTH, k_BNSH, v_BNSH, seg_BT, sinks_N, ops, shards, reordered, e
 
 def _grads_of(kernel, span, q_BNTH, seg_BT, out_BNTH, lse_BNT, g_BNTH, kv):
   """A visitor's (dq part, dk, dv), float32 and whole-shaped, from its keys over span."""
-  (qs, ks), (k_BNSH, v_BNSH, k_seg_BS) = span, kv
+  (qs, ks, full), (k_BNSH, v_BNSH, k_seg_BS) = span, kv
   at_q = (q_BNTH[:, :, qs], k_BNSH[:, :, ks], v_BNSH[:, :, ks], seg_BT[:, qs], k_seg_BS[:, ks])
   rest = (out_BNTH[:, :, qs], lse_BNT[:, :, qs], g_BNTH[:, :, qs])
-  dq, dk, dv = _backward(kernel, *at_q, *rest)
+  with _scope(full):
+    dq, dk, dv = _backward(kernel, *at_q, *rest)
   put = lambda like, at, x: jnp.zeros(like.shape, F32).at[at].set(x.astype(F32))  # noqa: E731
   both = (WHOLE, WHOLE)
   return put(q_BNTH, (*both, qs), dq), put(k_BNSH, (*both, ks), dk), put(v_BNSH, (*both, ks), dv)

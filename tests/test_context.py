@@ -383,14 +383,25 @@ def test_the_ring_kernel_expands_a_latent_on_each_receiving_shard():
 
 
 @pytest.mark.parametrize(
-  'c, reorder', [(2, True), (2, False), pytest.param(4, True, marks=pytest.mark.slow)]
+  'c, reorder, window, windowed',
+  [
+    (2, True, 0, False),
+    (2, False, 0, False),
+    (2, True, 100, True),
+    (2, False, 100, True),
+    (2, True, 100, False),
+    pytest.param(4, True, 0, False, marks=pytest.mark.slow),
+    pytest.param(4, True, 100, True, marks=pytest.mark.slow),
+    pytest.param(4, False, 100, True, marks=pytest.mark.slow),
+  ],
 )
-def test_the_splash_ring_gives_whole_row_attention_and_its_gradients(c, reorder):
+def test_the_splash_ring_gives_whole_row_attention_and_its_gradients(c, reorder, window, windowed):
   """The ring on the splash kernel (kernels/ring_splash.py, here in Pallas' interpreter) over c
   shards of 256-token slices, 4 query heads over 2 key/value heads, packed rows with padding,
-  sinks: the values and q, k, v and sinks gradients of softmax attention over the whole row,
-  by the kernel's backward (the splash kernel's, given the row's log-sum-exp) and by autodiff
-  through its all-gathered reference."""
+  sinks, in the load balance's order or the row's, with a 100-key sliding window on or off (a
+  layer scan's flag): the values and q, k, v and sinks gradients of softmax attention over the
+  whole row, by the kernel's backward (the splash kernel's, given the row's log-sum-exp) and by
+  autodiff through its all-gathered reference."""
   from moetrain.kernels.ring_splash import ring_splash_attention
   from moetrain.model.attention import dual_chunk_order
 
@@ -409,7 +420,7 @@ def test_the_splash_ring_gives_whole_row_attention_and_its_gradients(c, reorder)
 
   def ring(reference):
     def shard(q, k, v, seg, sinks):
-      args = (q, k, v, seg, sinks, (), c, reorder, None, True)
+      args = (q, k, v, seg, jnp.asarray(windowed), sinks, (), c, reorder, window, None, True)
       return ring_splash_attention(*args, reference=reference)
 
     specs = (heads, heads, heads, tokens, P())
@@ -421,7 +432,9 @@ def test_the_splash_ring_gives_whole_row_attention_and_its_gradients(c, reorder)
 
   def whole(q, k, v, s):
     k, v = (jnp.repeat(x, 2, axis=1) for x in (k, v))
-    mask = (seg[:, :, None] == seg[:, None]) & np.tril(np.ones((t, t), bool))
+    back = np.arange(t)[:, None] - np.arange(t)[None]
+    seen = (back >= 0) & ((back < window) if windowed else True)
+    mask = (seg[:, :, None] == seg[:, None]) & seen
     z = jnp.where(mask[:, None], jnp.einsum('bnth,bnsh->bnts', q, k), -jnp.inf)
     z = jnp.concatenate([z, jnp.broadcast_to(s[None, :, None, None], (*z.shape[:3], 1))], -1)
     return jnp.einsum('bnts,bnsh->bnth', jax.nn.softmax(z, -1)[..., :t], v)
@@ -430,9 +443,8 @@ def test_the_splash_ring_gives_whole_row_attention_and_its_gradients(c, reorder)
   want = jax.value_and_grad(loss(whole), argnums=(0, 1, 2, 3))(q, k, v, sinks)
   for f in (ring(False), ring(True)):
     got = jax.jit(jax.value_and_grad(loss(f), argnums=(0, 1, 2, 3)))(q, k, v, sinks)
-    np.testing.assert_allclose(
-      jax.jit(f)(q, k, v, sinks), whole(q, k, v, sinks), rtol=1e-5, atol=1e-5
-    )
+    out = jax.jit(f)(q, k, v, sinks)
+    np.testing.assert_allclose(out, whole(q, k, v, sinks), rtol=1e-5, atol=1e-5)
     for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
       np.testing.assert_allclose(g, w, rtol=1e-4, atol=1e-5)
 
@@ -499,13 +511,18 @@ def test_the_splash_kernel_over_context_shards_gives_the_blocked_paths_values_an
 
 @pytest.mark.parametrize(
   'family',
-  ['qwen3_moe', pytest.param('longcat', marks=pytest.mark.slow)],  # longcat: ~100 s
+  [
+    'gpt_oss',
+    pytest.param('qwen3_moe', marks=pytest.mark.slow),
+    pytest.param('longcat', marks=pytest.mark.slow),  # ~100 s
+  ],
 )
 def test_the_ring_on_the_splash_kernel_gives_the_xla_paths_loss_and_gradients(family, monkeypatch):
   """engine.context_attention='ring' where the splash kernel runs (here interpreted): 512-token
   packed rows over context 2 in the load balance's order take the splash ring
-  (kernels/ring_splash.py; LongCat's MLA sends its latent around) and give the all-gather's
-  loss and adapter gradients on the blocked XLA path."""
+  (kernels/ring_splash.py; gpt-oss's sliding-window and full layers in one scan, and its sinks;
+  LongCat's MLA sends its latent around) and give the all-gather's loss and adapter gradients
+  on the blocked XLA path."""
   from moetrain.model.attention import ring_splash
 
   monkeypatch.setattr(packed_batch, '__defaults__', (8, 512, 64))

@@ -425,7 +425,7 @@ def ring_self_attention(
   (kernels/ring.py)."""
   t, c = q_BTNH.shape[1], cfg.engine.context_shards
   if ring_splash(cfg, t):
-    return splash_ring(q_BTNH, k_BTNH, v_BTNH, segment_ids_BT, cfg, sinks_N, expand)
+    return splash_ring(q_BTNH, k_BTNH, v_BTNH, segment_ids_BT, cfg, window, sinks_N, expand)
   index_T = slot_order(cfg, t)
   index_T = np.arange(t) if index_T is None else index_T
   sinks = () if sinks_N is None else (sinks_N,)
@@ -460,33 +460,38 @@ def ring_self_attention(
 
 def ring_splash(cfg: ModelConfig, t: int) -> bool:
   """Whether a ring over the context shards of a T-token row runs the splash kernel: where the
-  all-gather would (context_splash), and with no sliding window (between two shards a window's
-  mask is not one of the three whole-block masks kernels/ring_splash.py has)."""
-  return context_splash(cfg, t) and not cfg.sliding_window
+  all-gather would (context_splash), with a sliding window (if any) that reaches no further back
+  than the chunk before a query's own (kernels/ring_splash.py), a shard's T / C tokens or, under
+  the load balance, half of them."""
+  chunk = t // cfg.engine.context_shards // (2 if context_reordered(cfg, t) else 1)
+  return context_splash(cfg, t) and cfg.sliding_window <= chunk
 
 
-def splash_ring(q_BTNH, k_BTNH, v_BTNH, segment_ids_BT, cfg: ModelConfig, sinks_N, expand):
+def splash_ring(q_BTNH, k_BTNH, v_BTNH, segment_ids_BT, cfg: ModelConfig, window, sinks_N, expand):
   """ring_self_attention on the splash kernel (kernels/ring_splash.py): each visiting block's
   scores in the kernel, never in HBM; the shard_map manual over every mesh axis, a Pallas
-  call being opaque to XLA's partitioner."""
+  call being opaque to XLA's partitioner. window: the layer's (an int, or a layer scan's
+  array), the model's sliding window where it is > 0."""
   c, reordered = cfg.engine.context_shards, slot_order(cfg, q_BTNH.shape[1]) is not None
   q_BTNH, sinks_N = splash._scaled(q_BTNH, cfg.attention_scale, sinks_N)  # fused into q's producer
   sinks = () if sinks_N is None else (sinks_N,)
   expand_heads, operands = ring_expansion(expand, cfg)
   interpret = cfg.engine.platform != 'tpu'
 
-  def shard(q_BTNH, k_BT, v_BT, seg_BT, operands, *sinks):
+  def shard(q_BTNH, k_BT, v_BT, seg_BT, windowed, operands, *sinks):
     kv = (k_BT, v_BT) if expand_heads else (_heads(k_BT), _heads(v_BT))
-    args = (_heads(q_BTNH), *kv, seg_BT.astype(jnp.int32), sinks[0] if sinks else None, operands)
+    seg_BT, sink = seg_BT.astype(jnp.int32), sinks[0] if sinks else None
+    args = (_heads(q_BTNH), *kv, seg_BT, windowed, sink, operands, c, reordered)
     out_BNTH = ring_splash_attention(
-      *args, c, reordered, expand_heads, interpret, reference=cfg.engine.reference_kernels
+      *args, cfg.sliding_window, expand_heads, interpret, reference=cfg.engine.reference_kernels
     )
     return _heads(out_BNTH)
 
   split = P(ROWS, 'context')
-  specs = (split, split, split, split, P(), *(P() for _ in sinks))
+  specs = (split, split, split, split, P(), P(), *(P() for _ in sinks))
   run = over_context(shard, cfg, specs, every_axis=True)
-  out_BTNH = run(q_BTNH, k_BTNH, v_BTNH, segment_ids_BT, operands, *sinks)
+  windowed = jnp.asarray(window, jnp.int32) > 0
+  out_BTNH = run(q_BTNH, k_BTNH, v_BTNH, segment_ids_BT, windowed, operands, *sinks)
   return constrain(out_BTNH, axes.names('BTN') + (None,), cfg.engine.rules)
 
 

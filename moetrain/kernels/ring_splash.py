@@ -49,7 +49,7 @@ def _cases(heads: int, t: int, reordered: bool, window: int, interpret: bool) ->
   b = splash_lib.block_size(h if reordered else t)
 
   def build(one):
-    return splash_lib._build(mask.MultiHeadMask([one] * heads), b, interpret, residuals=True)
+    return splash_lib.build(mask.MultiHeadMask([one] * heads), b, interpret, residuals=True)
 
   first, second = slice(0, h), slice(h, None)
   causal = ((build(mask.CausalMask((t, t))), WHOLE, WHOLE, False),)

@@ -58,7 +58,7 @@ def _kernel(heads: int, t: int, interpret: bool, window: int = 0):
   the step as extra arguments.)"""
   _, mask = _modules()
   one = mask.LocalMask((t, t), (window - 1, 0), 0) if window else mask.CausalMask((t, t))
-  return _build(mask.MultiHeadMask([one for _ in range(heads)]), block_size(t), interpret)
+  return build(mask.MultiHeadMask([one for _ in range(heads)]), block_size(t), interpret)
 
 
 @functools.lru_cache(maxsize=32)
@@ -74,17 +74,17 @@ def _split_kernel(heads: int, t: int, shards: int, order, interpret: bool, windo
   if order is not None:
     one.q_sequence = np.asarray(order, np.int32)
   causal = mask.MultiHeadMask([one for _ in range(heads)])
-  return _build(causal, block_size(t // (2 * shards)), interpret, shards)
+  return build(causal, block_size(t // (2 * shards)), interpret, shards)
 
 
-def _build(causal, b: int, interpret: bool, q_shards: int = 1, residuals: bool = False):
+def build(heads_mask, b: int, interpret: bool, q_shards: int = 1, residuals: bool = False):
   """The splash kernel over a multi-head static mask, in blocks of b queries and keys;
   residuals: it also returns each query's log-sum-exp (not differentiable then)."""
   kernel, _ = _modules()
   shards = dict(downcast_smem_data=True, head_shards=1, q_seq_shards=q_shards)
   # dq's blocks are the forward's (the same sizes), so it shares the forward's tables.
-  fwd, mask_fn = info.process_mask(causal, (b, b), **shards)
-  dkv, _ = info.process_mask_dkv(causal, (b, b), shrink_grid=True, **shards)
+  fwd, mask_fn = info.process_mask(heads_mask, (b, b), **shards)
+  dkv, _ = info.process_mask_dkv(heads_mask, (b, b), shrink_grid=True, **shards)
   sizes = kernel.BlockSizes(
     block_q=b,
     block_kv=b,

@@ -8,12 +8,15 @@ with each row's tokens split over the 'context' axis or not. Two tables:
   device) against context 8 (1 row, an eighth of it on each device);
 - with --memory_only: the compiled step's memory per device against the row's length, one row
   per batch shard (8 / C rows a step), context C = 1, 2, 4, 8;
+- with --ring LENGTHS: one row of each length over context 8, its keys all-gathered against
+  passed around the ring (`engine.context_attention`), the runs interleaved --repeats times;
 - with --tpu TOPOLOGY: the same table from the planner's libtpu compile of Qwen3-30B-A3B's LoRA
   step (configs/qwen3_moe_lora.py) for a TPU slice, one row per batch shard (chips / C rows),
   with its estimated step: estimates, not measurements.
 
   python -m bench.context --tokens 2048 --long 8192,32768 --steps 6 --repeats 2
   python -m bench.context --memory_only 4096,16384,65536   # the compiled step's memory only
+  python -m bench.context --ring 8192,16384 --steps 4 --repeats 2
   python -m bench.context --tpu v5p-16 --memory_only 8192,32768,131072
 """
 
@@ -31,8 +34,11 @@ from bench.common import RunFailed, emit, machine, run_main
 COMPILED = re.compile(r'Compiled in [\d.]+ s: ([\d.]+) GiB per device')
 
 
-def demo_args(context: int, tokens: int, rows: int, steps: int, workdir: str) -> list[str]:
-  """`moetrain.main`'s arguments for the demo step on mesh (1, 1, 8 / context, 1, context, 1)."""
+def demo_args(
+  context: int, tokens: int, rows: int, steps: int, workdir: str, attention: str = 'all_gather'
+) -> list[str]:
+  """`moetrain.main`'s arguments for the demo step on mesh (1, 1, 8 / context, 1, context, 1),
+  the context shards' attention `attention` (engine.context_attention)."""
   return [
     'moetrain.main',
     '--config=configs/longcat_lora.py',
@@ -44,16 +50,17 @@ def demo_args(context: int, tokens: int, rows: int, steps: int, workdir: str) ->
     '--config.train.log_every=1',
     '--config.train.eval_every=0',
     '--config.data.eval_split=',
+    f'--config.engine.context_attention={attention}',
     f'--workdir={workdir}',
   ]
 
 
-def run(context: int, tokens: int, rows: int, steps: int) -> dict:
+def run(context: int, tokens: int, rows: int, steps: int, attention: str = 'all_gather') -> dict:
   """One run of the demo step: its compiled memory per device and median step time (a failed
   run: the error's last line, and no figures)."""
   with tempfile.TemporaryDirectory(prefix='bench_context') as workdir:
     try:
-      out = run_main(demo_args(context, tokens, rows, steps, workdir))
+      out = run_main(demo_args(context, tokens, rows, steps, workdir, attention))
     except RunFailed as e:
       print(e, file=sys.stderr, flush=True)
       return {'gib_per_device': None, 'step_s': None, 'error': str(e).splitlines()[-1]}
@@ -113,6 +120,21 @@ def tpu_table(topology_name: str, lengths: list[int]) -> None:
             'compile_s': r.get('compile_seconds'), 'error': r.get('error')})  # fmt: skip
 
 
+def ring_table(lengths: list[int], steps: int, repeats: int) -> None:
+  """One row of each length over context 8: the all-gather's step against the ring's."""
+  for tokens in lengths:
+    runs = {'all_gather': [], 'ring': []}
+    for _ in range(repeats):
+      for attention, done in runs.items():
+        done.append(run(8, tokens, 1, steps, attention))
+    for attention, done in runs.items():
+      good = [r['step_s'] for r in done if r['step_s'] is not None]
+      emit({'table': 'ring', 'context': 8, 'rows': 1, 'tokens_per_row': tokens,
+            'attention': attention, 'gib_per_device': done[0]['gib_per_device'],
+            'step_s_median': statistics.median(good) if good else None,
+            'step_s': [r['step_s'] for r in done]})  # fmt: skip
+
+
 def main() -> None:
   p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   p.add_argument('--tokens', type=int, default=2048)
@@ -121,11 +143,14 @@ def main() -> None:
   p.add_argument('--repeats', type=int, default=2)
   p.add_argument('--memory_only', default='', help='row lengths: only the compiled memory table')
   p.add_argument('--tpu', default='', help="a TPU topology: the planner's memory table for it")
+  p.add_argument('--ring', default='', help='row lengths: all-gather against ring, context 8')
   args = p.parse_args()
   os.environ['XLA_FLAGS'] = '--xla_force_host_platform_device_count=8'
   emit({'machine': machine()})
   if args.tpu:
     return tpu_table(args.tpu, [int(t) for t in args.memory_only.split(',')])
+  if args.ring:
+    return ring_table([int(t) for t in args.ring.split(',')], args.steps, args.repeats)
   if args.memory_only:
     return memory_table([int(t) for t in args.memory_only.split(',')])
   same = {c: [] for c in (1, 2, 4, 8)}

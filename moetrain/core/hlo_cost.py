@@ -200,8 +200,8 @@ def _multiplicities(comps: dict, entry: str, unknown_trips: int = 1) -> tuple[di
   """How often each computation runs per call of the entry; the fused ones (bodies of fusion
   instructions, whose data movement is the fusion's own); while loops whose trip count was not
   recognised (counted unknown_trips times). A conditional runs one branch: it counts its
-  costliest (by FLOPs), an upper bound on each run (kernels/ring_splash.py's steps run one of
-  three kernels of equal work; a skipping branch costs nothing). One with a branch that runs
+  costliest (by FLOPs), an upper bound on each run (each of kernels/ring_splash.py's steps runs
+  one of its cases; a skipping branch costs nothing). One with a branch that runs
   tokamax's delta-rule kernel counts that branch: the other is the XLA form for rows past the
   kernel's limits (kernels/delta_rule_tokamax.py), and the estimate is of rows within them."""
   mult, fused, unknown = {entry: 1}, set(), []

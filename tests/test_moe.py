@@ -733,7 +733,9 @@ def test_tokamax_on_a_gpu_zeroes_what_its_kernel_leaves_unwritten(monkeypatch):
   np.testing.assert_allclose(y, ref(x, w), rtol=1e-5, atol=1e-5)
   for a, b in zip(g, g_ref, strict=True):
     assert np.isfinite(a).all()
-    np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)
+    # Float32 sums over the padded tiles in another order: the weight gradient's entries, up to
+    # ~400, differ by float32 rounding (1.5e-5 on one of 512 on an AVX2 host), to the scale.
+    np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6 * np.abs(b).max())
   ref = gpu.with_engine(kernels='reference')  # the kernel's reference: the same
   g_sel = jax.grad(loss(lambda x, w: experts.tokamax_mm(x, w, sizes, jnp.float32, ref)), (0, 1))
   for a, b in zip(g_sel(x, w), g, strict=True):

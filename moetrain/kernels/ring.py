@@ -68,12 +68,26 @@ def through_expand(block_grads, kv, expand, ops):
   return dq_part, (da, db), dops
 
 
-def sink_grads(sinks_N, lse_BNT, delta_BNT):
-  """d sinks (gpt-oss), or None: each sink's weight times (0 - delta), its value being 0."""
-  if sinks_N is None:
-    return None
-  p_BNT = jnp.exp(sinks_N.astype(F32)[None, :, None] - lse_BNT)
-  return (-jnp.sum(p_BNT * delta_BNT, axis=(0, 2))).astype(sinks_N.dtype)
+def cotangents(grads, q_BNTH, block, sinks_N, ops, lse_BNT, delta_BNT, shards: int):
+  """A ring attention's cotangents of (q, k, v, its two mask operands, sinks, ops), in their
+  dtypes: around_back over grads(kv, s) from the shard's own block (k, v, mask side), and the
+  sinks' (gpt-oss): each sink's weight times (0 - delta), its value being 0."""
+  zeros = jax.tree.map(lambda x: jnp.zeros(x.shape, F32), ops)
+  dq_BNTH, (dk_BNSH, dv_BNSH), dops = around_back(grads, q_BNTH.shape, block, zeros, shards)
+  dsinks_N = None
+  if sinks_N is not None:
+    p_BNT = jnp.exp(sinks_N.astype(F32)[None, :, None] - lse_BNT)
+    dsinks_N = (-jnp.sum(p_BNT * delta_BNT, axis=(0, 2))).astype(sinks_N.dtype)
+  k_BNSH, v_BNSH = block[:2]
+  return (
+    dq_BNTH.astype(q_BNTH.dtype),
+    dk_BNSH.astype(k_BNSH.dtype),
+    dv_BNSH.astype(v_BNSH.dtype),
+    None,
+    None,
+    dsinks_N,
+    jax.tree.map(lambda d, x: d.astype(x.dtype), dops, ops),
+  )
 
 
 def _bounds(t: int, chunk: int) -> tuple:
@@ -201,7 +215,6 @@ def _ring_bwd(mask_fn, scale, chunk, shards, expand, res, g_BNTH):
   g_BNTH = g_BNTH.astype(out_BNTH.dtype)
   delta_BNT = jnp.sum(g_BNTH.astype(F32) * out_BNTH.astype(F32), axis=-1)
   bounds = _bounds(q_BNTH.shape[2], chunk)
-  zeros32 = lambda t: jax.tree.map(lambda x: jnp.zeros(x.shape, F32), t)  # noqa: E731
 
   def grads(kv, _):
     def block(k_BNSH, v_BNSH, k_meta):
@@ -210,19 +223,8 @@ def _ring_bwd(mask_fn, scale, chunk, shards, expand, res, g_BNTH):
 
     return through_expand(block, kv, expand, ops)
 
-  dq_BNTH, (dk_BNSH, dv_BNSH), dops = around_back(
-    grads, q_BNTH.shape, (k_BNSH, v_BNSH, k_meta), zeros32(ops), shards
-  )
-  dops = jax.tree.map(lambda d, x: d.astype(x.dtype), dops, ops)
-  return (
-    dq_BNTH.astype(q_BNTH.dtype),
-    dk_BNSH.astype(k_BNSH.dtype),
-    dv_BNSH.astype(v_BNSH.dtype),
-    None,
-    None,
-    sink_grads(sinks_N, lse_BNT, delta_BNT),
-    dops,
-  )
+  block = (k_BNSH, v_BNSH, k_meta)
+  return cotangents(grads, q_BNTH, block, sinks_N, ops, lse_BNT, delta_BNT, shards)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(7, 8, 9, 10, 11))

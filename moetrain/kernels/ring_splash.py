@@ -34,7 +34,7 @@ from jax.experimental.pallas.ops.tpu.splash_attention import (
 from moetrain.core.hlo_cost import FULL_MASK_SCOPE
 from moetrain.kernels import Kernel
 from moetrain.kernels import splash as splash_lib
-from moetrain.kernels.ring import _expanded, around, around_back, sink_grads, through_expand
+from moetrain.kernels.ring import _expanded, around, cotangents, through_expand
 
 F32 = jnp.float32
 WHOLE = slice(None)
@@ -210,7 +210,6 @@ def _ring_bwd(shards, reordered, window, expand, interpret, res, g_BNTH):
   q_BNTH, k_BNSH, v_BNSH, seg_BT, windowed, sinks_N, ops, out_BNTH, lse_BNT = res
   cases = _cases(q_BNTH.shape[1], q_BNTH.shape[2], reordered, window, interpret)
   g_BNTH = g_BNTH.astype(out_BNTH.dtype)
-  zeros32 = lambda t: jax.tree.map(lambda x: jnp.zeros(x.shape, F32), t)  # noqa: E731
 
   def grads(kv, s):
     def block(k_BNSH, v_BNSH, k_seg_BS):
@@ -221,19 +220,9 @@ def _ring_bwd(shards, reordered, window, expand, interpret, res, g_BNTH):
 
     return through_expand(block, kv, expand, ops)
 
-  dq_BNTH, (dk_BNSH, dv_BNSH), dops = around_back(
-    grads, q_BNTH.shape, (k_BNSH, v_BNSH, seg_BT), zeros32(ops), shards
-  )
   delta_BNT = jnp.sum(g_BNTH.astype(F32) * out_BNTH.astype(F32), axis=-1)
-  return (
-    dq_BNTH.astype(q_BNTH.dtype),
-    dk_BNSH.astype(k_BNSH.dtype),
-    dv_BNSH.astype(v_BNSH.dtype),
-    None,
-    None,
-    sink_grads(sinks_N, lse_BNT, delta_BNT),
-    jax.tree.map(lambda d, x: d.astype(x.dtype), dops, ops),
-  )
+  block = (k_BNSH, v_BNSH, seg_BT)
+  return cotangents(grads, q_BNTH, block, sinks_N, ops, lse_BNT, delta_BNT, shards)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(7, 8, 9, 10, 11))

@@ -122,7 +122,7 @@ def _rows(kernel, q_BNTH, k_BNSH, v_BNSH, q_seg_BT, k_seg_BS, sinks_N):
   return jax.vmap(one)(q_BNTH, k_BNSH, v_BNSH, *segs)
 
 
-def _scaled(q_BNTH, scale: float, sinks_N):
+def scaled(q_BNTH, scale: float, sinks_N):
   """(q times the softmax's scale, which the kernel does not apply; the sinks in float32)."""
   q_BNTH = (q_BNTH.astype(jnp.float32) * scale).astype(q_BNTH.dtype)
   return q_BNTH, None if sinks_N is None else sinks_N.astype(jnp.float32)
@@ -156,7 +156,7 @@ def splash_attention(
   the rules shard heads over, or None."""
   # The kernel takes unscaled scores; q scaled first is the same product. Scaled here, outside
   # the shard_map, XLA fuses it into q's producer; inside, it was one more copy of q.
-  q_BNTH, sinks_N = _scaled(q_BNTH, scale, sinks_N)
+  q_BNTH, sinks_N = scaled(q_BNTH, scale, sinks_N)
   local = functools.partial(_local, interpret=interpret, window=window)
   if not mesh_shape:
     return local(q_BNTH, k_BNTH, v_BNTH, segment_ids_BT, sinks_N)
@@ -183,7 +183,7 @@ def split_attention(
   """splash_attention of one context shard's T queries over the row's S keys and values (row
   order), inside the shard_map over 'context' whose `kernel` argument is split_kernel's, its
   block tables sharded over 'context'. Causal in the row's index order, each segment alone."""
-  q_BNTH, sinks_N = _scaled(q_BNTH, scale, sinks_N)
+  q_BNTH, sinks_N = scaled(q_BNTH, scale, sinks_N)
   return _rows(kernel, q_BNTH, k_BNSH, v_BNSH, q_seg_BT, k_seg_BS, sinks_N)
 
 

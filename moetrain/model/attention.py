@@ -422,7 +422,8 @@ def ring_self_attention(
   ids and token indices in the row's own order (dual_chunk_order's under the load balance), and
   the masks are the all-gather path's. expand: context_self_attention's (MLA), the blocks then
   carrying the shard's latent and rope key (k and v here), each receiving shard expanding them
-  (kernels/ring.py)."""
+  (kernels/ring.py). Where ring_splash says so, the same ring on the splash kernel
+  (splash_ring)."""
   t, c = q_BTNH.shape[1], cfg.engine.context_shards
   if ring_splash(cfg, t):
     return splash_ring(q_BTNH, k_BTNH, v_BTNH, segment_ids_BT, cfg, window, sinks_N, expand)
@@ -473,7 +474,7 @@ def splash_ring(q_BTNH, k_BTNH, v_BTNH, segment_ids_BT, cfg: ModelConfig, window
   call being opaque to XLA's partitioner. window: the layer's (an int, or a layer scan's
   array), the model's sliding window where it is > 0."""
   c, reordered = cfg.engine.context_shards, slot_order(cfg, q_BTNH.shape[1]) is not None
-  q_BTNH, sinks_N = splash._scaled(q_BTNH, cfg.attention_scale, sinks_N)  # fused into q's producer
+  q_BTNH, sinks_N = splash.scaled(q_BTNH, cfg.attention_scale, sinks_N)  # fused into q's producer
   sinks = () if sinks_N is None else (sinks_N,)
   expand_heads, operands = ring_expansion(expand, cfg)
   interpret = cfg.engine.platform != 'tpu'

@@ -102,7 +102,7 @@ def _heads(kv, groups: int):
   return jnp.repeat(k_BNSH, groups, axis=1), jnp.repeat(v_BNSH, groups, axis=1), k_meta
 
 
-def _expanded(kv, expand, ops):
+def expanded(kv, expand, ops):
   """A visiting block as its keys and values [B, N_kv, S, H] and mask side: the block itself,
   or expand(a, b, ops) of what it carries (MLA: its latent and rope key, expanded by kv_b's
   arrays `ops` on the receiving shard)."""
@@ -157,11 +157,11 @@ def _ring_fwd(
   # ring step's and query block's mask, made from the positions alone, broadcast over the heads.
   q_BNTH, (q_meta, k_meta) = _tied(q_BNTH, (q_meta, k_meta))
   bounds = _bounds(q_BNTH.shape[2], chunk)
-  v_like = jax.eval_shape(lambda kv: _expanded(kv, expand, ops)[1], (k_BNSH, v_BNSH, k_meta))
+  v_like = jax.eval_shape(lambda kv: expanded(kv, expand, ops)[1], (k_BNSH, v_BNSH, k_meta))
   parts = tuple(_start(q_BNTH[:, :, a:b], v_like, sinks_N) for a, b in bounds)
 
   def fold(parts, kv, _):
-    return _fold(parts, bounds, q_BNTH, _expanded(kv, expand, ops), q_meta, mask_fn, scale)
+    return _fold(parts, bounds, q_BNTH, expanded(kv, expand, ops), q_meta, mask_fn, scale)
 
   parts = around(fold, parts, (k_BNSH, v_BNSH, k_meta), shards)
   max_BNT, sum_BNT, acc_BNTH = (jnp.concatenate(xs, axis=2) for xs in zip(*parts, strict=True))

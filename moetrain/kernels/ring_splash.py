@@ -34,7 +34,7 @@ from jax.experimental.pallas.ops.tpu.splash_attention import (
 from moetrain.core.hlo_cost import FULL_MASK_SCOPE
 from moetrain.kernels import Kernel
 from moetrain.kernels import splash as splash_lib
-from moetrain.kernels.ring import _expanded, around, cotangents, through_expand
+from moetrain.kernels.ring import around, cotangents, expanded, through_expand
 
 F32 = jnp.float32
 WHOLE = slice(None)
@@ -157,7 +157,7 @@ def _fold_in(state, call, q_BNTH, q_seg_BT, kv):
 def _visitor(kv, expand, ops, dtype):
   """A visiting block's keys and values [B, N_kv, S, H] in the queries' dtype, and its
   segment ids."""
-  k_BNSH, v_BNSH, k_seg_BS = _expanded(kv, expand, ops)
+  k_BNSH, v_BNSH, k_seg_BS = expanded(kv, expand, ops)
   return k_BNSH.astype(dtype), v_BNSH.astype(dtype), k_seg_BS
 
 
@@ -167,7 +167,7 @@ def _ring_fwd(q_BNTH, k_BNSH, v_BNSH, seg_BT, windowed, sinks_N, ops, *statics):
   b, n, t = q_BNTH.shape[:3]
   # A sink starts the log-sum-exp: one more weight in the softmax's denominator, and no value.
   sink = -jnp.inf if sinks_N is None else sinks_N.astype(F32)[None, :, None]
-  v_like = jax.eval_shape(lambda kv: _expanded(kv, expand, ops)[1], (k_BNSH, v_BNSH, seg_BT))
+  v_like = jax.eval_shape(lambda kv: expanded(kv, expand, ops)[1], (k_BNSH, v_BNSH, seg_BT))
   state = (
     jnp.broadcast_to(sink, (b, n, t)).astype(F32),
     jnp.zeros((b, n, t, v_like.shape[3]), F32),

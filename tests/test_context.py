@@ -175,7 +175,7 @@ def test_a_context_shard_projects_only_its_own_tokens(family):
 def test_the_dual_chunk_order_balances_the_shards():
   """Shard i holds chunks i and 2C - 1 - i of the row's 2C: every shard's queries see as many
   earlier keys in all."""
-  from moetrain.model.attention import dual_chunk_order
+  from moetrain.model.context import dual_chunk_order
 
   order = dual_chunk_order(16, 4)
   np.testing.assert_array_equal(order[:4], [0, 1, 14, 15])  # shard 0: chunks 0 and 7
@@ -274,7 +274,7 @@ def ring_over(c, order, pos, seg, kv_axis, kernel, reference, sinks):
   rope key [B, S, ...]); kernel: (window, scale, query chunk, expand); extra: the sinks
   (`sinks`) or expand's operands."""
   from moetrain.kernels.ring import ring_attention
-  from moetrain.model.attention import ring_mask
+  from moetrain.model.masks import ring_mask
 
   window, scale, chunk, expand = kernel
   P = jax.sharding.PartitionSpec
@@ -310,7 +310,8 @@ def test_the_ring_kernel_gives_whole_row_attention_and_its_gradients(reorder):
   import jax.numpy as jnp
 
   from moetrain.kernels.attention import attention_core
-  from moetrain.model.attention import dual_chunk_order, self_mask
+  from moetrain.model.context import dual_chunk_order
+  from moetrain.model.masks import self_mask
 
   c, t, window, scale = 4, T, 12, 0.3
   rng = np.random.default_rng(1)
@@ -347,7 +348,8 @@ def test_the_ring_kernel_expands_a_latent_on_each_receiving_shard():
   import jax.numpy as jnp
 
   from moetrain.kernels.attention import attention_core
-  from moetrain.model.attention import dual_chunk_order, self_mask
+  from moetrain.model.context import dual_chunk_order
+  from moetrain.model.masks import self_mask
 
   c, t, n, kr, nope, rope, hv, scale = 4, T, 4, 6, 8, 4, 8, 0.3
   rng = np.random.default_rng(2)
@@ -403,7 +405,7 @@ def test_the_splash_ring_gives_whole_row_attention_and_its_gradients(c, reorder,
   whole row, by the kernel's backward (the splash kernel's, given the row's log-sum-exp) and by
   autodiff through its all-gathered reference."""
   from moetrain.kernels.ring_splash import ring_splash_attention
-  from moetrain.model.attention import dual_chunk_order
+  from moetrain.model.context import dual_chunk_order
 
   t, b = 256 * c, 2
   rng = np.random.default_rng(3)
@@ -471,7 +473,8 @@ def test_the_splash_kernel_over_context_shards_gives_the_blocked_paths_values_an
   window or the one without."""
   import jax.numpy as jnp
 
-  from moetrain.model.attention import causal_self_attention, context_splash, dual_chunk_order
+  from moetrain.model.attention import causal_self_attention
+  from moetrain.model.context import context_splash, dual_chunk_order
 
   t, b = 512, 4
   window = jnp.asarray(int(window), jnp.int32) if isinstance(window, str) else window
@@ -523,7 +526,7 @@ def test_the_ring_on_the_splash_kernel_gives_the_xla_paths_loss_and_gradients(fa
   (kernels/ring_splash.py; gpt-oss's sliding-window and full layers in one scan, and its sinks;
   LongCat's MLA sends its latent around) and give the all-gather's loss and adapter gradients
   on the blocked XLA path."""
-  from moetrain.model.attention import ring_splash
+  from moetrain.model.context import ring_splash
 
   monkeypatch.setattr(packed_batch, '__defaults__', (8, 512, 64))
   cfg = with_lora(tiny(init_std=0.05, attention_chunk=128, loss_chunk=64, **FAMILIES[family]))
@@ -658,7 +661,7 @@ def test_the_ring_holds_one_query_blocks_terms_at_a_time_in_a_layer_scan():
   all-gather's temporaries); and the backward formed every query block's key and value gradient
   terms before summing them (62 MiB with that alone)."""
   from moetrain.kernels.ring import ring_attention
-  from moetrain.model.attention import ring_mask
+  from moetrain.model.masks import ring_mask
 
   c, t, n, h, chunk = 4, 4096, 4, 128, 128
   P = jax.sharding.PartitionSpec

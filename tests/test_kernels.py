@@ -28,8 +28,8 @@ from moetrain.kernels import (
   rows,
 )
 from moetrain.model import dispatch, expert_parallel
-from moetrain.model.attention import attention_mask
 from moetrain.model.layers import Linear
+from moetrain.model.masks import attention_mask
 from moetrain.training.train_state import graphdef_of, split_model
 from moetrain.training.train_step import forward_loss
 from tests.helpers import expert_weights, model_and_ids, randomize, tiny, with_lora

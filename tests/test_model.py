@@ -7,9 +7,10 @@ import pytest
 from flax import nnx
 
 from moetrain.kernels.attention import attention_core
-from moetrain.model.attention import attention_mask, attention_probs
+from moetrain.model.attention import attention_probs
 from moetrain.model.config import ModelConfig
 from moetrain.model.layers import matmul_dims, rope
+from moetrain.model.masks import attention_mask
 from moetrain.model.transformer import Transformer
 from tests.helpers import (
   forward,

@@ -9,7 +9,7 @@ import pytest
 
 from moetrain.core import sharding
 from moetrain.kernels import splash
-from moetrain.model import attention
+from moetrain.model import attention, masks
 from tests.helpers import TINY, forward, model_and_ids, tiny
 
 
@@ -31,7 +31,7 @@ def _xla(q_BNTH, k_BNTH, v_BNTH, seg_BT, scale, chunk=128, window=0, sinks_N=Non
   groups = q_BNTH.shape[1] // k_BNTH.shape[1]
   k_BNTH, v_BNTH = (jnp.repeat(x, groups, axis=1) for x in (k_BNTH, v_BNTH))
   t = seg_BT.shape[1]
-  mask = attention.self_mask(jnp.broadcast_to(jnp.arange(t), seg_BT.shape), seg_BT, window)
+  mask = masks.self_mask(jnp.broadcast_to(jnp.arange(t), seg_BT.shape), seg_BT, window)
   blocks = tuple((i, i + chunk, i + chunk) for i in range(0, t, chunk))
   return attention.attention_core(q_BNTH, k_BNTH, v_BNTH, mask, scale, blocks, True, sinks_N)
 

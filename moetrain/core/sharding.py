@@ -55,7 +55,7 @@ _ACTS_FSDP = {
   'stage': 'stage',  # a pipeline's per-stage buffers (model/pipeline.py)
   'batch': ROW_AXES,
   # A row's tokens split over 'context'; keys and values are whole on every context shard (the
-  # all-gather of context parallelism, model/attention.py).
+  # all-gather of context parallelism, model/context.py).
   'seq': 'context',
   'kv_seq': None,
   'embed': None,

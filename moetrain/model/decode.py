@@ -9,10 +9,11 @@ from flax import nnx
 
 from moetrain.kernels import delta_rule, quant
 from moetrain.model import stages
-from moetrain.model.attention import MLA, attention_mask, attention_probs, window_mask
+from moetrain.model.attention import MLA, attention_probs
 from moetrain.model.config import ModelConfig
 from moetrain.model.layers import Linear
 from moetrain.model.linear_attention import GatedDeltaNet
+from moetrain.model.masks import attention_mask, window_mask
 from moetrain.model.transformer import Transformer
 
 

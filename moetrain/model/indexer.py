@@ -68,7 +68,7 @@ class Indexer(nnx.Module):
   input is detached from the main model. Its weights stay as loaded (frozen; LoRA never targets
   them) unless loss.indexer_kl trains them on DeepSeek's KL loss (kl_loss). With the indexer
   frozen and the row in even blocks of engine.attention_chunk queries, each block's selection
-  is made inside the attention's loop (attention.selected_mask): no [T, S] score or mask exists
+  is made inside the attention's loop (masks.selected_mask): no [T, S] score or mask exists
   whole, but each block still scores all S keys densely. A kernel that gathers each query
   block's selected keys (sparse FLOPs) is not built."""
 

@@ -12,7 +12,7 @@ from jax.ad_checkpoint import checkpoint_name
 from moetrain.core import axes
 from moetrain.core.sharding import constrain
 from moetrain.kernels import experts as experts_lib
-from moetrain.model import attention, stages
+from moetrain.model import context, stages
 from moetrain.model.attention import MLA, make_attention
 from moetrain.model.config import LayerGroup, ModelConfig
 from moetrain.model.layers import MLP, Embed, Linear, RMSNorm
@@ -235,20 +235,20 @@ class Transformer(nnx.Module):
 
     routes_BTLK: routing replay, the MoE layers' forced top-k ids (None: the routers choose).
 
-    With a context split's load balance (attention.context_reordered) the layers run on the
+    With a context split's load balance (context.context_reordered) the layers run on the
     rows in dual-chunk order: the inputs are reordered here (each context shard holds whole
     rows at this point, so that moves nothing between devices) and the outputs put back in
     the rows' order. slots: the hidden states stay in the shards' order
-    (attention.slot_order's), where the loss moves its targets to them instead: a row's
+    (context.slot_order's), where the loss moves its targets to them instead: a row's
     hidden states then never cross the context shards; the aux stays in the rows' order."""
     b, t = ids_BT.shape
     if positions_BT is None:
       positions_BT = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
     if segment_ids_BT is None:
       segment_ids_BT = jnp.ones((b, t), jnp.int32)
-    index = attention.slot_order(self.cfg, t)
+    index = context.slot_order(self.cfg, t)
     ids_BT, positions_BT, segment_ids_BT, routes_BTLK = (
-      attention.in_slots(x, index) for x in (ids_BT, positions_BT, segment_ids_BT, routes_BTLK)
+      context.in_slots(x, index) for x in (ids_BT, positions_BT, segment_ids_BT, routes_BTLK)
     )
     h_BTD = constrain(self.embed(ids_BT), ACT, self.cfg.engine.rules)
     h_BTD, stats = self.run_layers(h_BTD, positions_BT, segment_ids_BT, rng, routes_BTLK)
@@ -258,7 +258,7 @@ class Transformer(nnx.Module):
     routes = None if routes is None else jnp.transpose(routes, (1, 2, 0, 3))
     h_BTD = self.final_norm(h_BTD)
     if index is not None:  # back in the rows' order
-      back = functools.partial(attention.in_slots, index=index, back=True)
+      back = functools.partial(context.in_slots, index=index, back=True)
       z_BT, routes = back(z_BT), back(routes)
       h_BTD = h_BTD if slots else constrain(back(h_BTD), ACT, self.cfg.engine.rules)
     return h_BTD, {'moe': stats, 'hidden_lse_BT': z_BT, 'routes': routes, 'indexer_kl': kl_L}

@@ -13,7 +13,7 @@ from moetrain.core.fields import check, field
 from moetrain.core.sharding import replicated
 from moetrain.kernels.cross_entropy import head_cross_entropy
 from moetrain.kernels.distill import Divergence, head_distillation
-from moetrain.model import attention, stages
+from moetrain.model import context, stages
 from moetrain.model.config import ModelConfig
 from moetrain.model.moe import ROUTING_COUNTS, finish_routing_stats
 from moetrain.training import preference as preference_lib
@@ -86,8 +86,8 @@ def forward_loss(params, moe_bias, frozen, graphdef, batch, rng=None, head_loss=
     nll, correct = head_cross_entropy(
       model.lm_head,
       h_BTD,
-      attention.in_slots(batch['targets'], index),
-      attention.in_slots(batch['loss_mask'], index),
+      context.in_slots(batch['targets'], index),
+      context.in_slots(batch['loss_mask'], index),
       model.cfg.engine.loss_chunk,
       rng,
       model.cfg.engine.rules,

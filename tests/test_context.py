@@ -249,7 +249,10 @@ def test_a_pipeline_beside_the_context_axis_logs_the_losses_of_neither(tmp_path)
 
 @pytest.mark.parametrize(
   'family',
-  [pytest.param('longcat', marks=pytest.mark.slow), 'gpt_oss'],  # longcat: ~70 s
+  [
+    pytest.param('longcat', marks=pytest.mark.slow),  # ~70 s
+    pytest.param('gpt_oss', marks=pytest.mark.slow),  # ~35 s; the ring kernel's own tests run
+  ],
 )
 def test_the_ring_gives_the_all_gathers_and_the_whole_rows_loss_and_gradients(family):
   """engine.context_attention='ring' over context 2 and 4 with the load balance's order: the
@@ -391,7 +394,7 @@ def test_the_ring_kernel_expands_a_latent_on_each_receiving_shard():
     (2, False, 0, False),
     (2, True, 100, True),
     (2, False, 100, True),
-    (2, True, 100, False),
+    pytest.param(2, True, 100, False, marks=pytest.mark.slow),
     pytest.param(4, True, 0, False, marks=pytest.mark.slow),
     pytest.param(4, True, 100, True, marks=pytest.mark.slow),
     pytest.param(4, False, 100, True, marks=pytest.mark.slow),
@@ -515,7 +518,7 @@ def test_the_splash_kernel_over_context_shards_gives_the_blocked_paths_values_an
 @pytest.mark.parametrize(
   'family',
   [
-    'gpt_oss',
+    pytest.param('gpt_oss', marks=pytest.mark.slow),  # ~35 s; the kernel's cases run
     pytest.param('qwen3_moe', marks=pytest.mark.slow),
     pytest.param('longcat', marks=pytest.mark.slow),  # ~100 s
   ],

@@ -56,6 +56,8 @@ HF5 = (
 # Families whose export round trip and generation run with the slow tests (the default suite's
 # time budget); their logits, loss, routing, gradients and LoRA reach run by default.
 SLOW_EXTRAS = (
+  'deepseek_v3_plain_q',
+  'deepseek_v32_three_layer',
   'olmoe_two_layer',
   'qwen2_moe_four_layer',
   'deepseek_v2_three_layer',

@@ -26,7 +26,7 @@ def _flat(model):
   return {'.'.join(map(str, p)): v for p, v in nnx.to_flat_state(nnx.state(model))}
 
 
-@pytest.mark.parametrize('bits', ['int8', 'int4'])
+@pytest.mark.parametrize('bits', [pytest.param('int8', marks=pytest.mark.slow), 'int4'])
 def test_sliced_draw_stores_what_make_param_stores(bits, monkeypatch):
   """Drawn in slices, a quantised kernel has make_param's shapes and axes, and decodes to the
   float kernel the same keys draw (its codes and scales are joined in the same order)."""

@@ -455,36 +455,42 @@ def test_the_splash_ring_gives_whole_row_attention_and_its_gradients(c, reorder,
 
 
 @pytest.mark.parametrize(
-  'reorder, window, sliding',
+  'reorder, window, sliding, tensor, ring',
   [
-    (True, 0, 0),
-    (False, 0, 0),
-    (True, 200, 0),
-    (True, '0', 0),
-    (True, '200', 200),
-    (True, '0', 200),
+    (True, 0, 0, 1, False),
+    (False, 0, 0, 1, False),
+    (True, 200, 0, 1, False),
+    (True, '0', 0, 1, False),
+    (True, '200', 200, 1, False),
+    (True, '0', 200, 1, False),
+    (True, '200', 200, 2, False),
+    (True, '100', 100, 2, True),
   ],
 )
 def test_the_splash_kernel_over_context_shards_gives_the_blocked_paths_values_and_gradients(
-  reorder, window, sliding
+  reorder, window, sliding, tensor, ring
 ):
   """On TPU a context split runs the splash kernel (here in Pallas' interpreter) with the whole
   row's block tables split over 'context': 512-token packed rows over 2 shards, 4 query heads
   over 2 key/value heads, sinks, in the load balance's order or the row's, with and without a
   sliding window, give the blocked XLA path's values and q, k, v and sinks gradients. A window
   given as an array (a layer scan's; a string here) picks the kernel with the model's sliding
-  window or the one without."""
+  window or the one without. With heads split over 'tensor' each device runs the kernel over its
+  own heads, all-gathered or in a ring (kernels/ring_splash.py)."""
   import jax.numpy as jnp
 
   from moetrain.model.attention import causal_self_attention
-  from moetrain.model.context import context_splash, dual_chunk_order
+  from moetrain.model.context import context_splash, dual_chunk_order, ring_splash
 
   t, b = 512, 4
   window = jnp.asarray(int(window), jnp.int32) if isinstance(window, str) else window
-  mesh = sharding.make_mesh((1, 1, 4, 1, 2, 1))
+  mesh = sharding.make_mesh((1, 1, 4 // tensor, 1, 2, tensor))
   layers = dict(sliding_window=sliding, layer_types=('sliding_attention', 'full_attention'))
   base = tiny(**GQA, attention_sinks=True, **(layers if sliding else {})).with_engine(
-    rules=sharding.Rules.preset('fsdp_ep_tp'), context_reorder=reorder, dtype='float32'
+    rules=sharding.Rules.preset('fsdp_ep_tp'),
+    context_reorder=reorder,
+    dtype='float32',
+    context_attention='ring' if ring else 'all_gather',
   )
   rng = np.random.default_rng(2)
   q, k, v = (rng.normal(size=(b, t, n, 8)).astype(np.float32) for n in (4, 2, 2))
@@ -501,6 +507,7 @@ def test_the_splash_kernel_over_context_shards_gives_the_blocked_paths_values_an
     for kernel in ('splash', 'xla'):
       cfg = base.with_engine(attention_kernel=kernel).laid_out('cpu', mesh)
       assert context_splash(cfg, t) == (kernel == 'splash')
+      assert not ring or ring_splash(cfg, t) == (kernel == 'splash')
 
       def loss(q, k, v, s, cfg=cfg):
         out = causal_self_attention(q, k, v, pos, seg, cfg, window, s)
@@ -513,6 +520,20 @@ def test_the_splash_kernel_over_context_shards_gives_the_blocked_paths_values_an
   np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
   for g, w in zip(got_grads, want_grads, strict=True):
     np.testing.assert_allclose(g, w, rtol=1e-4, atol=1e-5)
+
+
+def test_heads_over_tensor_keep_the_kernel_where_each_device_holds_whole_key_value_heads():
+  """With heads split over 'tensor', a context split runs the splash kernel for GQA whose
+  key/value heads the axis divides; MLA (each shard expands the latent into every head) and
+  key/value heads it does not divide keep the XLA path."""
+  from moetrain.model.context import context_splash
+
+  tp = dict(rules=sharding.Rules.preset('fsdp_ep_tp'), attention_kernel='splash')
+  for tensor in (1, 2):
+    mesh = sharding.make_mesh((1, 1, 4 // tensor, 1, 2, tensor))
+    for model, split in ((GQA, True), ({**GQA, 'num_kv_heads': 1}, False), ({}, False)):
+      cfg = tiny(**model).with_engine(**tp).laid_out('cpu', mesh)
+      assert context_splash(cfg, 512) == (tensor == 1 or split), (tensor, model)
 
 
 @pytest.mark.parametrize(

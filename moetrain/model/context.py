@@ -44,17 +44,18 @@ def dual_chunk_order(t: int, shards: int) -> np.ndarray:
   return np.concatenate([np.concatenate([chunks[i], chunks[-1 - i]]) for i in range(shards)])
 
 
-def gather_tokens(x_BT, cfg: ModelConfig):
+def gather_tokens(x_BT, cfg: ModelConfig, heads: bool = False):
   """x [B, T, ...] whole on every 'context' shard (an all-gather over that axis): the keys'
   side of context parallelism. MLA gathers its latent and rope key, before their expansion to
-  per-head keys and values."""
-  return constrain(x_BT, ('batch', 'kv_seq') + (None,) * (x_BT.ndim - 2), cfg.engine.rules)
+  per-head keys and values. heads: x is [B, T, N, H], its heads left split as the rules say."""
+  rest = ('heads', None) if heads else (None,) * (x_BT.ndim - 2)
+  return constrain(x_BT, ('batch', 'kv_seq') + rest, cfg.engine.rules)
 
 
 ROWS = 'rows'  # in over_context's specs: the batch's row axes (sharding.BATCH_AXES in use)
 
 
-def over_context(shard, cfg: ModelConfig, in_specs, every_axis: bool = False):
+def over_context(shard, cfg: ModelConfig, in_specs, every_axis: bool = False, out_spec=None):
   """shard as a shard_map over 'context' and the axes the batch's rows split over (a spec's
   ROWS), its output split over both; heads and the other axes stay with the compiler. Left
   automatic, the row axes were not kept: the compiler gathered the rows onto every shard (at
@@ -62,7 +63,8 @@ def over_context(shard, cfg: ModelConfig, in_specs, every_axis: bool = False):
   stages (spmd_axis_name 'stage') the batching rule puts 'stage' on the stacked axis of every
   operand: it must be manual here too. every_axis: manual over every mesh axis (a Pallas
   kernel inside: XLA:TPU cannot partition a Mosaic call over an automatic axis, even of size
-  1), the operands replicated over the axes their specs do not name."""
+  1), the operands replicated over the axes their specs do not name. out_spec: the output's
+  (None: split over the rows' axes and 'context')."""
   sizes = dict(zip(MESH_AXES, full_shape(cfg.engine.mesh_shape)))
   rows = tuple(a for a in BATCH_AXES if sizes.get(a, 1) > 1)
   manual = {'context', *rows} | ({'stage'} if cfg.engine.pipeline_stages > 1 else set())
@@ -74,7 +76,7 @@ def over_context(shard, cfg: ModelConfig, in_specs, every_axis: bool = False):
   return jax.shard_map(
     shard,
     in_specs=jax.tree.map(spec, in_specs, is_leaf=lambda s: isinstance(s, P)),
-    out_specs=spec(P(ROWS, 'context')),
+    out_specs=spec(P(ROWS, 'context') if out_spec is None else out_spec),
     axis_names=manual,
     check_vma=False,
   )
@@ -114,11 +116,12 @@ def context_self_attention(
   fn, operands = expand or (None, ())
   groups = 1 if fn else cfg.num_heads // k_BSNH.shape[2]
   dtype, dtypes = k_BSNH.dtype, jax.tree.map(lambda x: x.dtype, operands)
-  k_BSNH, v_BSNH = gathered(k_BSNH, cfg), gathered(v_BSNH, cfg)
+  on_splash = context_splash(cfg, q_BTNH.shape[1])  # GQA: heads stay split if the rules say
+  k_BSNH, v_BSNH = (gathered(x, cfg, on_splash and not fn) for x in (k_BSNH, v_BSNH))
   operands = jax.tree.map(functools.partial(crossing, cfg=cfg), operands)
   all_seg = gather_tokens(segment_ids_BT, cfg)
   index = slot_order(cfg, q_BTNH.shape[1])
-  if context_splash(cfg, q_BTNH.shape[1]):  # k, v float32 on a CPU, as below
+  if on_splash:  # k, v float32 on a CPU, as below
     kv = (k_BSNH, v_BSNH, segment_ids_BT, all_seg)
     return splash_over_context(q_BTNH, *kv, cfg, index, window, sinks_N, (fn, operands, dtypes))
   all_pos = gather_tokens(positions_BT, cfg)
@@ -162,9 +165,9 @@ def crossing(x, cfg: ModelConfig):
   return x.astype(jnp.float32) if cfg.engine.platform == 'cpu' else x
 
 
-def gathered(x_BS, cfg: ModelConfig):
+def gathered(x_BS, cfg: ModelConfig, heads: bool = False):
   """gather_tokens of what the shards read whole, as it crosses (`crossing`)."""
-  return gather_tokens(crossing(x_BS, cfg), cfg)
+  return gather_tokens(crossing(x_BS, cfg), cfg, heads)
 
 
 def expanded(fn, k_BS, v_BS, operands, dtype, dtypes):
@@ -176,18 +179,27 @@ def expanded(fn, k_BS, v_BS, operands, dtype, dtypes):
   return (k_BS, v_BS) if fn is None else fn(k_BS, v_BS, *operands)
 
 
+def axis_size(cfg: ModelConfig, axis) -> int:
+  """The number of devices along mesh axis `axis` (None: 1)."""
+  return dict(zip(MESH_AXES, full_shape(cfg.engine.mesh_shape))).get(axis, 1) if axis else 1
+
+
+def head_axis(cfg: ModelConfig):
+  """The mesh axis the rules split attention heads over, or None (none, or one of size 1)."""
+  heads = dict(cfg.engine.rules.activations).get('heads')
+  return heads if isinstance(heads, str) and axis_size(cfg, heads) > 1 else None
+
+
 def context_splash(cfg: ModelConfig, t: int) -> bool:
   """Whether a context split of a T-token row runs the splash kernel: where whole rows would
-  (cfg.splash_attention), with each shard's chunks in whole kernel blocks and heads not split
-  over a mesh axis (the kernel's shard_map leaves them whole)."""
-  heads = dict(cfg.engine.rules.activations).get('heads')
-  sizes = dict(zip(MESH_AXES, full_shape(cfg.engine.mesh_shape)))
-  split_heads = isinstance(heads, str) and sizes.get(heads, 1) > 1
-  return (
-    cfg.splash_attention(t)
-    and splash.context_supported(t, cfg.engine.context_shards)
-    and not split_heads
-  )
+  (cfg.splash_attention), with each shard's chunks in whole kernel blocks. With heads split over
+  a mesh axis (head_axis), only GQA whose key/value heads that axis divides: each device runs
+  the kernel over its own query heads and their key/value heads. MLA then keeps the XLA path:
+  each shard expands the gathered latent into keys and values for every head."""
+  n = axis_size(cfg, head_axis(cfg))
+  if n > 1 and (cfg.attention == 'mla' or cfg.kv_heads % n or cfg.num_heads % n):
+    return False
+  return cfg.splash_attention(t) and splash.context_supported(t, cfg.engine.context_shards)
 
 
 def splash_over_context(
@@ -205,9 +217,10 @@ def splash_over_context(
   else:
     windows = (cfg.sliding_window, 0)
   order = None if index is None else tuple(int(i) for i in index)
+  h = head_axis(cfg)  # GQA only (context_splash): each device's query and key/value heads
   built = [
     splash.split_kernel(
-      cfg.num_heads,
+      cfg.num_heads // axis_size(cfg, h),
       q_BTNH.shape[1],
       order,
       interpret=cfg.engine.platform != 'tpu',
@@ -240,9 +253,10 @@ def splash_over_context(
       out_BNTH = jax.lax.cond(window > 0, lambda: attend(kernels[0]), lambda: attend(kernels[1]))
     return out_BNTH.transpose(0, 2, 1, 3)
 
-  split, whole = P(ROWS, 'context'), P(ROWS)
-  specs = (split, whole, whole, split, whole, P(), kernel_specs, P(), *(P() for _ in sinks))
-  run = over_context(shard, cfg, specs, every_axis=True)
+  split, whole = P(ROWS, 'context', h), P(ROWS, None, h)
+  specs = (split, whole, whole, P(ROWS, 'context'), P(ROWS), P(), kernel_specs, P())
+  specs += tuple(P(h) for _ in sinks)
+  run = over_context(shard, cfg, specs, every_axis=True, out_spec=split)
   window = jnp.asarray(window, jnp.int32)
   out_BTNH = run(q_BTNH, k_BSNH, v_BSNH, seg_BT, seg_BS, window, kernels, operands, *sinks)
   return constrain(out_BTNH, axes.names('BTN') + (None,), cfg.engine.rules)
@@ -333,9 +347,10 @@ def splash_ring(q_BTNH, k_BTNH, v_BTNH, segment_ids_BT, cfg: ModelConfig, window
     )
     return _heads(out_BNTH)
 
-  split = P(ROWS, 'context')
-  specs = (split, split, split, split, P(), P(), *(P() for _ in sinks))
-  run = over_context(shard, cfg, specs, every_axis=True)
+  h = head_axis(cfg)  # GQA only (context_splash): each device's query and key/value heads
+  split = P(ROWS, 'context', h)
+  specs = (split, split, split, P(ROWS, 'context'), P(), P(), *(P(h) for _ in sinks))
+  run = over_context(shard, cfg, specs, every_axis=True, out_spec=split)
   windowed = jnp.asarray(window, jnp.int32) > 0
   out_BTNH = run(q_BTNH, k_BTNH, v_BTNH, segment_ids_BT, windowed, operands, *sinks)
   return constrain(out_BTNH, axes.names('BTN') + (None,), cfg.engine.rules)

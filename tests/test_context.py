@@ -659,6 +659,12 @@ def print_split_bitwise(family: str) -> None:
 
 
 @pytest.mark.slow  # ~1 minute: two compiles in a process of its own
+@pytest.mark.xfail(
+  strict=False,
+  reason='on an AVX-512 host 931 of 1,024 tokens are bit-equal with the flag, 934 without '
+  '(2026-12-01, the code of 4bd9eac too; it held on the AVX2 host it was written on), and '
+  '--xla_cpu_max_isa=AVX2 does not restore it: bench/RESULTS.md "Context parallelism"',
+)
 def test_without_excess_precision_a_split_forward_is_the_whole_rows_bit_for_bit():
   """docs/context.md's check of a split in bfloat16: with --xla_allow_excess_precision=false
   (XLA:CPU otherwise rounds bfloat16 chains where its fusions end, which another mesh's

@@ -227,15 +227,19 @@ class EngineConfig:
       return 1
     return dict(zip(MESH_AXES, self.mesh_shape))['expert']
 
+  def axis_size(self, axis) -> int:
+    """The devices along mesh axis `axis` of the laid-out mesh (1: no mesh, or axis None)."""
+    return dict(zip(MESH_AXES, self.mesh_shape)).get(axis, 1) if self.mesh_shape else 1
+
   @property
   def context_shards(self) -> int:
     """The 'context' mesh axis each row's tokens are split over (1: whole rows on a device)."""
-    return dict(zip(MESH_AXES, self.mesh_shape)).get('context', 1) if self.mesh_shape else 1
+    return self.axis_size('context')
 
   @property
   def pipeline_stages(self) -> int:
     """The 'stage' mesh axis the layers are split over (1: no pipeline)."""
-    return dict(zip(MESH_AXES, self.mesh_shape)).get('stage', 1) if self.mesh_shape else 1
+    return self.axis_size('stage')
 
   def laid_out(self, platform: str, mesh_shape) -> 'EngineConfig':
     """This engine on `platform` and a mesh (mesh_shape: sizes, or a Mesh)."""

@@ -11,7 +11,7 @@ import numpy as np
 from jax.sharding import PartitionSpec as P
 
 from moetrain.core import axes
-from moetrain.core.sharding import BATCH_AXES, MESH_AXES, constrain, full_shape
+from moetrain.core.sharding import BATCH_AXES, MESH_AXES, constrain
 from moetrain.kernels import splash
 from moetrain.kernels.attention import attention_core, uniform
 from moetrain.kernels.ring import ring_attention
@@ -65,8 +65,7 @@ def over_context(shard, cfg: ModelConfig, in_specs, every_axis: bool = False, ou
   kernel inside: XLA:TPU cannot partition a Mosaic call over an automatic axis, even of size
   1), the operands replicated over the axes their specs do not name. out_spec: the output's
   (None: split over the rows' axes and 'context')."""
-  sizes = dict(zip(MESH_AXES, full_shape(cfg.engine.mesh_shape)))
-  rows = tuple(a for a in BATCH_AXES if sizes.get(a, 1) > 1)
+  rows = tuple(a for a in BATCH_AXES if cfg.engine.axis_size(a) > 1)
   manual = {'context', *rows} | ({'stage'} if cfg.engine.pipeline_stages > 1 else set())
   manual = set(MESH_AXES) if every_axis else manual
 
@@ -179,15 +178,10 @@ def expanded(fn, k_BS, v_BS, operands, dtype, dtypes):
   return (k_BS, v_BS) if fn is None else fn(k_BS, v_BS, *operands)
 
 
-def axis_size(cfg: ModelConfig, axis) -> int:
-  """The number of devices along mesh axis `axis` (None: 1)."""
-  return dict(zip(MESH_AXES, full_shape(cfg.engine.mesh_shape))).get(axis, 1) if axis else 1
-
-
 def head_axis(cfg: ModelConfig):
   """The mesh axis the rules split attention heads over, or None (none, or one of size 1)."""
   heads = dict(cfg.engine.rules.activations).get('heads')
-  return heads if isinstance(heads, str) and axis_size(cfg, heads) > 1 else None
+  return heads if isinstance(heads, str) and cfg.engine.axis_size(heads) > 1 else None
 
 
 def context_splash(cfg: ModelConfig, t: int) -> bool:
@@ -196,7 +190,7 @@ def context_splash(cfg: ModelConfig, t: int) -> bool:
   a mesh axis (head_axis), only GQA whose key/value heads that axis divides: each device runs
   the kernel over its own query heads and their key/value heads. MLA then keeps the XLA path:
   each shard expands the gathered latent into keys and values for every head."""
-  n = axis_size(cfg, head_axis(cfg))
+  n = cfg.engine.axis_size(head_axis(cfg))
   if n > 1 and (cfg.attention == 'mla' or cfg.kv_heads % n or cfg.num_heads % n):
     return False
   return cfg.splash_attention(t) and splash.context_supported(t, cfg.engine.context_shards)
@@ -220,7 +214,7 @@ def splash_over_context(
   h = head_axis(cfg)  # GQA only (context_splash): each device's query and key/value heads
   built = [
     splash.split_kernel(
-      cfg.num_heads // axis_size(cfg, h),
+      cfg.num_heads // cfg.engine.axis_size(h),
       q_BTNH.shape[1],
       order,
       interpret=cfg.engine.platform != 'tpu',

@@ -226,25 +226,28 @@ def test_a_run_saved_with_one_context_degree_resumes_with_another(tmp_path):
     assert got[step] == pytest.approx(value, abs=1.01e-4), step
 
 
-@pytest.mark.slow  # ~3 minutes: two runs of the tiny LongCat on 8 emulated devices
+@pytest.mark.slow  # ~2 minutes: three runs of the tiny LongCat on 8 emulated devices
 def test_a_pipeline_beside_the_context_axis_logs_the_losses_of_neither(tmp_path):
   """Two pipeline stages, each row split over context 4 within a stage, log the losses of all 8
-  devices on fsdp (float32): the stage loop carries the split rows and their reorder, and the
-  attention's shard_map is manual over 'stage' too (the stages' vmap puts it on every
-  operand)."""
+  devices on fsdp (float32), keys and values all-gathered or in a ring: the stage loop carries
+  the split rows and their reorder, and the attention's shard_map is manual over 'stage' too
+  (the stages' vmap puts it on every operand; the ring's ppermutes run within each stage)."""
   from tests.test_pipeline import logged_losses
   from tests.test_preemption import train_losses
 
   every = ['--config.train.log_every=1']
-  logged_losses(tmp_path / 'staged', '(2,1,1,1,4,1)', every)
   logged_losses(tmp_path / 'none', '(1,1,8,1,1,1)', every)
-  got, want = train_losses(tmp_path / 'staged'), train_losses(tmp_path / 'none')
-  assert sorted(got) == sorted(want) == list(range(1, 13))
-  # Step 1 is one forward and backward of the same weights; Adam's updates then carry the
-  # float32 rounding of two reduction orders forward (1.7e-5 relative by step 7).
-  assert got[1] == pytest.approx(want[1], rel=1e-5)
-  for step, value in want.items():
-    assert got[step] == pytest.approx(value, rel=1e-4), step
+  want = train_losses(tmp_path / 'none')
+  for attention in ('all_gather', 'ring'):
+    run = tmp_path / attention
+    logged_losses(run, '(2,1,1,1,4,1)', [*every, f'--config.engine.context_attention={attention}'])
+    got = train_losses(run)
+    assert sorted(got) == sorted(want) == list(range(1, 13)), attention
+    # Step 1 is one forward and backward of the same weights; Adam's updates then carry the
+    # float32 rounding of two reduction orders forward (1.7e-5 relative by step 7).
+    assert got[1] == pytest.approx(want[1], rel=1e-5), attention
+    for step, value in want.items():
+      assert got[step] == pytest.approx(value, rel=1e-4), (attention, step)
 
 
 @pytest.mark.parametrize(

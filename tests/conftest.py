@@ -27,14 +27,39 @@ jax.config.update(
 jax.config.update('jax_persistent_cache_min_compile_time_secs', 1e9)
 
 
-@pytest.fixture(autouse=True, scope='module')
+def _mappings() -> int | None:
+  """The process's memory mappings (Linux's /proc/self/maps), or None where it cannot tell."""
+  try:
+    with open('/proc/self/maps') as f:
+      return sum(1 for _ in f)
+  except OSError:
+    return None
+
+
+# XLA:CPU maps every executable's code, and a worker of the two-worker suite that kept them all
+# passed Linux's 65,530 mappings a process (vm.max_map_count; 17,700 after three test files) and
+# crashed in a later compile (SIGSEGV in backend_compile_and_load). Past half of that, a test's
+# compiled programs are dropped after it; below it they are kept, so later tests reuse them (the
+# eager ops' programs above all; five test files in one process: 335 s dropping them after each
+# file, 287 s with this bound). In a whole suite's run one test added at most 3,704 mappings and
+# a worker held at most 33,803.
+MAX_MAPPINGS = 32_768
+
+
+@pytest.fixture(autouse=True)
 def _release_compiled_programs():
-  """Each module's compiled programs dropped after it: XLA:CPU maps every executable's code, and a
-  worker of the two-worker suite that kept them all passed Linux's 65,530 mappings a process
-  (vm.max_map_count; 17,700 after three test files) and crashed in a later compile (SIGSEGV in
-  backend_compile_and_load)."""
+  """Compiled programs dropped after a test that leaves the process past MAX_MAPPINGS."""
   yield
-  jax.clear_caches()
+  if (_mappings() or 0) > MAX_MAPPINGS:
+    jax.clear_caches()
+
+
+@pytest.fixture(autouse=True, scope='module')
+def _release_compiled_programs_unmeasured():
+  """Where the mappings cannot be counted, each module's compiled programs dropped after it."""
+  yield
+  if _mappings() is None:
+    jax.clear_caches()
 
 
 def pytest_collection_modifyitems(items):

@@ -526,17 +526,26 @@ def test_the_splash_kernel_over_context_shards_gives_the_blocked_paths_values_an
 
 
 def test_heads_over_tensor_keep_the_kernel_where_each_device_holds_whole_key_value_heads():
-  """With heads split over 'tensor', a context split runs the splash kernel for GQA whose
-  key/value heads the axis divides; MLA (each shard expands the latent into every head) and
-  key/value heads it does not divide keep the XLA path."""
-  from moetrain.model.context import context_splash
+  """With heads split over 'tensor', a context split runs the splash kernel where the axis
+  divides the heads: GQA's query and key/value heads, MLA's heads (each device expands the
+  latent into its own); elsewhere the XLA path. The ring's splash kernel takes MLA whole
+  only."""
+  from moetrain.model.context import context_splash, ring_splash
 
   tp = dict(rules=sharding.Rules.preset('fsdp_ep_tp'), attention_kernel='splash')
+  mla_3 = {'num_heads': 3}
   for tensor in (1, 2):
     mesh = sharding.make_mesh((1, 1, 4 // tensor, 1, 2, tensor))
-    for model, split in ((GQA, True), ({**GQA, 'num_kv_heads': 1}, False), ({}, False)):
+    for model, split in (
+      (GQA, True),
+      ({**GQA, 'num_kv_heads': 1}, False),
+      ({}, True),
+      (mla_3, False),
+    ):
       cfg = tiny(**model).with_engine(**tp).laid_out('cpu', mesh)
       assert context_splash(cfg, 512) == (tensor == 1 or split), (tensor, model)
+      ring = ring_splash(cfg.with_engine(context_attention='ring'), 512)
+      assert ring == (tensor == 1 or (split and model is GQA)), (tensor, model)
 
 
 @pytest.mark.parametrize(
@@ -567,17 +576,26 @@ def test_the_ring_on_the_splash_kernel_gives_the_xla_paths_loss_and_gradients(fa
     np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-6)
 
 
-@pytest.mark.slow  # ~100 s: the interpreter over 512-token rows
+@pytest.mark.slow  # up to ~100 s: the interpreter over 512-token rows
+@pytest.mark.parametrize('tensor', [1, 2])
 def test_longcat_over_context_shards_on_the_splash_kernel_gives_the_xla_paths_loss_and_gradients(
-  monkeypatch,
+  monkeypatch, tensor
 ):
   """The tiny LongCat (MLA: keys wider than values; two attention blocks a layer) with
   512-token packed rows over context 2 on the splash kernel (interpreted) gives the blocked XLA
-  path's loss and adapter gradients."""
+  path's loss and adapter gradients; with its heads split over 'tensor' too, each device
+  expanding the gathered latent into its own head."""
+  from moetrain.model.context import context_splash
+
   monkeypatch.setattr(packed_batch, '__defaults__', (8, 512, 64))
   cfg = with_lora(tiny(init_std=0.05, attention_chunk=128, loss_chunk=64))
-  want, want_grads = loss_and_grads(cfg.with_engine(attention_kernel='xla'), (1, 1, 4, 1, 2, 1))
-  got, grads = loss_and_grads(cfg.with_engine(attention_kernel='splash'), (1, 1, 4, 1, 2, 1))
+  mesh = (1, 1, 4 // tensor, 1, 2, tensor)
+  splash = cfg.with_engine(attention_kernel='splash')
+  rules = sharding.Rules.preset('fsdp_ep_tp')
+  laid = splash.with_engine(rules=rules).laid_out('cpu', sharding.make_mesh(mesh))
+  assert context_splash(laid, 512)
+  want, want_grads = loss_and_grads(cfg.with_engine(attention_kernel='xla'), mesh)
+  got, grads = loss_and_grads(splash, mesh)
   np.testing.assert_allclose(got, want, rtol=1e-5)
   for g, w in zip(grads, want_grads, strict=True):
     np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-6)

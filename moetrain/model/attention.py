@@ -158,10 +158,15 @@ class MLA(nnx.Module):
     q_BTNH = jnp.concatenate([q_nope, q_pe.astype(q_nope.dtype)], -1)
     return q_BTNH, *self.keys_values(c_BSK, k_pe_BSH, self.kv_b.operands(), rng)
 
-  def keys_values(self, c_BSK, k_pe_BSH, operands: tuple, rng=None, local: bool = False):
+  def keys_values(
+    self, c_BSK, k_pe_BSH, operands: tuple, rng=None, local: bool = False, heads=None
+  ):
     """heads' keys and values from the latent c and rope key, kv_b's arrays passed in
     (`operands`): a context split runs it inside its shard_map (`local`: on the shard's own
-    arrays, where its tokens flatten into one axis for kv_b's 2-D product)."""
+    arrays, where its tokens flatten into one axis for kv_b's 2-D product). heads: (first,
+    count), the heads to expand (a device's own, with heads split over a mesh axis), or all."""
+    if heads is not None:
+      operands = self.kv_b.sliced(operands, *heads)
     kv_BSNH = self.kv_b.apply(c_BSK, operands, rng, flat=True if local else None)
     nope = self.cfg.qk_nope_head_dim
     k_nope, v_BSNH = kv_BSNH[..., :nope], kv_BSNH[..., nope:]

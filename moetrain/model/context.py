@@ -187,11 +187,11 @@ def head_axis(cfg: ModelConfig):
 def context_splash(cfg: ModelConfig, t: int) -> bool:
   """Whether a context split of a T-token row runs the splash kernel: where whole rows would
   (cfg.splash_attention), with each shard's chunks in whole kernel blocks. With heads split over
-  a mesh axis (head_axis), only GQA whose key/value heads that axis divides: each device runs
-  the kernel over its own query heads and their key/value heads. MLA then keeps the XLA path:
-  each shard expands the gathered latent into keys and values for every head."""
+  a mesh axis (head_axis), only where that axis divides the heads (GQA's key/value heads too):
+  each device runs the kernel over its own query heads and their keys and values (MLA: each
+  device expands the gathered latent into its own heads alone)."""
   n = cfg.engine.axis_size(head_axis(cfg))
-  if n > 1 and (cfg.attention == 'mla' or cfg.kv_heads % n or cfg.num_heads % n):
+  if n > 1 and (cfg.num_heads % n or (cfg.attention != 'mla' and cfg.kv_heads % n)):
     return False
   return cfg.splash_attention(t) and splash.context_supported(t, cfg.engine.context_shards)
 
@@ -227,12 +227,15 @@ def splash_over_context(
   back = None if index is None else np.argsort(index)
   sinks = () if sinks_N is None else (sinks_N,)
   fn, operands, dtypes = expand
+  heads = cfg.num_heads // cfg.engine.axis_size(h)
 
   def shard(q_BTNH, k_BSNH, v_BSNH, seg_BT, seg_BS, window, kernels, operands, *sinks):
     if back is not None:  # the gathered keys in slot order, to the row's own
       k_BSNH, v_BSNH, seg_BS = k_BSNH[:, back], v_BSNH[:, back], seg_BS[:, back]
-    dtype = q_BTNH.dtype
-    k_BSNH, v_BSNH = expanded(fn, k_BSNH, v_BSNH, operands, dtype, dtypes)
+    dtype, own = q_BTNH.dtype, fn
+    if fn is not None and h is not None:  # MLA: this device's heads of the latent's expansion
+      own = functools.partial(fn, heads=(jax.lax.axis_index(h) * heads, heads))
+    k_BSNH, v_BSNH = expanded(own, k_BSNH, v_BSNH, operands, dtype, dtypes)
     qkv = tuple(x.astype(dtype).transpose(0, 2, 1, 3) for x in (q_BTNH, k_BSNH, v_BSNH))
 
     def attend(kernel):
@@ -247,7 +250,8 @@ def splash_over_context(
       out_BNTH = jax.lax.cond(window > 0, lambda: attend(kernels[0]), lambda: attend(kernels[1]))
     return out_BNTH.transpose(0, 2, 1, 3)
 
-  split, whole = P(ROWS, 'context', h), P(ROWS, None, h)
+  # Keys and values split over the heads' axis, or MLA's latent and rope key whole on each device.
+  split, whole = P(ROWS, 'context', h), P(ROWS, None, None if fn else h)
   specs = (split, whole, whole, P(ROWS, 'context'), P(ROWS), P(), kernel_specs, P())
   specs += tuple(P(h) for _ in sinks)
   run = over_context(shard, cfg, specs, every_axis=True, out_spec=split)
@@ -318,7 +322,8 @@ def ring_splash(cfg: ModelConfig, t: int) -> bool:
   than the chunk before a query's own (kernels/ring_splash.py), a shard's T / C tokens or, under
   the load balance, half of them."""
   chunk = t // cfg.engine.context_shards // (2 if context_reordered(cfg, t) else 1)
-  return context_splash(cfg, t) and cfg.sliding_window <= chunk
+  mla_over_heads = cfg.attention == 'mla' and head_axis(cfg) is not None  # not in the ring yet
+  return context_splash(cfg, t) and cfg.sliding_window <= chunk and not mla_over_heads
 
 
 def splash_ring(q_BTNH, k_BTNH, v_BTNH, segment_ids_BT, cfg: ModelConfig, window, sinks_N, expand):

@@ -108,6 +108,15 @@ class Linear(nnx.Module):
       ops += (self.bias[...].astype(dt),)
     return ops
 
+  def sliced(self, operands: tuple, start, size: int) -> tuple:
+    """operands (self.operands()'s) for the outputs [start, start + size) of the first output
+    axis alone (start may be traced): the kernel's and LoRA B's slices, A whole."""
+    if hasattr(self, 'bias'):
+      raise NotImplementedError(f'{self.path}: slicing the outputs of a projection with a bias')
+    w, *lora = operands
+    cut = lambda x, axis: jax.lax.dynamic_slice_in_dim(x, start, size, axis)  # noqa: E731
+    return (cut(w, self.n_in), *((lora[0], cut(lora[1], 1)) if lora else ()))
+
   def apply(self, x, operands: tuple, rng=None, flat: bool | None = None):
     """The layer on x from `operands`' arrays alone, so that a shard_map can run it with them
     passed in (MLA's expansion of a context split's gathered latent). flat: whether the leading

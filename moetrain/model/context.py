@@ -178,6 +178,14 @@ def expanded(fn, k_BS, v_BS, operands, dtype, dtypes):
   return (k_BS, v_BS) if fn is None else fn(k_BS, v_BS, *operands)
 
 
+def own_heads(fn, axis, count: int):
+  """fn (MLA's expansion of the latent, inside a shard_map) for this device's `count` heads
+  along the mesh axis the heads split over; fn itself without one (or without fn)."""
+  if fn is None or axis is None:
+    return fn
+  return functools.partial(fn, heads=(jax.lax.axis_index(axis) * count, count))
+
+
 def head_axis(cfg: ModelConfig):
   """The mesh axis the rules split attention heads over, or None (none, or one of size 1)."""
   heads = dict(cfg.engine.rules.activations).get('heads')
@@ -211,10 +219,11 @@ def splash_over_context(
   else:
     windows = (cfg.sliding_window, 0)
   order = None if index is None else tuple(int(i) for i in index)
-  h = head_axis(cfg)  # GQA only (context_splash): each device's query and key/value heads
+  h = head_axis(cfg)  # context_splash's: each device's query heads, and their keys and values
+  heads = cfg.num_heads // cfg.engine.axis_size(h)
   built = [
     splash.split_kernel(
-      cfg.num_heads // cfg.engine.axis_size(h),
+      heads,
       q_BTNH.shape[1],
       order,
       interpret=cfg.engine.platform != 'tpu',
@@ -227,15 +236,12 @@ def splash_over_context(
   back = None if index is None else np.argsort(index)
   sinks = () if sinks_N is None else (sinks_N,)
   fn, operands, dtypes = expand
-  heads = cfg.num_heads // cfg.engine.axis_size(h)
 
   def shard(q_BTNH, k_BSNH, v_BSNH, seg_BT, seg_BS, window, kernels, operands, *sinks):
     if back is not None:  # the gathered keys in slot order, to the row's own
       k_BSNH, v_BSNH, seg_BS = k_BSNH[:, back], v_BSNH[:, back], seg_BS[:, back]
-    dtype, own = q_BTNH.dtype, fn
-    if fn is not None and h is not None:  # MLA: this device's heads of the latent's expansion
-      own = functools.partial(fn, heads=(jax.lax.axis_index(h) * heads, heads))
-    k_BSNH, v_BSNH = expanded(own, k_BSNH, v_BSNH, operands, dtype, dtypes)
+    dtype = q_BTNH.dtype
+    k_BSNH, v_BSNH = expanded(own_heads(fn, h, heads), k_BSNH, v_BSNH, operands, dtype, dtypes)
     qkv = tuple(x.astype(dtype).transpose(0, 2, 1, 3) for x in (q_BTNH, k_BSNH, v_BSNH))
 
     def attend(kernel):
